@@ -1,0 +1,352 @@
+//! `ConfigError` and the pieces it is made of.
+
+use std::fmt;
+use std::io;
+use std::path::PathBuf;
+
+/// A 1-based position in a config text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Location {
+    /// Line, starting at 1.
+    pub line: usize,
+    /// Column (in characters for YAML, bytes for JSON), starting at 1.
+    pub column: usize,
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "line {}, column {}", self.line, self.column)
+    }
+}
+
+/// The text format a config was read from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Format {
+    /// YAML (`.yaml` / `.yml`).
+    Yaml,
+    /// JSON.
+    Json,
+}
+
+impl fmt::Display for Format {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Yaml => "YAML",
+            Self::Json => "JSON",
+        })
+    }
+}
+
+/// One rule a parsed config breaks (see [`SpeedConfig::validate`](crate::SpeedConfig::validate)).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Problem {
+    /// Dotted path of the key to change, e.g. `grad_scaler.init_scale`.
+    pub path: String,
+    /// What is wrong and how to fix it.
+    pub message: String,
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "`{}`: {}", self.path, self.message)
+    }
+}
+
+/// Why a speed config could not be read, parsed or accepted.
+///
+/// Each variant carries the data a program needs (dotted key path, location, allowed values) and
+/// displays as a sentence that says what to change.
+///
+/// ```
+/// use speedkit_config::{ConfigError, Location, SpeedConfig};
+///
+/// let err = SpeedConfig::from_yaml_str("cudnn:\n  benchmrk: true\n").unwrap_err();
+/// assert_eq!(err.location(), Some(Location { line: 2, column: 3 }));
+/// match &err {
+///     ConfigError::UnknownKey { path, suggestion, .. } => {
+///         assert_eq!(path, "cudnn.benchmrk");
+///         assert_eq!(suggestion.as_deref(), Some("benchmark"));
+///     }
+///     other => panic!("unexpected error: {other}"),
+/// }
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The config file could not be read.
+    #[error("cannot read speed config `{}`: {source}", path.display())]
+    Io {
+        /// The file that was asked for.
+        path: PathBuf,
+        /// The underlying error.
+        source: io::Error,
+    },
+
+    /// The text is not well-formed YAML/JSON, or breaks a rule of the format (duplicate keys, ...).
+    #[error("malformed {format}{}: {message}", At(location))]
+    Syntax {
+        /// Which parser complained.
+        format: Format,
+        /// The parser's explanation, without the location.
+        message: String,
+        /// Where the parser stopped, when it knows.
+        location: Option<Location>,
+    },
+
+    /// A key that does not exist at this place of the config (usually a typo).
+    #[error(fmt = fmt_unknown_key)]
+    UnknownKey {
+        /// The key as written.
+        key: String,
+        /// Dotted path of the key, e.g. `cudnn.benchmrk`.
+        path: String,
+        /// Where the key is.
+        location: Option<Location>,
+        /// The closest valid key, when one is close enough to be a likely typo.
+        suggestion: Option<String>,
+        /// Every key valid at this place.
+        expected: Vec<String>,
+    },
+
+    /// A value of the right type that is not one of the allowed values.
+    #[error(fmt = fmt_bad_value)]
+    BadValue {
+        /// Dotted path of the key whose value is bad.
+        path: String,
+        /// The value as written.
+        value: String,
+        /// The allowed values, or a one-entry description of them (e.g. a number range).
+        expected: Vec<String>,
+        /// The closest allowed value, when one is close enough to be a likely typo.
+        suggestion: Option<String>,
+        /// Where the value is.
+        location: Option<Location>,
+    },
+
+    /// A value of the wrong type (a list where a boolean belongs, a quoted `"true"`, ...).
+    #[error(
+        "wrong type for {}{}: found {found}, expected {expected}",
+        Key(path),
+        At(location)
+    )]
+    WrongType {
+        /// Dotted path of the key; empty for the document itself.
+        path: String,
+        /// What was found, e.g. `string "yes"`.
+        found: String,
+        /// What belongs there.
+        expected: String,
+        /// Where the value is.
+        location: Option<Location>,
+    },
+
+    /// The config parsed, but breaks one or more rules; every broken rule is listed.
+    #[error(fmt = fmt_invalid)]
+    Invalid {
+        /// The broken rules, in key order.
+        problems: Vec<Problem>,
+    },
+
+    /// [`SpeedConfig::preset`](crate::SpeedConfig::preset) was given an unknown name.
+    #[error(fmt = fmt_unknown_preset)]
+    UnknownPreset {
+        /// The name asked for.
+        name: String,
+        /// The closest preset name, if any is close.
+        suggestion: Option<String>,
+        /// All preset names.
+        presets: Vec<String>,
+    },
+
+    /// The config could not be written out (not expected to happen for these types).
+    #[error("cannot write speed config as {format}: {message}")]
+    Serialize {
+        /// The target format.
+        format: Format,
+        /// The serializer's explanation.
+        message: String,
+    },
+}
+
+impl ConfigError {
+    /// Where in the text the error is, when known.
+    #[must_use]
+    pub fn location(&self) -> Option<Location> {
+        match self {
+            Self::Syntax { location, .. }
+            | Self::UnknownKey { location, .. }
+            | Self::BadValue { location, .. }
+            | Self::WrongType { location, .. } => *location,
+            _ => None,
+        }
+    }
+
+    /// A `BadValue` without location, with a suggestion among `allowed`.
+    pub(crate) fn bad_value(path: &str, value: &str, allowed: &[&str]) -> Self {
+        Self::BadValue {
+            path: path.to_owned(),
+            value: value.to_owned(),
+            expected: allowed.iter().map(|s| (*s).to_owned()).collect(),
+            suggestion: closest(value, allowed.iter().copied()),
+            location: None,
+        }
+    }
+}
+
+/// ` at line L, column C`, or nothing.
+struct At<'a>(&'a Option<Location>);
+
+impl fmt::Display for At<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(location) => write!(f, " at {location}"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// `` `path` ``, or "the top level" for the empty path.
+struct Key<'a>(&'a str);
+
+impl fmt::Display for Key<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            f.write_str("the top level")
+        } else {
+            write!(f, "`{}`", self.0)
+        }
+    }
+}
+
+fn fmt_unknown_key(
+    _key: &str,
+    path: &str,
+    location: &Option<Location>,
+    suggestion: &Option<String>,
+    expected: &[String],
+    f: &mut fmt::Formatter<'_>,
+) -> fmt::Result {
+    write!(f, "unknown key `{path}`{}", At(location))?;
+    if let Some(suggestion) = suggestion {
+        write!(f, "; did you mean `{suggestion}`?")?;
+    }
+    if expected.is_empty() {
+        f.write_str(" (no keys are allowed here)")
+    } else {
+        write!(f, " (valid keys here: {})", expected.join(", "))
+    }
+}
+
+fn fmt_bad_value(
+    path: &str,
+    value: &str,
+    expected: &[String],
+    suggestion: &Option<String>,
+    location: &Option<Location>,
+    f: &mut fmt::Formatter<'_>,
+) -> fmt::Result {
+    write!(f, "bad value `{value}` for {}{}", Key(path), At(location))?;
+    match expected {
+        [] => {}
+        [only] => write!(f, "; expected {only}")?,
+        many => write!(f, "; expected one of: {}", many.join(", "))?,
+    }
+    match suggestion {
+        Some(suggestion) => write!(f, "; did you mean `{suggestion}`?"),
+        None => Ok(()),
+    }
+}
+
+fn fmt_invalid(problems: &[Problem], f: &mut fmt::Formatter<'_>) -> fmt::Result {
+    match problems {
+        [only] => write!(f, "invalid speed config: {only}"),
+        _ => {
+            write!(f, "invalid speed config ({} problems):", problems.len())?;
+            for problem in problems {
+                write!(f, "\n  - {problem}")?;
+            }
+            Ok(())
+        }
+    }
+}
+
+fn fmt_unknown_preset(
+    name: &str,
+    suggestion: &Option<String>,
+    presets: &[String],
+    f: &mut fmt::Formatter<'_>,
+) -> fmt::Result {
+    write!(f, "unknown preset `{name}`")?;
+    if let Some(suggestion) = suggestion {
+        write!(f, "; did you mean `{suggestion}`?")?;
+    }
+    write!(f, " (presets: {})", presets.join(", "))
+}
+
+/// The candidate most similar to `got`, if it is similar enough to be a likely typo.
+///
+/// Similarity is the normalized Damerau-Levenshtein similarity (a swap of two letters is one
+/// edit), case-insensitive, and must be at least 0.6. A single edit, or `got` being a prefix of
+/// at least three characters, always qualifies: short keys such as `math` would otherwise miss
+/// the threshold on one typo.
+pub(crate) fn closest<'a>(
+    got: &str,
+    candidates: impl IntoIterator<Item = &'a str>,
+) -> Option<String> {
+    let got = got.to_lowercase();
+    let mut best: Option<(f64, &str)> = None;
+    for candidate in candidates {
+        let lower = candidate.to_lowercase();
+        let mut score = strsim::normalized_damerau_levenshtein(&got, &lower);
+        let one_edit = strsim::damerau_levenshtein(&got, &lower) <= 1 && !got.is_empty();
+        let prefix = got.chars().count() >= 3 && lower.starts_with(&got);
+        if one_edit || prefix {
+            score = score.max(0.6);
+        }
+        if score >= 0.6 && best.is_none_or(|(b, _)| score > b) {
+            best = Some((score, candidate));
+        }
+    }
+    best.map(|(_, candidate)| candidate.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::closest;
+
+    const KEYS: &[&str] = &["flash", "mem_efficient", "math", "cudnn"];
+
+    #[test]
+    fn closest_suggests_single_typo_in_short_key() {
+        assert_eq!(
+            closest("mth", KEYS.iter().copied()).as_deref(),
+            Some("math")
+        );
+    }
+
+    #[test]
+    fn closest_suggests_for_prefix() {
+        assert_eq!(
+            closest("mem", KEYS.iter().copied()).as_deref(),
+            Some("mem_efficient")
+        );
+    }
+
+    #[test]
+    fn closest_ignores_case() {
+        assert_eq!(
+            closest("FLASH", KEYS.iter().copied()).as_deref(),
+            Some("flash")
+        );
+    }
+
+    #[test]
+    fn closest_gives_nothing_for_unrelated_word() {
+        assert_eq!(closest("learning_rate", KEYS.iter().copied()), None);
+    }
+
+    #[test]
+    fn closest_gives_nothing_for_empty_input() {
+        assert_eq!(closest("", KEYS.iter().copied()), None);
+    }
+}

@@ -1,0 +1,625 @@
+//! The configuration types: `SpeedConfig`, its sections and the small choice enums.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::str::FromStr;
+
+use serde::de::{self, Unexpected};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::error::ConfigError;
+
+/// The user's speed configuration: which PyTorch speed flags to apply to a training run.
+///
+/// Every key is optional; a missing key takes its default (see `examples/configs/speed.yaml`).
+/// `auto` values are resolved later by the runtime from the detected hardware, so the same file
+/// works on a CPU-only laptop and on a GPU server.
+///
+/// ```
+/// use speedkit_config::{AutoBool, Precision, SpeedConfig};
+///
+/// let cfg = SpeedConfig::from_yaml_str("precision: bf16\ncudnn:\n  benchmark: true\n")?;
+/// assert_eq!(cfg.precision, Precision::Bf16);
+/// assert_eq!(cfg.cudnn.benchmark, AutoBool::On);
+/// // Everything not mentioned keeps its default.
+/// assert_eq!(cfg.bench, SpeedConfig::default().bench);
+/// # Ok::<(), speedkit_config::ConfigError>(())
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(
+    default,
+    deny_unknown_fields,
+    expecting = "a mapping of speed settings (see examples/configs/speed.yaml)"
+)]
+pub struct SpeedConfig {
+    /// Where to train: `auto` (first GPU if present, else CPU), `cpu`, `cuda` or `cuda:N`.
+    pub device: DeviceChoice,
+    /// Storage/compute precision of the forward pass (autocast dtype).
+    pub precision: Precision,
+    /// `torch.set_float32_matmul_precision`: whether fp32 matmuls may use TF32/bf16 internally.
+    pub tf32_matmul_precision: MatmulPrecisionChoice,
+    /// cuBLAS reduced-precision reductions for fp16/bf16 matmuls.
+    pub reduced_precision_reduction: AutoBool,
+    /// Keep convolution weights and inputs in channels-last memory format.
+    pub channels_last: AutoBool,
+    /// `torch.use_deterministic_algorithms`.
+    pub deterministic: bool,
+    /// cuDNN flags.
+    #[serde(deserialize_with = "section")]
+    pub cudnn: CudnnConfig,
+    /// Whole-step CUDA graph capture.
+    #[serde(deserialize_with = "section")]
+    pub compile: CompileConfig,
+    /// Optimizer choice and implementation.
+    #[serde(deserialize_with = "section")]
+    pub optimizer: OptimizerConfig,
+    /// Which scaled-dot-product-attention backends PyTorch may pick from.
+    #[serde(deserialize_with = "section")]
+    pub sdp_backend: SdpBackendConfig,
+    /// Dynamic loss scaling for fp16 training.
+    #[serde(deserialize_with = "section")]
+    pub grad_scaler: GradScalerConfig,
+    /// Settings of the built-in benchmark runner.
+    #[serde(deserialize_with = "section")]
+    pub bench: BenchConfig,
+}
+
+/// cuDNN flags (`torch.backends.cudnn.*`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(
+    default,
+    deny_unknown_fields,
+    expecting = "a mapping of cuDNN settings"
+)]
+pub struct CudnnConfig {
+    /// `torch.backends.cudnn.enabled` (default `true`).
+    pub enabled: bool,
+    /// `torch.backends.cudnn.benchmark`: autotune convolution algorithms per input shape.
+    pub benchmark: AutoBool,
+    /// `torch.backends.cudnn.allow_tf32`: let cuDNN convolutions use TF32.
+    pub allow_tf32: AutoBool,
+    /// `torch.backends.cudnn.deterministic` (default `false`).
+    pub deterministic: bool,
+}
+
+impl Default for CudnnConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            benchmark: AutoBool::Auto,
+            allow_tf32: AutoBool::Auto,
+            deterministic: false,
+        }
+    }
+}
+
+/// Capture of the whole training step as a CUDA graph.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(
+    default,
+    deny_unknown_fields,
+    expecting = "a mapping of compile settings"
+)]
+pub struct CompileConfig {
+    /// Whether to capture at all (`auto`: when the runtime judges it safe and useful).
+    pub enabled: AutoBool,
+    /// How to compile; only [`CompileMode::Graphs`] exists today.
+    pub mode: CompileMode,
+    /// Size of the bounded cache of captured graphs (one per input shape); at least 1.
+    pub max_graphs: u32,
+    /// Eager steps on a side stream before capture; at least 1.
+    pub warmup_steps: u32,
+}
+
+impl Default for CompileConfig {
+    fn default() -> Self {
+        Self {
+            enabled: AutoBool::Auto,
+            mode: CompileMode::Graphs,
+            max_graphs: 4,
+            warmup_steps: 3,
+        }
+    }
+}
+
+/// Optimizer choice and implementation.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(
+    default,
+    deny_unknown_fields,
+    expecting = "a mapping of optimizer settings"
+)]
+pub struct OptimizerConfig {
+    /// The optimizer; only [`OptimizerName::AdamW`] exists today.
+    pub name: OptimizerName,
+    /// Use the fused (single-kernel) implementation.
+    pub fused: AutoBool,
+}
+
+/// Scaled-dot-product-attention backends PyTorch may choose from; at least one must stay enabled.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(
+    default,
+    deny_unknown_fields,
+    expecting = "a mapping of attention backend switches"
+)]
+pub struct SdpBackendConfig {
+    /// FlashAttention kernels.
+    pub flash: bool,
+    /// Memory-efficient attention kernels.
+    pub mem_efficient: bool,
+    /// The reference (math) implementation.
+    pub math: bool,
+    /// cuDNN attention kernels.
+    pub cudnn: bool,
+}
+
+impl Default for SdpBackendConfig {
+    fn default() -> Self {
+        Self {
+            flash: true,
+            mem_efficient: true,
+            math: true,
+            cudnn: true,
+        }
+    }
+}
+
+/// Dynamic loss scaling (`torch.amp.GradScaler`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(
+    default,
+    deny_unknown_fields,
+    expecting = "a mapping of grad scaler settings"
+)]
+pub struct GradScalerConfig {
+    /// `auto`: on exactly when the precision resolves to fp16.
+    pub enabled: AutoBool,
+    /// Initial loss scale; finite and > 0 (default 2^16).
+    pub init_scale: f64,
+    /// Factor the scale grows by after `growth_interval` clean steps; finite and > 1.
+    pub growth_factor: f64,
+    /// Factor the scale shrinks by after an inf/NaN step; strictly between 0 and 1.
+    pub backoff_factor: f64,
+    /// Clean steps between growths; at least 1.
+    pub growth_interval: u32,
+}
+
+impl Default for GradScalerConfig {
+    fn default() -> Self {
+        Self {
+            enabled: AutoBool::Auto,
+            init_scale: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+        }
+    }
+}
+
+/// Settings of the benchmark runner.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(
+    default,
+    deny_unknown_fields,
+    expecting = "a mapping of benchmark settings"
+)]
+pub struct BenchConfig {
+    /// Untimed steps before measuring.
+    pub warmup: u32,
+    /// Timed steps; at least 1.
+    pub steps: u32,
+    /// Synchronise the device around every timed step (slower, but timings cannot lie).
+    pub paranoid_sync: bool,
+}
+
+impl Default for BenchConfig {
+    fn default() -> Self {
+        Self {
+            warmup: 10,
+            steps: 50,
+            paranoid_sync: true,
+        }
+    }
+}
+
+/// A switch that may be left to the runtime: `auto`, `true` or `false` in files.
+///
+/// Only the bare booleans and the string `auto` are accepted; a quoted `"true"` is rejected so that
+/// a file means the same thing to every YAML reader.
+///
+/// ```
+/// use speedkit_config::AutoBool;
+///
+/// assert!(AutoBool::Auto.resolve(true));
+/// assert!(!AutoBool::Off.resolve(true));
+/// assert_eq!(serde_json::to_string(&AutoBool::On).unwrap(), "true");
+/// assert_eq!(serde_json::from_str::<AutoBool>("\"auto\"").unwrap(), AutoBool::Auto);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum AutoBool {
+    /// Let the runtime decide from the hardware and the rest of the config.
+    #[default]
+    Auto,
+    /// Forced on (`true`).
+    On,
+    /// Forced off (`false`).
+    Off,
+}
+
+impl AutoBool {
+    /// The file spellings, in the order error messages list them.
+    pub const VALUES: &'static [&'static str] = &["auto", "true", "false"];
+
+    /// The concrete value: `auto_value` when this is `Auto`, else the forced value.
+    #[must_use]
+    pub fn resolve(self, auto_value: bool) -> bool {
+        match self {
+            Self::Auto => auto_value,
+            Self::On => true,
+            Self::Off => false,
+        }
+    }
+
+    /// Whether the runtime decides.
+    #[must_use]
+    pub fn is_auto(self) -> bool {
+        self == Self::Auto
+    }
+
+    /// The file spelling: `"auto"`, `"true"` or `"false"`.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::On => "true",
+            Self::Off => "false",
+        }
+    }
+}
+
+impl From<bool> for AutoBool {
+    fn from(value: bool) -> Self {
+        if value {
+            Self::On
+        } else {
+            Self::Off
+        }
+    }
+}
+
+impl From<Option<bool>> for AutoBool {
+    /// `None` is `Auto`.
+    fn from(value: Option<bool>) -> Self {
+        value.map_or(Self::Auto, Self::from)
+    }
+}
+
+impl fmt::Display for AutoBool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Serialize for AutoBool {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Self::Auto => serializer.serialize_str("auto"),
+            Self::On => serializer.serialize_bool(true),
+            Self::Off => serializer.serialize_bool(false),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for AutoBool {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl de::Visitor<'_> for Visitor {
+            type Value = AutoBool;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("`auto`, `true` or `false` (booleans without quotes)")
+            }
+            fn visit_bool<E: de::Error>(self, v: bool) -> Result<AutoBool, E> {
+                Ok(AutoBool::from(v))
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<AutoBool, E> {
+                match v {
+                    "auto" => Ok(AutoBool::Auto),
+                    // A quoted boolean is a type mistake, not an unknown word.
+                    "true" | "false" => Err(E::invalid_type(Unexpected::Str(v), &self)),
+                    // `unknown_variant` so that the error lists the allowed spellings.
+                    _ => Err(E::unknown_variant(v, AutoBool::VALUES)),
+                }
+            }
+        }
+        deserializer.deserialize_any(Visitor)
+    }
+}
+
+/// Implements `VALUES`, `as_str`, `Display`, serde and `FromStr` for a unit-variant enum, with
+/// the given file spellings.
+macro_rules! spelled_enum {
+    ($ty:ident, $key:literal, [$($variant:ident => $name:literal),+ $(,)?]) => {
+        impl $ty {
+            /// The spellings accepted in files, in declaration order.
+            pub const VALUES: &'static [&'static str] = &[$($name),+];
+
+            /// The spelling used in files.
+            #[must_use]
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $(Self::$variant => $name,)+
+                }
+            }
+        }
+
+        impl fmt::Display for $ty {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl Serialize for $ty {
+            fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                serializer.serialize_str(self.as_str())
+            }
+        }
+
+        // By hand rather than derived: a derived enum reports a list or a map given for it with
+        // the format's enum jargon (YAML: "expected a YAML tag starting with '!'"), this one
+        // with the allowed spellings.
+        impl<'de> Deserialize<'de> for $ty {
+            fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+                struct Visitor;
+                impl de::Visitor<'_> for Visitor {
+                    type Value = $ty;
+                    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                        f.write_str("one of `")?;
+                        f.write_str(&$ty::VALUES.join("`, `"))?;
+                        f.write_str("`")
+                    }
+                    fn visit_str<E: de::Error>(self, v: &str) -> Result<$ty, E> {
+                        match v {
+                            $($name => Ok($ty::$variant),)+
+                            _ => Err(E::unknown_variant(v, $ty::VALUES)),
+                        }
+                    }
+                }
+                deserializer.deserialize_str(Visitor)
+            }
+        }
+
+        impl FromStr for $ty {
+            type Err = ConfigError;
+
+            fn from_str(s: &str) -> Result<Self, ConfigError> {
+                match s {
+                    $($name => Ok(Self::$variant),)+
+                    _ => Err(ConfigError::bad_value($key, s, Self::VALUES)),
+                }
+            }
+        }
+    };
+}
+
+/// Forward-pass precision.
+///
+/// ```
+/// use speedkit_config::Precision;
+///
+/// assert_eq!("bf16".parse::<Precision>().unwrap(), Precision::Bf16);
+/// assert_eq!(Precision::Fp16.as_str(), "fp16");
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// Left to the runtime (typically bf16 autocast where the GPU supports it, else fp32).
+    #[default]
+    Auto,
+    /// bfloat16 autocast.
+    Bf16,
+    /// float16 autocast (with a grad scaler unless disabled).
+    Fp16,
+    /// Plain fp32, no autocast.
+    Fp32,
+}
+
+spelled_enum!(Precision, "precision", [Auto => "auto", Bf16 => "bf16", Fp16 => "fp16", Fp32 => "fp32"]);
+
+/// The configured fp32 matmul precision, possibly left to the runtime.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum MatmulPrecisionChoice {
+    /// Left to the runtime (typically `high` on GPUs with TF32, else `highest`).
+    #[default]
+    Auto,
+    /// Full fp32 matmuls.
+    Highest,
+    /// TF32 (or bf16x3) matmuls.
+    High,
+    /// bf16 matmuls.
+    Medium,
+}
+
+spelled_enum!(MatmulPrecisionChoice, "tf32_matmul_precision", [
+    Auto => "auto", Highest => "highest", High => "high", Medium => "medium",
+]);
+
+impl MatmulPrecisionChoice {
+    /// The concrete precision, or `None` for `Auto`.
+    #[must_use]
+    pub fn concrete(self) -> Option<MatmulPrecision> {
+        match self {
+            Self::Auto => None,
+            Self::Highest => Some(MatmulPrecision::Highest),
+            Self::High => Some(MatmulPrecision::High),
+            Self::Medium => Some(MatmulPrecision::Medium),
+        }
+    }
+}
+
+impl From<MatmulPrecision> for MatmulPrecisionChoice {
+    fn from(value: MatmulPrecision) -> Self {
+        match value {
+            MatmulPrecision::Highest => Self::Highest,
+            MatmulPrecision::High => Self::High,
+            MatmulPrecision::Medium => Self::Medium,
+        }
+    }
+}
+
+/// A concrete `torch.set_float32_matmul_precision` value.
+///
+/// ```
+/// use speedkit_config::MatmulPrecision;
+///
+/// let p: MatmulPrecision = "high".parse().unwrap();
+/// assert_eq!(p.as_str(), "high");
+/// assert!("auto".parse::<MatmulPrecision>().is_err());
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MatmulPrecision {
+    /// `"highest"`.
+    Highest,
+    /// `"high"`.
+    High,
+    /// `"medium"`.
+    Medium,
+}
+
+spelled_enum!(MatmulPrecision, "tf32_matmul_precision", [
+    Highest => "highest", High => "high", Medium => "medium",
+]);
+
+/// How the training step is compiled.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CompileMode {
+    /// Capture the whole training step as a CUDA graph.
+    #[default]
+    Graphs,
+}
+
+spelled_enum!(CompileMode, "compile.mode", [Graphs => "graphs"]);
+
+/// The optimizer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum OptimizerName {
+    /// AdamW (decoupled weight decay), spelled `adamw`.
+    #[default]
+    AdamW,
+}
+
+spelled_enum!(OptimizerName, "optimizer.name", [AdamW => "adamw"]);
+
+/// Where to train. Spelled `auto`, `cpu`, `cuda` (= `cuda:0`) or `cuda:N` in files.
+///
+/// ```
+/// use speedkit_config::DeviceChoice;
+///
+/// assert_eq!("cuda".parse::<DeviceChoice>().unwrap(), DeviceChoice::Cuda(0));
+/// assert_eq!("cuda:3".parse::<DeviceChoice>().unwrap(), DeviceChoice::Cuda(3));
+/// assert_eq!(DeviceChoice::Cuda(1).to_string(), "cuda:1");
+/// assert!("gpu".parse::<DeviceChoice>().is_err());
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum DeviceChoice {
+    /// `cuda:0` if a GPU is present, else the CPU.
+    #[default]
+    Auto,
+    /// The CPU.
+    Cpu,
+    /// The CUDA device with this index.
+    Cuda(usize),
+}
+
+impl DeviceChoice {
+    /// The accepted forms, as error messages list them.
+    pub const FORMS: &'static [&'static str] = &["auto", "cpu", "cuda", "cuda:N"];
+
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "auto" => Some(Self::Auto),
+            "cpu" => Some(Self::Cpu),
+            "cuda" => Some(Self::Cuda(0)),
+            // Digits only: `usize::from_str` would also take a leading `+`.
+            _ => s
+                .strip_prefix("cuda:")
+                .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|n| n.parse().ok())
+                .map(Self::Cuda),
+        }
+    }
+}
+
+impl fmt::Display for DeviceChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Auto => f.write_str("auto"),
+            Self::Cpu => f.write_str("cpu"),
+            Self::Cuda(index) => write!(f, "cuda:{index}"),
+        }
+    }
+}
+
+impl FromStr for DeviceChoice {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, ConfigError> {
+        Self::parse(s).ok_or_else(|| ConfigError::bad_value("device", s, Self::FORMS))
+    }
+}
+
+impl Serialize for DeviceChoice {
+    fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for DeviceChoice {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl de::Visitor<'_> for Visitor {
+            type Value = DeviceChoice;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a device string: `auto`, `cpu`, `cuda` or `cuda:N`")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<DeviceChoice, E> {
+                // `unknown_variant` so that the error lists the accepted forms.
+                DeviceChoice::parse(v).ok_or_else(|| E::unknown_variant(v, DeviceChoice::FORMS))
+            }
+        }
+        deserializer.deserialize_str(Visitor)
+    }
+}
+
+/// A config section, or the whole config: a mapping, or nothing (`null`, `~`, an empty YAML
+/// value, an empty file) for all defaults, so that commenting out every key of a section is
+/// fine. Unlike derived struct impls it refuses lists: positional sections (`[true, false]`) in
+/// JSON would be unreadable.
+pub(crate) struct Section<T>(pub(crate) T);
+
+impl<'de, T: Deserialize<'de> + Default> Deserialize<'de> for Section<T> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visitor<T>(PhantomData<T>);
+        impl<'de, T: Deserialize<'de> + Default> de::Visitor<'de> for Visitor<T> {
+            type Value = Section<T>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a mapping of settings (`key: value` lines)")
+            }
+            fn visit_unit<E: de::Error>(self) -> Result<Section<T>, E> {
+                Ok(Section(T::default()))
+            }
+            fn visit_none<E: de::Error>(self) -> Result<Section<T>, E> {
+                Ok(Section(T::default()))
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Section<T>, A::Error> {
+                T::deserialize(de::value::MapAccessDeserializer::new(map)).map(Section)
+            }
+        }
+        deserializer.deserialize_any(Visitor(PhantomData))
+    }
+}
+
+fn section<'de, D: Deserializer<'de>, T: Deserialize<'de> + Default>(
+    deserializer: D,
+) -> Result<T, D::Error> {
+    Section::deserialize(deserializer).map(|section| section.0)
+}

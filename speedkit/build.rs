@@ -1,0 +1,73 @@
+//! Compiles the C++ shim (`shim/speedkit_shim.cpp`) against the libtorch that torch-sys found, and
+//! gives this package's executables an rpath to it, so they run without `LD_LIBRARY_PATH`.
+
+use std::env;
+use std::path::{Path, PathBuf};
+
+fn main() {
+    println!("cargo:rerun-if-changed=shim/speedkit_shim.cpp");
+    // torch-sys (`links = "tch"`) publishes its lib dir as `cargo:libtorch_lib`.
+    let lib_dir = match env::var("DEP_TCH_LIBTORCH_LIB") {
+        Ok(dir) => PathBuf::from(dir),
+        Err(_) => {
+            eprintln!("torch-sys did not report a libtorch lib dir (DEP_TCH_LIBTORCH_LIB)");
+            std::process::exit(1);
+        }
+    };
+    // The wheel (and the libtorch zip) put headers at `<torch>/include` next to `<torch>/lib`.
+    // Canonical, because `.venv/libtorch` is a link into site-packages, where the CUDA headers live.
+    let canonical_lib = std::fs::canonicalize(&lib_dir).unwrap_or_else(|_| lib_dir.clone());
+    let torch_root = canonical_lib.parent().unwrap_or(&canonical_lib).to_path_buf();
+    let include = torch_root.join("include");
+    let cuda_headers = find_cuda_headers(&torch_root);
+    let with_cuda = lib_dir.join("libtorch_cuda.so").exists() && cuda_headers.is_some();
+
+    let mut build = cc::Build::new();
+    build
+        .cpp(true)
+        .pic(true)
+        .std("c++17")
+        .include(&include)
+        .include(include.join("torch/csrc/api/include"))
+        .define("_GLIBCXX_USE_CXX11_ABI", "1")
+        .define("GLOG_USE_GLOG_EXPORT", None)
+        .define("SK_WITH_CUDA", if with_cuda { "1" } else { "0" })
+        // libtorch's headers are noisy under -Wall; our own file is small and reviewed.
+        .warnings(false)
+        .file("shim/speedkit_shim.cpp");
+    if let Some(dir) = &cuda_headers {
+        build.include(dir);
+    }
+    build.compile("speedkit_shim");
+
+    println!("cargo:rustc-link-search=native={}", lib_dir.display());
+    if with_cuda {
+        // The shim calls into these directly; torch-sys links torch_cuda but not c10_cuda.
+        println!("cargo:rustc-link-lib=dylib=torch_cuda");
+        println!("cargo:rustc-link-lib=dylib=c10_cuda");
+        println!("cargo:rustc-cfg=speedkit_cuda");
+    }
+    println!("cargo:rustc-check-cfg=cfg(speedkit_cuda)");
+    println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib_dir.display());
+    // Dependents' build scripts read these (`DEP_SPEEDKIT_SHIM_LIBTORCH_LIB`) to set their own rpath.
+    println!("cargo:libtorch_lib={}", lib_dir.display());
+    println!("cargo:with_cuda={}", u8::from(with_cuda));
+}
+
+/// The CUDA headers (`cuda_runtime_api.h`) from the `nvidia-cuda-*` wheels next to torch in
+/// site-packages, or from a system CUDA toolkit.
+fn find_cuda_headers(torch_root: &Path) -> Option<PathBuf> {
+    let mut candidates = Vec::new();
+    if let Some(site_packages) = torch_root.parent() {
+        for cu in ["cu13", "cu12", "cuda_runtime"] {
+            candidates.push(site_packages.join("nvidia").join(cu).join("include"));
+        }
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Ok(home) = env::var(var) {
+            candidates.push(PathBuf::from(home).join("include"));
+        }
+    }
+    candidates.push(PathBuf::from("/usr/local/cuda/include"));
+    candidates.into_iter().find(|dir| dir.join("cuda_runtime_api.h").exists())
+}

@@ -1,0 +1,396 @@
+//! Benchmark workloads and their measurement.
+//!
+//! A workload is a function registered with `#[speedkit::bench]`; it builds its model for the
+//! [`Size`] it is given, on the device of the [`SpeedContext`] it is given, and hands one training
+//! step to [`Bencher::run`], which warms up, times each step (CUDA events on the GPU, a device
+//! synchronisation after every step under paranoid sync, as `../shared/workloads.md` prescribes), and
+//! records the median/p10/p90, TFLOP/s and peak device memory.
+//!
+//! The runner ([`bench_main!`](crate::bench_main)) runs every workload under several configurations
+//! side by side; [`bench_tests!`](crate::bench_tests) turns every workload into a `cargo test` case
+//! (tiny size, CPU) that checks the step finishes, gives a finite loss, and leaves every flag as found.
+//!
+//! ```ignore
+//! #[speedkit::bench(tags = ["mlp"])]
+//! fn mlp(b: &mut speedkit::bench::Bencher) -> anyhow::Result<()> {
+//!     let (batch, width) = b.size().pick((8, 16), (256, 1024));
+//!     // ... build model and optimizer on b.device() ...
+//!     b.set_flops_per_step(6.0 * batch as f64 * width as f64 * 512.0);
+//!     b.run(|| -> anyhow::Result<tch::Tensor> { /* one step */ todo!() })?;
+//!     Ok(())
+//! }
+//! ```
+
+pub mod runner;
+pub mod testing;
+
+use serde::Serialize;
+use std::fmt;
+use std::time::Instant;
+use tch::{Device, Tensor};
+
+use crate::error::SpeedkitError;
+use crate::ffi;
+use crate::graph::CompiledStep;
+use crate::SpeedContext;
+
+/// Problem size of a workload run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Size {
+    /// Runs in well under a second on a CPU (tests, CI).
+    Tiny,
+    /// The reference size of `../shared/workloads.md`.
+    Bench,
+}
+
+impl Size {
+    /// `tiny` or `bench`, whichever this is.
+    pub fn pick<T>(self, tiny: T, bench: T) -> T {
+        match self {
+            Size::Tiny => tiny,
+            Size::Bench => bench,
+        }
+    }
+
+    /// Parses `tiny` / `bench`.
+    pub fn parse(s: &str) -> Option<Size> {
+        match s {
+            "tiny" => Some(Size::Tiny),
+            "bench" => Some(Size::Bench),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Size {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.pick("tiny", "bench"))
+    }
+}
+
+/// A registered workload (what `#[speedkit::bench]` submits to `inventory`).
+#[derive(Debug)]
+pub struct Workload {
+    /// Name (the function's by default).
+    pub name: &'static str,
+    /// Free-form tags, matched by `--filter` too.
+    pub tags: &'static [&'static str],
+    /// Sizes the workload supports.
+    pub sizes: &'static [Size],
+    /// Skipped, with a printed reason, without a CUDA device.
+    pub cuda_only: bool,
+    /// Source file of the registration.
+    pub file: &'static str,
+    /// Line of the registration.
+    pub line: u32,
+    /// Runs the workload on a [`Bencher`].
+    pub run: fn(&mut Bencher<'_>) -> Result<(), BenchError>,
+}
+
+inventory::collect!(Workload);
+
+impl Workload {
+    /// Every registered workload, sorted by name.
+    pub fn all() -> Vec<&'static Workload> {
+        let mut all: Vec<_> = inventory::iter::<Workload>.into_iter().collect();
+        all.sort_by_key(|w| w.name);
+        all
+    }
+
+    /// Whether `pattern` is a substring of the name or equals a tag.
+    pub fn matches(&self, pattern: &str) -> bool {
+        self.name.contains(pattern) || self.tags.contains(&pattern)
+    }
+}
+
+/// A workload's failure.
+#[derive(Debug)]
+pub struct BenchError(Box<dyn std::error::Error + Send + Sync>);
+
+impl fmt::Display for BenchError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl std::error::Error for BenchError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl BenchError {
+    /// Wraps any error.
+    pub fn new(e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self(e.into())
+    }
+}
+
+impl From<SpeedkitError> for BenchError {
+    fn from(e: SpeedkitError) -> Self {
+        Self(Box::new(e))
+    }
+}
+
+/// What a workload function may return: `()` or `Result<(), E>` for a boxable `E`.
+pub trait IntoBenchResult {
+    /// Converts.
+    fn into_bench_result(self) -> Result<(), BenchError>;
+}
+
+impl IntoBenchResult for () {
+    fn into_bench_result(self) -> Result<(), BenchError> {
+        Ok(())
+    }
+}
+
+impl<E: Into<Box<dyn std::error::Error + Send + Sync>>> IntoBenchResult for Result<(), E> {
+    fn into_bench_result(self) -> Result<(), BenchError> {
+        self.map_err(BenchError::new)
+    }
+}
+
+/// What one timed step may return: a loss tensor (checked finite by tests), nothing, or a `Result`
+/// of either.
+pub trait IntoStepResult {
+    /// Converts.
+    fn into_step_result(self) -> Result<Option<Tensor>, BenchError>;
+}
+
+impl IntoStepResult for Tensor {
+    fn into_step_result(self) -> Result<Option<Tensor>, BenchError> {
+        Ok(Some(self))
+    }
+}
+
+impl IntoStepResult for () {
+    fn into_step_result(self) -> Result<Option<Tensor>, BenchError> {
+        Ok(None)
+    }
+}
+
+impl<T: IntoStepResult, E: Into<Box<dyn std::error::Error + Send + Sync>>> IntoStepResult for Result<T, E> {
+    fn into_step_result(self) -> Result<Option<Tensor>, BenchError> {
+        self.map_err(BenchError::new)?.into_step_result()
+    }
+}
+
+/// How a [`Bencher`] measures.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Protocol {
+    /// Untimed steps first (capture and autotuning happen here).
+    pub warmup: usize,
+    /// Timed steps.
+    pub steps: usize,
+    /// Synchronise the device after every step.
+    pub paranoid_sync: bool,
+}
+
+/// One workload × configuration measurement.
+#[derive(Clone, Debug, Serialize)]
+pub struct Measurement {
+    /// Per-step times in milliseconds, in order.
+    pub times_ms: Vec<f64>,
+    /// Median.
+    pub median_ms: f64,
+    /// 10th percentile.
+    pub p10_ms: f64,
+    /// 90th percentile.
+    pub p90_ms: f64,
+    /// FLOPs per step, when the workload declared them.
+    pub flops_per_step: Option<f64>,
+    /// TFLOP/s at the median.
+    pub tflops: Option<f64>,
+    /// Items per step (e.g. tokens) and their unit, when declared.
+    pub items_per_step: Option<(f64, &'static str)>,
+    /// Peak device memory allocated during the timed steps, bytes (CUDA only).
+    pub peak_memory_bytes: Option<u64>,
+    /// The last step's loss, when the step returns one.
+    pub final_loss: Option<f64>,
+    /// Whether the step ran as a replayed CUDA graph.
+    pub graphed: bool,
+    /// Timing method: `cuda-events` or `host-clock`.
+    pub timer: &'static str,
+}
+
+/// Percentile (nearest-rank on the sorted samples).
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
+    sorted[rank.min(sorted.len() - 1)]
+}
+
+/// Hands a workload its size, device and context, and measures its step.
+pub struct Bencher<'a> {
+    size: Size,
+    ctx: &'a SpeedContext,
+    protocol: Protocol,
+    flops_per_step: Option<f64>,
+    items_per_step: Option<(f64, &'static str)>,
+    measurement: Option<Measurement>,
+    on_step: Option<&'a dyn Fn()>,
+}
+
+impl<'a> Bencher<'a> {
+    /// A bencher for one run.
+    pub fn new(size: Size, ctx: &'a SpeedContext, protocol: Protocol) -> Self {
+        Self { size, ctx, protocol, flops_per_step: None, items_per_step: None, measurement: None, on_step: None }
+    }
+
+    /// Called after every warm-up and timed step (the runner's progress bar).
+    pub fn with_progress(mut self, on_step: &'a dyn Fn()) -> Self {
+        self.on_step = Some(on_step);
+        self
+    }
+
+    /// The problem size to build.
+    pub fn size(&self) -> Size {
+        self.size
+    }
+
+    /// The speed context in force (autocast, optimizer, scaler).
+    pub fn ctx(&self) -> &'a SpeedContext {
+        self.ctx
+    }
+
+    /// The device to build on.
+    pub fn device(&self) -> Device {
+        self.ctx.device()
+    }
+
+    /// FLOPs of one step (for TFLOP/s).
+    pub fn set_flops_per_step(&mut self, flops: f64) {
+        self.flops_per_step = Some(flops);
+    }
+
+    /// Items processed per step, e.g. `(16384.0, "tokens")`, for a throughput column.
+    pub fn set_items_per_step(&mut self, items: f64, unit: &'static str) {
+        self.items_per_step = Some((items, unit));
+    }
+
+    /// The measurement, after [`run`](Self::run).
+    pub fn measurement(&self) -> Option<&Measurement> {
+        self.measurement.as_ref()
+    }
+
+    /// Takes the measurement out.
+    pub fn take_measurement(&mut self) -> Option<Measurement> {
+        self.measurement.take()
+    }
+
+    /// Warms up, then times `step` according to the protocol. When the plan captures graphs, the
+    /// step is captured once (after warm-up on a side stream) and replayed; a step that cannot be
+    /// captured falls back to eager, noted in the context's audit.
+    pub fn run<F, R>(&mut self, mut step: F) -> Result<(), BenchError>
+    where
+        F: FnMut() -> R,
+        R: IntoStepResult,
+    {
+        let ctx = self.ctx;
+        if ctx.plan().compile_graphs {
+            let mut compiled = CompiledStep::new(ctx, || step().into_step_result().map_err(|e| SpeedkitError::Graph(e.to_string())));
+            let m = self.measure(|| compiled.run().map_err(BenchError::from))?;
+            self.measurement = Some(Measurement { graphed: compiled.is_graphed(), ..m });
+        } else {
+            self.measurement = Some(self.measure(|| step().into_step_result())?);
+        }
+        Ok(())
+    }
+
+    fn measure(&self, mut step: impl FnMut() -> Result<Option<Tensor>, BenchError>) -> Result<Measurement, BenchError> {
+        let cuda = self.ctx.plan().cuda_index();
+        let tick = || {
+            if let Some(f) = self.on_step {
+                f()
+            }
+        };
+        for _ in 0..self.protocol.warmup {
+            step()?;
+            tick();
+        }
+        if let Some(i) = cuda {
+            ffi::cuda_synchronize(i)?;
+            ffi::cuda_reset_peak_memory(i)?;
+        }
+        let mut times = Vec::with_capacity(self.protocol.steps);
+        let mut last = None;
+        match cuda {
+            Some(i) => {
+                let mut pending = Vec::with_capacity(self.protocol.steps);
+                for _ in 0..self.protocol.steps {
+                    let (start, end) = (ffi::CudaEvent::new()?, ffi::CudaEvent::new()?);
+                    start.record()?;
+                    last = step()?;
+                    end.record()?;
+                    if self.protocol.paranoid_sync {
+                        ffi::cuda_synchronize(i)?;
+                        times.push(start.elapsed_ms(&end)?);
+                    } else {
+                        pending.push((start, end));
+                    }
+                    tick();
+                }
+                for (start, end) in pending {
+                    times.push(start.elapsed_ms(&end)?);
+                }
+            }
+            None => {
+                for _ in 0..self.protocol.steps {
+                    let t0 = Instant::now();
+                    last = step()?;
+                    times.push(t0.elapsed().as_secs_f64() * 1e3);
+                    tick();
+                }
+            }
+        }
+        let peak_memory_bytes = match cuda {
+            Some(i) => Some(ffi::cuda_memory_stats(i)?.1),
+            None => None,
+        };
+        let final_loss = match last {
+            Some(t) if t.numel() == 1 => Some(t.f_double_value(&[]).map_err(SpeedkitError::from)?),
+            _ => None,
+        };
+        let mut sorted = times.clone();
+        sorted.sort_by(f64::total_cmp);
+        let median_ms = percentile(&sorted, 50.0);
+        Ok(Measurement {
+            median_ms,
+            p10_ms: percentile(&sorted, 10.0),
+            p90_ms: percentile(&sorted, 90.0),
+            times_ms: times,
+            flops_per_step: self.flops_per_step,
+            tflops: self.flops_per_step.map(|f| f / (median_ms * 1e-3) / 1e12),
+            items_per_step: self.items_per_step,
+            peak_memory_bytes,
+            final_loss,
+            graphed: false,
+            timer: if cuda.is_some() { "cuda-events" } else { "host-clock" },
+        })
+    }
+}
+
+/// Generates `fn main()` for a benchmark runner: every `#[speedkit::bench]` workload linked into the
+/// binary, with the command line described in [`runner`].
+#[macro_export]
+macro_rules! bench_main {
+    () => {
+        fn main() -> ::std::process::ExitCode {
+            $crate::bench::runner::main()
+        }
+    };
+}
+
+/// Generates `fn main()` for a `harness = false` test target: one test per registered workload
+/// (tiny size, CPU), each checking a finite loss and that every flag is restored.
+#[macro_export]
+macro_rules! bench_tests {
+    () => {
+        fn main() -> ::std::process::ExitCode {
+            $crate::bench::testing::main()
+        }
+    };
+}

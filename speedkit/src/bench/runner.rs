@@ -1,0 +1,485 @@
+//! The benchmark runner behind [`bench_main!`](crate::bench_main).
+//!
+//! ```text
+//! cargo bench --bench workloads -- [--list] [--filter PAT]... [--config NAME|FILE]... [--size tiny|bench]
+//!     [--steps N] [--warmup N] [--paranoid-sync|--no-paranoid-sync] [--json FILE] [--csv FILE] [--svg FILE]
+//! ```
+//! Configurations run side by side in one process (comparisons are only valid within one run); the
+//! first is the baseline the speedup column divides by. `--config` takes a preset (`fp32_strict`,
+//! `tf32`, `auto`), `bf16`/`fp16` (auto with that precision), or a YAML/JSON file.
+
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use tch::{Device, Kind, Tensor};
+
+use super::{Bencher, Measurement, Protocol, Size, Workload};
+use crate::config::{Precision, SpeedConfig};
+use crate::error::{Result, SpeedkitError};
+use crate::ffi;
+use crate::hardware::Hardware;
+use crate::report::table;
+use crate::SpeedContext;
+
+/// Command line of the runner.
+#[derive(Parser, Debug, Clone)]
+#[command(name = "speedkit-bench", about = "Run speedkit's registered workloads under several configurations")]
+pub struct Args {
+    /// List the registered workloads and exit.
+    #[arg(long)]
+    pub list: bool,
+    /// Only workloads whose name contains PAT or that carry the tag PAT (repeatable).
+    #[arg(long = "filter", value_name = "PAT")]
+    pub filters: Vec<String>,
+    /// A configuration: preset name (fp32_strict, tf32, auto), bf16, fp16, or a YAML/JSON file (repeatable).
+    #[arg(long = "config", value_name = "NAME|FILE")]
+    pub configs: Vec<String>,
+    /// Problem size [default: bench on a GPU, tiny on a CPU].
+    #[arg(long, value_parser = ["tiny", "bench"])]
+    pub size: Option<String>,
+    /// Timed steps [default: the config's bench.steps].
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// Warm-up steps [default: the config's bench.warmup].
+    #[arg(long)]
+    pub warmup: Option<usize>,
+    /// Synchronise the device after every timed step (the reference protocol; default on).
+    #[arg(long, overrides_with = "no_paranoid_sync")]
+    pub paranoid_sync: bool,
+    /// Queue timed steps back to back, timing each between CUDA events.
+    #[arg(long)]
+    pub no_paranoid_sync: bool,
+    /// Write all results as JSON.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// Write the result table as CSV.
+    #[arg(long, value_name = "FILE")]
+    pub csv: Option<PathBuf>,
+    /// Draw speedups per workload as an SVG bar chart.
+    #[arg(long, value_name = "FILE")]
+    pub svg: Option<PathBuf>,
+    /// Use this device peak (TFLOP/s) for "% of peak" instead of measuring a bf16 matmul.
+    #[arg(long, value_name = "TFLOPS")]
+    pub peak_tflops: Option<f64>,
+    /// Passed by `cargo bench`; ignored.
+    #[arg(long, hide = true)]
+    pub bench: bool,
+}
+
+/// A named configuration.
+#[derive(Clone, Debug, Serialize)]
+pub struct NamedConfig {
+    /// As given on the command line (file stem for files).
+    pub name: String,
+    /// The configuration.
+    pub config: SpeedConfig,
+}
+
+/// Resolves a `--config` argument.
+pub fn resolve_config(arg: &str) -> Result<NamedConfig> {
+    let path = Path::new(arg);
+    let config = if SpeedConfig::PRESETS.contains(&arg) {
+        SpeedConfig::preset(arg)?
+    } else if arg == "bf16" || arg == "fp16" {
+        let precision = if arg == "bf16" { Precision::Bf16 } else { Precision::Fp16 };
+        SpeedConfig { precision, ..SpeedConfig::auto() }
+    } else if path.extension().is_some_and(|e| e == "json") {
+        SpeedConfig::from_json(path)?
+    } else if path.exists() || arg.ends_with(".yaml") || arg.ends_with(".yml") {
+        SpeedConfig::from_yaml(path)?
+    } else {
+        // Not a file: let the preset lookup produce its "did you mean" error.
+        return Err(SpeedkitError::Config(SpeedConfig::preset(arg).err().unwrap_or_else(|| {
+            speedkit_config::ConfigError::UnknownPreset { name: arg.into(), suggestion: None, presets: vec![] }
+        })));
+    };
+    let name = if path.exists() {
+        path.file_stem().map_or(arg.to_string(), |s| s.to_string_lossy().into_owned())
+    } else {
+        arg.to_string()
+    };
+    Ok(NamedConfig { name, config })
+}
+
+/// One workload × config result.
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    /// Workload name.
+    pub workload: String,
+    /// Config name.
+    pub config: String,
+    /// Size run.
+    pub size: Size,
+    /// The measurement, or `None` if it failed.
+    pub measurement: Option<Measurement>,
+    /// Median speedup over the first config of the same workload.
+    pub speedup: Option<f64>,
+    /// TFLOP/s as a percentage of the measured device peak.
+    pub percent_of_peak: Option<f64>,
+    /// Precision the plan resolved to.
+    pub precision: String,
+    /// Flags changed by the config (name = value).
+    pub flags: Vec<String>,
+    /// Notes from the context (graph capture, fall-backs).
+    pub notes: Vec<String>,
+    /// Error message if the run failed.
+    pub error: Option<String>,
+}
+
+/// The whole run, as written by `--json`.
+#[derive(Clone, Debug, Serialize)]
+pub struct RunReport {
+    /// Hardware and software.
+    pub environment: Hardware,
+    /// The device peak used for "% of peak", TFLOP/s.
+    pub peak_tflops: Option<f64>,
+    /// How the peak was obtained.
+    pub peak_source: String,
+    /// Timing protocol.
+    pub protocol: Protocol,
+    /// Configurations, in order.
+    pub configs: Vec<NamedConfig>,
+    /// Results.
+    pub rows: Vec<Row>,
+}
+
+/// Measures the dense bf16 matmul rate of `device` (8192³, median of 20 after 5 warm-ups).
+pub fn measure_matmul_peak(device: Device) -> Result<f64> {
+    let Device::Cuda(index) = device else {
+        return Err(SpeedkitError::Unsupported("peak measurement needs a CUDA device".into()));
+    };
+    let n = 8192i64;
+    let a = Tensor::f_randn([n, n], (Kind::BFloat16, device))?;
+    let b = Tensor::f_randn([n, n], (Kind::BFloat16, device))?;
+    let mut times = Vec::new();
+    for i in 0..25 {
+        let (start, end) = (ffi::CudaEvent::new()?, ffi::CudaEvent::new()?);
+        start.record()?;
+        let _c = a.f_matmul(&b)?;
+        end.record()?;
+        ffi::cuda_synchronize(index)?;
+        if i >= 5 {
+            times.push(start.elapsed_ms(&end)?);
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(2.0 * (n as f64).powi(3) / (super::percentile(&times, 50.0) * 1e-3) / 1e12)
+}
+
+/// The runner's `main`.
+pub fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(report) => {
+            if report.rows.iter().any(|r| r.error.is_some()) {
+                ExitCode::FAILURE
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Runs the selected workloads and prints/writes the results.
+pub fn run(args: &Args) -> Result<RunReport> {
+    let workloads: Vec<&Workload> = Workload::all()
+        .into_iter()
+        .filter(|w| args.filters.is_empty() || args.filters.iter().any(|f| w.matches(f)))
+        .collect();
+    if args.list {
+        let rows: Vec<Vec<String>> = workloads
+            .iter()
+            .map(|w| {
+                vec![
+                    w.name.to_string(),
+                    w.tags.join(","),
+                    w.sizes.iter().map(Size::to_string).collect::<Vec<_>>().join(","),
+                    if w.cuda_only { "cuda".into() } else { "any".into() },
+                    format!("{}:{}", w.file, w.line),
+                ]
+            })
+            .collect();
+        print!("{}", table(&["workload", "tags", "sizes", "device", "defined at"], &rows));
+        return Ok(RunReport {
+            environment: Hardware::detect()?,
+            peak_tflops: None,
+            peak_source: String::new(),
+            protocol: Protocol { warmup: 0, steps: 0, paranoid_sync: true },
+            configs: vec![],
+            rows: vec![],
+        });
+    }
+    let names = if args.configs.is_empty() { vec!["fp32_strict".to_string(), "auto".to_string()] } else { args.configs.clone() };
+    let configs = names.iter().map(|n| resolve_config(n)).collect::<Result<Vec<_>>>()?;
+    let hardware = Hardware::detect()?;
+    let on_gpu = !hardware.gpus.is_empty();
+    let size = match args.size.as_deref() {
+        Some(s) => Size::parse(s).unwrap_or(Size::Tiny),
+        None if on_gpu => Size::Bench,
+        None => Size::Tiny,
+    };
+    let first = &configs[0].config.bench;
+    let protocol = Protocol {
+        warmup: args.warmup.unwrap_or(first.warmup as usize),
+        steps: args.steps.unwrap_or(first.steps as usize).max(1),
+        paranoid_sync: if args.no_paranoid_sync { false } else { args.paranoid_sync || first.paranoid_sync },
+    };
+    let (peak_tflops, peak_source) = match (args.peak_tflops, on_gpu) {
+        (Some(p), _) => (Some(p), "given with --peak-tflops".to_string()),
+        (None, true) => {
+            let p = measure_matmul_peak(Device::Cuda(0))?;
+            (Some(p), "measured: 8192^3 bf16 matmul, median of 20".to_string())
+        }
+        (None, false) => (None, "no GPU: no peak".to_string()),
+    };
+
+    let mut rows = Vec::new();
+    for w in &workloads {
+        if w.cuda_only && !on_gpu {
+            eprintln!("skip {}: needs a CUDA device", w.name);
+            continue;
+        }
+        if !w.sizes.contains(&size) {
+            eprintln!("skip {}: no {size} size", w.name);
+            continue;
+        }
+        let mut baseline: Option<f64> = None;
+        for nc in &configs {
+            let row = run_one(w, nc, size, &protocol, peak_tflops);
+            if let Some(m) = &row.measurement {
+                let base = *baseline.get_or_insert(m.median_ms);
+                rows.push(Row { speedup: Some(base / m.median_ms), ..row });
+            } else {
+                eprintln!("error: {} under {}: {}", w.name, nc.name, row.error.as_deref().unwrap_or("?"));
+                rows.push(row);
+            }
+        }
+    }
+    let report = RunReport { environment: hardware, peak_tflops, peak_source, protocol, configs, rows };
+    println!("{}", render_text(&report));
+    write_outputs(args, &report)?;
+    Ok(report)
+}
+
+fn run_one(w: &Workload, nc: &NamedConfig, size: Size, protocol: &Protocol, peak: Option<f64>) -> Row {
+    let mut row = Row {
+        workload: w.name.to_string(),
+        config: nc.name.clone(),
+        size,
+        measurement: None,
+        speedup: None,
+        percent_of_peak: None,
+        precision: String::new(),
+        flags: Vec::new(),
+        notes: Vec::new(),
+        error: None,
+    };
+    let ctx = match SpeedContext::new(&nc.config) {
+        Ok(c) => c,
+        Err(e) => {
+            row.error = Some(e.to_string());
+            return row;
+        }
+    };
+    row.precision = ctx.plan().precision.to_string();
+    let bar = ProgressBar::new((protocol.warmup + protocol.steps) as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{prefix:>28} [{bar:30}] {pos}/{len} {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(format!("{} / {}", w.name, nc.name));
+    let tick = || bar.inc(1);
+    let mut b = Bencher::new(size, &ctx, protocol.clone()).with_progress(&tick);
+    let outcome = (w.run)(&mut b);
+    bar.finish_and_clear();
+    let measurement = b.take_measurement();
+    let audit = ctx.audit();
+    row.flags = audit.flag_changes.iter().filter(|c| c.changed()).map(|c| format!("{} = {}", c.name, c.after)).collect();
+    row.notes = audit.notes;
+    match (outcome, measurement) {
+        (Err(e), _) => row.error = Some(e.to_string()),
+        (Ok(()), None) => row.error = Some("the workload never called Bencher::run".into()),
+        (Ok(()), Some(m)) => {
+            row.percent_of_peak = match (m.tflops, peak) {
+                (Some(t), Some(p)) => Some(100.0 * t / p),
+                _ => None,
+            };
+            row.measurement = Some(m);
+        }
+    }
+    row
+}
+
+fn fmt_opt(v: Option<f64>, digits: usize) -> String {
+    v.map_or_else(|| "-".into(), |x| format!("{x:.digits$}"))
+}
+
+/// The human-readable result: table, then the environment block.
+pub fn render_text(report: &RunReport) -> String {
+    let mut out = String::new();
+    let rows: Vec<Vec<String>> = report
+        .rows
+        .iter()
+        .map(|r| match &r.measurement {
+            Some(m) => vec![
+                r.workload.clone(),
+                r.config.clone(),
+                format!("{:.3}", m.median_ms),
+                format!("{:.3}", m.p10_ms),
+                format!("{:.3}", m.p90_ms),
+                r.speedup.map_or("-".into(), |s| format!("{s:.2}x")),
+                fmt_opt(m.tflops, 1),
+                fmt_opt(r.percent_of_peak, 1),
+                m.peak_memory_bytes.map_or("-".into(), |b| format!("{:.2}", b as f64 / (1u64 << 30) as f64)),
+                m.items_per_step.map_or("-".into(), |(n, unit)| format!("{:.0} {unit}/s", n / (m.median_ms * 1e-3))),
+                if m.graphed { "yes".into() } else { "no".into() },
+                fmt_opt(m.final_loss, 4),
+            ],
+            None => vec![r.workload.clone(), r.config.clone(), format!("FAILED: {}", r.error.as_deref().unwrap_or("?"))],
+        })
+        .collect();
+    let _ = writeln!(
+        out,
+        "\nspeedkit benchmarks — size {}, {} warm-up + {} timed steps, paranoid sync {}",
+        report.rows.first().map_or("-".to_string(), |r| r.size.to_string()),
+        report.protocol.warmup,
+        report.protocol.steps,
+        if report.protocol.paranoid_sync { "on" } else { "off" }
+    );
+    out.push_str(&table(
+        &["workload", "config", "median ms", "p10", "p90", "speedup", "TFLOP/s", "% peak", "peak GiB", "throughput", "graph", "loss"],
+        &rows,
+    ));
+    let _ = writeln!(out, "\nenvironment");
+    for line in report.environment.to_string().lines() {
+        let _ = writeln!(out, "  {line}");
+    }
+    let _ = writeln!(out, "  peak        {} ({})", fmt_opt(report.peak_tflops, 1), report.peak_source);
+    let mut seen = Vec::new();
+    for r in &report.rows {
+        if seen.contains(&&r.config) {
+            continue;
+        }
+        seen.push(&r.config);
+        let flags = if r.flags.is_empty() { "no flag changed".to_string() } else { r.flags.join(", ") };
+        let _ = writeln!(out, "  config {:<12} precision {}; {}", r.config, r.precision, flags);
+    }
+    let mut notes: Vec<&String> = report.rows.iter().flat_map(|r| &r.notes).collect();
+    notes.dedup();
+    for n in notes {
+        let _ = writeln!(out, "  note: {n}");
+    }
+    out
+}
+
+fn write_outputs(args: &Args, report: &RunReport) -> Result<()> {
+    let write = |path: &Path, text: String| {
+        std::fs::write(path, text).map_err(|source| SpeedkitError::Io { path: path.to_path_buf(), source })
+    };
+    if let Some(p) = &args.json {
+        write(p, serde_json::to_string_pretty(report).unwrap_or_default())?;
+    }
+    if let Some(p) = &args.csv {
+        write(p, render_csv(report))?;
+    }
+    if let Some(p) = &args.svg {
+        write(p, render_svg(report))?;
+    }
+    Ok(())
+}
+
+/// The result rows as CSV.
+pub fn render_csv(report: &RunReport) -> String {
+    let mut out = String::from(
+        "workload,config,size,median_ms,p10_ms,p90_ms,speedup,tflops,percent_of_peak,peak_memory_bytes,graphed,final_loss,device\n",
+    );
+    let device = report.environment.primary_gpu().map_or("cpu".to_string(), |g| g.name.clone());
+    for r in &report.rows {
+        let Some(m) = &r.measurement else { continue };
+        let _ = writeln!(
+            out,
+            "{},{},{},{:.4},{:.4},{:.4},{},{},{},{},{},{},\"{}\"",
+            r.workload,
+            r.config,
+            r.size,
+            m.median_ms,
+            m.p10_ms,
+            m.p90_ms,
+            fmt_opt(r.speedup, 3),
+            fmt_opt(m.tflops, 2),
+            fmt_opt(r.percent_of_peak, 1),
+            m.peak_memory_bytes.map_or(String::new(), |b| b.to_string()),
+            m.graphed,
+            fmt_opt(m.final_loss, 5),
+            device
+        );
+    }
+    out
+}
+
+/// A grouped bar chart of the speedup of every config over the first, per workload.
+pub fn render_svg(report: &RunReport) -> String {
+    let mut workloads: Vec<&str> = Vec::new();
+    let mut configs: Vec<&str> = Vec::new();
+    for r in &report.rows {
+        if !workloads.contains(&r.workload.as_str()) {
+            workloads.push(&r.workload);
+        }
+        if !configs.contains(&r.config.as_str()) {
+            configs.push(&r.config);
+        }
+    }
+    let speedup = |w: &str, c: &str| {
+        report.rows.iter().find(|r| r.workload == w && r.config == c).and_then(|r| r.speedup).unwrap_or(0.0)
+    };
+    let max = report.rows.iter().filter_map(|r| r.speedup).fold(1.0f64, f64::max);
+    let (bar_w, gap, left, top, height) = (22.0, 26.0, 60.0, 40.0, 260.0);
+    let group_w = configs.len() as f64 * bar_w + gap;
+    let width = left + workloads.len() as f64 * group_w + 160.0;
+    let colors = ["#8c8c8c", "#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948"];
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{:.0}" font-family="sans-serif" font-size="12">"#,
+        top + height + 60.0
+    );
+    let gpu = report.environment.primary_gpu().map_or("CPU".to_string(), |g| g.name.clone());
+    let _ = writeln!(s, r#"<text x="{left}" y="20" font-size="14">speedup over {} per workload — {gpu}</text>"#, configs.first().unwrap_or(&"-"));
+    let y_of = |v: f64| top + height - v / max * height;
+    for tick in 0..=(max.ceil() as usize) {
+        let y = y_of(tick as f64);
+        let _ = writeln!(s, r##"<line x1="{left}" x2="{:.0}" y1="{y:.1}" y2="{y:.1}" stroke="#ddd"/><text x="{:.0}" y="{:.1}" text-anchor="end">{tick}x</text>"##, width - 150.0, left - 6.0, y + 4.0);
+    }
+    for (wi, w) in workloads.iter().enumerate() {
+        let x0 = left + wi as f64 * group_w + gap / 2.0;
+        for (ci, c) in configs.iter().enumerate() {
+            let v = speedup(w, c);
+            let (x, y) = (x0 + ci as f64 * bar_w, y_of(v));
+            let _ = writeln!(
+                s,
+                r#"<rect x="{x:.1}" y="{y:.1}" width="{:.1}" height="{:.1}" fill="{}"><title>{w} {c}: {v:.2}x</title></rect><text x="{:.1}" y="{:.1}" font-size="9" text-anchor="middle">{v:.1}</text>"#,
+                bar_w - 2.0,
+                top + height - y,
+                colors[ci % colors.len()],
+                x + bar_w / 2.0 - 1.0,
+                y - 3.0
+            );
+        }
+        let _ = writeln!(s, r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{w}</text>"#, x0 + configs.len() as f64 * bar_w / 2.0, top + height + 18.0);
+    }
+    for (ci, c) in configs.iter().enumerate() {
+        let y = top + 10.0 + ci as f64 * 18.0;
+        let x = width - 140.0;
+        let _ = writeln!(s, r#"<rect x="{x:.0}" y="{:.0}" width="12" height="12" fill="{}"/><text x="{:.0}" y="{:.0}">{c}</text>"#, y - 10.0, colors[ci % colors.len()], x + 18.0, y);
+    }
+    s.push_str("</svg>\n");
+    s
+}

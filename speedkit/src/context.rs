@@ -1,0 +1,181 @@
+//! [`SpeedContext`]: what a training loop holds while speedkit's settings are in force.
+
+use std::cell::RefCell;
+use tch::{nn::VarStore, Device, Tensor};
+
+use crate::amp::{AutocastGuard, GradScaler, ScaledOptimizer};
+use crate::config::SpeedConfig;
+use crate::error::Result;
+use crate::ffi;
+use crate::flags::{FlagGuard, FlagState};
+use crate::hardware::Hardware;
+use crate::optim::{AdamW, AdamWOptimizer};
+use crate::plan::Plan;
+use crate::report::Audit;
+
+/// Detects the hardware, resolves `config` into a [`Plan`], applies its flags (restored when the
+/// returned context drops), and prepares the model's parameters: moved to the plan's device, conv
+/// weights in channels-last when the plan says so.
+///
+/// ```
+/// use speedkit::{apply_speedups, optim::AdamW, SpeedConfig};
+/// use tch::{nn, nn::Module, Device, Kind, Tensor};
+/// let mut vs = nn::VarStore::new(Device::Cpu);
+/// let model = nn::linear(vs.root(), 8, 4, Default::default());
+/// let config = SpeedConfig::from_yaml_str("device: cpu\nprecision: bf16\n")?;
+/// let ctx = apply_speedups(&mut vs, &config)?;
+/// let mut opt = ctx.adamw(&vs, AdamW { lr: 3e-4, wd: 0.1, ..Default::default() })?;
+/// let x = Tensor::randn([16, 8], (Kind::Float, ctx.device()));
+/// let loss = ctx.autocast(|| model.forward(&x).square().mean(None));
+/// ctx.backward_step(&loss, &mut opt)?;
+/// println!("{}", ctx.audit());
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn apply_speedups(vs: &mut VarStore, config: &SpeedConfig) -> Result<SpeedContext> {
+    let ctx = SpeedContext::new(config)?;
+    ctx.prepare(vs)?;
+    Ok(ctx)
+}
+
+/// Owns the [`FlagGuard`] (flags restored when the context drops, also during a panic), the resolved
+/// [`Plan`] with its reasons, the autocast dtype and the [`GradScaler`]. Not `Send`: PyTorch's flags
+/// are process-global and autocast state is per thread (see [`crate::flags`]).
+pub struct SpeedContext {
+    config: SpeedConfig,
+    hardware: Hardware,
+    plan: Plan,
+    scaler: GradScaler,
+    notes: RefCell<Vec<String>>,
+    // Declared last so it drops last: everything above may still use the flags while dropping.
+    guard: FlagGuard,
+}
+
+impl SpeedContext {
+    /// Detects this machine and applies `config` (no model preparation; see [`apply_speedups`]).
+    pub fn new(config: &SpeedConfig) -> Result<Self> {
+        Self::with_hardware(config, Hardware::detect()?)
+    }
+
+    /// Applies `config` as planned for `hardware` (a detected or simulated snapshot).
+    pub fn with_hardware(config: &SpeedConfig, hardware: Hardware) -> Result<Self> {
+        let plan = Plan::resolve(config, &hardware)?;
+        let guard = FlagGuard::apply(&plan.flag_settings())?;
+        let scaler = GradScaler::new(plan.grad_scaler.clone(), plan.device)?;
+        Ok(Self { config: config.clone(), hardware, plan, scaler, notes: RefCell::default(), guard })
+    }
+
+    /// Moves `vs` to the plan's device and lays conv weights out channels-last if the plan says so.
+    pub fn prepare(&self, vs: &mut VarStore) -> Result<()> {
+        if vs.device() != self.plan.device {
+            vs.set_device(self.plan.device);
+            self.note(format!("parameters moved to {}", crate::plan::device_name(self.plan.device)));
+        }
+        if self.plan.channels_last {
+            let conv_weights: Vec<Tensor> = vs.trainable_variables().into_iter().filter(|t| t.dim() == 4).collect();
+            for w in &conv_weights {
+                ffi::to_channels_last_(w)?;
+            }
+            if !conv_weights.is_empty() {
+                self.note(format!("{} conv weight(s) laid out channels-last", conv_weights.len()));
+            }
+        }
+        Ok(())
+    }
+
+    /// The configuration this context was built from.
+    pub fn config(&self) -> &SpeedConfig {
+        &self.config
+    }
+
+    /// The hardware snapshot it planned for.
+    pub fn hardware(&self) -> &Hardware {
+        &self.hardware
+    }
+
+    /// The resolved plan, each decision with its reason.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// Where training runs.
+    pub fn device(&self) -> Device {
+        self.plan.device
+    }
+
+    /// The GradScaler (pass-through unless the plan uses fp16 or the config enables it).
+    pub fn grad_scaler(&self) -> &GradScaler {
+        &self.scaler
+    }
+
+    /// An autocast scope in the plan's dtype on the plan's device; does nothing for fp32 plans.
+    pub fn autocast_scope(&self) -> AutocastGuard {
+        match self.plan.precision.autocast_kind() {
+            None => AutocastGuard::disabled(),
+            Some(kind) => match AutocastGuard::enter(self.plan.device, kind) {
+                Ok(guard) => guard,
+                Err(e) => {
+                    // The dtype and device were validated when planning; this is a libtorch fault.
+                    self.note(format!("autocast could not be entered, ran in fp32: {e}"));
+                    AutocastGuard::disabled()
+                }
+            },
+        }
+    }
+
+    /// Runs `f` (the forward pass and loss) under autocast; restores the autocast state afterwards,
+    /// also if `f` panics.
+    pub fn autocast<T>(&self, f: impl FnOnce() -> T) -> T {
+        let _scope = self.autocast_scope();
+        f()
+    }
+
+    /// AdamW over `vs`'s trainable variables, fused or multi-tensor as the plan says.
+    pub fn adamw(&self, vs: &VarStore, config: AdamW) -> Result<AdamWOptimizer> {
+        AdamWOptimizer::new(vs, config, self.plan.fused_optimizer)
+    }
+
+    /// `loss.backward()`, scaled by the GradScaler when the plan has one.
+    pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        Ok(self.scaler.scale(loss)?.f_backward()?)
+    }
+
+    /// The optimizer step through the GradScaler (skipped on inf/NaN gradients), then the scale update.
+    pub fn step<O: ScaledOptimizer + ?Sized>(&self, opt: &mut O) -> Result<()> {
+        self.scaler.step(opt)?;
+        self.scaler.update()
+    }
+
+    /// zero_grad → scale → backward → unscale/inf-check → step → update.
+    pub fn backward_step<O: ScaledOptimizer + ?Sized>(&self, loss: &Tensor, opt: &mut O) -> Result<()> {
+        opt.zero_gradients()?;
+        self.backward(loss)?;
+        self.step(opt)
+    }
+
+    /// What speedkit decided and changed, with reasons.
+    pub fn audit(&self) -> Audit {
+        Audit {
+            hardware: self.hardware.clone(),
+            decisions: self.plan.decisions.clone(),
+            flag_changes: self.guard.changes().to_vec(),
+            notes: self.notes.borrow().clone(),
+        }
+    }
+
+    /// Records something speedkit did that the audit should show.
+    pub(crate) fn note(&self, text: impl Into<String>) {
+        self.notes.borrow_mut().push(text.into());
+    }
+
+    /// Restores the flags now and returns the state read back (equal to the state before).
+    pub fn restore(self) -> Result<FlagState> {
+        let SpeedContext { guard, .. } = self;
+        guard.restore()
+    }
+}
+
+impl std::fmt::Debug for SpeedContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpeedContext").field("plan", &self.plan).field("guard", &self.guard).finish()
+    }
+}

@@ -1,0 +1,54 @@
+//! speedkit's error type.
+
+use crate::config::ConfigError;
+
+/// Everything that can go wrong in speedkit, each with a message that says what to do.
+///
+/// ```
+/// use speedkit::SpeedkitError;
+/// let e = SpeedkitError::Unsupported("fp8 needs SM >= 8.9".into());
+/// assert!(e.to_string().contains("SM >= 8.9"));
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SpeedkitError {
+    /// The speed config could not be read or is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// libtorch raised an error (the first line of its message).
+    #[error("libtorch: {0}")]
+    Torch(String),
+    /// The config asks for something this machine cannot do.
+    #[error("{0}")]
+    Unsupported(String),
+    /// An API was used in a way that cannot work (e.g. `unscale` twice in one step).
+    #[error("{0}")]
+    Misuse(String),
+    /// Flags could not be put back as they were.
+    #[error("flags not restored: {0}")]
+    Restore(String),
+    /// A graph could not be captured or replayed.
+    #[error("graph capture: {0}")]
+    Graph(String),
+    /// Reading or writing a file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The cause.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl From<tch::TchError> for SpeedkitError {
+    fn from(e: tch::TchError) -> Self {
+        let text = e.to_string();
+        // tch appends libtorch's C++ backtrace; the first lines say what went wrong.
+        let first = text.split("\nException raised from").next().unwrap_or(&text);
+        SpeedkitError::Torch(first.trim().to_owned())
+    }
+}
+
+/// `Result` with [`SpeedkitError`].
+pub type Result<T, E = SpeedkitError> = std::result::Result<T, E>;

@@ -1,0 +1,510 @@
+//! The whole FFI surface of speedkit: the C ABI of `shim/speedkit_shim.cpp`, and thin safe wrappers
+//! that turn its status codes into [`SpeedkitError::Torch`].
+//!
+//! Nothing outside this module calls into C++. Every shim function catches C++ exceptions, so a
+//! failure here is an ordinary `Err`, never an abort.
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::ptr;
+
+use tch::Tensor;
+use torch_sys::C_tensor;
+
+use crate::error::SpeedkitError;
+
+#[repr(C)]
+pub(crate) struct RawVersions {
+    pub torch_major: c_int,
+    pub torch_minor: c_int,
+    pub torch_patch: c_int,
+    pub built_with_cuda: c_int,
+    pub cuda_runtime: i64,
+    pub cudnn: i64,
+}
+
+#[repr(C)]
+pub(crate) struct RawDeviceProps {
+    pub name: [c_char; 256],
+    pub major: c_int,
+    pub minor: c_int,
+    pub multiprocessors: c_int,
+    pub total_memory: i64,
+    pub l2_cache_bytes: i64,
+}
+
+extern "C" {
+    fn sk_last_error() -> *const c_char;
+
+    fn sk_flag_get_bool(flag: c_int, out: *mut c_int) -> c_int;
+    fn sk_flag_set_bool(flag: c_int, value: c_int) -> c_int;
+    fn sk_matmul_precision_get(out: *mut c_int) -> c_int;
+    fn sk_matmul_precision_set(value: c_int) -> c_int;
+
+    fn sk_autocast_get(device_type: c_int, enabled: *mut c_int, dtype: *mut c_int) -> c_int;
+    fn sk_autocast_set(device_type: c_int, enabled: c_int, dtype: c_int) -> c_int;
+    fn sk_autocast_increment_nesting(depth: *mut c_int) -> c_int;
+    fn sk_autocast_decrement_nesting(depth: *mut c_int) -> c_int;
+    fn sk_autocast_clear_cache() -> c_int;
+
+    fn sk_versions_get(out: *mut RawVersions) -> c_int;
+    fn sk_cuda_device_count(out: *mut c_int) -> c_int;
+    fn sk_cuda_device_props(index: c_int, out: *mut RawDeviceProps) -> c_int;
+    fn sk_cuda_memory_stats(
+        index: c_int,
+        allocated: *mut i64,
+        peak: *mut i64,
+        reserved: *mut i64,
+    ) -> c_int;
+    fn sk_cuda_reset_peak_memory(index: c_int) -> c_int;
+
+    fn sk_cuda_event_new(out: *mut *mut c_void) -> c_int;
+    fn sk_cuda_event_record(event: *mut c_void) -> c_int;
+    fn sk_cuda_event_elapsed_ms(start: *mut c_void, end: *mut c_void, out: *mut f64) -> c_int;
+    fn sk_cuda_event_free(event: *mut c_void);
+    fn sk_cuda_synchronize(index: c_int) -> c_int;
+    fn sk_cuda_side_stream_enter(index: c_int, out: *mut *mut c_void) -> c_int;
+    fn sk_cuda_side_stream_exit(handle: *mut c_void) -> c_int;
+
+    fn sk_cuda_graph_pool_handle(first: *mut u64, second: *mut u64) -> c_int;
+    fn sk_cuda_graph_new(out: *mut *mut c_void) -> c_int;
+    fn sk_cuda_graph_capture_begin(graph: *mut c_void, pool_first: u64, pool_second: u64)
+        -> c_int;
+    fn sk_cuda_graph_capture_end(graph: *mut c_void) -> c_int;
+    fn sk_cuda_graph_replay(graph: *mut c_void) -> c_int;
+    fn sk_cuda_graph_free(graph: *mut c_void);
+
+    fn sk_amp_unscale_(
+        grads: *const *mut C_tensor,
+        n: i64,
+        found_inf: *mut C_tensor,
+        inv_scale: *mut C_tensor,
+    ) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn sk_fused_adamw_(
+        params: *const *mut C_tensor,
+        grads: *const *mut C_tensor,
+        exp_avgs: *const *mut C_tensor,
+        exp_avg_sqs: *const *mut C_tensor,
+        steps: *const *mut C_tensor,
+        n: i64,
+        lr: *mut C_tensor,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        grad_scale: *mut C_tensor,
+        found_inf: *mut C_tensor,
+    ) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn sk_foreach_adamw_(
+        params: *const *mut C_tensor,
+        grads: *const *mut C_tensor,
+        exp_avgs: *const *mut C_tensor,
+        exp_avg_sqs: *const *mut C_tensor,
+        steps: *const *mut C_tensor,
+        n: i64,
+        lr: *mut C_tensor,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+    ) -> c_int;
+    fn sk_foreach_zero_(tensors: *const *mut C_tensor, n: i64) -> c_int;
+    fn sk_foreach_norm(tensors: *const *mut C_tensor, n: i64, ord: f64, out: *mut *mut C_tensor)
+        -> c_int;
+    fn sk_foreach_mul_scalar_tensor_(
+        tensors: *const *mut C_tensor,
+        n: i64,
+        factor: *mut C_tensor,
+    ) -> c_int;
+    fn sk_to_channels_last_(tensor: *mut C_tensor) -> c_int;
+    fn sk_is_channels_last(tensor: *mut C_tensor, out: *mut c_int) -> c_int;
+}
+
+/// Turns a shim status into a `Result`, fetching the C++ message on failure.
+fn check(status: c_int) -> Result<(), SpeedkitError> {
+    if status == 0 {
+        return Ok(());
+    }
+    // SAFETY: the shim returns a pointer into its thread-local error string, valid until the next
+    // failing call on this thread; we copy it out at once.
+    let message = unsafe { CStr::from_ptr(sk_last_error()) }.to_string_lossy().into_owned();
+    Err(SpeedkitError::Torch(message))
+}
+
+/// The shim's handles for tensors (`at::Tensor*`), borrowed for the duration of one call. The shim
+/// only reads or mutates the tensors in place; it never frees a handle it did not allocate.
+fn handles(tensors: &[Tensor]) -> Vec<*mut C_tensor> {
+    tensors.iter().map(|t| t.as_ptr() as *mut C_tensor).collect()
+}
+
+fn handle(tensor: &Tensor) -> *mut C_tensor {
+    tensor.as_ptr() as *mut C_tensor
+}
+
+// ----- flags -------------------------------------------------------------------------------------
+
+pub(crate) fn flag_get_bool(id: i32) -> Result<bool, SpeedkitError> {
+    let mut out = 0;
+    // SAFETY: `out` is a valid pointer for the call.
+    check(unsafe { sk_flag_get_bool(id, &mut out) })?;
+    Ok(out != 0)
+}
+
+pub(crate) fn flag_set_bool(id: i32, value: bool) -> Result<(), SpeedkitError> {
+    // SAFETY: plain values only.
+    check(unsafe { sk_flag_set_bool(id, c_int::from(value)) })
+}
+
+/// 0 = highest, 1 = high, 2 = medium.
+pub(crate) fn matmul_precision_get() -> Result<i32, SpeedkitError> {
+    let mut out = 0;
+    // SAFETY: `out` is a valid pointer for the call.
+    check(unsafe { sk_matmul_precision_get(&mut out) })?;
+    Ok(out)
+}
+
+pub(crate) fn matmul_precision_set(value: i32) -> Result<(), SpeedkitError> {
+    // SAFETY: plain values only; the shim range-checks.
+    check(unsafe { sk_matmul_precision_set(value) })
+}
+
+// ----- autocast ----------------------------------------------------------------------------------
+
+/// (enabled, ScalarType code) for a c10::DeviceType code.
+pub(crate) fn autocast_get(device_type: i32) -> Result<(bool, i32), SpeedkitError> {
+    let (mut enabled, mut dtype) = (0, 0);
+    // SAFETY: both out-pointers are valid for the call.
+    check(unsafe { sk_autocast_get(device_type, &mut enabled, &mut dtype) })?;
+    Ok((enabled != 0, dtype))
+}
+
+pub(crate) fn autocast_set(device_type: i32, enabled: bool, dtype: i32) -> Result<(), SpeedkitError> {
+    // SAFETY: plain values only.
+    check(unsafe { sk_autocast_set(device_type, c_int::from(enabled), dtype) })
+}
+
+pub(crate) fn autocast_increment_nesting() -> Result<i32, SpeedkitError> {
+    let mut depth = 0;
+    // SAFETY: `depth` is valid for the call.
+    check(unsafe { sk_autocast_increment_nesting(&mut depth) })?;
+    Ok(depth)
+}
+
+pub(crate) fn autocast_decrement_nesting() -> Result<i32, SpeedkitError> {
+    let mut depth = 0;
+    // SAFETY: `depth` is valid for the call.
+    check(unsafe { sk_autocast_decrement_nesting(&mut depth) })?;
+    Ok(depth)
+}
+
+pub(crate) fn autocast_clear_cache() -> Result<(), SpeedkitError> {
+    // SAFETY: no arguments.
+    check(unsafe { sk_autocast_clear_cache() })
+}
+
+// ----- versions, devices, memory -----------------------------------------------------------------
+
+pub(crate) fn versions() -> Result<RawVersions, SpeedkitError> {
+    let mut out = RawVersions {
+        torch_major: 0,
+        torch_minor: 0,
+        torch_patch: 0,
+        built_with_cuda: 0,
+        cuda_runtime: 0,
+        cudnn: 0,
+    };
+    // SAFETY: `out` is a valid, correctly laid out struct (repr(C), mirrors sk_versions).
+    check(unsafe { sk_versions_get(&mut out) })?;
+    Ok(out)
+}
+
+pub(crate) fn cuda_device_count() -> Result<usize, SpeedkitError> {
+    let mut out = 0;
+    // SAFETY: `out` is valid for the call.
+    check(unsafe { sk_cuda_device_count(&mut out) })?;
+    Ok(usize::try_from(out).unwrap_or(0))
+}
+
+pub(crate) fn cuda_device_props(index: usize) -> Result<RawDeviceProps, SpeedkitError> {
+    let mut out = RawDeviceProps {
+        name: [0; 256],
+        major: 0,
+        minor: 0,
+        multiprocessors: 0,
+        total_memory: 0,
+        l2_cache_bytes: 0,
+    };
+    let index = c_int::try_from(index).map_err(|_| SpeedkitError::Torch("bad device index".into()))?;
+    // SAFETY: `out` mirrors sk_device_props; the shim NUL-terminates `name`.
+    check(unsafe { sk_cuda_device_props(index, &mut out) })?;
+    Ok(out)
+}
+
+/// (allocated, peak allocated since reset, reserved) bytes of the caching allocator.
+pub(crate) fn cuda_memory_stats(index: usize) -> Result<(u64, u64, u64), SpeedkitError> {
+    let (mut allocated, mut peak, mut reserved) = (0i64, 0i64, 0i64);
+    // SAFETY: out-pointers valid for the call.
+    check(unsafe { sk_cuda_memory_stats(index as c_int, &mut allocated, &mut peak, &mut reserved) })?;
+    Ok((allocated.max(0) as u64, peak.max(0) as u64, reserved.max(0) as u64))
+}
+
+pub(crate) fn cuda_reset_peak_memory(index: usize) -> Result<(), SpeedkitError> {
+    // SAFETY: plain value.
+    check(unsafe { sk_cuda_reset_peak_memory(index as c_int) })
+}
+
+pub(crate) fn cuda_synchronize(index: usize) -> Result<(), SpeedkitError> {
+    // SAFETY: plain value.
+    check(unsafe { sk_cuda_synchronize(index as c_int) })
+}
+
+// ----- owned CUDA objects ------------------------------------------------------------------------
+
+/// A CUDA event with timing enabled, recorded on the current stream.
+pub(crate) struct CudaEvent(*mut c_void);
+
+impl CudaEvent {
+    pub(crate) fn new() -> Result<Self, SpeedkitError> {
+        let mut raw = ptr::null_mut();
+        // SAFETY: `raw` receives a heap object we own and free in Drop.
+        check(unsafe { sk_cuda_event_new(&mut raw) })?;
+        Ok(Self(raw))
+    }
+
+    pub(crate) fn record(&self) -> Result<(), SpeedkitError> {
+        // SAFETY: self.0 is a live event created by sk_cuda_event_new.
+        check(unsafe { sk_cuda_event_record(self.0) })
+    }
+
+    /// Milliseconds between `self` and `end` (waits for `end` to complete).
+    pub(crate) fn elapsed_ms(&self, end: &CudaEvent) -> Result<f64, SpeedkitError> {
+        let mut out = 0.0;
+        // SAFETY: both events are live; `out` valid.
+        check(unsafe { sk_cuda_event_elapsed_ms(self.0, end.0, &mut out) })?;
+        Ok(out)
+    }
+}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        // SAFETY: created by sk_cuda_event_new, freed exactly once.
+        unsafe { sk_cuda_event_free(self.0) }
+    }
+}
+
+/// A side stream made current until [`SideStream::exit`] (or drop): ordered after the work already
+/// queued, and the previous stream waits for it on exit.
+pub(crate) struct SideStream(*mut c_void);
+
+impl SideStream {
+    pub(crate) fn enter(device_index: usize) -> Result<Self, SpeedkitError> {
+        let mut raw = ptr::null_mut();
+        // SAFETY: `raw` receives a heap object freed by sk_cuda_side_stream_exit.
+        check(unsafe { sk_cuda_side_stream_enter(device_index as c_int, &mut raw) })?;
+        Ok(Self(raw))
+    }
+
+    pub(crate) fn exit(mut self) -> Result<(), SpeedkitError> {
+        let raw = std::mem::replace(&mut self.0, ptr::null_mut());
+        // SAFETY: raw came from sk_cuda_side_stream_enter; exit frees it.
+        check(unsafe { sk_cuda_side_stream_exit(raw) })
+    }
+}
+
+impl Drop for SideStream {
+    fn drop(&mut self) {
+        if !self.0.is_null() {
+            // SAFETY: as in `exit`; on this path (unwinding) the status has no one to go to.
+            let _ = unsafe { sk_cuda_side_stream_exit(self.0) };
+        }
+    }
+}
+
+/// Identifies a memory pool of the caching allocator shared by several graphs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GraphPool(u64, u64);
+
+impl GraphPool {
+    pub(crate) fn new() -> Result<Self, SpeedkitError> {
+        let (mut a, mut b) = (0, 0);
+        // SAFETY: out-pointers valid for the call.
+        check(unsafe { sk_cuda_graph_pool_handle(&mut a, &mut b) })?;
+        Ok(Self(a, b))
+    }
+}
+
+/// An `at::cuda::CUDAGraph`.
+pub(crate) struct CudaGraph(*mut c_void);
+
+impl CudaGraph {
+    pub(crate) fn new() -> Result<Self, SpeedkitError> {
+        let mut raw = ptr::null_mut();
+        // SAFETY: `raw` receives a heap object we own and free in Drop.
+        check(unsafe { sk_cuda_graph_new(&mut raw) })?;
+        Ok(Self(raw))
+    }
+
+    pub(crate) fn capture_begin(&mut self, pool: GraphPool) -> Result<(), SpeedkitError> {
+        // SAFETY: live graph.
+        check(unsafe { sk_cuda_graph_capture_begin(self.0, pool.0, pool.1) })
+    }
+
+    pub(crate) fn capture_end(&mut self) -> Result<(), SpeedkitError> {
+        // SAFETY: live graph.
+        check(unsafe { sk_cuda_graph_capture_end(self.0) })
+    }
+
+    pub(crate) fn replay(&self) -> Result<(), SpeedkitError> {
+        // SAFETY: live graph.
+        check(unsafe { sk_cuda_graph_replay(self.0) })
+    }
+}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        // SAFETY: created by sk_cuda_graph_new, freed exactly once.
+        unsafe { sk_cuda_graph_free(self.0) }
+    }
+}
+
+// ----- tensor-list ops ---------------------------------------------------------------------------
+
+pub(crate) fn amp_unscale_(
+    grads: &[Tensor],
+    found_inf: &Tensor,
+    inv_scale: &Tensor,
+) -> Result<(), SpeedkitError> {
+    let g = handles(grads);
+    // SAFETY: every handle is a live tensor borrowed for the call.
+    check(unsafe {
+        sk_amp_unscale_(g.as_ptr(), g.len() as i64, handle(found_inf), handle(inv_scale))
+    })
+}
+
+/// Borrowed tensor lists of one AdamW bucket (same device and dtype).
+pub(crate) struct AdamWLists<'a> {
+    pub params: &'a [Tensor],
+    pub grads: &'a [Tensor],
+    pub exp_avgs: &'a [Tensor],
+    pub exp_avg_sqs: &'a [Tensor],
+    pub steps: &'a [Tensor],
+}
+
+/// Hyper-parameters of one AdamW update.
+pub(crate) struct AdamWHyper<'a> {
+    pub lr: &'a Tensor,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub weight_decay: f64,
+    pub eps: f64,
+}
+
+fn check_lists(l: &AdamWLists<'_>) -> Result<usize, SpeedkitError> {
+    let n = l.params.len();
+    if [l.grads.len(), l.exp_avgs.len(), l.exp_avg_sqs.len(), l.steps.len()]
+        .iter()
+        .any(|&len| len != n)
+    {
+        return Err(SpeedkitError::Torch("AdamW tensor lists differ in length".into()));
+    }
+    Ok(n)
+}
+
+pub(crate) fn fused_adamw_(
+    lists: &AdamWLists<'_>,
+    hyper: &AdamWHyper<'_>,
+    grad_scale: Option<&Tensor>,
+    found_inf: Option<&Tensor>,
+) -> Result<(), SpeedkitError> {
+    let n = check_lists(lists)?;
+    let (p, g, m, v, s) = (
+        handles(lists.params),
+        handles(lists.grads),
+        handles(lists.exp_avgs),
+        handles(lists.exp_avg_sqs),
+        handles(lists.steps),
+    );
+    // SAFETY: all lists have n live handles; optional tensors are null or live.
+    check(unsafe {
+        sk_fused_adamw_(
+            p.as_ptr(),
+            g.as_ptr(),
+            m.as_ptr(),
+            v.as_ptr(),
+            s.as_ptr(),
+            n as i64,
+            handle(hyper.lr),
+            hyper.beta1,
+            hyper.beta2,
+            hyper.weight_decay,
+            hyper.eps,
+            grad_scale.map_or(ptr::null_mut(), handle),
+            found_inf.map_or(ptr::null_mut(), handle),
+        )
+    })
+}
+
+pub(crate) fn foreach_adamw_(
+    lists: &AdamWLists<'_>,
+    hyper: &AdamWHyper<'_>,
+) -> Result<(), SpeedkitError> {
+    let n = check_lists(lists)?;
+    let (p, g, m, v, s) = (
+        handles(lists.params),
+        handles(lists.grads),
+        handles(lists.exp_avgs),
+        handles(lists.exp_avg_sqs),
+        handles(lists.steps),
+    );
+    // SAFETY: all lists have n live handles.
+    check(unsafe {
+        sk_foreach_adamw_(
+            p.as_ptr(),
+            g.as_ptr(),
+            m.as_ptr(),
+            v.as_ptr(),
+            s.as_ptr(),
+            n as i64,
+            handle(hyper.lr),
+            hyper.beta1,
+            hyper.beta2,
+            hyper.weight_decay,
+            hyper.eps,
+        )
+    })
+}
+
+pub(crate) fn foreach_zero_(tensors: &[Tensor]) -> Result<(), SpeedkitError> {
+    let t = handles(tensors);
+    // SAFETY: live handles for the call.
+    check(unsafe { sk_foreach_zero_(t.as_ptr(), t.len() as i64) })
+}
+
+/// The `ord`-norm of all tensors together (as `torch.nn.utils.clip_grad_norm_` computes it).
+pub(crate) fn foreach_total_norm(tensors: &[Tensor], ord: f64) -> Result<Tensor, SpeedkitError> {
+    let t = handles(tensors);
+    let mut out = ptr::null_mut();
+    // SAFETY: live handles; `out` receives a new tensor that we wrap and own.
+    check(unsafe { sk_foreach_norm(t.as_ptr(), t.len() as i64, ord, &mut out) })?;
+    // SAFETY: `out` is a fresh heap `at::Tensor*` from the shim.
+    Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+pub(crate) fn foreach_mul_(tensors: &[Tensor], factor: &Tensor) -> Result<(), SpeedkitError> {
+    let t = handles(tensors);
+    // SAFETY: live handles for the call.
+    check(unsafe { sk_foreach_mul_scalar_tensor_(t.as_ptr(), t.len() as i64, handle(factor)) })
+}
+
+pub(crate) fn to_channels_last_(tensor: &Tensor) -> Result<(), SpeedkitError> {
+    // SAFETY: live handle; set_data keeps the same parameter object.
+    check(unsafe { sk_to_channels_last_(handle(tensor)) })
+}
+
+pub(crate) fn is_channels_last(tensor: &Tensor) -> Result<bool, SpeedkitError> {
+    let mut out = 0;
+    // SAFETY: live handle, valid out-pointer.
+    check(unsafe { sk_is_channels_last(handle(tensor), &mut out) })?;
+    Ok(out != 0)
+}

@@ -1,0 +1,230 @@
+//! Graph mode: capture a whole training step — forward, backward, GradScaler and optimizer — as one
+//! CUDA graph and replay it, which removes the per-kernel launch cost (what `torch.compile`'s
+//! `reduce-overhead` mode does for forward/backward only).
+//!
+//! A [`GraphedStep`] runs its closure eagerly for the first `compile.warmup_steps` calls of each input
+//! signature (on a side stream, so cuDNN/cuBLAS autotuning and lazy allocations happen outside the
+//! capture), captures the next call into a CUDA graph in a memory pool shared by all of its graphs,
+//! and replays that graph afterwards. Every call is exactly one training step, eager or replayed.
+//!
+//! Inputs are copied into static buffers before each replay; the returned tensor (the loss) is a
+//! static output of the graph, valid until the next call. A new input shape, dtype or device is a new
+//! signature: captured anew, up to `compile.max_graphs` graphs (the least recently used is evicted).
+//! Anything the capture cannot take (a host synchronisation such as `.item()`, a CPU tensor, data-
+//! dependent control flow) makes the step fall back to eager for good, with the reason in the audit;
+//! never a wrong result. Change the parameter set (a new optimizer, frozen layers)? Call
+//! [`GraphedStep::invalidate`].
+//!
+//! Capture-safe building blocks in speedkit: [`AdamWOptimizer`](crate::optim::AdamWOptimizer) (step
+//! count and lr on the device), the [`GradScaler`](crate::amp::GradScaler) with the fused optimizer
+//! (device-side inf check, skip and scale update), autocast. Optimizers that decide on the host (tch's
+//! `nn::Optimizer` under a GradScaler) synchronise and therefore fall back.
+
+use tch::{Device, Kind, Tensor};
+
+use crate::error::Result;
+use crate::ffi::{self, CudaGraph, GraphPool, SideStream};
+use crate::SpeedContext;
+
+type Signature = Vec<(Vec<i64>, Kind, Device)>;
+
+struct Entry {
+    signature: Signature,
+    eager_runs: usize,
+    graph: Option<CudaGraph>,
+    static_inputs: Vec<Tensor>,
+    output: Option<Tensor>,
+    last_used: u64,
+}
+
+/// A training step run as a replayed CUDA graph when the plan enables graphs (see the
+/// [module docs](self)); a plain call otherwise.
+pub struct GraphedStep<'c, F> {
+    ctx: &'c SpeedContext,
+    step: F,
+    enabled: bool,
+    pool: Option<GraphPool>,
+    entries: Vec<Entry>,
+    clock: u64,
+    fallback: Option<String>,
+}
+
+impl<'c, F> GraphedStep<'c, F>
+where
+    F: FnMut(&[Tensor]) -> Result<Option<Tensor>>,
+{
+    /// Wraps `step`, which receives the (static) input tensors and returns the loss.
+    pub fn new(ctx: &'c SpeedContext, step: F) -> Self {
+        let enabled = ctx.plan().compile_graphs && ctx.plan().cuda_index().is_some();
+        Self { ctx, step, enabled, pool: None, entries: Vec::new(), clock: 0, fallback: None }
+    }
+
+    /// Whether the last call replayed a graph.
+    pub fn is_graphed(&self) -> bool {
+        self.fallback.is_none() && self.entries.iter().any(|e| e.graph.is_some())
+    }
+
+    /// Why graphs are off for this step, if they fell back.
+    pub fn fallback_reason(&self) -> Option<&str> {
+        self.fallback.as_deref()
+    }
+
+    /// Drops every captured graph: the next calls warm up and capture again.
+    pub fn invalidate(&mut self) {
+        self.entries.clear();
+    }
+
+    /// Runs one step on `inputs`.
+    pub fn run(&mut self, inputs: &[&Tensor]) -> Result<Option<Tensor>> {
+        let Some(device_index) = self.ctx.plan().cuda_index().filter(|_| self.enabled && self.fallback.is_none()) else {
+            let owned: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
+            return (self.step)(&owned);
+        };
+        let signature: Signature = inputs.iter().map(|t| (t.size(), t.kind(), t.device())).collect();
+        if let Some((i, d)) = inputs.iter().enumerate().find(|(_, t)| t.device() != Device::Cuda(device_index)) {
+            let reason = format!("input {i} is on {:?}, not cuda:{device_index}: graphs need device-resident inputs", d.device());
+            return self.fall_back(reason, inputs);
+        }
+        self.clock += 1;
+        let index = match self.entries.iter().position(|e| e.signature == signature) {
+            Some(i) => i,
+            None => self.insert(signature),
+        };
+        let warmup = self.ctx.plan().graph_warmup_steps;
+        let entry = &mut self.entries[index];
+        entry.last_used = self.clock;
+
+        if let Some(graph) = &entry.graph {
+            for (dst, src) in entry.static_inputs.iter_mut().zip(inputs) {
+                dst.f_copy_(src)?;
+            }
+            graph.replay()?;
+            return Ok(entry.output.as_ref().map(Tensor::shallow_clone));
+        }
+        if entry.eager_runs < warmup {
+            entry.eager_runs += 1;
+            let side = SideStream::enter(device_index)?;
+            let owned: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
+            let out = (self.step)(&owned);
+            side.exit()?;
+            return out;
+        }
+        self.capture(index, device_index, inputs)
+    }
+
+    fn insert(&mut self, signature: Signature) -> usize {
+        let max = self.ctx.plan().max_graphs.max(1);
+        if self.entries.len() >= max {
+            if let Some((lru, _)) = self.entries.iter().enumerate().min_by_key(|(_, e)| e.last_used) {
+                let evicted = self.entries.remove(lru);
+                self.ctx.note(format!(
+                    "graph cache full (compile.max_graphs = {max}): evicted the graph for input shapes {:?}",
+                    evicted.signature.iter().map(|s| &s.0).collect::<Vec<_>>()
+                ));
+            }
+        }
+        self.entries.push(Entry {
+            signature,
+            eager_runs: 0,
+            graph: None,
+            static_inputs: Vec::new(),
+            output: None,
+            last_used: self.clock,
+        });
+        self.entries.len() - 1
+    }
+
+    fn capture(&mut self, index: usize, device_index: usize, inputs: &[&Tensor]) -> Result<Option<Tensor>> {
+        let pool = match self.pool {
+            Some(p) => p,
+            None => *self.pool.insert(GraphPool::new()?),
+        };
+        // Static buffers are allocated outside the capture, so they outlive every replay.
+        let static_inputs: Vec<Tensor> = inputs.iter().map(|t| t.copy()).collect();
+        ffi::cuda_synchronize(device_index)?;
+        let mut graph = CudaGraph::new()?;
+        let side = SideStream::enter(device_index)?;
+        let captured = graph.capture_begin(pool).and_then(|()| {
+            let out = (self.step)(&static_inputs);
+            // capture_end must run whatever the step did, to leave capture mode.
+            let end = graph.capture_end();
+            let out = out?;
+            end.map(|()| out)
+        });
+        side.exit()?;
+        match captured {
+            Ok(output) => {
+                let shapes: Vec<_> = static_inputs.iter().map(|t| t.size()).collect();
+                let entry = &mut self.entries[index];
+                entry.static_inputs = static_inputs;
+                entry.output = output;
+                graph.replay()?;
+                entry.graph = Some(graph);
+                self.ctx.note(format!(
+                    "training step captured as a CUDA graph (input shapes {shapes:?}) after {} eager warm-up step(s)",
+                    entry.eager_runs
+                ));
+                Ok(entry.output.as_ref().map(Tensor::shallow_clone))
+            }
+            Err(e) => {
+                drop(graph);
+                // Whatever the partial capture recorded never ran; the step runs eagerly instead.
+                ffi::cuda_synchronize(device_index)?;
+                self.ctx.grad_scaler().reset_step_state();
+                let reason = format!("the step cannot be captured ({e}); running eagerly from now on");
+                self.fall_back(reason, inputs)
+            }
+        }
+    }
+
+    fn fall_back(&mut self, reason: String, inputs: &[&Tensor]) -> Result<Option<Tensor>> {
+        self.ctx.note(format!("graphs off: {reason}"));
+        self.fallback = Some(reason);
+        self.entries.clear();
+        let owned: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
+        (self.step)(&owned)
+    }
+}
+
+/// A [`GraphedStep`] without inputs: the step closes over its (already static) data.
+pub struct CompiledStep<'c, F> {
+    inner: GraphedStep<'c, Box<dyn FnMut(&[Tensor]) -> Result<Option<Tensor>> + 'c>>,
+    _step: std::marker::PhantomData<F>,
+}
+
+impl<'c, F> CompiledStep<'c, F>
+where
+    F: FnMut() -> Result<Option<Tensor>> + 'c,
+{
+    /// Wraps `step`.
+    pub fn new(ctx: &'c SpeedContext, mut step: F) -> Self {
+        let boxed: Box<dyn FnMut(&[Tensor]) -> Result<Option<Tensor>> + 'c> = Box::new(move |_: &[Tensor]| step());
+        Self { inner: GraphedStep::new(ctx, boxed), _step: std::marker::PhantomData }
+    }
+
+    /// Runs one step.
+    pub fn run(&mut self) -> Result<Option<Tensor>> {
+        self.inner.run(&[])
+    }
+
+    /// Whether steps replay a captured graph.
+    pub fn is_graphed(&self) -> bool {
+        self.inner.is_graphed()
+    }
+
+    /// Why graphs fell back, if they did.
+    pub fn fallback_reason(&self) -> Option<&str> {
+        self.inner.fallback_reason()
+    }
+}
+
+impl SpeedContext {
+    /// Wraps a training step for graph mode: see [`GraphedStep`]. `step` gets the static copies of
+    /// the inputs passed to [`GraphedStep::run`] and returns the loss.
+    pub fn graphed<'c, F>(&'c self, step: F) -> GraphedStep<'c, F>
+    where
+        F: FnMut(&[Tensor]) -> Result<Option<Tensor>>,
+    {
+        GraphedStep::new(self, step)
+    }
+}

@@ -1,0 +1,114 @@
+//! Attention on `scaled_dot_product_attention`, with the backend chosen by PyTorch among those the
+//! `sdp_backend` flags allow.
+
+use serde::Serialize;
+use std::fmt;
+use tch::Tensor;
+
+use crate::error::{Result, SpeedkitError};
+use crate::flags::Flag;
+
+/// A scaled-dot-product-attention implementation (`torch.nn.attention.SDPBackend`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SdpBackend {
+    /// The reference implementation (materialises the attention matrix).
+    Math,
+    /// FlashAttention-2.
+    Flash,
+    /// Memory-efficient attention (xFormers-style).
+    MemEfficient,
+    /// cuDNN's fused attention.
+    Cudnn,
+    /// A backend registered by an out-of-tree device.
+    Overrideable,
+}
+
+impl fmt::Display for SdpBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            SdpBackend::Math => "math",
+            SdpBackend::Flash => "flash",
+            SdpBackend::MemEfficient => "mem_efficient",
+            SdpBackend::Cudnn => "cudnn",
+            SdpBackend::Overrideable => "overrideable",
+        })
+    }
+}
+
+fn enabled_backends() -> Result<Vec<&'static str>> {
+    let mut on = Vec::new();
+    for (flag, name) in [
+        (Flag::SdpFlash, "flash"),
+        (Flag::SdpMemEfficient, "mem_efficient"),
+        (Flag::SdpMath, "math"),
+        (Flag::SdpCudnn, "cudnn"),
+    ] {
+        if flag.get()?.as_bool() == Some(true) {
+            on.push(name);
+        }
+    }
+    Ok(on)
+}
+
+/// The backend `attention(q, k, v, causal)` would run (`torch._fused_sdp_choice`), or an error
+/// saying why none can.
+pub fn attention_backend(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<SdpBackend> {
+    let enabled = enabled_backends()?;
+    if enabled.is_empty() {
+        return Err(SpeedkitError::Unsupported(
+            "every SDPA backend is disabled (sdp_backend.flash/mem_efficient/math/cudnn are all false); \
+             enable at least one"
+                .into(),
+        ));
+    }
+    let choice = Tensor::f_internal_fused_sdp_choice(q, k, v, None::<Tensor>, 0.0, causal, None, false)?;
+    match choice {
+        0 => Ok(SdpBackend::Math),
+        1 => Ok(SdpBackend::Flash),
+        2 => Ok(SdpBackend::MemEfficient),
+        3 => Ok(SdpBackend::Cudnn),
+        4 => Ok(SdpBackend::Overrideable),
+        _ => Err(SpeedkitError::Unsupported(format!(
+            "no enabled SDPA backend ({}) supports these inputs (q {:?} {:?} on {:?}); enable \
+             sdp_backend.math, which takes any input",
+            enabled.join(", "),
+            q.size(),
+            q.kind(),
+            q.device()
+        ))),
+    }
+}
+
+/// Multi-head attention `softmax(q kᵀ / √d) v` over `[batch, heads, seq, head_dim]` tensors, causal
+/// when asked, on PyTorch's fused kernels (FlashAttention on SM ≥ 8.0 in bf16/fp16).
+///
+/// ```
+/// use tch::{Device, Kind, Tensor};
+/// let q = Tensor::randn([2, 4, 16, 8], (Kind::Float, Device::Cpu));
+/// let out = speedkit::nn::attention(&q, &q, &q, true)?;
+/// assert_eq!(out.size(), [2, 4, 16, 8]);
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
+    match Tensor::f_scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, causal, None, false) {
+        Ok(out) => Ok(out),
+        // Say which backends were allowed and why none ran, rather than libtorch's terse message.
+        Err(e) => Err(match attention_backend(q, k, v, causal) {
+            Err(why) => why,
+            Ok(_) => SpeedkitError::from(e),
+        }),
+    }
+}
+
+/// Whether `tensor` is a 4-d tensor laid out channels-last (NHWC in memory).
+///
+/// ```
+/// use tch::{Device, Kind, Tensor};
+/// let t = Tensor::zeros([2, 3, 4, 4], (Kind::Float, Device::Cpu));
+/// assert!(!speedkit::nn::is_channels_last(&t)?);
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn is_channels_last(tensor: &Tensor) -> Result<bool> {
+    crate::ffi::is_channels_last(tensor)
+}

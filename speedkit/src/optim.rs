@@ -1,0 +1,366 @@
+//! AdamW with ATen's fused kernel (`_fused_adamw_`) or the multi-tensor (`_foreach_*`) path, as
+//! `torch.optim.AdamW(fused=True)` / `(foreach=True, capturable=True)` compute it.
+//!
+//! The step counts and the learning rate are device tensors, so a step never synchronises with the
+//! host and can be captured in a CUDA graph ([`crate::graph`]); [`AdamWOptimizer::set_lr`] writes the
+//! new rate into that tensor. With the fused kernel the [`GradScaler`](crate::amp::GradScaler)'s
+//! unscale and inf-skip happen inside the same kernel.
+//!
+//! ```
+//! use speedkit::optim::{AdamW, AdamWOptimizer};
+//! use tch::{nn, nn::Module, Device, Kind, Tensor};
+//! let vs = nn::VarStore::new(Device::Cpu);
+//! let layer = nn::linear(vs.root(), 4, 2, Default::default());
+//! let mut opt = AdamWOptimizer::new(&vs, AdamW { lr: 1e-2, ..Default::default() }, false)?;
+//! let loss = layer.forward(&Tensor::ones([8, 4], (Kind::Float, Device::Cpu))).sum(None);
+//! opt.backward_step(&loss)?;
+//! assert_eq!(opt.steps_taken()?, 1);
+//! # Ok::<(), speedkit::SpeedkitError>(())
+//! ```
+
+use std::path::Path;
+use tch::{nn::VarStore, Device, Kind, Tensor};
+
+use crate::amp::ScaledOptimizer;
+use crate::error::{Result, SpeedkitError};
+use crate::ffi::{self, AdamWHyper, AdamWLists};
+
+/// AdamW hyper-parameters (PyTorch's defaults). Pass to [`crate::SpeedContext::adamw`] or
+/// [`AdamWOptimizer::new`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdamW {
+    /// Learning rate (1e-3).
+    pub lr: f64,
+    /// First-moment decay (0.9).
+    pub beta1: f64,
+    /// Second-moment decay (0.999).
+    pub beta2: f64,
+    /// Denominator epsilon (1e-8).
+    pub eps: f64,
+    /// Decoupled weight decay (0.01).
+    pub wd: f64,
+    /// Exclude biases and norm weights (every parameter with fewer than 2 dimensions) from weight
+    /// decay, as GPT-style recipes do. Off by default, as in PyTorch.
+    pub exclude_from_decay: bool,
+}
+
+impl Default for AdamW {
+    fn default() -> Self {
+        Self { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, wd: 0.01, exclude_from_decay: false }
+    }
+}
+
+/// Parameters sharing a learning rate and weight decay.
+#[derive(Debug)]
+pub struct ParamGroup {
+    /// The parameters (tensors that require grad).
+    pub params: Vec<Tensor>,
+    /// Learning rate of this group.
+    pub lr: f64,
+    /// Weight decay of this group.
+    pub weight_decay: f64,
+}
+
+/// Parameters of one device and dtype with their state: what one kernel launch updates.
+struct Bucket {
+    params: Vec<Tensor>,
+    exp_avgs: Vec<Tensor>,
+    exp_avg_sqs: Vec<Tensor>,
+    steps: Vec<Tensor>,
+    lr: Tensor,
+}
+
+struct Group {
+    lr: f64,
+    weight_decay: f64,
+    buckets: Vec<Bucket>,
+}
+
+/// The AdamW optimizer. See the [module docs](self).
+pub struct AdamWOptimizer {
+    groups: Vec<Group>,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    fused: bool,
+}
+
+impl AdamWOptimizer {
+    /// Optimizes every trainable variable of `vs`; `fused` picks `_fused_adamw_` over the foreach path.
+    pub fn new(vs: &VarStore, config: AdamW, fused: bool) -> Result<Self> {
+        let vars = vs.trainable_variables();
+        let groups = if config.exclude_from_decay {
+            let (decay, no_decay): (Vec<_>, Vec<_>) = vars.into_iter().partition(|t| t.dim() >= 2);
+            vec![
+                ParamGroup { params: decay, lr: config.lr, weight_decay: config.wd },
+                ParamGroup { params: no_decay, lr: config.lr, weight_decay: 0.0 },
+            ]
+        } else {
+            vec![ParamGroup { params: vars, lr: config.lr, weight_decay: config.wd }]
+        };
+        Self::with_groups(groups, &config, fused)
+    }
+
+    /// Optimizes explicit parameter groups; `config`'s betas and eps apply to all of them.
+    pub fn with_groups(groups: Vec<ParamGroup>, config: &AdamW, fused: bool) -> Result<Self> {
+        if !(0.0..1.0).contains(&config.beta1) || !(0.0..1.0).contains(&config.beta2) {
+            return Err(SpeedkitError::Misuse(format!(
+                "AdamW betas must be in [0, 1), got ({}, {})",
+                config.beta1, config.beta2
+            )));
+        }
+        if config.lr < 0.0 || config.eps < 0.0 || config.wd < 0.0 {
+            return Err(SpeedkitError::Misuse("AdamW lr, eps and wd must be non-negative".into()));
+        }
+        let groups = groups
+            .into_iter()
+            .map(|g| {
+                Ok(Group { lr: g.lr, weight_decay: g.weight_decay, buckets: make_buckets(g.params, g.lr)? })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { groups, beta1: config.beta1, beta2: config.beta2, eps: config.eps, fused })
+    }
+
+    /// Whether this optimizer runs the fused kernel.
+    pub fn is_fused(&self) -> bool {
+        self.fused
+    }
+
+    /// Sets the learning rate of every group (written into the device tensor: capture-safe).
+    pub fn set_lr(&mut self, lr: f64) -> Result<()> {
+        for i in 0..self.groups.len() {
+            self.set_group_lr(i, lr)?;
+        }
+        Ok(())
+    }
+
+    /// Sets the learning rate of one group.
+    pub fn set_group_lr(&mut self, group: usize, lr: f64) -> Result<()> {
+        let g = self
+            .groups
+            .get_mut(group)
+            .ok_or_else(|| SpeedkitError::Misuse(format!("no parameter group {group}")))?;
+        g.lr = lr;
+        for b in &mut g.buckets {
+            let _ = b.lr.f_fill_(lr)?;
+        }
+        Ok(())
+    }
+
+    /// The learning rate of each group.
+    pub fn lrs(&self) -> Vec<f64> {
+        self.groups.iter().map(|g| g.lr).collect()
+    }
+
+    /// Zeroes every defined gradient in place (addresses stay fixed, as graph capture needs).
+    pub fn zero_grad(&mut self) -> Result<()> {
+        let grads = self.gradients();
+        if !grads.is_empty() {
+            ffi::foreach_zero_(&grads)?;
+        }
+        Ok(())
+    }
+
+    /// One AdamW step over parameters that have gradients.
+    pub fn step(&mut self) -> Result<()> {
+        self.step_impl(None, None)
+    }
+
+    /// `zero_grad` → `loss.backward()` → `step`, as `tch::nn::Optimizer::backward_step`.
+    pub fn backward_step(&mut self, loss: &Tensor) -> Result<()> {
+        self.zero_grad()?;
+        loss.f_backward()?;
+        self.step()
+    }
+
+    /// Scales all gradients so their global 2-norm is at most `max_norm`; returns the norm before
+    /// clipping (a device tensor: no synchronisation).
+    pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<Tensor> {
+        let _no_grad = tch::no_grad_guard();
+        let grads = self.gradients();
+        if grads.is_empty() {
+            return Ok(Tensor::from(0.0f32));
+        }
+        let total = ffi::foreach_total_norm(&grads, 2.0)?;
+        let coef = (total.f_add_scalar(1e-6)?.f_reciprocal()? * max_norm).f_clamp_max(1.0)?;
+        let mut by_device: Vec<(Device, Vec<Tensor>)> = Vec::new();
+        for g in grads {
+            match by_device.iter_mut().find(|(d, _)| *d == g.device()) {
+                Some((_, list)) => list.push(g),
+                None => by_device.push((g.device(), vec![g])),
+            }
+        }
+        for (device, list) in by_device {
+            ffi::foreach_mul_(&list, &coef.f_to_device(device)?)?;
+        }
+        Ok(total)
+    }
+
+    /// Steps taken by the first parameter (a synchronisation; for logs and tests).
+    pub fn steps_taken(&self) -> Result<i64> {
+        let first = self.groups.iter().flat_map(|g| &g.buckets).flat_map(|b| &b.steps).next();
+        match first {
+            Some(s) => Ok(s.f_double_value(&[])? as i64),
+            None => Ok(0),
+        }
+    }
+
+    fn step_impl(&mut self, grad_scale: Option<&Tensor>, found_inf: Option<&Tensor>) -> Result<()> {
+        // In-place updates of leaf parameters: as torch.optim's step, outside autograd.
+        let _no_grad = tch::no_grad_guard();
+        for g in &self.groups {
+            for b in &g.buckets {
+                // Parameters without a gradient this step are skipped, as in PyTorch.
+                let mut idx = Vec::with_capacity(b.params.len());
+                let mut grads = Vec::with_capacity(b.params.len());
+                for (i, p) in b.params.iter().enumerate() {
+                    let grad = p.grad();
+                    if grad.defined() {
+                        idx.push(i);
+                        grads.push(grad);
+                    }
+                }
+                if grads.is_empty() {
+                    continue;
+                }
+                let pick = |v: &[Tensor]| -> Vec<Tensor> { idx.iter().map(|&i| v[i].shallow_clone()).collect() };
+                let (params, m, v, s);
+                let lists = if idx.len() == b.params.len() {
+                    AdamWLists { params: &b.params, grads: &grads, exp_avgs: &b.exp_avgs, exp_avg_sqs: &b.exp_avg_sqs, steps: &b.steps }
+                } else {
+                    params = pick(&b.params);
+                    m = pick(&b.exp_avgs);
+                    v = pick(&b.exp_avg_sqs);
+                    s = pick(&b.steps);
+                    AdamWLists { params: &params, grads: &grads, exp_avgs: &m, exp_avg_sqs: &v, steps: &s }
+                };
+                let hyper = AdamWHyper {
+                    lr: &b.lr,
+                    beta1: self.beta1,
+                    beta2: self.beta2,
+                    weight_decay: g.weight_decay,
+                    eps: self.eps,
+                };
+                if self.fused {
+                    let scale = grad_scale.map(|t| t.f_to_device(b.lr.device())).transpose()?;
+                    let inf = found_inf.map(|t| t.f_to_device(b.lr.device())).transpose()?;
+                    ffi::fused_adamw_(&lists, &hyper, scale.as_ref(), inf.as_ref())?;
+                } else {
+                    ffi::foreach_adamw_(&lists, &hyper)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The optimizer state as named tensors (exp_avg, exp_avg_sq, step per parameter; lr per group).
+    pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        for (gi, g) in self.groups.iter().enumerate() {
+            for (bi, b) in g.buckets.iter().enumerate() {
+                out.push((format!("group{gi}.bucket{bi}.lr"), b.lr.shallow_clone()));
+                for i in 0..b.params.len() {
+                    let prefix = format!("group{gi}.bucket{bi}.param{i}");
+                    out.push((format!("{prefix}.exp_avg"), b.exp_avgs[i].shallow_clone()));
+                    out.push((format!("{prefix}.exp_avg_sq"), b.exp_avg_sqs[i].shallow_clone()));
+                    out.push((format!("{prefix}.step"), b.steps[i].shallow_clone()));
+                }
+            }
+        }
+        out
+    }
+
+    /// Writes the state to `path` (libtorch's format, as `Tensor::save_multi`).
+    pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
+        let named = self.state_tensors();
+        let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        Tensor::save_multi(&refs, path.as_ref())?;
+        Ok(())
+    }
+
+    /// Reads a state written by [`save`](Self::save) for an optimizer over the same parameters.
+    pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        let loaded = Tensor::load_multi(path.as_ref())?;
+        let mine = self.state_tensors();
+        if loaded.len() != mine.len() {
+            return Err(SpeedkitError::Misuse(format!(
+                "optimizer state in {} has {} tensors, this optimizer has {}: not the same parameters",
+                path.as_ref().display(),
+                loaded.len(),
+                mine.len()
+            )));
+        }
+        for (name, mut dst) in mine {
+            let src = loaded.iter().find(|(n, _)| *n == name).map(|(_, t)| t).ok_or_else(|| {
+                SpeedkitError::Misuse(format!("optimizer state lacks `{name}`"))
+            })?;
+            tch::no_grad(|| dst.f_copy_(src))?;
+        }
+        self.groups.iter_mut().try_for_each(|g| -> Result<()> {
+            if let Some(b) = g.buckets.first() {
+                g.lr = b.lr.f_double_value(&[])?;
+            }
+            Ok(())
+        })
+    }
+}
+
+fn make_buckets(params: Vec<Tensor>, lr: f64) -> Result<Vec<Bucket>> {
+    let mut buckets: Vec<((Device, Kind), Bucket)> = Vec::new();
+    for p in params {
+        let key = (p.device(), p.kind());
+        let (device, kind) = key;
+        let zeros = || Tensor::f_zeros_like(&p);
+        let (m, v) = (zeros()?, zeros()?);
+        // PyTorch keeps step counts as float32 device tensors for the fused and capturable paths.
+        let step = Tensor::f_zeros([] as [i64; 0], (Kind::Float, device))?;
+        match buckets.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, b)) => {
+                b.params.push(p);
+                b.exp_avgs.push(m);
+                b.exp_avg_sqs.push(v);
+                b.steps.push(step);
+            }
+            None => {
+                let _ = kind;
+                let lr_t = Tensor::f_full([] as [i64; 0], lr, (Kind::Float, device))?;
+                buckets.push((key, Bucket { params: vec![p], exp_avgs: vec![m], exp_avg_sqs: vec![v], steps: vec![step], lr: lr_t }));
+            }
+        }
+    }
+    Ok(buckets.into_iter().map(|(_, b)| b).collect())
+}
+
+impl ScaledOptimizer for AdamWOptimizer {
+    fn gradients(&self) -> Vec<Tensor> {
+        self.groups
+            .iter()
+            .flat_map(|g| &g.buckets)
+            .flat_map(|b| &b.params)
+            .map(Tensor::grad)
+            .filter(Tensor::defined)
+            .collect()
+    }
+    fn zero_gradients(&mut self) -> Result<()> {
+        self.zero_grad()
+    }
+    fn optimizer_step(&mut self) -> Result<()> {
+        self.step()
+    }
+    fn supports_device_scaling(&self) -> bool {
+        self.fused
+    }
+    fn step_with_device_scaling(&mut self, grad_scale: Option<&Tensor>, found_inf: &Tensor) -> Result<()> {
+        self.step_impl(grad_scale, Some(found_inf))
+    }
+}
+
+impl std::fmt::Debug for AdamWOptimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AdamWOptimizer")
+            .field("fused", &self.fused)
+            .field("groups", &self.groups.len())
+            .field("lrs", &self.lrs())
+            .finish()
+    }
+}

@@ -1,0 +1,539 @@
+//! From a [`SpeedConfig`] and a [`Hardware`] snapshot to a [`Plan`]: every setting resolved, each with
+//! the reason it was chosen. A pure function — no libtorch calls — so every row of the `auto` table is
+//! tested on a CPU with simulated hardware.
+//!
+//! | hardware            | precision        | TF32 matmul | GradScaler | fused AdamW | graphs (`compile`) |
+//! |---------------------|------------------|-------------|------------|-------------|--------------------|
+//! | SM ≥ 8.0            | bf16 autocast    | `high`      | off        | on          | on (not Windows)   |
+//! | SM 7.x              | fp16 autocast    | `highest`   | on         | on          | on (not Windows)   |
+//! | older GPU           | fp32             | `highest`   | off        | on          | on (not Windows)   |
+//! | CPU                 | fp32             | unchanged   | off        | off (foreach) | off              |
+//!
+//! ```
+//! use speedkit::{hardware::Hardware, plan::{Plan, ResolvedPrecision}, SpeedConfig};
+//! let plan = Plan::resolve(&SpeedConfig::auto(), &Hardware::simulated_gpu("H100", 9, 0))?;
+//! assert_eq!(plan.precision, ResolvedPrecision::Bf16);
+//! assert!(plan.grad_scaler.is_none());
+//! let cpu = Plan::resolve(&SpeedConfig::auto(), &Hardware::cpu_only())?;
+//! assert_eq!(cpu.precision, ResolvedPrecision::Fp32);
+//! # Ok::<(), speedkit::SpeedkitError>(())
+//! ```
+
+use serde::Serialize;
+use std::fmt;
+use tch::{Device, Kind};
+
+use crate::config::{
+    AutoBool, DeviceChoice, GradScalerConfig, MatmulPrecision, MatmulPrecisionChoice, Precision,
+    SpeedConfig,
+};
+use crate::error::{Result, SpeedkitError};
+use crate::flags::{Flag, FlagSetting, FlagValue};
+use crate::hardware::{GpuInfo, Hardware};
+
+/// The precision training runs in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ResolvedPrecision {
+    /// bf16 autocast: fp32 weights, bf16 matmuls/convs.
+    Bf16,
+    /// fp16 autocast, normally with a GradScaler.
+    Fp16,
+    /// Plain fp32.
+    Fp32,
+}
+
+impl ResolvedPrecision {
+    /// The autocast dtype, if any.
+    pub fn autocast_kind(self) -> Option<Kind> {
+        match self {
+            ResolvedPrecision::Bf16 => Some(Kind::BFloat16),
+            ResolvedPrecision::Fp16 => Some(Kind::Half),
+            ResolvedPrecision::Fp32 => None,
+        }
+    }
+}
+
+impl fmt::Display for ResolvedPrecision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ResolvedPrecision::Bf16 => "bf16",
+            ResolvedPrecision::Fp16 => "fp16",
+            ResolvedPrecision::Fp32 => "fp32",
+        })
+    }
+}
+
+/// One resolved setting and why.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Decision {
+    /// The config key, e.g. `precision`.
+    pub key: &'static str,
+    /// What it resolved to.
+    pub value: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// GradScaler parameters, when the plan uses one.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct ScalerSettings {
+    /// Initial scale (PyTorch: 2^16).
+    pub init_scale: f64,
+    /// Growth factor after `growth_interval` clean steps (2.0).
+    pub growth_factor: f64,
+    /// Back-off factor on inf/NaN (0.5).
+    pub backoff_factor: f64,
+    /// Clean steps between growths (2000).
+    pub growth_interval: u32,
+}
+
+impl From<&GradScalerConfig> for ScalerSettings {
+    fn from(c: &GradScalerConfig) -> Self {
+        Self {
+            init_scale: c.init_scale,
+            growth_factor: c.growth_factor,
+            backoff_factor: c.backoff_factor,
+            growth_interval: c.growth_interval,
+        }
+    }
+}
+
+/// Which SDPA backends may run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct SdpBackends {
+    /// FlashAttention.
+    pub flash: bool,
+    /// Memory-efficient attention.
+    pub mem_efficient: bool,
+    /// The math (reference) implementation.
+    pub math: bool,
+    /// cuDNN attention.
+    pub cudnn: bool,
+}
+
+/// Everything speedkit will do, resolved for one machine.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Plan {
+    /// Where training runs.
+    #[serde(serialize_with = "serialize_device")]
+    pub device: Device,
+    /// Training precision.
+    pub precision: ResolvedPrecision,
+    /// float32 matmul precision; `None` leaves PyTorch's as it is.
+    pub matmul_precision: Option<MatmulPrecision>,
+    /// cuBLAS reduced-precision reductions for fp16/bf16 GEMMs; `None` leaves them as they are.
+    pub reduced_precision_reduction: Option<bool>,
+    /// `cudnn.enabled`; `None` leaves it.
+    pub cudnn_enabled: Option<bool>,
+    /// `cudnn.benchmark`; `None` leaves it.
+    pub cudnn_benchmark: Option<bool>,
+    /// `cudnn.allow_tf32`; `None` leaves it.
+    pub cudnn_allow_tf32: Option<bool>,
+    /// `cudnn.deterministic`; `None` leaves it.
+    pub cudnn_deterministic: Option<bool>,
+    /// `use_deterministic_algorithms`; `None` leaves it.
+    pub deterministic_algorithms: Option<bool>,
+    /// SDPA backends.
+    pub sdp: SdpBackends,
+    /// The GradScaler, if used.
+    pub grad_scaler: Option<ScalerSettings>,
+    /// Fused AdamW (`_fused_adamw_`) rather than the multi-tensor path.
+    pub fused_optimizer: bool,
+    /// Capture the training step as a CUDA graph.
+    pub compile_graphs: bool,
+    /// Maximum number of captured graphs kept (one per input shape).
+    pub max_graphs: usize,
+    /// Eager warm-up steps before capture.
+    pub graph_warmup_steps: usize,
+    /// Conv weights in channels-last.
+    pub channels_last: bool,
+    /// Every decision with its reason, in config-key order.
+    pub decisions: Vec<Decision>,
+}
+
+fn serialize_device<S: serde::Serializer>(d: &Device, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&device_name(*d))
+}
+
+/// `cpu` or `cuda:N`.
+pub fn device_name(d: Device) -> String {
+    match d {
+        Device::Cuda(i) => format!("cuda:{i}"),
+        Device::Cpu => "cpu".into(),
+        other => format!("{other:?}").to_lowercase(),
+    }
+}
+
+impl Plan {
+    /// Resolves `config` for `hardware`. Impossible requests (a GPU the machine lacks, bf16 on a GPU
+    /// without it, graphs on a CPU) are errors that say what to change.
+    pub fn resolve(config: &SpeedConfig, hardware: &Hardware) -> Result<Plan> {
+        config.validate()?;
+        let mut d = Decisions::default();
+
+        let (device, gpu) = resolve_device(config.device, hardware, &mut d)?;
+        let precision = resolve_precision(config.precision, gpu, &mut d)?;
+
+        let matmul_precision = match (config.tf32_matmul_precision, gpu) {
+            (MatmulPrecisionChoice::Auto, Some(g)) if g.supports_tf32() => d.set(
+                "tf32_matmul_precision",
+                Some(MatmulPrecision::High),
+                format!("SM {} has TF32 Tensor Cores: fp32 matmuls run as TF32 (10-bit mantissa, fp32 range)", g.compute_capability),
+            ),
+            (MatmulPrecisionChoice::Auto, Some(g)) => d.set(
+                "tf32_matmul_precision",
+                Some(MatmulPrecision::Highest),
+                format!("SM {} has no TF32: full fp32 matmuls", g.compute_capability),
+            ),
+            (MatmulPrecisionChoice::Auto, None) => d.set(
+                "tf32_matmul_precision",
+                None,
+                "CPU: left as it is (TF32 is a CUDA Tensor Core mode)",
+            ),
+            (explicit, _) => {
+                let p = match explicit {
+                    MatmulPrecisionChoice::Highest => MatmulPrecision::Highest,
+                    MatmulPrecisionChoice::High => MatmulPrecision::High,
+                    _ => MatmulPrecision::Medium,
+                };
+                d.set("tf32_matmul_precision", Some(p), "set in the config")
+            }
+        };
+
+        let reduced_precision_reduction = explicit_only(
+            &mut d,
+            "reduced_precision_reduction",
+            config.reduced_precision_reduction,
+            "auto: PyTorch's default (allowed) is kept",
+        );
+
+        let cudnn_enabled = d.default_or_set(
+            "cudnn.enabled",
+            config.cudnn.enabled,
+            true,
+            "set in the config: cuDNN off (convolutions fall back to slower kernels)",
+        );
+        let deterministic = config.deterministic;
+        let cudnn_benchmark = match (config.cudnn.benchmark, gpu) {
+            (AutoBool::Auto, _) if deterministic || config.cudnn.deterministic => d.set(
+                "cudnn.benchmark",
+                Some(false),
+                "deterministic mode: autotuning picks kernels non-deterministically",
+            ),
+            (AutoBool::Auto, Some(_)) => d.set(
+                "cudnn.benchmark",
+                Some(true),
+                "CUDA: cuDNN tries its algorithms once per input shape and keeps the fastest",
+            ),
+            (AutoBool::Auto, None) => d.set("cudnn.benchmark", None, "CPU: cuDNN is not used"),
+            (v, _) => d.set("cudnn.benchmark", Some(v == AutoBool::On), "set in the config"),
+        };
+        let cudnn_allow_tf32 = match (config.cudnn.allow_tf32, gpu) {
+            (AutoBool::Auto, Some(g)) if g.supports_tf32() => d.set(
+                "cudnn.allow_tf32",
+                Some(true),
+                "TF32 convolutions on Ampere and newer (PyTorch's default, made explicit)",
+            ),
+            (AutoBool::Auto, _) => d.set("cudnn.allow_tf32", None, "no TF32 on this device: left as it is"),
+            (v, _) => d.set("cudnn.allow_tf32", Some(v == AutoBool::On), "set in the config"),
+        };
+        let cudnn_deterministic = if config.cudnn.deterministic || deterministic {
+            d.set("cudnn.deterministic", Some(true), "deterministic results requested")
+        } else {
+            d.set("cudnn.deterministic", None, "not requested: left as it is")
+        };
+        let deterministic_algorithms = d.default_or_set(
+            "deterministic",
+            deterministic,
+            false,
+            "set in the config: torch.use_deterministic_algorithms(True)",
+        );
+
+        let sdp = SdpBackends {
+            flash: config.sdp_backend.flash,
+            mem_efficient: config.sdp_backend.mem_efficient,
+            math: config.sdp_backend.math,
+            cudnn: config.sdp_backend.cudnn,
+        };
+        d.push(
+            "sdp_backend",
+            format!(
+                "flash={} mem_efficient={} math={} cudnn={}",
+                sdp.flash, sdp.mem_efficient, sdp.math, sdp.cudnn
+            ),
+            "PyTorch picks the fastest enabled backend that fits the inputs",
+        );
+
+        let grad_scaler = match config.grad_scaler.enabled {
+            AutoBool::Auto if precision == ResolvedPrecision::Fp16 => {
+                d.push("grad_scaler", "on", "fp16 has a narrow range: scale the loss so small gradients do not flush to zero");
+                Some(ScalerSettings::from(&config.grad_scaler))
+            }
+            AutoBool::Auto => {
+                d.push("grad_scaler", "off", format!("{precision}: no loss scaling needed"));
+                None
+            }
+            AutoBool::On => {
+                d.push("grad_scaler", "on", "set in the config");
+                Some(ScalerSettings::from(&config.grad_scaler))
+            }
+            AutoBool::Off => {
+                let why = if precision == ResolvedPrecision::Fp16 {
+                    "set in the config (warning: fp16 without loss scaling can underflow small gradients)"
+                } else {
+                    "set in the config"
+                };
+                d.push("grad_scaler", "off", why);
+                None
+            }
+        };
+
+        let fused_optimizer = match (config.optimizer.fused, gpu) {
+            (AutoBool::Auto, Some(_)) => {
+                d.push("optimizer.fused", "true", "CUDA: one fused AdamW kernel over all parameters");
+                true
+            }
+            (AutoBool::Auto, None) => {
+                d.push("optimizer.fused", "false", "CPU: multi-tensor (foreach) AdamW");
+                false
+            }
+            (v, _) => {
+                d.push("optimizer.fused", (v == AutoBool::On).to_string(), "set in the config");
+                v == AutoBool::On
+            }
+        };
+
+        let compile_graphs = match (config.compile.enabled, gpu) {
+            (AutoBool::Auto, None) => {
+                d.push("compile", "off", "CUDA graphs need a CUDA device");
+                false
+            }
+            (AutoBool::Auto, Some(_)) if hardware.is_windows() => {
+                d.push("compile", "off", "auto keeps graph capture off on Windows");
+                false
+            }
+            (AutoBool::Auto, Some(_)) => {
+                d.push("compile", "graphs", "CUDA: capture the whole training step once and replay it (no launch overhead)");
+                true
+            }
+            (AutoBool::On, None) => {
+                return Err(SpeedkitError::Unsupported(
+                    "compile.enabled: true needs a CUDA device, and this run is on the CPU; \
+                     set compile.enabled to auto or false"
+                        .into(),
+                ))
+            }
+            (AutoBool::On, Some(_)) => {
+                d.push("compile", "graphs", "set in the config");
+                true
+            }
+            (AutoBool::Off, _) => {
+                d.push("compile", "off", "set in the config");
+                false
+            }
+        };
+
+        let channels_last = match (config.channels_last, gpu) {
+            (AutoBool::Auto, Some(g)) if g.has_tensor_cores() => {
+                d.push("channels_last", "true", "Tensor Core convolutions are fastest in NHWC (applies to 4-d conv weights only)");
+                true
+            }
+            (AutoBool::Auto, _) => {
+                d.push("channels_last", "false", "no Tensor Cores: NCHW kept");
+                false
+            }
+            (v, _) => {
+                d.push("channels_last", (v == AutoBool::On).to_string(), "set in the config");
+                v == AutoBool::On
+            }
+        };
+
+        Ok(Plan {
+            device,
+            precision,
+            matmul_precision,
+            reduced_precision_reduction,
+            cudnn_enabled,
+            cudnn_benchmark,
+            cudnn_allow_tf32,
+            cudnn_deterministic,
+            deterministic_algorithms,
+            sdp,
+            grad_scaler,
+            fused_optimizer,
+            compile_graphs,
+            max_graphs: config.compile.max_graphs as usize,
+            graph_warmup_steps: config.compile.warmup_steps as usize,
+            channels_last,
+            decisions: d.0,
+        })
+    }
+
+    /// The global flags this plan sets, each with its reason, in the order they are applied.
+    pub fn flag_settings(&self) -> Vec<FlagSetting> {
+        let mut out = Vec::new();
+        let reason = |key: &str| {
+            self.decisions
+                .iter()
+                .find(|d| d.key == key)
+                .map_or_else(String::new, |d| d.reason.clone())
+        };
+        let mut push_bool = |flag: Flag, value: Option<bool>, key: &str| {
+            if let Some(v) = value {
+                out.push(FlagSetting::new(flag, FlagValue::Bool(v), reason(key)));
+            }
+        };
+        push_bool(Flag::CudnnEnabled, self.cudnn_enabled, "cudnn.enabled");
+        push_bool(Flag::CudnnBenchmark, self.cudnn_benchmark, "cudnn.benchmark");
+        push_bool(Flag::CudnnAllowTf32, self.cudnn_allow_tf32, "cudnn.allow_tf32");
+        push_bool(Flag::CudnnDeterministic, self.cudnn_deterministic, "cudnn.deterministic");
+        push_bool(Flag::DeterministicAlgorithms, self.deterministic_algorithms, "deterministic");
+        let rpr = self.reduced_precision_reduction;
+        push_bool(Flag::CudaMatmulAllowBf16ReducedPrecisionReduction, rpr, "reduced_precision_reduction");
+        push_bool(Flag::CudaMatmulAllowFp16ReducedPrecisionReduction, rpr, "reduced_precision_reduction");
+        // Only backends the config turns off are touched: PyTorch enables all of them by default.
+        let sdp = [
+            (Flag::SdpFlash, self.sdp.flash),
+            (Flag::SdpMemEfficient, self.sdp.mem_efficient),
+            (Flag::SdpMath, self.sdp.math),
+            (Flag::SdpCudnn, self.sdp.cudnn),
+        ];
+        for (flag, enabled) in sdp {
+            if !enabled {
+                push_bool(flag, Some(false), "sdp_backend");
+            }
+        }
+        if let Some(p) = self.matmul_precision {
+            let why = reason("tf32_matmul_precision");
+            out.push(FlagSetting::new(Flag::Float32MatmulPrecision, FlagValue::MatmulPrecision(p), why.clone()));
+            // Python's `allow_tf32` and the matmul precision are one setting inside libtorch; set
+            // both so the audit reads like PyTorch's documentation.
+            let tf32 = p != MatmulPrecision::Highest;
+            out.push(FlagSetting::new(Flag::CudaMatmulAllowTf32, FlagValue::Bool(tf32), why));
+        }
+        out
+    }
+
+    /// The decision recorded for a config key.
+    pub fn decision(&self, key: &str) -> Option<&Decision> {
+        self.decisions.iter().find(|d| d.key == key)
+    }
+
+    /// The CUDA device index, if the plan runs on CUDA.
+    pub fn cuda_index(&self) -> Option<usize> {
+        match self.device {
+            Device::Cuda(i) => Some(i),
+            _ => None,
+        }
+    }
+}
+
+fn resolve_device<'h>(
+    choice: DeviceChoice,
+    hw: &'h Hardware,
+    d: &mut Decisions,
+) -> Result<(Device, Option<&'h GpuInfo>)> {
+    match choice {
+        DeviceChoice::Auto => match hw.primary_gpu() {
+            Some(g) => {
+                d.push("device", "cuda:0", format!("{} is visible", g.name));
+                Ok((Device::Cuda(0), Some(g)))
+            }
+            None => {
+                d.push("device", "cpu", "no CUDA device is visible");
+                Ok((Device::Cpu, None))
+            }
+        },
+        DeviceChoice::Cpu => {
+            d.push("device", "cpu", "set in the config");
+            Ok((Device::Cpu, None))
+        }
+        DeviceChoice::Cuda(i) => match hw.gpu(i) {
+            Some(g) => {
+                d.push("device", format!("cuda:{i}"), format!("set in the config ({})", g.name));
+                Ok((Device::Cuda(i), Some(g)))
+            }
+            None => Err(SpeedkitError::Unsupported(format!(
+                "the config asks for device cuda:{i}, but {}; set `device: auto` (or `cpu`)",
+                match hw.gpus.len() {
+                    0 if !hw.built_with_cuda && hw.detected => {
+                        "this libtorch/speedkit build has no CUDA support".to_string()
+                    }
+                    0 => "no CUDA device is visible".to_string(),
+                    n => format!("only {n} CUDA device(s) are visible"),
+                }
+            ))),
+        },
+    }
+}
+
+fn resolve_precision(
+    choice: Precision,
+    gpu: Option<&GpuInfo>,
+    d: &mut Decisions,
+) -> Result<ResolvedPrecision> {
+    let (p, reason) = match (choice, gpu) {
+        (Precision::Auto, None) => (
+            ResolvedPrecision::Fp32,
+            "CPU: fp32 (reduced-precision autocast rarely pays off on CPUs)".to_string(),
+        ),
+        (Precision::Auto, Some(g)) if g.supports_bf16() => (
+            ResolvedPrecision::Bf16,
+            format!("SM {} has bf16 Tensor Cores: bf16 autocast keeps fp32's range, so no loss scaling", g.compute_capability),
+        ),
+        (Precision::Auto, Some(g)) if g.supports_fp16_tensor_cores() => (
+            ResolvedPrecision::Fp16,
+            format!("SM {} has fp16 but no bf16 Tensor Cores: fp16 autocast with a GradScaler", g.compute_capability),
+        ),
+        (Precision::Auto, Some(g)) => (
+            ResolvedPrecision::Fp32,
+            format!("SM {} has no Tensor Cores: fp32", g.compute_capability),
+        ),
+        (Precision::Bf16, Some(g)) if !g.supports_bf16() => {
+            return Err(SpeedkitError::Unsupported(format!(
+                "precision: bf16 needs SM 8.0 or newer, and {} is SM {}; use precision: fp16 (with the GradScaler) or auto",
+                g.name, g.compute_capability
+            )))
+        }
+        (Precision::Bf16, None) => (ResolvedPrecision::Bf16, "set in the config: bf16 autocast on the CPU".into()),
+        (Precision::Bf16, Some(_)) => (ResolvedPrecision::Bf16, "set in the config".into()),
+        (Precision::Fp16, None) => (ResolvedPrecision::Fp16, "set in the config: fp16 autocast on the CPU".into()),
+        (Precision::Fp16, Some(_)) => (ResolvedPrecision::Fp16, "set in the config".into()),
+        (Precision::Fp32, _) => (ResolvedPrecision::Fp32, "set in the config".into()),
+    };
+    d.push("precision", p.to_string(), reason);
+    Ok(p)
+}
+
+fn explicit_only(d: &mut Decisions, key: &'static str, v: AutoBool, auto_reason: &str) -> Option<bool> {
+    match v {
+        AutoBool::Auto => d.set(key, None, auto_reason),
+        v => d.set(key, Some(v == AutoBool::On), "set in the config"),
+    }
+}
+
+#[derive(Default)]
+struct Decisions(Vec<Decision>);
+
+impl Decisions {
+    fn push(&mut self, key: &'static str, value: impl Into<String>, reason: impl Into<String>) {
+        self.0.push(Decision { key, value: value.into(), reason: reason.into() });
+    }
+
+    /// Records an optional setting (`None` = "left as it is") and returns it.
+    fn set<T: fmt::Display + Copy>(&mut self, key: &'static str, v: Option<T>, reason: impl Into<String>) -> Option<T> {
+        self.push(key, v.map_or_else(|| "unchanged".to_string(), |v| v.to_string()), reason);
+        v
+    }
+
+    /// A plain bool key: PyTorch's default value means "leave the flag as it is" (so a config does not
+    /// undo what the process set elsewhere); any other value is applied.
+    fn default_or_set(&mut self, key: &'static str, v: bool, pytorch_default: bool, reason: &str) -> Option<bool> {
+        if v == pytorch_default {
+            self.set(key, None, "PyTorch's default: left as it is")
+        } else {
+            self.set(key, Some(v), reason)
+        }
+    }
+}

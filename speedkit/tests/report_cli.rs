@@ -1,0 +1,68 @@
+//! `speedkit report` as a user runs it: both output formats and its answers to bad input.
+
+use std::process::{Command, Output};
+
+fn speedkit(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_speedkit")).args(args).output().expect("run the speedkit binary")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+#[test]
+fn report_apply_restore_reads_well_for_a_person() {
+    let out = speedkit(&["report", "--apply", "--restore"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    for section in ["== hardware", "== resolved settings", "== flags", "torch.backends.cuda.matmul.allow_tf32", "restored"] {
+        assert!(stdout.contains(section), "missing {section:?} in:\n{stdout}");
+    }
+    assert!(stdout.contains("restored: every flag reads back as before"), "{stdout}");
+}
+
+#[test]
+fn report_json_parses_and_lists_every_flag() {
+    let out = speedkit(&["report", "--apply", "--restore", "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("valid JSON");
+    assert_eq!(json["flags"].as_array().map(Vec::len), Some(speedkit::flags::Flag::ALL.len()));
+    assert_eq!(json["restored_equals_before"], true);
+    assert!(json["plan"]["decisions"].as_array().is_some_and(|d| d.iter().all(|x| x["reason"].is_string())));
+    assert!(json["hardware"]["libtorch"].as_str().is_some_and(|v| v.starts_with("2.11")));
+}
+
+#[test]
+fn report_without_apply_is_a_dry_run() {
+    let out = speedkit(&["report", "--json"]);
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("valid JSON");
+    assert_eq!(json["applied"], false);
+    assert!(json["flags"][0]["applied"].is_null());
+}
+
+#[test]
+fn report_rejects_a_config_typo_with_line_column_and_suggestion() {
+    let dir = std::env::temp_dir().join(format!("speedkit-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("typo.yaml");
+    std::fs::write(&path, "precision: bf16\ncudnn:\n  benchmrk: true\n").unwrap();
+    let out = speedkit(&["report", "--config", path.to_str().unwrap()]);
+    std::fs::remove_dir_all(&dir).ok();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("cudnn.benchmrk") && stderr.contains("line 3") && stderr.contains("benchmark"), "{stderr}");
+}
+
+#[test]
+fn report_names_a_missing_config_file() {
+    let out = speedkit(&["report", "--config", "/nonexistent/speed.yaml"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(text(&out.stderr).contains("/nonexistent/speed.yaml"));
+}
+
+#[test]
+fn restore_without_apply_is_refused() {
+    let out = speedkit(&["report", "--restore"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("--apply"));
+}

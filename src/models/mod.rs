@@ -1,0 +1,35 @@
+//! The reference models of `../shared/workloads.md`.
+//!
+//! Each model is built under a [`tch::nn::Path`] from a config struct with a `bench()` size (the
+//! reference numbers) and a `tiny()` size (well under a second per step on a CPU), and each config
+//! knows the matmul FLOPs of one training step (`flops_per_step`, forward + backward = 3 × forward),
+//! computed from the dimensions alone, so bench-size numbers can be checked without allocating a
+//! bench-size model.
+
+mod linear3;
+mod mlp;
+pub mod resnet;
+mod transformer;
+
+pub use linear3::{Linear3, Linear3Config};
+pub use mlp::{Mlp, MlpConfig};
+pub use resnet::{ResNet, ResNetConfig};
+pub use transformer::{Transformer, TransformerConfig};
+
+use speedkit::Result;
+use tch::{nn, Tensor};
+
+/// `x · Wᵀ + b` through the fallible op, so a shape error is a value, not a panic.
+pub(crate) fn linear(layer: &nn::Linear, x: &Tensor) -> Result<Tensor> {
+    Ok(x.f_linear(&layer.ws, layer.bs.as_ref())?)
+}
+
+/// LayerNorm with PyTorch's default epsilon (tch keeps its own config private).
+pub(crate) fn layer_norm(norm: &nn::LayerNorm, x: &Tensor) -> Result<Tensor> {
+    Ok(x.f_layer_norm(&norm.normalized_shape, norm.ws.as_ref(), norm.bs.as_ref(), 1e-5, true)?)
+}
+
+/// Mean cross-entropy of `logits` (`[N, C]`) against class indices (`[N]`).
+pub(crate) fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    Ok(logits.f_cross_entropy_loss::<Tensor>(targets, None, tch::Reduction::Mean, -100, 0.0)?)
+}

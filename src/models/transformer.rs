@@ -1,0 +1,181 @@
+//! `Transformer`: a GPT-style pre-LayerNorm decoder trained on next-token cross-entropy.
+
+use speedkit::{Result, SpeedkitError};
+use tch::{nn, Tensor};
+
+use super::{cross_entropy, layer_norm, linear};
+
+/// Dimensions of [`Transformer`] and of its batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TransformerConfig {
+    /// Vocabulary size (token embedding rows and output classes).
+    pub vocab: i64,
+    /// Model width.
+    pub d_model: i64,
+    /// Attention heads; must divide `d_model`.
+    pub heads: i64,
+    /// Decoder blocks.
+    pub layers: i64,
+    /// Sequence length, also the size of the learned position embedding.
+    pub seq_len: i64,
+    /// Sequences per batch.
+    pub batch: i64,
+}
+
+impl TransformerConfig {
+    /// The reference size: vocab 8192, d 768, 12 heads of 64, 6 layers, batch 32 × 512 tokens.
+    pub const fn bench() -> Self {
+        Self { vocab: 8192, d_model: 768, heads: 12, layers: 6, seq_len: 512, batch: 32 }
+    }
+
+    /// A CPU-test size: vocab 128, d 32, 2 heads, 2 layers, batch 2 × 16 tokens.
+    pub const fn tiny() -> Self {
+        Self { vocab: 128, d_model: 32, heads: 2, layers: 2, seq_len: 16, batch: 2 }
+    }
+
+    /// Width of one attention head.
+    pub const fn head_dim(&self) -> i64 {
+        self.d_model / self.heads
+    }
+
+    /// Tokens in one batch (the throughput unit).
+    pub const fn tokens_per_step(&self) -> i64 {
+        self.batch * self.seq_len
+    }
+
+    /// Weights that take part in matmuls: per block 12·d² (qkv 3d², output projection d², MLP
+    /// 4d² + 4d²) plus the output head d·vocab. Biases, norms and embeddings (lookups, not
+    /// matmuls) are not counted. 6 · 7 077 888 + 6 291 456 at the bench size.
+    pub const fn matmul_params(&self) -> i64 {
+        self.layers * 12 * self.d_model * self.d_model + self.d_model * self.vocab
+    }
+
+    /// Matmul FLOPs of one training step (forward + backward), as `workloads.md` counts them:
+    ///
+    /// `6·B·T·P + 3·L·2·B·T²·d`
+    ///
+    /// with `P` = [`matmul_params`](Self::matmul_params) (each weight does a multiply-add per
+    /// token: 2 FLOPs forward, 4 backward), and per layer the causal attention's `q·kᵀ` and
+    /// `softmax·v` (2·B·T²·d each in full, halved by the causal mask, × 3 for the backward).
+    /// The formula holds for any config; at the bench size it is
+    /// 6·32·512·(6·7 077 888 + 6 291 456) + 3·6·2·32·512²·768 ≈ 5.02 TFLOP.
+    pub fn flops_per_step(&self) -> f64 {
+        let (b, t, d, l) = (self.batch as f64, self.seq_len as f64, self.d_model as f64, self.layers as f64);
+        6.0 * b * t * self.matmul_params() as f64 + 3.0 * l * 2.0 * b * t * t * d
+    }
+
+    fn check(&self) -> Result<()> {
+        let positive = [self.vocab, self.d_model, self.heads, self.layers, self.seq_len, self.batch];
+        if positive.iter().any(|&v| v <= 0) {
+            return Err(SpeedkitError::Misuse(format!("every transformer dimension must be positive: {self:?}")));
+        }
+        if self.d_model % self.heads != 0 {
+            return Err(SpeedkitError::Misuse(format!(
+                "d_model {} is not divisible by {} heads",
+                self.d_model, self.heads
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// One pre-LN decoder block: `x + proj(attn(LN(x)))`, then `x + fc2(gelu(fc1(LN(x))))`.
+#[derive(Debug)]
+struct Block {
+    ln1: nn::LayerNorm,
+    qkv: nn::Linear,
+    proj: nn::Linear,
+    ln2: nn::LayerNorm,
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+}
+
+impl Block {
+    fn new(p: &nn::Path, d: i64) -> Self {
+        let ln = |name: &str| nn::layer_norm(p / name, vec![d], Default::default());
+        let lin = |name: &str, i: i64, o: i64| nn::linear(p / name, i, o, Default::default());
+        Self {
+            ln1: ln("ln1"),
+            qkv: lin("qkv", d, 3 * d),
+            proj: lin("proj", d, d),
+            ln2: ln("ln2"),
+            fc1: lin("fc1", d, 4 * d),
+            fc2: lin("fc2", 4 * d, d),
+        }
+    }
+
+    fn forward(&self, x: &Tensor, heads: i64) -> Result<Tensor> {
+        let (b, t, d) = x.size3()?;
+        let qkv = linear(&self.qkv, &layer_norm(&self.ln1, x)?)?;
+        // [B, T, d] → [B, heads, T, head_dim], the layout SDPA takes.
+        let split = |part: &Tensor| -> Result<Tensor> { Ok(part.f_view([b, t, heads, d / heads])?.f_transpose(1, 2)?) };
+        let parts = qkv.f_split(d, -1)?;
+        let [q, k, v] = [split(&parts[0])?, split(&parts[1])?, split(&parts[2])?];
+        let y = speedkit::nn::attention(&q, &k, &v, true)?;
+        let y = y.f_transpose(1, 2)?.f_reshape([b, t, d])?;
+        let x = x.f_add(&linear(&self.proj, &y)?)?;
+        let h = linear(&self.fc1, &layer_norm(&self.ln2, &x)?)?.f_gelu("tanh")?;
+        Ok(x.f_add(&linear(&self.fc2, &h)?)?)
+    }
+}
+
+/// The GPT-style decoder of `workloads.md`: token + learned position embeddings, pre-LN blocks with
+/// causal scaled-dot-product attention ([`speedkit::nn::attention`], so the `sdp_backend` flags
+/// pick the kernel), a final LayerNorm and an output head without bias.
+#[derive(Debug)]
+pub struct Transformer {
+    config: TransformerConfig,
+    tok: Tensor,
+    pos: Tensor,
+    blocks: Vec<Block>,
+    ln_f: nn::LayerNorm,
+    head: nn::Linear,
+}
+
+impl Transformer {
+    /// Builds the model under `p`; fails if `d_model` is not a multiple of `heads`.
+    pub fn new(p: &nn::Path, config: &TransformerConfig) -> Result<Self> {
+        config.check()?;
+        let d = config.d_model;
+        // GPT-2's initialisation of the embeddings (tch's default is N(0, 1)).
+        let init = nn::Init::Randn { mean: 0.0, stdev: 0.02 };
+        let tok = p.f_var("tok_emb", &[config.vocab, d], init)?;
+        let pos = p.f_var("pos_emb", &[config.seq_len, d], init)?;
+        let blocks = (0..config.layers).map(|i| Block::new(&(p / format!("block{i}")), d)).collect();
+        let ln_f = nn::layer_norm(p / "ln_f", vec![d], Default::default());
+        let head = nn::linear(p / "head", d, config.vocab, nn::LinearConfig { bias: false, ..Default::default() });
+        Ok(Self { config: *config, tok, pos, blocks, ln_f, head })
+    }
+
+    /// The config the model was built with.
+    pub fn config(&self) -> &TransformerConfig {
+        &self.config
+    }
+
+    /// Logits `[B, T, vocab]` for token ids `[B, T]` (T at most `seq_len`).
+    pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+        let (_, t) = tokens.size2()?;
+        if t > self.config.seq_len {
+            return Err(SpeedkitError::Misuse(format!(
+                "sequence of {t} tokens is longer than the position embedding ({})",
+                self.config.seq_len
+            )));
+        }
+        // The first T rows of the position table, broadcast over the batch: no index tensor, so
+        // nothing is created on the host per step (graph capture friendly).
+        let pos = self.pos.f_narrow(0, 0, t)?;
+        let mut x = Tensor::f_embedding(&self.tok, tokens, -1, false, false)?.f_add(&pos)?;
+        for block in &self.blocks {
+            x = block.forward(&x, self.config.heads)?;
+        }
+        let x = layer_norm(&self.ln_f, &x)?;
+        linear(&self.head, &x)
+    }
+
+    /// Mean cross-entropy over the vocabulary of every position against `targets` `[B, T]`.
+    pub fn loss(&self, tokens: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let logits = self.forward(tokens)?;
+        let flat = logits.f_view([-1, self.config.vocab])?;
+        cross_entropy(&flat, &targets.f_reshape([-1])?)
+    }
+}

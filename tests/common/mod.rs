@@ -1,0 +1,30 @@
+//! Shared test helpers.
+#![allow(dead_code)]
+
+use std::sync::{Mutex, MutexGuard};
+use tch::Device;
+
+static GLOBAL_FLAGS: Mutex<()> = Mutex::new(());
+
+/// PyTorch's flags are process-global and the test harness runs tests on several threads: every
+/// test that applies flags or reads them for a before/after comparison holds this lock.
+pub fn serial() -> MutexGuard<'static, ()> {
+    GLOBAL_FLAGS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// The first CUDA device, or `None` after printing why the calling GPU test is skipped.
+pub fn cuda_or_skip(test: &str) -> Option<Device> {
+    if tch::Cuda::is_available() {
+        Some(Device::Cuda(0))
+    } else {
+        eprintln!("skipped {test}: no CUDA device visible (GPU tests run on the GPU host)");
+        None
+    }
+}
+
+/// ‖a − b‖ / ‖b‖ in f64.
+pub fn rel_err(a: &tch::Tensor, b: &tch::Tensor) -> f64 {
+    let a = a.to_kind(tch::Kind::Double).to_device(Device::Cpu);
+    let b = b.to_kind(tch::Kind::Double).to_device(Device::Cpu);
+    (&a - &b).norm().double_value(&[]) / b.norm().double_value(&[]).max(1e-30)
+}

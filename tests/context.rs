@@ -1,0 +1,88 @@
+//! The three-line integration on the CPU: apply_speedups → autocast → backward_step, the audit, and
+//! restoration when the context drops.
+
+mod common;
+
+use speedkit::config::{Precision, SpeedConfig};
+use speedkit::flags::FlagState;
+use speedkit::optim::AdamW;
+use speedkit::{apply_speedups, SpeedContext};
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+
+#[test]
+fn three_line_integration_trains_and_restores_flags() {
+    let _lock = common::serial();
+    let before = FlagState::capture().unwrap();
+    {
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let model = nn::linear(vs.root(), 16, 4, Default::default());
+        let config = SpeedConfig { precision: Precision::Bf16, ..SpeedConfig::auto() };
+        let ctx = apply_speedups(&mut vs, &config).unwrap();
+        let mut opt = ctx.adamw(&vs, AdamW { lr: 1e-2, ..Default::default() }).unwrap();
+        let x = Tensor::randn([32, 16], (Kind::Float, ctx.device()));
+        let y = Tensor::randint(4, [32], (Kind::Int64, ctx.device()));
+        let first = ctx.autocast(|| model.forward(&x).cross_entropy_for_logits(&y));
+        let mut last = first.copy();
+        for _ in 0..20 {
+            let loss = ctx.autocast(|| model.forward(&x).cross_entropy_for_logits(&y));
+            ctx.backward_step(&loss, &mut opt).unwrap();
+            last = loss;
+        }
+        assert!(last.double_value(&[]) < first.double_value(&[]));
+        assert_eq!(opt.steps_taken().unwrap(), 20);
+    }
+    assert_eq!(FlagState::capture().unwrap(), before);
+}
+
+#[test]
+fn the_forward_pass_runs_under_autocast_and_the_rest_does_not() {
+    let config = SpeedConfig { precision: Precision::Bf16, ..SpeedConfig::auto() };
+    let ctx = SpeedContext::new(&config).unwrap();
+    let a = Tensor::randn([4, 4], (Kind::Float, ctx.device()));
+    assert_eq!(ctx.autocast(|| a.matmul(&a)).kind(), Kind::BFloat16);
+    assert_eq!(a.matmul(&a).kind(), Kind::Float);
+}
+
+#[test]
+fn an_fp32_plan_makes_autocast_a_no_op() {
+    let ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
+    if ctx.device() == Device::Cpu {
+        let a = Tensor::randn([4, 4], (Kind::Float, Device::Cpu));
+        assert_eq!(ctx.autocast(|| a.matmul(&a)).kind(), Kind::Float);
+        assert!(!ctx.grad_scaler().is_enabled());
+    }
+}
+
+#[test]
+fn the_audit_lists_decisions_with_reasons_and_prints_as_a_table_and_json() {
+    let ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
+    let audit = ctx.audit();
+    assert!(audit.decisions.iter().any(|d| d.key == "precision"));
+    let table = audit.to_string();
+    assert!(table.contains("precision") && table.contains("reason"), "{table}");
+    let json: serde_json::Value = serde_json::from_str(&audit.to_json()).unwrap();
+    assert!(json["decisions"].as_array().is_some_and(|d| !d.is_empty()));
+}
+
+#[test]
+fn a_config_that_needs_a_missing_gpu_fails_and_changes_nothing() {
+    let _lock = common::serial();
+    if tch::Cuda::is_available() {
+        eprintln!("skipped: this machine has a GPU");
+        return;
+    }
+    let before = FlagState::capture().unwrap();
+    let config = SpeedConfig::from_yaml_str("device: cuda\n").unwrap();
+    let err = SpeedContext::new(&config).unwrap_err().to_string();
+    assert!(err.contains("cuda:0"), "{err}");
+    assert_eq!(FlagState::capture().unwrap(), before);
+}
+
+#[test]
+fn apply_speedups_moves_parameters_to_the_plan_device() {
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let _layer = nn::linear(vs.root(), 2, 2, Default::default());
+    let ctx = apply_speedups(&mut vs, &SpeedConfig::auto()).unwrap();
+    assert_eq!(vs.device(), ctx.device());
+}

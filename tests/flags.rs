@@ -1,0 +1,161 @@
+//! The flag registry and FlagGuard: every flag round-trips through the shim, and the guard restores
+//! on return, on `?`, during a panic, and when nested.
+
+mod common;
+
+use speedkit::config::MatmulPrecision;
+use speedkit::flags::{Flag, FlagGuard, FlagKind, FlagSetting, FlagState, FlagValue};
+use speedkit::SpeedkitError;
+
+fn flipped(flag: Flag) -> FlagValue {
+    match flag.get().expect("read flag") {
+        FlagValue::Bool(b) => FlagValue::Bool(!b),
+        FlagValue::MatmulPrecision(MatmulPrecision::Highest) => FlagValue::MatmulPrecision(MatmulPrecision::Medium),
+        FlagValue::MatmulPrecision(_) => FlagValue::MatmulPrecision(MatmulPrecision::Highest),
+    }
+}
+
+fn every_flag_flipped() -> Vec<FlagSetting> {
+    Flag::ALL
+        .iter()
+        .filter(|f| **f != Flag::CudaMatmulAllowTf32) // coupled with the matmul precision
+        .map(|&f| FlagSetting::new(f, flipped(f), "test"))
+        .collect()
+}
+
+#[test]
+fn every_flag_round_trips_through_the_shim() {
+    let _lock = common::serial();
+    for flag in Flag::ALL {
+        let original = flag.get().unwrap();
+        let other = flipped(flag);
+        flag.set(other).unwrap();
+        assert_eq!(flag.get().unwrap(), other, "{flag} did not take {other}");
+        flag.set(original).unwrap();
+        assert_eq!(flag.get().unwrap(), original, "{flag} did not go back to {original}");
+    }
+}
+
+#[test]
+fn matmul_precision_takes_all_three_values() {
+    let _lock = common::serial();
+    let original = Flag::Float32MatmulPrecision.get().unwrap();
+    for p in [MatmulPrecision::Medium, MatmulPrecision::High, MatmulPrecision::Highest] {
+        Flag::Float32MatmulPrecision.set(FlagValue::MatmulPrecision(p)).unwrap();
+        assert_eq!(Flag::Float32MatmulPrecision.get().unwrap(), FlagValue::MatmulPrecision(p));
+    }
+    Flag::Float32MatmulPrecision.set(original).unwrap();
+    assert_eq!(Flag::Float32MatmulPrecision.kind(), FlagKind::MatmulPrecision);
+}
+
+#[test]
+fn high_matmul_precision_also_reads_back_as_allow_tf32() {
+    let _lock = common::serial();
+    let before = FlagState::capture().unwrap();
+    let guard = FlagGuard::apply(&[FlagSetting::new(
+        Flag::Float32MatmulPrecision,
+        FlagValue::MatmulPrecision(MatmulPrecision::High),
+        "test",
+    )])
+    .unwrap();
+    assert_eq!(Flag::CudaMatmulAllowTf32.get().unwrap(), FlagValue::Bool(true));
+    // The coupled flag is in the audit, marked as a consequence.
+    if before.get(Flag::CudaMatmulAllowTf32) == Some(FlagValue::Bool(false)) {
+        let side = guard.changes().iter().find(|c| c.flag == Flag::CudaMatmulAllowTf32).expect("coupled change recorded");
+        assert!(side.reason.contains("follows from"));
+    }
+    drop(guard);
+    assert_eq!(FlagState::capture().unwrap(), before);
+}
+
+#[test]
+fn guard_restores_every_flag_on_drop() {
+    let _lock = common::serial();
+    let before = FlagState::capture().unwrap();
+    {
+        let guard = FlagGuard::apply(&every_flag_flipped()).unwrap();
+        assert!(!FlagState::capture().unwrap().diff(&before).is_empty());
+        assert_eq!(guard.changes().iter().filter(|c| c.changed()).count() >= 12, true);
+    }
+    assert_eq!(FlagState::capture().unwrap(), before);
+}
+
+fn apply_then_fail() -> Result<(), SpeedkitError> {
+    let _guard = FlagGuard::apply(&every_flag_flipped())?;
+    Err(SpeedkitError::Misuse("early exit".into()))?;
+    unreachable!()
+}
+
+#[test]
+fn guard_restores_on_early_return_through_question_mark() {
+    let _lock = common::serial();
+    let before = FlagState::capture().unwrap();
+    assert!(apply_then_fail().is_err());
+    assert_eq!(FlagState::capture().unwrap(), before);
+}
+
+#[test]
+fn guard_restores_during_panic_unwinding() {
+    let _lock = common::serial();
+    let before = FlagState::capture().unwrap();
+    let result = std::panic::catch_unwind(|| {
+        let _guard = FlagGuard::apply(&every_flag_flipped()).unwrap();
+        panic!("training blew up");
+    });
+    assert!(result.is_err());
+    assert_eq!(FlagState::capture().unwrap(), before);
+}
+
+#[test]
+fn nested_guards_each_restore_what_they_found() {
+    let _lock = common::serial();
+    let before = FlagState::capture().unwrap();
+    let outer_value = flipped(Flag::CudnnBenchmark);
+    let outer = FlagGuard::apply(&[FlagSetting::new(Flag::CudnnBenchmark, outer_value, "outer")]).unwrap();
+    let middle = FlagState::capture().unwrap();
+    {
+        let _inner = FlagGuard::apply(&[
+            FlagSetting::new(Flag::CudnnBenchmark, flipped(Flag::CudnnBenchmark), "inner"),
+            FlagSetting::new(Flag::SdpMath, flipped(Flag::SdpMath), "inner"),
+        ])
+        .unwrap();
+        assert_ne!(FlagState::capture().unwrap(), middle);
+    }
+    assert_eq!(FlagState::capture().unwrap(), middle, "inner guard restores the outer guard's state");
+    assert_eq!(Flag::CudnnBenchmark.get().unwrap(), outer_value);
+    drop(outer);
+    assert_eq!(FlagState::capture().unwrap(), before);
+}
+
+#[test]
+fn explicit_restore_reports_the_state_read_back() {
+    let _lock = common::serial();
+    let before = FlagState::capture().unwrap();
+    let guard = FlagGuard::apply(&every_flag_flipped()).unwrap();
+    assert_eq!(guard.state_before(), &before);
+    let after = guard.restore().unwrap();
+    assert_eq!(after, before);
+}
+
+#[test]
+fn a_wrongly_typed_setting_fails_and_changes_nothing() {
+    let _lock = common::serial();
+    let before = FlagState::capture().unwrap();
+    let settings = vec![
+        FlagSetting::new(Flag::SdpFlash, flipped(Flag::SdpFlash), "applied first"),
+        FlagSetting::new(Flag::CudnnBenchmark, FlagValue::MatmulPrecision(MatmulPrecision::High), "wrong type"),
+    ];
+    let err = FlagGuard::apply(&settings).unwrap_err();
+    assert!(err.to_string().contains("torch.backends.cudnn.benchmark"), "{err}");
+    assert_eq!(FlagState::capture().unwrap(), before);
+}
+
+#[test]
+fn audit_trail_serialises_to_json_with_pytorch_names() {
+    let _lock = common::serial();
+    let guard = FlagGuard::apply(&[FlagSetting::new(Flag::CudnnBenchmark, flipped(Flag::CudnnBenchmark), "autotune")]).unwrap();
+    let json = serde_json::to_value(guard.changes()).unwrap();
+    assert_eq!(json[0]["name"], "torch.backends.cudnn.benchmark");
+    assert_eq!(json[0]["reason"], "autotune");
+    assert_ne!(json[0]["before"], json[0]["after"]);
+}

@@ -1,0 +1,200 @@
+//! Training fidelity: reduced precision follows the fp32 loss curve; a captured (graphed) step gives
+//! the same parameters as the eager step. CPU versions run everywhere; CUDA versions run on the GPU
+//! host and print the largest relative gap they saw.
+
+mod common;
+
+use speedkit::config::{AutoBool, DeviceChoice, Precision, SpeedConfig};
+use speedkit::optim::AdamW;
+use speedkit::SpeedContext;
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+
+/// A learnable task: labels come from a fixed random "teacher", so the loss really decreases.
+struct Task {
+    x: Tensor,
+    y: Tensor,
+}
+
+fn task(device: Device, batch: i64, width: i64, classes: i64) -> Task {
+    tch::manual_seed(0);
+    let x = Tensor::randn([batch, width], (Kind::Float, device));
+    let teacher = Tensor::randn([width, classes], (Kind::Float, device));
+    let y = x.matmul(&teacher).argmax(-1, false);
+    Task { x, y }
+}
+
+fn mlp(vs: &nn::VarStore, width: i64, hidden: i64, classes: i64) -> impl Module {
+    let root = vs.root();
+    nn::seq()
+        .add(nn::linear(&root / "l1", width, hidden, Default::default()))
+        .add_fn(|x| x.gelu("tanh"))
+        .add(nn::linear(&root / "l2", hidden, hidden, Default::default()))
+        .add_fn(|x| x.gelu("tanh"))
+        .add(nn::linear(&root / "l3", hidden, classes, Default::default()))
+}
+
+struct Run {
+    losses: Vec<f64>,
+    params: Vec<Tensor>,
+}
+
+/// Trains `steps` steps under `config` from the same initial weights (seed 1) and returns the loss
+/// curve and final parameters. With `graphed`, the step runs through `SpeedContext::graphed`.
+fn train(config: &SpeedConfig, device: Device, steps: usize, dims: (i64, i64, i64, i64), graphed: bool) -> Run {
+    let (batch, width, hidden, classes) = dims;
+    let data = task(device, batch, width, classes);
+    tch::manual_seed(1);
+    let mut vs = nn::VarStore::new(device);
+    let model = mlp(&vs, width, hidden, classes);
+    let ctx = SpeedContext::new(config).unwrap();
+    ctx.prepare(&mut vs).unwrap();
+    let mut opt = ctx.adamw(&vs, AdamW { lr: 1e-3, wd: 0.1, ..Default::default() }).unwrap();
+    let mut losses = Vec::with_capacity(steps);
+    let mut step = |_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
+        let loss = ctx.autocast(|| model.forward(&data.x).cross_entropy_for_logits(&data.y));
+        ctx.backward_step(&loss, &mut opt)?;
+        Ok(Some(loss))
+    };
+    if graphed {
+        let mut g = ctx.graphed(&mut step);
+        for _ in 0..steps {
+            let loss = g.run(&[]).unwrap().unwrap();
+            losses.push(loss.double_value(&[]));
+        }
+        assert!(g.is_graphed(), "expected a captured graph: {:?}", g.fallback_reason());
+    } else {
+        for _ in 0..steps {
+            let loss = step(&[]).unwrap().unwrap();
+            losses.push(loss.double_value(&[]));
+        }
+    }
+    let params = vs.trainable_variables().iter().map(|t| t.detach().copy()).collect();
+    Run { losses, params }
+}
+
+/// Largest |a − b| / |b| over the curves.
+fn max_rel_gap(a: &[f64], b: &[f64]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-12)).fold(0.0, f64::max)
+}
+
+fn precision_config(device: DeviceChoice, precision: Precision) -> SpeedConfig {
+    let mut c = SpeedConfig { device, precision, ..SpeedConfig::auto() };
+    c.compile.enabled = AutoBool::Off;
+    c
+}
+
+#[test]
+fn bf16_autocast_on_cpu_follows_the_fp32_loss_curve() {
+    let _lock = common::serial();
+    let dims = (64, 32, 64, 8);
+    let fp32 = train(&precision_config(DeviceChoice::Cpu, Precision::Fp32), Device::Cpu, 60, dims, false);
+    let bf16 = train(&precision_config(DeviceChoice::Cpu, Precision::Bf16), Device::Cpu, 60, dims, false);
+    assert!(fp32.losses[59] < 0.8 * fp32.losses[0], "the task must be learnable: {:?}", (fp32.losses[0], fp32.losses[59]));
+    let gap = max_rel_gap(&bf16.losses, &fp32.losses);
+    eprintln!("cpu bf16 vs fp32 over 60 steps: largest relative loss gap {gap:.4}");
+    // bf16 keeps 8 bits of mantissa: per-step losses differ at the 1e-2 level, not more.
+    assert!(gap < 0.05, "bf16 drifted from fp32 by {gap}");
+}
+
+const GPU_DIMS: (i64, i64, i64, i64) = (512, 256, 1024, 16);
+
+#[test]
+fn cuda_bf16_and_fp16_with_scaler_follow_fp32_over_200_steps() {
+    let _lock = common::serial();
+    let Some(device) = common::cuda_or_skip("cuda_bf16_and_fp16_with_scaler_follow_fp32_over_200_steps") else { return };
+    let cuda = DeviceChoice::Cuda(0);
+    let mut strict = SpeedConfig::preset("fp32_strict").unwrap();
+    strict.device = cuda;
+    let fp32 = train(&strict, device, 200, GPU_DIMS, false);
+    let bf16 = train(&precision_config(cuda, Precision::Bf16), device, 200, GPU_DIMS, false);
+    let fp16_config = precision_config(cuda, Precision::Fp16);
+    let fp16 = train(&fp16_config, device, 200, GPU_DIMS, false);
+    assert!(fp32.losses[199] < 0.5 * fp32.losses[0], "the task must be learnable");
+    let (gap_bf16, gap_fp16) = (max_rel_gap(&bf16.losses, &fp32.losses), max_rel_gap(&fp16.losses, &fp32.losses));
+    eprintln!(
+        "cuda, 200 steps: loss fp32 {:.4} -> {:.4}; largest relative gap vs fp32: bf16 {gap_bf16:.4}, fp16+GradScaler {gap_fp16:.4}",
+        fp32.losses[0], fp32.losses[199]
+    );
+    assert!(gap_bf16 < 0.05 && gap_fp16 < 0.05, "bf16 {gap_bf16}, fp16 {gap_fp16}");
+}
+
+fn graphed_matches_eager(precision: Precision, scaler: AutoBool) {
+    let Some(device) = common::cuda_or_skip("graphed_step_matches_eager") else { return };
+    let mut config = precision_config(DeviceChoice::Cuda(0), precision);
+    config.grad_scaler.enabled = scaler;
+    config.optimizer.fused = AutoBool::On;
+    let eager = train(&config, device, 100, GPU_DIMS, false);
+    config.compile.enabled = AutoBool::On;
+    let graphed = train(&config, device, 100, GPU_DIMS, true);
+    let worst = eager
+        .params
+        .iter()
+        .zip(&graphed.params)
+        .map(|(e, g)| common::rel_err(g, e))
+        .fold(0.0, f64::max);
+    eprintln!("graphed vs eager after 100 steps ({precision:?}, scaler {scaler:?}): largest parameter rel. error {worst:.2e}; final losses {:.5} / {:.5}", eager.losses[99], graphed.losses[99]);
+    assert!(worst < 1e-3, "{worst}");
+}
+
+#[test]
+fn cuda_graphed_step_matches_eager_without_scaler() {
+    let _lock = common::serial();
+    graphed_matches_eager(Precision::Bf16, AutoBool::Off);
+}
+
+#[test]
+fn cuda_graphed_step_matches_eager_with_scaler() {
+    let _lock = common::serial();
+    graphed_matches_eager(Precision::Fp16, AutoBool::On);
+}
+
+#[test]
+fn cuda_step_with_host_sync_falls_back_to_eager_and_says_why() {
+    let _lock = common::serial();
+    let Some(device) = common::cuda_or_skip("cuda_step_with_host_sync_falls_back_to_eager_and_says_why") else { return };
+    let mut config = precision_config(DeviceChoice::Cuda(0), Precision::Bf16);
+    config.compile.enabled = AutoBool::On;
+    let ctx = SpeedContext::new(&config).unwrap();
+    let x = Tensor::randn([64, 64], (Kind::Float, device));
+    let mut host_reads = 0;
+    let mut g = ctx.graphed(|_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
+        let y = x.matmul(&x).sum(None);
+        host_reads += 1;
+        let _ = y.f_double_value(&[])?; // a host synchronisation: not capturable
+        Ok(Some(y))
+    });
+    for _ in 0..6 {
+        g.run(&[]).unwrap();
+    }
+    assert!(!g.is_graphed());
+    assert!(g.fallback_reason().unwrap().contains("cannot be captured"));
+    drop(g);
+    assert!(ctx.audit().notes.iter().any(|n| n.contains("graphs off")), "{:?}", ctx.audit().notes);
+}
+
+#[test]
+fn cuda_new_input_shape_recaptures_and_the_cache_is_bounded() {
+    let _lock = common::serial();
+    let Some(device) = common::cuda_or_skip("cuda_new_input_shape_recaptures_and_the_cache_is_bounded") else { return };
+    let mut config = precision_config(DeviceChoice::Cuda(0), Precision::Bf16);
+    config.compile.enabled = AutoBool::On;
+    config.compile.max_graphs = 2;
+    config.compile.warmup_steps = 1;
+    let ctx = SpeedContext::new(&config).unwrap();
+    let w = Tensor::randn([32, 32], (Kind::Float, device));
+    let mut g = ctx.graphed(|inputs: &[Tensor]| -> speedkit::Result<Option<Tensor>> { Ok(Some(inputs[0].matmul(&w).sum(None))) });
+    for rows in [8, 16, 24, 8] {
+        for _ in 0..3 {
+            let x = Tensor::randn([rows, 32], (Kind::Float, device));
+            let out = g.run(&[&x]).unwrap().unwrap();
+            let expect = x.matmul(&w).sum(None);
+            assert!(common::rel_err(&out, &expect) < 1e-5, "replay with fresh inputs must compute on them");
+        }
+    }
+    assert!(g.is_graphed());
+    drop(g);
+    let notes = ctx.audit().notes;
+    assert!(notes.iter().filter(|n| n.contains("captured")).count() >= 4, "{notes:?}");
+    assert!(notes.iter().any(|n| n.contains("evicted")), "{notes:?}");
+}
