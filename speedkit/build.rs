@@ -17,7 +17,10 @@ fn main() {
     // The wheel (and the libtorch zip) put headers at `<torch>/include` next to `<torch>/lib`.
     // Canonical, because `.venv/libtorch` is a link into site-packages, where the CUDA headers live.
     let canonical_lib = std::fs::canonicalize(&lib_dir).unwrap_or_else(|_| lib_dir.clone());
-    let torch_root = canonical_lib.parent().unwrap_or(&canonical_lib).to_path_buf();
+    let torch_root = canonical_lib
+        .parent()
+        .unwrap_or(&canonical_lib)
+        .to_path_buf();
     let include = torch_root.join("include");
     let cuda_headers = find_cuda_headers(&torch_root);
     let with_cuda = lib_dir.join("libtorch_cuda.so").exists() && cuda_headers.is_some();
@@ -69,5 +72,7 @@ fn find_cuda_headers(torch_root: &Path) -> Option<PathBuf> {
         }
     }
     candidates.push(PathBuf::from("/usr/local/cuda/include"));
-    candidates.into_iter().find(|dir| dir.join("cuda_runtime_api.h").exists())
+    candidates
+        .into_iter()
+        .find(|dir| dir.join("cuda_runtime_api.h").exists())
 }

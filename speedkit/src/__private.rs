@@ -29,7 +29,9 @@ pub enum ConfigSource {
 impl ConfigSource {
     fn load(&self) -> Result<SpeedConfig> {
         match self {
-            ConfigSource::Yaml { path, text } if path.ends_with(".json") => Ok(SpeedConfig::from_json_str(text)?),
+            ConfigSource::Yaml { path, text } if path.ends_with(".json") => {
+                Ok(SpeedConfig::from_json_str(text)?)
+            }
             ConfigSource::Yaml { text, .. } => Ok(SpeedConfig::from_yaml_str(text)?),
             ConfigSource::Json(text) => Ok(SpeedConfig::from_json_str(text)?),
             ConfigSource::Default => Ok(SpeedConfig::auto()),
@@ -41,7 +43,9 @@ impl ConfigSource {
 pub fn enter(source: ConfigSource, function: &'static str) -> Result<SpeedContext> {
     let config = source.load()?;
     SpeedContext::new(&config).map_err(|e| match e {
-        SpeedkitError::Unsupported(m) => SpeedkitError::Unsupported(format!("#[speedkit::accelerate] on `{function}`: {m}")),
+        SpeedkitError::Unsupported(m) => {
+            SpeedkitError::Unsupported(format!("#[speedkit::accelerate] on `{function}`: {m}"))
+        }
         other => other,
     })
 }
@@ -78,7 +82,11 @@ pub fn step<O: ScaledOptimizer + ?Sized>(ctx: &SpeedContext, opt: &mut O) {
 
 /// `opt.backward_step(&loss)` of a forward-bound loss.
 #[track_caller]
-pub fn backward_step<O: ScaledOptimizer + ?Sized>(ctx: &SpeedContext, opt: &mut O, loss: &tch::Tensor) {
+pub fn backward_step<O: ScaledOptimizer + ?Sized>(
+    ctx: &SpeedContext,
+    opt: &mut O,
+    loss: &tch::Tensor,
+) {
     if let Err(e) = ctx.backward_step(loss, opt) {
         panic!("speedkit: backward_step failed: {e}");
     }

@@ -61,22 +61,39 @@ impl SpeedContext {
         let plan = Plan::resolve(config, &hardware)?;
         let guard = FlagGuard::apply(&plan.flag_settings())?;
         let scaler = GradScaler::new(plan.grad_scaler.clone(), plan.device)?;
-        Ok(Self { config: config.clone(), hardware, plan, scaler, notes: RefCell::default(), guard })
+        Ok(Self {
+            config: config.clone(),
+            hardware,
+            plan,
+            scaler,
+            notes: RefCell::default(),
+            guard,
+        })
     }
 
     /// Moves `vs` to the plan's device and lays conv weights out channels-last if the plan says so.
     pub fn prepare(&self, vs: &mut VarStore) -> Result<()> {
         if vs.device() != self.plan.device {
             vs.set_device(self.plan.device);
-            self.note(format!("parameters moved to {}", crate::plan::device_name(self.plan.device)));
+            self.note(format!(
+                "parameters moved to {}",
+                crate::plan::device_name(self.plan.device)
+            ));
         }
         if self.plan.channels_last {
-            let conv_weights: Vec<Tensor> = vs.trainable_variables().into_iter().filter(|t| t.dim() == 4).collect();
+            let conv_weights: Vec<Tensor> = vs
+                .trainable_variables()
+                .into_iter()
+                .filter(|t| t.dim() == 4)
+                .collect();
             for w in &conv_weights {
                 ffi::to_channels_last_(w)?;
             }
             if !conv_weights.is_empty() {
-                self.note(format!("{} conv weight(s) laid out channels-last", conv_weights.len()));
+                self.note(format!(
+                    "{} conv weight(s) laid out channels-last",
+                    conv_weights.len()
+                ));
             }
         }
         Ok(())
@@ -146,7 +163,11 @@ impl SpeedContext {
     }
 
     /// zero_grad → scale → backward → unscale/inf-check → step → update.
-    pub fn backward_step<O: ScaledOptimizer + ?Sized>(&self, loss: &Tensor, opt: &mut O) -> Result<()> {
+    pub fn backward_step<O: ScaledOptimizer + ?Sized>(
+        &self,
+        loss: &Tensor,
+        opt: &mut O,
+    ) -> Result<()> {
         opt.zero_gradients()?;
         self.backward(loss)?;
         self.step(opt)
@@ -176,6 +197,9 @@ impl SpeedContext {
 
 impl std::fmt::Debug for SpeedContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SpeedContext").field("plan", &self.plan).field("guard", &self.guard).finish()
+        f.debug_struct("SpeedContext")
+            .field("plan", &self.plan)
+            .field("guard", &self.guard)
+            .finish()
     }
 }

@@ -12,9 +12,10 @@ use crate::config::ConfigError;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum SpeedkitError {
-    /// The speed config could not be read or is invalid.
+    /// The speed config could not be read or is invalid (boxed: config errors carry locations and
+    /// suggestions, and every `Result` in speedkit should stay small).
     #[error(transparent)]
-    Config(#[from] ConfigError),
+    Config(Box<ConfigError>),
     /// libtorch raised an error (the first line of its message).
     #[error("libtorch: {0}")]
     Torch(String),
@@ -41,11 +42,20 @@ pub enum SpeedkitError {
     },
 }
 
+impl From<ConfigError> for SpeedkitError {
+    fn from(e: ConfigError) -> Self {
+        SpeedkitError::Config(Box::new(e))
+    }
+}
+
 impl From<tch::TchError> for SpeedkitError {
     fn from(e: tch::TchError) -> Self {
         let text = e.to_string();
         // tch appends libtorch's C++ backtrace; the first lines say what went wrong.
-        let first = text.split("\nException raised from").next().unwrap_or(&text);
+        let first = text
+            .split("\nException raised from")
+            .next()
+            .unwrap_or(&text);
         SpeedkitError::Torch(first.trim().to_owned())
     }
 }

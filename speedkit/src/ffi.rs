@@ -67,8 +67,7 @@ extern "C" {
 
     fn sk_cuda_graph_pool_handle(first: *mut u64, second: *mut u64) -> c_int;
     fn sk_cuda_graph_new(out: *mut *mut c_void) -> c_int;
-    fn sk_cuda_graph_capture_begin(graph: *mut c_void, pool_first: u64, pool_second: u64)
-        -> c_int;
+    fn sk_cuda_graph_capture_begin(graph: *mut c_void, pool_first: u64, pool_second: u64) -> c_int;
     fn sk_cuda_graph_capture_end(graph: *mut c_void) -> c_int;
     fn sk_cuda_graph_replay(graph: *mut c_void) -> c_int;
     fn sk_cuda_graph_free(graph: *mut c_void);
@@ -110,8 +109,12 @@ extern "C" {
         eps: f64,
     ) -> c_int;
     fn sk_foreach_zero_(tensors: *const *mut C_tensor, n: i64) -> c_int;
-    fn sk_foreach_norm(tensors: *const *mut C_tensor, n: i64, ord: f64, out: *mut *mut C_tensor)
-        -> c_int;
+    fn sk_foreach_norm(
+        tensors: *const *mut C_tensor,
+        n: i64,
+        ord: f64,
+        out: *mut *mut C_tensor,
+    ) -> c_int;
     fn sk_foreach_mul_scalar_tensor_(
         tensors: *const *mut C_tensor,
         n: i64,
@@ -128,14 +131,19 @@ fn check(status: c_int) -> Result<(), SpeedkitError> {
     }
     // SAFETY: the shim returns a pointer into its thread-local error string, valid until the next
     // failing call on this thread; we copy it out at once.
-    let message = unsafe { CStr::from_ptr(sk_last_error()) }.to_string_lossy().into_owned();
+    let message = unsafe { CStr::from_ptr(sk_last_error()) }
+        .to_string_lossy()
+        .into_owned();
     Err(SpeedkitError::Torch(message))
 }
 
 /// The shim's handles for tensors (`at::Tensor*`), borrowed for the duration of one call. The shim
 /// only reads or mutates the tensors in place; it never frees a handle it did not allocate.
 fn handles(tensors: &[Tensor]) -> Vec<*mut C_tensor> {
-    tensors.iter().map(|t| t.as_ptr() as *mut C_tensor).collect()
+    tensors
+        .iter()
+        .map(|t| t.as_ptr() as *mut C_tensor)
+        .collect()
 }
 
 fn handle(tensor: &Tensor) -> *mut C_tensor {
@@ -179,7 +187,11 @@ pub(crate) fn autocast_get(device_type: i32) -> Result<(bool, i32), SpeedkitErro
     Ok((enabled != 0, dtype))
 }
 
-pub(crate) fn autocast_set(device_type: i32, enabled: bool, dtype: i32) -> Result<(), SpeedkitError> {
+pub(crate) fn autocast_set(
+    device_type: i32,
+    enabled: bool,
+    dtype: i32,
+) -> Result<(), SpeedkitError> {
     // SAFETY: plain values only.
     check(unsafe { sk_autocast_set(device_type, c_int::from(enabled), dtype) })
 }
@@ -235,7 +247,8 @@ pub(crate) fn cuda_device_props(index: usize) -> Result<RawDeviceProps, Speedkit
         total_memory: 0,
         l2_cache_bytes: 0,
     };
-    let index = c_int::try_from(index).map_err(|_| SpeedkitError::Torch("bad device index".into()))?;
+    let index =
+        c_int::try_from(index).map_err(|_| SpeedkitError::Torch("bad device index".into()))?;
     // SAFETY: `out` mirrors sk_device_props; the shim NUL-terminates `name`.
     check(unsafe { sk_cuda_device_props(index, &mut out) })?;
     Ok(out)
@@ -245,8 +258,14 @@ pub(crate) fn cuda_device_props(index: usize) -> Result<RawDeviceProps, Speedkit
 pub(crate) fn cuda_memory_stats(index: usize) -> Result<(u64, u64, u64), SpeedkitError> {
     let (mut allocated, mut peak, mut reserved) = (0i64, 0i64, 0i64);
     // SAFETY: out-pointers valid for the call.
-    check(unsafe { sk_cuda_memory_stats(index as c_int, &mut allocated, &mut peak, &mut reserved) })?;
-    Ok((allocated.max(0) as u64, peak.max(0) as u64, reserved.max(0) as u64))
+    check(unsafe {
+        sk_cuda_memory_stats(index as c_int, &mut allocated, &mut peak, &mut reserved)
+    })?;
+    Ok((
+        allocated.max(0) as u64,
+        peak.max(0) as u64,
+        reserved.max(0) as u64,
+    ))
 }
 
 pub(crate) fn cuda_reset_peak_memory(index: usize) -> Result<(), SpeedkitError> {
@@ -378,7 +397,12 @@ pub(crate) fn amp_unscale_(
     let g = handles(grads);
     // SAFETY: every handle is a live tensor borrowed for the call.
     check(unsafe {
-        sk_amp_unscale_(g.as_ptr(), g.len() as i64, handle(found_inf), handle(inv_scale))
+        sk_amp_unscale_(
+            g.as_ptr(),
+            g.len() as i64,
+            handle(found_inf),
+            handle(inv_scale),
+        )
     })
 }
 
@@ -402,11 +426,18 @@ pub(crate) struct AdamWHyper<'a> {
 
 fn check_lists(l: &AdamWLists<'_>) -> Result<usize, SpeedkitError> {
     let n = l.params.len();
-    if [l.grads.len(), l.exp_avgs.len(), l.exp_avg_sqs.len(), l.steps.len()]
-        .iter()
-        .any(|&len| len != n)
+    if [
+        l.grads.len(),
+        l.exp_avgs.len(),
+        l.exp_avg_sqs.len(),
+        l.steps.len(),
+    ]
+    .iter()
+    .any(|&len| len != n)
     {
-        return Err(SpeedkitError::Torch("AdamW tensor lists differ in length".into()));
+        return Err(SpeedkitError::Torch(
+            "AdamW tensor lists differ in length".into(),
+        ));
     }
     Ok(n)
 }

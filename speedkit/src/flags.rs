@@ -7,6 +7,15 @@
 //! where it was created, in LIFO order with other guards), and two threads must not apply different
 //! plans at the same time. Nested guards on one thread compose: each restores what it found.
 //!
+//! ```compile_fail
+//! fn assert_send<T: Send>() {}
+//! assert_send::<speedkit::flags::FlagGuard>(); // a guard cannot move to another thread
+//! ```
+//! ```compile_fail
+//! fn assert_send<T: Send>() {}
+//! assert_send::<speedkit::SpeedContext>(); // nor can the context that owns one
+//! ```
+//!
 //! ```
 //! use speedkit::flags::{Flag, FlagGuard, FlagSetting, FlagValue};
 //! let before = Flag::CudnnBenchmark.get()?;
@@ -147,11 +156,13 @@ impl Flag {
     pub fn get(self) -> Result<FlagValue> {
         match self.shim_id() {
             Some(id) => Ok(FlagValue::Bool(ffi::flag_get_bool(id)?)),
-            None => Ok(FlagValue::MatmulPrecision(match ffi::matmul_precision_get()? {
-                0 => MatmulPrecision::Highest,
-                1 => MatmulPrecision::High,
-                _ => MatmulPrecision::Medium,
-            })),
+            None => Ok(FlagValue::MatmulPrecision(
+                match ffi::matmul_precision_get()? {
+                    0 => MatmulPrecision::Highest,
+                    1 => MatmulPrecision::High,
+                    _ => MatmulPrecision::Medium,
+                },
+            )),
         }
     }
 
@@ -217,7 +228,11 @@ pub struct FlagState(Vec<(Flag, FlagValue)>);
 impl FlagState {
     /// Reads every flag in [`Flag::ALL`].
     pub fn capture() -> Result<Self> {
-        Flag::ALL.iter().map(|&f| Ok((f, f.get()?))).collect::<Result<Vec<_>>>().map(Self)
+        Flag::ALL
+            .iter()
+            .map(|&f| Ok((f, f.get()?)))
+            .collect::<Result<Vec<_>>>()
+            .map(Self)
     }
 
     /// The value of one flag in this snapshot.
@@ -255,7 +270,11 @@ pub struct FlagSetting {
 impl FlagSetting {
     /// A setting with its reason.
     pub fn new(flag: Flag, value: FlagValue, reason: impl Into<String>) -> Self {
-        Self { flag, value, reason: reason.into() }
+        Self {
+            flag,
+            value,
+            reason: reason.into(),
+        }
     }
 }
 
@@ -297,7 +316,12 @@ impl FlagGuard {
     /// the error returned: a failed apply changes nothing.
     pub fn apply(settings: &[FlagSetting]) -> Result<Self> {
         let before = FlagState::capture()?;
-        let mut guard = FlagGuard { before, changes: Vec::new(), restored: false, _not_send: PhantomData };
+        let mut guard = FlagGuard {
+            before,
+            changes: Vec::new(),
+            restored: false,
+            _not_send: PhantomData,
+        };
         for setting in settings {
             if let Err(e) = setting.flag.set(setting.value) {
                 // Dropping the guard restores what was applied so far.
@@ -310,7 +334,8 @@ impl FlagGuard {
         }
         let after = FlagState::capture()?;
         for setting in settings {
-            let (Some(was), Some(now)) = (guard.before.get(setting.flag), after.get(setting.flag)) else {
+            let (Some(was), Some(now)) = (guard.before.get(setting.flag), after.get(setting.flag))
+            else {
                 continue;
             };
             guard.changes.push(FlagChange {
@@ -374,8 +399,10 @@ impl FlagGuard {
             return Err(SpeedkitError::Restore(e.to_string()));
         }
         if !left.is_empty() {
-            let list: Vec<String> =
-                left.iter().map(|(f, now, was)| format!("{f} is {now}, was {was}")).collect();
+            let list: Vec<String> = left
+                .iter()
+                .map(|(f, now, was)| format!("{f} is {now}, was {was}"))
+                .collect();
             return Err(SpeedkitError::Restore(list.join("; ")));
         }
         Ok(now)
@@ -397,7 +424,9 @@ impl Drop for FlagGuard {
 
 impl fmt::Debug for FlagGuard {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("FlagGuard").field("changes", &self.changes).finish()
+        f.debug_struct("FlagGuard")
+            .field("changes", &self.changes)
+            .finish()
     }
 }
 

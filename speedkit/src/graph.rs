@@ -56,7 +56,15 @@ where
     /// Wraps `step`, which receives the (static) input tensors and returns the loss.
     pub fn new(ctx: &'c SpeedContext, step: F) -> Self {
         let enabled = ctx.plan().compile_graphs && ctx.plan().cuda_index().is_some();
-        Self { ctx, step, enabled, pool: None, entries: Vec::new(), clock: 0, fallback: None }
+        Self {
+            ctx,
+            step,
+            enabled,
+            pool: None,
+            entries: Vec::new(),
+            clock: 0,
+            fallback: None,
+        }
     }
 
     /// Whether the last call replayed a graph.
@@ -76,13 +84,28 @@ where
 
     /// Runs one step on `inputs`.
     pub fn run(&mut self, inputs: &[&Tensor]) -> Result<Option<Tensor>> {
-        let Some(device_index) = self.ctx.plan().cuda_index().filter(|_| self.enabled && self.fallback.is_none()) else {
+        let Some(device_index) = self
+            .ctx
+            .plan()
+            .cuda_index()
+            .filter(|_| self.enabled && self.fallback.is_none())
+        else {
             let owned: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
             return (self.step)(&owned);
         };
-        let signature: Signature = inputs.iter().map(|t| (t.size(), t.kind(), t.device())).collect();
-        if let Some((i, d)) = inputs.iter().enumerate().find(|(_, t)| t.device() != Device::Cuda(device_index)) {
-            let reason = format!("input {i} is on {:?}, not cuda:{device_index}: graphs need device-resident inputs", d.device());
+        let signature: Signature = inputs
+            .iter()
+            .map(|t| (t.size(), t.kind(), t.device()))
+            .collect();
+        if let Some((i, d)) = inputs
+            .iter()
+            .enumerate()
+            .find(|(_, t)| t.device() != Device::Cuda(device_index))
+        {
+            let reason = format!(
+                "input {i} is on {:?}, not cuda:{device_index}: graphs need device-resident inputs",
+                d.device()
+            );
             return self.fall_back(reason, inputs);
         }
         self.clock += 1;
@@ -115,7 +138,12 @@ where
     fn insert(&mut self, signature: Signature) -> usize {
         let max = self.ctx.plan().max_graphs.max(1);
         if self.entries.len() >= max {
-            if let Some((lru, _)) = self.entries.iter().enumerate().min_by_key(|(_, e)| e.last_used) {
+            if let Some((lru, _)) = self
+                .entries
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, e)| e.last_used)
+            {
                 let evicted = self.entries.remove(lru);
                 self.ctx.note(format!(
                     "graph cache full (compile.max_graphs = {max}): evicted the graph for input shapes {:?}",
@@ -134,7 +162,12 @@ where
         self.entries.len() - 1
     }
 
-    fn capture(&mut self, index: usize, device_index: usize, inputs: &[&Tensor]) -> Result<Option<Tensor>> {
+    fn capture(
+        &mut self,
+        index: usize,
+        device_index: usize,
+        inputs: &[&Tensor],
+    ) -> Result<Option<Tensor>> {
         let pool = match self.pool {
             Some(p) => p,
             None => *self.pool.insert(GraphPool::new()?),
@@ -171,7 +204,8 @@ where
                 // Whatever the partial capture recorded never ran; the step runs eagerly instead.
                 ffi::cuda_synchronize(device_index)?;
                 self.ctx.grad_scaler().reset_step_state();
-                let reason = format!("the step cannot be captured ({e}); running eagerly from now on");
+                let reason =
+                    format!("the step cannot be captured ({e}); running eagerly from now on");
                 self.fall_back(reason, inputs)
             }
         }
@@ -186,20 +220,19 @@ where
     }
 }
 
+/// A boxed step closure: what [`CompiledStep`] stores, so its type names no closure.
+type DynStep<'c> = Box<dyn FnMut(&[Tensor]) -> Result<Option<Tensor>> + 'c>;
+
 /// A [`GraphedStep`] without inputs: the step closes over its (already static) data.
-pub struct CompiledStep<'c, F> {
-    inner: GraphedStep<'c, Box<dyn FnMut(&[Tensor]) -> Result<Option<Tensor>> + 'c>>,
-    _step: std::marker::PhantomData<F>,
+pub struct CompiledStep<'c> {
+    inner: GraphedStep<'c, DynStep<'c>>,
 }
 
-impl<'c, F> CompiledStep<'c, F>
-where
-    F: FnMut() -> Result<Option<Tensor>> + 'c,
-{
+impl<'c> CompiledStep<'c> {
     /// Wraps `step`.
-    pub fn new(ctx: &'c SpeedContext, mut step: F) -> Self {
-        let boxed: Box<dyn FnMut(&[Tensor]) -> Result<Option<Tensor>> + 'c> = Box::new(move |_: &[Tensor]| step());
-        Self { inner: GraphedStep::new(ctx, boxed), _step: std::marker::PhantomData }
+    pub fn new(ctx: &'c SpeedContext, mut step: impl FnMut() -> Result<Option<Tensor>> + 'c) -> Self {
+        let boxed: DynStep<'c> = Box::new(move |_: &[Tensor]| step());
+        Self { inner: GraphedStep::new(ctx, boxed) }
     }
 
     /// Runs one step.

@@ -128,12 +128,21 @@ impl Hardware {
     /// Reads the machine through libtorch. Never fails for lack of a GPU: that is `kind() == Cpu`.
     pub fn detect() -> Result<Self> {
         let versions = ffi::versions()?;
-        let count = if versions.built_with_cuda != 0 { ffi::cuda_device_count()? } else { 0 };
+        let count = if versions.built_with_cuda != 0 {
+            ffi::cuda_device_count()?
+        } else {
+            0
+        };
         let mut gpus = Vec::with_capacity(count);
         for index in 0..count {
             let raw = ffi::cuda_device_props(index)?;
             // SAFETY-free: the shim NUL-terminates name within its 256 bytes.
-            let bytes: Vec<u8> = raw.name.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+            let bytes: Vec<u8> = raw
+                .name
+                .iter()
+                .take_while(|&&c| c != 0)
+                .map(|&c| c as u8)
+                .collect();
             gpus.push(GpuInfo {
                 index,
                 name: String::from_utf8_lossy(&bytes).into_owned(),
@@ -148,11 +157,18 @@ impl Hardware {
         }
         Ok(Self {
             gpus,
-            libtorch: format!("{}.{}.{}", versions.torch_major, versions.torch_minor, versions.torch_patch),
+            libtorch: format!(
+                "{}.{}.{}",
+                versions.torch_major, versions.torch_minor, versions.torch_patch
+            ),
             built_with_cuda: versions.built_with_cuda != 0,
             cuda_runtime: (versions.cuda_runtime > 0).then(|| {
                 // CUDART encodes 13.0 as 13000.
-                format!("{}.{}", versions.cuda_runtime / 1000, (versions.cuda_runtime % 1000) / 10)
+                format!(
+                    "{}.{}",
+                    versions.cuda_runtime / 1000,
+                    (versions.cuda_runtime % 1000) / 10
+                )
             }),
             cudnn: (versions.cudnn > 0).then(|| cudnn_version(versions.cudnn)),
             driver: driver_version(),
@@ -228,7 +244,11 @@ impl Hardware {
 impl fmt::Display for Hardware {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.gpus.is_empty() {
-            writeln!(f, "device      cpu ({} threads), no CUDA device visible", self.cpu_threads)?;
+            writeln!(
+                f,
+                "device      cpu ({} threads), no CUDA device visible",
+                self.cpu_threads
+            )?;
         }
         for gpu in &self.gpus {
             writeln!(
@@ -251,7 +271,11 @@ impl fmt::Display for Hardware {
             )?;
         }
         writeln!(f, "libtorch    {}", self.libtorch)?;
-        writeln!(f, "cuda        {}", self.cuda_runtime.as_deref().unwrap_or("-"))?;
+        writeln!(
+            f,
+            "cuda        {}",
+            self.cuda_runtime.as_deref().unwrap_or("-")
+        )?;
         writeln!(f, "cudnn       {}", self.cudnn.as_deref().unwrap_or("-"))?;
         writeln!(f, "driver      {}", self.driver.as_deref().unwrap_or("-"))?;
         write!(f, "os          {}", self.os)

@@ -62,7 +62,8 @@ pub fn attention_backend(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Re
                 .into(),
         ));
     }
-    let choice = Tensor::f_internal_fused_sdp_choice(q, k, v, None::<Tensor>, 0.0, causal, None, false)?;
+    let choice =
+        Tensor::f_internal_fused_sdp_choice(q, k, v, None::<Tensor>, 0.0, causal, None, false)?;
     match choice {
         0 => Ok(SdpBackend::Math),
         1 => Ok(SdpBackend::Flash),
@@ -91,7 +92,8 @@ pub fn attention_backend(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Re
 /// # Ok::<(), speedkit::SpeedkitError>(())
 /// ```
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
-    match Tensor::f_scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, causal, None, false) {
+    match Tensor::f_scaled_dot_product_attention(q, k, v, None::<Tensor>, 0.0, causal, None, false)
+    {
         Ok(out) => Ok(out),
         // Say which backends were allowed and why none ran, rather than libtorch's terse message.
         Err(e) => Err(match attention_backend(q, k, v, causal) {

@@ -46,7 +46,14 @@ pub struct AdamW {
 
 impl Default for AdamW {
     fn default() -> Self {
-        Self { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, wd: 0.01, exclude_from_decay: false }
+        Self {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            wd: 0.01,
+            exclude_from_decay: false,
+        }
     }
 }
 
@@ -92,11 +99,23 @@ impl AdamWOptimizer {
         let groups = if config.exclude_from_decay {
             let (decay, no_decay): (Vec<_>, Vec<_>) = vars.into_iter().partition(|t| t.dim() >= 2);
             vec![
-                ParamGroup { params: decay, lr: config.lr, weight_decay: config.wd },
-                ParamGroup { params: no_decay, lr: config.lr, weight_decay: 0.0 },
+                ParamGroup {
+                    params: decay,
+                    lr: config.lr,
+                    weight_decay: config.wd,
+                },
+                ParamGroup {
+                    params: no_decay,
+                    lr: config.lr,
+                    weight_decay: 0.0,
+                },
             ]
         } else {
-            vec![ParamGroup { params: vars, lr: config.lr, weight_decay: config.wd }]
+            vec![ParamGroup {
+                params: vars,
+                lr: config.lr,
+                weight_decay: config.wd,
+            }]
         };
         Self::with_groups(groups, &config, fused)
     }
@@ -110,15 +129,27 @@ impl AdamWOptimizer {
             )));
         }
         if config.lr < 0.0 || config.eps < 0.0 || config.wd < 0.0 {
-            return Err(SpeedkitError::Misuse("AdamW lr, eps and wd must be non-negative".into()));
+            return Err(SpeedkitError::Misuse(
+                "AdamW lr, eps and wd must be non-negative".into(),
+            ));
         }
         let groups = groups
             .into_iter()
             .map(|g| {
-                Ok(Group { lr: g.lr, weight_decay: g.weight_decay, buckets: make_buckets(g.params, g.lr)? })
+                Ok(Group {
+                    lr: g.lr,
+                    weight_decay: g.weight_decay,
+                    buckets: make_buckets(g.params, g.lr)?,
+                })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { groups, beta1: config.beta1, beta2: config.beta2, eps: config.eps, fused })
+        Ok(Self {
+            groups,
+            beta1: config.beta1,
+            beta2: config.beta2,
+            eps: config.eps,
+            fused,
+        })
     }
 
     /// Whether this optimizer runs the fused kernel.
@@ -198,7 +229,12 @@ impl AdamWOptimizer {
 
     /// Steps taken by the first parameter (a synchronisation; for logs and tests).
     pub fn steps_taken(&self) -> Result<i64> {
-        let first = self.groups.iter().flat_map(|g| &g.buckets).flat_map(|b| &b.steps).next();
+        let first = self
+            .groups
+            .iter()
+            .flat_map(|g| &g.buckets)
+            .flat_map(|b| &b.steps)
+            .next();
         match first {
             Some(s) => Ok(s.f_double_value(&[])? as i64),
             None => Ok(0),
@@ -223,16 +259,30 @@ impl AdamWOptimizer {
                 if grads.is_empty() {
                     continue;
                 }
-                let pick = |v: &[Tensor]| -> Vec<Tensor> { idx.iter().map(|&i| v[i].shallow_clone()).collect() };
+                let pick = |v: &[Tensor]| -> Vec<Tensor> {
+                    idx.iter().map(|&i| v[i].shallow_clone()).collect()
+                };
                 let (params, m, v, s);
                 let lists = if idx.len() == b.params.len() {
-                    AdamWLists { params: &b.params, grads: &grads, exp_avgs: &b.exp_avgs, exp_avg_sqs: &b.exp_avg_sqs, steps: &b.steps }
+                    AdamWLists {
+                        params: &b.params,
+                        grads: &grads,
+                        exp_avgs: &b.exp_avgs,
+                        exp_avg_sqs: &b.exp_avg_sqs,
+                        steps: &b.steps,
+                    }
                 } else {
                     params = pick(&b.params);
                     m = pick(&b.exp_avgs);
                     v = pick(&b.exp_avg_sqs);
                     s = pick(&b.steps);
-                    AdamWLists { params: &params, grads: &grads, exp_avgs: &m, exp_avg_sqs: &v, steps: &s }
+                    AdamWLists {
+                        params: &params,
+                        grads: &grads,
+                        exp_avgs: &m,
+                        exp_avg_sqs: &v,
+                        steps: &s,
+                    }
                 };
                 let hyper = AdamWHyper {
                     lr: &b.lr,
@@ -242,8 +292,12 @@ impl AdamWOptimizer {
                     eps: self.eps,
                 };
                 if self.fused {
-                    let scale = grad_scale.map(|t| t.f_to_device(b.lr.device())).transpose()?;
-                    let inf = found_inf.map(|t| t.f_to_device(b.lr.device())).transpose()?;
+                    let scale = grad_scale
+                        .map(|t| t.f_to_device(b.lr.device()))
+                        .transpose()?;
+                    let inf = found_inf
+                        .map(|t| t.f_to_device(b.lr.device()))
+                        .transpose()?;
                     ffi::fused_adamw_(&lists, &hyper, scale.as_ref(), inf.as_ref())?;
                 } else {
                     ffi::foreach_adamw_(&lists, &hyper)?;
@@ -262,7 +316,10 @@ impl AdamWOptimizer {
                 for i in 0..b.params.len() {
                     let prefix = format!("group{gi}.bucket{bi}.param{i}");
                     out.push((format!("{prefix}.exp_avg"), b.exp_avgs[i].shallow_clone()));
-                    out.push((format!("{prefix}.exp_avg_sq"), b.exp_avg_sqs[i].shallow_clone()));
+                    out.push((
+                        format!("{prefix}.exp_avg_sq"),
+                        b.exp_avg_sqs[i].shallow_clone(),
+                    ));
                     out.push((format!("{prefix}.step"), b.steps[i].shallow_clone()));
                 }
             }
@@ -291,9 +348,11 @@ impl AdamWOptimizer {
             )));
         }
         for (name, mut dst) in mine {
-            let src = loaded.iter().find(|(n, _)| *n == name).map(|(_, t)| t).ok_or_else(|| {
-                SpeedkitError::Misuse(format!("optimizer state lacks `{name}`"))
-            })?;
+            let src = loaded
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, t)| t)
+                .ok_or_else(|| SpeedkitError::Misuse(format!("optimizer state lacks `{name}`")))?;
             tch::no_grad(|| dst.f_copy_(src))?;
         }
         self.groups.iter_mut().try_for_each(|g| -> Result<()> {
@@ -324,7 +383,16 @@ fn make_buckets(params: Vec<Tensor>, lr: f64) -> Result<Vec<Bucket>> {
             None => {
                 let _ = kind;
                 let lr_t = Tensor::f_full([] as [i64; 0], lr, (Kind::Float, device))?;
-                buckets.push((key, Bucket { params: vec![p], exp_avgs: vec![m], exp_avg_sqs: vec![v], steps: vec![step], lr: lr_t }));
+                buckets.push((
+                    key,
+                    Bucket {
+                        params: vec![p],
+                        exp_avgs: vec![m],
+                        exp_avg_sqs: vec![v],
+                        steps: vec![step],
+                        lr: lr_t,
+                    },
+                ));
             }
         }
     }
@@ -350,7 +418,11 @@ impl ScaledOptimizer for AdamWOptimizer {
     fn supports_device_scaling(&self) -> bool {
         self.fused
     }
-    fn step_with_device_scaling(&mut self, grad_scale: Option<&Tensor>, found_inf: &Tensor) -> Result<()> {
+    fn step_with_device_scaling(
+        &mut self,
+        grad_scale: Option<&Tensor>,
+        found_inf: &Tensor,
+    ) -> Result<()> {
         self.step_impl(grad_scale, Some(found_inf))
     }
 }

@@ -227,7 +227,11 @@ impl Plan {
                 "CUDA: cuDNN tries its algorithms once per input shape and keeps the fastest",
             ),
             (AutoBool::Auto, None) => d.set("cudnn.benchmark", None, "CPU: cuDNN is not used"),
-            (v, _) => d.set("cudnn.benchmark", Some(v == AutoBool::On), "set in the config"),
+            (v, _) => d.set(
+                "cudnn.benchmark",
+                Some(v == AutoBool::On),
+                "set in the config",
+            ),
         };
         let cudnn_allow_tf32 = match (config.cudnn.allow_tf32, gpu) {
             (AutoBool::Auto, Some(g)) if g.supports_tf32() => d.set(
@@ -235,11 +239,23 @@ impl Plan {
                 Some(true),
                 "TF32 convolutions on Ampere and newer (PyTorch's default, made explicit)",
             ),
-            (AutoBool::Auto, _) => d.set("cudnn.allow_tf32", None, "no TF32 on this device: left as it is"),
-            (v, _) => d.set("cudnn.allow_tf32", Some(v == AutoBool::On), "set in the config"),
+            (AutoBool::Auto, _) => d.set(
+                "cudnn.allow_tf32",
+                None,
+                "no TF32 on this device: left as it is",
+            ),
+            (v, _) => d.set(
+                "cudnn.allow_tf32",
+                Some(v == AutoBool::On),
+                "set in the config",
+            ),
         };
         let cudnn_deterministic = if config.cudnn.deterministic || deterministic {
-            d.set("cudnn.deterministic", Some(true), "deterministic results requested")
+            d.set(
+                "cudnn.deterministic",
+                Some(true),
+                "deterministic results requested",
+            )
         } else {
             d.set("cudnn.deterministic", None, "not requested: left as it is")
         };
@@ -271,7 +287,11 @@ impl Plan {
                 Some(ScalerSettings::from(&config.grad_scaler))
             }
             AutoBool::Auto => {
-                d.push("grad_scaler", "off", format!("{precision}: no loss scaling needed"));
+                d.push(
+                    "grad_scaler",
+                    "off",
+                    format!("{precision}: no loss scaling needed"),
+                );
                 None
             }
             AutoBool::On => {
@@ -291,15 +311,27 @@ impl Plan {
 
         let fused_optimizer = match (config.optimizer.fused, gpu) {
             (AutoBool::Auto, Some(_)) => {
-                d.push("optimizer.fused", "true", "CUDA: one fused AdamW kernel over all parameters");
+                d.push(
+                    "optimizer.fused",
+                    "true",
+                    "CUDA: one fused AdamW kernel over all parameters",
+                );
                 true
             }
             (AutoBool::Auto, None) => {
-                d.push("optimizer.fused", "false", "CPU: multi-tensor (foreach) AdamW");
+                d.push(
+                    "optimizer.fused",
+                    "false",
+                    "CPU: multi-tensor (foreach) AdamW",
+                );
                 false
             }
             (v, _) => {
-                d.push("optimizer.fused", (v == AutoBool::On).to_string(), "set in the config");
+                d.push(
+                    "optimizer.fused",
+                    (v == AutoBool::On).to_string(),
+                    "set in the config",
+                );
                 v == AutoBool::On
             }
         };
@@ -314,7 +346,11 @@ impl Plan {
                 false
             }
             (AutoBool::Auto, Some(_)) => {
-                d.push("compile", "graphs", "CUDA: capture the whole training step once and replay it (no launch overhead)");
+                d.push(
+                    "compile",
+                    "graphs",
+                    "CUDA: capture the whole training step once and replay it (no launch overhead)",
+                );
                 true
             }
             (AutoBool::On, None) => {
@@ -344,7 +380,11 @@ impl Plan {
                 false
             }
             (v, _) => {
-                d.push("channels_last", (v == AutoBool::On).to_string(), "set in the config");
+                d.push(
+                    "channels_last",
+                    (v == AutoBool::On).to_string(),
+                    "set in the config",
+                );
                 v == AutoBool::On
             }
         };
@@ -385,13 +425,37 @@ impl Plan {
             }
         };
         push_bool(Flag::CudnnEnabled, self.cudnn_enabled, "cudnn.enabled");
-        push_bool(Flag::CudnnBenchmark, self.cudnn_benchmark, "cudnn.benchmark");
-        push_bool(Flag::CudnnAllowTf32, self.cudnn_allow_tf32, "cudnn.allow_tf32");
-        push_bool(Flag::CudnnDeterministic, self.cudnn_deterministic, "cudnn.deterministic");
-        push_bool(Flag::DeterministicAlgorithms, self.deterministic_algorithms, "deterministic");
+        push_bool(
+            Flag::CudnnBenchmark,
+            self.cudnn_benchmark,
+            "cudnn.benchmark",
+        );
+        push_bool(
+            Flag::CudnnAllowTf32,
+            self.cudnn_allow_tf32,
+            "cudnn.allow_tf32",
+        );
+        push_bool(
+            Flag::CudnnDeterministic,
+            self.cudnn_deterministic,
+            "cudnn.deterministic",
+        );
+        push_bool(
+            Flag::DeterministicAlgorithms,
+            self.deterministic_algorithms,
+            "deterministic",
+        );
         let rpr = self.reduced_precision_reduction;
-        push_bool(Flag::CudaMatmulAllowBf16ReducedPrecisionReduction, rpr, "reduced_precision_reduction");
-        push_bool(Flag::CudaMatmulAllowFp16ReducedPrecisionReduction, rpr, "reduced_precision_reduction");
+        push_bool(
+            Flag::CudaMatmulAllowBf16ReducedPrecisionReduction,
+            rpr,
+            "reduced_precision_reduction",
+        );
+        push_bool(
+            Flag::CudaMatmulAllowFp16ReducedPrecisionReduction,
+            rpr,
+            "reduced_precision_reduction",
+        );
         // Only backends the config turns off are touched: PyTorch enables all of them by default.
         let sdp = [
             (Flag::SdpFlash, self.sdp.flash),
@@ -406,11 +470,19 @@ impl Plan {
         }
         if let Some(p) = self.matmul_precision {
             let why = reason("tf32_matmul_precision");
-            out.push(FlagSetting::new(Flag::Float32MatmulPrecision, FlagValue::MatmulPrecision(p), why.clone()));
+            out.push(FlagSetting::new(
+                Flag::Float32MatmulPrecision,
+                FlagValue::MatmulPrecision(p),
+                why.clone(),
+            ));
             // Python's `allow_tf32` and the matmul precision are one setting inside libtorch; set
             // both so the audit reads like PyTorch's documentation.
             let tf32 = p != MatmulPrecision::Highest;
-            out.push(FlagSetting::new(Flag::CudaMatmulAllowTf32, FlagValue::Bool(tf32), why));
+            out.push(FlagSetting::new(
+                Flag::CudaMatmulAllowTf32,
+                FlagValue::Bool(tf32),
+                why,
+            ));
         }
         out
     }
@@ -451,7 +523,11 @@ fn resolve_device<'h>(
         }
         DeviceChoice::Cuda(i) => match hw.gpu(i) {
             Some(g) => {
-                d.push("device", format!("cuda:{i}"), format!("set in the config ({})", g.name));
+                d.push(
+                    "device",
+                    format!("cuda:{i}"),
+                    format!("set in the config ({})", g.name),
+                );
                 Ok((Device::Cuda(i), Some(g)))
             }
             None => Err(SpeedkitError::Unsupported(format!(
@@ -506,7 +582,12 @@ fn resolve_precision(
     Ok(p)
 }
 
-fn explicit_only(d: &mut Decisions, key: &'static str, v: AutoBool, auto_reason: &str) -> Option<bool> {
+fn explicit_only(
+    d: &mut Decisions,
+    key: &'static str,
+    v: AutoBool,
+    auto_reason: &str,
+) -> Option<bool> {
     match v {
         AutoBool::Auto => d.set(key, None, auto_reason),
         v => d.set(key, Some(v == AutoBool::On), "set in the config"),
@@ -518,18 +599,37 @@ struct Decisions(Vec<Decision>);
 
 impl Decisions {
     fn push(&mut self, key: &'static str, value: impl Into<String>, reason: impl Into<String>) {
-        self.0.push(Decision { key, value: value.into(), reason: reason.into() });
+        self.0.push(Decision {
+            key,
+            value: value.into(),
+            reason: reason.into(),
+        });
     }
 
     /// Records an optional setting (`None` = "left as it is") and returns it.
-    fn set<T: fmt::Display + Copy>(&mut self, key: &'static str, v: Option<T>, reason: impl Into<String>) -> Option<T> {
-        self.push(key, v.map_or_else(|| "unchanged".to_string(), |v| v.to_string()), reason);
+    fn set<T: fmt::Display + Copy>(
+        &mut self,
+        key: &'static str,
+        v: Option<T>,
+        reason: impl Into<String>,
+    ) -> Option<T> {
+        self.push(
+            key,
+            v.map_or_else(|| "unchanged".to_string(), |v| v.to_string()),
+            reason,
+        );
         v
     }
 
     /// A plain bool key: PyTorch's default value means "leave the flag as it is" (so a config does not
     /// undo what the process set elsewhere); any other value is applied.
-    fn default_or_set(&mut self, key: &'static str, v: bool, pytorch_default: bool, reason: &str) -> Option<bool> {
+    fn default_or_set(
+        &mut self,
+        key: &'static str,
+        v: bool,
+        pytorch_default: bool,
+        reason: &str,
+    ) -> Option<bool> {
         if v == pytorch_default {
             self.set(key, None, "PyTorch's default: left as it is")
         } else {

@@ -54,8 +54,10 @@ pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
     }
     let mut out = String::new();
     let line = |out: &mut String, cells: &mut dyn Iterator<Item = &str>| {
-        let parts: Vec<String> =
-            cells.zip(&widths).map(|(c, w)| format!("{c:<w$}", w = *w)).collect();
+        let parts: Vec<String> = cells
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}", w = *w))
+            .collect();
         let _ = writeln!(out, "  {}", parts.join("  ").trim_end());
     };
     line(&mut out, &mut headers.iter().copied());
@@ -68,8 +70,10 @@ pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
 }
 
 fn decisions_table(decisions: &[Decision]) -> String {
-    let rows: Vec<Vec<String>> =
-        decisions.iter().map(|d| vec![d.key.to_string(), d.value.clone(), d.reason.clone()]).collect();
+    let rows: Vec<Vec<String>> = decisions
+        .iter()
+        .map(|d| vec![d.key.to_string(), d.value.clone(), d.reason.clone()])
+        .collect();
     table(&["setting", "value", "reason"], &rows)
 }
 
@@ -81,7 +85,11 @@ fn changes_table(changes: &[FlagChange]) -> String {
         .iter()
         .map(|c| {
             let arrow = if c.changed() { "->" } else { "==" };
-            vec![c.name.to_string(), format!("{} {arrow} {}", c.before, c.after), c.reason.clone()]
+            vec![
+                c.name.to_string(),
+                format!("{} {arrow} {}", c.before, c.after),
+                c.reason.clone(),
+            ]
         })
         .collect();
     table(&["flag", "before -> after", "reason"], &rows)
@@ -156,7 +164,11 @@ impl Report {
                 before: before.get(flag).unwrap_or(FlagValue::Bool(false)),
                 applied: applied_state.as_ref().and_then(|s| s.get(flag)),
                 restored: restored_state.as_ref().and_then(|s| s.get(flag)),
-                reason: reasons.iter().find(|(f, _)| *f == flag).map(|(_, r)| r.clone()).unwrap_or_default(),
+                reason: reasons
+                    .iter()
+                    .find(|(f, _)| *f == flag)
+                    .map(|(_, r)| r.clone())
+                    .unwrap_or_default(),
             })
             .collect();
         Ok(Report {
@@ -214,7 +226,10 @@ impl fmt::Display for Report {
         match self.restored_equals_before {
             Some(true) => writeln!(f, "\nrestored: every flag reads back as before")?,
             Some(false) => writeln!(f, "\nrestored: MISMATCH - some flag differs from before")?,
-            None if self.applied => writeln!(f, "\n(applied for this report; restored as the command exits)")?,
+            None if self.applied => writeln!(
+                f,
+                "\n(applied for this report; restored as the command exits)"
+            )?,
             None => writeln!(f, "\n(dry run: nothing applied; use --apply [--restore])")?,
         }
         Ok(())

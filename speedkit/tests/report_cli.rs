@@ -3,7 +3,10 @@
 use std::process::{Command, Output};
 
 fn speedkit(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_speedkit")).args(args).output().expect("run the speedkit binary")
+    Command::new(env!("CARGO_BIN_EXE_speedkit"))
+        .args(args)
+        .output()
+        .expect("run the speedkit binary")
 }
 
 fn text(bytes: &[u8]) -> String {
@@ -15,10 +18,22 @@ fn report_apply_restore_reads_well_for_a_person() {
     let out = speedkit(&["report", "--apply", "--restore"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let stdout = text(&out.stdout);
-    for section in ["== hardware", "== resolved settings", "== flags", "torch.backends.cuda.matmul.allow_tf32", "restored"] {
-        assert!(stdout.contains(section), "missing {section:?} in:\n{stdout}");
+    for section in [
+        "== hardware",
+        "== resolved settings",
+        "== flags",
+        "torch.backends.cuda.matmul.allow_tf32",
+        "restored",
+    ] {
+        assert!(
+            stdout.contains(section),
+            "missing {section:?} in:\n{stdout}"
+        );
     }
-    assert!(stdout.contains("restored: every flag reads back as before"), "{stdout}");
+    assert!(
+        stdout.contains("restored: every flag reads back as before"),
+        "{stdout}"
+    );
 }
 
 #[test]
@@ -26,10 +41,17 @@ fn report_json_parses_and_lists_every_flag() {
     let out = speedkit(&["report", "--apply", "--restore", "--json"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("valid JSON");
-    assert_eq!(json["flags"].as_array().map(Vec::len), Some(speedkit::flags::Flag::ALL.len()));
+    assert_eq!(
+        json["flags"].as_array().map(Vec::len),
+        Some(speedkit::flags::Flag::ALL.len())
+    );
     assert_eq!(json["restored_equals_before"], true);
-    assert!(json["plan"]["decisions"].as_array().is_some_and(|d| d.iter().all(|x| x["reason"].is_string())));
-    assert!(json["hardware"]["libtorch"].as_str().is_some_and(|v| v.starts_with("2.11")));
+    assert!(json["plan"]["decisions"]
+        .as_array()
+        .is_some_and(|d| d.iter().all(|x| x["reason"].is_string())));
+    assert!(json["hardware"]["libtorch"]
+        .as_str()
+        .is_some_and(|v| v.starts_with("2.11")));
 }
 
 #[test]
@@ -50,7 +72,12 @@ fn report_rejects_a_config_typo_with_line_column_and_suggestion() {
     std::fs::remove_dir_all(&dir).ok();
     assert_eq!(out.status.code(), Some(2));
     let stderr = text(&out.stderr);
-    assert!(stderr.contains("cudnn.benchmrk") && stderr.contains("line 3") && stderr.contains("benchmark"), "{stderr}");
+    assert!(
+        stderr.contains("cudnn.benchmrk")
+            && stderr.contains("line 3")
+            && stderr.contains("benchmark"),
+        "{stderr}"
+    );
 }
 
 #[test]

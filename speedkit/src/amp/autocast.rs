@@ -26,7 +26,9 @@ fn device_type(device: Device) -> Result<i32> {
     match device {
         Device::Cpu => Ok(0),
         Device::Cuda(_) => Ok(1),
-        other => Err(SpeedkitError::Unsupported(format!("autocast on {other:?} is not supported"))),
+        other => Err(SpeedkitError::Unsupported(format!(
+            "autocast on {other:?} is not supported"
+        ))),
     }
 }
 
@@ -64,7 +66,10 @@ impl AutocastState {
     /// Reads the state for `device`'s type (CPU or CUDA).
     pub fn current(device: Device) -> Result<Self> {
         let (enabled, dtype) = ffi::autocast_get(device_type(device)?)?;
-        Ok(Self { enabled, dtype: kind_of(dtype) })
+        Ok(Self {
+            enabled,
+            dtype: kind_of(dtype),
+        })
     }
 }
 
@@ -89,12 +94,20 @@ impl AutocastGuard {
         let previous = ffi::autocast_get(dt)?;
         ffi::autocast_set(dt, true, st)?;
         ffi::autocast_increment_nesting()?;
-        Ok(Self { device_type: dt, previous: Some(previous), _not_send: PhantomData })
+        Ok(Self {
+            device_type: dt,
+            previous: Some(previous),
+            _not_send: PhantomData,
+        })
     }
 
     /// A scope that does nothing (fp32 plans): same type, no cost.
     pub fn disabled() -> Self {
-        Self { device_type: 0, previous: None, _not_send: PhantomData }
+        Self {
+            device_type: 0,
+            previous: None,
+            _not_send: PhantomData,
+        }
     }
 
     /// Whether this scope actually turned autocast on.
@@ -105,7 +118,9 @@ impl AutocastGuard {
 
 impl Drop for AutocastGuard {
     fn drop(&mut self) {
-        let Some((enabled, dtype)) = self.previous.take() else { return };
+        let Some((enabled, dtype)) = self.previous.take() else {
+            return;
+        };
         // Errors cannot propagate from drop; these calls only fail on a broken libtorch.
         if let Ok(0) = ffi::autocast_decrement_nesting() {
             let _ = ffi::autocast_clear_cache();

@@ -35,15 +35,25 @@ pub trait ScaledOptimizer {
     }
     /// A step that unscales by `grad_scale` (when given) and is skipped where `found_inf != 0`,
     /// entirely on the device.
-    fn step_with_device_scaling(&mut self, grad_scale: Option<&Tensor>, found_inf: &Tensor) -> Result<()> {
+    fn step_with_device_scaling(
+        &mut self,
+        grad_scale: Option<&Tensor>,
+        found_inf: &Tensor,
+    ) -> Result<()> {
         let _ = (grad_scale, found_inf);
-        Err(SpeedkitError::Misuse("this optimizer cannot take the scaler's device tensors".into()))
+        Err(SpeedkitError::Misuse(
+            "this optimizer cannot take the scaler's device tensors".into(),
+        ))
     }
 }
 
 impl ScaledOptimizer for tch::nn::Optimizer {
     fn gradients(&self) -> Vec<Tensor> {
-        self.trainable_variables().iter().map(Tensor::grad).filter(Tensor::defined).collect()
+        self.trainable_variables()
+            .iter()
+            .map(Tensor::grad)
+            .filter(Tensor::defined)
+            .collect()
     }
     // tch's optimizer reports libtorch errors by panicking; there is no fallible variant to call.
     fn zero_gradients(&mut self) -> Result<()> {
@@ -122,12 +132,20 @@ impl GradScaler {
                 settings: s,
             }),
         };
-        Ok(Self { enabled, device, step: RefCell::new(StepState::default()) })
+        Ok(Self {
+            enabled,
+            device,
+            step: RefCell::new(StepState::default()),
+        })
     }
 
     /// A pass-through scaler.
     pub fn disabled() -> Self {
-        Self { enabled: None, device: Device::Cpu, step: RefCell::new(StepState::default()) }
+        Self {
+            enabled: None,
+            device: Device::Cpu,
+            step: RefCell::new(StepState::default()),
+        }
     }
 
     /// Whether the scaler scales.
@@ -151,16 +169,26 @@ impl GradScaler {
     /// Divides `opt`'s gradients by the scale in place and records whether any is inf/NaN. Call it
     /// between backward and step to clip or inspect true gradients; at most once per step.
     pub fn unscale<O: ScaledOptimizer + ?Sized>(&self, opt: &O) -> Result<()> {
-        let Some(e) = &self.enabled else { return Ok(()) };
+        let Some(e) = &self.enabled else {
+            return Ok(());
+        };
         let id = optimizer_id(opt);
         let mut st = self.step.borrow_mut();
         if let Some((_, stage, _)) = st.optimizers.iter().find(|(i, ..)| *i == id) {
             return Err(SpeedkitError::Misuse(match stage {
-                Stage::Unscaled => "unscale() was already called on this optimizer since the last update()".into(),
-                Stage::Stepped => "unscale() is being called after step(); call update() first".into(),
+                Stage::Unscaled => {
+                    "unscale() was already called on this optimizer since the last update()".into()
+                }
+                Stage::Stepped => {
+                    "unscale() is being called after step(); call update() first".into()
+                }
             }));
         }
-        let inv_scale = e.scale.f_to_kind(Kind::Double)?.f_reciprocal()?.f_to_kind(Kind::Float)?;
+        let inv_scale = e
+            .scale
+            .f_to_kind(Kind::Double)?
+            .f_reciprocal()?
+            .f_to_kind(Kind::Float)?;
         let found_inf = self.check_and_unscale(&opt.gradients(), &inv_scale)?;
         st.optimizers.push((id, Stage::Unscaled, found_inf));
         Ok(())
@@ -193,11 +221,21 @@ impl GradScaler {
     /// Steps `opt` unless a gradient is inf/NaN: on the device for optimizers that support it, else by
     /// reading `found_inf` on the host (as PyTorch does for non-fused optimizers).
     pub fn step<O: ScaledOptimizer + ?Sized>(&self, opt: &mut O) -> Result<()> {
-        let Some(e) = &self.enabled else { return opt.optimizer_step() };
+        let Some(e) = &self.enabled else {
+            return opt.optimizer_step();
+        };
         let id = optimizer_id(opt);
-        let stage = self.step.borrow().optimizers.iter().find(|(i, ..)| *i == id).map(|(_, s, _)| *s);
+        let stage = self
+            .step
+            .borrow()
+            .optimizers
+            .iter()
+            .find(|(i, ..)| *i == id)
+            .map(|(_, s, _)| *s);
         if stage == Some(Stage::Stepped) {
-            return Err(SpeedkitError::Misuse("step() was already called on this optimizer since the last update()".into()));
+            return Err(SpeedkitError::Misuse(
+                "step() was already called on this optimizer since the last update()".into(),
+            ));
         }
         if opt.supports_device_scaling() {
             // As PyTorch for fused optimizers: check (without unscaling) unless unscale() already ran,
@@ -206,7 +244,10 @@ impl GradScaler {
                 Some(Stage::Unscaled) => (self.found_inf_of(id)?, None),
                 _ => {
                     let one = Tensor::f_ones([] as [i64; 0], (Kind::Float, self.device))?;
-                    (self.check_and_unscale(&opt.gradients(), &one)?, Some(&e.scale))
+                    (
+                        self.check_and_unscale(&opt.gradients(), &one)?,
+                        Some(&e.scale),
+                    )
                 }
             };
             opt.step_with_device_scaling(grad_scale, &found_inf)?;
@@ -243,7 +284,9 @@ impl GradScaler {
     /// Updates the scale from this step's inf checks: × `backoff_factor` if any optimizer saw inf/NaN,
     /// × `growth_factor` after `growth_interval` clean steps. On the device, no synchronisation.
     pub fn update(&self) -> Result<()> {
-        let Some(e) = &self.enabled else { return Ok(()) };
+        let Some(e) = &self.enabled else {
+            return Ok(());
+        };
         let mut st = self.step.borrow_mut();
         if st.optimizers.is_empty() {
             return Err(SpeedkitError::Misuse(
@@ -293,7 +336,9 @@ impl GradScaler {
 
     /// The state to checkpoint; `None` when disabled.
     pub fn state(&self) -> Result<Option<GradScalerState>> {
-        let Some(e) = &self.enabled else { return Ok(None) };
+        let Some(e) = &self.enabled else {
+            return Ok(None);
+        };
         Ok(Some(GradScalerState {
             scale: e.scale.f_double_value(&[])?,
             growth_tracker: e.growth_tracker.f_int64_value(&[])?,
@@ -306,7 +351,9 @@ impl GradScaler {
     /// Restores a checkpointed state.
     pub fn load_state(&mut self, state: &GradScalerState) -> Result<()> {
         let Some(e) = &mut self.enabled else {
-            return Err(SpeedkitError::Misuse("cannot load state into a disabled GradScaler".into()));
+            return Err(SpeedkitError::Misuse(
+                "cannot load state into a disabled GradScaler".into(),
+            ));
         };
         let _ = e.scale.f_fill_(state.scale)?;
         let _ = e.growth_tracker.f_fill_(state.growth_tracker)?;

@@ -170,7 +170,9 @@ impl IntoStepResult for () {
     }
 }
 
-impl<T: IntoStepResult, E: Into<Box<dyn std::error::Error + Send + Sync>>> IntoStepResult for Result<T, E> {
+impl<T: IntoStepResult, E: Into<Box<dyn std::error::Error + Send + Sync>>> IntoStepResult
+    for Result<T, E>
+{
     fn into_step_result(self) -> Result<Option<Tensor>, BenchError> {
         self.map_err(BenchError::new)?.into_step_result()
     }
@@ -237,7 +239,15 @@ pub struct Bencher<'a> {
 impl<'a> Bencher<'a> {
     /// A bencher for one run.
     pub fn new(size: Size, ctx: &'a SpeedContext, protocol: Protocol) -> Self {
-        Self { size, ctx, protocol, flops_per_step: None, items_per_step: None, measurement: None, on_step: None }
+        Self {
+            size,
+            ctx,
+            protocol,
+            flops_per_step: None,
+            items_per_step: None,
+            measurement: None,
+            on_step: None,
+        }
     }
 
     /// Called after every warm-up and timed step (the runner's progress bar).
@@ -291,16 +301,26 @@ impl<'a> Bencher<'a> {
     {
         let ctx = self.ctx;
         if ctx.plan().compile_graphs {
-            let mut compiled = CompiledStep::new(ctx, || step().into_step_result().map_err(|e| SpeedkitError::Graph(e.to_string())));
+            let mut compiled = CompiledStep::new(ctx, || {
+                step()
+                    .into_step_result()
+                    .map_err(|e| SpeedkitError::Graph(e.to_string()))
+            });
             let m = self.measure(|| compiled.run().map_err(BenchError::from))?;
-            self.measurement = Some(Measurement { graphed: compiled.is_graphed(), ..m });
+            self.measurement = Some(Measurement {
+                graphed: compiled.is_graphed(),
+                ..m
+            });
         } else {
             self.measurement = Some(self.measure(|| step().into_step_result())?);
         }
         Ok(())
     }
 
-    fn measure(&self, mut step: impl FnMut() -> Result<Option<Tensor>, BenchError>) -> Result<Measurement, BenchError> {
+    fn measure(
+        &self,
+        mut step: impl FnMut() -> Result<Option<Tensor>, BenchError>,
+    ) -> Result<Measurement, BenchError> {
         let cuda = self.ctx.plan().cuda_index();
         let tick = || {
             if let Some(f) = self.on_step {
@@ -368,7 +388,11 @@ impl<'a> Bencher<'a> {
             peak_memory_bytes,
             final_loss,
             graphed: false,
-            timer: if cuda.is_some() { "cuda-events" } else { "host-clock" },
+            timer: if cuda.is_some() {
+                "cuda-events"
+            } else {
+                "host-clock"
+            },
         })
     }
 }

@@ -26,7 +26,10 @@ use crate::SpeedContext;
 
 /// Command line of the runner.
 #[derive(Parser, Debug, Clone)]
-#[command(name = "speedkit-bench", about = "Run speedkit's registered workloads under several configurations")]
+#[command(
+    name = "speedkit-bench",
+    about = "Run speedkit's registered workloads under several configurations"
+)]
 pub struct Args {
     /// List the registered workloads and exit.
     #[arg(long)]
@@ -81,9 +84,7 @@ pub struct NamedConfig {
 /// Resolves a `--config` argument.
 pub fn resolve_config(arg: &str) -> Result<NamedConfig> {
     let path = Path::new(arg);
-    let config = if SpeedConfig::PRESETS.contains(&arg) {
-        SpeedConfig::preset(arg)?
-    } else if arg == "bf16" || arg == "fp16" {
+    let config = if arg == "bf16" || arg == "fp16" {
         let precision = if arg == "bf16" { Precision::Bf16 } else { Precision::Fp16 };
         SpeedConfig { precision, ..SpeedConfig::auto() }
     } else if path.extension().is_some_and(|e| e == "json") {
@@ -91,13 +92,12 @@ pub fn resolve_config(arg: &str) -> Result<NamedConfig> {
     } else if path.exists() || arg.ends_with(".yaml") || arg.ends_with(".yml") {
         SpeedConfig::from_yaml(path)?
     } else {
-        // Not a file: let the preset lookup produce its "did you mean" error.
-        return Err(SpeedkitError::Config(SpeedConfig::preset(arg).err().unwrap_or_else(|| {
-            speedkit_config::ConfigError::UnknownPreset { name: arg.into(), suggestion: None, presets: vec![] }
-        })));
+        // A preset, or the preset lookup's "did you mean" error.
+        SpeedConfig::preset(arg)?
     };
     let name = if path.exists() {
-        path.file_stem().map_or(arg.to_string(), |s| s.to_string_lossy().into_owned())
+        path.file_stem()
+            .map_or(arg.to_string(), |s| s.to_string_lossy().into_owned())
     } else {
         arg.to_string()
     };
@@ -149,7 +149,9 @@ pub struct RunReport {
 /// Measures the dense bf16 matmul rate of `device` (8192³, median of 20 after 5 warm-ups).
 pub fn measure_matmul_peak(device: Device) -> Result<f64> {
     let Device::Cuda(index) = device else {
-        return Err(SpeedkitError::Unsupported("peak measurement needs a CUDA device".into()));
+        return Err(SpeedkitError::Unsupported(
+            "peak measurement needs a CUDA device".into(),
+        ));
     };
     let n = 8192i64;
     let a = Tensor::f_randn([n, n], (Kind::BFloat16, device))?;
@@ -200,24 +202,49 @@ pub fn run(args: &Args) -> Result<RunReport> {
                 vec![
                     w.name.to_string(),
                     w.tags.join(","),
-                    w.sizes.iter().map(Size::to_string).collect::<Vec<_>>().join(","),
-                    if w.cuda_only { "cuda".into() } else { "any".into() },
+                    w.sizes
+                        .iter()
+                        .map(Size::to_string)
+                        .collect::<Vec<_>>()
+                        .join(","),
+                    if w.cuda_only {
+                        "cuda".into()
+                    } else {
+                        "any".into()
+                    },
                     format!("{}:{}", w.file, w.line),
                 ]
             })
             .collect();
-        print!("{}", table(&["workload", "tags", "sizes", "device", "defined at"], &rows));
+        print!(
+            "{}",
+            table(
+                &["workload", "tags", "sizes", "device", "defined at"],
+                &rows
+            )
+        );
         return Ok(RunReport {
             environment: Hardware::detect()?,
             peak_tflops: None,
             peak_source: String::new(),
-            protocol: Protocol { warmup: 0, steps: 0, paranoid_sync: true },
+            protocol: Protocol {
+                warmup: 0,
+                steps: 0,
+                paranoid_sync: true,
+            },
             configs: vec![],
             rows: vec![],
         });
     }
-    let names = if args.configs.is_empty() { vec!["fp32_strict".to_string(), "auto".to_string()] } else { args.configs.clone() };
-    let configs = names.iter().map(|n| resolve_config(n)).collect::<Result<Vec<_>>>()?;
+    let names = if args.configs.is_empty() {
+        vec!["fp32_strict".to_string(), "auto".to_string()]
+    } else {
+        args.configs.clone()
+    };
+    let configs = names
+        .iter()
+        .map(|n| resolve_config(n))
+        .collect::<Result<Vec<_>>>()?;
     let hardware = Hardware::detect()?;
     let on_gpu = !hardware.gpus.is_empty();
     let size = match args.size.as_deref() {
@@ -229,13 +256,20 @@ pub fn run(args: &Args) -> Result<RunReport> {
     let protocol = Protocol {
         warmup: args.warmup.unwrap_or(first.warmup as usize),
         steps: args.steps.unwrap_or(first.steps as usize).max(1),
-        paranoid_sync: if args.no_paranoid_sync { false } else { args.paranoid_sync || first.paranoid_sync },
+        paranoid_sync: if args.no_paranoid_sync {
+            false
+        } else {
+            args.paranoid_sync || first.paranoid_sync
+        },
     };
     let (peak_tflops, peak_source) = match (args.peak_tflops, on_gpu) {
         (Some(p), _) => (Some(p), "given with --peak-tflops".to_string()),
         (None, true) => {
             let p = measure_matmul_peak(Device::Cuda(0))?;
-            (Some(p), "measured: 8192^3 bf16 matmul, median of 20".to_string())
+            (
+                Some(p),
+                "measured: 8192^3 bf16 matmul, median of 20".to_string(),
+            )
         }
         (None, false) => (None, "no GPU: no peak".to_string()),
     };
@@ -255,20 +289,41 @@ pub fn run(args: &Args) -> Result<RunReport> {
             let row = run_one(w, nc, size, &protocol, peak_tflops);
             if let Some(m) = &row.measurement {
                 let base = *baseline.get_or_insert(m.median_ms);
-                rows.push(Row { speedup: Some(base / m.median_ms), ..row });
+                rows.push(Row {
+                    speedup: Some(base / m.median_ms),
+                    ..row
+                });
             } else {
-                eprintln!("error: {} under {}: {}", w.name, nc.name, row.error.as_deref().unwrap_or("?"));
+                eprintln!(
+                    "error: {} under {}: {}",
+                    w.name,
+                    nc.name,
+                    row.error.as_deref().unwrap_or("?")
+                );
                 rows.push(row);
             }
         }
     }
-    let report = RunReport { environment: hardware, peak_tflops, peak_source, protocol, configs, rows };
+    let report = RunReport {
+        environment: hardware,
+        peak_tflops,
+        peak_source,
+        protocol,
+        configs,
+        rows,
+    };
     println!("{}", render_text(&report));
     write_outputs(args, &report)?;
     Ok(report)
 }
 
-fn run_one(w: &Workload, nc: &NamedConfig, size: Size, protocol: &Protocol, peak: Option<f64>) -> Row {
+fn run_one(
+    w: &Workload,
+    nc: &NamedConfig,
+    size: Size,
+    protocol: &Protocol,
+    peak: Option<f64>,
+) -> Row {
     let mut row = Row {
         workload: w.name.to_string(),
         config: nc.name.clone(),
@@ -302,7 +357,12 @@ fn run_one(w: &Workload, nc: &NamedConfig, size: Size, protocol: &Protocol, peak
     bar.finish_and_clear();
     let measurement = b.take_measurement();
     let audit = ctx.audit();
-    row.flags = audit.flag_changes.iter().filter(|c| c.changed()).map(|c| format!("{} = {}", c.name, c.after)).collect();
+    row.flags = audit
+        .flag_changes
+        .iter()
+        .filter(|c| c.changed())
+        .map(|c| format!("{} = {}", c.name, c.after))
+        .collect();
     row.notes = audit.notes;
     match (outcome, measurement) {
         (Err(e), _) => row.error = Some(e.to_string()),
@@ -338,39 +398,80 @@ pub fn render_text(report: &RunReport) -> String {
                 r.speedup.map_or("-".into(), |s| format!("{s:.2}x")),
                 fmt_opt(m.tflops, 1),
                 fmt_opt(r.percent_of_peak, 1),
-                m.peak_memory_bytes.map_or("-".into(), |b| format!("{:.2}", b as f64 / (1u64 << 30) as f64)),
-                m.items_per_step.map_or("-".into(), |(n, unit)| format!("{:.0} {unit}/s", n / (m.median_ms * 1e-3))),
+                m.peak_memory_bytes.map_or("-".into(), |b| {
+                    format!("{:.2}", b as f64 / (1u64 << 30) as f64)
+                }),
+                m.items_per_step.map_or("-".into(), |(n, unit)| {
+                    format!("{:.0} {unit}/s", n / (m.median_ms * 1e-3))
+                }),
                 if m.graphed { "yes".into() } else { "no".into() },
                 fmt_opt(m.final_loss, 4),
             ],
-            None => vec![r.workload.clone(), r.config.clone(), format!("FAILED: {}", r.error.as_deref().unwrap_or("?"))],
+            None => vec![
+                r.workload.clone(),
+                r.config.clone(),
+                format!("FAILED: {}", r.error.as_deref().unwrap_or("?")),
+            ],
         })
         .collect();
     let _ = writeln!(
         out,
         "\nspeedkit benchmarks — size {}, {} warm-up + {} timed steps, paranoid sync {}",
-        report.rows.first().map_or("-".to_string(), |r| r.size.to_string()),
+        report
+            .rows
+            .first()
+            .map_or("-".to_string(), |r| r.size.to_string()),
         report.protocol.warmup,
         report.protocol.steps,
-        if report.protocol.paranoid_sync { "on" } else { "off" }
+        if report.protocol.paranoid_sync {
+            "on"
+        } else {
+            "off"
+        }
     );
     out.push_str(&table(
-        &["workload", "config", "median ms", "p10", "p90", "speedup", "TFLOP/s", "% peak", "peak GiB", "throughput", "graph", "loss"],
+        &[
+            "workload",
+            "config",
+            "median ms",
+            "p10",
+            "p90",
+            "speedup",
+            "TFLOP/s",
+            "% peak",
+            "peak GiB",
+            "throughput",
+            "graph",
+            "loss",
+        ],
         &rows,
     ));
     let _ = writeln!(out, "\nenvironment");
     for line in report.environment.to_string().lines() {
         let _ = writeln!(out, "  {line}");
     }
-    let _ = writeln!(out, "  peak        {} ({})", fmt_opt(report.peak_tflops, 1), report.peak_source);
+    let _ = writeln!(
+        out,
+        "  peak        {} ({})",
+        fmt_opt(report.peak_tflops, 1),
+        report.peak_source
+    );
     let mut seen = Vec::new();
     for r in &report.rows {
         if seen.contains(&&r.config) {
             continue;
         }
         seen.push(&r.config);
-        let flags = if r.flags.is_empty() { "no flag changed".to_string() } else { r.flags.join(", ") };
-        let _ = writeln!(out, "  config {:<12} precision {}; {}", r.config, r.precision, flags);
+        let flags = if r.flags.is_empty() {
+            "no flag changed".to_string()
+        } else {
+            r.flags.join(", ")
+        };
+        let _ = writeln!(
+            out,
+            "  config {:<12} precision {}; {}",
+            r.config, r.precision, flags
+        );
     }
     let mut notes: Vec<&String> = report.rows.iter().flat_map(|r| &r.notes).collect();
     notes.dedup();
@@ -382,7 +483,10 @@ pub fn render_text(report: &RunReport) -> String {
 
 fn write_outputs(args: &Args, report: &RunReport) -> Result<()> {
     let write = |path: &Path, text: String| {
-        std::fs::write(path, text).map_err(|source| SpeedkitError::Io { path: path.to_path_buf(), source })
+        std::fs::write(path, text).map_err(|source| SpeedkitError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
     };
     if let Some(p) = &args.json {
         write(p, serde_json::to_string_pretty(report).unwrap_or_default())?;
@@ -401,7 +505,10 @@ pub fn render_csv(report: &RunReport) -> String {
     let mut out = String::from(
         "workload,config,size,median_ms,p10_ms,p90_ms,speedup,tflops,percent_of_peak,peak_memory_bytes,graphed,final_loss,device\n",
     );
-    let device = report.environment.primary_gpu().map_or("cpu".to_string(), |g| g.name.clone());
+    let device = report
+        .environment
+        .primary_gpu()
+        .map_or("cpu".to_string(), |g| g.name.clone());
     for r in &report.rows {
         let Some(m) = &r.measurement else { continue };
         let _ = writeln!(
@@ -438,25 +545,49 @@ pub fn render_svg(report: &RunReport) -> String {
         }
     }
     let speedup = |w: &str, c: &str| {
-        report.rows.iter().find(|r| r.workload == w && r.config == c).and_then(|r| r.speedup).unwrap_or(0.0)
+        report
+            .rows
+            .iter()
+            .find(|r| r.workload == w && r.config == c)
+            .and_then(|r| r.speedup)
+            .unwrap_or(0.0)
     };
-    let max = report.rows.iter().filter_map(|r| r.speedup).fold(1.0f64, f64::max);
+    let max = report
+        .rows
+        .iter()
+        .filter_map(|r| r.speedup)
+        .fold(1.0f64, f64::max);
     let (bar_w, gap, left, top, height) = (22.0, 26.0, 60.0, 40.0, 260.0);
     let group_w = configs.len() as f64 * bar_w + gap;
     let width = left + workloads.len() as f64 * group_w + 160.0;
-    let colors = ["#8c8c8c", "#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948"];
+    let colors = [
+        "#8c8c8c", "#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948",
+    ];
     let mut s = String::new();
     let _ = writeln!(
         s,
         r#"<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0}" height="{:.0}" font-family="sans-serif" font-size="12">"#,
         top + height + 60.0
     );
-    let gpu = report.environment.primary_gpu().map_or("CPU".to_string(), |g| g.name.clone());
-    let _ = writeln!(s, r#"<text x="{left}" y="20" font-size="14">speedup over {} per workload — {gpu}</text>"#, configs.first().unwrap_or(&"-"));
+    let gpu = report
+        .environment
+        .primary_gpu()
+        .map_or("CPU".to_string(), |g| g.name.clone());
+    let _ = writeln!(
+        s,
+        r#"<text x="{left}" y="20" font-size="14">speedup over {} per workload — {gpu}</text>"#,
+        configs.first().unwrap_or(&"-")
+    );
     let y_of = |v: f64| top + height - v / max * height;
     for tick in 0..=(max.ceil() as usize) {
         let y = y_of(tick as f64);
-        let _ = writeln!(s, r##"<line x1="{left}" x2="{:.0}" y1="{y:.1}" y2="{y:.1}" stroke="#ddd"/><text x="{:.0}" y="{:.1}" text-anchor="end">{tick}x</text>"##, width - 150.0, left - 6.0, y + 4.0);
+        let _ = writeln!(
+            s,
+            r##"<line x1="{left}" x2="{:.0}" y1="{y:.1}" y2="{y:.1}" stroke="#ddd"/><text x="{:.0}" y="{:.1}" text-anchor="end">{tick}x</text>"##,
+            width - 150.0,
+            left - 6.0,
+            y + 4.0
+        );
     }
     for (wi, w) in workloads.iter().enumerate() {
         let x0 = left + wi as f64 * group_w + gap / 2.0;
@@ -473,12 +604,24 @@ pub fn render_svg(report: &RunReport) -> String {
                 y - 3.0
             );
         }
-        let _ = writeln!(s, r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{w}</text>"#, x0 + configs.len() as f64 * bar_w / 2.0, top + height + 18.0);
+        let _ = writeln!(
+            s,
+            r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{w}</text>"#,
+            x0 + configs.len() as f64 * bar_w / 2.0,
+            top + height + 18.0
+        );
     }
     for (ci, c) in configs.iter().enumerate() {
         let y = top + 10.0 + ci as f64 * 18.0;
         let x = width - 140.0;
-        let _ = writeln!(s, r#"<rect x="{x:.0}" y="{:.0}" width="12" height="12" fill="{}"/><text x="{:.0}" y="{:.0}">{c}</text>"#, y - 10.0, colors[ci % colors.len()], x + 18.0, y);
+        let _ = writeln!(
+            s,
+            r#"<rect x="{x:.0}" y="{:.0}" width="12" height="12" fill="{}"/><text x="{:.0}" y="{:.0}">{c}</text>"#,
+            y - 10.0,
+            colors[ci % colors.len()],
+            x + 18.0,
+            y
+        );
     }
     s.push_str("</svg>\n");
     s

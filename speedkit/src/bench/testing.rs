@@ -12,8 +12,14 @@ use crate::SpeedContext;
 
 /// The configurations every workload is tested under: plain CPU, and bf16 autocast on the CPU.
 fn test_configs() -> Vec<(&'static str, SpeedConfig)> {
-    let cpu = SpeedConfig { device: DeviceChoice::Cpu, ..SpeedConfig::auto() };
-    let bf16 = SpeedConfig { precision: crate::config::Precision::Bf16, ..cpu.clone() };
+    let cpu = SpeedConfig {
+        device: DeviceChoice::Cpu,
+        ..SpeedConfig::auto()
+    };
+    let bf16 = SpeedConfig {
+        precision: crate::config::Precision::Bf16,
+        ..cpu.clone()
+    };
     vec![("cpu", cpu), ("cpu_bf16", bf16)]
 }
 
@@ -22,15 +28,28 @@ pub fn run_tiny(workload: &Workload, config: &SpeedConfig) -> Result<(), Failed>
     let before = FlagState::capture().map_err(|e| e.to_string())?;
     let outcome = (|| -> Result<Option<f64>, String> {
         let ctx = SpeedContext::new(config).map_err(|e| e.to_string())?;
-        let mut b = Bencher::new(Size::Tiny, &ctx, Protocol { warmup: 1, steps: 2, paranoid_sync: true });
+        let mut b = Bencher::new(
+            Size::Tiny,
+            &ctx,
+            Protocol {
+                warmup: 1,
+                steps: 2,
+                paranoid_sync: true,
+            },
+        );
         (workload.run)(&mut b).map_err(|e| format!("workload failed: {e}"))?;
-        let m = b.take_measurement().ok_or("the workload never called Bencher::run")?;
+        let m = b
+            .take_measurement()
+            .ok_or("the workload never called Bencher::run")?;
         Ok(m.final_loss)
     })();
     let after = FlagState::capture().map_err(|e| e.to_string())?;
     let leaked = before.diff(&after);
     if !leaked.is_empty() {
-        let list: Vec<String> = leaked.iter().map(|(f, was, now)| format!("{f}: {was} -> {now}")).collect();
+        let list: Vec<String> = leaked
+            .iter()
+            .map(|(f, was, now)| format!("{f}: {was} -> {now}"))
+            .collect();
         return Err(format!("flags not restored: {}", list.join(", ")).into());
     }
     match outcome? {
@@ -49,7 +68,11 @@ pub fn main() -> ExitCode {
         for (config_name, config) in test_configs() {
             let name = format!("workload::{}::{config_name}", w.name);
             let trial = if w.cuda_only || !w.sizes.contains(&Size::Tiny) {
-                let why = if w.cuda_only { "needs a CUDA device" } else { "has no tiny size" };
+                let why = if w.cuda_only {
+                    "needs a CUDA device"
+                } else {
+                    "has no tiny size"
+                };
                 eprintln!("note: {name} is ignored: the workload {why}");
                 Trial::test(name, || Ok(())).with_ignored_flag(true)
             } else {

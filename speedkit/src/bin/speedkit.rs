@@ -8,7 +8,11 @@ use speedkit::report::Report;
 use speedkit::SpeedConfig;
 
 #[derive(Parser)]
-#[command(name = "speedkit", version, about = "Inspect and apply speedkit's speed settings")]
+#[command(
+    name = "speedkit",
+    version,
+    about = "Inspect and apply speedkit's speed settings"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -36,13 +40,20 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Report { config, apply, restore, json } => {
+        Command::Report {
+            config,
+            apply,
+            restore,
+            json,
+        } => {
             let config = match config {
                 None => Ok(SpeedConfig::auto()),
                 Some(p) if p.extension().is_some_and(|e| e == "json") => SpeedConfig::from_json(&p),
                 Some(p) => SpeedConfig::from_yaml(&p),
             };
-            let report = config.map_err(speedkit::SpeedkitError::from).and_then(|c| Report::build(&c, apply, restore));
+            let report = config
+                .map_err(speedkit::SpeedkitError::from)
+                .and_then(|c| Report::build(&c, apply, restore));
             match report {
                 Ok(r) if json => println!("{}", r.to_json()),
                 Ok(r) => print!("{r}"),
