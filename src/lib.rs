@@ -17,3 +17,18 @@
 
 pub mod data;
 pub mod models;
+
+/// The optimizer of every reference workload (`workloads.md`): AdamW, lr 3e-4, weight decay 0.1,
+/// PyTorch's betas and eps.
+///
+/// ```
+/// assert_eq!(speedkit_suite::REFERENCE_ADAMW.lr, 3e-4);
+/// ```
+pub const REFERENCE_ADAMW: speedkit::optim::AdamW = speedkit::optim::AdamW {
+    lr: 3e-4,
+    beta1: 0.9,
+    beta2: 0.999,
+    eps: 1e-8,
+    wd: 0.1,
+    exclude_from_decay: false,
+};

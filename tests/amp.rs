@@ -10,13 +10,23 @@ use tch::{nn, Device, Kind, Tensor};
 const CPU: Device = Device::Cpu;
 
 fn settings(init_scale: f64, growth_interval: u32) -> ScalerSettings {
-    ScalerSettings { init_scale, growth_factor: 2.0, backoff_factor: 0.5, growth_interval }
+    ScalerSettings {
+        init_scale,
+        growth_factor: 2.0,
+        backoff_factor: 0.5,
+        growth_interval,
+    }
 }
 
 #[test]
 fn autocast_runs_matmuls_in_the_requested_dtype() {
     let a = Tensor::randn([8, 8], (Kind::Float, CPU));
-    assert_eq!(autocast(CPU, Kind::BFloat16, || a.matmul(&a)).unwrap().kind(), Kind::BFloat16);
+    assert_eq!(
+        autocast(CPU, Kind::BFloat16, || a.matmul(&a))
+            .unwrap()
+            .kind(),
+        Kind::BFloat16
+    );
     assert_eq!(a.matmul(&a).kind(), Kind::Float);
 }
 
@@ -26,12 +36,28 @@ fn nested_autocast_restores_enabled_state_and_dtype_at_each_level() {
     {
         let _outer = AutocastGuard::enter(CPU, Kind::BFloat16).unwrap();
         let in_outer = AutocastState::current(CPU).unwrap();
-        assert_eq!(in_outer, AutocastState { enabled: true, dtype: Kind::BFloat16 });
+        assert_eq!(
+            in_outer,
+            AutocastState {
+                enabled: true,
+                dtype: Kind::BFloat16
+            }
+        );
         {
             let _inner = AutocastGuard::enter(CPU, Kind::Half).unwrap();
-            assert_eq!(AutocastState::current(CPU).unwrap(), AutocastState { enabled: true, dtype: Kind::Half });
+            assert_eq!(
+                AutocastState::current(CPU).unwrap(),
+                AutocastState {
+                    enabled: true,
+                    dtype: Kind::Half
+                }
+            );
         }
-        assert_eq!(AutocastState::current(CPU).unwrap(), in_outer, "inner exit restores dtype too");
+        assert_eq!(
+            AutocastState::current(CPU).unwrap(),
+            in_outer,
+            "inner exit restores dtype too"
+        );
     }
     assert_eq!(AutocastState::current(CPU).unwrap(), outside);
 }
@@ -39,7 +65,8 @@ fn nested_autocast_restores_enabled_state_and_dtype_at_each_level() {
 #[test]
 fn autocast_state_is_restored_when_the_body_panics() {
     let outside = AutocastState::current(CPU).unwrap();
-    let result = std::panic::catch_unwind(|| autocast(CPU, Kind::BFloat16, || panic!("forward failed")));
+    let result =
+        std::panic::catch_unwind(|| autocast(CPU, Kind::BFloat16, || panic!("forward failed")));
     assert!(result.is_err());
     assert_eq!(AutocastState::current(CPU).unwrap(), outside);
 }
@@ -61,7 +88,15 @@ fn autocast_rejects_non_float16_dtypes() {
 fn model_with_gradient(g: &Tensor, fused: bool) -> (nn::VarStore, Tensor, AdamWOptimizer, Tensor) {
     let vs = nn::VarStore::new(CPU);
     let w = vs.root().randn("w", &[4], 0.0, 1.0);
-    let opt = AdamWOptimizer::new(&vs, AdamW { lr: 0.1, ..Default::default() }, fused).unwrap();
+    let opt = AdamWOptimizer::new(
+        &vs,
+        AdamW {
+            lr: 0.1,
+            ..Default::default()
+        },
+        fused,
+    )
+    .unwrap();
     let loss = (&w * g).sum(None);
     (vs, w, opt, loss)
 }
@@ -77,7 +112,11 @@ fn scaler_skips_inf_step_and_halves_the_scale(fused: bool) {
     scaler.update().unwrap();
     assert_eq!(w, before, "an inf gradient must skip the step");
     assert_eq!(scaler.scale_value().unwrap(), 512.0);
-    assert_eq!(opt.steps_taken().unwrap(), 0, "a skipped step does not count");
+    assert_eq!(
+        opt.steps_taken().unwrap(),
+        0,
+        "a skipped step does not count"
+    );
 }
 
 #[test]
@@ -145,7 +184,8 @@ fn update_without_a_step_is_refused() {
 #[test]
 fn a_disabled_scaler_passes_through() {
     let scaler = GradScaler::disabled();
-    let (_vs, w, mut opt, loss) = model_with_gradient(&Tensor::ones([4], (Kind::Float, CPU)), false);
+    let (_vs, w, mut opt, loss) =
+        model_with_gradient(&Tensor::ones([4], (Kind::Float, CPU)), false);
     let before = w.copy();
     assert_eq!(scaler.scale(&loss).unwrap(), loss);
     loss.backward();
@@ -159,7 +199,10 @@ fn a_disabled_scaler_passes_through() {
 fn scaler_state_round_trips_through_a_checkpoint() {
     let mut scaler = GradScaler::new(Some(settings(4096.0, 7)), CPU).unwrap();
     let mut state = scaler.state().unwrap().unwrap();
-    assert_eq!((state.scale, state.growth_tracker, state.growth_interval), (4096.0, 0, 7));
+    assert_eq!(
+        (state.scale, state.growth_tracker, state.growth_interval),
+        (4096.0, 0, 7)
+    );
     state.scale = 128.0;
     state.growth_tracker = 5;
     scaler.load_state(&state).unwrap();

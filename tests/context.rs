@@ -17,9 +17,20 @@ fn three_line_integration_trains_and_restores_flags() {
     {
         let mut vs = nn::VarStore::new(Device::Cpu);
         let model = nn::linear(vs.root(), 16, 4, Default::default());
-        let config = SpeedConfig { precision: Precision::Bf16, ..SpeedConfig::auto() };
+        let config = SpeedConfig {
+            precision: Precision::Bf16,
+            ..SpeedConfig::auto()
+        };
         let ctx = apply_speedups(&mut vs, &config).unwrap();
-        let mut opt = ctx.adamw(&vs, AdamW { lr: 1e-2, ..Default::default() }).unwrap();
+        let mut opt = ctx
+            .adamw(
+                &vs,
+                AdamW {
+                    lr: 1e-2,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
         let x = Tensor::randn([32, 16], (Kind::Float, ctx.device()));
         let y = Tensor::randint(4, [32], (Kind::Int64, ctx.device()));
         let first = ctx.autocast(|| model.forward(&x).cross_entropy_for_logits(&y));
@@ -37,7 +48,10 @@ fn three_line_integration_trains_and_restores_flags() {
 
 #[test]
 fn the_forward_pass_runs_under_autocast_and_the_rest_does_not() {
-    let config = SpeedConfig { precision: Precision::Bf16, ..SpeedConfig::auto() };
+    let config = SpeedConfig {
+        precision: Precision::Bf16,
+        ..SpeedConfig::auto()
+    };
     let ctx = SpeedContext::new(&config).unwrap();
     let a = Tensor::randn([4, 4], (Kind::Float, ctx.device()));
     assert_eq!(ctx.autocast(|| a.matmul(&a)).kind(), Kind::BFloat16);
@@ -60,7 +74,10 @@ fn the_audit_lists_decisions_with_reasons_and_prints_as_a_table_and_json() {
     let audit = ctx.audit();
     assert!(audit.decisions.iter().any(|d| d.key == "precision"));
     let table = audit.to_string();
-    assert!(table.contains("precision") && table.contains("reason"), "{table}");
+    assert!(
+        table.contains("precision") && table.contains("reason"),
+        "{table}"
+    );
     let json: serde_json::Value = serde_json::from_str(&audit.to_json()).unwrap();
     assert!(json["decisions"].as_array().is_some_and(|d| !d.is_empty()));
 }

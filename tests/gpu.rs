@@ -16,7 +16,9 @@ use tch::{nn, Device, Kind, Tensor};
 
 #[test]
 fn cuda_detection_reads_the_device() {
-    let Some(_) = common::cuda_or_skip("cuda_detection_reads_the_device") else { return };
+    let Some(_) = common::cuda_or_skip("cuda_detection_reads_the_device") else {
+        return;
+    };
     let hw = Hardware::detect().unwrap();
     let gpu = hw.primary_gpu().expect("a GPU");
     eprintln!("{hw}");
@@ -27,16 +29,29 @@ fn cuda_detection_reads_the_device() {
 #[test]
 fn report_applies_tf32_on_ampere_or_newer_and_restores_it() {
     let _lock = common::serial();
-    let Some(_) = common::cuda_or_skip("report_applies_tf32_on_ampere_or_newer_and_restores_it") else { return };
+    let Some(_) = common::cuda_or_skip("report_applies_tf32_on_ampere_or_newer_and_restores_it")
+    else {
+        return;
+    };
     let report = Report::build(&SpeedConfig::auto(), true, true).unwrap();
     eprintln!("{report}");
     assert_eq!(report.restored_equals_before, Some(true));
     if report.hardware.primary_gpu().unwrap().supports_tf32() {
-        let row = |name: &str| report.flags.iter().find(|r| r.flag == name).unwrap().clone();
+        let row = |name: &str| {
+            report
+                .flags
+                .iter()
+                .find(|r| r.flag == name)
+                .unwrap()
+                .clone()
+        };
         let tf32 = row(Flag::CudaMatmulAllowTf32.name());
         assert_eq!(tf32.applied, Some(FlagValue::Bool(true)));
         let prec = row(Flag::Float32MatmulPrecision.name());
-        assert_eq!(prec.applied, Some(FlagValue::MatmulPrecision(MatmulPrecision::High)));
+        assert_eq!(
+            prec.applied,
+            Some(FlagValue::MatmulPrecision(MatmulPrecision::High))
+        );
         assert_eq!(prec.restored, Some(prec.before));
     }
 }
@@ -44,7 +59,9 @@ fn report_applies_tf32_on_ampere_or_newer_and_restores_it() {
 #[test]
 fn context_restores_flags_after_a_cuda_plan() {
     let _lock = common::serial();
-    let Some(_) = common::cuda_or_skip("context_restores_flags_after_a_cuda_plan") else { return };
+    let Some(_) = common::cuda_or_skip("context_restores_flags_after_a_cuda_plan") else {
+        return;
+    };
     let before = FlagState::capture().unwrap();
     let ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
     assert!(!ctx.audit().flag_changes.is_empty());
@@ -53,20 +70,39 @@ fn context_restores_flags_after_a_cuda_plan() {
 
 #[test]
 fn cuda_autocast_runs_matmul_in_bf16() {
-    let Some(d) = common::cuda_or_skip("cuda_autocast_runs_matmul_in_bf16") else { return };
+    let Some(d) = common::cuda_or_skip("cuda_autocast_runs_matmul_in_bf16") else {
+        return;
+    };
     let a = Tensor::randn([64, 64], (Kind::Float, d));
-    assert_eq!(autocast(d, Kind::BFloat16, || a.matmul(&a)).unwrap().kind(), Kind::BFloat16);
-    assert_eq!(autocast(d, Kind::Half, || a.matmul(&a)).unwrap().kind(), Kind::Half);
+    assert_eq!(
+        autocast(d, Kind::BFloat16, || a.matmul(&a)).unwrap().kind(),
+        Kind::BFloat16
+    );
+    assert_eq!(
+        autocast(d, Kind::Half, || a.matmul(&a)).unwrap().kind(),
+        Kind::Half
+    );
 }
 
 #[test]
 fn cuda_fused_and_foreach_adamw_agree() {
-    let Some(d) = common::cuda_or_skip("cuda_fused_and_foreach_adamw_agree") else { return };
+    let Some(d) = common::cuda_or_skip("cuda_fused_and_foreach_adamw_agree") else {
+        return;
+    };
     let run = |fused: bool| {
         tch::manual_seed(3);
         let vs = nn::VarStore::new(d);
         let p = vs.root().randn("p", &[256, 128], 0.0, 1.0);
-        let mut opt = AdamWOptimizer::new(&vs, AdamW { lr: 1e-2, wd: 0.1, ..Default::default() }, fused).unwrap();
+        let mut opt = AdamWOptimizer::new(
+            &vs,
+            AdamW {
+                lr: 1e-2,
+                wd: 0.1,
+                ..Default::default()
+            },
+            fused,
+        )
+        .unwrap();
         for i in 0..10 {
             opt.zero_grad().unwrap();
             ((&p * (i as f64 + 1.0)).sin().sum(None)).backward();
@@ -81,8 +117,15 @@ fn cuda_fused_and_foreach_adamw_agree() {
 
 #[test]
 fn cuda_fused_scaler_step_skips_inf_on_the_device() {
-    let Some(d) = common::cuda_or_skip("cuda_fused_scaler_step_skips_inf_on_the_device") else { return };
-    let settings = ScalerSettings { init_scale: 1024.0, growth_factor: 2.0, backoff_factor: 0.5, growth_interval: 2000 };
+    let Some(d) = common::cuda_or_skip("cuda_fused_scaler_step_skips_inf_on_the_device") else {
+        return;
+    };
+    let settings = ScalerSettings {
+        init_scale: 1024.0,
+        growth_factor: 2.0,
+        backoff_factor: 0.5,
+        growth_interval: 2000,
+    };
     let scaler = GradScaler::new(Some(settings), d).unwrap();
     let vs = nn::VarStore::new(d);
     let w = vs.root().randn("w", &[4], 0.0, 1.0);
@@ -105,16 +148,37 @@ fn cuda_fused_scaler_step_skips_inf_on_the_device() {
 
 #[test]
 fn cuda_attention_uses_a_fused_backend_for_bf16_causal_on_sm80_plus() {
-    let Some(d) = common::cuda_or_skip("cuda_attention_uses_a_fused_backend_for_bf16_causal_on_sm80_plus") else { return };
+    let Some(d) =
+        common::cuda_or_skip("cuda_attention_uses_a_fused_backend_for_bf16_causal_on_sm80_plus")
+    else {
+        return;
+    };
     let q = Tensor::randn([4, 12, 512, 64], (Kind::BFloat16, d));
     let backend = attention_backend(&q, &q, &q, true).unwrap();
     eprintln!("SDPA backend for bf16 [4,12,512,64] causal: {backend}");
     // PyTorch 2.11 ranks cuDNN attention first on Hopper, flash elsewhere; either way not math.
-    if Hardware::detect().unwrap().primary_gpu().unwrap().supports_flash_attention() {
-        assert!(matches!(backend, SdpBackend::Flash | SdpBackend::Cudnn | SdpBackend::MemEfficient), "{backend}");
+    if Hardware::detect()
+        .unwrap()
+        .primary_gpu()
+        .unwrap()
+        .supports_flash_attention()
+    {
+        assert!(
+            matches!(
+                backend,
+                SdpBackend::Flash | SdpBackend::Cudnn | SdpBackend::MemEfficient
+            ),
+            "{backend}"
+        );
     }
     let out = attention(&q, &q, &q, true).unwrap();
-    let reference = attention(&q.to_kind(Kind::Float), &q.to_kind(Kind::Float), &q.to_kind(Kind::Float), true).unwrap();
+    let reference = attention(
+        &q.to_kind(Kind::Float),
+        &q.to_kind(Kind::Float),
+        &q.to_kind(Kind::Float),
+        true,
+    )
+    .unwrap();
     let err = common::rel_err(&out, &reference);
     eprintln!("flash bf16 vs fp32 attention: rel. error {err:.2e}");
     assert!(err < 2e-2);
@@ -123,7 +187,11 @@ fn cuda_attention_uses_a_fused_backend_for_bf16_causal_on_sm80_plus() {
 #[test]
 fn attention_with_every_backend_disabled_is_a_clear_error() {
     let _lock = common::serial();
-    let device = if tch::Cuda::is_available() { Device::Cuda(0) } else { Device::Cpu };
+    let device = if tch::Cuda::is_available() {
+        Device::Cuda(0)
+    } else {
+        Device::Cpu
+    };
     let mut config = SpeedConfig::auto();
     config.sdp_backend.flash = false;
     config.sdp_backend.mem_efficient = false;
@@ -131,7 +199,7 @@ fn attention_with_every_backend_disabled_is_a_clear_error() {
     let ctx = SpeedContext::new(&config).unwrap();
     // Math alone still works.
     let q = Tensor::randn([1, 2, 8, 4], (Kind::Float, device));
-    attention(&q, &q, &q, false).unwrap();
+    let _ = attention(&q, &q, &q, false).unwrap();
     Flag::SdpMath.set(FlagValue::Bool(false)).unwrap();
     let err = attention(&q, &q, &q, false).unwrap_err().to_string();
     Flag::SdpMath.set(FlagValue::Bool(true)).unwrap();
@@ -142,11 +210,19 @@ fn attention_with_every_backend_disabled_is_a_clear_error() {
 #[test]
 fn cuda_prepare_moves_parameters_and_lays_conv_weights_channels_last() {
     let _lock = common::serial();
-    let Some(d) = common::cuda_or_skip("cuda_prepare_moves_parameters_and_lays_conv_weights_channels_last") else { return };
+    let Some(d) =
+        common::cuda_or_skip("cuda_prepare_moves_parameters_and_lays_conv_weights_channels_last")
+    else {
+        return;
+    };
     let mut vs = nn::VarStore::new(Device::Cpu);
     let conv = nn::conv2d(vs.root(), 3, 16, 3, Default::default());
     let ctx = speedkit::apply_speedups(&mut vs, &SpeedConfig::auto()).unwrap();
     assert_eq!(conv.ws.device(), d);
     assert!(speedkit::nn::is_channels_last(&conv.ws).unwrap());
-    assert!(ctx.audit().notes.iter().any(|n| n.contains("channels-last")));
+    assert!(ctx
+        .audit()
+        .notes
+        .iter()
+        .any(|n| n.contains("channels-last")));
 }

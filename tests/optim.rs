@@ -11,7 +11,9 @@ const STEPS: usize = 5;
 /// Fixed gradients for every step, so all implementations see the same sequence.
 fn gradient_sequence(shape: &[i64]) -> Vec<Tensor> {
     tch::manual_seed(7);
-    (0..STEPS).map(|_| Tensor::randn(shape, (Kind::Float, Device::Cpu))).collect()
+    (0..STEPS)
+        .map(|_| Tensor::randn(shape, (Kind::Float, Device::Cpu)))
+        .collect()
 }
 
 /// AdamW as in Loshchilov & Hutter / torch.optim.AdamW, in f64.
@@ -47,14 +49,24 @@ fn run_speedkit(p0: &Tensor, grads: &[Tensor], c: &AdamW, fused: bool) -> Tensor
 }
 
 fn config() -> AdamW {
-    AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.99, eps: 1e-8, wd: 0.1, exclude_from_decay: false }
+    AdamW {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-8,
+        wd: 0.1,
+        exclude_from_decay: false,
+    }
 }
 
 #[test]
 fn foreach_adamw_matches_the_textbook_update() {
     let p0 = Tensor::randn([16, 8], (Kind::Float, Device::Cpu));
     let grads = gradient_sequence(&[16, 8]);
-    let err = common::rel_err(&run_speedkit(&p0, &grads, &config(), false), &textbook(&p0, &grads, &config()));
+    let err = common::rel_err(
+        &run_speedkit(&p0, &grads, &config(), false),
+        &textbook(&p0, &grads, &config()),
+    );
     assert!(err < 1e-6, "relative error {err:e}");
 }
 
@@ -62,7 +74,10 @@ fn foreach_adamw_matches_the_textbook_update() {
 fn fused_adamw_matches_the_textbook_update() {
     let p0 = Tensor::randn([16, 8], (Kind::Float, Device::Cpu));
     let grads = gradient_sequence(&[16, 8]);
-    let err = common::rel_err(&run_speedkit(&p0, &grads, &config(), true), &textbook(&p0, &grads, &config()));
+    let err = common::rel_err(
+        &run_speedkit(&p0, &grads, &config(), true),
+        &textbook(&p0, &grads, &config()),
+    );
     assert!(err < 1e-6, "relative error {err:e}");
 }
 
@@ -74,9 +89,15 @@ fn adamw_matches_tch_nn_adamw() {
     let vs = nn::VarStore::new(Device::Cpu);
     let mut p = vs.root().zeros("p", &[16, 8]);
     tch::no_grad(|| p.copy_(&p0));
-    let mut opt = nn::AdamW { beta1: c.beta1, beta2: c.beta2, wd: c.wd, eps: c.eps, amsgrad: false }
-        .build(&vs, c.lr)
-        .unwrap();
+    let mut opt = nn::AdamW {
+        beta1: c.beta1,
+        beta2: c.beta2,
+        wd: c.wd,
+        eps: c.eps,
+        amsgrad: false,
+    }
+    .build(&vs, c.lr)
+    .unwrap();
     for g in &grads {
         opt.zero_grad();
         (&p * g).sum(None).backward();
@@ -93,11 +114,24 @@ fn decay_exclusion_leaves_biases_and_norms_undecayed() {
     let vs = nn::VarStore::new(Device::Cpu);
     let w = vs.root().ones("w", &[4, 4]);
     let b = vs.root().ones("b", &[4]);
-    let mut opt = AdamWOptimizer::new(&vs, AdamW { lr: 0.1, wd: 0.5, exclude_from_decay: true, ..Default::default() }, false).unwrap();
+    let mut opt = AdamWOptimizer::new(
+        &vs,
+        AdamW {
+            lr: 0.1,
+            wd: 0.5,
+            exclude_from_decay: true,
+            ..Default::default()
+        },
+        false,
+    )
+    .unwrap();
     // Zero gradients: only weight decay moves parameters.
     ((&w * 0.0).sum(None) + (&b * 0.0).sum(None)).backward();
     opt.step().unwrap();
-    assert!((w.double_value(&[0, 0]) - 0.95).abs() < 1e-6, "weights decay by lr * wd");
+    assert!(
+        (w.double_value(&[0, 0]) - 0.95).abs() < 1e-6,
+        "weights decay by lr * wd"
+    );
     assert_eq!(b.double_value(&[0]), 1.0, "biases do not decay");
 }
 
@@ -106,7 +140,15 @@ fn parameters_without_gradients_are_skipped() {
     let vs = nn::VarStore::new(Device::Cpu);
     let used = vs.root().ones("used", &[3]);
     let unused = vs.root().ones("unused", &[3]);
-    let mut opt = AdamWOptimizer::new(&vs, AdamW { wd: 0.5, ..Default::default() }, false).unwrap();
+    let mut opt = AdamWOptimizer::new(
+        &vs,
+        AdamW {
+            wd: 0.5,
+            ..Default::default()
+        },
+        false,
+    )
+    .unwrap();
     used.sum(None).backward();
     opt.step().unwrap();
     assert_ne!(used, Tensor::ones([3], (Kind::Float, Device::Cpu)));
@@ -117,13 +159,26 @@ fn parameters_without_gradients_are_skipped() {
 fn set_lr_changes_the_device_side_learning_rate() {
     let vs = nn::VarStore::new(Device::Cpu);
     let p = vs.root().zeros("p", &[2]);
-    let mut opt = AdamWOptimizer::new(&vs, AdamW { lr: 1.0, wd: 0.0, ..Default::default() }, false).unwrap();
+    let mut opt = AdamWOptimizer::new(
+        &vs,
+        AdamW {
+            lr: 1.0,
+            wd: 0.0,
+            ..Default::default()
+        },
+        false,
+    )
+    .unwrap();
     opt.set_lr(0.25).unwrap();
     p.sum(None).backward();
     opt.step().unwrap();
     // First Adam step moves each coordinate by lr (m̂/√v̂ = 1 for a constant gradient).
     // float32 bias corrections round at ~1e-6 relative.
-    assert!((p.double_value(&[0]) + 0.25).abs() < 1e-5, "{}", p.double_value(&[0]));
+    assert!(
+        (p.double_value(&[0]) + 0.25).abs() < 1e-5,
+        "{}",
+        p.double_value(&[0])
+    );
     assert_eq!(opt.lrs(), [0.25]);
 }
 
@@ -133,8 +188,16 @@ fn parameter_groups_take_their_own_learning_rates() {
     let a = vs.root().zeros("a", &[2]);
     let b = vs.root().zeros("b", &[2]);
     let groups = vec![
-        ParamGroup { params: vec![a.shallow_clone()], lr: 0.1, weight_decay: 0.0 },
-        ParamGroup { params: vec![b.shallow_clone()], lr: 0.01, weight_decay: 0.0 },
+        ParamGroup {
+            params: vec![a.shallow_clone()],
+            lr: 0.1,
+            weight_decay: 0.0,
+        },
+        ParamGroup {
+            params: vec![b.shallow_clone()],
+            lr: 0.01,
+            weight_decay: 0.0,
+        },
     ];
     let mut opt = AdamWOptimizer::with_groups(groups, &AdamW::default(), false).unwrap();
     (a.sum(None) + b.sum(None)).backward();
@@ -160,7 +223,12 @@ fn optimizer_state_saves_and_loads() {
     let mut fresh = AdamWOptimizer::new(&vs, AdamW::default(), false).unwrap();
     fresh.load(&path).unwrap();
     assert_eq!(fresh.steps_taken().unwrap(), 3);
-    let names = |o: &AdamWOptimizer| o.state_tensors().into_iter().map(|(n, t)| (n, t.copy())).collect::<Vec<_>>();
+    let names = |o: &AdamWOptimizer| {
+        o.state_tensors()
+            .into_iter()
+            .map(|(n, t)| (n, t.copy()))
+            .collect::<Vec<_>>()
+    };
     assert_eq!(names(&fresh), names(&opt));
     std::fs::remove_dir_all(&dir).ok();
 }
@@ -169,5 +237,57 @@ fn optimizer_state_saves_and_loads() {
 fn bad_betas_are_rejected() {
     let vs = nn::VarStore::new(Device::Cpu);
     let _p = vs.root().zeros("p", &[1]);
-    assert!(AdamWOptimizer::new(&vs, AdamW { beta1: 1.0, ..Default::default() }, false).is_err());
+    assert!(AdamWOptimizer::new(
+        &vs,
+        AdamW {
+            beta1: 1.0,
+            ..Default::default()
+        },
+        false
+    )
+    .is_err());
+}
+
+#[test]
+fn zero_grad_drops_gradients_by_default() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let w = vs.root().ones("w", &[4]);
+    let mut opt = AdamWOptimizer::new(&vs, config(), false).unwrap();
+    (&w * 3.0).sum(None).backward();
+    assert!(w.grad().defined());
+    opt.zero_grad().unwrap();
+    assert!(!w.grad().defined());
+}
+
+#[test]
+fn zero_grads_in_place_keeps_the_same_gradient_tensor_filled_with_zeros() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let w = vs.root().ones("w", &[4]);
+    let mut opt = AdamWOptimizer::new(&vs, config(), false).unwrap();
+    opt.zero_grads_in_place(true);
+    (&w * 3.0).sum(None).backward();
+    let before = w.grad().data_ptr();
+    opt.zero_grad().unwrap();
+    assert_eq!(w.grad().data_ptr(), before);
+    assert_eq!(w.grad(), Tensor::zeros([4], (Kind::Float, Device::Cpu)));
+}
+
+#[test]
+fn dropped_and_zeroed_gradients_give_the_same_training() {
+    let p0 = Tensor::randn([6], (Kind::Float, Device::Cpu));
+    let grads = gradient_sequence(&[6]);
+    let run = |in_place: bool| {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mut p = vs.root().zeros("p", &[6]);
+        tch::no_grad(|| p.copy_(&p0));
+        let mut opt = AdamWOptimizer::new(&vs, config(), false).unwrap();
+        opt.zero_grads_in_place(in_place);
+        for g in &grads {
+            opt.zero_grad().unwrap();
+            (&p * g).sum(None).backward();
+            opt.step().unwrap();
+        }
+        p.detach()
+    };
+    assert_eq!(run(true), run(false));
 }

@@ -33,8 +33,16 @@ fn volta_and_turing_get_fp16_with_grad_scaler_and_no_tf32() {
         let plan = auto_on(&Hardware::simulated_gpu(name, 7, minor));
         assert_eq!(plan.precision, ResolvedPrecision::Fp16, "{name}");
         assert!(plan.grad_scaler.is_some(), "{name}");
-        assert_eq!(plan.matmul_precision, Some(MatmulPrecision::Highest), "{name}");
-        let tf32 = plan.flag_settings().into_iter().find(|s| s.flag == Flag::CudaMatmulAllowTf32).unwrap();
+        assert_eq!(
+            plan.matmul_precision,
+            Some(MatmulPrecision::Highest),
+            "{name}"
+        );
+        let tf32 = plan
+            .flag_settings()
+            .into_iter()
+            .find(|s| s.flag == Flag::CudaMatmulAllowTf32)
+            .unwrap();
         assert_eq!(tf32.value, FlagValue::Bool(false));
     }
 }
@@ -52,7 +60,10 @@ fn cpu_gets_fp32_foreach_no_graphs_and_touches_no_tf32_flag() {
     assert_eq!(plan.precision, ResolvedPrecision::Fp32);
     assert_eq!(plan.device, Device::Cpu);
     assert!(!plan.fused_optimizer && !plan.compile_graphs && plan.grad_scaler.is_none());
-    assert!(plan.flag_settings().iter().all(|s| s.flag != Flag::Float32MatmulPrecision));
+    assert!(plan
+        .flag_settings()
+        .iter()
+        .all(|s| s.flag != Flag::Float32MatmulPrecision));
 }
 
 #[test]
@@ -64,7 +75,11 @@ fn compile_auto_is_off_on_windows() {
 
 #[test]
 fn every_decision_carries_a_reason() {
-    for hw in [h100(), Hardware::simulated_gpu("T4", 7, 5), Hardware::cpu_only()] {
+    for hw in [
+        h100(),
+        Hardware::simulated_gpu("T4", 7, 5),
+        Hardware::cpu_only(),
+    ] {
         let plan = auto_on(&hw);
         assert!(plan.decisions.len() >= 10);
         for d in &plan.decisions {
@@ -80,7 +95,10 @@ fn every_decision_carries_a_reason() {
 fn tf32_high_sets_both_precision_and_allow_tf32() {
     let settings = auto_on(&h100()).flag_settings();
     let get = |f: Flag| settings.iter().find(|s| s.flag == f).map(|s| s.value);
-    assert_eq!(get(Flag::Float32MatmulPrecision), Some(FlagValue::MatmulPrecision(MatmulPrecision::High)));
+    assert_eq!(
+        get(Flag::Float32MatmulPrecision),
+        Some(FlagValue::MatmulPrecision(MatmulPrecision::High))
+    );
     assert_eq!(get(Flag::CudaMatmulAllowTf32), Some(FlagValue::Bool(true)));
     assert_eq!(get(Flag::CudnnBenchmark), Some(FlagValue::Bool(true)));
 }
@@ -97,17 +115,40 @@ fn fp32_strict_preset_turns_tf32_off_and_fused_off() {
 
 #[test]
 fn bf16_on_a_gpu_without_bf16_is_an_error_that_suggests_fp16() {
-    let config = SpeedConfig { precision: Precision::Bf16, ..SpeedConfig::auto() };
-    let err = Plan::resolve(&config, &Hardware::simulated_gpu("T4", 7, 5)).unwrap_err().to_string();
-    assert!(err.contains("bf16 needs SM 8.0") && err.contains("fp16"), "{err}");
+    let config = SpeedConfig {
+        precision: Precision::Bf16,
+        ..SpeedConfig::auto()
+    };
+    let err = Plan::resolve(&config, &Hardware::simulated_gpu("T4", 7, 5))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("bf16 needs SM 8.0") && err.contains("fp16"),
+        "{err}"
+    );
 }
 
 #[test]
 fn asking_for_a_missing_gpu_is_an_error_that_says_what_to_set() {
-    let config = SpeedConfig { device: DeviceChoice::Cuda(0), ..SpeedConfig::auto() };
-    let err = Plan::resolve(&config, &Hardware::cpu_only()).unwrap_err().to_string();
-    assert!(err.contains("cuda:0") && err.contains("device: auto"), "{err}");
-    let err = Plan::resolve(&SpeedConfig { device: DeviceChoice::Cuda(3), ..SpeedConfig::auto() }, &h100()).unwrap_err();
+    let config = SpeedConfig {
+        device: DeviceChoice::Cuda(0),
+        ..SpeedConfig::auto()
+    };
+    let err = Plan::resolve(&config, &Hardware::cpu_only())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("cuda:0") && err.contains("device: auto"),
+        "{err}"
+    );
+    let err = Plan::resolve(
+        &SpeedConfig {
+            device: DeviceChoice::Cuda(3),
+            ..SpeedConfig::auto()
+        },
+        &h100(),
+    )
+    .unwrap_err();
     assert!(err.to_string().contains("only 1"), "{err}");
 }
 
@@ -115,13 +156,18 @@ fn asking_for_a_missing_gpu_is_an_error_that_says_what_to_set() {
 fn graphs_forced_on_a_cpu_is_an_error() {
     let mut config = SpeedConfig::auto();
     config.compile.enabled = AutoBool::On;
-    let err = Plan::resolve(&config, &Hardware::cpu_only()).unwrap_err().to_string();
+    let err = Plan::resolve(&config, &Hardware::cpu_only())
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("compile.enabled"), "{err}");
 }
 
 #[test]
 fn explicit_bf16_on_cpu_autocasts_on_cpu() {
-    let config = SpeedConfig { precision: Precision::Bf16, ..SpeedConfig::auto() };
+    let config = SpeedConfig {
+        precision: Precision::Bf16,
+        ..SpeedConfig::auto()
+    };
     let plan = Plan::resolve(&config, &Hardware::cpu_only()).unwrap();
     assert_eq!(plan.precision, ResolvedPrecision::Bf16);
     assert_eq!(plan.device, Device::Cpu);
@@ -129,7 +175,10 @@ fn explicit_bf16_on_cpu_autocasts_on_cpu() {
 
 #[test]
 fn fp16_forced_on_ampere_gets_the_scaler_under_auto() {
-    let config = SpeedConfig { precision: Precision::Fp16, ..SpeedConfig::auto() };
+    let config = SpeedConfig {
+        precision: Precision::Fp16,
+        ..SpeedConfig::auto()
+    };
     let plan = Plan::resolve(&config, &h100()).unwrap();
     assert!(plan.grad_scaler.is_some());
     assert_eq!(plan.grad_scaler.unwrap().init_scale, 65536.0);
@@ -137,7 +186,10 @@ fn fp16_forced_on_ampere_gets_the_scaler_under_auto() {
 
 #[test]
 fn deterministic_mode_disables_cudnn_benchmark_and_sets_the_modes() {
-    let config = SpeedConfig { deterministic: true, ..SpeedConfig::auto() };
+    let config = SpeedConfig {
+        deterministic: true,
+        ..SpeedConfig::auto()
+    };
     let plan = Plan::resolve(&config, &h100()).unwrap();
     assert_eq!(plan.cudnn_benchmark, Some(false));
     assert_eq!(plan.cudnn_deterministic, Some(true));
@@ -149,7 +201,9 @@ fn disabled_sdp_backends_become_flag_settings() {
     let mut config = SpeedConfig::auto();
     config.sdp_backend.math = false;
     let settings = Plan::resolve(&config, &h100()).unwrap().flag_settings();
-    assert!(settings.iter().any(|s| s.flag == Flag::SdpMath && s.value == FlagValue::Bool(false)));
+    assert!(settings
+        .iter()
+        .any(|s| s.flag == Flag::SdpMath && s.value == FlagValue::Bool(false)));
     assert!(settings.iter().all(|s| s.flag != Flag::SdpFlash));
 }
 

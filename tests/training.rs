@@ -31,7 +31,12 @@ fn mlp(vs: &nn::VarStore, width: i64, hidden: i64, classes: i64) -> impl Module 
         .add_fn(|x| x.gelu("tanh"))
         .add(nn::linear(&root / "l2", hidden, hidden, Default::default()))
         .add_fn(|x| x.gelu("tanh"))
-        .add(nn::linear(&root / "l3", hidden, classes, Default::default()))
+        .add(nn::linear(
+            &root / "l3",
+            hidden,
+            classes,
+            Default::default(),
+        ))
 }
 
 struct Run {
@@ -41,7 +46,13 @@ struct Run {
 
 /// Trains `steps` steps under `config` from the same initial weights (seed 1) and returns the loss
 /// curve and final parameters. With `graphed`, the step runs through `SpeedContext::graphed`.
-fn train(config: &SpeedConfig, device: Device, steps: usize, dims: (i64, i64, i64, i64), graphed: bool) -> Run {
+fn train(
+    config: &SpeedConfig,
+    device: Device,
+    steps: usize,
+    dims: (i64, i64, i64, i64),
+    graphed: bool,
+) -> Run {
     let (batch, width, hidden, classes) = dims;
     let data = task(device, batch, width, classes);
     tch::manual_seed(1);
@@ -49,7 +60,16 @@ fn train(config: &SpeedConfig, device: Device, steps: usize, dims: (i64, i64, i6
     let model = mlp(&vs, width, hidden, classes);
     let ctx = SpeedContext::new(config).unwrap();
     ctx.prepare(&mut vs).unwrap();
-    let mut opt = ctx.adamw(&vs, AdamW { lr: 1e-3, wd: 0.1, ..Default::default() }).unwrap();
+    let mut opt = ctx
+        .adamw(
+            &vs,
+            AdamW {
+                lr: 1e-3,
+                wd: 0.1,
+                ..Default::default()
+            },
+        )
+        .unwrap();
     let mut losses = Vec::with_capacity(steps);
     let mut step = |_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
         let loss = ctx.autocast(|| model.forward(&data.x).cross_entropy_for_logits(&data.y));
@@ -62,24 +82,39 @@ fn train(config: &SpeedConfig, device: Device, steps: usize, dims: (i64, i64, i6
             let loss = g.run(&[]).unwrap().unwrap();
             losses.push(loss.double_value(&[]));
         }
-        assert!(g.is_graphed(), "expected a captured graph: {:?}", g.fallback_reason());
+        assert!(
+            g.is_graphed(),
+            "expected a captured graph: {:?}",
+            g.fallback_reason()
+        );
     } else {
         for _ in 0..steps {
             let loss = step(&[]).unwrap().unwrap();
             losses.push(loss.double_value(&[]));
         }
     }
-    let params = vs.trainable_variables().iter().map(|t| t.detach().copy()).collect();
+    let params = vs
+        .trainable_variables()
+        .iter()
+        .map(|t| t.detach().copy())
+        .collect();
     Run { losses, params }
 }
 
 /// Largest |a − b| / |b| over the curves.
 fn max_rel_gap(a: &[f64], b: &[f64]) -> f64 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1e-12)).fold(0.0, f64::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() / y.abs().max(1e-12))
+        .fold(0.0, f64::max)
 }
 
 fn precision_config(device: DeviceChoice, precision: Precision) -> SpeedConfig {
-    let mut c = SpeedConfig { device, precision, ..SpeedConfig::auto() };
+    let mut c = SpeedConfig {
+        device,
+        precision,
+        ..SpeedConfig::auto()
+    };
     c.compile.enabled = AutoBool::Off;
     c
 }
@@ -88,9 +123,25 @@ fn precision_config(device: DeviceChoice, precision: Precision) -> SpeedConfig {
 fn bf16_autocast_on_cpu_follows_the_fp32_loss_curve() {
     let _lock = common::serial();
     let dims = (64, 32, 64, 8);
-    let fp32 = train(&precision_config(DeviceChoice::Cpu, Precision::Fp32), Device::Cpu, 60, dims, false);
-    let bf16 = train(&precision_config(DeviceChoice::Cpu, Precision::Bf16), Device::Cpu, 60, dims, false);
-    assert!(fp32.losses[59] < 0.8 * fp32.losses[0], "the task must be learnable: {:?}", (fp32.losses[0], fp32.losses[59]));
+    let fp32 = train(
+        &precision_config(DeviceChoice::Cpu, Precision::Fp32),
+        Device::Cpu,
+        60,
+        dims,
+        false,
+    );
+    let bf16 = train(
+        &precision_config(DeviceChoice::Cpu, Precision::Bf16),
+        Device::Cpu,
+        60,
+        dims,
+        false,
+    );
+    assert!(
+        fp32.losses[59] < 0.8 * fp32.losses[0],
+        "the task must be learnable: {:?}",
+        (fp32.losses[0], fp32.losses[59])
+    );
     let gap = max_rel_gap(&bf16.losses, &fp32.losses);
     eprintln!("cpu bf16 vs fp32 over 60 steps: largest relative loss gap {gap:.4}");
     // bf16 keeps 8 bits of mantissa: per-step losses differ at the 1e-2 level, not more.
@@ -102,25 +153,46 @@ const GPU_DIMS: (i64, i64, i64, i64) = (512, 256, 1024, 16);
 #[test]
 fn cuda_bf16_and_fp16_with_scaler_follow_fp32_over_200_steps() {
     let _lock = common::serial();
-    let Some(device) = common::cuda_or_skip("cuda_bf16_and_fp16_with_scaler_follow_fp32_over_200_steps") else { return };
+    let Some(device) =
+        common::cuda_or_skip("cuda_bf16_and_fp16_with_scaler_follow_fp32_over_200_steps")
+    else {
+        return;
+    };
     let cuda = DeviceChoice::Cuda(0);
     let mut strict = SpeedConfig::preset("fp32_strict").unwrap();
     strict.device = cuda;
     let fp32 = train(&strict, device, 200, GPU_DIMS, false);
-    let bf16 = train(&precision_config(cuda, Precision::Bf16), device, 200, GPU_DIMS, false);
+    let bf16 = train(
+        &precision_config(cuda, Precision::Bf16),
+        device,
+        200,
+        GPU_DIMS,
+        false,
+    );
     let fp16_config = precision_config(cuda, Precision::Fp16);
     let fp16 = train(&fp16_config, device, 200, GPU_DIMS, false);
-    assert!(fp32.losses[199] < 0.5 * fp32.losses[0], "the task must be learnable");
-    let (gap_bf16, gap_fp16) = (max_rel_gap(&bf16.losses, &fp32.losses), max_rel_gap(&fp16.losses, &fp32.losses));
+    assert!(
+        fp32.losses[199] < 0.5 * fp32.losses[0],
+        "the task must be learnable"
+    );
+    let (gap_bf16, gap_fp16) = (
+        max_rel_gap(&bf16.losses, &fp32.losses),
+        max_rel_gap(&fp16.losses, &fp32.losses),
+    );
     eprintln!(
         "cuda, 200 steps: loss fp32 {:.4} -> {:.4}; largest relative gap vs fp32: bf16 {gap_bf16:.4}, fp16+GradScaler {gap_fp16:.4}",
         fp32.losses[0], fp32.losses[199]
     );
-    assert!(gap_bf16 < 0.05 && gap_fp16 < 0.05, "bf16 {gap_bf16}, fp16 {gap_fp16}");
+    assert!(
+        gap_bf16 < 0.05 && gap_fp16 < 0.05,
+        "bf16 {gap_bf16}, fp16 {gap_fp16}"
+    );
 }
 
 fn graphed_matches_eager(precision: Precision, scaler: AutoBool) {
-    let Some(device) = common::cuda_or_skip("graphed_step_matches_eager") else { return };
+    let Some(device) = common::cuda_or_skip("graphed_step_matches_eager") else {
+        return;
+    };
     let mut config = precision_config(DeviceChoice::Cuda(0), precision);
     config.grad_scaler.enabled = scaler;
     config.optimizer.fused = AutoBool::On;
@@ -152,7 +224,11 @@ fn cuda_graphed_step_matches_eager_with_scaler() {
 #[test]
 fn cuda_step_with_host_sync_falls_back_to_eager_and_says_why() {
     let _lock = common::serial();
-    let Some(device) = common::cuda_or_skip("cuda_step_with_host_sync_falls_back_to_eager_and_says_why") else { return };
+    let Some(device) =
+        common::cuda_or_skip("cuda_step_with_host_sync_falls_back_to_eager_and_says_why")
+    else {
+        return;
+    };
     let mut config = precision_config(DeviceChoice::Cuda(0), Precision::Bf16);
     config.compile.enabled = AutoBool::On;
     let ctx = SpeedContext::new(&config).unwrap();
@@ -170,31 +246,88 @@ fn cuda_step_with_host_sync_falls_back_to_eager_and_says_why() {
     assert!(!g.is_graphed());
     assert!(g.fallback_reason().unwrap().contains("cannot be captured"));
     drop(g);
-    assert!(ctx.audit().notes.iter().any(|n| n.contains("graphs off")), "{:?}", ctx.audit().notes);
+    assert!(
+        ctx.audit().notes.iter().any(|n| n.contains("graphs off")),
+        "{:?}",
+        ctx.audit().notes
+    );
 }
 
 #[test]
 fn cuda_new_input_shape_recaptures_and_the_cache_is_bounded() {
     let _lock = common::serial();
-    let Some(device) = common::cuda_or_skip("cuda_new_input_shape_recaptures_and_the_cache_is_bounded") else { return };
+    let Some(device) =
+        common::cuda_or_skip("cuda_new_input_shape_recaptures_and_the_cache_is_bounded")
+    else {
+        return;
+    };
     let mut config = precision_config(DeviceChoice::Cuda(0), Precision::Bf16);
     config.compile.enabled = AutoBool::On;
     config.compile.max_graphs = 2;
     config.compile.warmup_steps = 1;
     let ctx = SpeedContext::new(&config).unwrap();
     let w = Tensor::randn([32, 32], (Kind::Float, device));
-    let mut g = ctx.graphed(|inputs: &[Tensor]| -> speedkit::Result<Option<Tensor>> { Ok(Some(inputs[0].matmul(&w).sum(None))) });
+    let mut g = ctx.graphed(|inputs: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
+        Ok(Some(inputs[0].matmul(&w).sum(None)))
+    });
     for rows in [8, 16, 24, 8] {
         for _ in 0..3 {
             let x = Tensor::randn([rows, 32], (Kind::Float, device));
             let out = g.run(&[&x]).unwrap().unwrap();
             let expect = x.matmul(&w).sum(None);
-            assert!(common::rel_err(&out, &expect) < 1e-5, "replay with fresh inputs must compute on them");
+            assert!(
+                common::rel_err(&out, &expect) < 1e-5,
+                "replay with fresh inputs must compute on them"
+            );
         }
     }
     assert!(g.is_graphed());
     drop(g);
     let notes = ctx.audit().notes;
-    assert!(notes.iter().filter(|n| n.contains("captured")).count() >= 4, "{notes:?}");
+    assert!(
+        notes.iter().filter(|n| n.contains("captured")).count() >= 4,
+        "{notes:?}"
+    );
     assert!(notes.iter().any(|n| n.contains("evicted")), "{notes:?}");
+}
+
+#[test]
+fn cuda_graphs_for_two_input_shapes_leave_each_steps_gradients_on_the_parameters() {
+    let _lock = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "cuda_graphs_for_two_input_shapes_leave_each_steps_gradients_on_the_parameters",
+    ) else {
+        return;
+    };
+    let mut config = precision_config(DeviceChoice::Cuda(0), Precision::Fp32);
+    config.compile.enabled = AutoBool::On;
+    config.compile.max_graphs = 2;
+    config.compile.warmup_steps = 1;
+    let ctx = SpeedContext::new(&config).unwrap();
+    let vs = nn::VarStore::new(device);
+    let w = vs.root().randn("w", &[4, 32], 0.0, 1.0);
+    // lr 0: the weights stay put, so each step's gradient depends on its input alone.
+    let frozen = AdamW {
+        lr: 0.0,
+        wd: 0.0,
+        ..Default::default()
+    };
+    let mut opt = ctx.adamw(&vs, frozen).unwrap();
+    let mut g = ctx.graphed(|inputs: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
+        let loss = inputs[0].matmul(&w.tr()).sum(None);
+        ctx.backward_step(&loss, &mut opt)?;
+        Ok(Some(loss))
+    });
+    // Shapes interleaved after both graphs exist: each replay must leave its own gradient.
+    for rows in [8, 8, 8, 16, 16, 16, 8, 16, 8, 16] {
+        let x = Tensor::randn([rows, 32], (Kind::Float, device));
+        g.run(&[&x]).unwrap();
+        // d(sum(x·wᵀ))/dw: every row of the gradient is the column sum of x.
+        let expected = x.sum_dim_intlist(0, true, None).expand([4, 32], false);
+        assert!(
+            common::rel_err(&w.grad(), &expected) < 1e-2,
+            "gradient after a step on {rows} rows"
+        );
+    }
+    assert!(g.is_graphed(), "{:?}", g.fallback_reason());
 }

@@ -544,6 +544,27 @@ int sk_is_channels_last(at::Tensor* tensor, int* out) {
   SK_TRY(*out = tensor->dim() == 4 && tensor->is_contiguous(at::MemoryFormat::ChannelsLast) ? 1 : 0)
 }
 
+// Drops the gradients of a parameter list (`param.grad = None`), as PyTorch's
+// `zero_grad(set_to_none=True)`: the next backward writes fresh gradients instead of adding to
+// zero-filled ones, which saves a fill and an add over every parameter.
+int sk_clear_grads(at::Tensor** tensors, int64_t n) {
+  SK_TRY({
+    for (int64_t i = 0; i < n; ++i) {
+      tensors[i]->mutable_grad().reset();
+    }
+  })
+}
+
+// Points `params[i].grad` at `grads[i]`: a replayed CUDA graph writes the gradients into the
+// tensors it allocated during capture, so the parameters must refer to those again before it runs.
+int sk_set_grads(at::Tensor** params, at::Tensor** grads, int64_t n) {
+  SK_TRY({
+    for (int64_t i = 0; i < n; ++i) {
+      params[i]->mutable_grad() = *grads[i];
+    }
+  })
+}
+
 // Plain multi-tensor helpers the Rust side uses on parameter lists.
 int sk_foreach_zero_(at::Tensor** tensors, int64_t n) {
   SK_TRY({

@@ -109,6 +109,8 @@ extern "C" {
         eps: f64,
     ) -> c_int;
     fn sk_foreach_zero_(tensors: *const *mut C_tensor, n: i64) -> c_int;
+    fn sk_clear_grads(tensors: *const *mut C_tensor, n: i64) -> c_int;
+    fn sk_set_grads(params: *const *mut C_tensor, grads: *const *mut C_tensor, n: i64) -> c_int;
     fn sk_foreach_norm(
         tensors: *const *mut C_tensor,
         n: i64,
@@ -510,6 +512,27 @@ pub(crate) fn foreach_zero_(tensors: &[Tensor]) -> Result<(), SpeedkitError> {
     let t = handles(tensors);
     // SAFETY: live handles for the call.
     check(unsafe { sk_foreach_zero_(t.as_ptr(), t.len() as i64) })
+}
+
+/// Sets `grad` of every tensor to undefined (`param.grad = None`).
+pub(crate) fn clear_grads(params: &[Tensor]) -> Result<(), SpeedkitError> {
+    let t = handles(params);
+    // SAFETY: live handles for the call.
+    check(unsafe { sk_clear_grads(t.as_ptr(), t.len() as i64) })
+}
+
+/// Sets `params[i].grad = grads[i]`.
+pub(crate) fn set_grads(params: &[Tensor], grads: &[Tensor]) -> Result<(), SpeedkitError> {
+    if params.len() != grads.len() {
+        return Err(SpeedkitError::Misuse(format!(
+            "{} parameters but {} gradients",
+            params.len(),
+            grads.len()
+        )));
+    }
+    let (p, g) = (handles(params), handles(grads));
+    // SAFETY: live handles of equal length for the call.
+    check(unsafe { sk_set_grads(p.as_ptr(), g.as_ptr(), p.len() as i64) })
 }
 
 /// The `ord`-norm of all tensors together (as `torch.nn.utils.clip_grad_norm_` computes it).

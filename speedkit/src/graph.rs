@@ -15,6 +15,16 @@
 //! never a wrong result. Change the parameter set (a new optimizer, frozen layers)? Call
 //! [`GraphedStep::invalidate`].
 //!
+//! # Gradients
+//!
+//! [`AdamWOptimizer::zero_grad`](crate::optim::AdamWOptimizer::zero_grad) drops gradients (PyTorch's
+//! `set_to_none`), which spares a fill and an add over every parameter per step, also in a graph:
+//! the captured backward then allocates the gradients in the graph's memory pool and replays write
+//! them there. Each graph keeps the gradient tensors its optimizer step saw and points the
+//! parameters back at them before every replay, so with several graphs cached (one per input
+//! shape) `param.grad()` after a step is always that step's gradient, and no graph's gradients are
+//! freed for another to reuse. The cost: one set of gradients per cached graph.
+//!
 //! Capture-safe building blocks in speedkit: [`AdamWOptimizer`](crate::optim::AdamWOptimizer) (step
 //! count and lr on the device), the [`GradScaler`](crate::amp::GradScaler) with the fused optimizer
 //! (device-side inf check, skip and scale update), autocast. Optimizers that decide on the host (tch's
@@ -28,12 +38,75 @@ use crate::SpeedContext;
 
 type Signature = Vec<(Vec<i64>, Kind, Device)>;
 
+thread_local! {
+    // CUDA captures per stream, and speedkit captures on the thread that runs the step: a
+    // thread-local flag answers "is this code being recorded?" without a CUDA call.
+    static CAPTURING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    // (parameter, gradient) pairs that optimizers saw during the capture in progress.
+    static CAPTURED_GRADIENTS: std::cell::RefCell<(Vec<Tensor>, Vec<Tensor>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// Called by an optimizer step: during a capture, remembers which gradient tensor each parameter
+/// had, so every replay of that graph can point the parameters at them again (see
+/// [`GraphedStep`]'s "Gradients"). Does nothing outside a capture.
+pub(crate) fn record_gradients<'a>(params: impl Iterator<Item = &'a Tensor>) {
+    if !is_capturing() {
+        return;
+    }
+    CAPTURED_GRADIENTS.with(|cell| {
+        let (ps, gs) = &mut *cell.borrow_mut();
+        for p in params {
+            let g = p.grad();
+            if g.defined() {
+                ps.push(p.shallow_clone());
+                gs.push(g);
+            }
+        }
+    });
+}
+
+fn take_recorded_gradients() -> (Vec<Tensor>, Vec<Tensor>) {
+    CAPTURED_GRADIENTS.with(|cell| std::mem::take(&mut *cell.borrow_mut()))
+}
+
+/// Whether the calling thread is inside a speedkit graph capture (a [`GraphedStep`] recording its
+/// step), so code that must not be recorded (a host read such as `.item()`, a print of a tensor)
+/// can refuse up front with a clear error, which ends the capture cleanly and makes the step fall
+/// back to eager. A host read that fails inside the capture instead invalidates it.
+///
+/// ```
+/// assert!(!speedkit::graph::is_capturing());
+/// ```
+pub fn is_capturing() -> bool {
+    CAPTURING.with(std::cell::Cell::get)
+}
+
+/// Marks the thread as capturing until dropped, also when the step panics.
+struct CapturingMark;
+
+impl CapturingMark {
+    fn set() -> Self {
+        take_recorded_gradients();
+        CAPTURING.with(|c| c.set(true));
+        Self
+    }
+}
+
+impl Drop for CapturingMark {
+    fn drop(&mut self) {
+        CAPTURING.with(|c| c.set(false));
+    }
+}
+
 struct Entry {
     signature: Signature,
     eager_runs: usize,
     graph: Option<CudaGraph>,
     static_inputs: Vec<Tensor>,
     output: Option<Tensor>,
+    /// Parameters and the gradient tensors their graph writes (allocated in the capture).
+    gradients: (Vec<Tensor>, Vec<Tensor>),
     last_used: u64,
 }
 
@@ -121,6 +194,8 @@ where
             for (dst, src) in entry.static_inputs.iter_mut().zip(inputs) {
                 dst.f_copy_(src)?;
             }
+            // Another graph or an eager step may have given the parameters other gradients.
+            ffi::set_grads(&entry.gradients.0, &entry.gradients.1)?;
             graph.replay()?;
             return Ok(entry.output.as_ref().map(Tensor::shallow_clone));
         }
@@ -156,6 +231,7 @@ where
             eager_runs: 0,
             graph: None,
             static_inputs: Vec::new(),
+            gradients: (Vec::new(), Vec::new()),
             output: None,
             last_used: self.clock,
         });
@@ -177,8 +253,12 @@ where
         ffi::cuda_synchronize(device_index)?;
         let mut graph = CudaGraph::new()?;
         let side = SideStream::enter(device_index)?;
+        let mut gradients = (Vec::new(), Vec::new());
         let captured = graph.capture_begin(pool).and_then(|()| {
+            let mark = CapturingMark::set();
             let out = (self.step)(&static_inputs);
+            drop(mark);
+            gradients = take_recorded_gradients();
             // capture_end must run whatever the step did, to leave capture mode.
             let end = graph.capture_end();
             let out = out?;
@@ -191,6 +271,7 @@ where
                 let entry = &mut self.entries[index];
                 entry.static_inputs = static_inputs;
                 entry.output = output;
+                entry.gradients = gradients;
                 graph.replay()?;
                 entry.graph = Some(graph);
                 self.ctx.note(format!(
@@ -230,9 +311,14 @@ pub struct CompiledStep<'c> {
 
 impl<'c> CompiledStep<'c> {
     /// Wraps `step`.
-    pub fn new(ctx: &'c SpeedContext, mut step: impl FnMut() -> Result<Option<Tensor>> + 'c) -> Self {
+    pub fn new(
+        ctx: &'c SpeedContext,
+        mut step: impl FnMut() -> Result<Option<Tensor>> + 'c,
+    ) -> Self {
         let boxed: DynStep<'c> = Box::new(move |_: &[Tensor]| step());
-        Self { inner: GraphedStep::new(ctx, boxed) }
+        Self {
+            inner: GraphedStep::new(ctx, boxed),
+        }
     }
 
     /// Runs one step.

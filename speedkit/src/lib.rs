@@ -30,6 +30,7 @@
 
 #![warn(missing_docs)]
 
+mod advice;
 pub mod amp;
 pub mod bench;
 mod context;
@@ -49,6 +50,7 @@ pub mod config {
     pub use speedkit_config::*;
 }
 
+pub use advice::{audit, audit_tensors, Advice, ModelAudit};
 pub use config::SpeedConfig;
 pub use context::{apply_speedups, SpeedContext};
 pub use error::{Result, SpeedkitError};

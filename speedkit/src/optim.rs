@@ -90,6 +90,7 @@ pub struct AdamWOptimizer {
     beta2: f64,
     eps: f64,
     fused: bool,
+    grads_to_none: bool,
 }
 
 impl AdamWOptimizer {
@@ -149,6 +150,7 @@ impl AdamWOptimizer {
             beta2: config.beta2,
             eps: config.eps,
             fused,
+            grads_to_none: true,
         })
     }
 
@@ -183,13 +185,53 @@ impl AdamWOptimizer {
         self.groups.iter().map(|g| g.lr).collect()
     }
 
-    /// Zeroes every defined gradient in place (addresses stay fixed, as graph capture needs).
+    /// Resets the gradients before the next backward: drops them (`param.grad = None`, PyTorch's
+    /// `zero_grad(set_to_none=True)` and its default) or, after
+    /// [`zero_grads_in_place(true)`](Self::zero_grads_in_place), fills them with zeros.
+    ///
+    /// ```
+    /// use speedkit::optim::{AdamW, AdamWOptimizer};
+    /// use tch::{nn, Device, Kind};
+    /// let vs = nn::VarStore::new(Device::Cpu);
+    /// let w = vs.root().var("w", &[3], nn::Init::Const(1.0));
+    /// let mut opt = AdamWOptimizer::new(&vs, AdamW::default(), false)?;
+    /// (&w * 2.0).sum(Kind::Float).backward();
+    /// opt.zero_grad()?;
+    /// assert!(!w.grad().defined());
+    /// # Ok::<(), speedkit::SpeedkitError>(())
+    /// ```
     pub fn zero_grad(&mut self) -> Result<()> {
+        if self.grads_to_none {
+            let with_grads: Vec<Tensor> = self
+                .params()
+                .filter(|p| p.grad().defined())
+                .map(Tensor::shallow_clone)
+                .collect();
+            return ffi::clear_grads(&with_grads);
+        }
         let grads = self.gradients();
         if !grads.is_empty() {
             ffi::foreach_zero_(&grads)?;
         }
         Ok(())
+    }
+
+    /// Makes [`zero_grad`](Self::zero_grad) fill gradients with zeros instead of dropping them,
+    /// for code that holds on to the gradient tensors between steps.
+    ///
+    /// Dropping is faster: the next backward writes the gradients instead of adding them to zeros.
+    /// It is also safe in a CUDA graph, which keeps the gradients it allocated (see
+    /// [`crate::graph`], "Gradients").
+    pub fn zero_grads_in_place(&mut self, in_place: bool) -> &mut Self {
+        self.grads_to_none = !in_place;
+        self
+    }
+
+    fn params(&self) -> impl Iterator<Item = &Tensor> {
+        self.groups
+            .iter()
+            .flat_map(|g| &g.buckets)
+            .flat_map(|b| &b.params)
     }
 
     /// One AdamW step over parameters that have gradients.
@@ -244,6 +286,7 @@ impl AdamWOptimizer {
     fn step_impl(&mut self, grad_scale: Option<&Tensor>, found_inf: Option<&Tensor>) -> Result<()> {
         // In-place updates of leaf parameters: as torch.optim's step, outside autograd.
         let _no_grad = tch::no_grad_guard();
+        crate::graph::record_gradients(self.params());
         for g in &self.groups {
             for b in &g.buckets {
                 // Parameters without a gradient this step are skipped, as in PyTorch.
@@ -401,10 +444,7 @@ fn make_buckets(params: Vec<Tensor>, lr: f64) -> Result<Vec<Bucket>> {
 
 impl ScaledOptimizer for AdamWOptimizer {
     fn gradients(&self) -> Vec<Tensor> {
-        self.groups
-            .iter()
-            .flat_map(|g| &g.buckets)
-            .flat_map(|b| &b.params)
+        self.params()
             .map(Tensor::grad)
             .filter(Tensor::defined)
             .collect()

@@ -93,3 +93,21 @@ fn restore_without_apply_is_refused() {
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("--apply"));
 }
+
+#[test]
+fn report_audits_a_model_checkpoint() {
+    let dir = std::env::temp_dir().join(format!("speedkit-model-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("model.ot");
+    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    let _layer = tch::nn::linear(vs.root() / "head", 64, 1001, Default::default());
+    vs.save(&path).unwrap();
+    let out = speedkit(&["report", "--model", path.to_str().unwrap()]);
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("== model") && stdout.contains("1001 is not a multiple of 8"),
+        "{stdout}"
+    );
+}

@@ -18,12 +18,44 @@ pub const RECORD_BYTES: usize = 1 + IMAGE_BYTES;
 /// Number of classes.
 pub const CLASSES: i64 = 10;
 /// Class names, by label.
-pub const CLASS_NAMES: [&str; 10] =
-    ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"];
+pub const CLASS_NAMES: [&str; 10] = [
+    "airplane",
+    "automobile",
+    "bird",
+    "cat",
+    "deer",
+    "dog",
+    "frog",
+    "horse",
+    "ship",
+    "truck",
+];
 
 /// Per-channel mean and standard deviation of the training set (for [`normalize`]).
 const MEAN: [f64; 3] = [0.4914, 0.4822, 0.4465];
 const STD: [f64; 3] = [0.2470, 0.2435, 0.2616];
+
+/// Seed of the class patterns of [`Cifar10::synthetic`].
+const SYNTHETIC_PATTERN_SEED: u64 = 10;
+
+/// SplitMix64 (Steele, Lea and Flood 2014): tiny, fast, and good enough for generated images.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [-1, 1).
+    fn symmetric(&mut self) -> f32 {
+        // The top 24 bits: exactly representable in an f32.
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
 
 /// Which part of the data set.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -48,7 +80,7 @@ impl Cifar10 {
     pub fn parse(bytes: &[u8]) -> anyhow::Result<Self> {
         ensure!(!bytes.is_empty(), "no records (empty input)");
         ensure!(
-            bytes.len() % RECORD_BYTES == 0,
+            bytes.chunks_exact(RECORD_BYTES).remainder().is_empty(),
             "{} bytes is not a whole number of {RECORD_BYTES}-byte CIFAR-10 records (1 label + 3072 pixels)",
             bytes.len()
         );
@@ -57,12 +89,19 @@ impl Cifar10 {
         let mut pixels = Vec::with_capacity(n * IMAGE_BYTES);
         for (i, record) in bytes.chunks_exact(RECORD_BYTES).enumerate() {
             let label = record[0];
-            ensure!(i64::from(label) < CLASSES, "record {i} has label {label}; CIFAR-10 labels are 0..9");
+            ensure!(
+                i64::from(label) < CLASSES,
+                "record {i} has label {label}; CIFAR-10 labels are 0..9"
+            );
             labels.push(i64::from(label));
             pixels.extend_from_slice(&record[1..]);
         }
-        let images = Tensor::f_from_slice(&pixels)?.f_view([n as i64, 3, IMAGE_SIDE, IMAGE_SIDE])?;
-        Ok(Self { images, labels: Tensor::f_from_slice(&labels)? })
+        let images =
+            Tensor::f_from_slice(&pixels)?.f_view([n as i64, 3, IMAGE_SIDE, IMAGE_SIDE])?;
+        Ok(Self {
+            images,
+            labels: Tensor::f_from_slice(&labels)?,
+        })
     }
 
     /// Reads one `.bin` file.
@@ -80,22 +119,42 @@ impl Cifar10 {
             Split::Test => vec![dir.join("test_batch.bin")],
             Split::Train => train_files(dir)?,
         };
-        let parts = files.iter().map(Self::read_file).collect::<anyhow::Result<Vec<_>>>()?;
+        let parts = files
+            .iter()
+            .map(Self::read_file)
+            .collect::<anyhow::Result<Vec<_>>>()?;
         Self::concat(&parts)
     }
 
     /// Generated CIFAR-shaped data that can be learnt: `n` images whose pixels are a fixed random
-    /// pattern per class plus noise, labels uniform over the 10 classes; same result for the same
-    /// `seed`.
-    pub fn synthetic(n: i64, seed: i64) -> anyhow::Result<Self> {
+    /// pattern per class plus uniform noise, labels uniform over the 10 classes. The class patterns
+    /// are the same for every `seed` (so sets made with different seeds are a training and a test
+    /// set of one task); labels and noise depend on `seed` only. Made with a small generator of its
+    /// own: the same `seed` gives the same set whatever libtorch's random state or other threads do.
+    pub fn synthetic(n: i64, seed: u64) -> anyhow::Result<Self> {
         ensure!(n > 0, "need at least one image, got {n}");
-        tch::manual_seed(seed);
-        let opts = (Kind::Float, Device::Cpu);
-        let patterns = Tensor::f_randn([CLASSES, 3, IMAGE_SIDE, IMAGE_SIDE], opts)?;
-        let labels = Tensor::f_randint(CLASSES, [n], (Kind::Int64, Device::Cpu))?;
-        let noise = Tensor::f_randn([n, 3, IMAGE_SIDE, IMAGE_SIDE], opts)?;
-        let pixels = (patterns.f_index_select(0, &labels)? * 40.0 + noise * 30.0 + 128.0).f_clamp(0.0, 255.0)?;
-        Ok(Self { images: pixels.f_to_kind(Kind::Uint8)?, labels })
+        let mut rng = SplitMix64(SYNTHETIC_PATTERN_SEED);
+        let patterns: Vec<f32> = (0..CLASSES as usize * IMAGE_BYTES)
+            .map(|_| rng.symmetric())
+            .collect();
+        let mut rng = SplitMix64(seed);
+        let mut labels = Vec::with_capacity(n as usize);
+        let mut pixels = Vec::with_capacity(n as usize * IMAGE_BYTES);
+        for _ in 0..n {
+            let label = (rng.next() % CLASSES as u64) as usize;
+            labels.push(label as i64);
+            let pattern = &patterns[label * IMAGE_BYTES..(label + 1) * IMAGE_BYTES];
+            pixels.extend(
+                pattern
+                    .iter()
+                    .map(|p| (128.0 + 16.0 * p + 64.0 * rng.symmetric()).clamp(0.0, 255.0) as u8),
+            );
+        }
+        let images = Tensor::f_from_slice(&pixels)?.f_view([n, 3, IMAGE_SIDE, IMAGE_SIDE])?;
+        Ok(Self {
+            images,
+            labels: Tensor::f_from_slice(&labels)?,
+        })
     }
 
     /// Joins several sets (e.g. the five training files).
@@ -103,7 +162,10 @@ impl Cifar10 {
         ensure!(!parts.is_empty(), "nothing to join");
         let images: Vec<&Tensor> = parts.iter().map(|p| &p.images).collect();
         let labels: Vec<&Tensor> = parts.iter().map(|p| &p.labels).collect();
-        Ok(Self { images: Tensor::f_cat(&images, 0)?, labels: Tensor::f_cat(&labels, 0)? })
+        Ok(Self {
+            images: Tensor::f_cat(&images, 0)?,
+            labels: Tensor::f_cat(&labels, 0)?,
+        })
     }
 
     /// Number of images.
@@ -118,7 +180,10 @@ impl Cifar10 {
 
     /// The same data on `device` (still bytes: a quarter of the memory of floats).
     pub fn to_device(&self, device: Device) -> anyhow::Result<Self> {
-        Ok(Self { images: self.images.f_to_device(device)?, labels: self.labels.f_to_device(device)? })
+        Ok(Self {
+            images: self.images.f_to_device(device)?,
+            labels: self.labels.f_to_device(device)?,
+        })
     }
 
     /// The images at `indices` as normalised floats, with their labels.
@@ -132,18 +197,30 @@ impl Cifar10 {
 /// training set's mean and standard deviation.
 pub fn normalize(images: &Tensor) -> anyhow::Result<Tensor> {
     let opts = (Kind::Float, images.device());
-    let mean = Tensor::f_from_slice(&MEAN)?.f_to_kind(Kind::Float)?.f_to_device(opts.1)?.f_view([1, 3, 1, 1])?;
-    let std = Tensor::f_from_slice(&STD)?.f_to_kind(Kind::Float)?.f_to_device(opts.1)?.f_view([1, 3, 1, 1])?;
+    let mean = Tensor::f_from_slice(&MEAN)?
+        .f_to_kind(Kind::Float)?
+        .f_to_device(opts.1)?
+        .f_view([1, 3, 1, 1])?;
+    let std = Tensor::f_from_slice(&STD)?
+        .f_to_kind(Kind::Float)?
+        .f_to_device(opts.1)?
+        .f_view([1, 3, 1, 1])?;
     let x = images.f_to_kind(opts.0)?.f_div_scalar(255.0)?;
     Ok(x.f_sub(&mean)?.f_div(&std)?)
 }
 
 fn train_files(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
-    let entries = std::fs::read_dir(dir).with_context(|| format!("reading directory {}", dir.display()))?;
+    let entries =
+        std::fs::read_dir(dir).with_context(|| format!("reading directory {}", dir.display()))?;
     let mut files = Vec::new();
     for entry in entries {
-        let path = entry.with_context(|| format!("reading directory {}", dir.display()))?.path();
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        let path = entry
+            .with_context(|| format!("reading directory {}", dir.display()))?
+            .path();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
         if name.starts_with("data_batch_") && name.ends_with(".bin") {
             files.push(path);
         }

@@ -3,7 +3,9 @@
 //! `workloads.md` fixes the inputs: random tensors made **once** on the device with seed 0, not
 //! reloaded per step, so a timed step is the model's work alone and a graph-captured step can read
 //! them as static inputs. Every generator here re-seeds with [`SEED`] first, so a workload gets the
-//! same batch whatever it drew from the generator before (e.g. to initialise the model).
+//! same batch whatever it drew from the generator before (e.g. to initialise the model). libtorch's
+//! generator is process-global: another thread drawing random numbers at the same time changes the
+//! batch (the benchmark runner and the test harness run one workload at a time).
 
 pub mod cifar;
 
@@ -28,7 +30,12 @@ pub fn regression(batch: i64, width: i64, device: Device) -> Result<(Tensor, Ten
 
 /// `(x, labels)`: `[batch, features]` standard normal inputs and `[batch]` labels uniform in
 /// `0..classes` (the batch of `mlp`).
-pub fn classification(batch: i64, features: i64, classes: i64, device: Device) -> Result<(Tensor, Tensor)> {
+pub fn classification(
+    batch: i64,
+    features: i64,
+    classes: i64,
+    device: Device,
+) -> Result<(Tensor, Tensor)> {
     seed();
     let x = Tensor::f_randn([batch, features], (Kind::Float, device))?;
     let labels = Tensor::f_randint(classes, [batch], (Kind::Int64, device))?;

@@ -17,12 +17,18 @@ pub struct Linear3Config {
 impl Linear3Config {
     /// The reference size: width 8192, batch 512.
     pub const fn bench() -> Self {
-        Self { width: 8192, batch: 512 }
+        Self {
+            width: 8192,
+            batch: 512,
+        }
     }
 
     /// A CPU-test size: width 64, batch 8.
     pub const fn tiny() -> Self {
-        Self { width: 64, batch: 8 }
+        Self {
+            width: 64,
+            batch: 8,
+        }
     }
 
     /// Matmul FLOPs of one training step: 3 layers × 3 (forward, grad input, grad weight) ×
@@ -43,7 +49,14 @@ impl Linear3 {
     /// Builds the three layers under `p` (`l0`, `l1`, `l2`).
     pub fn new(p: &nn::Path, config: &Linear3Config) -> Self {
         let layers = (0..3)
-            .map(|i| nn::linear(p / format!("l{i}"), config.width, config.width, Default::default()))
+            .map(|i| {
+                nn::linear(
+                    p / format!("l{i}"),
+                    config.width,
+                    config.width,
+                    Default::default(),
+                )
+            })
             .collect();
         Self { layers }
     }

@@ -21,12 +21,22 @@ pub struct MlpConfig {
 impl MlpConfig {
     /// The reference size: 512 → 1024 → 10, batch 256.
     pub const fn bench() -> Self {
-        Self { input: 512, hidden: 1024, classes: 10, batch: 256 }
+        Self {
+            input: 512,
+            hidden: 1024,
+            classes: 10,
+            batch: 256,
+        }
     }
 
     /// A CPU-test size: 32 → 64 → 10, batch 16.
     pub const fn tiny() -> Self {
-        Self { input: 32, hidden: 64, classes: 10, batch: 16 }
+        Self {
+            input: 32,
+            hidden: 64,
+            classes: 10,
+            batch: 16,
+        }
     }
 
     /// Matmul FLOPs of one training step: 6·batch·(input·hidden + hidden·classes) (2 per

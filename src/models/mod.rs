@@ -26,7 +26,13 @@ pub(crate) fn linear(layer: &nn::Linear, x: &Tensor) -> Result<Tensor> {
 
 /// LayerNorm with PyTorch's default epsilon (tch keeps its own config private).
 pub(crate) fn layer_norm(norm: &nn::LayerNorm, x: &Tensor) -> Result<Tensor> {
-    Ok(x.f_layer_norm(&norm.normalized_shape, norm.ws.as_ref(), norm.bs.as_ref(), 1e-5, true)?)
+    Ok(x.f_layer_norm(
+        &norm.normalized_shape,
+        norm.ws.as_ref(),
+        norm.bs.as_ref(),
+        1e-5,
+        true,
+    )?)
 }
 
 /// Mean cross-entropy of `logits` (`[N, C]`) against class indices (`[N]`).

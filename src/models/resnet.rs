@@ -24,12 +24,24 @@ impl ResNetConfig {
     /// ResNet-18 for CIFAR-10: 3×3 stem, stages of 64/128/256/512 channels with 2 basic blocks
     /// each, 32×32 inputs, batch 256.
     pub const fn bench() -> Self {
-        Self { widths: [64, 128, 256, 512], blocks: [2, 2, 2, 2], image_size: 32, classes: 10, batch: 256 }
+        Self {
+            widths: [64, 128, 256, 512],
+            blocks: [2, 2, 2, 2],
+            image_size: 32,
+            classes: 10,
+            batch: 256,
+        }
     }
 
     /// A CPU-test size: 8/16/32/64 channels, one block per stage, 8×8 inputs, batch 4.
     pub const fn tiny() -> Self {
-        Self { widths: [8, 16, 32, 64], blocks: [1, 1, 1, 1], image_size: 8, classes: 10, batch: 4 }
+        Self {
+            widths: [8, 16, 32, 64],
+            blocks: [1, 1, 1, 1],
+            image_size: 8,
+            classes: 10,
+            batch: 4,
+        }
     }
 
     /// Convolution and linear FLOPs of one training step: 2·(multiply-adds of the forward pass) × 3
@@ -37,7 +49,9 @@ impl ResNetConfig {
     /// shortcuts and the classifier. BatchNorm, ReLU, pooling and additions are not counted.
     pub fn flops_per_step(&self) -> f64 {
         let b = self.batch as f64;
-        let conv = |cin: i64, cout: i64, k: i64, out_hw: i64| 2.0 * b * (cin * cout * k * k * out_hw * out_hw) as f64;
+        let conv = |cin: i64, cout: i64, k: i64, out_hw: i64| {
+            2.0 * b * (cin * cout * k * k * out_hw * out_hw) as f64
+        };
         let mut hw = self.image_size;
         let mut forward = conv(3, self.widths[0], 3, hw);
         let mut cin = self.widths[0];
@@ -69,9 +83,17 @@ struct ConvBn {
 
 impl ConvBn {
     fn new(p: &nn::Path, cin: i64, cout: i64, k: i64, stride: i64) -> Self {
-        let config = nn::ConvConfig { stride, padding: k / 2, bias: false, ..Default::default() };
+        let config = nn::ConvConfig {
+            stride,
+            padding: k / 2,
+            bias: false,
+            ..Default::default()
+        };
         // BatchNorm starts as the identity, as in PyTorch (tch draws the scale from U(0, 1)).
-        let bn_config = nn::BatchNormConfig { ws_init: nn::Init::Const(1.0), ..Default::default() };
+        let bn_config = nn::BatchNormConfig {
+            ws_init: nn::Init::Const(1.0),
+            ..Default::default()
+        };
         Self {
             conv: nn::conv2d(p / "conv", cin, cout, k, config),
             bn: nn::batch_norm2d(p / "bn", cout, bn_config),
@@ -81,7 +103,14 @@ impl ConvBn {
     }
 
     fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let y = x.f_conv2d(&self.conv.ws, self.conv.bs.as_ref(), [self.stride; 2], [self.padding; 2], [1, 1], 1)?;
+        let y = x.f_conv2d(
+            &self.conv.ws,
+            self.conv.bs.as_ref(),
+            [self.stride; 2],
+            [self.padding; 2],
+            [1, 1],
+            1,
+        )?;
         let bn = &self.bn;
         Ok(y.f_batch_norm(
             bn.ws.as_ref(),
@@ -107,12 +136,19 @@ struct BasicBlock {
 
 impl BasicBlock {
     fn new(p: &nn::Path, cin: i64, cout: i64, stride: i64) -> Self {
-        let shortcut = (stride != 1 || cin != cout).then(|| ConvBn::new(&(p / "shortcut"), cin, cout, 1, stride));
-        Self { c1: ConvBn::new(&(p / "c1"), cin, cout, 3, stride), c2: ConvBn::new(&(p / "c2"), cout, cout, 3, 1), shortcut }
+        let shortcut = (stride != 1 || cin != cout)
+            .then(|| ConvBn::new(&(p / "shortcut"), cin, cout, 1, stride));
+        Self {
+            c1: ConvBn::new(&(p / "c1"), cin, cout, 3, stride),
+            c2: ConvBn::new(&(p / "c2"), cout, cout, 3, 1),
+            shortcut,
+        }
     }
 
     fn forward(&self, x: &Tensor, train: bool) -> Result<Tensor> {
-        let y = self.c2.forward(&self.c1.forward(x, train)?.f_relu()?, train)?;
+        let y = self
+            .c2
+            .forward(&self.c1.forward(x, train)?.f_relu()?, train)?;
         let skip = match &self.shortcut {
             Some(s) => s.forward(x, train)?,
             None => x.shallow_clone(),
@@ -141,7 +177,12 @@ impl ResNet {
         for (stage, (&width, &count)) in config.widths.iter().zip(&config.blocks).enumerate() {
             for i in 0..count {
                 let stride = if stage > 0 && i == 0 { 2 } else { 1 };
-                blocks.push(BasicBlock::new(&(p / format!("stage{stage}") / format!("block{i}")), cin, width, stride));
+                blocks.push(BasicBlock::new(
+                    &(p / format!("stage{stage}") / format!("block{i}")),
+                    cin,
+                    width,
+                    stride,
+                ));
                 cin = width;
             }
         }
@@ -170,8 +211,14 @@ impl ResNet {
 /// cuDNN's Tensor Core convolutions want when the weights are channels-last too.
 pub fn channels_last(images: &Tensor) -> Result<Tensor> {
     if images.dim() != 4 {
-        return Err(SpeedkitError::Misuse(format!("channels-last needs a 4-d tensor, got {:?}", images.size())));
+        return Err(SpeedkitError::Misuse(format!(
+            "channels-last needs a 4-d tensor, got {:?}",
+            images.size()
+        )));
     }
     // NCHW → NHWC copy → a permuted view that reads as NCHW but has NHWC strides.
-    Ok(images.f_permute([0, 2, 3, 1])?.f_contiguous()?.f_permute([0, 3, 1, 2])?)
+    Ok(images
+        .f_permute([0, 2, 3, 1])?
+        .f_contiguous()?
+        .f_permute([0, 3, 1, 2])?)
 }

@@ -25,12 +25,26 @@ pub struct TransformerConfig {
 impl TransformerConfig {
     /// The reference size: vocab 8192, d 768, 12 heads of 64, 6 layers, batch 32 × 512 tokens.
     pub const fn bench() -> Self {
-        Self { vocab: 8192, d_model: 768, heads: 12, layers: 6, seq_len: 512, batch: 32 }
+        Self {
+            vocab: 8192,
+            d_model: 768,
+            heads: 12,
+            layers: 6,
+            seq_len: 512,
+            batch: 32,
+        }
     }
 
     /// A CPU-test size: vocab 128, d 32, 2 heads, 2 layers, batch 2 × 16 tokens.
     pub const fn tiny() -> Self {
-        Self { vocab: 128, d_model: 32, heads: 2, layers: 2, seq_len: 16, batch: 2 }
+        Self {
+            vocab: 128,
+            d_model: 32,
+            heads: 2,
+            layers: 2,
+            seq_len: 16,
+            batch: 2,
+        }
     }
 
     /// Width of one attention head.
@@ -60,14 +74,28 @@ impl TransformerConfig {
     /// The formula holds for any config; at the bench size it is
     /// 6·32·512·(6·7 077 888 + 6 291 456) + 3·6·2·32·512²·768 ≈ 5.02 TFLOP.
     pub fn flops_per_step(&self) -> f64 {
-        let (b, t, d, l) = (self.batch as f64, self.seq_len as f64, self.d_model as f64, self.layers as f64);
+        let (b, t, d, l) = (
+            self.batch as f64,
+            self.seq_len as f64,
+            self.d_model as f64,
+            self.layers as f64,
+        );
         6.0 * b * t * self.matmul_params() as f64 + 3.0 * l * 2.0 * b * t * t * d
     }
 
     fn check(&self) -> Result<()> {
-        let positive = [self.vocab, self.d_model, self.heads, self.layers, self.seq_len, self.batch];
+        let positive = [
+            self.vocab,
+            self.d_model,
+            self.heads,
+            self.layers,
+            self.seq_len,
+            self.batch,
+        ];
         if positive.iter().any(|&v| v <= 0) {
-            return Err(SpeedkitError::Misuse(format!("every transformer dimension must be positive: {self:?}")));
+            return Err(SpeedkitError::Misuse(format!(
+                "every transformer dimension must be positive: {self:?}"
+            )));
         }
         if self.d_model % self.heads != 0 {
             return Err(SpeedkitError::Misuse(format!(
@@ -108,7 +136,9 @@ impl Block {
         let (b, t, d) = x.size3()?;
         let qkv = linear(&self.qkv, &layer_norm(&self.ln1, x)?)?;
         // [B, T, d] → [B, heads, T, head_dim], the layout SDPA takes.
-        let split = |part: &Tensor| -> Result<Tensor> { Ok(part.f_view([b, t, heads, d / heads])?.f_transpose(1, 2)?) };
+        let split = |part: &Tensor| -> Result<Tensor> {
+            Ok(part.f_view([b, t, heads, d / heads])?.f_transpose(1, 2)?)
+        };
         let parts = qkv.f_split(d, -1)?;
         let [q, k, v] = [split(&parts[0])?, split(&parts[1])?, split(&parts[2])?];
         let y = speedkit::nn::attention(&q, &k, &v, true)?;
@@ -138,13 +168,33 @@ impl Transformer {
         config.check()?;
         let d = config.d_model;
         // GPT-2's initialisation of the embeddings (tch's default is N(0, 1)).
-        let init = nn::Init::Randn { mean: 0.0, stdev: 0.02 };
+        let init = nn::Init::Randn {
+            mean: 0.0,
+            stdev: 0.02,
+        };
         let tok = p.f_var("tok_emb", &[config.vocab, d], init)?;
         let pos = p.f_var("pos_emb", &[config.seq_len, d], init)?;
-        let blocks = (0..config.layers).map(|i| Block::new(&(p / format!("block{i}")), d)).collect();
+        let blocks = (0..config.layers)
+            .map(|i| Block::new(&(p / format!("block{i}")), d))
+            .collect();
         let ln_f = nn::layer_norm(p / "ln_f", vec![d], Default::default());
-        let head = nn::linear(p / "head", d, config.vocab, nn::LinearConfig { bias: false, ..Default::default() });
-        Ok(Self { config: *config, tok, pos, blocks, ln_f, head })
+        let head = nn::linear(
+            p / "head",
+            d,
+            config.vocab,
+            nn::LinearConfig {
+                bias: false,
+                ..Default::default()
+            },
+        );
+        Ok(Self {
+            config: *config,
+            tok,
+            pos,
+            blocks,
+            ln_f,
+            head,
+        })
     }
 
     /// The config the model was built with.

@@ -9,7 +9,9 @@ static GLOBAL_FLAGS: Mutex<()> = Mutex::new(());
 /// PyTorch's flags are process-global and the test harness runs tests on several threads: every
 /// test that applies flags or reads them for a before/after comparison holds this lock.
 pub fn serial() -> MutexGuard<'static, ()> {
-    GLOBAL_FLAGS.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    GLOBAL_FLAGS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 /// The first CUDA device, or `None` after printing why the calling GPU test is skipped.

@@ -216,6 +216,24 @@ pub struct Measurement {
     pub timer: &'static str,
 }
 
+/// A TFLOP/s figure with about three significant digits, so that small CPU runs do not all read
+/// `0.0` and large GPU ones carry no false precision.
+///
+/// ```
+/// use speedkit::bench::format_tflops;
+/// assert_eq!(format_tflops(781.83), "782");
+/// assert_eq!(format_tflops(12.345), "12.3");
+/// assert_eq!(format_tflops(0.00178), "1.78e-3");
+/// ```
+pub fn format_tflops(t: f64) -> String {
+    match t {
+        t if t >= 100.0 => format!("{t:.0}"),
+        t if t >= 10.0 => format!("{t:.1}"),
+        t if t >= 1.0 => format!("{t:.2}"),
+        t => format!("{t:.2e}"),
+    }
+}
+
 /// Percentile (nearest-rank on the sorted samples).
 pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {

@@ -85,8 +85,15 @@ pub struct NamedConfig {
 pub fn resolve_config(arg: &str) -> Result<NamedConfig> {
     let path = Path::new(arg);
     let config = if arg == "bf16" || arg == "fp16" {
-        let precision = if arg == "bf16" { Precision::Bf16 } else { Precision::Fp16 };
-        SpeedConfig { precision, ..SpeedConfig::auto() }
+        let precision = if arg == "bf16" {
+            Precision::Bf16
+        } else {
+            Precision::Fp16
+        };
+        SpeedConfig {
+            precision,
+            ..SpeedConfig::auto()
+        }
     } else if path.extension().is_some_and(|e| e == "json") {
         SpeedConfig::from_json(path)?
     } else if path.exists() || arg.ends_with(".yaml") || arg.ends_with(".yml") {
@@ -396,7 +403,7 @@ pub fn render_text(report: &RunReport) -> String {
                 format!("{:.3}", m.p10_ms),
                 format!("{:.3}", m.p90_ms),
                 r.speedup.map_or("-".into(), |s| format!("{s:.2}x")),
-                fmt_opt(m.tflops, 1),
+                m.tflops.map_or_else(|| "-".into(), super::format_tflops),
                 fmt_opt(r.percent_of_peak, 1),
                 m.peak_memory_bytes.map_or("-".into(), |b| {
                     format!("{:.2}", b as f64 / (1u64 << 30) as f64)

@@ -34,6 +34,10 @@ enum Command {
         /// Print JSON instead of tables.
         #[arg(long)]
         json: bool,
+        /// Also audit a model's parameters (a `.safetensors` file, or libtorch's `.ot`/`.pt` from
+        /// `VarStore::save`): Tensor Core alignment, sizes, placement.
+        #[arg(long, value_name = "FILE")]
+        model: Option<PathBuf>,
     },
 }
 
@@ -45,7 +49,15 @@ fn main() -> ExitCode {
             apply,
             restore,
             json,
+            model,
         } => {
+            let model_audit = match model.as_deref().map(audit_model_file).transpose() {
+                Ok(a) => a,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
             let config = match config {
                 None => Ok(SpeedConfig::auto()),
                 Some(p) if p.extension().is_some_and(|e| e == "json") => SpeedConfig::from_json(&p),
@@ -55,8 +67,22 @@ fn main() -> ExitCode {
                 .map_err(speedkit::SpeedkitError::from)
                 .and_then(|c| Report::build(&c, apply, restore));
             match report {
-                Ok(r) if json => println!("{}", r.to_json()),
-                Ok(r) => print!("{r}"),
+                Ok(r) if json => {
+                    let mut value = serde_json::to_value(&r).unwrap_or_default();
+                    if let Some(a) = &model_audit {
+                        value["model"] = serde_json::to_value(a).unwrap_or_default();
+                    }
+                    println!(
+                        "{}",
+                        serde_json::to_string_pretty(&value).unwrap_or_default()
+                    );
+                }
+                Ok(r) => {
+                    print!("{r}");
+                    if let Some(a) = &model_audit {
+                        print!("\n== model\n{a}");
+                    }
+                }
                 Err(e) => {
                     eprintln!("error: {e}");
                     return ExitCode::from(2);
@@ -65,4 +91,15 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
     }
+}
+
+/// Reads named parameter tensors from a checkpoint and audits them.
+fn audit_model_file(path: &std::path::Path) -> Result<speedkit::ModelAudit, String> {
+    let named = if path.extension().is_some_and(|e| e == "safetensors") {
+        tch::Tensor::read_safetensors(path)
+    } else {
+        tch::Tensor::load_multi(path)
+    }
+    .map_err(|e| format!("cannot read model parameters from {}: {e}", path.display()))?;
+    Ok(speedkit::audit_tensors(&named, tch::Cuda::is_available()))
 }

@@ -1,0 +1,151 @@
+//! Advice that acts on the user's model: shapes that keep Tensor Cores from running at full rate,
+//! parameters left where they cost time, and sizes under which reduced precision cannot pay off.
+//!
+//! ```
+//! use tch::{nn, Device};
+//! let vs = nn::VarStore::new(Device::Cpu);
+//! let _layer = nn::linear(vs.root() / "proj", 1000, 513, Default::default());
+//! let advice = speedkit::audit(&vs);
+//! assert!(advice.warnings.iter().any(|w| w.problem.contains("513")));
+//! println!("{advice}");
+//! ```
+
+use serde::Serialize;
+use std::fmt;
+use tch::{nn::VarStore, Device, Kind, Tensor};
+
+/// One finding, with what to do about it.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Advice {
+    /// The parameter (or `model`) concerned.
+    pub subject: String,
+    /// What is wrong.
+    pub problem: String,
+    /// How to fix it.
+    pub fix: String,
+}
+
+/// The result of [`audit`].
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ModelAudit {
+    /// Number of parameter tensors.
+    pub tensors: usize,
+    /// Number of scalar parameters.
+    pub parameters: i64,
+    /// Findings.
+    pub warnings: Vec<Advice>,
+}
+
+/// Dimensions of matmul operands should be multiples of 8 for fp16/bf16 Tensor Cores (cuBLAS pads or
+/// falls back otherwise); 64 is better still for the large ones.
+const TENSOR_CORE_MULTIPLE: i64 = 8;
+/// Under this many scalar parameters a step is dominated by kernel launches, not arithmetic.
+const SMALL_MODEL: i64 = 1_000_000;
+/// Matmuls narrower than this keep Tensor Cores mostly idle.
+const NARROW: i64 = 256;
+
+/// Audits every trainable variable of `vs`.
+pub fn audit(vs: &VarStore) -> ModelAudit {
+    let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    audit_tensors(&named, tch::Cuda::is_available())
+}
+
+/// Audits named parameter tensors (e.g. read from a checkpoint); `gpu_available` says whether
+/// parameters on the CPU are a finding.
+pub fn audit_tensors(named: &[(String, Tensor)], gpu_available: bool) -> ModelAudit {
+    let mut audit = ModelAudit {
+        tensors: named.len(),
+        ..Default::default()
+    };
+    let mut on_cpu = 0i64;
+    let mut widest = 0i64;
+    for (name, t) in named {
+        let numel = t.numel() as i64;
+        audit.parameters += numel;
+        if t.device() == Device::Cpu && matches!(t.kind(), Kind::Float | Kind::Double) {
+            on_cpu += numel;
+        }
+        let size = t.size();
+        // 2-d weights are matmul operands (Linear, Embedding); 4-d conv weights use their channels.
+        let dims: Vec<i64> = match size.len() {
+            2 => size.clone(),
+            4 => size[..2].to_vec(),
+            _ => Vec::new(),
+        };
+        widest = widest.max(dims.iter().copied().max().unwrap_or(0));
+        for d in dims {
+            if d % TENSOR_CORE_MULTIPLE != 0 && d > TENSOR_CORE_MULTIPLE {
+                let padded =
+                    (d + TENSOR_CORE_MULTIPLE - 1) / TENSOR_CORE_MULTIPLE * TENSOR_CORE_MULTIPLE;
+                audit.warnings.push(Advice {
+                    subject: name.clone(),
+                    problem: format!(
+                        "shape {size:?}: {d} is not a multiple of {TENSOR_CORE_MULTIPLE}, so fp16/bf16 Tensor Core GEMMs run padded or on slower kernels"
+                    ),
+                    fix: format!("pad the dimension to {padded} (a multiple of 8; 64 for large layers), e.g. round the vocabulary or hidden size up"),
+                });
+            }
+        }
+    }
+    if gpu_available && on_cpu > 0 {
+        audit.warnings.push(Advice {
+            subject: "model".into(),
+            problem: format!("{on_cpu} fp32 parameters are on the CPU while a CUDA device is available"),
+            fix: "let `apply_speedups(&mut vs, &config)` move them, or call `vs.set_device(Device::Cuda(0))`".into(),
+        });
+    }
+    if audit.parameters > 0 && audit.parameters < SMALL_MODEL {
+        audit.warnings.push(Advice {
+            subject: "model".into(),
+            problem: format!(
+                "{} parameters: a step is dominated by kernel launches, so bf16/TF32 change little",
+                audit.parameters
+            ),
+            fix: "expect gains from graph capture (`compile: auto`) and larger batches, not from precision".into(),
+        });
+    } else if widest > 0 && widest < NARROW {
+        audit.warnings.push(Advice {
+            subject: "model".into(),
+            problem: format!("the widest layer has {widest} features: Tensor Cores stay mostly idle below {NARROW}"),
+            fix: "batch more rows per step (tokens × batch ≥ a few thousand) before expecting reduced-precision speed-ups".into(),
+        });
+    }
+    audit
+}
+
+impl ModelAudit {
+    /// Adds the batch-size check: with fewer than `rows` rows per matmul (batch × sequence), a
+    /// reduced-precision speed-up is not to be expected.
+    pub fn with_batch_rows(mut self, rows: i64) -> Self {
+        if rows < 1024 {
+            self.warnings.push(Advice {
+                subject: "batch".into(),
+                problem: format!("{rows} rows per matmul: too few to fill a GPU's Tensor Cores"),
+                fix: "raise the batch (or sequence length) to at least ~1024 rows per step, or accumulate gradients over micro-batches".into(),
+            });
+        }
+        self
+    }
+}
+
+impl fmt::Display for ModelAudit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "model: {} tensors, {} parameters",
+            self.tensors, self.parameters
+        )?;
+        if self.warnings.is_empty() {
+            return writeln!(f, "  no findings");
+        }
+        for w in &self.warnings {
+            writeln!(
+                f,
+                "  warning [{}]: {}\n    fix: {}",
+                w.subject, w.problem, w.fix
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,64 @@
+//! The registered benchmark workloads of `../shared/workloads.md`, each a `#[speedkit::bench]`
+//! function over a [`speedkit::bench::Bencher`].
+//!
+//! Included, not compiled as a crate, by every target that runs them (`#[path] mod workloads;`):
+//! the bench runner (`benches/workloads.rs`), its example twin (`examples/bench.rs`), the test
+//! harness (`tests/workloads.rs`) and the ladder example.
+//!
+//! Training workloads build their model at `b.size()` on `b.device()` from the models of
+//! `speedkit_suite`, train on fixed random data made once (seed 0), and time one full training
+//! step per call through [`train_step`]. GPU "anatomy" workloads (`contiguity_*`, `sync_*`) show
+//! single effects and are skipped without a GPU.
+
+mod contiguity;
+mod linear3;
+mod matmul;
+mod mlp;
+mod resnet;
+mod sync_points;
+mod transformer;
+
+use speedkit::bench::Bencher;
+use speedkit_suite::REFERENCE_ADAMW;
+use tch::nn::VarStore;
+use tch::Tensor;
+
+/// Times one full training step per call, as `workloads.md` defines it: `zero_grad` → forward and
+/// loss (`loss()`, under the plan's autocast) → backward (scaled when the plan has a GradScaler)
+/// → AdamW step over `vs` (fused or foreach as the plan says).
+///
+/// The step reads nothing on the host and returns the loss tensor, so the runner can capture it
+/// as a CUDA graph when the plan enables graphs; `loss` must use static tensors made beforehand.
+fn train_step(
+    b: &mut Bencher<'_>,
+    vs: &VarStore,
+    mut loss: impl FnMut() -> speedkit::Result<Tensor>,
+) -> anyhow::Result<()> {
+    let ctx = b.ctx();
+    let mut opt = ctx.adamw(vs, REFERENCE_ADAMW)?;
+    b.run(|| -> speedkit::Result<Tensor> {
+        opt.zero_grad()?;
+        let loss = ctx.autocast(&mut loss)?;
+        ctx.backward(&loss)?;
+        ctx.step(&mut opt)?;
+        Ok(loss)
+    })?;
+    Ok(())
+}
+
+/// The dtype a pure-matmul workload computes in: the autocast dtype of a bf16/fp16 plan, fp32
+/// otherwise (TF32 or not, as the plan's flags say). Inputs are cast to it once, up front, so the
+/// timed step is the kernel alone (what autocast would run, without its per-step casts).
+fn compute_kind(b: &Bencher<'_>) -> tch::Kind {
+    b.ctx()
+        .plan()
+        .precision
+        .autocast_kind()
+        .unwrap_or(tch::Kind::Float)
+}
+
+/// A standard-normal `[rows, cols]` matrix on the bench device in [`compute_kind`].
+fn random_matrix(b: &Bencher<'_>, rows: i64, cols: i64) -> anyhow::Result<Tensor> {
+    let t = Tensor::f_randn([rows, cols], (tch::Kind::Float, b.device()))?;
+    Ok(t.f_to_kind(compute_kind(b))?)
+}
