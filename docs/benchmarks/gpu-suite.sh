@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks/: run from the project root on the CUDA host, after
 # `../shared/gpu/pack` packed the executables into .gpu/ (see README, "Benchmarks").
-#   bash docs/benchmarks/gpu-suite.sh tests|suite|examples|all OUTDIR
+#   bash docs/benchmarks/gpu-suite.sh tests|suite|examples|reference|all OUTDIR
+# `reference` times the same workloads in PyTorch (pytorch_reference.py) with the host's python3.
 set -uo pipefail
 part=${1:?tests|suite|examples}
 out=${2:?output directory}
 run() { echo "+ $*"; bash .gpu/run "$@"; echo "exit $?"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv
 if [ "$part" = all ]; then
-  for p in tests suite examples; do bash "$0" $p "$out"; done
+  for p in tests suite examples reference; do bash "$0" $p "$out"; done
   exit
 fi
 case $part in
 tests)
   for t in flags amp optim context training gpu macro_accelerate workloads; do
-    run $t.test --test-threads=1 2>&1 | grep -Ev '^test .* \.\.\. ok$'
+    # --nocapture: the fidelity tests print the gaps they measured.
+    run $t.test --test-threads=1 --nocapture 2>&1 | grep -Ev '^test .* \.\.\. ok$'
   done
   run speedkit report --apply --restore
   ;;
@@ -32,5 +34,9 @@ examples)
   run macro_overhead --size bench
   run toy_transformer --size bench --steps 200
   run train_cifar_resnet --size bench
+  ;;
+reference)
+  PYTHONUNBUFFERED=1 python3 docs/benchmarks/pytorch_reference.py --graph --compile \
+    --json "$out/pytorch-reference.json"
   ;;
 esac

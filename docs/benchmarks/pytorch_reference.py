@@ -2,11 +2,14 @@
 
 speedkit's figures mean something only next to the same work done the usual way, on the same
 machine, in the same session. This script trains `transformer`, `linear3` and `mlp` exactly as
-workloads.md defines them, in PyTorch eager with AMP bf16 and fused AdamW, and (with --compile)
-under torch.compile's default and `reduce-overhead` modes; it times each step between CUDA events
-with a device synchronisation after every step (10 warm-up + 50 timed steps, median/p10/p90).
+workloads.md defines them, in PyTorch eager with AMP bf16 and fused AdamW; with --compile also
+under torch.compile's default and `reduce-overhead` modes; with --graph also as one whole-step
+CUDA graph of the eager kernels (forward, backward and optimizer captured with
+torch.cuda.graph: what speedkit's graph mode does, so the two show the same kernels' cost). It
+times each step between CUDA events with a device synchronisation after every step (10 warm-up +
+50 timed steps, median/p10/p90).
 
-    python3 docs/benchmarks/pytorch_reference.py [--compile] [--profile] [--json FILE]
+    python3 docs/benchmarks/pytorch_reference.py [--compile] [--graph] [--profile] [--json FILE]
 
 --profile prints torch.profiler's kernel table for one eager `transformer` step and times the
 attention of that workload under each SDPA backend, which is where to look for a step's time.
@@ -110,8 +113,10 @@ def time_steps(step, warmup=10, steps=50):
 
 
 def train_step(model, batch, mode):
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True)
-    forward = model if mode == "eager" else torch.compile(model, mode=mode)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True,
+                            capturable=mode == "graph")
+    compiled = mode not in ("eager", "graph")
+    forward = torch.compile(model, mode=mode) if compiled else model
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -120,7 +125,19 @@ def train_step(model, batch, mode):
         loss.backward()
         opt.step()
 
-    return step
+    if mode != "graph":
+        return step
+    # PyTorch's whole-network capture recipe: warm up on a side stream, capture one step, replay.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
 
 
 def profile_transformer(device):
@@ -155,6 +172,7 @@ def profile_transformer(device):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--graph", action="store_true")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -165,7 +183,8 @@ def main():
     if args.profile:
         profile_transformer(device)
     results = []
-    modes = ["eager"] + (["default", "reduce-overhead"] if args.compile else [])
+    modes = (["eager"] + (["graph"] if args.graph else [])
+             + (["default", "reduce-overhead"] if args.compile else []))
     for name in ("transformer", "linear3", "mlp"):
         for mode in modes:
             model, batch, flops = workload(name, device)

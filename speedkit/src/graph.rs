@@ -270,7 +270,10 @@ where
                 let shapes: Vec<_> = static_inputs.iter().map(|t| t.size()).collect();
                 let entry = &mut self.entries[index];
                 entry.static_inputs = static_inputs;
-                entry.output = output;
+                // Detached: the same memory, which every replay rewrites, without the autograd
+                // graph of the capture. Kept alive, that graph would pin the gradient accumulators
+                // to the capture's stream, and later backward passes would wait on that stream.
+                entry.output = output.map(|t| t.f_detach()).transpose()?;
                 entry.gradients = gradients;
                 graph.replay()?;
                 entry.graph = Some(graph);
