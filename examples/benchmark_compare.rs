@@ -60,15 +60,12 @@ struct Outcome {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let workload = Workload::all()
-        .into_iter()
-        .find(|w| w.name == args.workload)
-        .with_context(|| {
-            format!(
-                "no workload `{}` (try `cargo run --example bench -- --list`)",
-                args.workload
-            )
-        })?;
+    let workload = Workload::named(&args.workload).with_context(|| {
+        format!(
+            "no workload `{}` (try `cargo run --example bench -- --list`)",
+            args.workload
+        )
+    })?;
     let on_gpu = tch::Cuda::is_available();
     if workload.cuda_only && !on_gpu {
         bail!("`{}` needs a CUDA device", workload.name);

@@ -138,15 +138,12 @@ enum Outcome {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let workload = Workload::all()
-        .into_iter()
-        .find(|w| w.name == args.workload)
-        .with_context(|| {
-            format!(
-                "no workload `{}` (try `cargo run --example bench -- --list`)",
-                args.workload
-            )
-        })?;
+    let workload = Workload::named(&args.workload).with_context(|| {
+        format!(
+            "no workload `{}` (try `cargo run --example bench -- --list`)",
+            args.workload
+        )
+    })?;
     let on_gpu = tch::Cuda::is_available();
     let size = match args.size.as_deref() {
         Some(s) => Size::parse(s).with_context(|| format!("--size {s}: expected tiny or bench"))?,

@@ -98,6 +98,13 @@ impl Workload {
         all
     }
 
+    /// The registered workload called exactly `name`, if any.
+    pub fn named(name: &str) -> Option<&'static Workload> {
+        inventory::iter::<Workload>
+            .into_iter()
+            .find(|w| w.name == name)
+    }
+
     /// Whether `pattern` is a substring of the name or equals a tag.
     pub fn matches(&self, pattern: &str) -> bool {
         self.name.contains(pattern) || self.tags.contains(&pattern)
