@@ -1,11 +1,11 @@
-//! Compiles the C++ shim (`shim/speedkit_shim.cpp`) against the libtorch that torch-sys found, and
+//! Compiles the C++ shim (`shim/*.cpp`, one file per concept) against the libtorch that torch-sys found, and
 //! gives this package's executables an rpath to it, so they run without `LD_LIBRARY_PATH`.
 
 use std::env;
 use std::path::{Path, PathBuf};
 
 fn main() {
-    println!("cargo:rerun-if-changed=shim/speedkit_shim.cpp");
+    println!("cargo:rerun-if-changed=shim");
     // torch-sys (`links = "tch"`) publishes its lib dir as `cargo:libtorch_lib`.
     let lib_dir = match env::var("DEP_TCH_LIBTORCH_LIB") {
         Ok(dir) => PathBuf::from(dir),
@@ -37,7 +37,8 @@ fn main() {
         .define("SK_WITH_CUDA", if with_cuda { "1" } else { "0" })
         // libtorch's headers are noisy under -Wall; our own file is small and reviewed.
         .warnings(false)
-        .file("shim/speedkit_shim.cpp");
+        .include("shim")
+        .files(shim_sources());
     if let Some(dir) = &cuda_headers {
         build.include(dir);
     }
@@ -55,6 +56,17 @@ fn main() {
     // Dependents' build scripts read these (`DEP_SPEEDKIT_SHIM_LIBTORCH_LIB`) to set their own rpath.
     println!("cargo:libtorch_lib={}", lib_dir.display());
     println!("cargo:with_cuda={}", u8::from(with_cuda));
+}
+
+/// Every translation unit of the shim, in a stable order.
+fn shim_sources() -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir("shim")
+        .expect("speedkit/shim is part of the package")
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|path| path.extension().is_some_and(|ext| ext == "cpp"))
+        .collect();
+    files.sort();
+    files
 }
 
 /// The CUDA headers (`cuda_runtime_api.h`) from the `nvidia-cuda-*` wheels next to torch in

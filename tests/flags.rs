@@ -4,8 +4,11 @@
 mod common;
 
 use speedkit::config::MatmulPrecision;
-use speedkit::flags::{Flag, FlagGuard, FlagKind, FlagSetting, FlagState, FlagValue};
+use speedkit::flags::{
+    Flag, FlagGuard, FlagKind, FlagSetting, FlagState, FlagValue, Fp32Precision,
+};
 use speedkit::SpeedkitError;
+use speedkit::{SpeedConfig, SpeedContext};
 
 fn flipped(flag: Flag) -> FlagValue {
     match flag.get().expect("read flag") {
@@ -14,13 +17,17 @@ fn flipped(flag: Flag) -> FlagValue {
             FlagValue::MatmulPrecision(MatmulPrecision::Medium)
         }
         FlagValue::MatmulPrecision(_) => FlagValue::MatmulPrecision(MatmulPrecision::Highest),
+        FlagValue::Fp32Precision(Fp32Precision::None | Fp32Precision::Ieee) => {
+            FlagValue::Fp32Precision(Fp32Precision::Tf32)
+        }
+        FlagValue::Fp32Precision(_) => FlagValue::Fp32Precision(Fp32Precision::Ieee),
     }
 }
 
 fn every_flag_flipped() -> Vec<FlagSetting> {
     Flag::ALL
         .iter()
-        .filter(|f| **f != Flag::CudaMatmulAllowTf32) // coupled with the matmul precision
+        .filter(|f| !f.is_view()) // allow_tf32 reads the CUDA matmul entry
         .map(|&f| FlagSetting::new(f, flipped(f), "test"))
         .collect()
 }
@@ -28,6 +35,8 @@ fn every_flag_flipped() -> Vec<FlagSetting> {
 #[test]
 fn every_flag_round_trips_through_the_shim() {
     let _lock = common::serial();
+    // PyTorch's setters cannot put back a `none` entry; an empty guard restores it raw at the end.
+    let _restore_raw = FlagGuard::apply(&[]).unwrap();
     for flag in Flag::ALL {
         let original = flag.get().unwrap();
         let other = flipped(flag);
@@ -201,4 +210,74 @@ fn audit_trail_serialises_to_json_with_pytorch_names() {
     assert_eq!(json[0]["name"], "torch.backends.cudnn.benchmark");
     assert_eq!(json[0]["reason"], "autotune");
     assert_ne!(json[0]["before"], json[0]["after"]);
+}
+
+/// What `torch.backends.cuda.matmul.allow_tf32 = True` after `set_float32_matmul_precision("medium")`
+/// leaves behind in libtorch 2.11: the legacy field says `high`, oneDNN's matmul entry still says
+/// `bf16`, and PyTorch's checked getter refuses to read the matmul precision at all.
+fn mix_legacy_and_new_precision_apis() {
+    Flag::Float32MatmulPrecision
+        .set(FlagValue::MatmulPrecision(MatmulPrecision::Medium))
+        .unwrap();
+    Flag::CudaMatmulAllowTf32
+        .set(FlagValue::Bool(true))
+        .unwrap();
+}
+
+#[test]
+fn a_mix_of_legacy_and_new_precision_apis_is_read_without_error() {
+    let _lock = common::serial();
+    let _restore_raw = FlagGuard::apply(&[]).unwrap();
+    mix_legacy_and_new_precision_apis();
+    let state = FlagState::capture().expect("capture survives the mix");
+    assert_eq!(
+        state.get(Flag::Float32MatmulPrecision),
+        Some(FlagValue::MatmulPrecision(MatmulPrecision::High))
+    );
+    assert_eq!(
+        state.get(Flag::MkldnnMatmulFp32Precision),
+        Some(FlagValue::Fp32Precision(Fp32Precision::Bf16))
+    );
+}
+
+#[test]
+fn a_mixed_precision_state_is_restored_exactly_after_a_guard() {
+    let _lock = common::serial();
+    let _restore_raw = FlagGuard::apply(&[]).unwrap();
+    mix_legacy_and_new_precision_apis();
+    let mixed = FlagState::capture().unwrap();
+    let guard = FlagGuard::apply(&[FlagSetting::new(
+        Flag::Float32MatmulPrecision,
+        FlagValue::MatmulPrecision(MatmulPrecision::Highest),
+        "test",
+    )])
+    .unwrap();
+    assert_ne!(FlagState::capture().unwrap(), mixed);
+    drop(guard);
+    assert_eq!(FlagState::capture().unwrap(), mixed);
+}
+
+#[test]
+fn medium_matmul_precision_applies_restores_and_leaves_the_process_usable() {
+    let _lock = common::serial();
+    let before = FlagState::capture().unwrap();
+    let config =
+        SpeedConfig::from_yaml_str("device: cpu\ntf32_matmul_precision: medium\n").unwrap();
+    {
+        let ctx = SpeedContext::new(&config).expect("a context with `medium`");
+        assert_eq!(
+            Flag::Float32MatmulPrecision.get().unwrap(),
+            FlagValue::MatmulPrecision(MatmulPrecision::Medium)
+        );
+        let x = tch::Tensor::randn([8, 8], (tch::Kind::Float, ctx.device()));
+        assert_eq!(
+            x.matmul(&x).size(),
+            [8, 8],
+            "matmuls still run under `medium`"
+        );
+    }
+    assert_eq!(FlagState::capture().unwrap(), before);
+    let next = SpeedContext::new(&SpeedConfig::auto()).expect("the next context still works");
+    drop(next);
+    assert_eq!(FlagState::capture().unwrap(), before);
 }

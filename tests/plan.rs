@@ -38,12 +38,15 @@ fn volta_and_turing_get_fp16_with_grad_scaler_and_no_tf32() {
             Some(MatmulPrecision::Highest),
             "{name}"
         );
-        let tf32 = plan
+        let precision = plan
             .flag_settings()
             .into_iter()
-            .find(|s| s.flag == Flag::CudaMatmulAllowTf32)
+            .find(|s| s.flag == Flag::Float32MatmulPrecision)
             .unwrap();
-        assert_eq!(tf32.value, FlagValue::Bool(false));
+        assert_eq!(
+            precision.value,
+            FlagValue::MatmulPrecision(MatmulPrecision::Highest)
+        );
     }
 }
 
@@ -92,14 +95,15 @@ fn every_decision_carries_a_reason() {
 }
 
 #[test]
-fn tf32_high_sets_both_precision_and_allow_tf32() {
+fn tf32_high_sets_the_precision_alone_and_allow_tf32_follows() {
     let settings = auto_on(&h100()).flag_settings();
     let get = |f: Flag| settings.iter().find(|s| s.flag == f).map(|s| s.value);
     assert_eq!(
         get(Flag::Float32MatmulPrecision),
         Some(FlagValue::MatmulPrecision(MatmulPrecision::High))
     );
-    assert_eq!(get(Flag::CudaMatmulAllowTf32), Some(FlagValue::Bool(true)));
+    // allow_tf32 is a view of the precision: writing it too would write the legacy field twice.
+    assert_eq!(get(Flag::CudaMatmulAllowTf32), None);
     assert_eq!(get(Flag::CudnnBenchmark), Some(FlagValue::Bool(true)));
 }
 

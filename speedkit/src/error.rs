@@ -25,6 +25,10 @@ pub enum SpeedkitError {
     /// An API was used in a way that cannot work (e.g. `unscale` twice in one step).
     #[error("{0}")]
     Misuse(String),
+    /// Another thread's speedkit settings are in force and this would change PyTorch's
+    /// process-wide flags under it.
+    #[error("{0}")]
+    ThreadConflict(String),
     /// Flags could not be put back as they were.
     #[error("flags not restored: {0}")]
     Restore(String),

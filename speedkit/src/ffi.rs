@@ -1,4 +1,4 @@
-//! The whole FFI surface of speedkit: the C ABI of `shim/speedkit_shim.cpp`, and thin safe wrappers
+//! The whole FFI surface of speedkit: the C ABI of the shim (`shim/*.cpp`), and thin safe wrappers
 //! that turn its status codes into [`SpeedkitError::Torch`].
 //!
 //! Nothing outside this module calls into C++. Every shim function catches C++ exceptions, so a
@@ -39,6 +39,11 @@ extern "C" {
     fn sk_flag_set_bool(flag: c_int, value: c_int) -> c_int;
     fn sk_matmul_precision_get(out: *mut c_int) -> c_int;
     fn sk_matmul_precision_set(value: c_int) -> c_int;
+    fn sk_flag_restore_bool(flag: c_int, value: c_int) -> c_int;
+    fn sk_matmul_precision_restore(value: c_int) -> c_int;
+    fn sk_fp32_precision_get(which: c_int, out: *mut c_int) -> c_int;
+    fn sk_fp32_precision_set(which: c_int, value: c_int) -> c_int;
+    fn sk_test_fail_nth_flag_write(n: c_int);
 
     fn sk_autocast_get(device_type: c_int, enabled: *mut c_int, dtype: *mut c_int) -> c_int;
     fn sk_autocast_set(device_type: c_int, enabled: c_int, dtype: c_int) -> c_int;
@@ -177,6 +182,38 @@ pub(crate) fn matmul_precision_get() -> Result<i32, SpeedkitError> {
 pub(crate) fn matmul_precision_set(value: i32) -> Result<(), SpeedkitError> {
     // SAFETY: plain values only; the shim range-checks.
     check(unsafe { sk_matmul_precision_set(value) })
+}
+
+/// Writes only the flag's own field (for restoring a captured state).
+pub(crate) fn flag_restore_bool(id: i32, value: bool) -> Result<(), SpeedkitError> {
+    // SAFETY: plain values only.
+    check(unsafe { sk_flag_restore_bool(id, c_int::from(value)) })
+}
+
+/// Writes only the legacy matmul-precision field (for restoring a captured state).
+pub(crate) fn matmul_precision_restore(value: i32) -> Result<(), SpeedkitError> {
+    // SAFETY: plain values only; the shim range-checks.
+    check(unsafe { sk_matmul_precision_restore(value) })
+}
+
+/// One entry of the per-backend fp32 precision table: 0 = none, 1 = ieee, 2 = tf32, 3 = bf16.
+pub(crate) fn fp32_precision_get(which: i32) -> Result<i32, SpeedkitError> {
+    let mut out = 0;
+    // SAFETY: `out` is a valid pointer for the call.
+    check(unsafe { sk_fp32_precision_get(which, &mut out) })?;
+    Ok(out)
+}
+
+pub(crate) fn fp32_precision_set(which: i32, value: i32) -> Result<(), SpeedkitError> {
+    // SAFETY: plain values only; the shim range-checks.
+    check(unsafe { sk_fp32_precision_set(which, value) })
+}
+
+/// Makes the `n`-th flag write from now fail once (0 turns the fault off). Test-only.
+pub(crate) fn fail_nth_flag_write(n: u32) {
+    let n = c_int::try_from(n).unwrap_or(c_int::MAX);
+    // SAFETY: plain value; the shim stores it in an atomic.
+    unsafe { sk_test_fail_nth_flag_write(n) }
 }
 
 // ----- autocast ----------------------------------------------------------------------------------

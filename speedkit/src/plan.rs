@@ -469,19 +469,14 @@ impl Plan {
             }
         }
         if let Some(p) = self.matmul_precision {
-            let why = reason("tf32_matmul_precision");
+            // One setter, as `torch.set_float32_matmul_precision` does: it moves the legacy field and
+            // the CUDA and oneDNN matmul entries together, and `allow_tf32` (a view of the CUDA entry)
+            // follows. Setting `allow_tf32` as well would write the legacy field a second time and, with
+            // `medium`, leave the two APIs disagreeing, which PyTorch's getters refuse.
             out.push(FlagSetting::new(
                 Flag::Float32MatmulPrecision,
                 FlagValue::MatmulPrecision(p),
-                why.clone(),
-            ));
-            // Python's `allow_tf32` and the matmul precision are one setting inside libtorch; set
-            // both so the audit reads like PyTorch's documentation.
-            let tf32 = p != MatmulPrecision::Highest;
-            out.push(FlagSetting::new(
-                Flag::CudaMatmulAllowTf32,
-                FlagValue::Bool(tf32),
-                why,
+                reason("tf32_matmul_precision"),
             ));
         }
         out

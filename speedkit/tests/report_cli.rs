@@ -111,3 +111,33 @@ fn report_audits_a_model_checkpoint() {
         "{stdout}"
     );
 }
+
+#[test]
+fn report_applies_and_restores_medium_matmul_precision() {
+    let dir = std::env::temp_dir().join(format!("speedkit-report-medium-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("medium.yaml");
+    std::fs::write(&config, "device: cpu\ntf32_matmul_precision: medium\n").unwrap();
+    let config = config.to_string_lossy().into_owned();
+    let out = speedkit(&[
+        "report",
+        "--apply",
+        "--restore",
+        "--json",
+        "--config",
+        &config,
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("valid JSON");
+    assert_eq!(json["restored_equals_before"], true);
+    let precision = json["flags"]
+        .as_array()
+        .and_then(|flags| {
+            flags
+                .iter()
+                .find(|f| f["flag"] == "torch.get_float32_matmul_precision()")
+        })
+        .expect("the matmul precision row");
+    assert_eq!(precision["applied"], "medium", "{precision}");
+    std::fs::remove_dir_all(&dir).ok();
+}

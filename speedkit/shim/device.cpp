@@ -1,0 +1,209 @@
+// Versions, CUDA device properties, caching-allocator statistics, CUDA events (timing) and streams.
+#include "shim.h"
+
+#include <ATen/Context.h>
+#include <torch/headeronly/version.h>
+
+#include <cstring>
+
+#if SK_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/core/Event.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+extern "C" {
+
+struct sk_versions {
+  int torch_major, torch_minor, torch_patch;
+  int built_with_cuda;      // this shim has its CUDA parts
+  int64_t cuda_runtime;     // e.g. 13000, 0 when unknown
+  int64_t cudnn;            // e.g. 91500, 0 when unavailable
+};
+
+int sk_versions_get(sk_versions* out) {
+  SK_TRY({
+    std::memset(out, 0, sizeof(*out));
+    out->torch_major = TORCH_VERSION_MAJOR;
+    out->torch_minor = TORCH_VERSION_MINOR;
+    out->torch_patch = TORCH_VERSION_PATCH;
+#if SK_WITH_CUDA
+    out->built_with_cuda = 1;
+    auto& ctx = at::globalContext();
+    if (ctx.hasCUDA()) {
+      out->cuda_runtime = ctx.versionCUDART();
+      if (ctx.hasCuDNN()) out->cudnn = ctx.versionCuDNN();
+    }
+#endif
+  })
+}
+
+struct sk_device_props {
+  char name[256];
+  int major, minor;
+  int multiprocessors;
+  int64_t total_memory;
+  int64_t l2_cache_bytes;
+};
+
+int sk_cuda_device_count(int* out) {
+#if SK_WITH_CUDA
+  SK_TRY(*out = at::globalContext().hasCUDA() ? static_cast<int>(c10::cuda::device_count()) : 0)
+#else
+  *out = 0;
+  return 0;
+#endif
+}
+
+int sk_cuda_device_props(int index, sk_device_props* out) {
+#if SK_WITH_CUDA
+  SK_TRY({
+    const cudaDeviceProp* p = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(index));
+    std::memset(out, 0, sizeof(*out));
+    std::strncpy(out->name, p->name, sizeof(out->name) - 1);
+    out->major = p->major;
+    out->minor = p->minor;
+    out->multiprocessors = p->multiProcessorCount;
+    out->total_memory = static_cast<int64_t>(p->totalGlobalMem);
+    out->l2_cache_bytes = static_cast<int64_t>(p->l2CacheSize);
+  })
+#else
+  (void)index; (void)out;
+  SK_NO_CUDA();
+#endif
+}
+
+// Bytes currently allocated, peak allocated since the last reset, and reserved by the caching allocator.
+int sk_cuda_memory_stats(int index, int64_t* allocated, int64_t* peak, int64_t* reserved) {
+#if SK_WITH_CUDA
+  SK_TRY({
+    using Stat = c10::CachingDeviceAllocator::StatType;
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
+    const auto all = static_cast<size_t>(Stat::AGGREGATE);
+    *allocated = stats.allocated_bytes[all].current;
+    *peak = stats.allocated_bytes[all].peak;
+    *reserved = stats.reserved_bytes[all].current;
+  })
+#else
+  (void)index; (void)allocated; (void)peak; (void)reserved;
+  SK_NO_CUDA();
+#endif
+}
+
+int sk_cuda_reset_peak_memory(int index) {
+#if SK_WITH_CUDA
+  SK_TRY(c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index)))
+#else
+  (void)index;
+  SK_NO_CUDA();
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA events (timing) and streams
+// ---------------------------------------------------------------------------------------------
+
+int sk_cuda_event_new(void** out) {
+#if SK_WITH_CUDA
+  // BACKEND_DEFAULT = cudaEventDefault: timing enabled.
+  SK_TRY(*out = new c10::Event(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT))
+#else
+  (void)out;
+  SK_NO_CUDA();
+#endif
+}
+
+int sk_cuda_event_record(void* event) {
+#if SK_WITH_CUDA
+  SK_TRY(static_cast<c10::Event*>(event)->record(c10::cuda::getCurrentCUDAStream()))
+#else
+  (void)event;
+  SK_NO_CUDA();
+#endif
+}
+
+int sk_cuda_event_elapsed_ms(void* start, void* end, double* out) {
+#if SK_WITH_CUDA
+  SK_TRY({
+    auto* e = static_cast<c10::Event*>(end);
+    e->synchronize();
+    *out = static_cast<c10::Event*>(start)->elapsedTime(*e);
+  })
+#else
+  (void)start; (void)end; (void)out;
+  SK_NO_CUDA();
+#endif
+}
+
+void sk_cuda_event_free(void* event) {
+#if SK_WITH_CUDA
+  delete static_cast<c10::Event*>(event);
+#else
+  (void)event;
+#endif
+}
+
+int sk_cuda_synchronize(int index) {
+#if SK_WITH_CUDA
+  SK_TRY(c10::cuda::device_synchronize(); (void)index)
+#else
+  (void)index;
+  SK_NO_CUDA();
+#endif
+}
+
+#if SK_WITH_CUDA
+namespace {
+// A side stream made current for a scope: it first waits for the work already queued on the stream
+// it replaces, and on exit that stream waits for everything queued on the side stream, so the two
+// stay ordered without a host synchronisation (what torch.cuda.stream() + wait_stream do).
+struct SideStream {
+  c10::cuda::CUDAStream previous;
+  c10::cuda::CUDAStream side;
+  explicit SideStream(c10::DeviceIndex device)
+      : previous(c10::cuda::getCurrentCUDAStream(device)), side(c10::cuda::getStreamFromPool(false, device)) {
+    c10::Event ready(c10::DeviceType::CUDA);
+    ready.record(previous);
+    ready.block(side);
+    c10::cuda::setCurrentCUDAStream(side);
+  }
+  void exit() {
+    c10::Event done(c10::DeviceType::CUDA);
+    done.record(side);
+    done.block(previous);
+    c10::cuda::setCurrentCUDAStream(previous);
+  }
+};
+}  // namespace
+#endif
+
+int sk_cuda_side_stream_enter(int index, void** out) {
+#if SK_WITH_CUDA
+  SK_TRY(*out = new SideStream(static_cast<c10::DeviceIndex>(index)))
+#else
+  (void)index; (void)out;
+  SK_NO_CUDA();
+#endif
+}
+
+int sk_cuda_side_stream_exit(void* handle) {
+#if SK_WITH_CUDA
+  auto* s = static_cast<SideStream*>(handle);
+  int status = 0;
+  try {
+    s->exit();
+  } catch (const std::exception& e) {
+    sk::set_error_from(e);
+    status = 1;
+  }
+  delete s;
+  return status;
+#else
+  (void)handle;
+  SK_NO_CUDA();
+#endif
+}
+
+}  // extern "C"

@@ -1,0 +1,124 @@
+// AdamW (fused and multi-tensor, both capturable) and the parameter-list helpers of the optimizer and
+// the context: gradients dropped or re-pointed, channels-last weights, foreach norms and scaling.
+// tch's generated API has no in-place TensorList ops, hence these.
+#include "shim.h"
+
+#include <ATen/Functions.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/grad_mode.h>
+
+extern "C" {
+
+// torch._fused_adamw_ with a tensor learning rate (capturable: lr and steps live on the device).
+int sk_fused_adamw_(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_avgs, at::Tensor** exp_avg_sqs,
+                    at::Tensor** steps, int64_t n, at::Tensor* lr, double beta1, double beta2,
+                    double weight_decay, double eps, at::Tensor* grad_scale, at::Tensor* found_inf) {
+  SK_TRY({
+    auto p = sk::tensor_list(params, n);
+    auto g = sk::tensor_list(grads, n);
+    auto m = sk::tensor_list(exp_avgs, n);
+    auto v = sk::tensor_list(exp_avg_sqs, n);
+    auto s = sk::tensor_list(steps, n);
+    // PyTorch's optimizer increments the steps before the kernel and takes the increment back for
+    // a step that the scaler skipped (found_inf), so counts stay equal to the applied updates.
+    at::_foreach_add_(s, 1);
+    at::_fused_adamw_(p, g, m, v, {}, s, *lr, beta1, beta2, weight_decay, eps, /*amsgrad=*/false,
+                      /*maximize=*/false, sk::optional_tensor(grad_scale), sk::optional_tensor(found_inf));
+    if (found_inf != nullptr) at::_foreach_sub_(s, std::vector<at::Tensor>(s.size(), *found_inf));
+  })
+}
+
+// The multi-tensor (foreach) AdamW of torch.optim.AdamW with capturable=True: the same update as the
+// fused kernel, in a few multi-tensor launches, with the step count and lr as device tensors.
+int sk_foreach_adamw_(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_avgs, at::Tensor** exp_avg_sqs,
+                      at::Tensor** steps, int64_t n, at::Tensor* lr, double beta1, double beta2,
+                      double weight_decay, double eps) {
+  SK_TRY({
+    if (n == 0) return 0;
+    auto p = sk::tensor_list(params, n);
+    auto g = sk::tensor_list(grads, n);
+    auto m = sk::tensor_list(exp_avgs, n);
+    auto v = sk::tensor_list(exp_avg_sqs, n);
+    auto s = sk::tensor_list(steps, n);
+    at::_foreach_add_(s, 1);
+    if (weight_decay != 0.0) at::_foreach_mul_(p, 1.0 - *lr * weight_decay);
+    at::_foreach_lerp_(m, g, 1.0 - beta1);
+    at::_foreach_mul_(v, beta2);
+    at::_foreach_addcmul_(v, g, g, 1.0 - beta2);
+    // step_size = -lr / (1 - beta1^t); denominator = sqrt(v) / sqrt(1 - beta2^t) + eps
+    auto bias1 = at::_foreach_pow(beta1, s);
+    auto bias2 = at::_foreach_pow(beta2, s);
+    at::_foreach_sub_(bias1, 1);
+    at::_foreach_sub_(bias2, 1);
+    at::_foreach_neg_(bias2);
+    at::_foreach_div_(bias1, *lr);
+    at::_foreach_reciprocal_(bias1);
+    at::_foreach_sqrt_(bias2);
+    auto denom = at::_foreach_sqrt(v);
+    at::_foreach_div_(denom, bias2);
+    at::_foreach_add_(denom, eps);
+    at::_foreach_div_(denom, bias1);
+    at::_foreach_addcdiv_(p, m, denom);
+  })
+}
+
+// Re-lays a 4-d (conv) weight out in channels-last memory order, keeping it the same parameter
+// (set_data keeps autograd identity and the optimizer's reference).
+int sk_to_channels_last_(at::Tensor* tensor) {
+  SK_TRY({
+    if (tensor->dim() == 4) {
+      at::NoGradGuard no_grad;
+      tensor->set_data(tensor->contiguous(at::MemoryFormat::ChannelsLast));
+    }
+  })
+}
+
+int sk_is_channels_last(at::Tensor* tensor, int* out) {
+  SK_TRY(*out = tensor->dim() == 4 && tensor->is_contiguous(at::MemoryFormat::ChannelsLast) ? 1 : 0)
+}
+
+// Drops the gradients of a parameter list (`param.grad = None`), as PyTorch's
+// `zero_grad(set_to_none=True)`: the next backward writes fresh gradients instead of adding to
+// zero-filled ones, which saves a fill and an add over every parameter.
+int sk_clear_grads(at::Tensor** tensors, int64_t n) {
+  SK_TRY({
+    for (int64_t i = 0; i < n; ++i) {
+      tensors[i]->mutable_grad().reset();
+    }
+  })
+}
+
+// Points `params[i].grad` at `grads[i]`: a replayed CUDA graph writes the gradients into the
+// tensors it allocated during capture, so the parameters must refer to those again before it runs.
+int sk_set_grads(at::Tensor** params, at::Tensor** grads, int64_t n) {
+  SK_TRY({
+    for (int64_t i = 0; i < n; ++i) {
+      params[i]->mutable_grad() = *grads[i];
+    }
+  })
+}
+
+// Plain multi-tensor helpers the Rust side uses on parameter lists.
+int sk_foreach_zero_(at::Tensor** tensors, int64_t n) {
+  SK_TRY({
+    auto list = sk::tensor_list(tensors, n);
+    at::_foreach_zero_(list);
+  })
+}
+
+int sk_foreach_norm(at::Tensor** tensors, int64_t n, double ord, at::Tensor** out) {
+  SK_TRY({
+    auto list = sk::tensor_list(tensors, n);
+    auto norms = at::_foreach_norm(list, ord);
+    *out = new at::Tensor(at::linalg_vector_norm(at::stack(norms), ord));
+  })
+}
+
+int sk_foreach_mul_scalar_tensor_(at::Tensor** tensors, int64_t n, at::Tensor* factor) {
+  SK_TRY({
+    auto list = sk::tensor_list(tensors, n);
+    at::_foreach_mul_(list, *factor);
+  })
+}
+
+}  // extern "C"
