@@ -14,6 +14,7 @@ mod contiguity;
 mod linear3;
 mod matmul;
 mod mlp;
+mod mlp_block;
 mod resnet;
 mod sync_points;
 mod transformer;

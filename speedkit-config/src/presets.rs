@@ -6,7 +6,7 @@ use crate::SpeedConfig;
 
 impl SpeedConfig {
     /// Names accepted by [`SpeedConfig::preset`].
-    pub const PRESETS: &'static [&'static str] = &["fp32_strict", "tf32", "auto"];
+    pub const PRESETS: &'static [&'static str] = &["fp32_strict", "tf32", "auto", "fp8"];
 
     /// A named preset:
     ///
@@ -15,6 +15,8 @@ impl SpeedConfig {
     ///   capture, no grad scaler (`examples/configs/baseline.yaml`).
     /// - `"tf32"`: like `fp32_strict`, but matmuls and cuDNN convolutions may use TF32.
     /// - `"auto"`: the defaults, every choice left to the runtime (`examples/configs/auto_speed.yaml`).
+    /// - `"fp8"`: `auto` with `fp8.enabled: true`: every `speedkit::nn::Linear` whose shapes allow
+    ///   it runs its GEMMs in FP8, whatever their size (an error without FP8 hardware).
     ///
     /// ```
     /// use speedkit_config::{Precision, SpeedConfig};
@@ -37,6 +39,11 @@ impl SpeedConfig {
                 Ok(config)
             }
             "auto" => Ok(SpeedConfig::default()),
+            "fp8" => {
+                let mut config = SpeedConfig::default();
+                config.fp8.enabled = AutoBool::On;
+                Ok(config)
+            }
             _ => Err(ConfigError::UnknownPreset {
                 name: name.to_owned(),
                 suggestion: closest(name, Self::PRESETS.iter().copied()),

@@ -59,6 +59,9 @@ pub struct SpeedConfig {
     /// Dynamic loss scaling for fp16 training.
     #[serde(deserialize_with = "section")]
     pub grad_scaler: GradScalerConfig,
+    /// FP8 GEMMs for `speedkit::nn::Linear` layers on Hopper/Ada GPUs.
+    #[serde(deserialize_with = "section")]
+    pub fp8: Fp8Config,
     /// Settings of the built-in benchmark runner.
     #[serde(deserialize_with = "section")]
     pub bench: BenchConfig,
@@ -195,6 +198,42 @@ impl Default for GradScalerConfig {
             growth_interval: 2000,
         }
     }
+}
+
+/// FP8 training of `speedkit::nn::Linear` layers: e4m3 activations and weights in the forward GEMM,
+/// e5m2 gradients in the backward GEMMs, fp32 master weights.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields, expecting = "a mapping of fp8 settings")]
+pub struct Fp8Config {
+    /// `auto`: on for GPUs with FP8 Tensor Cores (SM >= 8.9), and then only for layers whose GEMM
+    /// is at least `min_gemm_size`; `true`: every eligible layer (an error without FP8 hardware).
+    pub enabled: AutoBool,
+    /// How scales are chosen: `dynamic` (from the current tensor's amax) or `delayed` (from the
+    /// largest amax of the last `amax_history` steps, as Transformer Engine does).
+    pub recipe: Fp8Recipe,
+    /// Steps of amax history kept per tensor by the `delayed` recipe; 1 to 1024.
+    pub amax_history: u32,
+    /// Under `enabled: auto`, the smallest GEMM (tokens × in_features × out_features) that runs in
+    /// FP8; smaller ones lose more to the casts than FP8 gains.
+    pub min_gemm_size: u64,
+}
+
+impl Default for Fp8Config {
+    fn default() -> Self {
+        Self {
+            enabled: AutoBool::Auto,
+            recipe: Fp8Recipe::Delayed,
+            amax_history: 16,
+            min_gemm_size: Fp8Config::MEASURED_MIN_GEMM_SIZE,
+        }
+    }
+}
+
+impl Fp8Config {
+    /// The default `min_gemm_size`: the GEMM size above which an FP8 `Linear` step (casts
+    /// included) beat bf16 on an H100/H200 in `examples/fp8_threshold.rs` (see
+    /// docs/benchmarks/README.md).
+    pub const MEASURED_MIN_GEMM_SIZE: u64 = 1 << 38;
 }
 
 /// Settings of the benchmark runner.
@@ -508,6 +547,18 @@ pub enum OptimizerName {
 }
 
 spelled_enum!(OptimizerName, "optimizer.name", [AdamW => "adamw"]);
+
+/// How FP8 scales are chosen.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Fp8Recipe {
+    /// From the current tensor's amax (one reduction per cast).
+    Dynamic,
+    /// From the largest amax of the last `amax_history` steps (Transformer Engine's default).
+    #[default]
+    Delayed,
+}
+
+spelled_enum!(Fp8Recipe, "fp8.recipe", [Dynamic => "dynamic", Delayed => "delayed"]);
 
 /// Where to train. Spelled `auto`, `cpu`, `cuda` (= `cuda:0`) or `cuda:N` in files.
 ///

@@ -50,6 +50,25 @@ pub(crate) fn problems(config: &SpeedConfig) -> Vec<Problem> {
         );
     }
 
+    let fp8 = &config.fp8;
+    if !(1..=1024).contains(&fp8.amax_history) {
+        report(
+            "fp8.amax_history",
+            format!(
+                "is {}, but the delayed recipe keeps 1 to 1024 steps of amax history (default 16)",
+                fp8.amax_history
+            ),
+        );
+    }
+    if fp8.enabled == AutoBool::On && config.precision == Precision::Fp32 {
+        report(
+            "fp8.enabled",
+            "is true while `precision` is fp32, but FP8 layers return the autocast dtype; set \
+             `precision: bf16` (or auto), or `fp8.enabled: auto` (or false)"
+                .to_owned(),
+        );
+    }
+
     let scaler = &config.grad_scaler;
     if scaler.enabled == AutoBool::On && config.precision == Precision::Fp32 {
         report(

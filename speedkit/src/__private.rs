@@ -4,7 +4,7 @@
 pub use ::inventory;
 pub use ::tch;
 
-use crate::amp::{AutocastGuard, ScaledOptimizer};
+use crate::amp::ScaledOptimizer;
 use crate::bench::{BenchError, IntoBenchResult};
 use crate::config::SpeedConfig;
 use crate::error::{Result, SpeedkitError};
@@ -60,7 +60,7 @@ pub fn enter_or_panic(source: ConfigSource, function: &'static str) -> SpeedCont
 }
 
 /// Scope of a `#[speedkit::forward]` statement.
-pub fn autocast_scope(ctx: &SpeedContext) -> AutocastGuard {
+pub fn autocast_scope(ctx: &SpeedContext) -> crate::context::ForwardScope<'_> {
     ctx.autocast_scope()
 }
 

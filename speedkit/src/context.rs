@@ -9,6 +9,7 @@ use crate::error::Result;
 use crate::ffi;
 use crate::flags::{FlagGuard, FlagState};
 use crate::hardware::Hardware;
+use crate::nn::Fp8Scope;
 use crate::optim::{AdamW, AdamWOptimizer};
 use crate::plan::Plan;
 use crate::report::Audit;
@@ -124,9 +125,12 @@ impl SpeedContext {
         &self.scaler
     }
 
-    /// An autocast scope in the plan's dtype on the plan's device; does nothing for fp32 plans.
-    pub fn autocast_scope(&self) -> AutocastGuard {
-        match self.plan.precision.autocast_kind() {
+    /// The forward pass's scope: autocast in the plan's dtype on the plan's device (nothing for fp32
+    /// plans), and the plan's FP8 settings for [`crate::nn::Linear`] layers. Each layer's FP8
+    /// decision goes to the audit when the scope drops.
+    pub fn autocast_scope(&self) -> ForwardScope<'_> {
+        let kind = self.plan.precision.autocast_kind();
+        let autocast = match kind {
             None => AutocastGuard::disabled(),
             Some(kind) => match AutocastGuard::enter(self.plan.device, kind) {
                 Ok(guard) => guard,
@@ -136,6 +140,14 @@ impl SpeedContext {
                     AutocastGuard::disabled()
                 }
             },
+        };
+        ForwardScope {
+            ctx: self,
+            fp8: Some(Fp8Scope::enter(
+                self.plan.fp8,
+                kind.unwrap_or(tch::Kind::Float),
+            )),
+            _autocast: autocast,
         }
     }
 
@@ -192,6 +204,34 @@ impl SpeedContext {
     pub fn restore(self) -> Result<FlagState> {
         let SpeedContext { guard, .. } = self;
         guard.restore()
+    }
+}
+
+/// What [`SpeedContext::autocast_scope`] returns: autocast and the plan's FP8 layers, until dropped.
+#[must_use = "autocast ends when the scope drops"]
+pub struct ForwardScope<'ctx> {
+    ctx: &'ctx SpeedContext,
+    fp8: Option<Fp8Scope>,
+    _autocast: AutocastGuard,
+}
+
+impl Drop for ForwardScope<'_> {
+    fn drop(&mut self) {
+        let Some(scope) = self.fp8.take() else {
+            return;
+        };
+        for d in scope.exit() {
+            let layer = format!("fp8: layer {} ", d.layer);
+            let mut notes = self.ctx.notes.borrow_mut();
+            if !notes.iter().any(|n| n.starts_with(&layer)) {
+                let verdict = if d.fp8 {
+                    "runs in FP8"
+                } else {
+                    "stays in the autocast dtype"
+                };
+                notes.push(format!("{layer}{verdict}: {}", d.reason));
+            }
+        }
     }
 }
 

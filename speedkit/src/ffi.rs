@@ -45,6 +45,17 @@ extern "C" {
     fn sk_fp32_precision_set(which: c_int, value: c_int) -> c_int;
     fn sk_test_fail_nth_flag_write(n: c_int);
 
+    fn sk_fp8_linear(
+        x: *mut C_tensor,
+        weight: *mut C_tensor,
+        bias: *mut C_tensor,
+        x_history: *mut C_tensor,
+        w_history: *mut C_tensor,
+        g_history: *mut C_tensor,
+        out_dtype: c_int,
+        out: *mut *mut C_tensor,
+    ) -> c_int;
+
     fn sk_autocast_get(device_type: c_int, enabled: *mut c_int, dtype: *mut c_int) -> c_int;
     fn sk_autocast_set(device_type: c_int, enabled: c_int, dtype: c_int) -> c_int;
     fn sk_autocast_increment_nesting(depth: *mut c_int) -> c_int;
@@ -598,4 +609,35 @@ pub(crate) fn is_channels_last(tensor: &Tensor) -> Result<bool, SpeedkitError> {
     // SAFETY: live handle, valid out-pointer.
     check(unsafe { sk_is_channels_last(handle(tensor), &mut out) })?;
     Ok(out != 0)
+}
+
+// ----- fp8 -----------------------------------------------------------------------------------------
+
+/// `x Wᵀ + b` through the shim's FP8 autograd function; `histories` (x, W, grad) for the delayed
+/// recipe, `None` for dynamic scaling. `out_dtype` is a c10 ScalarType code.
+pub(crate) fn fp8_linear(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    histories: Option<[&Tensor; 3]>,
+    out_dtype: i32,
+) -> Result<Tensor, SpeedkitError> {
+    let optional = |t: Option<&Tensor>| t.map_or(ptr::null_mut(), handle);
+    let [hx, hw, hg] = histories.map_or([ptr::null_mut(); 3], |h| h.map(handle));
+    let mut out = ptr::null_mut();
+    // SAFETY: live handles (or null where the shim accepts null); `out` receives a new tensor.
+    check(unsafe {
+        sk_fp8_linear(
+            handle(x),
+            handle(weight),
+            optional(bias),
+            hx,
+            hw,
+            hg,
+            out_dtype,
+            &mut out,
+        )
+    })?;
+    // SAFETY: `out` is a fresh heap `at::Tensor*` from the shim.
+    Ok(unsafe { Tensor::from_ptr(out) })
 }

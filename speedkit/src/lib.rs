@@ -52,7 +52,7 @@ pub mod config {
 
 pub use advice::{audit, audit_tensors, Advice, ModelAudit};
 pub use config::SpeedConfig;
-pub use context::{apply_speedups, SpeedContext};
+pub use context::{apply_speedups, ForwardScope, SpeedContext};
 pub use error::{Result, SpeedkitError};
 pub use speedkit_macros::{accelerate, bench, forward};
 

@@ -1,5 +1,10 @@
-//! Attention on `scaled_dot_product_attention`, with the backend chosen by PyTorch among those the
-//! `sdp_backend` flags allow.
+//! Building blocks: attention on `scaled_dot_product_attention`, with the backend chosen by PyTorch
+//! among those the `sdp_backend` flags allow, and [`Linear`], whose GEMMs run in FP8 where the plan
+//! says so.
+
+mod linear;
+
+pub use linear::{Fp8Decision, Fp8Scope, Linear};
 
 use serde::Serialize;
 use std::fmt;

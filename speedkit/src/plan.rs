@@ -24,8 +24,8 @@ use std::fmt;
 use tch::{Device, Kind};
 
 use crate::config::{
-    AutoBool, DeviceChoice, GradScalerConfig, MatmulPrecision, MatmulPrecisionChoice, Precision,
-    SpeedConfig,
+    AutoBool, DeviceChoice, Fp8Config, Fp8Recipe, GradScalerConfig, MatmulPrecision,
+    MatmulPrecisionChoice, Precision, SpeedConfig,
 };
 use crate::error::{Result, SpeedkitError};
 use crate::flags::{Flag, FlagSetting, FlagValue};
@@ -112,6 +112,23 @@ pub struct SdpBackends {
     pub cudnn: bool,
 }
 
+/// How `speedkit::nn::Linear` layers run their GEMMs in FP8.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Fp8Plan {
+    /// How scales are chosen.
+    #[serde(serialize_with = "serialize_recipe")]
+    pub recipe: Fp8Recipe,
+    /// Steps of amax history (delayed recipe).
+    pub amax_history: usize,
+    /// Layers whose GEMM (tokens × in × out) is smaller stay in the autocast dtype; 0 under
+    /// `enabled: true` (every layer whose shapes allow FP8).
+    pub min_gemm_size: u64,
+}
+
+fn serialize_recipe<S: serde::Serializer>(r: &Fp8Recipe, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(r.as_str())
+}
+
 /// Everything speedkit will do, resolved for one machine.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Plan {
@@ -148,6 +165,8 @@ pub struct Plan {
     pub graph_warmup_steps: usize,
     /// Conv weights in channels-last.
     pub channels_last: bool,
+    /// FP8 GEMMs for `speedkit::nn::Linear`, if the plan uses them.
+    pub fp8: Option<Fp8Plan>,
     /// Every decision with its reason, in config-key order.
     pub decisions: Vec<Decision>,
 }
@@ -370,6 +389,8 @@ impl Plan {
             }
         };
 
+        let fp8 = resolve_fp8(&config.fp8, gpu, precision, &mut d)?;
+
         let channels_last = match (config.channels_last, gpu) {
             (AutoBool::Auto, Some(g)) if g.has_tensor_cores() => {
                 d.push("channels_last", "true", "Tensor Core convolutions are fastest in NHWC (applies to 4-d conv weights only)");
@@ -406,6 +427,7 @@ impl Plan {
             max_graphs: config.compile.max_graphs as usize,
             graph_warmup_steps: config.compile.warmup_steps as usize,
             channels_last,
+            fp8,
             decisions: d.0,
         })
     }
@@ -575,6 +597,61 @@ fn resolve_precision(
     };
     d.push("precision", p.to_string(), reason);
     Ok(p)
+}
+
+fn resolve_fp8(
+    config: &Fp8Config,
+    gpu: Option<&GpuInfo>,
+    precision: ResolvedPrecision,
+    d: &mut Decisions,
+) -> Result<Option<Fp8Plan>> {
+    let plan = |min_gemm_size| Fp8Plan {
+        recipe: config.recipe,
+        amax_history: config.amax_history as usize,
+        min_gemm_size,
+    };
+    let capable = gpu.filter(|g| g.supports_fp8());
+    let (value, reason) = match (config.enabled, capable, precision) {
+        (AutoBool::Off, ..) => (None, "set in the config".to_owned()),
+        (AutoBool::On, None, _) => {
+            let machine = gpu.map_or("this run is on the CPU".to_owned(), |g| {
+                format!("{} is SM {}", g.name, g.compute_capability)
+            });
+            return Err(SpeedkitError::Unsupported(format!(
+                "fp8.enabled: true needs FP8 Tensor Cores (SM 8.9 or newer: Ada, Hopper), and \
+                 {machine}; set fp8.enabled to auto or false"
+            )));
+        }
+        (AutoBool::On, Some(_), _) => (Some(plan(0)), "set in the config".to_owned()),
+        (AutoBool::Auto, None, _) => (
+            None,
+            match gpu {
+                Some(g) => format!(
+                    "SM {} has no FP8 Tensor Cores (SM 8.9+)",
+                    g.compute_capability
+                ),
+                None => "CPU: FP8 GEMMs are a CUDA Tensor Core feature".to_owned(),
+            },
+        ),
+        (AutoBool::Auto, Some(_), ResolvedPrecision::Fp32) => (
+            None,
+            "fp32 training: FP8 layers would return the autocast dtype, and there is none"
+                .to_owned(),
+        ),
+        (AutoBool::Auto, Some(g), _) => (
+            Some(plan(config.min_gemm_size)),
+            format!(
+                "SM {} has FP8 Tensor Cores: Linear GEMMs of at least {} (tokens × in × out) run \
+                 in FP8 ({} scaling); smaller ones stay in the autocast dtype",
+                g.compute_capability,
+                config.min_gemm_size,
+                config.recipe.as_str()
+            ),
+        ),
+    };
+    let shown = value.map_or("off".to_owned(), |p: Fp8Plan| p.recipe.as_str().to_owned());
+    d.push("fp8", shown, reason);
+    Ok(value)
 }
 
 fn explicit_only(

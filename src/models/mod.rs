@@ -8,11 +8,13 @@
 
 mod linear3;
 mod mlp;
+mod mlp_block;
 pub mod resnet;
 mod transformer;
 
 pub use linear3::{Linear3, Linear3Config};
 pub use mlp::{Mlp, MlpConfig};
+pub use mlp_block::{MlpBlock, MlpBlockConfig};
 pub use resnet::{ResNet, ResNetConfig};
 pub use transformer::{Transformer, TransformerConfig};
 

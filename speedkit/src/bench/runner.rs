@@ -17,7 +17,7 @@ use std::process::ExitCode;
 use tch::{Device, Kind, Tensor};
 
 use super::{Bencher, Measurement, Protocol, Size, Workload};
-use crate::config::{Precision, SpeedConfig};
+use crate::config::{AutoBool, Precision, SpeedConfig};
 use crate::error::{Result, SpeedkitError};
 use crate::ffi;
 use crate::hardware::Hardware;
@@ -90,10 +90,13 @@ pub fn resolve_config(arg: &str) -> Result<NamedConfig> {
         } else {
             Precision::Fp16
         };
-        SpeedConfig {
+        // Plain bf16/fp16 GEMMs: the baseline FP8 is compared against.
+        let mut config = SpeedConfig {
             precision,
             ..SpeedConfig::auto()
-        }
+        };
+        config.fp8.enabled = AutoBool::Off;
+        config
     } else if path.extension().is_some_and(|e| e == "json") {
         SpeedConfig::from_json(path)?
     } else if path.exists() || arg.ends_with(".yaml") || arg.ends_with(".yml") {

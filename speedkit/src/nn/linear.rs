@@ -1,0 +1,232 @@
+//! [`Linear`]: `tch::nn::Linear`'s parameters under tch's names (`weight`, `bias`), with its GEMMs in
+//! FP8 where the plan says so.
+//!
+//! FP8 follows the plan the way autocast does: inside a [`SpeedContext`](crate::SpeedContext)'s
+//! autocast scope (`ctx.autocast(..)`, `#[speedkit::forward]`), each `Linear` decides per call whether
+//! its GEMM runs in FP8 — the plan has FP8, the input is on a CUDA device, every dimension is a
+//! multiple of 16 (what `_scaled_mm` accepts), and the GEMM (tokens × in × out) is at least
+//! `fp8.min_gemm_size` — and otherwise runs the ordinary `x Wᵀ + b` under autocast. The first
+//! decision of each layer is recorded for the context's audit.
+//!
+//! ```
+//! use speedkit::nn::Linear;
+//! use tch::{nn, nn::Module, Device, Kind, Tensor};
+//! let vs = nn::VarStore::new(Device::Cpu);
+//! let layer = Linear::new(&(vs.root() / "proj"), 64, 32, true);
+//! let y = layer.forward(&Tensor::randn([8, 64], (Kind::Float, Device::Cpu)));
+//! assert_eq!(y.size(), [8, 32]);
+//! assert!(vs.variables().contains_key("proj.weight"));   // tch's names: checkpoints load either way
+//! ```
+
+use std::cell::RefCell;
+use std::marker::PhantomData;
+use tch::{nn, Device, Kind, Tensor};
+
+use crate::ffi;
+use crate::plan::Fp8Plan;
+
+/// Longest amax history a layer keeps (the `fp8.amax_history` limit); the plan uses its first N.
+const HISTORY_CAPACITY: i64 = 1024;
+
+/// A linear layer, `y = x Wᵀ + b`, whose GEMMs run in FP8 inside a context scope whose plan has FP8.
+#[derive(Debug)]
+pub struct Linear {
+    /// `weight`, `[out, in]`, fp32 master weights.
+    pub ws: Tensor,
+    /// `bias`, `[out]`.
+    pub bs: Option<Tensor>,
+    /// `fp8_amax_history`, `[3, 1024]`: the delayed recipe's amax of x, W and the output gradient,
+    /// newest first; saved with the checkpoint, not trained.
+    amax_history: Tensor,
+    name: String,
+}
+
+impl Linear {
+    /// A layer under `path` with tch's initialisation (Kaiming-uniform weight, uniform bias).
+    pub fn new(path: &nn::Path, in_features: i64, out_features: i64, bias: bool) -> Self {
+        let tch_layer = nn::linear(
+            path,
+            in_features,
+            out_features,
+            nn::LinearConfig {
+                bias,
+                ..Default::default()
+            },
+        );
+        Self {
+            ws: tch_layer.ws,
+            bs: tch_layer.bs,
+            amax_history: path.zeros_no_train("fp8_amax_history", &[3, HISTORY_CAPACITY]),
+            name: path.components().collect::<Vec<_>>().join("."),
+        }
+    }
+
+    /// The layer's path in its VarStore (e.g. `blocks.0.fc1`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// `x Wᵀ + b`, in FP8 where the active plan allows it for this call's shapes.
+    pub fn forward_t(&self, x: &Tensor) -> crate::Result<Tensor> {
+        let Some((plan, out)) = Fp8Scope::active() else {
+            return Ok(x.f_linear(&self.ws, self.bs.as_ref())?);
+        };
+        match self.fp8_gemm(x, &plan) {
+            Ok(gemm) => {
+                Fp8Scope::record(&self.name, true, &gemm);
+                let histories = self.histories(&plan);
+                let h = histories.as_ref().map(|[a, b, c]| [a, b, c]);
+                Ok(ffi::fp8_linear(
+                    x,
+                    &self.ws,
+                    self.bs.as_ref(),
+                    h,
+                    kind_code(out),
+                )?)
+            }
+            Err(reason) => {
+                Fp8Scope::record(&self.name, false, &reason);
+                Ok(x.f_linear(&self.ws, self.bs.as_ref())?)
+            }
+        }
+    }
+
+    /// This call's GEMM, if it can run in FP8 under `plan`; otherwise why not.
+    fn fp8_gemm(&self, x: &Tensor, plan: &Fp8Plan) -> Result<String, String> {
+        let [out_features, in_features] = self.ws.size()[..] else {
+            return Err("the weight is not 2-d".into());
+        };
+        if !matches!(x.device(), Device::Cuda(_)) {
+            return Err("the input is not on a CUDA device".into());
+        }
+        let tokens = x.numel() as i64 / in_features.max(1);
+        let gemm = format!("GEMM {tokens} × {in_features} × {out_features}");
+        if [tokens, in_features, out_features]
+            .iter()
+            .any(|d| d % 16 != 0)
+        {
+            return Err(format!(
+                "{gemm}: FP8 GEMMs need every dimension a multiple of 16"
+            ));
+        }
+        let size = (tokens as u64) * (in_features as u64) * (out_features as u64);
+        if size < plan.min_gemm_size {
+            return Err(format!(
+                "{gemm} = {size}, below fp8.min_gemm_size {}: the casts would cost more than FP8 gains",
+                plan.min_gemm_size
+            ));
+        }
+        Ok(gemm)
+    }
+
+    /// The delayed recipe's histories, each narrowed to the plan's length; none for dynamic scaling.
+    fn histories(&self, plan: &Fp8Plan) -> Option<[Tensor; 3]> {
+        if plan.recipe == crate::config::Fp8Recipe::Dynamic {
+            return None;
+        }
+        let len = (plan.amax_history as i64).clamp(1, HISTORY_CAPACITY);
+        Some([0, 1, 2].map(|row| self.amax_history.get(row).narrow(0, 0, len)))
+    }
+}
+
+impl nn::Module for Linear {
+    /// Panics on a libtorch error, as tch's own modules do; [`Linear::forward_t`] returns it instead.
+    fn forward(&self, xs: &Tensor) -> Tensor {
+        match self.forward_t(xs) {
+            Ok(y) => y,
+            Err(e) => panic!("speedkit::nn::Linear {}: {e}", self.name),
+        }
+    }
+}
+
+fn kind_code(kind: Kind) -> i32 {
+    match kind {
+        Kind::Half => 5,
+        Kind::BFloat16 => 15,
+        _ => 6,
+    }
+}
+
+/// One layer's FP8 decision, as the audit shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fp8Decision {
+    /// The layer's path.
+    pub layer: String,
+    /// Whether its GEMMs run in FP8.
+    pub fp8: bool,
+    /// Why (the GEMM shape, or what keeps it in the autocast dtype).
+    pub reason: String,
+}
+
+struct ActiveScope {
+    plan: Option<Fp8Plan>,
+    out: Kind,
+    decisions: Vec<Fp8Decision>,
+}
+
+thread_local! {
+    static SCOPES: RefCell<Vec<ActiveScope>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Puts an FP8 plan in force for [`Linear`] layers on this thread until dropped, and collects each
+/// layer's first decision. [`SpeedContext::autocast_scope`](crate::SpeedContext::autocast_scope)
+/// enters one with the plan's FP8 settings; nested scopes shadow outer ones.
+#[must_use = "the plan is in force until the scope drops"]
+pub struct Fp8Scope {
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Fp8Scope {
+    /// Enters `plan` (`None`: no FP8 in this scope) with FP8 layers returning `out`.
+    pub fn enter(plan: Option<Fp8Plan>, out: Kind) -> Self {
+        SCOPES.with(|s| {
+            s.borrow_mut().push(ActiveScope {
+                plan,
+                out,
+                decisions: Vec::new(),
+            })
+        });
+        Self {
+            _not_send: PhantomData,
+        }
+    }
+
+    /// Leaves the scope, returning the decisions its layers made.
+    pub fn exit(self) -> Vec<Fp8Decision> {
+        let decisions = SCOPES.with(|s| {
+            s.borrow_mut()
+                .last_mut()
+                .map(|scope| std::mem::take(&mut scope.decisions))
+        });
+        drop(self);
+        decisions.unwrap_or_default()
+    }
+
+    fn active() -> Option<(Fp8Plan, Kind)> {
+        SCOPES.with(|s| {
+            s.borrow()
+                .last()
+                .and_then(|scope| scope.plan.map(|p| (p, scope.out)))
+        })
+    }
+
+    fn record(layer: &str, fp8: bool, reason: &str) {
+        SCOPES.with(|s| {
+            if let Some(scope) = s.borrow_mut().last_mut() {
+                if !scope.decisions.iter().any(|d| d.layer == layer) {
+                    scope.decisions.push(Fp8Decision {
+                        layer: layer.to_owned(),
+                        fp8,
+                        reason: reason.to_owned(),
+                    });
+                }
+            }
+        });
+    }
+}
+
+impl Drop for Fp8Scope {
+    fn drop(&mut self) {
+        SCOPES.with(|s| s.borrow_mut().pop());
+    }
+}
