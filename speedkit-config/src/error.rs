@@ -96,9 +96,10 @@ pub enum ConfigError {
     /// A key that does not exist at this place of the config (usually a typo).
     #[error(fmt = fmt_unknown_key)]
     UnknownKey {
-        /// The key as written.
+        /// The key as written (a key of more than 60 characters shortened to its first 60, `…`
+        /// and its length).
         key: String,
-        /// Dotted path of the key, e.g. `cudnn.benchmrk`.
+        /// Dotted path of the key, e.g. `cudnn.benchmrk` (shortened as `key`).
         path: String,
         /// Where the key is.
         location: Option<Location>,
@@ -113,7 +114,8 @@ pub enum ConfigError {
     BadValue {
         /// Dotted path of the key whose value is bad.
         path: String,
-        /// The value as written.
+        /// The value as written (a value of more than 60 characters shortened to its first 60,
+        /// `…` and its length).
         value: String,
         /// The allowed values, or a one-entry description of them (e.g. a number range).
         expected: Vec<String>,
@@ -132,7 +134,7 @@ pub enum ConfigError {
     WrongType {
         /// Dotted path of the key; empty for the document itself.
         path: String,
-        /// What was found, e.g. `string "yes"`.
+        /// What was found, e.g. `string "yes"` (a long string shortened as in `BadValue`).
         found: String,
         /// What belongs there.
         expected: String,
@@ -150,12 +152,27 @@ pub enum ConfigError {
     /// [`SpeedConfig::preset`](crate::SpeedConfig::preset) was given an unknown name.
     #[error(fmt = fmt_unknown_preset)]
     UnknownPreset {
-        /// The name asked for.
+        /// The name asked for (shortened as the value in `BadValue`).
         name: String,
         /// The closest preset name, if any is close.
         suggestion: Option<String>,
         /// All preset names.
         presets: Vec<String>,
+    },
+
+    /// Brackets nest deeper than a config ever needs (checked before the text is parsed, so that
+    /// a runaway nesting fails at once).
+    #[error(
+        "{format} nested too deeply at {location}: more than {limit} levels of brackets, while a \
+         speed config needs two (a section and its keys)"
+    )]
+    TooDeep {
+        /// The text's format.
+        format: Format,
+        /// The deepest nesting accepted.
+        limit: usize,
+        /// The bracket that opens one level too many.
+        location: Location,
     },
 
     /// The config could not be written out (not expected to happen for these types).
@@ -177,6 +194,7 @@ impl ConfigError {
             | Self::UnknownKey { location, .. }
             | Self::BadValue { location, .. }
             | Self::WrongType { location, .. } => *location,
+            Self::TooDeep { location, .. } => Some(*location),
             _ => None,
         }
     }
@@ -185,7 +203,7 @@ impl ConfigError {
     pub(crate) fn bad_value(path: &str, value: &str, allowed: &[&str]) -> Self {
         Self::BadValue {
             path: path.to_owned(),
-            value: value.to_owned(),
+            value: excerpt(value),
             expected: allowed.iter().map(|s| (*s).to_owned()).collect(),
             suggestion: closest(value, allowed.iter().copied()),
             location: None,
@@ -283,6 +301,19 @@ fn fmt_unknown_preset(
     write!(f, " (presets: {})", presets.join(", "))
 }
 
+/// How many characters of a value from the text an error shows.
+const ECHO_CHARS: usize = 60;
+
+/// `text` as an error shows it: whole when short, else its first [`ECHO_CHARS`] characters, `…`
+/// and its length, so that a runaway value (a whole file pasted into one key) keeps the message
+/// readable.
+pub(crate) fn excerpt(text: &str) -> String {
+    match text.char_indices().nth(ECHO_CHARS) {
+        None => text.to_owned(),
+        Some((cut, _)) => format!("{}… ({} characters)", &text[..cut], text.chars().count()),
+    }
+}
+
 /// The candidate most similar to `got`, if it is similar enough to be a likely typo.
 ///
 /// Similarity is the normalized Damerau-Levenshtein similarity (a swap of two letters is one
@@ -294,9 +325,15 @@ pub(crate) fn closest<'a>(
     candidates: impl IntoIterator<Item = &'a str>,
 ) -> Option<String> {
     let got = got.to_lowercase();
+    let got_chars = got.chars().count();
     let mut best: Option<(f64, &str)> = None;
     for candidate in candidates {
         let lower = candidate.to_lowercase();
+        // The edit distance costs time and memory in the product of the lengths; skip it
+        // where the lengths alone rule a typo out.
+        if !lengths_allow_typo(got_chars, lower.chars().count()) {
+            continue;
+        }
         let mut score = strsim::normalized_damerau_levenshtein(&got, &lower);
         let one_edit = strsim::damerau_levenshtein(&got, &lower) <= 1 && !got.is_empty();
         let prefix = got.chars().count() >= 3 && lower.starts_with(&got);
@@ -310,9 +347,17 @@ pub(crate) fn closest<'a>(
     best.map(|(_, candidate)| candidate.to_owned())
 }
 
+/// Whether a `got` of `got_chars` characters can pass [`closest`]'s test against a candidate of
+/// `candidate_chars`: a prefix is no longer than the candidate, one edit changes the length by
+/// at most one, and a similarity of 0.6 allows at most 0.4 × the longer length of edits, which
+/// for a longer `got` means `got_chars - candidate_chars <= 0.4 × got_chars`.
+fn lengths_allow_typo(got_chars: usize, candidate_chars: usize) -> bool {
+    got_chars <= candidate_chars + 1 || 3 * got_chars <= 5 * candidate_chars
+}
+
 #[cfg(test)]
 mod tests {
-    use super::closest;
+    use super::{closest, excerpt, lengths_allow_typo};
 
     const KEYS: &[&str] = &["flash", "mem_efficient", "math", "cudnn"];
 
@@ -343,6 +388,45 @@ mod tests {
     #[test]
     fn closest_gives_nothing_for_unrelated_word() {
         assert_eq!(closest("learning_rate", KEYS.iter().copied()), None);
+    }
+
+    #[test]
+    fn length_bound_keeps_every_qualifying_pair() {
+        let words = [
+            "a",
+            "ab",
+            "abc",
+            "abcd",
+            "abcde",
+            "abcdef",
+            "abcdefgh",
+            "abcdefghijkl",
+        ];
+        for got in words {
+            for candidate in words {
+                let (g, c) = (got.len(), candidate.len());
+                if closest(got, [candidate]).is_some() {
+                    assert!(lengths_allow_typo(g, c), "{got} / {candidate}");
+                }
+            }
+        }
+        // 0.6 similarity at the edge: 5 characters against 3 (two deletions of five).
+        assert_eq!(closest("fp16x", ["fp1"]).as_deref(), Some("fp1"));
+        assert!(!lengths_allow_typo(6, 3));
+    }
+
+    #[test]
+    fn excerpt_keeps_short_text_whole() {
+        assert_eq!(excerpt("bf61"), "bf61");
+        assert_eq!(excerpt(&"é".repeat(60)), "é".repeat(60));
+    }
+
+    #[test]
+    fn excerpt_cuts_long_text_and_gives_its_length() {
+        assert_eq!(
+            excerpt(&"é".repeat(61)),
+            format!("{}… (61 characters)", "é".repeat(60))
+        );
     }
 
     #[test]

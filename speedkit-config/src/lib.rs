@@ -32,7 +32,9 @@
 #![warn(missing_docs)]
 
 mod builder;
+mod duplicates;
 mod error;
+mod nesting;
 mod parse;
 mod presets;
 mod types;
@@ -69,7 +71,9 @@ impl SpeedConfig {
     /// # Errors
     /// [`ConfigError::Syntax`], [`ConfigError::UnknownKey`], [`ConfigError::BadValue`] or
     /// [`ConfigError::WrongType`] for text that does not describe a config (with its location),
-    /// [`ConfigError::Invalid`] for a config that breaks [`validate`](Self::validate)'s rules.
+    /// [`ConfigError::TooDeep`] for brackets nested more than 32 levels deep (checked before
+    /// parsing), [`ConfigError::Invalid`] for a config that breaks [`validate`](Self::validate)'s
+    /// rules.
     pub fn from_yaml_str(text: &str) -> Result<Self, ConfigError> {
         let config = parse::yaml(text)?;
         config.validate()?;

@@ -6,12 +6,13 @@
 
 use serde_path_to_error::Segment;
 
-use crate::error::{closest, ConfigError, Format, Location};
+use crate::error::{closest, excerpt, ConfigError, Format, Location};
 use crate::types::Section;
-use crate::SpeedConfig;
+use crate::{duplicates, nesting, SpeedConfig};
 
 /// Parses (without validating) a YAML document; an empty or `null` document is the default.
 pub(crate) fn yaml(text: &str) -> Result<SpeedConfig, ConfigError> {
+    nesting::check(text, Format::Yaml)?;
     let deserializer = serde_yaml_ng::Deserializer::from_str(text);
     match serde_path_to_error::deserialize::<_, Section<SpeedConfig>>(deserializer) {
         Ok(Section(config)) => Ok(config),
@@ -21,6 +22,12 @@ pub(crate) fn yaml(text: &str) -> Result<SpeedConfig, ConfigError> {
                 column: l.column(),
             });
             let message = strip_location(&err.inner().to_string(), location);
+            let location = match parse_serde_message(&message) {
+                SerdeMessage::DuplicateField { field } => {
+                    duplicates::locate_yaml(text, field).or(location)
+                }
+                _ => location,
+            };
             Err(classify(
                 Format::Yaml,
                 &dotted(err.path()),
@@ -33,6 +40,7 @@ pub(crate) fn yaml(text: &str) -> Result<SpeedConfig, ConfigError> {
 
 /// Parses (without validating) a JSON document; `null` is the default.
 pub(crate) fn json(text: &str) -> Result<SpeedConfig, ConfigError> {
+    nesting::check(text, Format::Json)?;
     let mut deserializer = serde_json::Deserializer::from_str(text);
     let config =
         match serde_path_to_error::deserialize::<_, Section<SpeedConfig>>(&mut deserializer) {
@@ -100,8 +108,8 @@ fn classify(format: Format, path: &str, message: &str, location: Option<Location
         SerdeMessage::UnknownField { field, expected } => {
             let full = key_path(path, field);
             ConfigError::UnknownKey {
-                key: field.to_owned(),
-                path: full,
+                key: excerpt(field),
+                path: excerpt(&full),
                 location,
                 suggestion: closest(field, expected.iter().map(String::as_str)),
                 expected,
@@ -109,20 +117,20 @@ fn classify(format: Format, path: &str, message: &str, location: Option<Location
         }
         SerdeMessage::UnknownVariant { variant, expected } => ConfigError::BadValue {
             path: path.to_owned(),
-            value: variant.to_owned(),
+            value: excerpt(variant),
             suggestion: closest(variant, expected.iter().map(String::as_str)),
             expected,
             location,
         },
         SerdeMessage::InvalidType { found, expected } => ConfigError::WrongType {
             path: path.to_owned(),
-            found: found.to_owned(),
+            found: shorten_found(found),
             expected: describe_expected(expected),
             location,
         },
         SerdeMessage::InvalidValue { found, expected } => ConfigError::BadValue {
             path: path.to_owned(),
-            value: literal(found).to_owned(),
+            value: excerpt(literal(found)),
             expected: vec![describe_expected(expected)],
             suggestion: None,
             location,
@@ -131,7 +139,10 @@ fn classify(format: Format, path: &str, message: &str, location: Option<Location
             let full = key_path(path, field);
             ConfigError::Syntax {
                 format,
-                message: format!("duplicate key `{full}`: each key may appear only once"),
+                message: format!(
+                    "duplicate key `{}`: each key may appear only once",
+                    excerpt(&full)
+                ),
                 location,
             }
         }
@@ -162,6 +173,17 @@ fn describe_expected(expected: &str) -> String {
         "a boolean" => "a boolean (true or false)".to_owned(),
         "field identifier" => "a key name".to_owned(),
         other => other.to_owned(),
+    }
+}
+
+/// serde's `Unexpected` text with a long string value cut short: `string "xxx… (N characters)"`.
+fn shorten_found(found: &str) -> String {
+    match found
+        .strip_prefix("string \"")
+        .and_then(|s| s.strip_suffix('"'))
+    {
+        Some(text) => format!("string \"{}\"", excerpt(text)),
+        None => excerpt(found),
     }
 }
 

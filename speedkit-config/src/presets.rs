@@ -1,6 +1,6 @@
 //! Named presets.
 
-use crate::error::{closest, ConfigError};
+use crate::error::{closest, excerpt, ConfigError};
 use crate::types::{AutoBool, MatmulPrecisionChoice, Precision};
 use crate::SpeedConfig;
 
@@ -45,7 +45,7 @@ impl SpeedConfig {
                 Ok(config)
             }
             _ => Err(ConfigError::UnknownPreset {
-                name: name.to_owned(),
+                name: excerpt(name),
                 suggestion: closest(name, Self::PRESETS.iter().copied()),
                 presets: Self::PRESETS.iter().map(|p| (*p).to_owned()).collect(),
             }),

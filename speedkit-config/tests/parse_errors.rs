@@ -354,3 +354,131 @@ fn list_for_enum_value_lists_allowed_values() {
          expected one of `auto`, `bf16`, `fp16`, `fp32`"
     );
 }
+
+#[test]
+fn duplicate_key_is_reported_at_the_duplicate() {
+    let err = yaml_err("device: cpu\nprecision: bf16\nprecision: fp16\n");
+    assert_eq!(
+        err.to_string(),
+        "malformed YAML at line 3, column 1: duplicate key `precision`: each key may appear only \
+         once"
+    );
+}
+
+#[test]
+fn duplicate_nested_key_is_reported_at_the_duplicate() {
+    let err = yaml_err("cudnn:\n  enabled: true\n  benchmark: true\n  enabled: false\n");
+    assert_eq!(err.location(), Some(Location { line: 4, column: 3 }));
+}
+
+#[test]
+fn json_duplicate_key_is_reported_on_its_line() {
+    let err =
+        json_err("{\"device\": \"cpu\",\n \"precision\": \"bf16\",\n \"precision\": \"fp16\"}");
+    assert_eq!(err.location().map(|l| l.line), Some(3));
+}
+
+/// Ten million characters, as when a whole file ends up in one value.
+fn huge() -> String {
+    "x".repeat(10_000_000)
+}
+
+#[test]
+fn huge_value_is_shown_cut_short_with_its_length() {
+    let err = yaml_err(&format!("precision: {}\n", huge()));
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "bad value `{}… (10000000 characters)` for `precision` at line 1, column 12; expected \
+             one of: auto, bf16, fp16, fp32",
+            "x".repeat(60)
+        )
+    );
+}
+
+#[test]
+fn huge_key_is_shown_cut_short_with_its_length() {
+    let err = json_err(&format!("{{\"{}\": 1}}", huge()));
+    let ConfigError::UnknownKey { key, path, .. } = &err else {
+        panic!("not UnknownKey: {err:?}");
+    };
+    let shown = format!("{}… (10000000 characters)", "x".repeat(60));
+    assert_eq!((key, path), (&shown, &shown));
+}
+
+#[test]
+fn huge_string_of_wrong_type_is_shown_cut_short() {
+    let err = yaml_err(&format!("deterministic: \"{}\"\n", huge()));
+    let ConfigError::WrongType { found, .. } = &err else {
+        panic!("not WrongType: {err:?}");
+    };
+    assert_eq!(
+        found,
+        &format!("string \"{}… (10000000 characters)\"", "x".repeat(60))
+    );
+}
+
+#[test]
+fn value_of_sixty_characters_is_shown_whole() {
+    let value = "y".repeat(60);
+    let err = yaml_err(&format!("precision: {value}\n"));
+    assert!(
+        matches!(&err, ConfigError::BadValue { value: shown, .. } if *shown == value),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn nesting_past_the_limit_is_refused_with_the_limit_and_place() {
+    let err = yaml_err(&format!("bench: {}", "a: {".repeat(100_000)));
+    assert_eq!(
+        err.to_string(),
+        "YAML nested too deeply at line 1, column 139: more than 32 levels of brackets, while a \
+         speed config needs two (a section and its keys)"
+    );
+    assert!(matches!(
+        err,
+        ConfigError::TooDeep {
+            format: Format::Yaml,
+            limit: 32,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn json_nesting_past_the_limit_is_refused_at_its_line() {
+    let err = json_err(&format!("{{\n\"bench\":\n{}", "[".repeat(100_000)));
+    assert_eq!(
+        err.location(),
+        Some(Location {
+            line: 3,
+            column: 32
+        })
+    );
+}
+
+#[test]
+fn nesting_at_the_limit_gets_the_usual_errors() {
+    let text = format!("{}{}", "[".repeat(32), "]".repeat(32));
+    assert!(
+        matches!(yaml_err(&text), ConfigError::WrongType { .. }),
+        "{text}"
+    );
+}
+
+#[test]
+fn brackets_in_comments_do_not_count_towards_the_limit() {
+    let text = format!(
+        "# {}\nprecision: bf16 # {}\n",
+        "[".repeat(40),
+        "{".repeat(40)
+    );
+    assert!(SpeedConfig::from_yaml_str(&text).is_ok());
+}
+
+#[test]
+fn brackets_in_quoted_values_do_not_count_towards_the_limit() {
+    let err = yaml_err(&format!("precision: '{}'\n", "[".repeat(40)));
+    assert!(matches!(err, ConfigError::BadValue { .. }), "{err:?}");
+}

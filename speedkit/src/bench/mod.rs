@@ -10,15 +10,28 @@
 //! side by side; [`bench_tests!`](crate::bench_tests) turns every workload into a `cargo test` case
 //! (tiny size, CPU) that checks the step finishes, gives a finite loss, and leaves every flag as found.
 //!
-//! ```ignore
+//! ```
+//! use speedkit::bench::Bencher;
+//! use tch::nn::{self, Module};
+//! use tch::{Kind, Tensor};
+//!
 //! #[speedkit::bench(tags = ["mlp"])]
-//! fn mlp(b: &mut speedkit::bench::Bencher) -> anyhow::Result<()> {
+//! fn mlp(b: &mut Bencher) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //!     let (batch, width) = b.size().pick((8, 16), (256, 1024));
-//!     // ... build model and optimizer on b.device() ...
-//!     b.set_flops_per_step(6.0 * batch as f64 * width as f64 * 512.0);
-//!     b.run(|| -> anyhow::Result<tch::Tensor> { /* one step */ todo!() })?;
+//!     let ctx = b.ctx();
+//!     let vs = nn::VarStore::new(b.device());
+//!     let model = nn::linear(vs.root(), width, width, Default::default());
+//!     let mut opt = ctx.adamw(&vs, Default::default())?;
+//!     let x = Tensor::f_randn([batch, width], (Kind::Float, b.device()))?;
+//!     b.set_flops_per_step(6.0 * (batch * width * width) as f64);
+//!     b.run(|| -> speedkit::Result<Tensor> {
+//!         let loss = ctx.autocast(|| model.forward(&x).square().mean(Kind::Float));
+//!         ctx.backward_step(&loss, &mut opt)?;
+//!         Ok(loss)
+//!     })?;
 //!     Ok(())
 //! }
+//! # assert!(speedkit::bench::Workload::named("mlp").is_some());
 //! ```
 
 pub mod runner;
