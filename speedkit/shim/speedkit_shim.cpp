@@ -588,4 +588,34 @@ int sk_foreach_mul_scalar_tensor_(at::Tensor** tensors, int64_t n, at::Tensor* f
   })
 }
 
+// ---------------------------------------------------------------------------------------------
+// Benchmark runner (issue 15): peak reserved memory, and giving cached blocks back between
+// workloads so that each one's reserved figure is its own. Self-contained block; it can move to
+// whichever file ends up holding the allocator statistics.
+// ---------------------------------------------------------------------------------------------
+
+// Peak bytes reserved by the caching allocator since the last reset (what
+// torch.cuda.max_memory_reserved reports).
+int sk_cuda_peak_reserved_memory(int index, int64_t* out) {
+#if SK_WITH_CUDA
+  SK_TRY({
+    using Stat = c10::CachingDeviceAllocator::StatType;
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
+    *out = stats.reserved_bytes[static_cast<size_t>(Stat::AGGREGATE)].peak;
+  })
+#else
+  (void)index; (void)out;
+  SK_NO_CUDA();
+#endif
+}
+
+// Releases every unused cached block to the driver (torch.cuda.empty_cache).
+int sk_cuda_empty_cache() {
+#if SK_WITH_CUDA
+  SK_TRY(c10::cuda::CUDACachingAllocator::emptyCache())
+#else
+  SK_NO_CUDA();
+#endif
+}
+
 }  // extern "C"
