@@ -288,7 +288,9 @@ fn a_filter_matching_no_workload_is_an_error_listing_them() {
 
 #[test]
 fn an_empty_test_harness_is_a_failure_naming_bench_tests() {
-    let e = testing::trials(&[]).err().expect("an error");
+    let Err(e) = testing::trials(&[]) else {
+        panic!("an empty harness must be an error");
+    };
     assert!(e.contains("speedkit::bench_tests!(your_crate)"), "{e}");
 }
 

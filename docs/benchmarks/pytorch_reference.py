@@ -1,4 +1,4 @@
-"""The reference workloads of docs/workloads.md in PyTorch, timed with speedkit's protocol.
+"""The reference workloads of this repository (workloads/) in PyTorch, timed with speedkit's protocol.
 
 speedkit's figures mean something only next to the same work done the usual way, on the same
 machine, in the same session. This script trains `transformer`, `linear3`, `mlp` and `resnet`

@@ -11,15 +11,30 @@
 //! side by side; [`bench_tests!`](crate::bench_tests) turns every workload into a `cargo test` case
 //! (tiny size, CPU) that checks the step finishes, gives a finite loss, and leaves every flag as found.
 //!
-//! ```ignore
+//! ```no_run
+//! use speedkit::bench::Bencher;
+//! use tch::nn::{self, Module};
+//! use tch::{Kind, Tensor};
+//!
 //! #[speedkit::bench(tags = ["mlp"])]
-//! fn mlp(b: &mut speedkit::bench::Bencher) -> anyhow::Result<()> {
+//! fn one_layer(b: &mut Bencher) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //!     let (batch, width) = b.size().pick((8, 16), (256, 1024));
-//!     // ... build model and optimizer on b.device() ...
-//!     b.set_flops_per_step(6.0 * batch as f64 * width as f64 * 512.0);
-//!     b.run(|| -> anyhow::Result<tch::Tensor> { /* one step */ todo!() })?;
+//!     let vs = nn::VarStore::new(b.device());
+//!     let layer = nn::linear(vs.root(), width, width, Default::default());
+//!     let x = Tensor::f_randn([batch, width], (Kind::Float, b.device()))?;
+//!     let ctx = b.ctx();
+//!     let mut opt = ctx.adamw(&vs, speedkit::optim::AdamW::default())?;
+//!     b.set_flops_per_step(6.0 * (batch * width * width) as f64);
+//!     b.run(|| -> speedkit::Result<Tensor> {
+//!         opt.zero_grad()?;
+//!         let loss = ctx.autocast(|| layer.forward(&x).f_square()?.f_mean(Kind::Float))?;
+//!         ctx.backward(&loss)?;
+//!         ctx.step(&mut opt)?;
+//!         Ok(loss)
+//!     })?;
 //!     Ok(())
 //! }
+//! # fn main() {}
 //! ```
 
 pub mod baseline;
