@@ -11,6 +11,7 @@ use speedkit::bench::runner::{self, Args, RunReport};
 use speedkit::bench::stats::Verdict;
 use speedkit::bench::{testing, Bencher, Workload};
 use speedkit_suite::data;
+use speedkit_suite::models::resnet::ResNetConfig;
 use speedkit_suite::models::{Linear3, Linear3Config};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -240,6 +241,29 @@ fn peer_pytorch_without_python_says_how_to_fix_it_and_keeps_speedkit_rows() {
 }
 
 #[test]
+fn peer_pytorch_with_a_python_without_torch_says_how_to_fix_it() {
+    let _lock = common::serial();
+    let imports_torch = std::process::Command::new("python3")
+        .args(["-c", "import torch"])
+        .output()
+        .map(|o| o.status.success());
+    if !matches!(imports_torch, Ok(false)) {
+        eprintln!("skipped: needs a python3 on PATH that cannot import torch");
+        return;
+    }
+    let (report, status) = run_sleepy(2, &["--peer", "pytorch", "--python", "python3"]);
+    assert_eq!(status, 0);
+    let why = report.peer.as_ref().unwrap().not_run.as_deref().unwrap();
+    assert!(why.contains("python3 cannot import torch"), "{why}");
+    assert!(
+        why.contains("pip install -r requirements-torch.txt"),
+        "{why}"
+    );
+    assert!(why.contains("--python PATH"), "{why}");
+    assert!(report.rows[0].measurement.is_some());
+}
+
+#[test]
 fn peer_pytorch_without_cuda_says_the_reference_needs_a_cuda_device() {
     let _lock = common::serial();
     if tch::Cuda::is_available() {
@@ -262,6 +286,72 @@ fn peer_pytorch_without_cuda_says_the_reference_needs_a_cuda_device() {
     let why = report.peer.as_ref().unwrap().not_run.as_deref().unwrap();
     assert!(why.contains("sees no CUDA device"), "{why}");
     assert!(report.rows[0].measurement.is_some());
+}
+
+/// Runs the reference's own code on the CPU, with CUDA's timing and memory calls replaced by host
+/// stand-ins, and prints the rows it reports (one JSON line each).
+const REFERENCE_ON_CPU: &str = r#"
+import importlib.util, json, sys, time
+import torch
+spec = importlib.util.spec_from_file_location("reference", sys.argv[1])
+reference = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(reference)
+
+class HostEvent:
+    def __init__(self, enable_timing=True):
+        self.t = None
+    def record(self):
+        self.t = time.perf_counter()
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+cuda = torch.cuda
+cuda.Event, cuda.synchronize, cuda.empty_cache = HostEvent, lambda *a: None, lambda: None
+cuda.reset_peak_memory_stats = lambda *a: None
+cuda.max_memory_allocated, cuda.max_memory_reserved = (lambda *a: 2048), (lambda *a: 4096)
+print(json.dumps(dict(resnet_flops=reference.ResNet18.flops_per_step())))
+print(json.dumps(reference.measure("mlp", "eager", torch.device("cpu"), 1, 3)))
+"#;
+
+#[test]
+fn the_reference_measures_a_row_the_runner_reads() {
+    let python = speedkit::bench::peer::find_python(None);
+    let Ok(out) = std::process::Command::new(&python)
+        .args([
+            "-c",
+            REFERENCE_ON_CPU,
+            "docs/benchmarks/pytorch_reference.py",
+        ])
+        .output()
+    else {
+        eprintln!("skipped: no {} to run the reference with", python.display());
+        return;
+    };
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if stderr.contains("No module named 'torch'") {
+        eprintln!(
+            "skipped: {} cannot import torch (make .venv, see README)",
+            python.display()
+        );
+        return;
+    }
+    assert!(out.status.success(), "{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let mut lines = stdout.lines();
+    let flops: serde_json::Value = serde_json::from_str(lines.next().unwrap()).unwrap();
+    assert_eq!(
+        flops["resnet_flops"].as_f64(),
+        Some(ResNetConfig::bench().flops_per_step())
+    );
+    let row: speedkit::bench::peer::PeerRow = serde_json::from_str(lines.next().unwrap()).unwrap();
+    assert_eq!((row.workload.as_str(), row.mode.as_str()), ("mlp", "eager"));
+    assert_eq!(row.times_ms.len(), 3);
+    assert!(row.median_ms.is_some_and(|m| m > 0.0));
+    let memory = row.memory.unwrap();
+    assert_eq!(
+        (memory.peak_allocated_bytes, memory.peak_reserved_bytes),
+        (2048, 4096)
+    );
 }
 
 #[test]

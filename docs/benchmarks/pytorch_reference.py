@@ -217,6 +217,34 @@ def summary(times):
     return nearest_rank(ordered, 50), nearest_rank(ordered, 10), nearest_rank(ordered, 90)
 
 
+def train_step(model, batch, mode):
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True,
+                            capturable=mode == "graph")
+    compiled = mode not in ("eager", "graph")
+    forward = torch.compile(model, mode=mode) if compiled else model
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = forward(*batch)
+        loss.backward()
+        opt.step()
+
+    if mode != "graph":
+        return step
+    # PyTorch's whole-network capture recipe: warm up on a side stream, capture one step, replay.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay
+
+
 def profile_transformer(device):
     model, batch, _ = workload("transformer", device)
     step = train_step(model, batch, "eager")

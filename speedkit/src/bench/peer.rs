@@ -30,6 +30,9 @@ use crate::report::table;
 /// The reference script, as shipped in `docs/benchmarks/pytorch_reference.py`.
 pub const REFERENCE_SCRIPT: &str = include_str!("../../../docs/benchmarks/pytorch_reference.py");
 
+/// The workloads the reference has a PyTorch version of (its `WORKLOADS`).
+pub const REFERENCE_WORKLOADS: [&str; 4] = ["transformer", "linear3", "mlp", "resnet"];
+
 /// The reference's modes, in column order, with their column headers.
 pub const MODES: [(&str, &str); 4] = [
     ("eager", "eager AMP"),
@@ -170,7 +173,8 @@ pub fn run_pytorch(
     Err(match (status.code(), wrote) {
         (Some(NO_TORCH), _) => format!("{} cannot import torch ({last}); {fix}", python.display()),
         (_, Some(Err(e))) => format!("{} did not read the script: {e}; {fix}", python.display()),
-        _ => format!("{} (exit {status}): {last}", python.display()),
+        (Some(code), _) => format!("{} (exit status {code}): {last}", python.display()),
+        (None, _) => format!("{} ({status}): {last}", python.display()),
     })
 }
 
@@ -331,6 +335,16 @@ mod tests {
             environment: serde_json::json!({"torch": "2.11.0"}),
             rows,
         }
+    }
+
+    #[test]
+    fn the_reference_lists_the_workloads_the_runner_names() {
+        let quoted: Vec<String> = REFERENCE_WORKLOADS
+            .iter()
+            .map(|w| format!("{w:?}"))
+            .collect();
+        let expected = format!("WORKLOADS = ({})", quoted.join(", "));
+        assert!(REFERENCE_SCRIPT.contains(&expected), "{expected}");
     }
 
     #[test]

@@ -487,6 +487,15 @@ fn run_peer(name: &str, args: &Args, rows: &[Row], size: Size, protocol: &Protoc
         workloads.join(", ")
     );
     match peer::run_pytorch(&python, &workloads, &size.to_string(), protocol) {
+        Ok(run) if run.rows.is_empty() => PeerReport {
+            peer: name.to_string(),
+            run: None,
+            not_run: Some(format!(
+                "the reference has no PyTorch version of {} (it has {})",
+                workloads.join(", "),
+                peer::REFERENCE_WORKLOADS.join(", ")
+            )),
+        },
         Ok(run) => PeerReport {
             peer: name.to_string(),
             run: Some(run),
@@ -759,7 +768,7 @@ fn write_outputs(args: &Args, report: &RunReport) -> Result<()> {
     }
     if let Some(name) = &args.save_baseline {
         let path = baseline::save(name, &json)?;
-        eprintln!("saved baseline {name} in {}", path.display());
+        eprintln!("saved the baseline in {}", path.display());
     }
     if let Some(p) = &args.csv {
         write(p, render_csv(report))?;
