@@ -17,7 +17,7 @@ reserved cover the whole run (warm-up, compilation and graph capture included); 
 allocated during the timed steps alone is reported apart as `steady_peak_allocated_bytes`.
 
     python3 docs/benchmarks/pytorch_reference.py [--compile] [--graph] [--only NAME,...]
-        [--warmup N] [--steps N] [--json FILE] [--json-lines] [--profile]
+        [--warmup N] [--steps N] [--no-paranoid-sync] [--json FILE] [--json-lines] [--profile]
 
 --json-lines prints one JSON object per line on stdout (the environment first, then one per
 row as it finishes) and the human-readable lines on stderr: this is how the speedkit runner's
@@ -190,21 +190,27 @@ def start_memory():
     torch.cuda.reset_peak_memory_stats()
 
 
-def time_steps(step, warmup=10, steps=50):
-    """Times `step`; returns (sorted-order times in ms, memory dict). start_memory() came first."""
+def time_steps(step, warmup=10, steps=50, sync_every_step=True):
+    """Times `step`; returns (times in ms, in step order; memory dict). start_memory() came first.
+
+    Without sync_every_step the timed steps are queued back to back, each between its own events,
+    as speedkit's --no-paranoid-sync does."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
     warm_allocated, warm_reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     torch.cuda.reset_peak_memory_stats()
-    times = []
+    events = []
     for _ in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         step()
         end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        if sync_every_step:
+            torch.cuda.synchronize()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    times = [start.elapsed_time(end) for start, end in events]
     steady = torch.cuda.max_memory_allocated()
     memory = dict(peak_allocated_bytes=max(warm_allocated, steady),
                   peak_reserved_bytes=max(warm_reserved, torch.cuda.max_memory_reserved()),
@@ -274,11 +280,11 @@ def profile_transformer(device):
                 print(f"attention {backend.name}: {e}".splitlines()[0])
 
 
-def measure(name, mode, device, warmup, steps):
+def measure(name, mode, device, warmup, steps, sync_every_step=True):
     model, batch, flops = workload(name, device)
     # Before the optimizer exists: its state, compilation and graph capture count in the peaks.
     start_memory()
-    times, memory = time_steps(train_step(model, batch, mode), warmup, steps)
+    times, memory = time_steps(train_step(model, batch, mode), warmup, steps, sync_every_step)
     median, p10, p90 = summary(times)
     return dict(workload=name, mode=mode, median_ms=median, p10_ms=p10, p90_ms=p90,
                 tflops=flops / median / 1e9, times_ms=times, memory=memory)
@@ -304,6 +310,8 @@ def main():
     parser.add_argument("--size", default="bench")
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--no-paranoid-sync", action="store_true",
+                        help="queue timed steps back to back instead of synchronising after each")
     parser.add_argument("--json")
     parser.add_argument("--json-lines", action="store_true")
     args = parser.parse_args()
@@ -343,7 +351,8 @@ def main():
     for name in names:
         for mode in modes:
             try:
-                row = measure(name, mode, device, args.warmup, args.steps)
+                row = measure(name, mode, device, args.warmup, args.steps,
+                              not args.no_paranoid_sync)
             except Exception as error:  # one failed mode (e.g. no Triton) must not end the run
                 row = dict(workload=name, mode=mode, error=str(error).splitlines()[0])
             results.append(row)
@@ -355,9 +364,10 @@ def main():
             torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
+            sync = "queued back to back" if args.no_paranoid_sync else "synchronised after every step"
             json.dump(dict(environment=env, protocol=f"{args.warmup} warm-up + {args.steps} timed "
-                           "steps, CUDA events, synchronised after every step; memory over the "
-                           "whole run (warm-up, compilation and capture included)",
+                           f"steps, CUDA events, {sync}; memory over the whole run (warm-up, "
+                           "compilation and capture included)",
                            results=results), f, indent=2)
 
 

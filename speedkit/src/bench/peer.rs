@@ -3,10 +3,10 @@
 //! `--peer pytorch` runs the project's reference (`docs/benchmarks/pytorch_reference.py`, embedded
 //! in the runner) with a Python that has torch: `--python PATH`, else `.venv/bin/python` of the
 //! current directory or one of its parents, else `python3`. The reference trains each selected
-//! workload it has a PyTorch twin of in eager mode with AMP, as one whole-step CUDA graph, and under
-//! `torch.compile` (default and `reduce-overhead`), with the runner's warm-up and step counts, and
-//! reports one JSON line per row. When it cannot run (no Python, no torch, no CUDA device), the
-//! reason and its fix are one line, and the runner's own rows stand alone.
+//! workload it has a PyTorch twin of in eager mode with AMP, as one whole-step CUDA graph, and
+//! under `torch.compile` (default and `reduce-overhead`), with the runner's warm-up, step count
+//! and sync, and reports one JSON line per row. When it cannot run (no Python, no torch, no CUDA
+//! device), the reason and its fix are one line, and the runner's own rows stand alone.
 //!
 //! ```no_run
 //! use speedkit::bench::peer::{find_python, run_pytorch};
@@ -121,6 +121,7 @@ pub fn run_pytorch(
         .arg(workloads.join(","))
         .args(["--warmup", &protocol.warmup.to_string()])
         .args(["--steps", &protocol.steps.to_string()])
+        .args((!protocol.paranoid_sync).then_some("--no-paranoid-sync"))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
