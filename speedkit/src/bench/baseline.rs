@@ -330,11 +330,13 @@ fn describe(p: &Protocol) -> String {
 }
 
 impl Comparison {
-    /// The rows slower than the baseline by more than `percent` with 95% confidence.
-    pub fn slower_beyond(&self, percent: f64) -> Vec<&ComparedRow> {
+    /// The rows slower than the baseline by more than `percent` with 95% confidence, each with
+    /// its change.
+    pub fn slower_beyond(&self, percent: f64) -> Vec<(&ComparedRow, MedianRatio)> {
         self.rows
             .iter()
-            .filter(|r| r.change.is_some_and(|c| c.slower_beyond(percent / 100.0)))
+            .filter_map(|r| Some((r, r.change?)))
+            .filter(|(_, c)| c.slower_beyond(percent / 100.0))
             .collect()
     }
 

@@ -244,15 +244,11 @@ pub fn exit_status(args: &Args, report: &RunReport) -> u8 {
         status = 1;
     }
     if let (Some(pct), Some(comparison)) = (args.fail_above, &report.baseline) {
-        for r in comparison.slower_beyond(pct) {
-            let c = r
-                .change
-                .as_ref()
-                .map_or((0.0, 0.0, 0.0), |c| (c.ratio, c.low, c.high));
+        for (r, c) in comparison.slower_beyond(pct) {
             eprintln!(
-                "regression: {} / {} is {:.3}x the baseline's time (95% CI {:.3}-{:.3}), \
+                "regression: {} / {} takes {:.3}x the baseline's time (95% CI {:.3}-{:.3}), \
                  slower beyond --fail-above {pct}%",
-                r.workload, r.config, c.0, c.1, c.2
+                r.workload, r.config, c.ratio, c.low, c.high
             );
             status = 1;
         }
