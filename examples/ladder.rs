@@ -206,7 +206,7 @@ fn main() -> anyhow::Result<()> {
                 records.push(json!({
                     "rung": rung.name, "adds": rung.adds, "status": "ran",
                     "median_ms": m.median_ms, "p10_ms": m.p10_ms, "p90_ms": m.p90_ms,
-                    "tflops": m.tflops, "peak_memory_bytes": m.peak_memory_bytes, "graphed": m.graphed,
+                    "tflops": m.tflops, "memory": m.memory, "graphed": m.graphed,
                     "speedup_vs_previous": vs_prev, "speedup_vs_fp32": vs_first.unwrap_or(1.0),
                     "final_loss": m.final_loss, "notes": notes, "times_ms": m.times_ms,
                 }));

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU runs behind docs/benchmarks/: run from the project root on the CUDA host, after
 # `../shared/gpu/pack` packed the executables into .gpu/ (see README, "Benchmarks").
-#   bash docs/benchmarks/gpu-suite.sh tests|suite|examples|reference|all OUTDIR
-# `reference` times the same workloads in PyTorch (pytorch_reference.py) with the host's python3.
+#   bash docs/benchmarks/gpu-suite.sh tests|suite|examples|reference|peer|all OUTDIR
+# `reference` times the same workloads in PyTorch (pytorch_reference.py) with the host's python3;
+# `peer` runs the training workloads and that reference in one runner invocation (--peer pytorch).
 set -uo pipefail
 part=${1:?tests|suite|examples}
 out=${2:?output directory}
@@ -14,7 +15,7 @@ if [ "$part" = all ]; then
 fi
 case $part in
 tests)
-  for t in flags amp optim context training gpu macro_accelerate workloads; do
+  for t in flags amp optim context training gpu macro_accelerate workloads bench_runner; do
     # --nocapture: the fidelity tests print the gaps they measured.
     run $t.test --test-threads=1 --nocapture 2>&1 | grep -Ev '^test .* \.\.\. ok$'
   done
@@ -38,5 +39,10 @@ examples)
 reference)
   PYTHONUNBUFFERED=1 python3 docs/benchmarks/pytorch_reference.py --graph --compile \
     --json "$out/pytorch-reference.json"
+  ;;
+peer)
+  run bench --filter transformer --filter linear3 --filter mlp --filter resnet \
+    --config examples/configs/auto_eager.yaml --config auto --peer pytorch \
+    --json "$out/peer.json"
   ;;
 esac

@@ -1,28 +1,47 @@
-"""The reference workloads of ../shared/workloads.md in PyTorch, timed with speedkit's protocol.
+"""The reference workloads of this repository (workloads/) in PyTorch, timed with speedkit's protocol.
 
 speedkit's figures mean something only next to the same work done the usual way, on the same
-machine, in the same session. This script trains `transformer`, `linear3` and `mlp` exactly as
-workloads.md defines them, in PyTorch eager with AMP bf16 and fused AdamW; with --compile also
-under torch.compile's default and `reduce-overhead` modes; with --graph also as one whole-step
-CUDA graph of the eager kernels (forward, backward and optimizer captured with
-torch.cuda.graph: what speedkit's graph mode does, so the two show the same kernels' cost). It
-times each step between CUDA events with a device synchronisation after every step (10 warm-up +
-50 timed steps, median/p10/p90).
+machine, in the same session. This script trains `transformer`, `linear3`, `mlp` and `resnet`
+exactly as the workloads define them, in PyTorch eager with AMP bf16 and fused AdamW; with
+--compile also under torch.compile's default and `reduce-overhead` modes (the loss computed
+inside the compiled model, as the strongest PyTorch user would write it); with --graph also as
+one whole-step CUDA graph of the eager kernels (forward, backward and optimizer captured with
+torch.cuda.graph: what speedkit's graph mode does, so the two show the same kernels' cost).
+`resnet` runs channels-last. Each step is timed between CUDA events with a device
+synchronisation after every step (10 warm-up + 50 timed steps unless --warmup/--steps say
+otherwise; median/p10/p90 by nearest rank, as speedkit computes them).
 
-    python3 docs/benchmarks/pytorch_reference.py [--compile] [--graph] [--profile] [--json FILE]
+Memory is measured as speedkit measures its own: the allocator's cache is emptied and its peaks
+reset just before the optimizer is made and warm-up begins, so the peak allocated and peak
+reserved cover the whole run (warm-up, compilation and graph capture included); the peak
+allocated during the timed steps alone is reported apart as `steady_peak_allocated_bytes`.
 
+    python3 docs/benchmarks/pytorch_reference.py [--compile] [--graph] [--only NAME,...]
+        [--warmup N] [--steps N] [--no-paranoid-sync] [--json FILE] [--json-lines] [--profile]
+
+--json-lines prints one JSON object per line on stdout (the environment first, then one per
+row as it finishes) and the human-readable lines on stderr: this is how the speedkit runner's
+`--peer pytorch` reads it. Exit status 3: no CUDA device (the reference times CUDA work only);
+4: torch cannot be imported; 5: a size other than `bench` was asked for.
 --profile prints torch.profiler's kernel table for one eager `transformer` step and times the
 attention of that workload under each SDPA backend, which is where to look for a step's time.
 """
 
 import argparse
 import json
-import statistics
+import math
 import sys
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+try:
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+except ImportError as error:
+    print(f"cannot import torch: {error}; install it with "
+          "`pip install -r requirements-torch.txt`", file=sys.stderr)
+    sys.exit(4)
+
+WORKLOADS = ("transformer", "linear3", "mlp", "resnet")
 
 
 class Block(nn.Module):
@@ -77,6 +96,63 @@ class Mlp(nn.Module):
         return F.cross_entropy(self.layers(x), labels)
 
 
+class ConvBn(nn.Module):
+    def __init__(self, cin, cout, k, stride):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, k, stride, padding=k // 2, bias=False)
+        self.bn = nn.BatchNorm2d(cout)
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin, cout, stride):
+        super().__init__()
+        self.c1, self.c2 = ConvBn(cin, cout, 3, stride), ConvBn(cout, cout, 3, 1)
+        self.shortcut = ConvBn(cin, cout, 1, stride) if stride != 1 or cin != cout else None
+
+    def forward(self, x):
+        y = self.c2(F.relu(self.c1(x)))
+        return F.relu(y + (self.shortcut(x) if self.shortcut is not None else x))
+
+
+class ResNet18(nn.Module):
+    """The CIFAR ResNet-18 of speedkit_suite::models::resnet (3x3 stem, no max-pool)."""
+
+    WIDTHS = (64, 128, 256, 512)
+
+    def __init__(self, classes=10):
+        super().__init__()
+        self.stem = ConvBn(3, 64, 3, 1)
+        blocks, cin = [], 64
+        for stage, width in enumerate(self.WIDTHS):
+            for i in range(2):
+                blocks.append(BasicBlock(cin, width, 2 if stage > 0 and i == 0 else 1))
+                cin = width
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, images, labels):
+        x = self.blocks(F.relu(self.stem(images)))
+        return F.cross_entropy(self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)), labels)
+
+    @classmethod
+    def flops_per_step(cls, batch=256, size=32, classes=10):
+        conv = lambda cin, cout, k, hw: 2 * batch * cin * cout * k * k * hw * hw
+        hw, cin = size, 64
+        forward = conv(3, 64, 3, hw)
+        for stage, width in enumerate(cls.WIDTHS):
+            for i in range(2):
+                stride = 2 if stage > 0 and i == 0 else 1
+                hw = (hw + stride - 1) // stride
+                forward += conv(cin, width, 3, hw) + conv(width, width, 3, hw)
+                if stride != 1 or cin != width:
+                    forward += conv(cin, width, 1, hw)
+                cin = width
+        return 3 * (forward + 2 * batch * cin * classes)
+
+
 def workload(name, device):
     torch.manual_seed(0)
     if name == "transformer":
@@ -88,28 +164,63 @@ def workload(name, device):
         model = Linear3()
         batch = (torch.randn(512, 8192, device=device), torch.randn(512, 8192, device=device))
         flops = 3 * 3 * 2 * 512 * 8192**2
-    else:
+    elif name == "mlp":
         model = Mlp()
         batch = (torch.randn(256, 512, device=device), torch.randint(0, 10, (256,), device=device))
         flops = 0.82e9
+    else:
+        model = ResNet18().to(memory_format=torch.channels_last)
+        images = torch.randn(256, 3, 32, 32, device=device)
+        batch = (images.contiguous(memory_format=torch.channels_last),
+                 torch.randint(0, 10, (256,), device=device))
+        flops = ResNet18.flops_per_step()
     return model.to(device), batch, flops
 
 
-def time_steps(step, warmup=10, steps=50):
+def nearest_rank(sorted_times, p):
+    """speedkit's percentile: nearest rank, halves rounded away from zero."""
+    return sorted_times[min(len(sorted_times) - 1,
+                            int(math.floor(p / 100 * (len(sorted_times) - 1) + 0.5)))]
+
+
+def start_memory():
+    """Empty the cache and reset the peaks: what follows is this run's memory alone."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def time_steps(step, warmup=10, steps=50, sync_every_step=True):
+    """Times `step`; returns (times in ms, in step order; memory dict). start_memory() came first.
+
+    Without sync_every_step the timed steps are queued back to back, each between its own events,
+    as speedkit's --no-paranoid-sync does."""
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
-    times = []
+    warm_allocated, warm_reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    events = []
     for _ in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         step()
         end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    q = statistics.quantiles(times, n=10)
-    return statistics.median(times), q[0], q[-1]
+        if sync_every_step:
+            torch.cuda.synchronize()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    times = [start.elapsed_time(end) for start, end in events]
+    steady = torch.cuda.max_memory_allocated()
+    memory = dict(peak_allocated_bytes=max(warm_allocated, steady),
+                  peak_reserved_bytes=max(warm_reserved, torch.cuda.max_memory_reserved()),
+                  steady_peak_allocated_bytes=steady)
+    return times, memory
+
+
+def summary(times):
+    ordered = sorted(times)
+    return nearest_rank(ordered, 50), nearest_rank(ordered, 10), nearest_rank(ordered, 90)
 
 
 def train_step(model, batch, mode):
@@ -163,10 +274,31 @@ def profile_transformer(device):
             def attention():
                 F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
             try:
-                median, _, _ = time_steps(attention)
+                median, _, _ = summary(time_steps(attention)[0])
                 print(f"attention fwd+bwd, one layer, {backend.name}: {median:.3f} ms")
             except RuntimeError as e:
                 print(f"attention {backend.name}: {e}".splitlines()[0])
+
+
+def measure(name, mode, device, warmup, steps, sync_every_step=True):
+    model, batch, flops = workload(name, device)
+    # Before the optimizer exists: its state, compilation and graph capture count in the peaks.
+    start_memory()
+    times, memory = time_steps(train_step(model, batch, mode), warmup, steps, sync_every_step)
+    median, p10, p90 = summary(times)
+    return dict(workload=name, mode=mode, median_ms=median, p10_ms=p10, p90_ms=p90,
+                tflops=flops / median / 1e9, times_ms=times, memory=memory)
+
+
+def describe(row):
+    if row.get("error"):
+        return f"{row['workload']:12} {row['mode']:16} failed: {row['error']}"
+    gib = lambda b: b / 2**30
+    m = row["memory"]
+    return (f"{row['workload']:12} {row['mode']:16} {row['median_ms']:8.3f} ms  "
+            f"p10 {row['p10_ms']:.3f}  p90 {row['p90_ms']:.3f}  {row['tflops']:.1f} TFLOP/s  "
+            f"peak {gib(m['peak_allocated_bytes']):.2f} GiB  reserved "
+            f"{gib(m['peak_reserved_bytes']):.2f} GiB  steady {gib(m['steady_peak_allocated_bytes']):.2f} GiB")
 
 
 def main():
@@ -174,34 +306,69 @@ def main():
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--graph", action="store_true")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--only", help="comma-separated workloads (others are skipped with a note)")
+    parser.add_argument("--size", default="bench")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--no-paranoid-sync", action="store_true",
+                        help="queue timed steps back to back instead of synchronising after each")
     parser.add_argument("--json")
+    parser.add_argument("--json-lines", action="store_true")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(f"the PyTorch reference times CUDA work and torch {torch.__version__} sees no CUDA "
+              "device: run it on a machine with an NVIDIA GPU and a CUDA build of torch",
+              file=sys.stderr)
+        sys.exit(3)
+    if args.size != "bench":
+        print(f"the PyTorch reference runs the bench size only, not {args.size}: "
+              "run with --size bench", file=sys.stderr)
+        sys.exit(5)
+    names = WORKLOADS
+    if args.only:
+        asked = [n for n in args.only.split(",") if n]
+        for n in asked:
+            if n not in WORKLOADS:
+                print(f"note: {n} has no PyTorch version here (known: {', '.join(WORKLOADS)})",
+                      file=sys.stderr)
+        names = [n for n in asked if n in WORKLOADS]
+    human = sys.stderr if args.json_lines else sys.stdout
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.benchmark = True
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, cuDNN {torch.backends.cudnn.version()}")
+    env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(),
+               cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version(),
+               python=sys.version.split()[0])
+    print(f"torch {env['torch']}, {env['gpu']}, CUDA {env['cuda']}, cuDNN {env['cudnn']}",
+          file=human, flush=True)
+    if args.json_lines:
+        print(json.dumps(dict(environment=env)), flush=True)
     if args.profile:
         profile_transformer(device)
     results = []
     modes = (["eager"] + (["graph"] if args.graph else [])
              + (["default", "reduce-overhead"] if args.compile else []))
-    for name in ("transformer", "linear3", "mlp"):
+    for name in names:
         for mode in modes:
-            model, batch, flops = workload(name, device)
-            median, p10, p90 = time_steps(train_step(model, batch, mode))
-            row = dict(workload=name, mode=mode, median_ms=median, p10_ms=p10, p90_ms=p90,
-                       tflops=flops / median / 1e9)
+            try:
+                row = measure(name, mode, device, args.warmup, args.steps,
+                              not args.no_paranoid_sync)
+            except Exception as error:  # one failed mode (e.g. no Triton) must not end the run
+                row = dict(workload=name, mode=mode, error=str(error).splitlines()[0])
             results.append(row)
-            print(f"{name:12} {mode:16} {median:8.3f} ms  p10 {p10:.3f}  p90 {p90:.3f}  "
-                  f"{row['tflops']:.1f} TFLOP/s", flush=True)
-            del model, batch
+            print(describe(row), file=human, flush=True)
+            if args.json_lines:
+                print(json.dumps(row), flush=True)
+            if mode in ("default", "reduce-overhead"):
+                torch._dynamo.reset()  # frees compiled graphs and their CUDA-graph pools
             torch.cuda.empty_cache()
     if args.json:
-        env = dict(torch=torch.__version__, gpu=torch.cuda.get_device_name(),
-                   cudnn=torch.backends.cudnn.version(), python=sys.version.split()[0])
         with open(args.json, "w") as f:
-            json.dump(dict(environment=env, protocol="10 warm-up + 50 timed steps, CUDA events, "
-                           "synchronised after every step", results=results), f, indent=2)
+            sync = "queued back to back" if args.no_paranoid_sync else "synchronised after every step"
+            json.dump(dict(environment=env, protocol=f"{args.warmup} warm-up + {args.steps} timed "
+                           f"steps, CUDA events, {sync}; memory over the whole run (warm-up, "
+                           "compilation and capture included)",
+                           results=results), f, indent=2)
 
 
 if __name__ == "__main__":

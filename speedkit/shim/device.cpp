@@ -101,6 +101,31 @@ int sk_cuda_reset_peak_memory(int index) {
 #endif
 }
 
+// Peak bytes reserved by the caching allocator since the last reset (what
+// torch.cuda.max_memory_reserved reports).
+int sk_cuda_peak_reserved_memory(int index, int64_t* out) {
+#if SK_WITH_CUDA
+  SK_TRY({
+    using Stat = c10::CachingDeviceAllocator::StatType;
+    auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
+    *out = stats.reserved_bytes[static_cast<size_t>(Stat::AGGREGATE)].peak;
+  })
+#else
+  (void)index; (void)out;
+  SK_NO_CUDA();
+#endif
+}
+
+// Releases every unused cached block to the driver (torch.cuda.empty_cache), so that the next
+// benchmark's reserved figure is its own.
+int sk_cuda_empty_cache() {
+#if SK_WITH_CUDA
+  SK_TRY(c10::cuda::CUDACachingAllocator::emptyCache())
+#else
+  SK_NO_CUDA();
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // CUDA events (timing) and streams
 // ---------------------------------------------------------------------------------------------

@@ -72,6 +72,8 @@ extern "C" {
         reserved: *mut i64,
     ) -> c_int;
     fn sk_cuda_reset_peak_memory(index: c_int) -> c_int;
+    fn sk_cuda_peak_reserved_memory(index: c_int, out: *mut i64) -> c_int;
+    fn sk_cuda_empty_cache() -> c_int;
 
     fn sk_cuda_event_new(out: *mut *mut c_void) -> c_int;
     fn sk_cuda_event_record(event: *mut c_void) -> c_int;
@@ -321,6 +323,20 @@ pub(crate) fn cuda_memory_stats(index: usize) -> Result<(u64, u64, u64), Speedki
 pub(crate) fn cuda_reset_peak_memory(index: usize) -> Result<(), SpeedkitError> {
     // SAFETY: plain value.
     check(unsafe { sk_cuda_reset_peak_memory(index as c_int) })
+}
+
+/// Peak bytes reserved by the caching allocator since the last reset.
+pub(crate) fn cuda_peak_reserved_memory(index: usize) -> Result<u64, SpeedkitError> {
+    let mut peak = 0i64;
+    // SAFETY: out-pointer valid for the call.
+    check(unsafe { sk_cuda_peak_reserved_memory(index as c_int, &mut peak) })?;
+    Ok(peak.max(0) as u64)
+}
+
+/// Gives the caching allocator's unused blocks back to the driver.
+pub(crate) fn cuda_empty_cache() -> Result<(), SpeedkitError> {
+    // SAFETY: no arguments.
+    check(unsafe { sk_cuda_empty_cache() })
 }
 
 pub(crate) fn cuda_synchronize(index: usize) -> Result<(), SpeedkitError> {

@@ -4,7 +4,8 @@
 //! [`Size`] it is given, on the device of the [`SpeedContext`] it is given, and hands one training
 //! step to [`Bencher::run`], which warms up, times each step (CUDA events on the GPU, a device
 //! synchronisation after every step under paranoid sync, as `../shared/workloads.md` prescribes), and
-//! records the median/p10/p90, TFLOP/s and peak device memory.
+//! records the median/p10/p90, TFLOP/s and device memory ([`DeviceMemory`]: the peak of the whole
+//! run, warm-up and graph capture included, and the reserved memory).
 //!
 //! The runner ([`bench_main!`](crate::bench_main)) runs every workload under several configurations
 //! side by side; [`bench_tests!`](crate::bench_tests) turns every workload into a `cargo test` case
@@ -34,10 +35,16 @@
 //! # assert!(speedkit::bench::Workload::named("mlp").is_some());
 //! ```
 
+pub mod baseline;
+mod memory;
+pub mod peer;
 pub mod runner;
+pub mod stats;
 pub mod testing;
 
-use serde::Serialize;
+pub use memory::DeviceMemory;
+
+use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::time::Instant;
 use tch::{Device, Tensor};
@@ -46,6 +53,7 @@ use crate::error::SpeedkitError;
 use crate::ffi;
 use crate::graph::CompiledStep;
 use crate::SpeedContext;
+use memory::MemoryProbe;
 
 /// Problem size of a workload run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -199,7 +207,7 @@ impl<T: IntoStepResult, E: Into<Box<dyn std::error::Error + Send + Sync>>> IntoS
 }
 
 /// How a [`Bencher`] measures.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Protocol {
     /// Untimed steps first (capture and autotuning happen here).
     pub warmup: usize,
@@ -226,8 +234,8 @@ pub struct Measurement {
     pub tflops: Option<f64>,
     /// Items per step (e.g. tokens) and their unit, when declared.
     pub items_per_step: Option<(f64, &'static str)>,
-    /// Peak device memory allocated during the timed steps, bytes (CUDA only).
-    pub peak_memory_bytes: Option<u64>,
+    /// Device memory of the run (CUDA only).
+    pub memory: Option<DeviceMemory>,
     /// The last step's loss, when the step returns one.
     pub final_loss: Option<f64>,
     /// Whether the step ran as a replayed CUDA graph.
@@ -365,14 +373,12 @@ impl<'a> Bencher<'a> {
                 f()
             }
         };
+        let probe = cuda.map(MemoryProbe::start).transpose()?;
         for _ in 0..self.protocol.warmup {
             step()?;
             tick();
         }
-        if let Some(i) = cuda {
-            ffi::cuda_synchronize(i)?;
-            ffi::cuda_reset_peak_memory(i)?;
-        }
+        let warmup_peaks = probe.as_ref().map(MemoryProbe::end_warmup).transpose()?;
         let mut times = Vec::with_capacity(self.protocol.steps);
         let mut last = None;
         match cuda {
@@ -404,9 +410,9 @@ impl<'a> Bencher<'a> {
                 }
             }
         }
-        let peak_memory_bytes = match cuda {
-            Some(i) => Some(ffi::cuda_memory_stats(i)?.1),
-            None => None,
+        let memory = match (&probe, warmup_peaks) {
+            (Some(probe), Some(warmup)) => Some(probe.finish(warmup)?),
+            _ => None,
         };
         let final_loss = match last {
             Some(t) if t.numel() == 1 => Some(t.f_double_value(&[]).map_err(SpeedkitError::from)?),
@@ -423,7 +429,7 @@ impl<'a> Bencher<'a> {
             flops_per_step: self.flops_per_step,
             tflops: self.flops_per_step.map(|f| f / (median_ms * 1e-3) / 1e12),
             items_per_step: self.items_per_step,
-            peak_memory_bytes,
+            memory,
             final_loss,
             graphed: false,
             timer: if cuda.is_some() {

@@ -3,10 +3,17 @@
 //! ```text
 //! cargo bench --bench workloads -- [--list] [--filter PAT]... [--config NAME|FILE]... [--size tiny|bench]
 //!     [--steps N] [--warmup N] [--paranoid-sync|--no-paranoid-sync] [--json FILE] [--csv FILE] [--svg FILE]
+//!     [--save-baseline NAME] [--baseline NAME|FILE [--noise-threshold PCT] [--fail-above PCT]]
+//!     [--peer pytorch [--python PATH]]
 //! ```
 //! Configurations run side by side in one process (comparisons are only valid within one run); the
-//! first is the baseline the speedup column divides by. `--config` takes a preset (`fp32_strict`,
+//! first is the one the speedup column divides by. `--config` takes a preset (`fp32_strict`,
 //! `tf32`, `auto`), `bf16`/`fp16` (auto with that precision), or a YAML/JSON file.
+//!
+//! `--save-baseline`/`--baseline` keep a run and judge a later one against it
+//! ([`baseline`](super::baseline)); `--peer pytorch` times the same workloads in PyTorch in the
+//! same run ([`peer`](super::peer)). Exit status: 0, 1 when a workload failed or a row is slower
+//! than the baseline beyond `--fail-above`, 2 for bad input (including no workload to run).
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -16,7 +23,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use tch::{Device, Kind, Tensor};
 
-use super::{Bencher, Measurement, Protocol, Size, Workload};
+use super::baseline::{self, Baseline, Comparison};
+use super::peer::{self, PeerReport};
+use super::{Bencher, DeviceMemory, Measurement, Protocol, Size, Workload};
 use crate::config::{AutoBool, Precision, SpeedConfig};
 use crate::error::{Result, SpeedkitError};
 use crate::ffi;
@@ -67,6 +76,29 @@ pub struct Args {
     /// Use this device peak (TFLOP/s) for "% of peak" instead of measuring a bf16 matmul.
     #[arg(long, value_name = "TFLOPS")]
     pub peak_tflops: Option<f64>,
+    /// Save this run (every step time, environment, configs) as a baseline: a NAME is stored in
+    /// target/speedkit/baselines/NAME.json ($CARGO_TARGET_DIR/speedkit/baselines with that set);
+    /// a path ending in .json is written as given.
+    #[arg(long, value_name = "NAME|FILE")]
+    pub save_baseline: Option<String>,
+    /// Compare every row with a saved baseline (a NAME, or a report written by --json): ratio of
+    /// medians, 95% confidence interval, verdict.
+    #[arg(long, value_name = "NAME|FILE")]
+    pub baseline: Option<String>,
+    /// Changes smaller than this many percent count as "no change".
+    #[arg(long, value_name = "PCT", default_value_t = 1.0, requires = "baseline")]
+    pub noise_threshold: f64,
+    /// Exit with status 1 when a row is slower than the baseline by more than PCT percent with 95%
+    /// confidence.
+    #[arg(long, value_name = "PCT", requires = "baseline")]
+    pub fail_above: Option<f64>,
+    /// Time the same workloads in PyTorch (docs/benchmarks/pytorch_reference.py) in this run.
+    #[arg(long, value_parser = ["pytorch"])]
+    pub peer: Option<String>,
+    /// The Python (with torch) for --peer [default: .venv/bin/python here or in a parent
+    /// directory, else python3].
+    #[arg(long, value_name = "PATH", requires = "peer")]
+    pub python: Option<PathBuf>,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     pub bench: bool,
@@ -139,9 +171,15 @@ pub struct Row {
     pub error: Option<String>,
 }
 
-/// The whole run, as written by `--json`.
+/// Version of the layout of [`RunReport`]'s JSON; bumped whenever a field changes meaning or
+/// moves. 2: memory as [`DeviceMemory`](super::DeviceMemory), baselines and peers.
+pub const REPORT_SCHEMA_VERSION: u32 = 2;
+
+/// The whole run, as written by `--json` and `--save-baseline`.
 #[derive(Clone, Debug, Serialize)]
 pub struct RunReport {
+    /// [`REPORT_SCHEMA_VERSION`].
+    pub schema_version: u32,
     /// Hardware and software.
     pub environment: Hardware,
     /// The device peak used for "% of peak", TFLOP/s.
@@ -154,6 +192,10 @@ pub struct RunReport {
     pub configs: Vec<NamedConfig>,
     /// Results.
     pub rows: Vec<Row>,
+    /// The comparison with `--baseline`.
+    pub baseline: Option<Comparison>,
+    /// The `--peer` run.
+    pub peer: Option<PeerReport>,
 }
 
 /// Measures the dense bf16 matmul rate of `device` (8192³, median of 20 after 5 warm-ups).
@@ -181,70 +223,54 @@ pub fn measure_matmul_peak(device: Device) -> Result<f64> {
     Ok(2.0 * (n as f64).powi(3) / (super::percentile(&times, 50.0) * 1e-3) / 1e12)
 }
 
-/// The runner's `main`.
+/// The runner's `main`: every registered workload.
 pub fn main() -> ExitCode {
-    let args = Args::parse();
-    match run(&args) {
-        Ok(report) => {
-            if report.rows.iter().any(|r| r.error.is_some()) {
-                ExitCode::FAILURE
-            } else {
-                ExitCode::SUCCESS
-            }
-        }
+    ExitCode::from(main_with(&Args::parse(), &Workload::all()))
+}
+
+/// Runs `workloads` as `args` say, printing errors; returns the exit status (see the module docs).
+pub fn main_with(args: &Args, workloads: &[&Workload]) -> u8 {
+    match run_with(args, workloads) {
+        Ok(report) => exit_status(args, &report),
         Err(e) => {
             eprintln!("error: {e}");
-            ExitCode::from(2)
+            2
         }
     }
 }
 
-/// Runs the selected workloads and prints/writes the results.
+/// 1 when a row failed or is slower than the baseline beyond `--fail-above` (each said on
+/// stderr), 0 otherwise.
+pub fn exit_status(args: &Args, report: &RunReport) -> u8 {
+    let mut status = 0;
+    if report.rows.iter().any(|r| r.error.is_some()) {
+        status = 1;
+    }
+    if let (Some(pct), Some(comparison)) = (args.fail_above, &report.baseline) {
+        for (r, c) in comparison.slower_beyond(pct) {
+            eprintln!(
+                "regression: {} / {} takes {:.3}x the baseline's time (95% CI {:.3}-{:.3}), \
+                 slower beyond --fail-above {pct}%",
+                r.workload, r.config, c.ratio, c.low, c.high
+            );
+            status = 1;
+        }
+    }
+    status
+}
+
+/// Runs every registered workload `args` selects and prints/writes the results.
 pub fn run(args: &Args) -> Result<RunReport> {
-    let workloads: Vec<&Workload> = Workload::all()
-        .into_iter()
-        .filter(|w| args.filters.is_empty() || args.filters.iter().any(|f| w.matches(f)))
-        .collect();
+    run_with(args, &Workload::all())
+}
+
+/// Runs those of `workloads` that `args` selects and prints/writes the results.
+pub fn run_with(args: &Args, workloads: &[&Workload]) -> Result<RunReport> {
+    let selected = select(workloads, &args.filters)?;
+    let hardware = Hardware::detect()?;
     if args.list {
-        let rows: Vec<Vec<String>> = workloads
-            .iter()
-            .map(|w| {
-                vec![
-                    w.name.to_string(),
-                    w.tags.join(","),
-                    w.sizes
-                        .iter()
-                        .map(Size::to_string)
-                        .collect::<Vec<_>>()
-                        .join(","),
-                    if w.cuda_only {
-                        "cuda".into()
-                    } else {
-                        "any".into()
-                    },
-                    format!("{}:{}", w.file, w.line),
-                ]
-            })
-            .collect();
-        print!(
-            "{}",
-            table(
-                &["workload", "tags", "sizes", "device", "defined at"],
-                &rows
-            )
-        );
-        return Ok(RunReport {
-            environment: Hardware::detect()?,
-            peak_tflops: None,
-            peak_source: String::new(),
-            protocol: Protocol {
-                warmup: 0,
-                steps: 0,
-                paranoid_sync: true,
-            },
-            configs: vec![],
-            rows: vec![],
-        });
+        print_list(&selected);
+        return Ok(RunReport::empty(hardware));
     }
     let names = if args.configs.is_empty() {
         vec!["fp32_strict".to_string(), "auto".to_string()]
@@ -255,37 +281,158 @@ pub fn run(args: &Args) -> Result<RunReport> {
         .iter()
         .map(|n| resolve_config(n))
         .collect::<Result<Vec<_>>>()?;
-    let hardware = Hardware::detect()?;
+    // Bad baseline arguments fail before anything is measured.
+    let baseline = args.baseline.as_deref().map(Baseline::load).transpose()?;
+    if let Some(name) = &args.save_baseline {
+        baseline::path_for(name)?;
+    }
     let on_gpu = !hardware.gpus.is_empty();
     let size = match args.size.as_deref() {
         Some(s) => Size::parse(s).unwrap_or(Size::Tiny),
         None if on_gpu => Size::Bench,
         None => Size::Tiny,
     };
-    let first = &configs[0].config.bench;
-    let protocol = Protocol {
-        warmup: args.warmup.unwrap_or(first.warmup as usize),
-        steps: args.steps.unwrap_or(first.steps as usize).max(1),
+    let protocol = protocol_of(args, &configs[0].config);
+    let (peak_tflops, peak_source) = device_peak(args, on_gpu)?;
+    let rows = measure_all(&selected, &configs, size, &protocol, peak_tflops, on_gpu);
+    let peer = args
+        .peer
+        .as_ref()
+        .map(|name| run_peer(name, args, &rows, size, &protocol));
+    let comparison = baseline.map(|b| {
+        baseline::compare(
+            &b,
+            &rows,
+            &hardware,
+            &protocol,
+            args.noise_threshold / 100.0,
+        )
+    });
+    let report = RunReport {
+        schema_version: REPORT_SCHEMA_VERSION,
+        environment: hardware,
+        peak_tflops,
+        peak_source,
+        protocol,
+        configs,
+        rows,
+        baseline: comparison,
+        peer,
+    };
+    println!("{}", render_text(&report));
+    write_outputs(args, &report)?;
+    Ok(report)
+}
+
+/// The workloads matching any of `filters` (all when there is none); no workload at all, or none
+/// matching, is an error that says how to fix it.
+pub fn select<'w>(workloads: &[&'w Workload], filters: &[String]) -> Result<Vec<&'w Workload>> {
+    if workloads.is_empty() {
+        return Err(SpeedkitError::Misuse(
+            "no workloads are registered in this benchmark runner: it runs the \
+             `#[speedkit::bench]` functions of the crate it names, so write \
+             `speedkit::bench_main!(your_crate);` with the crate that defines them (a dependency \
+             of this bench target)"
+                .into(),
+        ));
+    }
+    let selected: Vec<&Workload> = workloads
+        .iter()
+        .copied()
+        .filter(|w| filters.is_empty() || filters.iter().any(|f| w.matches(f)))
+        .collect();
+    if selected.is_empty() {
+        let names: Vec<&str> = workloads.iter().map(|w| w.name).collect();
+        return Err(SpeedkitError::Misuse(format!(
+            "--filter {} matches no workload: a filter is part of a name or a whole tag; the \
+             workloads are {} (see --list)",
+            filters.join(" --filter "),
+            names.join(", ")
+        )));
+    }
+    Ok(selected)
+}
+
+fn print_list(workloads: &[&Workload]) {
+    let rows: Vec<Vec<String>> = workloads
+        .iter()
+        .map(|w| {
+            vec![
+                w.name.to_string(),
+                w.tags.join(","),
+                w.sizes
+                    .iter()
+                    .map(Size::to_string)
+                    .collect::<Vec<_>>()
+                    .join(","),
+                if w.cuda_only { "cuda" } else { "any" }.to_string(),
+                format!("{}:{}", w.file, w.line),
+            ]
+        })
+        .collect();
+    print!(
+        "{}",
+        table(
+            &["workload", "tags", "sizes", "device", "defined at"],
+            &rows
+        )
+    );
+}
+
+impl RunReport {
+    fn empty(environment: Hardware) -> Self {
+        RunReport {
+            schema_version: REPORT_SCHEMA_VERSION,
+            environment,
+            peak_tflops: None,
+            peak_source: String::new(),
+            protocol: Protocol {
+                warmup: 0,
+                steps: 0,
+                paranoid_sync: true,
+            },
+            configs: vec![],
+            rows: vec![],
+            baseline: None,
+            peer: None,
+        }
+    }
+}
+
+fn protocol_of(args: &Args, first: &SpeedConfig) -> Protocol {
+    let bench = &first.bench;
+    Protocol {
+        warmup: args.warmup.unwrap_or(bench.warmup as usize),
+        steps: args.steps.unwrap_or(bench.steps as usize).max(1),
         paranoid_sync: if args.no_paranoid_sync {
             false
         } else {
-            args.paranoid_sync || first.paranoid_sync
+            args.paranoid_sync || bench.paranoid_sync
         },
-    };
-    let (peak_tflops, peak_source) = match (args.peak_tflops, on_gpu) {
-        (Some(p), _) => (Some(p), "given with --peak-tflops".to_string()),
-        (None, true) => {
-            let p = measure_matmul_peak(Device::Cuda(0))?;
-            (
-                Some(p),
-                "measured: 8192^3 bf16 matmul, median of 20".to_string(),
-            )
-        }
-        (None, false) => (None, "no GPU: no peak".to_string()),
-    };
+    }
+}
 
+fn device_peak(args: &Args, on_gpu: bool) -> Result<(Option<f64>, String)> {
+    Ok(match (args.peak_tflops, on_gpu) {
+        (Some(p), _) => (Some(p), "given with --peak-tflops".to_string()),
+        (None, true) => (
+            Some(measure_matmul_peak(Device::Cuda(0))?),
+            "measured: 8192^3 bf16 matmul, median of 20".to_string(),
+        ),
+        (None, false) => (None, "no GPU: no peak".to_string()),
+    })
+}
+
+fn measure_all(
+    workloads: &[&Workload],
+    configs: &[NamedConfig],
+    size: Size,
+    protocol: &Protocol,
+    peak_tflops: Option<f64>,
+    on_gpu: bool,
+) -> Vec<Row> {
     let mut rows = Vec::new();
-    for w in &workloads {
+    for w in workloads {
         if w.cuda_only && !on_gpu {
             eprintln!("skip {}: needs a CUDA device", w.name);
             continue;
@@ -294,11 +441,11 @@ pub fn run(args: &Args) -> Result<RunReport> {
             eprintln!("skip {}: no {size} size", w.name);
             continue;
         }
-        let mut baseline: Option<f64> = None;
-        for nc in &configs {
-            let row = run_one(w, nc, size, &protocol, peak_tflops);
+        let mut first_median: Option<f64> = None;
+        for nc in configs {
+            let row = run_one(w, nc, size, protocol, peak_tflops);
             if let Some(m) = &row.measurement {
-                let base = *baseline.get_or_insert(m.median_ms);
+                let base = *first_median.get_or_insert(m.median_ms);
                 rows.push(Row {
                     speedup: Some(base / m.median_ms),
                     ..row
@@ -314,17 +461,51 @@ pub fn run(args: &Args) -> Result<RunReport> {
             }
         }
     }
-    let report = RunReport {
-        environment: hardware,
-        peak_tflops,
-        peak_source,
-        protocol,
-        configs,
-        rows,
-    };
-    println!("{}", render_text(&report));
-    write_outputs(args, &report)?;
-    Ok(report)
+    rows
+}
+
+/// Runs the peer on the workloads that produced rows; when it cannot run, says why in one line.
+fn run_peer(name: &str, args: &Args, rows: &[Row], size: Size, protocol: &Protocol) -> PeerReport {
+    let mut workloads: Vec<String> = Vec::new();
+    for r in rows.iter().filter(|r| r.measurement.is_some()) {
+        if !workloads.contains(&r.workload) {
+            workloads.push(r.workload.clone());
+        }
+    }
+    if workloads.is_empty() {
+        return PeerReport {
+            peer: name.to_string(),
+            run: None,
+            not_run: Some("no speedkit row was measured, so there is nothing to compare".into()),
+        };
+    }
+    let python = peer::find_python(args.python.as_deref());
+    eprintln!(
+        "running the PyTorch peer with {} on {} ...",
+        python.display(),
+        workloads.join(", ")
+    );
+    match peer::run_pytorch(&python, &workloads, &size.to_string(), protocol) {
+        Ok(run) if run.rows.is_empty() => PeerReport {
+            peer: name.to_string(),
+            run: None,
+            not_run: Some(format!(
+                "the reference has no PyTorch version of {} (it has {})",
+                workloads.join(", "),
+                peer::REFERENCE_WORKLOADS.join(", ")
+            )),
+        },
+        Ok(run) => PeerReport {
+            peer: name.to_string(),
+            run: Some(run),
+            not_run: None,
+        },
+        Err(why) => PeerReport {
+            peer: name.to_string(),
+            run: None,
+            not_run: Some(why),
+        },
+    }
 }
 
 fn run_one(
@@ -392,9 +573,51 @@ fn fmt_opt(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".into(), |x| format!("{x:.digits$}"))
 }
 
-/// The human-readable result: table, then the environment block.
+/// The human-readable result: the time table, the memory table, the baseline and peer sections
+/// when asked for, then the environment block. Each table fits 100 columns for the reference
+/// workloads.
 pub fn render_text(report: &RunReport) -> String {
     let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\nspeedkit benchmarks — size {}, {} warm-up + {} timed steps, paranoid sync {}; times in ms",
+        report
+            .rows
+            .first()
+            .map_or("-".to_string(), |r| r.size.to_string()),
+        report.protocol.warmup,
+        report.protocol.steps,
+        if report.protocol.paranoid_sync {
+            "on"
+        } else {
+            "off"
+        }
+    );
+    out.push_str(&time_table(report));
+    out.push_str(
+        "\ndevice memory in GiB, and output. peak: allocated over the whole run (warm-up and graph\n\
+         capture included); resv: reserved over the whole run; steady: allocated in timed steps\n",
+    );
+    out.push_str(&memory_table(report));
+    if let Some(c) = &report.baseline {
+        out.push_str(&c.render());
+    }
+    if let Some(p) = &report.peer {
+        out.push_str(&render_peer(report, p));
+    }
+    out.push_str(&environment_block(report));
+    out
+}
+
+fn failed_row(r: &Row) -> Vec<String> {
+    vec![
+        r.workload.clone(),
+        r.config.clone(),
+        format!("FAILED: {}", r.error.as_deref().unwrap_or("?")),
+    ]
+}
+
+fn time_table(report: &RunReport) -> String {
     let rows: Vec<Vec<String>> = report
         .rows
         .iter()
@@ -408,54 +631,84 @@ pub fn render_text(report: &RunReport) -> String {
                 r.speedup.map_or("-".into(), |s| format!("{s:.2}x")),
                 m.tflops.map_or_else(|| "-".into(), super::format_tflops),
                 fmt_opt(r.percent_of_peak, 1),
-                m.peak_memory_bytes.map_or("-".into(), |b| {
-                    format!("{:.2}", b as f64 / (1u64 << 30) as f64)
-                }),
-                m.items_per_step.map_or("-".into(), |(n, unit)| {
-                    format!("{:.0} {unit}/s", n / (m.median_ms * 1e-3))
-                }),
-                if m.graphed { "yes".into() } else { "no".into() },
-                fmt_opt(m.final_loss, 4),
             ],
-            None => vec![
-                r.workload.clone(),
-                r.config.clone(),
-                format!("FAILED: {}", r.error.as_deref().unwrap_or("?")),
-            ],
+            None => failed_row(r),
         })
         .collect();
-    let _ = writeln!(
-        out,
-        "\nspeedkit benchmarks — size {}, {} warm-up + {} timed steps, paranoid sync {}",
-        report
-            .rows
-            .first()
-            .map_or("-".to_string(), |r| r.size.to_string()),
-        report.protocol.warmup,
-        report.protocol.steps,
-        if report.protocol.paranoid_sync {
-            "on"
-        } else {
-            "off"
-        }
-    );
-    out.push_str(&table(
+    table(
+        &[
+            "workload", "config", "median", "p10", "p90", "speedup", "TFLOP/s", "% peak",
+        ],
+        &rows,
+    )
+}
+
+fn memory_table(report: &RunReport) -> String {
+    let rows: Vec<Vec<String>> = report
+        .rows
+        .iter()
+        .map(|r| match &r.measurement {
+            Some(m) => {
+                let gib = |pick: fn(&DeviceMemory) -> u64| {
+                    m.memory
+                        .map_or("-".into(), |mem| format!("{:.2}", mem.gib(pick(&mem))))
+                };
+                vec![
+                    r.workload.clone(),
+                    r.config.clone(),
+                    if m.graphed { "yes" } else { "no" }.to_string(),
+                    gib(|mem| mem.peak_allocated_bytes),
+                    gib(|mem| mem.peak_reserved_bytes),
+                    gib(|mem| mem.steady_peak_allocated_bytes),
+                    m.items_per_step.map_or("-".into(), |(n, unit)| {
+                        format!("{:.0} {unit}/s", n / (m.median_ms * 1e-3))
+                    }),
+                    fmt_opt(m.final_loss, 4),
+                ]
+            }
+            None => failed_row(r),
+        })
+        .collect();
+    table(
         &[
             "workload",
             "config",
-            "median ms",
-            "p10",
-            "p90",
-            "speedup",
-            "TFLOP/s",
-            "% peak",
-            "peak GiB",
-            "throughput",
             "graph",
+            "peak",
+            "resv",
+            "steady",
+            "throughput",
             "loss",
         ],
         &rows,
-    ));
+    )
+}
+
+fn render_peer(report: &RunReport, peer: &PeerReport) -> String {
+    let Some(run) = &peer.run else {
+        return format!(
+            "\nPyTorch peer not run: {}\n",
+            peer.not_run.as_deref().unwrap_or("no reason given")
+        );
+    };
+    let measured = report
+        .rows
+        .iter()
+        .filter_map(|r| Some((r, r.measurement.as_ref()?)));
+    let times: Vec<(String, String, f64)> = measured
+        .clone()
+        .map(|(r, m)| (r.workload.clone(), r.config.clone(), m.median_ms))
+        .collect();
+    let memory: Vec<(String, String, Option<DeviceMemory>)> = measured
+        .map(|(r, m)| (r.workload.clone(), r.config.clone(), m.memory))
+        .collect();
+    let mut out = run.render_times(&times);
+    out.push_str(&run.render_memory(&memory));
+    out
+}
+
+fn environment_block(report: &RunReport) -> String {
+    let mut out = String::new();
     let _ = writeln!(out, "\nenvironment");
     for line in report.environment.to_string().lines() {
         let _ = writeln!(out, "  {line}");
@@ -466,6 +719,14 @@ pub fn render_text(report: &RunReport) -> String {
         fmt_opt(report.peak_tflops, 1),
         report.peak_source
     );
+    if let Some(run) = report.peer.as_ref().and_then(|p| p.run.as_ref()) {
+        let _ = writeln!(
+            out,
+            "  pytorch     {} ({})",
+            run.environment,
+            run.python.display()
+        );
+    }
     let mut seen = Vec::new();
     for r in &report.rows {
         if seen.contains(&&r.config) {
@@ -498,8 +759,15 @@ fn write_outputs(args: &Args, report: &RunReport) -> Result<()> {
             source,
         })
     };
+    let json = serde_json::to_string_pretty(report).map_err(|e| {
+        SpeedkitError::Misuse(format!("the run report cannot be written as JSON: {e}"))
+    })?;
     if let Some(p) = &args.json {
-        write(p, serde_json::to_string_pretty(report).unwrap_or_default())?;
+        write(p, json.clone())?;
+    }
+    if let Some(name) = &args.save_baseline {
+        let path = baseline::save(name, &json)?;
+        eprintln!("saved the baseline in {}", path.display());
     }
     if let Some(p) = &args.csv {
         write(p, render_csv(report))?;
@@ -513,7 +781,7 @@ fn write_outputs(args: &Args, report: &RunReport) -> Result<()> {
 /// The result rows as CSV.
 pub fn render_csv(report: &RunReport) -> String {
     let mut out = String::from(
-        "workload,config,size,median_ms,p10_ms,p90_ms,speedup,tflops,percent_of_peak,peak_memory_bytes,graphed,final_loss,device\n",
+        "workload,config,size,median_ms,p10_ms,p90_ms,speedup,tflops,percent_of_peak,peak_allocated_bytes,peak_reserved_bytes,steady_peak_allocated_bytes,graphed,final_loss,device\n",
     );
     let device = report
         .environment
@@ -521,9 +789,12 @@ pub fn render_csv(report: &RunReport) -> String {
         .map_or("cpu".to_string(), |g| g.name.clone());
     for r in &report.rows {
         let Some(m) = &r.measurement else { continue };
+        let memory = |pick: fn(&DeviceMemory) -> u64| {
+            m.memory.map_or(String::new(), |mem| pick(&mem).to_string())
+        };
         let _ = writeln!(
             out,
-            "{},{},{},{:.4},{:.4},{:.4},{},{},{},{},{},{},\"{}\"",
+            "{},{},{},{:.4},{:.4},{:.4},{},{},{},{},{},{},{},{},\"{}\"",
             r.workload,
             r.config,
             r.size,
@@ -533,7 +804,9 @@ pub fn render_csv(report: &RunReport) -> String {
             fmt_opt(r.speedup, 3),
             fmt_opt(m.tflops, 2),
             fmt_opt(r.percent_of_peak, 1),
-            m.peak_memory_bytes.map_or(String::new(), |b| b.to_string()),
+            memory(|mem| mem.peak_allocated_bytes),
+            memory(|mem| mem.peak_reserved_bytes),
+            memory(|mem| mem.steady_peak_allocated_bytes),
             m.graphed,
             fmt_opt(m.final_loss, 5),
             device

@@ -58,13 +58,34 @@ pub fn run_tiny(workload: &Workload, config: &SpeedConfig) -> Result<(), Failed>
     }
 }
 
-/// The harness's `main`.
+/// The harness's `main`: every registered workload.
 pub fn main() -> ExitCode {
     let mut args = Arguments::from_args();
     // The flags are process-global: tests that apply them must not overlap.
     args.test_threads = Some(1);
+    match trials(&Workload::all()) {
+        Ok(trials) => libtest_mimic::run(&args, trials).exit_code(),
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// One test per workload and test configuration; no workload at all is an error saying how to
+/// register them (an empty harness would pass without testing anything).
+pub fn trials(workloads: &[&'static Workload]) -> Result<Vec<Trial>, String> {
+    if workloads.is_empty() {
+        return Err(
+            "no workloads are registered in this test harness: it tests the \
+                    `#[speedkit::bench]` functions of the crate it names, so write \
+                    `speedkit::bench_tests!(your_crate);` with the crate that defines them (a \
+                    dependency of this test target)"
+                .into(),
+        );
+    }
     let mut trials = Vec::new();
-    for w in Workload::all() {
+    for &w in workloads {
         for (config_name, config) in test_configs() {
             let name = format!("workload::{}::{config_name}", w.name);
             let trial = if w.cuda_only || !w.sizes.contains(&Size::Tiny) {
@@ -81,5 +102,5 @@ pub fn main() -> ExitCode {
             trials.push(trial.with_kind("workload"));
         }
     }
-    libtest_mimic::run(&args, trials).exit_code()
+    Ok(trials)
 }

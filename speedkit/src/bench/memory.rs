@@ -1,0 +1,86 @@
+//! Device memory of a measured run, read from the CUDA caching allocator.
+//!
+//! A whole-step CUDA graph allocates every activation of the step into its private pool while it
+//! is captured, during warm-up; its replays then allocate nothing. A peak taken over the timed
+//! steps alone therefore shows only what stays allocated between steps, and under graph mode
+//! leaves out most of the step's memory. [`DeviceMemory`] keeps the peak of the whole run (warm-up
+//! and capture included) as the figure to compare, next to the reserved memory and, separately
+//! named, that steady-state peak. PyTorch's reference (`docs/benchmarks/pytorch_reference.py`)
+//! measures the same three the same way.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::Result;
+use crate::ffi;
+
+/// Device memory of one run, in bytes.
+///
+/// ```
+/// use speedkit::bench::DeviceMemory;
+/// let m = DeviceMemory {
+///     peak_allocated_bytes: 3 << 30,
+///     peak_reserved_bytes: 4 << 30,
+///     steady_peak_allocated_bytes: 1 << 30,
+/// };
+/// assert_eq!(m.gib(m.peak_allocated_bytes), 3.0);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceMemory {
+    /// Peak bytes allocated over the whole run: warm-up (graph capture, autotuning, first-step
+    /// allocations of the optimizer state) and timed steps; what was already allocated when the
+    /// run began (parameters, data) counts at its size then. The figure to compare.
+    pub peak_allocated_bytes: u64,
+    /// Peak bytes the caching allocator held from the driver over the whole run (allocated blocks,
+    /// cached free blocks and graph pools): the device memory the process occupied.
+    pub peak_reserved_bytes: u64,
+    /// Peak bytes allocated during the timed steps only. Under graph replay the step's activations
+    /// sit in the graph's pool, allocated at capture, so this is far below the whole-run peak.
+    pub steady_peak_allocated_bytes: u64,
+}
+
+impl DeviceMemory {
+    /// `bytes` in GiB.
+    pub fn gib(&self, bytes: u64) -> f64 {
+        bytes as f64 / (1u64 << 30) as f64
+    }
+}
+
+/// Reads the allocator's peaks of one device across a run's two phases.
+pub(crate) struct MemoryProbe {
+    device: usize,
+}
+
+impl MemoryProbe {
+    /// Starts a run: waits for the device, gives cached blocks back to the driver (so the reserved
+    /// figure is this run's, not an earlier one's) and resets the peaks.
+    pub(crate) fn start(device: usize) -> Result<Self> {
+        ffi::cuda_synchronize(device)?;
+        ffi::cuda_empty_cache()?;
+        ffi::cuda_reset_peak_memory(device)?;
+        Ok(Self { device })
+    }
+
+    /// Ends the warm-up: the peaks so far (allocated, reserved), then resets them for the timed
+    /// steps.
+    pub(crate) fn end_warmup(&self) -> Result<(u64, u64)> {
+        let peaks = self.peaks()?;
+        ffi::cuda_reset_peak_memory(self.device)?;
+        Ok(peaks)
+    }
+
+    /// Ends the run, combining the warm-up's peaks with the timed steps'.
+    pub(crate) fn finish(&self, warmup: (u64, u64)) -> Result<DeviceMemory> {
+        let (steady_allocated, steady_reserved) = self.peaks()?;
+        Ok(DeviceMemory {
+            peak_allocated_bytes: warmup.0.max(steady_allocated),
+            peak_reserved_bytes: warmup.1.max(steady_reserved),
+            steady_peak_allocated_bytes: steady_allocated,
+        })
+    }
+
+    fn peaks(&self) -> Result<(u64, u64)> {
+        ffi::cuda_synchronize(self.device)?;
+        let (_, allocated, _) = ffi::cuda_memory_stats(self.device)?;
+        Ok((allocated, ffi::cuda_peak_reserved_memory(self.device)?))
+    }
+}

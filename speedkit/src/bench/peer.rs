@@ -1,0 +1,388 @@
+//! The PyTorch peer: the same workloads, timed the same way in PyTorch, in the same run.
+//!
+//! `--peer pytorch` runs the project's reference (`docs/benchmarks/pytorch_reference.py`, embedded
+//! in the runner) with a Python that has torch: `--python PATH`, else `.venv/bin/python` of the
+//! current directory or one of its parents, else `python3`. The reference trains each selected
+//! workload it has a PyTorch twin of in eager mode with AMP, as one whole-step CUDA graph, and
+//! under `torch.compile` (default and `reduce-overhead`), with the runner's warm-up, step count
+//! and sync, and reports one JSON line per row. When it cannot run (no Python, no torch, no CUDA
+//! device), the reason and its fix are one line, and the runner's own rows stand alone.
+//!
+//! ```no_run
+//! use speedkit::bench::peer::{find_python, run_pytorch};
+//! use speedkit::bench::Protocol;
+//! let protocol = Protocol { warmup: 10, steps: 50, paranoid_sync: true };
+//! match run_pytorch(&find_python(None), &["transformer".into()], "bench", &protocol) {
+//!     Ok(run) => println!("{} PyTorch rows", run.rows.len()),
+//!     Err(why) => println!("PyTorch peer not run: {why}"),
+//! }
+//! ```
+
+use serde::{Deserialize, Serialize};
+use std::fmt::Write as _;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use super::{DeviceMemory, Protocol};
+use crate::report::table;
+
+/// The reference script, as shipped in `docs/benchmarks/pytorch_reference.py`.
+pub const REFERENCE_SCRIPT: &str = include_str!("../../../docs/benchmarks/pytorch_reference.py");
+
+/// The workloads the reference has a PyTorch version of (its `WORKLOADS`).
+pub const REFERENCE_WORKLOADS: [&str; 4] = ["transformer", "linear3", "mlp", "resnet"];
+
+/// The reference's modes, in column order, with their column headers.
+pub const MODES: [(&str, &str); 4] = [
+    ("eager", "eager AMP"),
+    ("graph", "graph"),
+    ("default", "compile"),
+    ("reduce-overhead", "reduce-ovh"),
+];
+
+/// Exit status of the reference when it cannot import torch.
+const NO_TORCH: i32 = 4;
+
+/// The Python to run the reference with: `explicit`, else the first `.venv/bin/python` found in
+/// the current directory or a parent, else `python3` from `PATH`.
+pub fn find_python(explicit: Option<&Path>) -> PathBuf {
+    if let Some(p) = explicit {
+        return p.to_path_buf();
+    }
+    std::env::current_dir()
+        .ok()
+        .and_then(|cwd| {
+            cwd.ancestors()
+                .map(|dir| dir.join(".venv").join("bin").join("python"))
+                .find(|p| p.exists())
+        })
+        .unwrap_or_else(|| PathBuf::from("python3"))
+}
+
+/// One PyTorch row: a workload in one mode.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PeerRow {
+    /// Workload name (as the runner's).
+    pub workload: String,
+    /// `eager`, `graph`, `default` or `reduce-overhead`.
+    pub mode: String,
+    /// Median step time, ms.
+    pub median_ms: Option<f64>,
+    /// 10th percentile, ms.
+    pub p10_ms: Option<f64>,
+    /// 90th percentile, ms.
+    pub p90_ms: Option<f64>,
+    /// TFLOP/s at the median.
+    pub tflops: Option<f64>,
+    /// Every timed step, ms.
+    #[serde(default)]
+    pub times_ms: Vec<f64>,
+    /// Memory, measured as speedkit measures its own.
+    pub memory: Option<DeviceMemory>,
+    /// Why this mode failed, if it did.
+    pub error: Option<String>,
+}
+
+/// What the reference reported.
+#[derive(Clone, Debug, Serialize)]
+pub struct PeerRun {
+    /// The Python it ran with.
+    pub python: PathBuf,
+    /// torch, GPU, cuDNN and Python versions, as the reference read them.
+    pub environment: serde_json::Value,
+    /// Its rows.
+    pub rows: Vec<PeerRow>,
+}
+
+/// The peer's part of a run report: its rows, or why it did not run.
+#[derive(Clone, Debug, Serialize)]
+pub struct PeerReport {
+    /// `pytorch`.
+    pub peer: String,
+    /// The run, when it ran.
+    pub run: Option<PeerRun>,
+    /// Why it did not run, and how to fix that.
+    pub not_run: Option<String>,
+}
+
+/// Runs the reference for `workloads` at `size` under `protocol`; `Err` is one line saying why
+/// it could not run and how to fix that. Rows arrive as they finish and are echoed on stderr.
+pub fn run_pytorch(
+    python: &Path,
+    workloads: &[String],
+    size: &str,
+    protocol: &Protocol,
+) -> Result<PeerRun, String> {
+    let fix = "pass --python PATH to a Python with torch (or make .venv, see README)";
+    let mut child = Command::new(python)
+        .args(["-", "--json-lines", "--graph", "--compile", "--size", size])
+        .arg("--only")
+        .arg(workloads.join(","))
+        .args(["--warmup", &protocol.warmup.to_string()])
+        .args(["--steps", &protocol.steps.to_string()])
+        .args((!protocol.paranoid_sync).then_some("--no-paranoid-sync"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot start {}: {e}; {fix}", python.display()))?;
+    // The script goes in on stdin (`python -`), so the runner needs no file of this repository.
+    let wrote = child
+        .stdin
+        .take()
+        .map(|mut stdin| stdin.write_all(REFERENCE_SCRIPT.as_bytes()));
+    let mut stderr = child.stderr.take();
+    let stderr_reader = std::thread::spawn(move || {
+        let mut text = String::new();
+        if let Some(e) = stderr.as_mut() {
+            let _ = e.read_to_string(&mut text);
+        }
+        text
+    });
+    let mut environment = serde_json::Value::Null;
+    let mut rows = Vec::new();
+    if let Some(stdout) = child.stdout.take() {
+        for line in BufReader::new(stdout).lines().map_while(|l| l.ok()) {
+            match parse_line(&line) {
+                Some(Line::Environment(env)) => environment = env,
+                Some(Line::Row(row)) => {
+                    eprintln!("pytorch {}", describe(&row));
+                    rows.push(*row);
+                }
+                None => {}
+            }
+        }
+    }
+    let status = child
+        .wait()
+        .map_err(|e| format!("{} did not finish: {e}", python.display()))?;
+    let errors = stderr_reader.join().unwrap_or_default();
+    if status.success() {
+        return Ok(PeerRun {
+            python: python.to_path_buf(),
+            environment,
+            rows,
+        });
+    }
+    let last = errors
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("no message")
+        .trim();
+    Err(match (status.code(), wrote) {
+        (Some(NO_TORCH), _) => format!("{} cannot import torch ({last}); {fix}", python.display()),
+        (_, Some(Err(e))) => format!("{} did not read the script: {e}; {fix}", python.display()),
+        (Some(code), _) => format!("{} (exit status {code}): {last}", python.display()),
+        (None, _) => format!("{} ({status}): {last}", python.display()),
+    })
+}
+
+enum Line {
+    Environment(serde_json::Value),
+    Row(Box<PeerRow>),
+}
+
+fn parse_line(line: &str) -> Option<Line> {
+    let value: serde_json::Value = serde_json::from_str(line).ok()?;
+    if let Some(env) = value.get("environment") {
+        return Some(Line::Environment(env.clone()));
+    }
+    serde_json::from_value(value)
+        .ok()
+        .map(|r| Line::Row(Box::new(r)))
+}
+
+fn describe(row: &PeerRow) -> String {
+    match (&row.error, row.median_ms) {
+        (Some(e), _) => format!("{} {}: failed: {e}", row.workload, row.mode),
+        (None, Some(m)) => format!("{} {}: {m:.3} ms", row.workload, row.mode),
+        (None, None) => format!("{} {}: no time", row.workload, row.mode),
+    }
+}
+
+impl PeerRun {
+    /// The median of `workload` in `mode`, when it ran.
+    pub fn median_ms(&self, workload: &str, mode: &str) -> Option<f64> {
+        self.row(workload, mode).and_then(|r| r.median_ms)
+    }
+
+    /// The row of `workload` in `mode`.
+    pub fn row(&self, workload: &str, mode: &str) -> Option<&PeerRow> {
+        self.rows
+            .iter()
+            .find(|r| r.workload == workload && r.mode == mode)
+    }
+
+    /// The fastest PyTorch median of `workload` over every mode that ran.
+    pub fn best_ms(&self, workload: &str) -> Option<f64> {
+        self.rows
+            .iter()
+            .filter(|r| r.workload == workload)
+            .filter_map(|r| r.median_ms)
+            .min_by(f64::total_cmp)
+    }
+
+    /// Side by side, one row per speedkit `(workload, config, median ms)`: PyTorch's median in
+    /// each mode and how many times faster speedkit's step is than PyTorch's best.
+    pub fn render_times(&self, speedkit: &[(String, String, f64)]) -> String {
+        let mut headers = vec!["workload", "config", "speedkit"];
+        headers.extend(MODES.iter().map(|(_, h)| *h));
+        headers.push("vs best");
+        let ms = |v: Option<f64>| v.map_or_else(|| "-".to_string(), |m| format!("{m:.3}"));
+        let rows: Vec<Vec<String>> = speedkit
+            .iter()
+            .filter(|(w, _, _)| self.rows.iter().any(|r| &r.workload == w))
+            .map(|(w, c, median)| {
+                let mut row = vec![w.clone(), c.clone(), format!("{median:.3}")];
+                row.extend(MODES.iter().map(|(mode, _)| ms(self.median_ms(w, mode))));
+                row.push(
+                    self.best_ms(w)
+                        .map_or("-".into(), |best| format!("{:.2}x", best / median)),
+                );
+                row
+            })
+            .collect();
+        let mut out = String::from(
+            "\nPyTorch peer, median ms; vs best: PyTorch's fastest mode / speedkit (above 1: \
+             speedkit faster)\n",
+        );
+        out.push_str(&table(&headers, &rows));
+        let failed: Vec<String> = self
+            .rows
+            .iter()
+            .filter(|r| r.error.is_some())
+            .map(describe)
+            .collect();
+        for f in failed {
+            let _ = writeln!(out, "  pytorch {f}");
+        }
+        out
+    }
+
+    /// Memory side by side, one row per speedkit `(workload, config, memory)` and per PyTorch
+    /// mode of the same workloads, in GiB over the whole run.
+    pub fn render_memory(&self, speedkit: &[(String, String, Option<DeviceMemory>)]) -> String {
+        let gib = |m: Option<DeviceMemory>, pick: fn(&DeviceMemory) -> u64| {
+            m.map_or_else(|| "-".to_string(), |m| format!("{:.2}", m.gib(pick(&m))))
+        };
+        let line = |w: &str, run: String, m: Option<DeviceMemory>| {
+            vec![
+                w.to_string(),
+                run,
+                gib(m, |m| m.peak_allocated_bytes),
+                gib(m, |m| m.peak_reserved_bytes),
+                gib(m, |m| m.steady_peak_allocated_bytes),
+            ]
+        };
+        let mut rows = Vec::new();
+        let mut workloads: Vec<&str> = Vec::new();
+        for (w, _, _) in speedkit {
+            if !workloads.contains(&w.as_str()) && self.rows.iter().any(|r| &r.workload == w) {
+                workloads.push(w);
+            }
+        }
+        for w in workloads {
+            for (_, c, m) in speedkit.iter().filter(|(sw, _, _)| sw == w) {
+                rows.push(line(w, format!("speedkit {c}"), *m));
+            }
+            for (mode, header) in MODES {
+                if let Some(r) = self.row(w, mode).filter(|r| r.error.is_none()) {
+                    rows.push(line(w, format!("pytorch {header}"), r.memory));
+                }
+            }
+        }
+        let mut out = String::from(
+            "\ndevice memory of both sides in GiB. peak alloc, peak resv: over the whole run (warm-up,\n\
+             compilation and capture included); steady alloc: peak allocated in the timed steps\n",
+        );
+        out.push_str(&table(
+            &["workload", "run", "peak alloc", "peak resv", "steady alloc"],
+            &rows,
+        ));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    fn row(workload: &str, mode: &str, median_ms: f64) -> String {
+        format!(
+            r#"{{"workload": "{workload}", "mode": "{mode}", "median_ms": {median_ms}, "p10_ms": 1.0,
+                "p90_ms": 2.0, "tflops": 3.0, "times_ms": [{median_ms}],
+                "memory": {{"peak_allocated_bytes": {GIB}, "peak_reserved_bytes": {GIB},
+                            "steady_peak_allocated_bytes": 1024}}}}"#
+        )
+        .replace('\n', " ")
+    }
+
+    fn sample_run() -> PeerRun {
+        let mut rows = Vec::new();
+        for w in ["transformer", "linear3", "mlp", "resnet"] {
+            for (i, (mode, _)) in MODES.iter().enumerate() {
+                let Some(Line::Row(r)) = parse_line(&row(w, mode, 40.0 - i as f64)) else {
+                    panic!("a row line parses as a row");
+                };
+                rows.push(*r);
+            }
+        }
+        PeerRun {
+            python: PathBuf::from("python3"),
+            environment: serde_json::json!({"torch": "2.11.0"}),
+            rows,
+        }
+    }
+
+    #[test]
+    fn the_reference_lists_the_workloads_the_runner_names() {
+        let quoted: Vec<String> = REFERENCE_WORKLOADS
+            .iter()
+            .map(|w| format!("{w:?}"))
+            .collect();
+        let expected = format!("WORKLOADS = ({})", quoted.join(", "));
+        assert!(REFERENCE_SCRIPT.contains(&expected), "{expected}");
+    }
+
+    #[test]
+    fn the_environment_line_and_row_lines_parse() {
+        let env = parse_line(r#"{"environment": {"torch": "2.11.0"}}"#);
+        assert!(matches!(env, Some(Line::Environment(e)) if e["torch"] == "2.11.0"));
+        assert!(parse_line("torch 2.11.0, NVIDIA H100").is_none());
+        let failed = parse_line(r#"{"workload": "mlp", "mode": "default", "error": "no triton"}"#);
+        assert!(matches!(failed, Some(Line::Row(r)) if r.error.as_deref() == Some("no triton")));
+    }
+
+    #[test]
+    fn speedkit_is_compared_with_the_fastest_pytorch_mode() {
+        let run = sample_run();
+        assert_eq!(run.best_ms("mlp"), Some(37.0));
+        let text = run.render_times(&[("mlp".into(), "auto".into(), 18.5)]);
+        assert!(text.contains("2.00x"), "{text}");
+    }
+
+    #[test]
+    fn the_peer_tables_fit_100_columns() {
+        let run = sample_run();
+        let speedkit: Vec<(String, String, f64)> = ["transformer", "linear3", "mlp", "resnet"]
+            .iter()
+            .flat_map(|w| {
+                ["fp32_strict", "auto_eager", "auto"]
+                    .map(|c| (w.to_string(), c.to_string(), 12.345))
+            })
+            .collect();
+        let memory: Vec<_> = speedkit
+            .iter()
+            .map(|(w, c, _)| (w.clone(), c.clone(), run.rows[0].memory))
+            .collect();
+        let text = run.render_times(&speedkit) + &run.render_memory(&memory);
+        for line in text.lines() {
+            assert!(line.chars().count() <= 100, "{line}");
+        }
+        assert!(text.contains("pytorch reduce-ovh"), "{text}");
+    }
+}
