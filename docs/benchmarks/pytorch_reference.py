@@ -1,8 +1,8 @@
-"""The reference workloads of ../shared/workloads.md in PyTorch, timed with speedkit's protocol.
+"""The reference workloads of docs/workloads.md in PyTorch, timed with speedkit's protocol.
 
 speedkit's figures mean something only next to the same work done the usual way, on the same
 machine, in the same session. This script trains `transformer`, `linear3` and `mlp` exactly as
-workloads.md defines them, in PyTorch eager with AMP bf16 and fused AdamW; with --compile also
+docs/workloads.md defines them, in PyTorch eager with AMP bf16 and fused AdamW; with --compile also
 under torch.compile's default and `reduce-overhead` modes; with --graph also as one whole-step
 CUDA graph of the eager kernels (forward, backward and optimizer captured with
 torch.cuda.graph: what speedkit's graph mode does, so the two show the same kernels' cost). It

@@ -3,7 +3,7 @@
 //! A workload is a function registered with `#[speedkit::bench]`; it builds its model for the
 //! [`Size`] it is given, on the device of the [`SpeedContext`] it is given, and hands one training
 //! step to [`Bencher::run`], which warms up, times each step (CUDA events on the GPU, a device
-//! synchronisation after every step under paranoid sync, as `../shared/workloads.md` prescribes), and
+//! synchronisation after every step under paranoid sync, as `docs/workloads.md` prescribes), and
 //! records the median/p10/p90, TFLOP/s and peak device memory.
 //!
 //! The runner ([`bench_main!`](crate::bench_main)) runs every workload under several configurations
@@ -40,7 +40,7 @@ use crate::SpeedContext;
 pub enum Size {
     /// Runs in well under a second on a CPU (tests, CI).
     Tiny,
-    /// The reference size of `../shared/workloads.md`.
+    /// The reference size of `docs/workloads.md`.
     Bench,
 }
 
