@@ -174,8 +174,8 @@ pub fn forward(_args: TokenStream, item: TokenStream) -> TokenStream {
     accelerate::body::forward_outside_accelerate(item.into()).into()
 }
 
-/// Registers a benchmark workload with speedkit's runner (`speedkit::bench_main!()`,
-/// `speedkit::bench_tests!()`).
+/// Registers a benchmark workload with speedkit's runner (`speedkit::bench_main!(my_crate)`,
+/// `speedkit::bench_tests!(my_crate)`, naming the crate or module that holds it).
 ///
 /// ```ignore
 /// use speedkit::bench::Bencher;
