@@ -459,7 +459,8 @@ macro_rules! bench_main {
         }
     };
     ($($($workloads:ident)::+),+ $(,)?) => {
-        $(use $($workloads)::+ as _;)+
+        // Named only to be linked (a crate) or to be checked to exist (a module).
+        $(#[allow(unused_imports)] use $($workloads)::+ as _;)+
 
         fn main() -> ::std::process::ExitCode {
             $crate::bench::runner::main()
@@ -499,7 +500,8 @@ macro_rules! bench_tests {
         }
     };
     ($($($workloads:ident)::+),+ $(,)?) => {
-        $(use $($workloads)::+ as _;)+
+        // Named only to be linked (a crate) or to be checked to exist (a module).
+        $(#[allow(unused_imports)] use $($workloads)::+ as _;)+
 
         fn main() -> ::std::process::ExitCode {
             $crate::bench::testing::main()
