@@ -5,13 +5,10 @@
 //! against), but it cannot give *your* executables an rpath: cargo applies
 //! `cargo:rustc-link-arg` only to the targets of the package whose build script prints it, never
 //! to its dependents (torch-sys's build script says the same of its own attempt). So the package
-//! that owns the executables — yours — prints it, in one call from its `build.rs`:
+//! that owns the executables — yours — prints it, in one call from the `main` of its `build.rs`:
 //!
 //! ```no_run
-//! // build.rs
-//! fn main() {
-//!     speedkit_build::link_libtorch_rpath();
-//! }
+//! speedkit_build::link_libtorch_rpath();
 //! ```
 //!
 //! with, in `Cargo.toml`, `speedkit` under `[dependencies]` and `speedkit-build` under
