@@ -1,9 +1,11 @@
 //! Gives the examples, tests and benches of this package an rpath to libtorch, so they run without
-//! `LD_LIBRARY_PATH`. speedkit's build script (`links = "speedkit_shim"`) publishes the directory.
+//! `LD_LIBRARY_PATH` — the same one call the README asks of a user's crate — and tells
+//! `tests/user_crate.rs` which libtorch that is, so the crate it builds uses the same one.
 
 fn main() {
-    println!("cargo:rerun-if-env-changed=DEP_SPEEDKIT_SHIM_LIBTORCH_LIB");
-    if let Ok(lib) = std::env::var("DEP_SPEEDKIT_SHIM_LIBTORCH_LIB") {
-        println!("cargo:rustc-link-arg=-Wl,-rpath,{lib}");
-    }
+    let lib_dir = speedkit_build::link_libtorch_rpath();
+    println!(
+        "cargo:rustc-env=SPEEDKIT_LIBTORCH_LIB={}",
+        lib_dir.display()
+    );
 }

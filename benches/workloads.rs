@@ -7,4 +7,4 @@
 #[path = "../workloads/mod.rs"]
 mod workloads;
 
-speedkit::bench_main!();
+speedkit::bench_main!(workloads);

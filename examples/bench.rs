@@ -11,4 +11,4 @@
 #[path = "../workloads/mod.rs"]
 mod workloads;
 
-speedkit::bench_main!();
+speedkit::bench_main!(workloads);

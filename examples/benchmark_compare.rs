@@ -11,8 +11,8 @@
 //!
 //! Options: `--workload NAME` (default `linear3`), `--config NAME|FILE` (repeatable; default
 //! `fp32_strict` then `auto`; the first is the baseline), `--size tiny|bench` (default: bench on a
-//! GPU, tiny on a CPU), `--warmup N` (10), `--steps N` (50). Timings follow `workloads.md`: warm-up,
-//! then every step timed with a device synchronisation after it; median, p10, p90.
+//! GPU, tiny on a CPU), `--warmup N` (10), `--steps N` (50). Timings follow `docs/workloads.md`:
+//! warm-up, then every step timed with a device synchronisation after it; median, p10, p90.
 
 use anyhow::{bail, Context as _};
 use clap::Parser;

@@ -18,8 +18,8 @@
 //! Options: `--workload NAME`, `--size tiny|bench` (default: bench on a GPU, tiny on a CPU),
 //! `--warmup N` (10), `--steps N` (50), `--json FILE`. Every rung runs through the benchmark
 //! machinery (`SpeedContext::new` + `Bencher` + the registered workload), in this one process, as
-//! `workloads.md` requires for a comparison. On a CPU, rungs that need CUDA are skipped with the
-//! reason, and the CUDA-only switches (TF32, fused attention) run but change nothing on CPU kernels.
+//! `docs/workloads.md` requires for a comparison. On a CPU, rungs that need CUDA are skipped with
+//! the reason, and the CUDA-only switches (TF32, fused attention) run but change nothing on CPU kernels.
 
 use anyhow::Context as _;
 use clap::Parser;

@@ -53,7 +53,9 @@ fn main() {
     }
     println!("cargo:rustc-check-cfg=cfg(speedkit_cuda)");
     println!("cargo:rustc-link-arg=-Wl,-rpath,{}", lib_dir.display());
-    // Dependents' build scripts read these (`DEP_SPEEDKIT_SHIM_LIBTORCH_LIB`) to set their own rpath.
+    // Dependents' build scripts read these (`DEP_SPEEDKIT_SHIM_LIBTORCH_LIB`) to set their own rpath,
+    // in one call: `speedkit_build::link_libtorch_rpath()`. (Our rpath above reaches only our own
+    // executables: cargo never applies a dependency's link arguments to its dependents.)
     println!("cargo:libtorch_lib={}", lib_dir.display());
     println!("cargo:with_cuda={}", u8::from(with_cuda));
 }

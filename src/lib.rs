@@ -1,7 +1,7 @@
 //! # speedkit-suite
 //!
 //! The models, data and FLOP formulas behind speedkit's reference workloads
-//! (`../shared/workloads.md`), shared by the registered benchmark workloads (`workloads/`), the
+//! (`docs/workloads.md`), shared by the registered benchmark workloads (`workloads/`), the
 //! examples and the tests of this package.
 //!
 //! - [`models`]: `Linear3` (the seed benchmark), `Mlp`, a GPT-style `Transformer` and a CIFAR
@@ -18,8 +18,8 @@
 pub mod data;
 pub mod models;
 
-/// The optimizer of every reference workload (`workloads.md`): AdamW, lr 3e-4, weight decay 0.1,
-/// PyTorch's betas and eps.
+/// The optimizer of every reference workload (`docs/workloads.md`): AdamW, lr 3e-4, weight decay
+/// 0.1, PyTorch's betas and eps.
 ///
 /// ```
 /// assert_eq!(speedkit_suite::REFERENCE_ADAMW.lr, 3e-4);

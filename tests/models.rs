@@ -1,5 +1,5 @@
 //! The reference models: output shapes, finite losses and a learning step at the tiny size, and the
-//! FLOP formulas of `../shared/workloads.md` at the bench size (computed from the configs alone:
+//! FLOP formulas of `docs/workloads.md` at the bench size (computed from the configs alone:
 //! no bench-size model is built).
 
 use speedkit_suite::data;

@@ -6,4 +6,4 @@
 #[path = "../workloads/mod.rs"]
 mod workloads;
 
-speedkit::bench_tests!();
+speedkit::bench_tests!(workloads);

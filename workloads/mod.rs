@@ -1,4 +1,4 @@
-//! The registered benchmark workloads of `../shared/workloads.md`, each a `#[speedkit::bench]`
+//! The registered benchmark workloads of `docs/workloads.md`, each a `#[speedkit::bench]`
 //! function over a [`speedkit::bench::Bencher`].
 //!
 //! Included, not compiled as a crate, by every target that runs them (`#[path] mod workloads;`):
@@ -24,8 +24,8 @@ use speedkit_suite::REFERENCE_ADAMW;
 use tch::nn::VarStore;
 use tch::Tensor;
 
-/// Times one full training step per call, as `workloads.md` defines it: `zero_grad` → forward and
-/// loss (`loss()`, under the plan's autocast) → backward (scaled when the plan has a GradScaler)
+/// Times one full training step per call, as `docs/workloads.md` defines it: `zero_grad` → forward
+/// and loss (`loss()`, under the plan's autocast) → backward (scaled when the plan has a GradScaler)
 /// → AdamW step over `vs` (fused or foreach as the plan says).
 ///
 /// The step reads nothing on the host and returns the loss tensor, so the runner can capture it

@@ -1,7 +1,7 @@
 //! Training data: the fixed random batches the workloads train on, and CIFAR-10 ([`cifar`]).
 //!
-//! `workloads.md` fixes the inputs: random tensors made **once** on the device with seed 0, not
-//! reloaded per step, so a timed step is the model's work alone and a graph-captured step can read
+//! `docs/workloads.md` fixes the inputs: random tensors made **once** on the device with seed 0,
+//! not reloaded per step, so a timed step is the model's work alone and a graph-captured step can read
 //! them as static inputs. Every generator here re-seeds with [`SEED`] first, so a workload gets the
 //! same batch whatever it drew from the generator before (e.g. to initialise the model). libtorch's
 //! generator is process-global: another thread drawing random numbers at the same time changes the

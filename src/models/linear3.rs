@@ -39,7 +39,7 @@ impl Linear3Config {
     }
 }
 
-/// `Linear(w, w)` × 3, with bias, no activation (the seed benchmark of `workloads.md`).
+/// `Linear(w, w)` × 3, with bias, no activation (the seed benchmark of `docs/workloads.md`).
 #[derive(Debug)]
 pub struct Linear3 {
     layers: Vec<nn::Linear>,

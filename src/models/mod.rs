@@ -1,4 +1,4 @@
-//! The reference models of `../shared/workloads.md`.
+//! The reference models of `docs/workloads.md`.
 //!
 //! Each model is built under a [`tch::nn::Path`] from a config struct with a `bench()` size (the
 //! reference numbers) and a `tiny()` size (well under a second per step on a CPU), and each config

@@ -64,7 +64,7 @@ impl TransformerConfig {
         self.layers * 12 * self.d_model * self.d_model + self.d_model * self.vocab
     }
 
-    /// Matmul FLOPs of one training step (forward + backward), as `workloads.md` counts them:
+    /// Matmul FLOPs of one training step (forward + backward), as `docs/workloads.md` counts them:
     ///
     /// `6·B·T·P + 3·L·2·B·T²·d`
     ///
@@ -149,8 +149,8 @@ impl Block {
     }
 }
 
-/// The GPT-style decoder of `workloads.md`: token + learned position embeddings, pre-LN blocks with
-/// causal scaled-dot-product attention ([`speedkit::nn::attention`], so the `sdp_backend` flags
+/// The GPT-style decoder of `docs/workloads.md`: token + learned position embeddings, pre-LN blocks
+/// with causal scaled-dot-product attention ([`speedkit::nn::attention`], so the `sdp_backend` flags
 /// pick the kernel), a final LayerNorm and an output head without bias.
 #[derive(Debug)]
 pub struct Transformer {

@@ -3,7 +3,7 @@
 //! A workload is a function registered with `#[speedkit::bench]`; it builds its model for the
 //! [`Size`] it is given, on the device of the [`SpeedContext`] it is given, and hands one training
 //! step to [`Bencher::run`], which warms up, times each step (CUDA events on the GPU, a device
-//! synchronisation after every step under paranoid sync, as `../shared/workloads.md` prescribes), and
+//! synchronisation after every step under paranoid sync, as `docs/workloads.md` prescribes), and
 //! records the median/p10/p90, TFLOP/s and device memory ([`DeviceMemory`]: the peak of the whole
 //! run, warm-up and graph capture included, and the reserved memory).
 //!
@@ -61,7 +61,7 @@ use memory::MemoryProbe;
 pub enum Size {
     /// Runs in well under a second on a CPU (tests, CI).
     Tiny,
-    /// The reference size of `../shared/workloads.md`.
+    /// The reference size of `docs/workloads.md`.
     Bench,
 }
 
@@ -441,22 +441,87 @@ impl<'a> Bencher<'a> {
     }
 }
 
-/// Generates `fn main()` for a benchmark runner: every `#[speedkit::bench]` workload linked into the
-/// binary, with the command line described in [`runner`].
+/// Generates `fn main()` for a benchmark runner over the `#[speedkit::bench]` workloads of the
+/// crates or modules it names, with the command line described in [`runner`].
+///
+/// Name where the workloads are, as a path: a crate (`my_crate`, your library, from a `[[bench]]`
+/// target of its package or of another), a module of the target itself (`workloads`, declared
+/// with `mod workloads;`), or `crate` for workloads written in the target's own file. Several are
+/// separated by commas. Each becomes `use PATH as _;`: a crate that is not named is not linked,
+/// and its workloads would silently not be there; a name that does not resolve is a compile error.
+///
+/// In `benches/workloads.rs`, with `[[bench]] name = "workloads"`, `harness = false` in
+/// `Cargo.toml`:
+///
+/// ```no_run
+/// # mod my_crate {}
+/// speedkit::bench_main!(my_crate);
+/// ```
+///
+/// Then `cargo bench --bench workloads -- --filter mlp --config fp32_strict --config auto`.
+///
+/// Without a name it does not compile:
+///
+/// ```compile_fail
+/// speedkit::bench_main!();
+/// ```
 #[macro_export]
 macro_rules! bench_main {
     () => {
+        ::core::compile_error!(
+            "name the crate (or module) whose workloads to run: \
+             `speedkit::bench_main!(my_crate);`"
+        );
+        // Keeps the error above the only one (no "`main` function not found" after it).
+        fn main() -> ::std::process::ExitCode {
+            $crate::bench::runner::main()
+        }
+    };
+    ($($($workloads:ident)::+),+ $(,)?) => {
+        // Named only to be linked (a crate) or to be checked to exist (a module).
+        $(#[allow(unused_imports)] use $($workloads)::+ as _;)+
+
         fn main() -> ::std::process::ExitCode {
             $crate::bench::runner::main()
         }
     };
 }
 
-/// Generates `fn main()` for a `harness = false` test target: one test per registered workload
-/// (tiny size, CPU), each checking a finite loss and that every flag is restored.
+/// Generates `fn main()` for a `harness = false` test target: one test per `#[speedkit::bench]`
+/// workload of the crates or modules it names (tiny size, CPU), each checking a finite loss and
+/// that every flag is restored.
+///
+/// Workloads are named as for [`bench_main!`](crate::bench_main). In `tests/workloads.rs`, with
+/// `[[test]] name = "workloads"`, `harness = false` in `Cargo.toml`:
+///
+/// ```no_run
+/// # mod my_crate {}
+/// speedkit::bench_tests!(my_crate);
+/// ```
+///
+/// Then `cargo test --test workloads`.
+///
+/// Without a name it does not compile:
+///
+/// ```compile_fail
+/// speedkit::bench_tests!();
+/// ```
 #[macro_export]
 macro_rules! bench_tests {
     () => {
+        ::core::compile_error!(
+            "name the crate (or module) whose workloads to test: \
+             `speedkit::bench_tests!(my_crate);`"
+        );
+        // Keeps the error above the only one (no "`main` function not found" after it).
+        fn main() -> ::std::process::ExitCode {
+            $crate::bench::testing::main()
+        }
+    };
+    ($($($workloads:ident)::+),+ $(,)?) => {
+        // Named only to be linked (a crate) or to be checked to exist (a module).
+        $(#[allow(unused_imports)] use $($workloads)::+ as _;)+
+
         fn main() -> ::std::process::ExitCode {
             $crate::bench::testing::main()
         }
