@@ -24,7 +24,7 @@
 //!     err.to_string(),
 //!     "unknown key `precison` at line 1, column 1; did you mean `precision`? (valid keys here: \
 //!      device, precision, tf32_matmul_precision, reduced_precision_reduction, channels_last, \
-//!      deterministic, cudnn, compile, optimizer, sdp_backend, grad_scaler, bench)"
+//!      deterministic, cudnn, compile, optimizer, sdp_backend, grad_scaler, bench, profile)"
 //! );
 //! # Ok::<(), ConfigError>(())
 //! ```
@@ -45,7 +45,7 @@ pub use error::{ConfigError, Format, Location, Problem};
 pub use types::{
     AutoBool, BenchConfig, CompileConfig, CompileMode, CudnnConfig, DeviceChoice, GradScalerConfig,
     MatmulPrecision, MatmulPrecisionChoice, OptimizerConfig, OptimizerName, Precision,
-    SdpBackendConfig, SpeedConfig,
+    ProfileConfig, SdpBackendConfig, SpeedConfig,
 };
 
 impl SpeedConfig {

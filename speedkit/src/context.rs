@@ -9,6 +9,7 @@ use crate::error::Result;
 use crate::ffi;
 use crate::flags::{FlagGuard, FlagState};
 use crate::hardware::Hardware;
+use crate::nvtx::NvtxRange;
 use crate::optim::{AdamW, AdamWOptimizer};
 use crate::plan::Plan;
 use crate::report::Audit;
@@ -126,7 +127,8 @@ impl SpeedContext {
 
     /// An autocast scope in the plan's dtype on the plan's device; does nothing for fp32 plans.
     pub fn autocast_scope(&self) -> AutocastGuard {
-        match self.plan.precision.autocast_kind() {
+        let range = self.nvtx_range(c"speedkit/forward");
+        let guard = match self.plan.precision.autocast_kind() {
             None => AutocastGuard::disabled(),
             Some(kind) => match AutocastGuard::enter(self.plan.device, kind) {
                 Ok(guard) => guard,
@@ -136,7 +138,8 @@ impl SpeedContext {
                     AutocastGuard::disabled()
                 }
             },
-        }
+        };
+        guard.with_nvtx(range)
     }
 
     /// Runs `f` (the forward pass and loss) under autocast; restores the autocast state afterwards,
@@ -153,12 +156,25 @@ impl SpeedContext {
 
     /// `loss.backward()`, scaled by the GradScaler when the plan has one.
     pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        let _range = self.nvtx_range(c"speedkit/backward");
         Ok(self.scaler.scale(loss)?.f_backward()?)
     }
 
     /// The optimizer step through the GradScaler (skipped on inf/NaN gradients), then the scale update.
     pub fn step<O: ScaledOptimizer + ?Sized>(&self, opt: &mut O) -> Result<()> {
-        self.scaler.step(opt)?;
+        {
+            let _range = self.nvtx_range(if self.scaler.is_enabled() {
+                c"speedkit/optimizer step (GradScaler: unscale, inf check, step)"
+            } else {
+                c"speedkit/optimizer step"
+            });
+            self.scaler.step(opt)?;
+        }
+        let _range = if self.scaler.is_enabled() {
+            self.nvtx_range(c"speedkit/GradScaler update")
+        } else {
+            NvtxRange::none()
+        };
         self.scaler.update()
     }
 
@@ -168,7 +184,10 @@ impl SpeedContext {
         loss: &Tensor,
         opt: &mut O,
     ) -> Result<()> {
-        opt.zero_gradients()?;
+        {
+            let _range = self.nvtx_range(c"speedkit/zero_grad");
+            opt.zero_gradients()?;
+        }
         self.backward(loss)?;
         self.step(opt)
     }
@@ -181,6 +200,11 @@ impl SpeedContext {
             flag_changes: self.guard.changes().to_vec(),
             notes: self.notes.borrow().clone(),
         }
+    }
+
+    /// An NVTX range named `name` when the config turns NVTX on (`profile.nvtx`), else nothing.
+    pub(crate) fn nvtx_range(&self, name: &'static std::ffi::CStr) -> NvtxRange {
+        NvtxRange::push(self.config.profile.nvtx, name)
     }
 
     /// Records something speedkit did that the audit should show.
