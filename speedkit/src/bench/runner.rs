@@ -3,6 +3,7 @@
 //! ```text
 //! cargo bench --bench workloads -- [--list] [--filter PAT]... [--config NAME|FILE]... [--size tiny|bench]
 //!     [--steps N] [--warmup N] [--paranoid-sync|--no-paranoid-sync] [--json FILE] [--csv FILE] [--svg FILE]
+//!     [--profile [STEPS]]
 //! ```
 //! Configurations run side by side in one process (comparisons are only valid within one run); the
 //! first is the baseline the speedup column divides by. `--config` takes a preset (`fp32_strict`,
@@ -67,6 +68,10 @@ pub struct Args {
     /// Use this device peak (TFLOP/s) for "% of peak" instead of measuring a bf16 matmul.
     #[arg(long, value_name = "TFLOPS")]
     pub peak_tflops: Option<f64>,
+    /// After timing, profile STEPS more steps of each run [default: 3]: kernel tables printed,
+    /// JSON and Chrome trace written to speedkit-profile/.
+    #[arg(long, value_name = "STEPS", num_args = 0..=1, default_missing_value = "3")]
+    pub profile: Option<usize>,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     pub bench: bool,
@@ -293,7 +298,7 @@ pub fn run(args: &Args) -> Result<RunReport> {
         }
         let mut baseline: Option<f64> = None;
         for nc in &configs {
-            let row = run_one(w, nc, size, &protocol, peak_tflops);
+            let row = run_one(w, nc, size, &protocol, peak_tflops, args.profile);
             if let Some(m) = &row.measurement {
                 let base = *baseline.get_or_insert(m.median_ms);
                 rows.push(Row {
@@ -330,6 +335,7 @@ fn run_one(
     size: Size,
     protocol: &Protocol,
     peak: Option<f64>,
+    profile: Option<usize>,
 ) -> Row {
     let mut row = Row {
         workload: w.name.to_string(),
@@ -359,9 +365,12 @@ fn run_one(
     );
     bar.set_prefix(format!("{} / {}", w.name, nc.name));
     let tick = || bar.inc(1);
-    let mut b = Bencher::new(size, &ctx, protocol.clone()).with_progress(&tick);
+    let mut b = Bencher::new(size, &ctx, protocol.clone())
+        .with_progress(&tick)
+        .with_profile(profile);
     let outcome = (w.run)(&mut b);
     bar.finish_and_clear();
+    let profile = b.take_profile();
     let measurement = b.take_measurement();
     let audit = ctx.audit();
     row.flags = audit
@@ -371,6 +380,16 @@ fn run_one(
         .map(|c| format!("{} = {}", c.name, c.after))
         .collect();
     row.notes = audit.notes;
+    if let Some(p) = profile {
+        let (title, stem) = (
+            format!("{} / {}", w.name, nc.name),
+            format!("{}-{}", w.name, nc.name),
+        );
+        let dir = Path::new(crate::profile::DEFAULT_OUTPUT_DIR);
+        if let Err(e) = p.print_and_write(&title, dir, &stem) {
+            row.notes.push(format!("profile not written: {e}"));
+        }
+    }
     match (outcome, measurement) {
         (Err(e), _) => row.error = Some(e.to_string()),
         (Ok(()), None) => row.error = Some("the workload never called Bencher::run".into()),

@@ -8,7 +8,7 @@ use std::fmt;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Category {
-    /// Matrix multiplications and convolutions (cuBLAS, CUTLASS, cuDNN conv).
+    /// Matrix multiplications and convolutions (cuBLAS incl. its `nvjet` kernels, CUTLASS, cuDNN conv).
     Gemm,
     /// Fused attention (flash, memory-efficient, cuDNN SDPA).
     Attention,
@@ -81,6 +81,7 @@ impl Category {
         } else if has(&[
             "gemm",
             "gemv",
+            "nvjet",
             "cutlass",
             "cublas",
             "xmma",
@@ -335,6 +336,7 @@ mod tests {
     fn kernels_are_classified_by_name() {
         let cases = [
             ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas", Category::Gemm),
+            ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_bias_TNT", Category::Gemm),
             ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4, false, false, cutlass::bfloat16_t> >(Flash_fwd_params)", Category::Attention),
             ("fmha_cutlassB_bf16_aligned_64x64_k64_sm80(PyTorchMemEffAttention::AttentionBackwardKernel<...>::Params)", Category::Attention),
             ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1_kernel0_0", Category::Attention),
