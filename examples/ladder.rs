@@ -28,9 +28,10 @@ use serde_json::json;
 use speedkit::bench::{format_tflops, Bencher, Measurement, Protocol, Size, Workload};
 use speedkit::config::{AutoBool, Precision, SdpBackendConfig, SpeedConfigBuilder};
 use speedkit::flags::FlagState;
+use speedkit::profile::DEFAULT_OUTPUT_DIR;
 use speedkit::report::table;
 use speedkit::{SpeedConfig, SpeedContext};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[path = "../workloads/mod.rs"]
 mod workloads;
@@ -54,6 +55,10 @@ struct Args {
     /// Write the rungs and their timings as JSON.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
+    /// After each rung's timing, profile STEPS more steps [default: 3] and print its kernel table
+    /// (JSON and Chrome trace in speedkit-profile/).
+    #[arg(long, value_name = "STEPS", num_args = 0..=1, default_missing_value = "3")]
+    profile: Option<usize>,
 }
 
 /// One rung: a config that adds one thing to the previous rung's.
@@ -169,7 +174,7 @@ fn main() -> anyhow::Result<()> {
         } else if workload.cuda_only && !on_gpu {
             Outcome::Skipped(format!("{} needs a CUDA device", workload.name))
         } else {
-            match run(workload, rung, size, &protocol) {
+            match run(workload, rung, size, &protocol, args.profile) {
                 Ok((m, notes)) => Outcome::Ran { m, notes },
                 Err(e) => Outcome::Failed(format!("{e:#}")),
             }
@@ -283,6 +288,7 @@ fn run(
     rung: &Rung,
     size: Size,
     protocol: &Protocol,
+    profile: Option<usize>,
 ) -> anyhow::Result<(Measurement, Vec<String>)> {
     let ctx = SpeedContext::new(&rung.config)?;
     let bar = ProgressBar::new((protocol.warmup + protocol.steps) as u64);
@@ -293,10 +299,16 @@ fn run(
     );
     bar.set_prefix(rung.name);
     let tick = || bar.inc(1);
-    let mut b = Bencher::new(size, &ctx, protocol.clone()).with_progress(&tick);
+    let mut b = Bencher::new(size, &ctx, protocol.clone())
+        .with_progress(&tick)
+        .with_profile(profile);
     let outcome = (workload.run)(&mut b);
     bar.finish_and_clear();
     outcome?;
+    if let Some(p) = b.take_profile() {
+        let stem = format!("ladder-{}-{}", workload.name, rung.name);
+        p.print_and_write(rung.name, Path::new(DEFAULT_OUTPUT_DIR), &stem)?;
+    }
     let m = b
         .take_measurement()
         .context("the workload never called Bencher::run")?;

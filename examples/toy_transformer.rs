@@ -30,6 +30,7 @@ use anyhow::Context as _;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use speedkit::bench::Size;
+use speedkit::profile::DEFAULT_OUTPUT_DIR;
 use speedkit::{SpeedConfig, SpeedContext};
 use speedkit_suite::data;
 use speedkit_suite::models::{Transformer, TransformerConfig};
@@ -55,6 +56,10 @@ struct Args {
     /// Log every N steps [default: a tenth of the steps].
     #[arg(long, value_name = "N")]
     log_every: Option<usize>,
+    /// After training, profile STEPS more steps [default: 3]: kernel table printed, JSON and Chrome
+    /// trace in speedkit-profile/; then the model audit with the backward graph's anatomy.
+    #[arg(long, value_name = "STEPS", num_args = 0..=1, default_missing_value = "3")]
+    profile: Option<usize>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -83,6 +88,20 @@ fn train(args: &Args) -> anyhow::Result<Summary> {
         let loss = step.run(&[&run.tokens, &run.targets])?;
         log.step(i, loss.as_ref())?;
     }
+    if let Some(steps) = args.profile {
+        let profile = ctx.profile(steps, || step.run(&[&run.tokens, &run.targets]))?;
+        profile.print_and_write(
+            "toy_transformer",
+            Path::new(DEFAULT_OUTPUT_DIR),
+            "toy_transformer",
+        )?;
+        // An eager forward for the backward graph's anatomy (a replayed step's loss has none).
+        let loss = ctx.autocast(|| run.model.loss(&run.tokens, &run.targets))?;
+        println!(
+            "{}",
+            speedkit::audit(&run.vs).with_backward(&loss, &run.vs)?
+        );
+    }
     drop(step);
     let summary = log.finish();
     println!("{}", ctx.audit());
@@ -108,6 +127,20 @@ fn train_with_config(args: &Args, path: &Path) -> anyhow::Result<Summary> {
     for i in 0..run.steps {
         let loss = step.run(&[&run.tokens, &run.targets])?;
         log.step(i, loss.as_ref())?;
+    }
+    if let Some(steps) = args.profile {
+        let profile = ctx.profile(steps, || step.run(&[&run.tokens, &run.targets]))?;
+        profile.print_and_write(
+            "toy_transformer",
+            Path::new(DEFAULT_OUTPUT_DIR),
+            "toy_transformer",
+        )?;
+        // An eager forward for the backward graph's anatomy (a replayed step's loss has none).
+        let loss = ctx.autocast(|| run.model.loss(&run.tokens, &run.targets))?;
+        println!(
+            "{}",
+            speedkit::audit(&run.vs).with_backward(&loss, &run.vs)?
+        );
     }
     drop(step);
     let summary = log.finish();

@@ -24,7 +24,7 @@
 //!     err.to_string(),
 //!     "unknown key `precison` at line 1, column 1; did you mean `precision`? (valid keys here: \
 //!      device, precision, tf32_matmul_precision, reduced_precision_reduction, channels_last, \
-//!      deterministic, cudnn, compile, optimizer, sdp_backend, grad_scaler, fp8, bench)"
+//!      deterministic, cudnn, compile, optimizer, sdp_backend, grad_scaler, fp8, bench, profile)"
 //! );
 //! # Ok::<(), ConfigError>(())
 //! ```
@@ -47,7 +47,7 @@ pub use error::{ConfigError, Format, Location, Problem};
 pub use types::{
     AutoBool, BenchConfig, CompileConfig, CompileMode, CudnnConfig, DeviceChoice, Fp8Config,
     Fp8Recipe, GradScalerConfig, MatmulPrecision, MatmulPrecisionChoice, OptimizerConfig,
-    OptimizerName, Precision, SdpBackendConfig, SpeedConfig,
+    OptimizerName, Precision, ProfileConfig, SdpBackendConfig, SpeedConfig,
 };
 
 impl SpeedConfig {

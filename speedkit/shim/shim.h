@@ -1,7 +1,8 @@
 // speedkit's C ABI over the parts of libtorch that tch does not expose. One file per concept:
 // flags.cpp (PyTorch's global speed flags), amp.cpp (autocast state, the GradScaler's unscale),
 // device.cpp (versions, device properties, allocator statistics, events, streams), graphs.cpp (CUDA
-// graphs), optim.cpp (fused/multi-tensor AdamW and the parameter-list helpers). This header holds
+// graphs), optim.cpp (fused/multi-tensor AdamW and the parameter-list helpers), profiler.cpp (the
+// Kineto step profiler), nvtx.cpp (NVTX ranges), autograd.cpp (the backward graph). This header holds
 // what they share: the error contract and the tensor-list helpers.
 //
 // Contract, for every `sk_*` function that returns `int`: 0 on success; otherwise non-zero, and

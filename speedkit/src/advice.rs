@@ -14,6 +14,9 @@ use serde::Serialize;
 use std::fmt;
 use tch::{nn::VarStore, Device, Kind, Tensor};
 
+use crate::autograd::{self, AutogradSummary};
+use crate::error::Result;
+
 /// One finding, with what to do about it.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Advice {
@@ -34,6 +37,10 @@ pub struct ModelAudit {
     pub parameters: i64,
     /// Findings.
     pub warnings: Vec<Advice>,
+    /// The backward graph of a loss of the model, when [`with_backward`](ModelAudit::with_backward)
+    /// added it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backward: Option<AutogradSummary>,
 }
 
 /// Dimensions of matmul operands should be multiples of 8 for fp16/bf16 Tensor Cores (cuBLAS pads or
@@ -115,6 +122,41 @@ pub fn audit_tensors(named: &[(String, Tensor)], gpu_available: bool) -> ModelAu
 }
 
 impl ModelAudit {
+    /// Adds the backward graph of `loss` (see [`crate::autograd`]): node types, the fused
+    /// attention backward, autocast's casts, and the trainable parameters of `vs` that get no
+    /// gradient, which also become a finding.
+    ///
+    /// ```
+    /// use tch::{nn, nn::Module, Device, Kind, Tensor};
+    /// let vs = nn::VarStore::new(Device::Cpu);
+    /// let layer = nn::linear(vs.root() / "used", 8, 8, Default::default());
+    /// let _idle = nn::linear(vs.root() / "idle", 8, 8, Default::default());
+    /// let loss = layer.forward(&Tensor::randn([4, 8], (Kind::Float, Device::Cpu))).sum(None);
+    /// let audit = speedkit::audit(&vs).with_backward(&loss, &vs)?;
+    /// assert!(audit.warnings.iter().any(|w| w.subject == "gradients"));
+    /// # Ok::<(), speedkit::SpeedkitError>(())
+    /// ```
+    pub fn with_backward(mut self, loss: &Tensor, vs: &VarStore) -> Result<Self> {
+        let summary = autograd::summary(loss)?.with_parameters(vs)?;
+        if let Some(names) = summary
+            .parameters_without_gradient
+            .as_ref()
+            .filter(|n| !n.is_empty())
+        {
+            self.warnings.push(Advice {
+                subject: "gradients".into(),
+                problem: format!(
+                    "{} trainable parameter(s) receive no gradient from the loss: {}",
+                    names.len(),
+                    names.join(", ")
+                ),
+                fix: "freeze them (`requires_grad = false`) or leave them out of the optimizer, or check why the forward pass skips them".into(),
+            });
+        }
+        self.backward = Some(summary);
+        Ok(self)
+    }
+
     /// Adds the batch-size check: with fewer than `rows` rows per matmul (batch × sequence), a
     /// reduced-precision speed-up is not to be expected.
     pub fn with_batch_rows(mut self, rows: i64) -> Self {
@@ -137,7 +179,7 @@ impl fmt::Display for ModelAudit {
             self.tensors, self.parameters
         )?;
         if self.warnings.is_empty() {
-            return writeln!(f, "  no findings");
+            writeln!(f, "  no findings")?;
         }
         for w in &self.warnings {
             writeln!(
@@ -145,6 +187,9 @@ impl fmt::Display for ModelAudit {
                 "  warning [{}]: {}\n    fix: {}",
                 w.subject, w.problem, w.fix
             )?;
+        }
+        if let Some(backward) = &self.backward {
+            write!(f, "{backward}")?;
         }
         Ok(())
     }

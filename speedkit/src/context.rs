@@ -10,6 +10,7 @@ use crate::ffi;
 use crate::flags::{FlagGuard, FlagState};
 use crate::hardware::Hardware;
 use crate::nn::Fp8Scope;
+use crate::nvtx::NvtxRange;
 use crate::optim::{AdamW, AdamWOptimizer};
 use crate::plan::Plan;
 use crate::report::Audit;
@@ -129,6 +130,7 @@ impl SpeedContext {
     /// plans), and the plan's FP8 settings for [`crate::nn::Linear`] layers. Each layer's FP8
     /// decision goes to the audit when the scope drops.
     pub fn autocast_scope(&self) -> ForwardScope<'_> {
+        let range = self.nvtx_range(c"speedkit/forward");
         let kind = self.plan.precision.autocast_kind();
         let autocast = match kind {
             None => AutocastGuard::disabled(),
@@ -147,7 +149,7 @@ impl SpeedContext {
                 self.plan.fp8,
                 kind.unwrap_or(tch::Kind::Float),
             )),
-            _autocast: autocast,
+            _autocast: autocast.with_nvtx(range),
         }
     }
 
@@ -165,12 +167,25 @@ impl SpeedContext {
 
     /// `loss.backward()`, scaled by the GradScaler when the plan has one.
     pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        let _range = self.nvtx_range(c"speedkit/backward");
         Ok(self.scaler.scale(loss)?.f_backward()?)
     }
 
     /// The optimizer step through the GradScaler (skipped on inf/NaN gradients), then the scale update.
     pub fn step<O: ScaledOptimizer + ?Sized>(&self, opt: &mut O) -> Result<()> {
-        self.scaler.step(opt)?;
+        {
+            let _range = self.nvtx_range(if self.scaler.is_enabled() {
+                c"speedkit/optimizer step (GradScaler: unscale, inf check, step)"
+            } else {
+                c"speedkit/optimizer step"
+            });
+            self.scaler.step(opt)?;
+        }
+        let _range = if self.scaler.is_enabled() {
+            self.nvtx_range(c"speedkit/GradScaler update")
+        } else {
+            NvtxRange::none()
+        };
         self.scaler.update()
     }
 
@@ -180,7 +195,10 @@ impl SpeedContext {
         loss: &Tensor,
         opt: &mut O,
     ) -> Result<()> {
-        opt.zero_gradients()?;
+        {
+            let _range = self.nvtx_range(c"speedkit/zero_grad");
+            opt.zero_gradients()?;
+        }
         self.backward(loss)?;
         self.step(opt)
     }
@@ -193,6 +211,11 @@ impl SpeedContext {
             flag_changes: self.guard.changes().to_vec(),
             notes: self.notes.borrow().clone(),
         }
+    }
+
+    /// An NVTX range named `name` when the config turns NVTX on (`profile.nvtx`), else nothing.
+    pub(crate) fn nvtx_range(&self, name: &'static std::ffi::CStr) -> NvtxRange {
+        NvtxRange::push(self.config.profile.nvtx, name)
     }
 
     /// Records something speedkit did that the audit should show.

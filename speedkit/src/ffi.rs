@@ -657,3 +657,210 @@ pub(crate) fn fp8_linear(
     // SAFETY: `out` is a fresh heap `at::Tensor*` from the shim.
     Ok(unsafe { Tensor::from_ptr(out) })
 }
+
+// ----- step profiler, NVTX, autograd graph -------------------------------------------------------
+
+#[repr(C)]
+struct RawProfilerEvent {
+    name: *const c_char,
+    device_type: i32,
+    activity_type: i32,
+    start_ns: u64,
+    duration_ns: u64,
+    correlation_id: u64,
+    thread_id: u64,
+    device_resource_id: i64,
+}
+
+extern "C" {
+    fn sk_profiler_start(with_cuda: c_int) -> c_int;
+    fn sk_profiler_stop(out: *mut *mut c_void) -> c_int;
+    fn sk_profiler_event_count(profile: *mut c_void, out: *mut i64) -> c_int;
+    fn sk_profiler_event_get(profile: *mut c_void, index: i64, out: *mut RawProfilerEvent)
+        -> c_int;
+    fn sk_profiler_save(profile: *mut c_void, path: *const c_char) -> c_int;
+    fn sk_profiler_free(profile: *mut c_void);
+    fn sk_record_range_open(name: *const c_char, out: *mut *mut c_void) -> c_int;
+    fn sk_record_range_close(range: *mut c_void) -> c_int;
+
+    fn sk_nvtx_range_push(name: *const c_char);
+    fn sk_nvtx_range_pop();
+
+    fn sk_autograd_graph(root: *mut C_tensor, out: *mut *mut c_void) -> c_int;
+    fn sk_autograd_graph_sizes(graph: *mut c_void, nodes: *mut i64, leaves: *mut i64) -> c_int;
+    fn sk_autograd_graph_node(graph: *mut c_void, index: i64, name: *mut *const c_char) -> c_int;
+    fn sk_autograd_graph_leaf(graph: *mut c_void, index: i64, id: *mut u64) -> c_int;
+    fn sk_autograd_graph_free(graph: *mut c_void);
+    fn sk_tensor_identity(tensor: *mut C_tensor, id: *mut u64) -> c_int;
+}
+
+fn c_string(text: &str) -> Result<std::ffi::CString, SpeedkitError> {
+    std::ffi::CString::new(text)
+        .map_err(|_| SpeedkitError::Misuse(format!("{text:?} contains a NUL byte")))
+}
+
+/// One event of a finished profile (times on the host clock, in ns).
+#[derive(Clone, Debug)]
+pub(crate) struct ProfilerEvent {
+    pub name: String,
+    /// c10::DeviceType: 0 = CPU, 1 = CUDA.
+    pub device_type: i32,
+    /// libkineto::ActivityType: 0 = CPU op, 1 = user annotation, 3 = memcpy, 4 = memset,
+    /// 5 = kernel, 7 = CUDA runtime call.
+    pub activity_type: i32,
+    pub start_ns: u64,
+    pub duration_ns: u64,
+    pub thread_id: u64,
+}
+
+/// Starts libtorch's Kineto profiler on this thread (CPU ops; CUDA activity too with `with_cuda`).
+pub(crate) fn profiler_start(with_cuda: bool) -> Result<(), SpeedkitError> {
+    // SAFETY: plain value.
+    check(unsafe { sk_profiler_start(c_int::from(with_cuda)) })
+}
+
+/// A finished Kineto profile.
+pub(crate) struct ProfilerResult(*mut c_void);
+
+impl ProfilerResult {
+    /// Stops the profiler started by [`profiler_start`] and takes its result.
+    pub(crate) fn stop() -> Result<Self, SpeedkitError> {
+        let mut raw = ptr::null_mut();
+        // SAFETY: `raw` receives a heap object we own and free in Drop.
+        check(unsafe { sk_profiler_stop(&mut raw) })?;
+        Ok(Self(raw))
+    }
+
+    pub(crate) fn events(&self) -> Result<Vec<ProfilerEvent>, SpeedkitError> {
+        let mut n = 0i64;
+        // SAFETY: live profile, valid out-pointer.
+        check(unsafe { sk_profiler_event_count(self.0, &mut n) })?;
+        (0..n).map(|i| self.event(i)).collect()
+    }
+
+    fn event(&self, index: i64) -> Result<ProfilerEvent, SpeedkitError> {
+        let mut raw = RawProfilerEvent {
+            name: ptr::null(),
+            device_type: 0,
+            activity_type: 0,
+            start_ns: 0,
+            duration_ns: 0,
+            correlation_id: 0,
+            thread_id: 0,
+            device_resource_id: 0,
+        };
+        // SAFETY: live profile; `raw` mirrors sk_profiler_event; the shim range-checks `index`.
+        check(unsafe { sk_profiler_event_get(self.0, index, &mut raw) })?;
+        // SAFETY: `name` points at a NUL-terminated string owned by the live profile.
+        let name = unsafe { CStr::from_ptr(raw.name) }
+            .to_string_lossy()
+            .into_owned();
+        Ok(ProfilerEvent {
+            name,
+            device_type: raw.device_type,
+            activity_type: raw.activity_type,
+            start_ns: raw.start_ns,
+            duration_ns: raw.duration_ns,
+            thread_id: raw.thread_id,
+        })
+    }
+
+    /// Writes the Chrome trace to `path`.
+    pub(crate) fn save(&self, path: &std::path::Path) -> Result<(), SpeedkitError> {
+        let path = c_string(&path.to_string_lossy())?;
+        // SAFETY: live profile, NUL-terminated path for the call.
+        check(unsafe { sk_profiler_save(self.0, path.as_ptr()) })
+    }
+}
+
+impl Drop for ProfilerResult {
+    fn drop(&mut self) {
+        // SAFETY: created by sk_profiler_stop, freed exactly once.
+        unsafe { sk_profiler_free(self.0) }
+    }
+}
+
+/// A user-scope range recorded by an active profiler (a no-op without one), closed on drop.
+pub(crate) struct RecordRange(*mut c_void);
+
+impl RecordRange {
+    pub(crate) fn open(name: &str) -> Result<Self, SpeedkitError> {
+        let name = c_string(name)?;
+        let mut raw = ptr::null_mut();
+        // SAFETY: NUL-terminated name for the call (the shim copies it); `raw` receives the range.
+        check(unsafe { sk_record_range_open(name.as_ptr(), &mut raw) })?;
+        Ok(Self(raw))
+    }
+
+    pub(crate) fn close(mut self) -> Result<(), SpeedkitError> {
+        let raw = std::mem::replace(&mut self.0, ptr::null_mut());
+        // SAFETY: raw came from sk_record_range_open; close frees it.
+        check(unsafe { sk_record_range_close(raw) })
+    }
+}
+
+impl Drop for RecordRange {
+    fn drop(&mut self) {
+        if !self.0.is_null() {
+            // SAFETY: as in `close`; on this path (unwinding) the status has no one to go to.
+            let _ = unsafe { sk_record_range_close(self.0) };
+        }
+    }
+}
+
+/// Opens an NVTX range (a no-op until a tool such as Nsight Systems is attached).
+pub(crate) fn nvtx_range_push(name: &CStr) {
+    // SAFETY: NUL-terminated name for the call; NVTX copies it.
+    unsafe { sk_nvtx_range_push(name.as_ptr()) }
+}
+
+/// Closes the innermost NVTX range of this thread.
+pub(crate) fn nvtx_range_pop() {
+    // SAFETY: no arguments; popping with no open range is a no-op in NVTX.
+    unsafe { sk_nvtx_range_pop() }
+}
+
+/// The backward graph of a tensor: every node's name (each node once), and the identities of the
+/// leaf variables that receive gradients.
+pub(crate) fn autograd_graph(root: &Tensor) -> Result<(Vec<String>, Vec<u64>), SpeedkitError> {
+    let mut raw = ptr::null_mut();
+    // SAFETY: live handle for the call; `raw` receives a heap object freed below.
+    check(unsafe { sk_autograd_graph(handle(root), &mut raw) })?;
+    let read = || -> Result<(Vec<String>, Vec<u64>), SpeedkitError> {
+        let (mut nodes, mut leaves) = (0i64, 0i64);
+        // SAFETY: live graph, valid out-pointers.
+        check(unsafe { sk_autograd_graph_sizes(raw, &mut nodes, &mut leaves) })?;
+        let mut names = Vec::with_capacity(nodes as usize);
+        for i in 0..nodes {
+            let mut name = ptr::null();
+            // SAFETY: live graph, index in range, `name` receives a pointer owned by the graph.
+            check(unsafe { sk_autograd_graph_node(raw, i, &mut name) })?;
+            // SAFETY: NUL-terminated, alive until the graph is freed below.
+            names.push(
+                unsafe { CStr::from_ptr(name) }
+                    .to_string_lossy()
+                    .into_owned(),
+            );
+        }
+        let mut ids = Vec::with_capacity(leaves as usize);
+        for i in 0..leaves {
+            let mut id = 0u64;
+            // SAFETY: live graph, index in range, valid out-pointer.
+            check(unsafe { sk_autograd_graph_leaf(raw, i, &mut id) })?;
+            ids.push(id);
+        }
+        Ok((names, ids))
+    };
+    let out = read();
+    // SAFETY: created by sk_autograd_graph, freed exactly once.
+    unsafe { sk_autograd_graph_free(raw) };
+    out
+}
+
+/// The identity autograd keys a variable by (comparable with [`autograd_graph`]'s leaves).
+pub(crate) fn tensor_identity(tensor: &Tensor) -> Result<u64, SpeedkitError> {
+    let mut id = 0u64;
+    // SAFETY: live handle, valid out-pointer.
+    check(unsafe { sk_tensor_identity(handle(tensor), &mut id) })?;
+    Ok(id)
+}

@@ -30,10 +30,12 @@
 //! (device-side inf check, skip and scale update), autocast. Optimizers that decide on the host (tch's
 //! `nn::Optimizer` under a GradScaler) synchronise and therefore fall back.
 
+use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
 use crate::error::Result;
 use crate::ffi::{self, CudaGraph, GraphPool, SideStream};
+use crate::nvtx::NvtxRange;
 use crate::SpeedContext;
 
 type Signature = Vec<(Vec<i64>, Kind, Device)>;
@@ -45,6 +47,43 @@ thread_local! {
     // (parameter, gradient) pairs that optimizers saw during the capture in progress.
     static CAPTURED_GRADIENTS: std::cell::RefCell<(Vec<Tensor>, Vec<Tensor>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    // How the last step run through a GraphedStep on this thread ran, for the step profiler.
+    static LAST_STEP_KIND: std::cell::Cell<Option<StepKind>> = const { std::cell::Cell::new(None) };
+}
+
+/// How one call of a [`GraphedStep`] ran its step: what a profile of that step shows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StepKind {
+    /// Plain eager execution (graphs off, or fallen back).
+    Eager,
+    /// One of the eager warm-up steps before the capture (on a side stream).
+    GraphWarmup,
+    /// The capture, followed by the first replay.
+    GraphCapture,
+    /// A replay of the captured graph.
+    GraphReplay,
+}
+
+impl std::fmt::Display for StepKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            StepKind::Eager => "eager",
+            StepKind::GraphWarmup => "eager warm-up before graph capture",
+            StepKind::GraphCapture => "graph capture + first replay",
+            StepKind::GraphReplay => "graph replay",
+        })
+    }
+}
+
+fn note_step_kind(kind: StepKind) {
+    LAST_STEP_KIND.with(|k| k.set(Some(kind)));
+}
+
+/// How the last [`GraphedStep`] call on this thread ran, clearing the record (`None`: no graphed
+/// step ran since the last call).
+pub(crate) fn take_last_step_kind() -> Option<StepKind> {
+    LAST_STEP_KIND.with(|k| k.take())
 }
 
 /// Called by an optimizer step: during a capture, remembers which gradient tensor each parameter
@@ -163,6 +202,7 @@ where
             .cuda_index()
             .filter(|_| self.enabled && self.fallback.is_none())
         else {
+            note_step_kind(StepKind::Eager);
             let owned: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
             return (self.step)(&owned);
         };
@@ -190,7 +230,10 @@ where
         let entry = &mut self.entries[index];
         entry.last_used = self.clock;
 
+        let nvtx = self.ctx.config().profile.nvtx;
         if let Some(graph) = &entry.graph {
+            note_step_kind(StepKind::GraphReplay);
+            let _range = NvtxRange::push(nvtx, c"speedkit/graph replay");
             for (dst, src) in entry.static_inputs.iter_mut().zip(inputs) {
                 dst.f_copy_(src)?;
             }
@@ -200,6 +243,8 @@ where
             return Ok(entry.output.as_ref().map(Tensor::shallow_clone));
         }
         if entry.eager_runs < warmup {
+            note_step_kind(StepKind::GraphWarmup);
+            let _range = NvtxRange::push(nvtx, c"speedkit/graph warm-up (eager)");
             entry.eager_runs += 1;
             let side = SideStream::enter(device_index)?;
             let owned: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
@@ -207,6 +252,8 @@ where
             side.exit()?;
             return out;
         }
+        note_step_kind(StepKind::GraphCapture);
+        let _range = NvtxRange::push(nvtx, c"speedkit/graph capture");
         self.capture(index, device_index, inputs)
     }
 
@@ -299,6 +346,7 @@ where
         self.ctx.note(format!("graphs off: {reason}"));
         self.fallback = Some(reason);
         self.entries.clear();
+        note_step_kind(StepKind::Eager);
         let owned: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
         (self.step)(&owned)
     }

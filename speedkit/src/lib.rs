@@ -26,12 +26,14 @@
 //! [`plan`] (config × hardware → settings with reasons), [`flags`] (the global flag registry and the
 //! restoring guard), [`amp`] (autocast, GradScaler), [`optim`] (AdamW), [`nn`] (attention),
 //! [`graph`] (CUDA graph capture of a whole step), [`bench`](mod@bench) (workloads and the runner),
-//! [`report`] (audit and report).
+//! [`report`] (audit and report), [`profile`] (where a step's time goes), [`autograd`] (the
+//! backward graph).
 
 #![warn(missing_docs)]
 
 mod advice;
 pub mod amp;
+pub mod autograd;
 pub mod bench;
 mod context;
 pub mod error;
@@ -40,8 +42,10 @@ pub mod flags;
 pub mod graph;
 pub mod hardware;
 pub mod nn;
+mod nvtx;
 pub mod optim;
 pub mod plan;
+pub mod profile;
 pub mod report;
 
 /// The speed configuration (re-exported from `speedkit-config`, which the macros also use to check

@@ -20,6 +20,7 @@ use tch::{Device, Kind};
 
 use crate::error::{Result, SpeedkitError};
 use crate::ffi;
+use crate::nvtx::NvtxRange;
 
 /// c10::DeviceType codes.
 fn device_type(device: Device) -> Result<i32> {
@@ -83,6 +84,8 @@ pub fn is_autocast_enabled(device: Device) -> Result<bool> {
 pub struct AutocastGuard {
     device_type: i32,
     previous: Option<(bool, i32)>,
+    // The forward pass's NVTX range (closed after autocast is restored, as fields drop last).
+    _nvtx: NvtxRange,
     _not_send: PhantomData<*const ()>,
 }
 
@@ -97,6 +100,7 @@ impl AutocastGuard {
         Ok(Self {
             device_type: dt,
             previous: Some(previous),
+            _nvtx: NvtxRange::none(),
             _not_send: PhantomData,
         })
     }
@@ -106,8 +110,15 @@ impl AutocastGuard {
         Self {
             device_type: 0,
             previous: None,
+            _nvtx: NvtxRange::none(),
             _not_send: PhantomData,
         }
+    }
+
+    /// The same scope, also holding `range` open until it ends.
+    pub(crate) fn with_nvtx(mut self, range: NvtxRange) -> Self {
+        self._nvtx = range;
+        self
     }
 
     /// Whether this scope actually turned autocast on.

@@ -52,6 +52,7 @@ use tch::{Device, Tensor};
 use crate::error::SpeedkitError;
 use crate::ffi;
 use crate::graph::CompiledStep;
+use crate::profile::Profile;
 use crate::SpeedContext;
 use memory::MemoryProbe;
 
@@ -280,6 +281,8 @@ pub struct Bencher<'a> {
     items_per_step: Option<(f64, &'static str)>,
     measurement: Option<Measurement>,
     on_step: Option<&'a dyn Fn()>,
+    profile_steps: Option<usize>,
+    profile: Option<Profile>,
 }
 
 impl<'a> Bencher<'a> {
@@ -293,7 +296,22 @@ impl<'a> Bencher<'a> {
             items_per_step: None,
             measurement: None,
             on_step: None,
+            profile_steps: None,
+            profile: None,
         }
+    }
+
+    /// After the timed steps, profile `steps` more (see [`SpeedContext::profile`]); `None` turns
+    /// profiling off. Taken with [`take_profile`](Self::take_profile).
+    pub fn with_profile(mut self, steps: Option<usize>) -> Self {
+        self.profile_steps = steps;
+        self
+    }
+
+    /// Takes the profile recorded by [`run`](Self::run) when [`with_profile`](Self::with_profile)
+    /// asked for one.
+    pub fn take_profile(&mut self) -> Option<Profile> {
+        self.profile.take()
     }
 
     /// Called after every warm-up and timed step (the runner's progress bar).
@@ -357,8 +375,14 @@ impl<'a> Bencher<'a> {
                 graphed: compiled.is_graphed(),
                 ..m
             });
+            if let Some(steps) = self.profile_steps {
+                self.profile = Some(ctx.profile(steps, || compiled.run())?);
+            }
         } else {
             self.measurement = Some(self.measure(|| step().into_step_result())?);
+            if let Some(steps) = self.profile_steps {
+                self.profile = Some(profile_eager(ctx, steps, &mut step)?);
+            }
         }
         Ok(())
     }
@@ -438,6 +462,27 @@ impl<'a> Bencher<'a> {
                 "host-clock"
             },
         })
+    }
+}
+
+/// Profiles an eager workload step, handing back the step's own error if it fails.
+fn profile_eager<R: IntoStepResult>(
+    ctx: &SpeedContext,
+    steps: usize,
+    step: &mut impl FnMut() -> R,
+) -> Result<Profile, BenchError> {
+    let mut failure = None;
+    let profile = ctx.profile(steps, || {
+        step().into_step_result().map_err(|e| {
+            let message = e.to_string();
+            failure = Some(e);
+            SpeedkitError::Misuse(message)
+        })
+    });
+    match (profile, failure) {
+        (Ok(profile), _) => Ok(profile),
+        (Err(_), Some(step_error)) => Err(step_error),
+        (Err(e), None) => Err(e.into()),
     }
 }
 

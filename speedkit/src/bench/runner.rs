@@ -4,7 +4,7 @@
 //! cargo bench --bench workloads -- [--list] [--filter PAT]... [--config NAME|FILE]... [--size tiny|bench]
 //!     [--steps N] [--warmup N] [--paranoid-sync|--no-paranoid-sync] [--json FILE] [--csv FILE] [--svg FILE]
 //!     [--save-baseline NAME] [--baseline NAME|FILE [--noise-threshold PCT] [--fail-above PCT]]
-//!     [--peer pytorch [--python PATH]]
+//!     [--peer pytorch [--python PATH]] [--profile [STEPS]]
 //! ```
 //! Configurations run side by side in one process (comparisons are only valid within one run); the
 //! first is the one the speedup column divides by. `--config` takes a preset (`fp32_strict`,
@@ -99,6 +99,10 @@ pub struct Args {
     /// directory, else python3].
     #[arg(long, value_name = "PATH", requires = "peer")]
     pub python: Option<PathBuf>,
+    /// After timing, profile STEPS more steps of each run [default: 3]: kernel tables printed,
+    /// JSON and Chrome trace written to speedkit-profile/.
+    #[arg(long, value_name = "STEPS", num_args = 0..=1, default_missing_value = "3")]
+    pub profile: Option<usize>,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]
     pub bench: bool,
@@ -294,7 +298,15 @@ pub fn run_with(args: &Args, workloads: &[&Workload]) -> Result<RunReport> {
     };
     let protocol = protocol_of(args, &configs[0].config);
     let (peak_tflops, peak_source) = device_peak(args, on_gpu)?;
-    let rows = measure_all(&selected, &configs, size, &protocol, peak_tflops, on_gpu);
+    let rows = measure_all(
+        &selected,
+        &configs,
+        size,
+        &protocol,
+        peak_tflops,
+        on_gpu,
+        args.profile,
+    );
     let peer = args
         .peer
         .as_ref()
@@ -430,6 +442,7 @@ fn measure_all(
     protocol: &Protocol,
     peak_tflops: Option<f64>,
     on_gpu: bool,
+    profile: Option<usize>,
 ) -> Vec<Row> {
     let mut rows = Vec::new();
     for w in workloads {
@@ -443,7 +456,7 @@ fn measure_all(
         }
         let mut first_median: Option<f64> = None;
         for nc in configs {
-            let row = run_one(w, nc, size, protocol, peak_tflops);
+            let row = run_one(w, nc, size, protocol, peak_tflops, profile);
             if let Some(m) = &row.measurement {
                 let base = *first_median.get_or_insert(m.median_ms);
                 rows.push(Row {
@@ -514,6 +527,7 @@ fn run_one(
     size: Size,
     protocol: &Protocol,
     peak: Option<f64>,
+    profile: Option<usize>,
 ) -> Row {
     let mut row = Row {
         workload: w.name.to_string(),
@@ -543,9 +557,12 @@ fn run_one(
     );
     bar.set_prefix(format!("{} / {}", w.name, nc.name));
     let tick = || bar.inc(1);
-    let mut b = Bencher::new(size, &ctx, protocol.clone()).with_progress(&tick);
+    let mut b = Bencher::new(size, &ctx, protocol.clone())
+        .with_progress(&tick)
+        .with_profile(profile);
     let outcome = (w.run)(&mut b);
     bar.finish_and_clear();
+    let profile = b.take_profile();
     let measurement = b.take_measurement();
     let audit = ctx.audit();
     row.flags = audit
@@ -555,6 +572,16 @@ fn run_one(
         .map(|c| format!("{} = {}", c.name, c.after))
         .collect();
     row.notes = audit.notes;
+    if let Some(p) = profile {
+        let (title, stem) = (
+            format!("{} / {}", w.name, nc.name),
+            format!("{}-{}", w.name, nc.name),
+        );
+        let dir = Path::new(crate::profile::DEFAULT_OUTPUT_DIR);
+        if let Err(e) = p.print_and_write(&title, dir, &stem) {
+            row.notes.push(format!("profile not written: {e}"));
+        }
+    }
     match (outcome, measurement) {
         (Err(e), _) => row.error = Some(e.to_string()),
         (Ok(()), None) => row.error = Some("the workload never called Bencher::run".into()),

@@ -1,0 +1,119 @@
+// The step profiler: libtorch's Kineto profiler (what torch.profiler drives from Python), its
+// events flattened for Rust, its Chrome trace, and user-scope ranges that mark each profiled step.
+#include "shim.h"
+
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/profiler_kineto.h>
+
+#include <memory>
+#include <set>
+
+namespace {
+
+namespace kineto_api = torch::autograd::profiler;
+namespace profiler_impl = torch::profiler::impl;
+
+// A finished profile: Kineto's result and the event names, kept alive for the pointers handed out.
+struct Profile {
+  std::unique_ptr<kineto_api::ProfilerResult> result;
+  std::vector<std::string> names;
+};
+
+// A user-scope range. The profiler reads the name when the range opens; it is kept here anyway,
+// because RecordFunction takes a string_view.
+struct Range {
+  std::string name;
+  at::RecordFunction record{at::RecordScope::USER_SCOPE};
+};
+
+}  // namespace
+
+extern "C" {
+
+// One profiler event, as Rust reads it. `name` points into the profile and lives as long as it.
+struct sk_profiler_event {
+  const char* name;
+  int32_t device_type;    // c10::DeviceType: 0 = CPU, 1 = CUDA
+  int32_t activity_type;  // libkineto::ActivityType: 0 = CPU op, 3 = memcpy, 4 = memset, 5 = kernel
+  uint64_t start_ns;
+  uint64_t duration_ns;
+  uint64_t correlation_id;
+  uint64_t thread_id;
+  int64_t device_resource_id;  // the CUDA stream of a kernel
+};
+
+// Starts recording CPU ops on this thread (and the threads autograd hands work to), plus CUDA
+// kernels, copies and runtime calls when `with_cuda` is set.
+int sk_profiler_start(int with_cuda) {
+  SK_TRY({
+    std::set<profiler_impl::ActivityType> activities{profiler_impl::ActivityType::CPU};
+    if (with_cuda) activities.insert(profiler_impl::ActivityType::CUDA);
+    profiler_impl::ProfilerConfig config(profiler_impl::ProfilerState::KINETO,
+                                         /*report_input_shapes=*/false,
+                                         /*profile_memory=*/false);
+    kineto_api::prepareProfiler(config, activities);
+    kineto_api::enableProfiler(config, activities);
+  })
+}
+
+// Stops recording; `*out` receives the profile (free it with sk_profiler_free).
+int sk_profiler_stop(void** out) {
+  SK_TRY({
+    auto profile = std::make_unique<Profile>();
+    profile->result = kineto_api::disableProfiler();
+    const auto& events = profile->result->events();
+    profile->names.reserve(events.size());
+    for (const auto& e : events) profile->names.push_back(e.name());
+    *out = profile.release();
+  })
+}
+
+int sk_profiler_event_count(void* profile, int64_t* out) {
+  SK_TRY(*out = static_cast<int64_t>(static_cast<Profile*>(profile)->result->events().size()))
+}
+
+int sk_profiler_event_get(void* profile, int64_t index, sk_profiler_event* out) {
+  SK_TRY({
+    auto* p = static_cast<Profile*>(profile);
+    const auto& e = p->result->events().at(static_cast<size_t>(index));
+    out->name = p->names.at(static_cast<size_t>(index)).c_str();
+    out->device_type = static_cast<int32_t>(e.deviceType());
+    out->activity_type = static_cast<int32_t>(e.activityType());
+    out->start_ns = e.startNs();
+    out->duration_ns = e.durationNs();
+    out->correlation_id = e.correlationId();
+    out->thread_id = e.startThreadId();
+    out->device_resource_id = e.deviceResourceId();
+  })
+}
+
+// Writes the Chrome trace (JSON; chrome://tracing and ui.perfetto.dev open it).
+int sk_profiler_save(void* profile, const char* path) {
+  SK_TRY(static_cast<Profile*>(profile)->result->save(path))
+}
+
+void sk_profiler_free(void* profile) {
+  try {
+    delete static_cast<Profile*>(profile);
+  } catch (...) {
+    // Nothing to report to during teardown.
+  }
+}
+
+// Opens a user-scope range named `name` (shown in the profile and its trace); `*out` receives the
+// range, which sk_record_range_close ends and frees.
+int sk_record_range_open(const char* name, void** out) {
+  SK_TRY({
+    auto range = std::make_unique<Range>();
+    range->name = name;
+    range->record.before(std::string_view(range->name));
+    *out = range.release();
+  })
+}
+
+int sk_record_range_close(void* range) {
+  std::unique_ptr<Range> owned(static_cast<Range*>(range));
+  SK_TRY(owned->record.end())
+}
+
+}  // extern "C"
