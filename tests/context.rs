@@ -103,3 +103,24 @@ fn apply_speedups_moves_parameters_to_the_plan_device() {
     let ctx = apply_speedups(&mut vs, &SpeedConfig::auto()).unwrap();
     assert_eq!(vs.device(), ctx.device());
 }
+
+#[test]
+fn speedkit_linear_without_fp8_equals_tch_linear() {
+    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    let layer = speedkit::nn::Linear::new(&(vs.root() / "fc"), 24, 40, true);
+    let x = tch::Tensor::randn([5, 3, 24], (tch::Kind::Float, tch::Device::Cpu));
+    let ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
+    let y = ctx.autocast(|| layer.forward_t(&x)).unwrap();
+    assert!(y.allclose(&x.linear(&layer.ws, layer.bs.as_ref()), 1e-6, 1e-6, false));
+    assert!(vs.variables().contains_key("fc.fp8_amax_history"));
+}
+
+#[test]
+fn fp8_asked_for_on_a_machine_without_it_is_an_error_that_changes_nothing() {
+    let _lock = common::serial();
+    let before = speedkit::flags::FlagState::capture().unwrap();
+    let config = SpeedConfig::from_yaml_str("device: cpu\nfp8: {enabled: true}\n").unwrap();
+    let err = SpeedContext::new(&config).unwrap_err().to_string();
+    assert!(err.contains("fp8.enabled: true needs FP8 Tensor Cores"), "{err}");
+    assert_eq!(speedkit::flags::FlagState::capture().unwrap(), before);
+}

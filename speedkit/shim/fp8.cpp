@@ -34,7 +34,7 @@ struct Quantized {
 Quantized quantize(const at::Tensor& t, at::ScalarType fp8, double fp8_max, const at::Tensor& history) {
   at::Tensor amax = at::linalg_vector_norm(t, INFINITY, at::OptionalIntArrayRef{}, false, at::kFloat);
   at::Tensor scale_from = amax;
-  if (history.defined()) {
+  if (history.numel() > 0) {
     at::Tensor past = history.amax();
     scale_from = at::where(past > 0, past, amax);
     history.copy_(history.roll(1));
@@ -45,7 +45,9 @@ Quantized quantize(const at::Tensor& t, at::ScalarType fp8, double fp8_max, cons
   return {q, at::reciprocal(scale)};
 }
 
-at::Tensor history_or_none(const c10::IValue& v) { return v.isTensor() ? v.toTensor() : at::Tensor(); }
+// Autograd's Function::apply needs every tensor argument defined (it records each one's device), so
+// "none" crosses as an empty tensor: no bias, or no history (dynamic scaling).
+at::Tensor none_like(const at::Tensor& x) { return at::empty({0}, x.options().dtype(at::kFloat)); }
 
 struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
@@ -60,14 +62,14 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     Quantized xq = quantize(x2, at::kFloat8_e4m3fn, E4M3_MAX, x_history);
     Quantized wq = quantize(weight, at::kFloat8_e4m3fn, E4M3_MAX, w_history);
     std::optional<at::Tensor> b;
-    if (bias.defined()) b = bias.to(out_type);
+    if (bias.numel() > 0) b = bias.to(out_type);
     // _scaled_mm wants its second operand column-major: wq (out, in) row-major is exactly Wᵀ so.
     at::Tensor y = at::_scaled_mm(xq.data, wq.data.t(), xq.inverse_scale, wq.inverse_scale, b,
                                   std::nullopt, out_type, /*use_fast_accum=*/true);
     ctx->save_for_backward({xq.data, wq.data, xq.inverse_scale, wq.inverse_scale});
     // Not saved as tensors: the backward writes to it, which would trip autograd's version check.
-    ctx->saved_data["g_history"] = g_history.defined() ? c10::IValue(g_history) : c10::IValue();
-    ctx->saved_data["has_bias"] = bias.defined();
+    ctx->saved_data["g_history"] = g_history;
+    ctx->saved_data["has_bias"] = bias.numel() > 0;
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
     std::vector<int64_t> out_sizes = x.sizes().vec();
@@ -84,7 +86,7 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     const at::Tensor& w_inverse = saved[3];
     const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
     const at::Tensor g = grad_outputs[0].reshape({-1, wq.size(0)}).contiguous();
-    Quantized gq = quantize(g, at::kFloat8_e5m2, E5M2_MAX, history_or_none(ctx->saved_data["g_history"]));
+    Quantized gq = quantize(g, at::kFloat8_e5m2, E5M2_MAX, ctx->saved_data["g_history"].toTensor());
     // dX = G W: W as the column-major (out, in) operand is Wᵀ laid out row-major.
     at::Tensor wt = wq.t().contiguous();
     at::Tensor dx = at::_scaled_mm(gq.data, wt.t(), gq.inverse_scale, w_inverse, std::nullopt,
@@ -101,7 +103,7 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
   }
 };
 
-at::Tensor optional(at::Tensor* t) { return t == nullptr ? at::Tensor() : *t; }
+at::Tensor or_none(at::Tensor* t, const at::Tensor& x) { return t == nullptr ? none_like(x) : *t; }
 
 }  // namespace
 
@@ -111,9 +113,9 @@ extern "C" {
 // or all null for the dynamic recipe. `bias` may be null.
 int sk_fp8_linear(at::Tensor* x, at::Tensor* weight, at::Tensor* bias, at::Tensor* x_history,
                   at::Tensor* w_history, at::Tensor* g_history, int out_dtype, at::Tensor** out) {
-  SK_TRY(*out = new at::Tensor(Fp8LinearFunction::apply(*x, *weight, optional(bias), optional(x_history),
-                                                        optional(w_history), optional(g_history),
-                                                        static_cast<int64_t>(out_dtype))))
+  SK_TRY(*out = new at::Tensor(Fp8LinearFunction::apply(
+             *x, *weight, or_none(bias, *x), or_none(x_history, *x), or_none(w_history, *x),
+             or_none(g_history, *x), static_cast<int64_t>(out_dtype))))
 }
 
 }  // extern "C"

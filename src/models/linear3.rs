@@ -3,7 +3,6 @@
 use speedkit::Result;
 use tch::{nn, Reduction, Tensor};
 
-use super::linear;
 
 /// Sizes of [`Linear3`] and of its batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,10 +38,11 @@ impl Linear3Config {
     }
 }
 
-/// `Linear(w, w)` × 3, with bias, no activation (the seed benchmark of `docs/workloads.md`).
+/// `Linear(w, w)` × 3, with bias, no activation (the seed benchmark of `docs/workloads.md`); its
+/// layers are `speedkit::nn::Linear` (FP8 GEMMs where the plan has them).
 #[derive(Debug)]
 pub struct Linear3 {
-    layers: Vec<nn::Linear>,
+    layers: Vec<speedkit::nn::Linear>,
 }
 
 impl Linear3 {
@@ -50,11 +50,11 @@ impl Linear3 {
     pub fn new(p: &nn::Path, config: &Linear3Config) -> Self {
         let layers = (0..3)
             .map(|i| {
-                nn::linear(
-                    p / format!("l{i}"),
+                speedkit::nn::Linear::new(
+                    &(p / format!("l{i}")),
                     config.width,
                     config.width,
-                    Default::default(),
+                    true,
                 )
             })
             .collect();
@@ -65,7 +65,7 @@ impl Linear3 {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut h = x.shallow_clone();
         for layer in &self.layers {
-            h = linear(layer, &h)?;
+            h = layer.forward_t(&h)?;
         }
         Ok(h)
     }
