@@ -24,7 +24,7 @@
 //!     err.to_string(),
 //!     "unknown key `precison` at line 1, column 1; did you mean `precision`? (valid keys here: \
 //!      device, precision, tf32_matmul_precision, reduced_precision_reduction, channels_last, \
-//!      deterministic, cudnn, compile, optimizer, sdp_backend, grad_scaler, bench)"
+//!      deterministic, cudnn, compile, optimizer, sdp_backend, grad_scaler, bench, distributed)"
 //! );
 //! # Ok::<(), ConfigError>(())
 //! ```
@@ -43,7 +43,8 @@ use std::path::Path;
 pub use builder::SpeedConfigBuilder;
 pub use error::{ConfigError, Format, Location, Problem};
 pub use types::{
-    AutoBool, BenchConfig, CompileConfig, CompileMode, CudnnConfig, DeviceChoice, GradScalerConfig,
+    AutoBool, BenchConfig, CompileConfig, CompileMode, CudnnConfig, DeviceChoice,
+    DistributedBackend, DistributedConfig, GradScalerConfig,
     MatmulPrecision, MatmulPrecisionChoice, OptimizerConfig, OptimizerName, Precision,
     SdpBackendConfig, SpeedConfig,
 };

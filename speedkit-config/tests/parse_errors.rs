@@ -18,7 +18,7 @@ fn json_err(text: &str) -> ConfigError {
 
 const TOP_LEVEL_KEYS: &str = "device, precision, tf32_matmul_precision, \
     reduced_precision_reduction, channels_last, deterministic, cudnn, compile, optimizer, \
-    sdp_backend, grad_scaler, bench";
+    sdp_backend, grad_scaler, bench, distributed";
 
 #[test]
 fn top_level_typo_names_key_place_and_suggestion() {
@@ -353,4 +353,16 @@ fn list_for_enum_value_lists_allowed_values() {
         "wrong type for `precision` at line 1, column 12: found sequence, \
          expected one of `auto`, `bf16`, `fp16`, `fp32`"
     );
+}
+
+#[test]
+fn distributed_timeout_of_zero_is_refused_with_its_key() {
+    let err = yaml_err("distributed: {timeout_s: 0}\n");
+    assert!(err.to_string().contains("distributed.timeout_s"), "{err}");
+}
+
+#[test]
+fn distributed_backend_typo_lists_the_backends() {
+    let err = yaml_err("distributed: {backend: ncll}\n");
+    assert!(err.to_string().contains("nccl"), "{err}");
 }
