@@ -25,7 +25,8 @@
 //! Modules by concept: [`hardware`] (what the machine offers), [`config`] (the `SpeedConfig`),
 //! [`plan`] (config × hardware → settings with reasons), [`flags`] (the global flag registry and the
 //! restoring guard), [`amp`] (autocast, GradScaler), [`optim`] (AdamW), [`nn`] (attention),
-//! [`graph`] (CUDA graph capture of a whole step), [`bench`] (workloads and the runner),
+//! [`graph`] (CUDA graph capture of a whole step), [`dist`] (data parallelism over several
+//! processes), [`bench`] (workloads and the runner),
 //! [`report`] (audit and report).
 
 #![warn(missing_docs)]
@@ -34,11 +35,13 @@ mod advice;
 pub mod amp;
 pub mod bench;
 mod context;
+pub mod dist;
 pub mod error;
 mod ffi;
 pub mod flags;
 pub mod graph;
 pub mod hardware;
+pub mod launch;
 pub mod nn;
 pub mod optim;
 pub mod plan;
