@@ -17,7 +17,7 @@ use speedkit::dist::LaunchEnv;
 use speedkit::flags::FlagState;
 use speedkit::optim::AdamW;
 use speedkit::{apply_speedups, SpeedkitError};
-use tch::nn::{self, Module};
+use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Device, Kind, Tensor};
 
 const PER_RANK_BATCH: i64 = 8;
@@ -83,7 +83,14 @@ fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
     if scenario == "fail_before_joining" && rank == 1 {
         std::process::exit(3);
     }
-    let bucket_mb = if scenario == "mismatched_config" && rank == 1 { 2 } else { 1 };
+    if scenario == "accelerate" {
+        return train_accelerated_rank(rank, out);
+    }
+    let bucket_mb = if scenario == "mismatched_config" && rank == 1 {
+        2
+    } else {
+        1
+    };
     let (x, y) = data();
     tch::manual_seed(100 + rank as i64);
     let mut vs = nn::VarStore::new(Device::Cpu);
@@ -91,7 +98,11 @@ fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
     let ctx = apply_speedups(&mut vs, &config(bucket_mb))?;
     ctx.print_main(ctx.audit());
     let mut opt = ctx.adamw(&vs, adamw())?;
-    let steps = if scenario == "train_until_killed" { 100_000 } else { STEPS };
+    let steps = if scenario == "train_until_killed" {
+        100_000
+    } else {
+        STEPS
+    };
     for step in 0..steps {
         let start = (step % STEPS) * WORLD * PER_RANK_BATCH + rank as i64 * PER_RANK_BATCH;
         let xb = x.narrow(0, start, PER_RANK_BATCH);
@@ -105,6 +116,42 @@ fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
     vs.save(out.join(format!("rank{rank}.ot")))
         .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
     Ok(())
+}
+
+/// The same training written as an ordinary `#[accelerate]` function: no distributed code.
+#[speedkit::accelerate(device = "cpu")]
+fn train_accelerated(
+    vs: &nn::VarStore,
+    net: &impl Module,
+    x: &Tensor,
+    y: &Tensor,
+) -> speedkit::Result<()> {
+    let mut opt = nn::Sgd::default()
+        .build(vs, 0.1)
+        .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
+    for step in 0..STEPS {
+        let xb = x.narrow(0, step * PER_RANK_BATCH, PER_RANK_BATCH);
+        let yb = y.narrow(0, step * PER_RANK_BATCH, PER_RANK_BATCH);
+        #[speedkit::forward]
+        let loss = net.forward(&xb).mse_loss(&yb, tch::Reduction::Mean);
+        opt.backward_step(&loss);
+    }
+    Ok(())
+}
+
+fn train_accelerated_rank(rank: usize, out: &Path) -> Result<(), SpeedkitError> {
+    let (x, y) = data();
+    tch::manual_seed(100 + rank as i64);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = model(&vs);
+    // Each rank its own rows.
+    let (x, y) = (
+        x.narrow(0, rank as i64 * 48, 48),
+        y.narrow(0, rank as i64 * 48, 48),
+    );
+    train_accelerated(&vs, &net, &x, &y)?;
+    vs.save(out.join(format!("rank{rank}.ot")))
+        .map_err(|e| SpeedkitError::Torch(e.to_string()))
 }
 
 /// The launcher, in its own process (it installs signal handlers and spawns the ranks).
@@ -122,7 +169,13 @@ fn dist_launcher() {
 }
 
 fn worker_args() -> [&'static str; 5] {
-    ["--exact", "dist_worker", "--ignored", "--nocapture", "--test-threads=1"]
+    [
+        "--exact",
+        "dist_worker",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ]
 }
 
 fn scratch(name: &str) -> PathBuf {
@@ -136,7 +189,13 @@ fn scratch(name: &str) -> PathBuf {
 fn run_launcher(scenario: &str, out: &Path) -> Output {
     let exe = std::env::current_exe().unwrap();
     let child = Command::new(exe)
-        .args(["--exact", "dist_launcher", "--ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "--exact",
+            "dist_launcher",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("SK_TEST_SCENARIO", scenario)
         .env("SK_TEST_OUT", out)
         .env_remove("MASTER_PORT")
@@ -236,6 +295,17 @@ fn launcher_trains_two_gloo_ranks_to_equal_parameters() {
 }
 
 #[test]
+fn accelerate_functions_train_data_parallel_with_no_code_change() {
+    let out = scratch("accelerate");
+    let output = run_launcher("accelerate", &out);
+    assert!(output.status.success(), "{}", text(&output));
+    let (a, b) = (load(&out.join("rank0.ot")), load(&out.join("rank1.ot")));
+    for ((name, pa), (_, pb)) in a.iter().zip(&b) {
+        assert!(pa.equal(pb), "{name} differs between the ranks");
+    }
+}
+
+#[test]
 fn two_ranks_match_one_process_on_the_concatenated_batches() {
     let out = scratch("reference");
     let output = run_launcher("train", &out);
@@ -252,7 +322,10 @@ fn two_ranks_match_one_process_on_the_concatenated_batches() {
     let mut opt = ctx.adamw(&vs, adamw()).unwrap();
     for step in 0..STEPS {
         let rows = WORLD * PER_RANK_BATCH;
-        let (xb, yb) = (x.narrow(0, step * rows, rows), y.narrow(0, step * rows, rows));
+        let (xb, yb) = (
+            x.narrow(0, step * rows, rows),
+            y.narrow(0, step * rows, rows),
+        );
         let loss = ctx.autocast(|| net.forward(&xb).mse_loss(&yb, tch::Reduction::Mean));
         ctx.backward_step(&loss, &mut opt).unwrap();
     }
@@ -270,11 +343,19 @@ fn launcher_prefixes_lines_and_rank_zero_alone_prints_the_audit() {
     let output = run_launcher("train", &out);
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{}", text(&output));
-    assert!(stdout.contains("[rank 0] ") && stdout.contains("data parallel: rank 0 of 2 over gloo"));
+    assert!(
+        stdout.contains("[rank 0] ") && stdout.contains("data parallel: rank 0 of 2 over gloo")
+    );
     assert!(!stdout.contains("data parallel: rank 1 of 2"), "{stdout}");
-    let step_lines: Vec<&str> = stdout.lines().filter(|l| l.contains("step 0 done")).collect();
+    let step_lines: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.contains("step 0 done"))
+        .collect();
     assert_eq!(step_lines.len(), 2, "{stdout}");
-    assert!(step_lines.iter().all(|l| l.starts_with("[rank ")), "{stdout}");
+    assert!(
+        step_lines.iter().all(|l| l.starts_with("[rank ")),
+        "{stdout}"
+    );
 }
 
 #[test]
@@ -283,7 +364,10 @@ fn launcher_stops_all_ranks_and_exits_with_the_failed_ranks_status() {
     let output = run_launcher("fail_before_joining", &out);
     let log = text(&output);
     assert_eq!(output.status.code(), Some(3), "{log}");
-    assert!(log.contains("[launch] rank 1 exited with status 3; stopping the other ranks"), "{log}");
+    assert!(
+        log.contains("[launch] rank 1 exited with status 3; stopping the other ranks"),
+        "{log}"
+    );
 }
 
 #[test]
@@ -318,7 +402,10 @@ fn ranks_with_different_configs_are_refused_on_every_rank() {
         let output = wait_bounded(child, Duration::from_secs(90));
         let log = text(&output);
         assert_eq!(output.status.code(), Some(1), "rank {rank}: {log}");
-        assert!(log.contains("rank(s) [1] run a different speed config than rank 0"), "{log}");
+        assert!(
+            log.contains("rank(s) [1] run a different speed config than rank 0"),
+            "{log}"
+        );
         assert!(log.contains("flags restored"), "{log}");
     }
 }
@@ -350,7 +437,11 @@ fn world_size_without_master_addr_is_a_clear_error() {
 #[test]
 fn rank_without_world_size_is_a_clear_error() {
     let err = LaunchEnv::from_lookup(|k| (k == "RANK").then(|| "0".to_string())).unwrap_err();
-    assert!(err.to_string().contains("RANK is set but WORLD_SIZE is not"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("RANK is set but WORLD_SIZE is not"),
+        "{err}"
+    );
 }
 
 #[test]

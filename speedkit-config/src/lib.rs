@@ -44,9 +44,9 @@ pub use builder::SpeedConfigBuilder;
 pub use error::{ConfigError, Format, Location, Problem};
 pub use types::{
     AutoBool, BenchConfig, CompileConfig, CompileMode, CudnnConfig, DeviceChoice,
-    DistributedBackend, DistributedConfig, GradScalerConfig,
-    MatmulPrecision, MatmulPrecisionChoice, OptimizerConfig, OptimizerName, Precision,
-    SdpBackendConfig, SpeedConfig,
+    DistributedBackend, DistributedConfig, GradScalerConfig, MatmulPrecision,
+    MatmulPrecisionChoice, OptimizerConfig, OptimizerName, Precision, SdpBackendConfig,
+    SpeedConfig,
 };
 
 impl SpeedConfig {

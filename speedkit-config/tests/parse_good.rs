@@ -366,9 +366,16 @@ fn distributed_section_reads_backend_buckets_and_timeout() {
         "distributed:\n  backend: nccl\n  bucket_mb: 50\n  first_bucket_mb: 2\n  timeout_s: 60\n",
     )
     .unwrap();
-    assert_eq!(cfg.distributed.backend, speedkit_config::DistributedBackend::Nccl);
     assert_eq!(
-        (cfg.distributed.bucket_mb, cfg.distributed.first_bucket_mb, cfg.distributed.timeout_s),
+        cfg.distributed.backend,
+        speedkit_config::DistributedBackend::Nccl
+    );
+    assert_eq!(
+        (
+            cfg.distributed.bucket_mb,
+            cfg.distributed.first_bucket_mb,
+            cfg.distributed.timeout_s
+        ),
         (50, 2, 60)
     );
 }

@@ -614,11 +614,18 @@ extern "C" {
         out: *mut *mut c_void,
     ) -> c_int;
     fn sk_dist_free(group: *mut c_void);
-    fn sk_dist_broadcast_(group: *mut c_void, tensors: *const *mut C_tensor, n: i64, root: c_int)
-        -> c_int;
+    fn sk_dist_broadcast_(
+        group: *mut c_void,
+        tensors: *const *mut C_tensor,
+        n: i64,
+        root: c_int,
+    ) -> c_int;
     fn sk_dist_all_reduce_(group: *mut c_void, tensor: *mut C_tensor, op: c_int) -> c_int;
-    fn sk_dist_all_gather(group: *mut c_void, tensor: *mut C_tensor, out: *mut *mut C_tensor)
-        -> c_int;
+    fn sk_dist_all_gather(
+        group: *mut c_void,
+        tensor: *mut C_tensor,
+        out: *mut *mut C_tensor,
+    ) -> c_int;
     fn sk_dist_barrier(group: *mut c_void) -> c_int;
     fn sk_reducer_new(
         group: *mut c_void,
@@ -687,7 +694,11 @@ impl RawProcessGroup {
         check(unsafe { sk_dist_broadcast_(self.0, t.as_ptr(), t.len() as i64, root as c_int) })
     }
 
-    pub(crate) fn all_reduce_(&self, tensor: &Tensor, op: RawReduceOp) -> Result<(), SpeedkitError> {
+    pub(crate) fn all_reduce_(
+        &self,
+        tensor: &Tensor,
+        op: RawReduceOp,
+    ) -> Result<(), SpeedkitError> {
         // SAFETY: live group and handle for the call.
         check(unsafe { sk_dist_all_reduce_(self.0, handle(tensor), op as c_int) })
     }

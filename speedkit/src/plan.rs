@@ -24,8 +24,8 @@ use std::fmt;
 use tch::{Device, Kind};
 
 use crate::config::{
-    AutoBool, DeviceChoice, DistributedBackend, GradScalerConfig, MatmulPrecision, MatmulPrecisionChoice, Precision,
-    SpeedConfig,
+    AutoBool, DeviceChoice, DistributedBackend, GradScalerConfig, MatmulPrecision,
+    MatmulPrecisionChoice, Precision, SpeedConfig,
 };
 use crate::dist::{Backend, LaunchEnv};
 use crate::error::{Result, SpeedkitError};
@@ -215,7 +215,8 @@ impl Plan {
         let mut d = Decisions::default();
 
         let launch = launch.filter(|env| env.world_size > 1);
-        let data_parallel = launch.is_some() && config.distributed.backend != DistributedBackend::Off;
+        let data_parallel =
+            launch.is_some() && config.distributed.backend != DistributedBackend::Off;
         let (device, gpu) = match launch.filter(|_| data_parallel) {
             Some(env) => resolve_rank_device(config.device, hardware, env, &mut d)?,
             None => resolve_device(config.device, hardware, &mut d)?,
@@ -437,7 +438,11 @@ impl Plan {
         };
 
         let distributed = resolve_distributed(config, device, launch, &mut d)?;
-        if distributed.as_ref().is_some_and(|s| s.backend == Backend::Nccl) && compile_graphs {
+        if distributed
+            .as_ref()
+            .is_some_and(|s| s.backend == Backend::Nccl)
+            && compile_graphs
+        {
             d.push(
                 "compile",
                 "graphs",
@@ -649,37 +654,36 @@ fn resolve_distributed(
         return Ok(None);
     };
     let on_cuda = device.is_cuda();
-    let (backend, why) = match choice {
-        DistributedBackend::Off => {
-            d.push(
-                "distributed",
-                "off",
-                format!(
-                    "set in the config: each of the {} processes trains alone",
-                    env.world_size
-                ),
-            );
-            return Ok(None);
-        }
-        DistributedBackend::Auto if on_cuda => (Backend::Nccl, "CUDA tensors: NCCL"),
-        DistributedBackend::Auto => (Backend::Gloo, "CPU tensors: Gloo"),
-        DistributedBackend::Nccl if !on_cuda => {
-            return Err(SpeedkitError::Unsupported(
+    let (backend, why) =
+        match choice {
+            DistributedBackend::Off => {
+                d.push(
+                    "distributed",
+                    "off",
+                    format!(
+                        "set in the config: each of the {} processes trains alone",
+                        env.world_size
+                    ),
+                );
+                return Ok(None);
+            }
+            DistributedBackend::Auto if on_cuda => (Backend::Nccl, "CUDA tensors: NCCL"),
+            DistributedBackend::Auto => (Backend::Gloo, "CPU tensors: Gloo"),
+            DistributedBackend::Nccl if !on_cuda => return Err(SpeedkitError::Unsupported(
                 "distributed.backend is nccl, which needs CUDA tensors, but this run is on the \
                  CPU; set distributed.backend to auto (Gloo on the CPU) or gloo"
                     .into(),
-            ))
-        }
-        DistributedBackend::Nccl => (Backend::Nccl, "set in the config"),
-        DistributedBackend::Gloo if on_cuda => {
-            return Err(SpeedkitError::Unsupported(
-                "distributed.backend is gloo, but this run is on CUDA, where speedkit drives \
+            )),
+            DistributedBackend::Nccl => (Backend::Nccl, "set in the config"),
+            DistributedBackend::Gloo if on_cuda => {
+                return Err(SpeedkitError::Unsupported(
+                    "distributed.backend is gloo, but this run is on CUDA, where speedkit drives \
                  NCCL; set distributed.backend to auto (or nccl), or `device: cpu`"
-                    .into(),
-            ))
-        }
-        DistributedBackend::Gloo => (Backend::Gloo, "set in the config"),
-    };
+                        .into(),
+                ))
+            }
+            DistributedBackend::Gloo => (Backend::Gloo, "set in the config"),
+        };
     let cfg = &config.distributed;
     d.push(
         "distributed",

@@ -17,8 +17,8 @@ use std::cell::RefCell;
 use std::rc::Rc;
 use tch::{Device, Kind, Tensor};
 
-use crate::error::{Result, SpeedkitError};
 use crate::dist::ProcessGroup;
+use crate::error::{Result, SpeedkitError};
 use crate::ffi;
 use crate::plan::ScalerSettings;
 

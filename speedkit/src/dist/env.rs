@@ -48,18 +48,26 @@ impl LaunchEnv {
     pub fn from_lookup(var: impl Fn(&str) -> Option<String>) -> Result<Option<Self>> {
         let Some(world_size) = var("WORLD_SIZE") else {
             if var("RANK").is_some() {
-                return Err(bad("RANK is set but WORLD_SIZE is not; set both (or neither)"));
+                return Err(bad(
+                    "RANK is set but WORLD_SIZE is not; set both (or neither)",
+                ));
             }
             return Ok(None);
         };
         let world_size: usize = parse("WORLD_SIZE", &world_size)?;
         if world_size == 0 {
-            return Err(bad("WORLD_SIZE is 0; it counts the processes, so at least 1"));
+            return Err(bad(
+                "WORLD_SIZE is 0; it counts the processes, so at least 1",
+            ));
         }
         let rank: usize = match var("RANK") {
             Some(r) => parse("RANK", &r)?,
             None if world_size == 1 => 0,
-            None => return Err(bad(&format!("WORLD_SIZE is {world_size} but RANK is not set"))),
+            None => {
+                return Err(bad(&format!(
+                    "WORLD_SIZE is {world_size} but RANK is not set"
+                )))
+            }
         };
         if rank >= world_size {
             return Err(bad(&format!(
