@@ -86,6 +86,9 @@ fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
     if scenario == "accelerate" {
         return train_accelerated_rank(rank, out);
     }
+    if let Some(graphs) = scenario.strip_prefix("nccl_graphs_") {
+        return train_nccl_rank(rank, out, graphs == "on");
+    }
     let bucket_mb = if scenario == "mismatched_config" && rank == 1 {
         2
     } else {
@@ -116,6 +119,50 @@ fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
     vs.save(out.join(format!("rank{rank}.ot")))
         .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
     Ok(())
+}
+
+/// The training of `train_rank` on this rank's GPU over NCCL in fp32, eager or as a replayed
+/// whole-step CUDA graph with the gradient all-reduce inside.
+fn train_nccl_rank(rank: usize, out: &Path, graphs: bool) -> Result<(), SpeedkitError> {
+    use speedkit::config::{AutoBool, MatmulPrecisionChoice, Precision};
+    let mut config = SpeedConfig::auto();
+    config.precision = Precision::Fp32;
+    config.tf32_matmul_precision = MatmulPrecisionChoice::Highest;
+    config.compile.enabled = if graphs { AutoBool::On } else { AutoBool::Off };
+    config.distributed.backend = DistributedBackend::Nccl;
+    config.distributed.timeout_s = 60;
+    config.distributed.bucket_mb = 1;
+    let (x, y) = data();
+    tch::manual_seed(100 + rank as i64);
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let net = model(&vs);
+    let ctx = apply_speedups(&mut vs, &config)?;
+    let device = ctx.device();
+    let mut opt = ctx.adamw(&vs, adamw())?;
+    let mut step = ctx.graphed(|inputs: &[Tensor]| {
+        let loss = ctx.autocast(|| {
+            net.forward(&inputs[0])
+                .mse_loss(&inputs[1], tch::Reduction::Mean)
+        });
+        ctx.backward_step(&loss, &mut opt)?;
+        Ok(Some(loss))
+    });
+    for s in 0..STEPS {
+        let start = s * WORLD * PER_RANK_BATCH + rank as i64 * PER_RANK_BATCH;
+        let xb = x.narrow(0, start, PER_RANK_BATCH).to_device(device);
+        let yb = y.narrow(0, start, PER_RANK_BATCH).to_device(device);
+        step.run(&[&xb, &yb])?;
+    }
+    println!(
+        "graphed: {} ({})",
+        step.is_graphed(),
+        step.fallback_reason().unwrap_or("no fallback")
+    );
+    drop(step);
+    ctx.print_main(ctx.audit());
+    vs.set_device(Device::Cpu);
+    vs.save(out.join(format!("rank{rank}.ot")))
+        .map_err(|e| SpeedkitError::Torch(e.to_string()))
 }
 
 /// The same training written as an ordinary `#[accelerate]` function: no distributed code.
@@ -312,6 +359,15 @@ fn two_ranks_match_one_process_on_the_concatenated_batches() {
     assert!(output.status.success(), "{}", text(&output));
     let distributed = load(&out.join("rank0.ot"));
 
+    let single = single_process_reference();
+    for ((name, d), (_, s)) in distributed.iter().zip(&single) {
+        let err = common::rel_err(d, s);
+        assert!(err < 1e-5, "{name}: relative difference {err:e}");
+    }
+}
+
+/// One process trained on the concatenated batches, from rank 0's initialisation.
+fn single_process_reference() -> Vec<(String, Tensor)> {
     let _lock = common::serial();
     let (x, y) = data();
     tch::manual_seed(100); // rank 0's initialisation, which the ranks broadcast
@@ -331,9 +387,46 @@ fn two_ranks_match_one_process_on_the_concatenated_batches() {
     }
     let mut single: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     single.sort_by(|a, b| a.0.cmp(&b.0));
-    for ((name, d), (_, s)) in distributed.iter().zip(&single) {
-        let err = common::rel_err(d, s);
-        assert!(err < 1e-5, "{name}: relative difference {err:e}");
+    single
+}
+
+#[test]
+fn nccl_ranks_match_one_process_with_graphs_on_and_off() {
+    if tch::Cuda::device_count() < 2 {
+        eprintln!(
+            "skipped nccl_ranks_match_one_process_with_graphs_on_and_off: needs 2 CUDA devices"
+        );
+        return;
+    }
+    let single = single_process_reference();
+    for graphs in ["off", "on"] {
+        let out = scratch(&format!("nccl-{graphs}"));
+        let output = run_launcher(&format!("nccl_graphs_{graphs}"), &out);
+        let log = text(&output);
+        assert!(output.status.success(), "{log}");
+        assert!(log.contains("over nccl"), "{log}");
+        if graphs == "on" {
+            assert!(log.contains("[rank 0] graphed: true"), "{log}");
+        }
+        println!(
+            "graphs {graphs}: {}",
+            log.lines()
+                .filter(|l| l.contains("graphed:"))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        );
+        let (a, b) = (load(&out.join("rank0.ot")), load(&out.join("rank1.ot")));
+        for (((name, pa), (_, pb)), (_, ps)) in a.iter().zip(&b).zip(&single) {
+            assert!(
+                pa.equal(pb),
+                "graphs {graphs}: {name} differs between the ranks"
+            );
+            let err = common::rel_err(pa, ps);
+            assert!(
+                err < 1e-4,
+                "graphs {graphs}: {name}: relative difference {err:e}"
+            );
+        }
     }
 }
 
