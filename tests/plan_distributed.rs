@@ -99,12 +99,24 @@ fn more_ranks_than_gpus_is_refused() {
 }
 
 #[test]
-fn graphs_with_nccl_say_that_the_all_reduce_is_captured() {
+fn auto_graphs_turn_eager_under_data_parallelism_with_the_reason() {
     let plan =
         Plan::resolve_launched(&SpeedConfig::auto(), &two_h200(), Some(&rank(0, 2))).unwrap();
-    assert!(plan.compile_graphs);
+    assert!(!plan.compile_graphs);
     assert!(plan
         .decisions
         .iter()
-        .any(|d| d.key == "compile" && d.reason.contains("all-reduce is captured")));
+        .any(|d| d.key == "compile" && d.value == "off" && d.reason.contains("Reducer")));
+}
+
+#[test]
+fn explicit_graphs_under_data_parallelism_are_refused() {
+    let mut config = SpeedConfig::auto();
+    config.compile.enabled = speedkit::config::AutoBool::On;
+    let err = Plan::resolve_launched(&config, &two_h200(), Some(&rank(0, 2))).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("compile.enabled: true cannot be combined"),
+        "{err}"
+    );
 }

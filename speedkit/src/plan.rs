@@ -438,18 +438,27 @@ impl Plan {
         };
 
         let distributed = resolve_distributed(config, device, launch, &mut d)?;
-        if distributed
-            .as_ref()
-            .is_some_and(|s| s.backend == Backend::Nccl)
-            && compile_graphs
-        {
-            d.push(
-                "compile",
-                "graphs",
-                "with NCCL: the gradient all-reduce is captured into the step's graph and replayed \
-                 with it (eager for good, with the reason in the audit, if the capture fails)",
-            );
-        }
+        let compile_graphs = match (&distributed, compile_graphs) {
+            (Some(_), true) if config.compile.enabled == AutoBool::On => {
+                return Err(SpeedkitError::Unsupported(
+                    "compile.enabled: true cannot be combined with data-parallel training yet: \
+                     the gradient all-reduce hooks of c10d's Reducer cannot be captured into the \
+                     step's CUDA graph (CUDA: \"operation would make the legacy stream depend on \
+                     a capturing blocking stream\"); set compile.enabled to auto or false"
+                        .into(),
+                ))
+            }
+            (Some(_), true) => {
+                d.push(
+                    "compile",
+                    "off",
+                    "data parallel: the step runs eagerly, because the gradient all-reduce hooks \
+                     of c10d's Reducer cannot be captured into a CUDA graph",
+                );
+                false
+            }
+            (_, graphs) => graphs,
+        };
 
         Ok(Plan {
             device,
