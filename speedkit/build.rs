@@ -24,6 +24,12 @@ fn main() {
     let include = torch_root.join("include");
     let cuda_headers = find_cuda_headers(&torch_root);
     let with_cuda = lib_dir.join("libtorch_cuda.so").exists() && cuda_headers.is_some();
+    // ProcessGroupNCCL's header includes <nccl.h>, shipped by the `nvidia-nccl` wheel next to torch.
+    let nccl_headers = torch_root
+        .parent()
+        .map(|site_packages| site_packages.join("nvidia/nccl/include"))
+        .filter(|dir| dir.join("nccl.h").exists());
+    let with_nccl = with_cuda && nccl_headers.is_some();
 
     let mut build = cc::Build::new();
     build
@@ -35,12 +41,21 @@ fn main() {
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         .define("GLOG_USE_GLOG_EXPORT", None)
         .define("SK_WITH_CUDA", if with_cuda { "1" } else { "0" })
+        .define("SK_WITH_NCCL", if with_nccl { "1" } else { "0" })
         // libtorch's headers are noisy under -Wall; our own file is small and reviewed.
         .warnings(false)
         .include("shim")
+        // gloo's headers, which ProcessGroupGloo.hpp includes and the torch wheel does not ship
+        // (shim/vendor/gloo/README.md); USE_C10D_GLOO as libtorch itself was built.
+        .include("shim/vendor")
+        .define("USE_C10D_GLOO", None)
         .files(shim_sources());
     if let Some(dir) = &cuda_headers {
         build.include(dir);
+    }
+    if let Some(dir) = nccl_headers.filter(|_| with_nccl) {
+        // The macro ProcessGroupNCCL.hpp is guarded by, as libtorch itself was built.
+        build.include(dir).define("USE_C10D_NCCL", None);
     }
     build.compile("speedkit_shim");
 

@@ -24,7 +24,8 @@
 //!     err.to_string(),
 //!     "unknown key `precison` at line 1, column 1; did you mean `precision`? (valid keys here: \
 //!      device, precision, tf32_matmul_precision, reduced_precision_reduction, channels_last, \
-//!      deterministic, cudnn, compile, optimizer, sdp_backend, grad_scaler, fp8, bench, profile)"
+//!      deterministic, cudnn, compile, optimizer, sdp_backend, grad_scaler, fp8, bench, profile,
+//!      distributed)"
 //! );
 //! # Ok::<(), ConfigError>(())
 //! ```
@@ -45,9 +46,10 @@ use std::path::Path;
 pub use builder::SpeedConfigBuilder;
 pub use error::{ConfigError, Format, Location, Problem};
 pub use types::{
-    AutoBool, BenchConfig, CompileConfig, CompileMode, CudnnConfig, DeviceChoice, Fp8Config,
-    Fp8Recipe, GradScalerConfig, MatmulPrecision, MatmulPrecisionChoice, OptimizerConfig,
-    OptimizerName, Precision, ProfileConfig, SdpBackendConfig, SpeedConfig,
+    AutoBool, BenchConfig, CompileConfig, CompileMode, CudnnConfig, DeviceChoice,
+    DistributedBackend, DistributedConfig, Fp8Config, Fp8Recipe, GradScalerConfig, MatmulPrecision,
+    MatmulPrecisionChoice, OptimizerConfig, OptimizerName, Precision, ProfileConfig,
+    SdpBackendConfig, SpeedConfig,
 };
 
 impl SpeedConfig {

@@ -68,6 +68,9 @@ pub struct SpeedConfig {
     /// Profiling aids for the training loop.
     #[serde(deserialize_with = "section")]
     pub profile: ProfileConfig,
+    /// Data-parallel training over several processes (torchrun's environment).
+    #[serde(deserialize_with = "section")]
+    pub distributed: DistributedConfig,
 }
 
 /// cuDNN flags (`torch.backends.cudnn.*`).
@@ -551,6 +554,65 @@ pub enum MatmulPrecision {
 
 spelled_enum!(MatmulPrecision, "tf32_matmul_precision", [
     Highest => "highest", High => "high", Medium => "medium",
+]);
+
+/// Data-parallel training: one process per device, gradients averaged across processes.
+///
+/// ```
+/// use speedkit_config::{DistributedBackend, SpeedConfig};
+/// let cfg = SpeedConfig::from_yaml_str("distributed: {backend: gloo, bucket_mb: 10}\n")?;
+/// assert_eq!(cfg.distributed.backend, DistributedBackend::Gloo);
+/// assert_eq!(cfg.distributed.timeout_s, 300);
+/// # Ok::<(), speedkit_config::ConfigError>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(
+    default,
+    deny_unknown_fields,
+    expecting = "a mapping of distributed settings"
+)]
+pub struct DistributedConfig {
+    /// `auto`: on when the environment says there are several processes (`WORLD_SIZE` > 1), with
+    /// NCCL on CUDA and Gloo on the CPU; `nccl`/`gloo` name the backend; `off` trains each process
+    /// alone even under a launcher.
+    pub backend: DistributedBackend,
+    /// Gradient bucket size in MiB for the overlapped all-reduce (PyTorch DDP's default: 25).
+    pub bucket_mb: u32,
+    /// Size of the first bucket in MiB, the last layers' gradients, sent as early as possible
+    /// (PyTorch DDP's default: 1).
+    pub first_bucket_mb: u32,
+    /// Seconds any rendezvous, store access or collective may take before every rank fails with an
+    /// error (a dead or hung rank is reported, never waited on forever).
+    pub timeout_s: u32,
+}
+
+impl Default for DistributedConfig {
+    fn default() -> Self {
+        Self {
+            backend: DistributedBackend::Auto,
+            bucket_mb: 25,
+            first_bucket_mb: 1,
+            timeout_s: 300,
+        }
+    }
+}
+
+/// Which c10d backend carries the collectives.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum DistributedBackend {
+    /// On when `WORLD_SIZE` > 1: NCCL on CUDA, Gloo on the CPU.
+    #[default]
+    Auto,
+    /// NVIDIA's collectives (CUDA tensors).
+    Nccl,
+    /// Gloo (CPU tensors).
+    Gloo,
+    /// No data parallelism, whatever the environment says.
+    Off,
+}
+
+spelled_enum!(DistributedBackend, "distributed.backend", [
+    Auto => "auto", Nccl => "nccl", Gloo => "gloo", Off => "off",
 ]);
 
 /// How the training step is compiled.

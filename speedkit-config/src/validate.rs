@@ -121,6 +121,23 @@ pub(crate) fn problems(config: &SpeedConfig) -> Vec<Problem> {
         );
     }
 
+    let distributed = &config.distributed;
+    if distributed.bucket_mb == 0 || distributed.first_bucket_mb == 0 {
+        report(
+            "distributed.bucket_mb",
+            "bucket sizes must be at least 1 MiB (defaults: bucket_mb 25, first_bucket_mb 1)"
+                .to_owned(),
+        );
+    }
+    if distributed.timeout_s == 0 {
+        report(
+            "distributed.timeout_s",
+            "is 0, so every collective would time out at once; set it to at least 1 second \
+             (default 300)"
+                .to_owned(),
+        );
+    }
+
     problems
 }
 

@@ -18,7 +18,7 @@ fn json_err(text: &str) -> ConfigError {
 
 const TOP_LEVEL_KEYS: &str = "device, precision, tf32_matmul_precision, \
     reduced_precision_reduction, channels_last, deterministic, cudnn, compile, optimizer, \
-    sdp_backend, grad_scaler, fp8, bench, profile";
+    sdp_backend, grad_scaler, fp8, bench, profile, distributed";
 
 #[test]
 fn top_level_typo_names_key_place_and_suggestion() {
@@ -481,4 +481,16 @@ fn brackets_in_comments_do_not_count_towards_the_limit() {
 fn brackets_in_quoted_values_do_not_count_towards_the_limit() {
     let err = yaml_err(&format!("precision: '{}'\n", "[".repeat(40)));
     assert!(matches!(err, ConfigError::BadValue { .. }), "{err:?}");
+}
+
+#[test]
+fn distributed_timeout_of_zero_is_refused_with_its_key() {
+    let err = yaml_err("distributed: {timeout_s: 0}\n");
+    assert!(err.to_string().contains("distributed.timeout_s"), "{err}");
+}
+
+#[test]
+fn distributed_backend_typo_lists_the_backends() {
+    let err = yaml_err("distributed: {backend: ncll}\n");
+    assert!(err.to_string().contains("nccl"), "{err}");
 }

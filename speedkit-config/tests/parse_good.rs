@@ -359,3 +359,23 @@ fn json_file_is_read_from_disk() {
     std::fs::remove_file(&path).unwrap();
     assert_eq!(cfg.unwrap().precision, Precision::Fp16);
 }
+
+#[test]
+fn distributed_section_reads_backend_buckets_and_timeout() {
+    let cfg = SpeedConfig::from_yaml_str(
+        "distributed:\n  backend: nccl\n  bucket_mb: 50\n  first_bucket_mb: 2\n  timeout_s: 60\n",
+    )
+    .unwrap();
+    assert_eq!(
+        cfg.distributed.backend,
+        speedkit_config::DistributedBackend::Nccl
+    );
+    assert_eq!(
+        (
+            cfg.distributed.bucket_mb,
+            cfg.distributed.first_bucket_mb,
+            cfg.distributed.timeout_s
+        ),
+        (50, 2, 60)
+    );
+}

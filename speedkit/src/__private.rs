@@ -59,6 +59,27 @@ pub fn enter_or_panic(source: ConfigSource, function: &'static str) -> SpeedCont
     }
 }
 
+/// After `enter`, for each `VarStore` argument of an `#[accelerate]` function: under a
+/// data-parallel launcher, rank 0's parameters and gradient averaging (see
+/// [`SpeedContext::data_parallel`]); nothing in a single process.
+pub fn data_parallel<V: std::borrow::Borrow<tch::nn::VarStore>>(
+    ctx: &SpeedContext,
+    vs: &V,
+) -> Result<()> {
+    ctx.data_parallel(vs.borrow())
+}
+
+/// The same, for functions that do not return `Result`.
+#[track_caller]
+pub fn data_parallel_or_panic<V: std::borrow::Borrow<tch::nn::VarStore>>(
+    ctx: &SpeedContext,
+    vs: &V,
+) {
+    if let Err(e) = data_parallel(ctx, vs) {
+        panic!("speedkit: cannot start data-parallel training: {e}");
+    }
+}
+
 /// Scope of a `#[speedkit::forward]` statement.
 pub fn autocast_scope(ctx: &SpeedContext) -> crate::context::ForwardScope<'_> {
     ctx.autocast_scope()

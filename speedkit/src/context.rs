@@ -1,11 +1,14 @@
 //! [`SpeedContext`]: what a training loop holds while speedkit's settings are in force.
 
 use std::cell::RefCell;
+use std::rc::Rc;
+use std::time::Duration;
 use tch::{nn::VarStore, Device, Tensor};
 
 use crate::amp::{AutocastGuard, GradScaler, ScaledOptimizer};
 use crate::config::SpeedConfig;
-use crate::error::Result;
+use crate::dist::{DataParallel, LaunchEnv, ProcessGroup};
+use crate::error::{Result, SpeedkitError};
 use crate::ffi;
 use crate::flags::{FlagGuard, FlagState};
 use crate::hardware::Hardware;
@@ -48,27 +51,49 @@ pub struct SpeedContext {
     plan: Plan,
     scaler: GradScaler,
     notes: RefCell<Vec<String>>,
+    // Dropped before the group it reduces over.
+    data_parallel: RefCell<Option<DataParallel>>,
+    group: Option<Rc<ProcessGroup>>,
     // Declared last so it drops last: everything above may still use the flags while dropping.
     guard: FlagGuard,
 }
 
 impl SpeedContext {
     /// Detects this machine and applies `config` (no model preparation; see [`apply_speedups`]).
+    /// Under a launcher (`WORLD_SIZE` > 1) with `distributed.backend` on, also joins the process
+    /// group and checks that every rank runs the same config.
     pub fn new(config: &SpeedConfig) -> Result<Self> {
         Self::with_hardware(config, Hardware::detect()?)
     }
 
-    /// Applies `config` as planned for `hardware` (a detected or simulated snapshot).
+    /// Applies `config` as planned for `hardware` (a detected or simulated snapshot) and the
+    /// launch environment of this process.
     pub fn with_hardware(config: &SpeedConfig, hardware: Hardware) -> Result<Self> {
-        let plan = Plan::resolve(config, &hardware)?;
+        let launch = LaunchEnv::from_env()?;
+        let plan = Plan::resolve_launched(config, &hardware, launch.as_ref())?;
+        // The group first: a rank that cannot join fails before any flag changes.
+        let group = match &plan.distributed {
+            None => None,
+            Some(d) => {
+                let timeout = Duration::from_secs(d.timeout_s);
+                let group = ProcessGroup::init(&d.env, d.backend, timeout)?;
+                crate::dist::check_same_config(&group, config)?;
+                Some(Rc::new(group))
+            }
+        };
         let guard = FlagGuard::apply(&plan.flag_settings())?;
-        let scaler = GradScaler::new(plan.grad_scaler.clone(), plan.device)?;
+        let mut scaler = GradScaler::new(plan.grad_scaler.clone(), plan.device)?;
+        if let Some(group) = &group {
+            scaler.agree_across(Rc::clone(group));
+        }
         Ok(Self {
             config: config.clone(),
             hardware,
             plan,
             scaler,
             notes: RefCell::default(),
+            data_parallel: RefCell::default(),
+            group,
             guard,
         })
     }
@@ -98,7 +123,65 @@ impl SpeedContext {
                 ));
             }
         }
+        self.data_parallel(vs)
+    }
+
+    /// Under data parallelism: checks that every rank has the same variables (names, shapes,
+    /// dtypes), overwrites them with rank 0's values, and averages the gradients of `vs`'s
+    /// trainable variables across ranks in every [`backward`](Self::backward) from now on.
+    /// Does nothing in a single process. [`prepare`](Self::prepare) calls it; call it yourself
+    /// only for a model that `prepare` did not see (it replaces the previous one).
+    pub fn data_parallel(&self, vs: &VarStore) -> Result<()> {
+        let (Some(group), Some(settings)) = (&self.group, &self.plan.distributed) else {
+            return Ok(());
+        };
+        // The old reducer goes first: two reducers would both hook the same parameters.
+        self.data_parallel.borrow_mut().take();
+        let dp = DataParallel::attach(
+            group,
+            vs,
+            settings.bucket_bytes,
+            settings.first_bucket_bytes,
+        )?;
+        self.note(format!(
+            "data parallel: rank {} of {} over {}; {} parameter tensors ({:.1} MiB) broadcast \
+             from rank 0; gradients averaged by c10d's Reducer in {} MiB buckets during backward",
+            group.rank(),
+            group.world_size(),
+            group.backend(),
+            dp.parameters(),
+            dp.parameter_bytes() as f64 / (1 << 20) as f64,
+            settings.bucket_bytes >> 20
+        ));
+        *self.data_parallel.borrow_mut() = Some(dp);
         Ok(())
+    }
+
+    /// The process group, under data parallelism.
+    pub fn process_group(&self) -> Option<&ProcessGroup> {
+        self.group.as_deref()
+    }
+
+    /// This process's rank (0 in a single process).
+    pub fn rank(&self) -> usize {
+        self.group.as_ref().map_or(0, |g| g.rank())
+    }
+
+    /// Number of processes training together (1 in a single process).
+    pub fn world_size(&self) -> usize {
+        self.group.as_ref().map_or(1, |g| g.world_size())
+    }
+
+    /// Whether this is rank 0 (or the only process): the one that prints and saves.
+    pub fn is_main(&self) -> bool {
+        self.rank() == 0
+    }
+
+    /// Prints `text` on rank 0 only.
+    pub fn print_main(&self, text: impl std::fmt::Display) {
+        if self.is_main() {
+            println!("{text}");
+        }
     }
 
     /// The configuration this context was built from.
@@ -165,10 +248,35 @@ impl SpeedContext {
         AdamWOptimizer::new(vs, config, self.plan.fused_optimizer)
     }
 
-    /// `loss.backward()`, scaled by the GradScaler when the plan has one.
+    /// `loss.backward()`, scaled by the GradScaler when the plan has one. Under data parallelism
+    /// the gradients are averaged across ranks when it returns.
     pub fn backward(&self, loss: &Tensor) -> Result<()> {
         let _range = self.nvtx_range(c"speedkit/backward");
-        Ok(self.scaler.scale(loss)?.f_backward()?)
+        if self.group.is_some() {
+            match self.data_parallel.borrow().as_ref() {
+                Some(dp) => dp.before_backward()?,
+                None => {
+                    return Err(SpeedkitError::Misuse(
+                        "this process is one rank of a data-parallel run, but no model was \
+                         attached, so its gradients would not be averaged: create the context \
+                         with `apply_speedups(&mut vs, ..)` or call `ctx.data_parallel(&vs)` \
+                         (an #[accelerate] function needs a `&VarStore` argument)"
+                            .into(),
+                    ))
+                }
+            }
+        }
+        let result = self.scaler.scale(loss)?.f_backward();
+        result.map_err(|e| match &self.group {
+            Some(g) => SpeedkitError::Distributed(format!(
+                "backward on rank {} of {} (gradients are all-reduced during it; a rank that died \
+                 or hung past the {} s timeout fails it): {e}",
+                g.rank(),
+                g.world_size(),
+                g.timeout().as_secs()
+            )),
+            None => e.into(),
+        })
     }
 
     /// The optimizer step through the GradScaler (skipped on inf/NaN gradients), then the scale update.

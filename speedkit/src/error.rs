@@ -32,6 +32,10 @@ pub enum SpeedkitError {
     /// Flags could not be put back as they were.
     #[error("flags not restored: {0}")]
     Restore(String),
+    /// Data-parallel training could not start or a collective failed (bad launch environment,
+    /// ranks that disagree, a rank that died or timed out).
+    #[error("distributed: {0}")]
+    Distributed(String),
     /// A graph could not be captured or replayed.
     #[error("graph capture: {0}")]
     Graph(String),

@@ -864,3 +864,168 @@ pub(crate) fn tensor_identity(tensor: &Tensor) -> Result<u64, SpeedkitError> {
     check(unsafe { sk_tensor_identity(handle(tensor), &mut id) })?;
     Ok(id)
 }
+
+// ----- distributed (c10d) ------------------------------------------------------------------------
+
+extern "C" {
+    fn sk_dist_init(
+        backend: c_int,
+        master_addr: *const c_char,
+        port: c_int,
+        rank: c_int,
+        world: c_int,
+        local_rank: c_int,
+        timeout_ms: i64,
+        out: *mut *mut c_void,
+    ) -> c_int;
+    fn sk_dist_free(group: *mut c_void);
+    fn sk_dist_broadcast_(
+        group: *mut c_void,
+        tensors: *const *mut C_tensor,
+        n: i64,
+        root: c_int,
+    ) -> c_int;
+    fn sk_dist_all_reduce_(group: *mut c_void, tensor: *mut C_tensor, op: c_int) -> c_int;
+    fn sk_dist_all_gather(
+        group: *mut c_void,
+        tensor: *mut C_tensor,
+        out: *mut *mut C_tensor,
+    ) -> c_int;
+    fn sk_dist_barrier(group: *mut c_void) -> c_int;
+    fn sk_reducer_new(
+        group: *mut c_void,
+        params: *const *mut C_tensor,
+        n: i64,
+        bucket_bytes: i64,
+        first_bucket_bytes: i64,
+        out: *mut *mut c_void,
+    ) -> c_int;
+    fn sk_reducer_prepare(reducer: *mut c_void) -> c_int;
+    fn sk_reducer_free(reducer: *mut c_void);
+}
+
+/// Which c10d backend carries the collectives (the shim's numbering).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RawBackend {
+    Gloo = 0,
+    Nccl = 1,
+}
+
+/// Reduction of [`RawProcessGroup::all_reduce_`] (the shim's numbering).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RawReduceOp {
+    Sum = 0,
+    Max = 1,
+}
+
+/// Where and how to rendezvous (see `sk_dist_init`).
+pub(crate) struct Rendezvous<'a> {
+    pub backend: RawBackend,
+    pub master_addr: &'a str,
+    pub port: u16,
+    pub rank: usize,
+    pub world_size: usize,
+    pub local_rank: usize,
+    pub timeout_ms: i64,
+}
+
+/// A c10d `ProcessGroup` with its `TCPStore`; shut down and freed on drop.
+pub(crate) struct RawProcessGroup(*mut c_void);
+
+impl RawProcessGroup {
+    pub(crate) fn init(r: &Rendezvous<'_>) -> Result<Self, SpeedkitError> {
+        let addr = std::ffi::CString::new(r.master_addr)
+            .map_err(|_| SpeedkitError::Torch("MASTER_ADDR contains a NUL byte".into()))?;
+        let mut raw = ptr::null_mut();
+        // SAFETY: valid C string and out-pointer for the call; `raw` receives a Group we own.
+        check(unsafe {
+            sk_dist_init(
+                r.backend as c_int,
+                addr.as_ptr(),
+                c_int::from(r.port),
+                r.rank as c_int,
+                r.world_size as c_int,
+                r.local_rank as c_int,
+                r.timeout_ms,
+                &mut raw,
+            )
+        })?;
+        Ok(Self(raw))
+    }
+
+    pub(crate) fn broadcast_(&self, tensors: &[Tensor], root: usize) -> Result<(), SpeedkitError> {
+        let t = handles(tensors);
+        // SAFETY: live group and handles for the call.
+        check(unsafe { sk_dist_broadcast_(self.0, t.as_ptr(), t.len() as i64, root as c_int) })
+    }
+
+    pub(crate) fn all_reduce_(
+        &self,
+        tensor: &Tensor,
+        op: RawReduceOp,
+    ) -> Result<(), SpeedkitError> {
+        // SAFETY: live group and handle for the call.
+        check(unsafe { sk_dist_all_reduce_(self.0, handle(tensor), op as c_int) })
+    }
+
+    pub(crate) fn all_gather(&self, tensor: &Tensor) -> Result<Tensor, SpeedkitError> {
+        let mut out = ptr::null_mut();
+        // SAFETY: live group and handle; `out` receives a fresh tensor that we wrap and own.
+        check(unsafe { sk_dist_all_gather(self.0, handle(tensor), &mut out) })?;
+        // SAFETY: `out` is a fresh heap `at::Tensor*` from the shim.
+        Ok(unsafe { Tensor::from_ptr(out) })
+    }
+
+    pub(crate) fn barrier(&self) -> Result<(), SpeedkitError> {
+        // SAFETY: live group.
+        check(unsafe { sk_dist_barrier(self.0) })
+    }
+}
+
+impl Drop for RawProcessGroup {
+    fn drop(&mut self) {
+        // SAFETY: created by sk_dist_init, freed exactly once.
+        unsafe { sk_dist_free(self.0) }
+    }
+}
+
+/// c10d's `Reducer`: bucketed gradient all-reduce from autograd hooks, averaged by the world size.
+/// Holds its own reference to the process group, so it may outlive a [`RawProcessGroup`] handle.
+pub(crate) struct RawReducer(*mut c_void);
+
+impl RawReducer {
+    pub(crate) fn new(
+        group: &RawProcessGroup,
+        params: &[Tensor],
+        bucket_bytes: i64,
+        first_bucket_bytes: i64,
+    ) -> Result<Self, SpeedkitError> {
+        let p = handles(params);
+        let mut raw = ptr::null_mut();
+        // SAFETY: live group and handles; `raw` receives a Reducer we own.
+        check(unsafe {
+            sk_reducer_new(
+                group.0,
+                p.as_ptr(),
+                p.len() as i64,
+                bucket_bytes,
+                first_bucket_bytes,
+                &mut raw,
+            )
+        })?;
+        Ok(Self(raw))
+    }
+
+    /// Arms the hooks for the next backward pass.
+    pub(crate) fn prepare(&self) -> Result<(), SpeedkitError> {
+        // SAFETY: live reducer.
+        check(unsafe { sk_reducer_prepare(self.0) })
+    }
+}
+
+impl Drop for RawReducer {
+    fn drop(&mut self) {
+        // SAFETY: created by sk_reducer_new, freed exactly once.
+        unsafe { sk_reducer_free(self.0) }
+    }
+}

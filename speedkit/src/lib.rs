@@ -25,9 +25,9 @@
 //! Modules by concept: [`hardware`] (what the machine offers), [`config`] (the `SpeedConfig`),
 //! [`plan`] (config × hardware → settings with reasons), [`flags`] (the global flag registry and the
 //! restoring guard), [`amp`] (autocast, GradScaler), [`optim`] (AdamW), [`nn`] (attention),
-//! [`graph`] (CUDA graph capture of a whole step), [`bench`](mod@bench) (workloads and the runner),
-//! [`report`] (audit and report), [`profile`] (where a step's time goes), [`autograd`] (the
-//! backward graph).
+//! [`graph`] (CUDA graph capture of a whole step), [`dist`] (data parallelism over several
+//! processes), [`bench`](mod@bench) (workloads and the runner), [`report`] (audit and report),
+//! [`profile`] (where a step's time goes), [`autograd`] (the backward graph).
 
 #![warn(missing_docs)]
 
@@ -36,11 +36,13 @@ pub mod amp;
 pub mod autograd;
 pub mod bench;
 mod context;
+pub mod dist;
 pub mod error;
 mod ffi;
 pub mod flags;
 pub mod graph;
 pub mod hardware;
+pub mod launch;
 pub mod nn;
 mod nvtx;
 pub mod optim;

@@ -24,9 +24,10 @@ use std::fmt;
 use tch::{Device, Kind};
 
 use crate::config::{
-    AutoBool, DeviceChoice, Fp8Config, Fp8Recipe, GradScalerConfig, MatmulPrecision,
-    MatmulPrecisionChoice, Precision, SpeedConfig,
+    AutoBool, DeviceChoice, DistributedBackend, Fp8Config, Fp8Recipe, GradScalerConfig,
+    MatmulPrecision, MatmulPrecisionChoice, Precision, SpeedConfig,
 };
+use crate::dist::{Backend, LaunchEnv};
 use crate::error::{Result, SpeedkitError};
 use crate::flags::{Flag, FlagSetting, FlagValue};
 use crate::hardware::{GpuInfo, Hardware};
@@ -167,8 +168,25 @@ pub struct Plan {
     pub channels_last: bool,
     /// FP8 GEMMs for `speedkit::nn::Linear`, if the plan uses them.
     pub fp8: Option<Fp8Plan>,
+    /// Data-parallel training over several processes, when on.
+    pub distributed: Option<DistributedSettings>,
     /// Every decision with its reason, in config-key order.
     pub decisions: Vec<Decision>,
+}
+
+/// How this process takes part in data-parallel training.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct DistributedSettings {
+    /// The transport.
+    pub backend: Backend,
+    /// This process's place in the run.
+    pub env: LaunchEnv,
+    /// Gradient bucket size in bytes.
+    pub bucket_bytes: i64,
+    /// First (last layers') bucket size in bytes.
+    pub first_bucket_bytes: i64,
+    /// Bound on the rendezvous and every collective, in seconds.
+    pub timeout_s: u64,
 }
 
 fn serialize_device<S: serde::Serializer>(d: &Device, s: S) -> Result<S::Ok, S::Error> {
@@ -188,10 +206,40 @@ impl Plan {
     /// Resolves `config` for `hardware`. Impossible requests (a GPU the machine lacks, bf16 on a GPU
     /// without it, graphs on a CPU) are errors that say what to change.
     pub fn resolve(config: &SpeedConfig, hardware: &Hardware) -> Result<Plan> {
+        Self::resolve_launched(config, hardware, None)
+    }
+
+    /// [`resolve`](Self::resolve) for a process of a multi-process run (`launch`, from
+    /// [`LaunchEnv::from_env`]; `None` for a single process). `distributed.backend: auto` turns
+    /// data parallelism on when `WORLD_SIZE` > 1; the device becomes `cuda:LOCAL_RANK`.
+    ///
+    /// ```
+    /// use speedkit::{dist::{Backend, LaunchEnv}, hardware::Hardware, plan::Plan, SpeedConfig};
+    /// let env = LaunchEnv { rank: 1, world_size: 2, local_rank: 1,
+    ///                       master_addr: "127.0.0.1".into(), master_port: 29500 };
+    /// let mut hw = Hardware::simulated_gpu("H200", 9, 0);
+    /// let second = speedkit::hardware::GpuInfo { index: 1, ..hw.gpus[0].clone() };
+    /// hw.gpus.push(second);
+    /// let plan = Plan::resolve_launched(&SpeedConfig::auto(), &hw, Some(&env))?;
+    /// assert_eq!(plan.device, tch::Device::Cuda(1));
+    /// assert_eq!(plan.distributed.map(|d| d.backend), Some(Backend::Nccl));
+    /// # Ok::<(), speedkit::SpeedkitError>(())
+    /// ```
+    pub fn resolve_launched(
+        config: &SpeedConfig,
+        hardware: &Hardware,
+        launch: Option<&LaunchEnv>,
+    ) -> Result<Plan> {
         config.validate()?;
         let mut d = Decisions::default();
 
-        let (device, gpu) = resolve_device(config.device, hardware, &mut d)?;
+        let launch = launch.filter(|env| env.world_size > 1);
+        let data_parallel =
+            launch.is_some() && config.distributed.backend != DistributedBackend::Off;
+        let (device, gpu) = match launch.filter(|_| data_parallel) {
+            Some(env) => resolve_rank_device(config.device, hardware, env, &mut d)?,
+            None => resolve_device(config.device, hardware, &mut d)?,
+        };
         let precision = resolve_precision(config.precision, gpu, &mut d)?;
 
         let matmul_precision = match (config.tf32_matmul_precision, gpu) {
@@ -410,6 +458,29 @@ impl Plan {
             }
         };
 
+        let distributed = resolve_distributed(config, device, launch, &mut d)?;
+        let compile_graphs = match (&distributed, compile_graphs) {
+            (Some(_), true) if config.compile.enabled == AutoBool::On => {
+                return Err(SpeedkitError::Unsupported(
+                    "compile.enabled: true cannot be combined with data-parallel training yet: \
+                     the gradient all-reduce hooks of c10d's Reducer cannot be captured into the \
+                     step's CUDA graph (CUDA: \"operation would make the legacy stream depend on \
+                     a capturing blocking stream\"); set compile.enabled to auto or false"
+                        .into(),
+                ))
+            }
+            (Some(_), true) => {
+                d.push(
+                    "compile",
+                    "off",
+                    "data parallel: the step runs eagerly, because the gradient all-reduce hooks \
+                     of c10d's Reducer cannot be captured into a CUDA graph",
+                );
+                false
+            }
+            (_, graphs) => graphs,
+        };
+
         Ok(Plan {
             device,
             precision,
@@ -428,6 +499,7 @@ impl Plan {
             graph_warmup_steps: config.compile.warmup_steps as usize,
             channels_last,
             fp8,
+            distributed,
             decisions: d.0,
         })
     }
@@ -559,6 +631,108 @@ fn resolve_device<'h>(
             ))),
         },
     }
+}
+
+/// Under a launcher: `auto` and `cuda` mean this rank's GPU (`cuda:LOCAL_RANK`), one per process.
+fn resolve_rank_device<'h>(
+    choice: DeviceChoice,
+    hw: &'h Hardware,
+    env: &LaunchEnv,
+    d: &mut Decisions,
+) -> Result<(Device, Option<&'h GpuInfo>)> {
+    let local = env.local_rank;
+    match choice {
+        DeviceChoice::Cpu => resolve_device(choice, hw, d),
+        DeviceChoice::Auto if hw.gpus.is_empty() => resolve_device(choice, hw, d),
+        DeviceChoice::Cuda(i) if i != local => Err(SpeedkitError::Unsupported(format!(
+            "the config asks for device cuda:{i}, but this is rank {} with LOCAL_RANK {local}: \
+             data-parallel ranks each use their own GPU, cuda:LOCAL_RANK; set `device: auto`",
+            env.rank
+        ))),
+        _ => match hw.gpu(local) {
+            Some(g) => {
+                d.push(
+                    "device",
+                    format!("cuda:{local}"),
+                    format!("{}: LOCAL_RANK {local} of a data-parallel run", g.name),
+                );
+                Ok((Device::Cuda(local), Some(g)))
+            }
+            None => Err(SpeedkitError::Unsupported(format!(
+                "LOCAL_RANK is {local}, but only {} CUDA device(s) are visible: start at most \
+                 one process per GPU (`speedkit launch --nproc-per-node {}`)",
+                hw.gpus.len(),
+                hw.gpus.len()
+            ))),
+        },
+    }
+}
+
+fn resolve_distributed(
+    config: &SpeedConfig,
+    device: Device,
+    launch: Option<&LaunchEnv>,
+    d: &mut Decisions,
+) -> Result<Option<DistributedSettings>> {
+    let choice = config.distributed.backend;
+    let Some(env) = launch else {
+        let why = if choice == DistributedBackend::Auto {
+            "a single process (WORLD_SIZE unset or 1)"
+        } else {
+            "a single process (WORLD_SIZE unset or 1): nothing to communicate"
+        };
+        d.push("distributed", "off", why);
+        return Ok(None);
+    };
+    let on_cuda = device.is_cuda();
+    let (backend, why) =
+        match choice {
+            DistributedBackend::Off => {
+                d.push(
+                    "distributed",
+                    "off",
+                    format!(
+                        "set in the config: each of the {} processes trains alone",
+                        env.world_size
+                    ),
+                );
+                return Ok(None);
+            }
+            DistributedBackend::Auto if on_cuda => (Backend::Nccl, "CUDA tensors: NCCL"),
+            DistributedBackend::Auto => (Backend::Gloo, "CPU tensors: Gloo"),
+            DistributedBackend::Nccl if !on_cuda => return Err(SpeedkitError::Unsupported(
+                "distributed.backend is nccl, which needs CUDA tensors, but this run is on the \
+                 CPU; set distributed.backend to auto (Gloo on the CPU) or gloo"
+                    .into(),
+            )),
+            DistributedBackend::Nccl => (Backend::Nccl, "set in the config"),
+            DistributedBackend::Gloo if on_cuda => {
+                return Err(SpeedkitError::Unsupported(
+                    "distributed.backend is gloo, but this run is on CUDA, where speedkit drives \
+                 NCCL; set distributed.backend to auto (or nccl), or `device: cpu`"
+                        .into(),
+                ))
+            }
+            DistributedBackend::Gloo => (Backend::Gloo, "set in the config"),
+        };
+    let cfg = &config.distributed;
+    d.push(
+        "distributed",
+        backend.to_string(),
+        format!(
+            "rank {} of {} (WORLD_SIZE > 1): {why}; parameters broadcast from rank 0, gradients \
+             averaged in {} MiB buckets during the backward pass",
+            env.rank, env.world_size, cfg.bucket_mb
+        ),
+    );
+    const MIB: i64 = 1 << 20;
+    Ok(Some(DistributedSettings {
+        backend,
+        env: env.clone(),
+        bucket_bytes: i64::from(cfg.bucket_mb) * MIB,
+        first_bucket_bytes: i64::from(cfg.first_bucket_mb) * MIB,
+        timeout_s: u64::from(cfg.timeout_s),
+    }))
 }
 
 fn resolve_precision(

@@ -72,7 +72,23 @@ pub(crate) fn accelerated_fn(
             let #ctx = ::speedkit::__private::enter_or_panic(#source, #name);
         }
     };
-    func.block.stmts.insert(0, enter);
+    // Under a data-parallel launcher, each VarStore argument takes rank 0's parameters and has its
+    // gradients averaged (nothing happens in a single process).
+    let attach: Vec<Stmt> = sig
+        .var_stores
+        .iter()
+        .map(|vs| {
+            if sig.fallible {
+                let question = quote_spanned!(sig.output_span=> ?);
+                parse_quote!(::speedkit::__private::data_parallel(&#ctx, &#vs) #question;)
+            } else {
+                parse_quote!(::speedkit::__private::data_parallel_or_panic(&#ctx, &#vs);)
+            }
+        })
+        .collect();
+    for (i, stmt) in std::iter::once(enter).chain(attach).enumerate() {
+        func.block.stmts.insert(i, stmt);
+    }
     func.into_token_stream()
 }
 

@@ -22,6 +22,9 @@ pub(crate) struct SignatureInfo {
     pub(crate) fallible: bool,
     /// Where to point "`?` couldn't convert the error" at: the return type.
     pub(crate) output_span: Span,
+    /// Arguments whose type is a `VarStore` (by value or reference): under a data-parallel
+    /// launcher their parameters are synchronised and their gradients averaged.
+    pub(crate) var_stores: Vec<syn::Ident>,
 }
 
 /// Rejects signatures the flag guard cannot work with (`async fn`, `const fn`).
@@ -45,9 +48,34 @@ pub(crate) fn signature(sig: &Signature, cx: &Ctxt) -> SignatureInfo {
         ReturnType::Default => (false, sig.ident.span()),
         ReturnType::Type(_, ty) => (is_result(ty), ty.span()),
     };
+    let var_stores = sig
+        .inputs
+        .iter()
+        .filter_map(|arg| match arg {
+            syn::FnArg::Typed(pat) => match (&*pat.pat, is_var_store(&pat.ty)) {
+                (syn::Pat::Ident(id), true) => Some(id.ident.clone()),
+                _ => None,
+            },
+            syn::FnArg::Receiver(_) => None,
+        })
+        .collect();
     SignatureInfo {
         fallible,
         output_span,
+        var_stores,
+    }
+}
+
+/// `VarStore`, `nn::VarStore`, `&tch::nn::VarStore`, `&mut VarStore` (by the last path segment).
+fn is_var_store(ty: &Type) -> bool {
+    match ty {
+        Type::Reference(r) => is_var_store(&r.elem),
+        Type::Path(path) => path
+            .path
+            .segments
+            .last()
+            .is_some_and(|s| s.ident == "VarStore"),
+        _ => false,
     }
 }
 

@@ -14,8 +14,10 @@
 
 use serde::{Deserialize, Serialize};
 use std::cell::RefCell;
+use std::rc::Rc;
 use tch::{Device, Kind, Tensor};
 
+use crate::dist::ProcessGroup;
 use crate::error::{Result, SpeedkitError};
 use crate::ffi;
 use crate::plan::ScalerSettings;
@@ -115,6 +117,9 @@ pub struct GradScaler {
     enabled: Option<Enabled>,
     device: Device,
     step: RefCell<StepState>,
+    // Under data parallelism: found_inf is agreed across ranks, so that every rank skips the same
+    // steps and the replicas stay identical.
+    group: Option<Rc<ProcessGroup>>,
 }
 
 fn optimizer_id<O: ?Sized>(opt: &O) -> usize {
@@ -136,7 +141,13 @@ impl GradScaler {
             enabled,
             device,
             step: RefCell::new(StepState::default()),
+            group: None,
         })
+    }
+
+    /// Makes every inf/NaN check an agreement of all ranks of `group` (all-reduce max).
+    pub(crate) fn agree_across(&mut self, group: Rc<ProcessGroup>) {
+        self.group = Some(group);
     }
 
     /// A pass-through scaler.
@@ -145,6 +156,7 @@ impl GradScaler {
             enabled: None,
             device: Device::Cpu,
             step: RefCell::new(StepState::default()),
+            group: None,
         }
     }
 
@@ -214,6 +226,9 @@ impl GradScaler {
                 ffi::amp_unscale_(list, &local, &inv_scale.f_to_device(*device)?)?;
                 let _ = found_inf.f_add_(&local.f_to_device(self.device)?)?;
             }
+        }
+        if let Some(group) = &self.group {
+            group.all_reduce_max_(&found_inf)?;
         }
         Ok(found_inf)
     }

@@ -1,9 +1,11 @@
-//! The `speedkit` command: `speedkit report [--config FILE] [--apply] [--restore] [--json]`.
+//! The `speedkit` command: `speedkit report [--config FILE] [--apply] [--restore] [--json]`, and
+//! `speedkit launch --nproc-per-node N -- <command>` (one process per device, data parallel).
 
 use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use speedkit::launch::{launch, LaunchOptions};
 use speedkit::report::Report;
 use speedkit::SpeedConfig;
 
@@ -39,11 +41,63 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         model: Option<PathBuf>,
     },
+    /// Start one process per device for data-parallel training (as torchrun does): sets RANK,
+    /// LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; prefixes each output line with its rank;
+    /// passes SIGINT/SIGTERM on; stops every rank when one fails and exits with its status.
+    Launch {
+        /// Processes on this machine (one per GPU).
+        #[arg(long, value_name = "N")]
+        nproc_per_node: usize,
+        /// Machines in the run.
+        #[arg(long, default_value_t = 1)]
+        nnodes: usize,
+        /// This machine's index.
+        #[arg(long, default_value_t = 0)]
+        node_rank: usize,
+        /// Host of rank 0's rendezvous store.
+        #[arg(long, default_value = "127.0.0.1")]
+        master_addr: String,
+        /// Port of rank 0's rendezvous store (default: MASTER_PORT, else a free port).
+        #[arg(long)]
+        master_port: Option<u16>,
+        /// Seconds stopped ranks get after SIGTERM before SIGKILL.
+        #[arg(long, default_value_t = 10)]
+        grace_s: u64,
+        /// The program and its arguments, after `--`.
+        #[arg(last = true, required = true, value_name = "COMMAND")]
+        command: Vec<String>,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Launch {
+            nproc_per_node,
+            nnodes,
+            node_rank,
+            master_addr,
+            master_port,
+            grace_s,
+            command,
+        } => {
+            let options = LaunchOptions {
+                nproc_per_node,
+                nnodes,
+                node_rank,
+                master_addr,
+                master_port,
+                grace: std::time::Duration::from_secs(grace_s),
+                command,
+            };
+            match launch(&options) {
+                Ok(status) => ExitCode::from(u8::try_from(status).unwrap_or(1)),
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
         Command::Report {
             config,
             apply,

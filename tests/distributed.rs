@@ -1,0 +1,565 @@
+//! Data parallelism on the CPU over Gloo: two processes started by the launcher train a tiny model;
+//! their parameters end equal to each other and to one process trained on the concatenated batches.
+//! Faults end every rank with a clear error: a killed rank, different configs, a bad environment.
+//!
+//! The ranks are this test executable itself, re-run with `--ignored --exact dist_worker` (and the
+//! launcher with `--exact dist_launcher`); `SK_TEST_*` variables tell them what to do.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use speedkit::config::{DeviceChoice, DistributedBackend, SpeedConfig};
+use speedkit::dist::LaunchEnv;
+use speedkit::flags::FlagState;
+use speedkit::optim::AdamW;
+use speedkit::{apply_speedups, SpeedkitError};
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Kind, Tensor};
+
+const PER_RANK_BATCH: i64 = 8;
+const STEPS: i64 = 6;
+const WORLD: i64 = 2;
+
+fn config(bucket_mb: u32) -> SpeedConfig {
+    let mut c = SpeedConfig::auto();
+    c.device = DeviceChoice::Cpu;
+    c.distributed.backend = DistributedBackend::Gloo;
+    c.distributed.timeout_s = 30;
+    // Small buckets: the tiny model's gradients travel in several all-reduces.
+    c.distributed.bucket_mb = bucket_mb;
+    c
+}
+
+fn model(vs: &nn::VarStore) -> impl Module {
+    nn::seq()
+        .add(nn::linear(vs.root() / "l1", 8, 32, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(vs.root() / "l2", 32, 1, Default::default()))
+}
+
+/// The whole data set, the same in every process: STEPS global batches of WORLD × PER_RANK_BATCH.
+fn data() -> (Tensor, Tensor) {
+    tch::manual_seed(1234);
+    let n = STEPS * WORLD * PER_RANK_BATCH;
+    let x = Tensor::randn([n, 8], (Kind::Float, Device::Cpu));
+    let y = x.sum_dim_intlist(1, true, Kind::Float).sin();
+    (x, y)
+}
+
+fn adamw() -> AdamW {
+    AdamW {
+        lr: 1e-2,
+        ..Default::default()
+    }
+}
+
+// ----- the processes -----------------------------------------------------------------------------
+
+/// One rank: trains on its half of each global batch and saves its parameters. Model weights are
+/// initialised from a per-rank seed, so equal results prove rank 0's broadcast.
+#[test]
+#[ignore = "a rank of the distributed tests, started by them"]
+fn dist_worker() {
+    let scenario = std::env::var("SK_TEST_SCENARIO").unwrap_or_default();
+    let out = PathBuf::from(std::env::var("SK_TEST_OUT").unwrap_or_default());
+    let before = FlagState::capture().unwrap();
+    let result = train_rank(&scenario, &out);
+    let after = FlagState::capture().unwrap();
+    assert_eq!(before.diff(&after), vec![], "flags not restored");
+    println!("flags restored");
+    if let Err(e) = result {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
+    let env = LaunchEnv::from_env()?;
+    let rank = env.as_ref().map_or(0, |e| e.rank);
+    if scenario == "fail_before_joining" && rank == 1 {
+        std::process::exit(3);
+    }
+    if scenario == "accelerate" {
+        return train_accelerated_rank(rank, out);
+    }
+    if let Some(graphs) = scenario.strip_prefix("nccl_graphs_") {
+        return train_nccl_rank(rank, out, graphs == "auto");
+    }
+    let bucket_mb = if scenario == "mismatched_config" && rank == 1 {
+        2
+    } else {
+        1
+    };
+    let (x, y) = data();
+    tch::manual_seed(100 + rank as i64);
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let net = model(&vs);
+    let ctx = apply_speedups(&mut vs, &config(bucket_mb))?;
+    ctx.print_main(ctx.audit());
+    let mut opt = ctx.adamw(&vs, adamw())?;
+    let steps = if scenario == "train_until_killed" {
+        100_000
+    } else {
+        STEPS
+    };
+    for step in 0..steps {
+        let start = (step % STEPS) * WORLD * PER_RANK_BATCH + rank as i64 * PER_RANK_BATCH;
+        let xb = x.narrow(0, start, PER_RANK_BATCH);
+        let yb = y.narrow(0, start, PER_RANK_BATCH);
+        let loss = ctx.autocast(|| net.forward(&xb).mse_loss(&yb, tch::Reduction::Mean));
+        ctx.backward_step(&loss, &mut opt)?;
+        if step < STEPS {
+            println!("step {step} done");
+        }
+    }
+    vs.save(out.join(format!("rank{rank}.ot")))
+        .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
+    Ok(())
+}
+
+/// The training of `train_rank` on this rank's GPU over NCCL in fp32, through the graph-mode API
+/// with `compile.enabled` off or auto (which the plan turns eager under data parallelism).
+fn train_nccl_rank(rank: usize, out: &Path, graphs: bool) -> Result<(), SpeedkitError> {
+    use speedkit::config::{AutoBool, MatmulPrecisionChoice, Precision};
+    let mut config = SpeedConfig::auto();
+    config.precision = Precision::Fp32;
+    config.tf32_matmul_precision = MatmulPrecisionChoice::Highest;
+    config.compile.enabled = if graphs {
+        AutoBool::Auto
+    } else {
+        AutoBool::Off
+    };
+    config.distributed.backend = DistributedBackend::Nccl;
+    config.distributed.timeout_s = 60;
+    config.distributed.bucket_mb = 1;
+    let (x, y) = data();
+    tch::manual_seed(100 + rank as i64);
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let net = model(&vs);
+    let ctx = apply_speedups(&mut vs, &config)?;
+    let device = ctx.device();
+    let mut opt = ctx.adamw(&vs, adamw())?;
+    let mut step = ctx.graphed(|inputs: &[Tensor]| {
+        let loss = ctx.autocast(|| {
+            net.forward(&inputs[0])
+                .mse_loss(&inputs[1], tch::Reduction::Mean)
+        });
+        ctx.backward_step(&loss, &mut opt)?;
+        Ok(Some(loss))
+    });
+    for s in 0..STEPS {
+        let start = s * WORLD * PER_RANK_BATCH + rank as i64 * PER_RANK_BATCH;
+        let xb = x.narrow(0, start, PER_RANK_BATCH).to_device(device);
+        let yb = y.narrow(0, start, PER_RANK_BATCH).to_device(device);
+        step.run(&[&xb, &yb])?;
+    }
+    println!(
+        "graphed: {} ({})",
+        step.is_graphed(),
+        step.fallback_reason().unwrap_or("no fallback")
+    );
+    drop(step);
+    ctx.print_main(ctx.audit());
+    vs.set_device(Device::Cpu);
+    vs.save(out.join(format!("rank{rank}.ot")))
+        .map_err(|e| SpeedkitError::Torch(e.to_string()))
+}
+
+/// The same training written as an ordinary `#[accelerate]` function: no distributed code.
+#[speedkit::accelerate(device = "cpu")]
+fn train_accelerated(
+    vs: &nn::VarStore,
+    net: &impl Module,
+    x: &Tensor,
+    y: &Tensor,
+) -> speedkit::Result<()> {
+    let mut opt = nn::Sgd::default()
+        .build(vs, 0.1)
+        .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
+    for step in 0..STEPS {
+        let xb = x.narrow(0, step * PER_RANK_BATCH, PER_RANK_BATCH);
+        let yb = y.narrow(0, step * PER_RANK_BATCH, PER_RANK_BATCH);
+        #[speedkit::forward]
+        let loss = net.forward(&xb).mse_loss(&yb, tch::Reduction::Mean);
+        opt.backward_step(&loss);
+    }
+    Ok(())
+}
+
+fn train_accelerated_rank(rank: usize, out: &Path) -> Result<(), SpeedkitError> {
+    let (x, y) = data();
+    tch::manual_seed(100 + rank as i64);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = model(&vs);
+    // Each rank its own rows.
+    let (x, y) = (
+        x.narrow(0, rank as i64 * 48, 48),
+        y.narrow(0, rank as i64 * 48, 48),
+    );
+    train_accelerated(&vs, &net, &x, &y)?;
+    vs.save(out.join(format!("rank{rank}.ot")))
+        .map_err(|e| SpeedkitError::Torch(e.to_string()))
+}
+
+/// The launcher, in its own process (it installs signal handlers and spawns the ranks).
+#[test]
+#[ignore = "the launcher of the distributed tests, started by them"]
+fn dist_launcher() {
+    let exe = std::env::current_exe().unwrap().display().to_string();
+    let command = worker_args().into_iter().fold(vec![exe], |mut v, a| {
+        v.push(a.to_string());
+        v
+    });
+    let options = speedkit::launch::LaunchOptions::new(2, command);
+    let status = speedkit::launch::launch(&options).unwrap();
+    std::process::exit(status);
+}
+
+fn worker_args() -> [&'static str; 5] {
+    [
+        "--exact",
+        "dist_worker",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ]
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("speedkit-dist-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs the launcher for `scenario`; fails the test instead of hanging if it never ends.
+fn run_launcher(scenario: &str, out: &Path) -> Output {
+    let exe = std::env::current_exe().unwrap();
+    let child = Command::new(exe)
+        .args([
+            "--exact",
+            "dist_launcher",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("SK_TEST_SCENARIO", scenario)
+        .env("SK_TEST_OUT", out)
+        .env_remove("MASTER_PORT")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_bounded(child, Duration::from_secs(120))
+}
+
+/// A rank started directly (no launcher) with an explicit environment.
+fn spawn_rank(scenario: &str, out: &Path, vars: &[(&str, String)]) -> Child {
+    let exe = std::env::current_exe().unwrap();
+    let mut command = Command::new(exe);
+    command
+        .args(worker_args())
+        .env("SK_TEST_SCENARIO", scenario)
+        .env("SK_TEST_OUT", out)
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env_remove("LOCAL_RANK")
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in vars {
+        command.env(k, v);
+    }
+    command.spawn().unwrap()
+}
+
+fn rank_env(rank: usize, port: u16) -> Vec<(&'static str, String)> {
+    vec![
+        ("RANK", rank.to_string()),
+        ("WORLD_SIZE", "2".into()),
+        ("LOCAL_RANK", rank.to_string()),
+        ("MASTER_ADDR", "127.0.0.1".into()),
+        ("MASTER_PORT", port.to_string()),
+    ]
+}
+
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+/// Waits for `child` at most `limit` (a guard against hangs, far above the configured collective
+/// timeout; not a speed measurement), killing it and failing the test past that.
+fn wait_bounded(mut child: Child, limit: Duration) -> Output {
+    let start = Instant::now();
+    loop {
+        if child.try_wait().unwrap().is_some() {
+            return child.wait_with_output().unwrap();
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            let output = child.wait_with_output().unwrap();
+            panic!(
+                "process still running after {limit:?} (a hang):\n{}\n{}",
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn text(output: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+fn load(path: &Path) -> Vec<(String, Tensor)> {
+    let mut named = Tensor::load_multi(path).unwrap();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    named
+}
+
+// ----- the tests ---------------------------------------------------------------------------------
+
+#[test]
+fn launcher_trains_two_gloo_ranks_to_equal_parameters() {
+    let out = scratch("equal");
+    let output = run_launcher("train", &out);
+    let log = text(&output);
+    assert!(output.status.success(), "{log}");
+    assert!(log.contains("[rank 0] step 5 done"), "{log}");
+    assert!(log.contains("[rank 1] step 5 done"), "{log}");
+    let (a, b) = (load(&out.join("rank0.ot")), load(&out.join("rank1.ot")));
+    assert_eq!(a.len(), 4);
+    for ((name, pa), (_, pb)) in a.iter().zip(&b) {
+        assert!(pa.equal(pb), "{name} differs between the ranks");
+    }
+}
+
+#[test]
+fn accelerate_functions_train_data_parallel_with_no_code_change() {
+    let out = scratch("accelerate");
+    let output = run_launcher("accelerate", &out);
+    assert!(output.status.success(), "{}", text(&output));
+    let (a, b) = (load(&out.join("rank0.ot")), load(&out.join("rank1.ot")));
+    for ((name, pa), (_, pb)) in a.iter().zip(&b) {
+        assert!(pa.equal(pb), "{name} differs between the ranks");
+    }
+}
+
+#[test]
+fn two_ranks_match_one_process_on_the_concatenated_batches() {
+    let out = scratch("reference");
+    let output = run_launcher("train", &out);
+    assert!(output.status.success(), "{}", text(&output));
+    let distributed = load(&out.join("rank0.ot"));
+
+    let single = single_process_reference();
+    for ((name, d), (_, s)) in distributed.iter().zip(&single) {
+        let err = common::rel_err(d, s);
+        assert!(err < 1e-5, "{name}: relative difference {err:e}");
+    }
+}
+
+/// One process trained on the concatenated batches, from rank 0's initialisation.
+fn single_process_reference() -> Vec<(String, Tensor)> {
+    let _lock = common::serial();
+    let (x, y) = data();
+    tch::manual_seed(100); // rank 0's initialisation, which the ranks broadcast
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let net = model(&vs);
+    let ctx = apply_speedups(&mut vs, &config(1)).unwrap();
+    assert_eq!(ctx.world_size(), 1);
+    let mut opt = ctx.adamw(&vs, adamw()).unwrap();
+    for step in 0..STEPS {
+        let rows = WORLD * PER_RANK_BATCH;
+        let (xb, yb) = (
+            x.narrow(0, step * rows, rows),
+            y.narrow(0, step * rows, rows),
+        );
+        let loss = ctx.autocast(|| net.forward(&xb).mse_loss(&yb, tch::Reduction::Mean));
+        ctx.backward_step(&loss, &mut opt).unwrap();
+    }
+    let mut single: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    single.sort_by(|a, b| a.0.cmp(&b.0));
+    single
+}
+
+#[test]
+fn nccl_ranks_match_one_process_with_graphs_off_and_auto() {
+    if tch::Cuda::device_count() < 2 {
+        eprintln!(
+            "skipped nccl_ranks_match_one_process_with_graphs_off_and_auto: needs 2 CUDA devices"
+        );
+        return;
+    }
+    let single = single_process_reference();
+    for graphs in ["off", "auto"] {
+        let out = scratch(&format!("nccl-{graphs}"));
+        let output = run_launcher(&format!("nccl_graphs_{graphs}"), &out);
+        let log = text(&output);
+        assert!(output.status.success(), "{log}");
+        assert!(log.contains("over nccl"), "{log}");
+        // (libtest's own "test dist_worker ... " may precede the line: the ranks run --nocapture.)
+        assert_eq!(
+            log.matches("graphed: false (no fallback)").count(),
+            2,
+            "{log}"
+        );
+        if graphs == "auto" {
+            assert!(log.contains("the step runs eagerly"), "{log}");
+        }
+        println!(
+            "graphs {graphs}: {}",
+            log.lines()
+                .filter(|l| l.contains("graphed:"))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        );
+        let (a, b) = (load(&out.join("rank0.ot")), load(&out.join("rank1.ot")));
+        for (((name, pa), (_, pb)), (_, ps)) in a.iter().zip(&b).zip(&single) {
+            assert!(
+                pa.equal(pb),
+                "graphs {graphs}: {name} differs between the ranks"
+            );
+            let err = common::rel_err(pa, ps);
+            assert!(
+                err < 1e-4,
+                "graphs {graphs}: {name}: relative difference {err:e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn launcher_prefixes_lines_and_rank_zero_alone_prints_the_audit() {
+    let out = scratch("prefix");
+    let output = run_launcher("train", &out);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{}", text(&output));
+    assert!(
+        stdout.contains("[rank 0] ") && stdout.contains("data parallel: rank 0 of 2 over gloo")
+    );
+    assert!(!stdout.contains("data parallel: rank 1 of 2"), "{stdout}");
+    let step_lines: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.contains("step 0 done"))
+        .collect();
+    assert_eq!(step_lines.len(), 2, "{stdout}");
+    assert!(
+        step_lines.iter().all(|l| l.starts_with("[rank ")),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn launcher_stops_all_ranks_and_exits_with_the_failed_ranks_status() {
+    let out = scratch("fail");
+    let output = run_launcher("fail_before_joining", &out);
+    let log = text(&output);
+    assert_eq!(output.status.code(), Some(3), "{log}");
+    assert!(
+        log.contains("[launch] rank 1 exited with status 3; stopping the other ranks"),
+        "{log}"
+    );
+}
+
+#[test]
+fn killed_rank_makes_the_other_fail_with_a_clear_error() {
+    let out = scratch("killed");
+    let port = free_port();
+    let rank0 = spawn_rank("train_until_killed", &out, &rank_env(0, port));
+    let mut rank1 = spawn_rank("train_until_killed", &out, &rank_env(1, port));
+    // Kill rank 1 once training is under way.
+    let lines = BufReader::new(rank1.stdout.take().unwrap());
+    for line in lines.lines() {
+        if line.unwrap().starts_with("step 3 done") {
+            break;
+        }
+    }
+    rank1.kill().unwrap();
+    let _ = rank1.wait();
+    let output = wait_bounded(rank0, Duration::from_secs(90));
+    let log = text(&output);
+    assert_eq!(output.status.code(), Some(1), "{log}");
+    assert!(log.contains("error: distributed:"), "{log}");
+    assert!(log.contains("rank 0 of 2"), "{log}");
+    assert!(log.contains("flags restored"), "{log}");
+}
+
+#[test]
+fn ranks_with_different_configs_are_refused_on_every_rank() {
+    let out = scratch("mismatch");
+    let port = free_port();
+    let ranks = [0, 1].map(|r| spawn_rank("mismatched_config", &out, &rank_env(r, port)));
+    for (rank, child) in ranks.into_iter().enumerate() {
+        let output = wait_bounded(child, Duration::from_secs(90));
+        let log = text(&output);
+        assert_eq!(output.status.code(), Some(1), "rank {rank}: {log}");
+        assert!(
+            log.contains("rank(s) [1] run a different speed config than rank 0"),
+            "{log}"
+        );
+        assert!(log.contains("flags restored"), "{log}");
+    }
+}
+
+#[test]
+fn rank_beyond_world_size_is_refused_before_anything_starts() {
+    let out = scratch("bad-env");
+    let mut vars = rank_env(0, free_port());
+    vars[0].1 = "2".into();
+    let output = wait_bounded(spawn_rank("train", &out, &vars), Duration::from_secs(60));
+    let log = text(&output);
+    assert_eq!(output.status.code(), Some(1), "{log}");
+    assert!(log.contains("RANK is 2 but WORLD_SIZE is 2"), "{log}");
+    assert!(log.contains("flags restored"), "{log}");
+}
+
+#[test]
+fn world_size_without_master_addr_is_a_clear_error() {
+    let vars = [("WORLD_SIZE", "2"), ("RANK", "0"), ("LOCAL_RANK", "0")];
+    let err = LaunchEnv::from_lookup(|k| {
+        vars.iter()
+            .find(|(n, _)| *n == k)
+            .map(|(_, v)| v.to_string())
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("MASTER_ADDR is not set"), "{err}");
+}
+
+#[test]
+fn rank_without_world_size_is_a_clear_error() {
+    let err = LaunchEnv::from_lookup(|k| (k == "RANK").then(|| "0".to_string())).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("RANK is set but WORLD_SIZE is not"),
+        "{err}"
+    );
+}
+
+#[test]
+fn non_numeric_rank_is_a_clear_error() {
+    let vars = [("WORLD_SIZE", "2"), ("RANK", "one")];
+    let err = LaunchEnv::from_lookup(|k| {
+        vars.iter()
+            .find(|(n, _)| *n == k)
+            .map(|(_, v)| v.to_string())
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("RANK is `one`"), "{err}");
+}
+
+#[test]
+fn no_launch_environment_means_a_single_process() {
+    assert_eq!(LaunchEnv::from_lookup(|_| None).unwrap(), None);
+}

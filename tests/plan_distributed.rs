@@ -1,0 +1,122 @@
+//! The `distributed` decision of the plan: `auto` on when WORLD_SIZE > 1, the backend by device,
+//! each rank on its own GPU, and impossible combinations refused with what to change.
+
+use speedkit::config::{DeviceChoice, DistributedBackend, SpeedConfig};
+use speedkit::dist::{Backend, LaunchEnv};
+use speedkit::hardware::{GpuInfo, Hardware};
+use speedkit::plan::Plan;
+use tch::Device;
+
+fn two_h200() -> Hardware {
+    let mut hw = Hardware::simulated_gpu("H200", 9, 0);
+    let second = GpuInfo {
+        index: 1,
+        ..hw.gpus[0].clone()
+    };
+    hw.gpus.push(second);
+    hw
+}
+
+fn rank(rank: usize, world_size: usize) -> LaunchEnv {
+    LaunchEnv {
+        rank,
+        world_size,
+        local_rank: rank,
+        master_addr: "127.0.0.1".into(),
+        master_port: 29500,
+    }
+}
+
+fn decision(plan: &Plan) -> String {
+    let d = plan
+        .decisions
+        .iter()
+        .find(|d| d.key == "distributed")
+        .unwrap();
+    format!("{}: {}", d.value, d.reason)
+}
+
+#[test]
+fn auto_is_off_in_a_single_process_and_says_why() {
+    let plan = Plan::resolve_launched(&SpeedConfig::auto(), &two_h200(), None).unwrap();
+    assert!(plan.distributed.is_none());
+    assert!(decision(&plan).contains("single process"));
+}
+
+#[test]
+fn auto_picks_nccl_and_this_ranks_gpu_under_a_launcher() {
+    let plan =
+        Plan::resolve_launched(&SpeedConfig::auto(), &two_h200(), Some(&rank(1, 2))).unwrap();
+    assert_eq!(plan.device, Device::Cuda(1));
+    let settings = plan.distributed.as_ref().unwrap();
+    assert_eq!(settings.backend, Backend::Nccl);
+    assert_eq!(settings.bucket_bytes, 25 << 20);
+    assert!(decision(&plan).contains("rank 1 of 2"));
+}
+
+#[test]
+fn auto_picks_gloo_on_the_cpu() {
+    let plan = Plan::resolve_launched(
+        &SpeedConfig::auto(),
+        &Hardware::cpu_only(),
+        Some(&rank(0, 2)),
+    )
+    .unwrap();
+    assert_eq!(plan.distributed.map(|d| d.backend), Some(Backend::Gloo));
+}
+
+#[test]
+fn off_trains_each_process_alone() {
+    let mut config = SpeedConfig::auto();
+    config.distributed.backend = DistributedBackend::Off;
+    let plan = Plan::resolve_launched(&config, &two_h200(), Some(&rank(1, 2))).unwrap();
+    assert!(plan.distributed.is_none());
+    assert_eq!(plan.device, Device::Cuda(0));
+}
+
+#[test]
+fn nccl_on_the_cpu_is_refused() {
+    let mut config = SpeedConfig::auto();
+    config.distributed.backend = DistributedBackend::Nccl;
+    config.device = DeviceChoice::Cpu;
+    let err = Plan::resolve_launched(&config, &two_h200(), Some(&rank(0, 2))).unwrap_err();
+    assert!(err.to_string().contains("needs CUDA tensors"), "{err}");
+}
+
+#[test]
+fn a_fixed_gpu_other_than_local_rank_is_refused() {
+    let mut config = SpeedConfig::auto();
+    config.device = DeviceChoice::Cuda(0);
+    let err = Plan::resolve_launched(&config, &two_h200(), Some(&rank(1, 2))).unwrap_err();
+    assert!(err.to_string().contains("LOCAL_RANK 1"), "{err}");
+}
+
+#[test]
+fn more_ranks_than_gpus_is_refused() {
+    let err =
+        Plan::resolve_launched(&SpeedConfig::auto(), &two_h200(), Some(&rank(2, 3))).unwrap_err();
+    assert!(err.to_string().contains("only 2 CUDA device(s)"), "{err}");
+}
+
+#[test]
+fn auto_graphs_turn_eager_under_data_parallelism_with_the_reason() {
+    let plan =
+        Plan::resolve_launched(&SpeedConfig::auto(), &two_h200(), Some(&rank(0, 2))).unwrap();
+    assert!(!plan.compile_graphs);
+    assert!(plan
+        .decisions
+        .iter()
+        .any(|d| d.key == "compile" && d.value == "off" && d.reason.contains("Reducer")));
+}
+
+#[test]
+fn explicit_graphs_under_data_parallelism_are_refused() {
+    let mut config = SpeedConfig::auto();
+    config.compile.enabled = speedkit::config::AutoBool::On;
+    let err = Plan::resolve_launched(&config, &two_h200(), Some(&rank(0, 2))).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("compile.enabled: true cannot be combined"),
+        "{err}"
+    );
+}
