@@ -25,7 +25,7 @@
 //! Modules by concept: [`hardware`] (what the machine offers), [`config`] (the `SpeedConfig`),
 //! [`plan`] (config × hardware → settings with reasons), [`flags`] (the global flag registry and the
 //! restoring guard), [`amp`] (autocast, GradScaler), [`optim`] (AdamW), [`nn`] (attention),
-//! [`graph`] (CUDA graph capture of a whole step), [`bench`] (workloads and the runner),
+//! [`kernels`] (speedkit's own fused CUDA kernels), [`graph`] (CUDA graph capture of a whole step), [`bench`] (workloads and the runner),
 //! [`report`] (audit and report).
 
 #![warn(missing_docs)]
@@ -39,6 +39,7 @@ mod ffi;
 pub mod flags;
 pub mod graph;
 pub mod hardware;
+pub mod kernels;
 pub mod nn;
 pub mod optim;
 pub mod plan;

@@ -1,5 +1,12 @@
-//! Attention on `scaled_dot_product_attention`, with the backend chosen by PyTorch among those the
-//! `sdp_backend` flags allow.
+//! Building blocks for models: attention on `scaled_dot_product_attention` (the backend chosen by
+//! PyTorch among those the `sdp_backend` flags allow), and drop-in modules on speedkit's fused
+//! kernels ([`LayerNorm`], [`cross_entropy`]) that fall back to ATen's composite ops wherever the kernels do not run.
+
+mod cross_entropy;
+mod layer_norm;
+
+pub use cross_entropy::{cross_entropy, cross_entropy_fallback_reason, IGNORE_INDEX};
+pub use layer_norm::{layer_norm, LayerNorm};
 
 use serde::Serialize;
 use std::fmt;
