@@ -86,6 +86,9 @@ fn main() -> anyhow::Result<()> {
             cross_entropy(&logits, &targets).backward();
         },
     );
+    for note in speedkit::kernels::fallbacks() {
+        println!("ATen fallback: {note}");
+    }
     println!("device: {}", speedkit::hardware::Hardware::detect()?);
     Ok(())
 }

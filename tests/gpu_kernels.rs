@@ -28,6 +28,12 @@ fn output_tolerance(kind: Kind) -> f64 {
     }
 }
 
+/// The kernels ran: no op has taken the ATen path (the message says why one did).
+fn assert_no_fallback() {
+    let notes = speedkit::kernels::fallbacks();
+    assert!(notes.is_empty(), "ATen fallbacks: {notes:?}");
+}
+
 fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
     assert_eq!(got.size(), want.size(), "{what}: shapes differ");
     let got = got.to_kind(Kind::Double).to_device(Device::Cpu);
@@ -78,6 +84,7 @@ fn layer_norm_matches_aten(kind: Kind, device: Device) {
                 .set_requires_grad(true);
             assert_eq!(norm.fallback_reason(&x), None, "{kind:?} {rows}×{width}");
             let y = norm.forward(&x);
+            assert_no_fallback();
             assert_eq!(y.kind(), kind);
             let dy = Tensor::randn([rows, width], (Kind::Float, device)).to_kind(kind);
             (y.to_kind(Kind::Float) * dy.to_kind(Kind::Float))
@@ -94,7 +101,13 @@ fn layer_norm_matches_aten(kind: Kind, device: Device) {
             let case = format!("{kind:?} {rows}×{width}");
             let tol = output_tolerance(kind);
             assert_close(&format!("y {case}"), &y, &want, tol);
-            assert_close(&format!("dx {case}"), &x.grad(), &r.x.grad(), tol);
+            if width == 1 {
+                // LN of one element is the bias whatever x is: dx is exactly 0. ATen's fp32
+                // reference shows rounding noise there (1.2e-5 on an H200), amplified by 1/√eps.
+                assert_eq!(x.grad().abs().max().double_value(&[]), 0.0, "dx {case}");
+            } else {
+                assert_close(&format!("dx {case}"), &x.grad(), &r.x.grad(), tol);
+            }
             let (w, b) = (norm.weight.as_ref().unwrap(), norm.bias.as_ref().unwrap());
             assert_close(
                 &format!("dweight {case}"),
@@ -147,6 +160,7 @@ fn residual_layer_norm_matches_add_then_aten() {
             };
             let (x, residual) = (leaf(1.0), leaf(3.0));
             let (y, sum) = norm.forward_residual(&x, &residual);
+            assert_no_fallback();
             let dy = Tensor::randn([rows, width], (Kind::Float, device)).to_kind(kind);
             let dsum = Tensor::randn([rows, width], (Kind::Float, device)).to_kind(kind);
             let objective = |y: &Tensor, s: &Tensor| {
@@ -190,6 +204,7 @@ fn layer_norm_writes_the_autocast_type() {
     let norm = random_layer_norm(&vs, 768);
     let x = Tensor::randn([64, 768], (Kind::Float, device));
     let y = speedkit::amp::autocast(device, Kind::BFloat16, || norm.forward(&x)).unwrap();
+    assert_no_fallback();
     assert_eq!(y.kind(), Kind::BFloat16);
     let r = reference_of(&x, &norm);
     let want =
@@ -269,6 +284,7 @@ fn cross_entropy_matches_aten(kind: Kind, device: Device) {
             let targets = targets.masked_fill(&ignored, speedkit::nn::IGNORE_INDEX);
             assert_eq!(cross_entropy_fallback_reason(&logits, &targets), None);
             let loss = cross_entropy(&logits, &targets);
+            assert_no_fallback();
             assert_eq!(loss.kind(), Kind::Float);
             (&loss * 3.0).backward();
 
@@ -358,7 +374,8 @@ fn train_through_kernels(graphed: bool, device: Device, steps: usize) -> (Vec<f6
         .unwrap();
     let mut step = |_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
         let loss = ctx.autocast(|| {
-            let (h, _) = norm.forward_residual(&first.forward(&x), &x);
+            // The residual stream stays fp32; the branch's bf16 output joins it in fp32.
+            let (h, _) = norm.forward_residual(&x, &first.forward(&x).to_kind(Kind::Float));
             cross_entropy(&head.forward(&h), &y)
         });
         ctx.backward_step(&loss, &mut opt)?;

@@ -71,8 +71,9 @@ void check(CUresult result, const std::string& what) {
   throw std::runtime_error(what + ": " + (message ? message : "unknown CUDA driver error"));
 }
 
-// Modules belong to a context; PyTorch's runtime works in each device's primary context, which is
-// current on this thread once PyTorch has touched the device. Make it current if it is not yet.
+}  // namespace
+
+// Modules belong to a context; PyTorch's runtime works in each device's primary context.
 void make_primary_context_current(c10::DeviceIndex index) {
   CUcontext current = nullptr;
   check(api().CtxGetCurrent(&current), "cuCtxGetCurrent");
@@ -84,7 +85,6 @@ void make_primary_context_current(c10::DeviceIndex index) {
   check(api().CtxSetCurrent(primary), "cuCtxSetCurrent");
 }
 
-}  // namespace
 
 bool available(std::string* why_not) {
   try {
@@ -134,6 +134,7 @@ bool available(std::string* why_not) {
   if (why_not != nullptr) *why_not = "speedkit was built against a libtorch without CUDA support";
   return false;
 }
+void make_primary_context_current(c10::DeviceIndex) { no_cuda(); }
 void* load_module(const std::vector<char>&, c10::DeviceIndex) { no_cuda(); }
 void* function(void*, const std::string&) { no_cuda(); }
 void set_max_dynamic_shared_memory(void*, int) { no_cuda(); }

@@ -165,6 +165,7 @@ void launch(const Kernel& kernel, Dim3 grid, Dim3 block, int shared_bytes, void*
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   // Device-generic guard: c10::cuda::CUDAGuard inlines CUDA runtime calls (see shim.h).
   c10::DeviceGuard guard(c10::Device(c10::kCUDA, kernel.device));
+  driver::make_primary_context_current(kernel.device);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(kernel.device).stream();
   driver::launch(kernel.function, grid, block, shared_bytes, stream, args);
 }

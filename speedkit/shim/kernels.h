@@ -61,6 +61,9 @@ struct Kernel {
 namespace driver {
 // Whether libcuda.so.1 can be loaded; the reason when not.
 bool available(std::string* why_not);
+// Makes `device`'s primary context (PyTorch's) current on this thread if no context is: a thread
+// that only ever used the runtime API (e.g. an autograd worker) may have none for the driver API.
+void make_primary_context_current(c10::DeviceIndex device);
 // Loads a cubin into `device`'s primary context and returns the CUmodule.
 void* load_module(const std::vector<char>& cubin, c10::DeviceIndex device);
 // The CUfunction `name` of a module; throws naming the kernel when it is missing.

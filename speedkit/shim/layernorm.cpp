@@ -16,12 +16,23 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 namespace ln = sk::kernels::layernorm;
 
-// Inputs are [rows, width] contiguous (the caller flattens); residual, weight, bias may be undefined.
-// Outputs: y, and s = x + r when there is a residual.
+// Which optional inputs are present. Autograd's apply() records metadata of every tensor argument
+// and cannot take an undefined one, so an absent input is passed as an empty placeholder.
+enum Present : int64_t { kResidual = 1, kWeight = 2, kBias = 4 };
+
+at::Tensor placeholder_unless(bool present, const at::Tensor& t, const at::Tensor& like) {
+  return present ? t : at::empty({0}, like.options());
+}
+
+// Inputs are [rows, width] contiguous (the caller flattens); residual, weight, bias are used as
+// `present` says. Outputs: y, and s = x + r when there is a residual.
 struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& residual,
-                               const at::Tensor& weight, const at::Tensor& bias, double eps,
-                               int64_t out_type) {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& residual_in,
+                               const at::Tensor& weight_in, const at::Tensor& bias_in, double eps,
+                               int64_t out_type, int64_t present) {
+    const at::Tensor residual = (present & kResidual) ? residual_in : at::Tensor();
+    const at::Tensor weight = (present & kWeight) ? weight_in : at::Tensor();
+    const at::Tensor bias = (present & kBias) ? bias_in : at::Tensor();
     ln::Forward out = ln::forward(x, residual, weight, bias, eps, static_cast<at::ScalarType>(out_type));
     const bool with_residual = residual.defined();
     ctx->saved_data["has_bias"] = bias.defined();
@@ -45,10 +56,12 @@ struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {
     if (!dy.defined()) {
       // Only s was used: the gradient passes through the sum unchanged; the parameters get none.
       at::Tensor dx = dsum.defined() ? dsum : at::Tensor();
-      return {dx, with_residual ? dx : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+      return {dx, with_residual ? dx : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+              at::Tensor()};
     }
     ln::Backward out = ln::backward(dy.contiguous(), x, weight, has_bias, saved[2], saved[3], dsum);
-    return {out.dx, with_residual ? out.dx : at::Tensor(), out.dweight, out.dbias, at::Tensor(), at::Tensor()};
+    return {out.dx,        with_residual ? out.dx : at::Tensor(), out.dweight, out.dbias, at::Tensor(),
+            at::Tensor(), at::Tensor()};
   }
 };
 #endif
@@ -77,10 +90,13 @@ int sk_layer_norm(at::Tensor* x, at::Tensor* residual, at::Tensor* weight, at::T
   SK_TRY({
     const int64_t width = x->size(-1);
     const auto rows2d = [width](const at::Tensor& t) { return t.reshape({-1, width}).contiguous(); };
-    at::Tensor r = residual != nullptr ? rows2d(*residual) : at::Tensor();
-    at::Tensor w = weight != nullptr ? weight->contiguous() : at::Tensor();
-    at::Tensor b = bias != nullptr ? bias->contiguous() : at::Tensor();
-    auto outputs = LayerNormFunction::apply(rows2d(*x), r, w, b, eps, static_cast<int64_t>(out_type));
+    at::Tensor x2d = rows2d(*x);
+    const int64_t present = (residual != nullptr ? kResidual : 0) | (weight != nullptr ? kWeight : 0) |
+                            (bias != nullptr ? kBias : 0);
+    at::Tensor r = placeholder_unless(residual != nullptr, residual ? rows2d(*residual) : at::Tensor(), x2d);
+    at::Tensor w = placeholder_unless(weight != nullptr, weight ? weight->contiguous() : at::Tensor(), x2d);
+    at::Tensor b = placeholder_unless(bias != nullptr, bias ? bias->contiguous() : at::Tensor(), x2d);
+    auto outputs = LayerNormFunction::apply(x2d, r, w, b, eps, static_cast<int64_t>(out_type), present);
     *y = new at::Tensor(outputs[0].view(x->sizes()));
     *sum = residual != nullptr ? new at::Tensor(outputs[1].view(x->sizes())) : nullptr;
   })
