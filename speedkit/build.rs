@@ -1,11 +1,22 @@
 //! Compiles the C++ shim (`shim/*.cpp`, one file per concept) against the libtorch that torch-sys found, and
 //! gives this package's executables an rpath to it, so they run without `LD_LIBRARY_PATH`.
+//!
+//! It also embeds speedkit's CUDA kernel files (`kernels/*.cuh`) in the shim as a generated table of
+//! raw string literals, which the shim compiles with NVRTC at run time for the GPU in use.
 
 use std::env;
 use std::path::{Path, PathBuf};
 
 fn main() {
     println!("cargo:rerun-if-changed=shim");
+    println!("cargo:rerun-if-changed=kernels");
+    let out_dir = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    if let Err(message) =
+        write_kernel_table(Path::new("kernels"), &out_dir.join("kernel_sources.inc"))
+    {
+        eprintln!("{message}");
+        std::process::exit(1);
+    }
     // torch-sys (`links = "tch"`) publishes its lib dir as `cargo:libtorch_lib`.
     let lib_dir = match env::var("DEP_TCH_LIBTORCH_LIB") {
         Ok(dir) => PathBuf::from(dir),
@@ -49,9 +60,19 @@ fn main() {
         // (shim/vendor/gloo/README.md); USE_C10D_GLOO as libtorch itself was built.
         .include("shim/vendor")
         .define("USE_C10D_GLOO", None)
+        // The kernel files' host parts (their launchers), and the generated source table.
+        .include("kernels")
+        .include(&out_dir)
         .files(shim_sources());
     if let Some(dir) = &cuda_headers {
         build.include(dir);
+        // One more place the shim looks for NVRTC at run time (after the wheel next to libtorch).
+        if let Some(root) = dir.parent() {
+            build.define(
+                "SK_BUILD_CUDA_ROOT",
+                format!("\"{}\"", root.display()).as_str(),
+            );
+        }
     }
     if let Some(dir) = nccl_headers.filter(|_| with_nccl) {
         // The macro ProcessGroupNCCL.hpp is guarded by, as libtorch itself was built.
@@ -84,6 +105,34 @@ fn shim_sources() -> Vec<PathBuf> {
         .collect();
     files.sort();
     files
+}
+
+/// Writes `{"name.cuh", R"…"(text)"…"},` for every `*.cuh` in `dir`, sorted by name: the shim's
+/// table of kernel sources (`sk::kernels::sources()`).
+fn write_kernel_table(dir: &Path, table: &Path) -> Result<(), String> {
+    const DELIMITER: &str = "sk_kernel_source";
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(|e| format!("speedkit/kernels: {e}"))?
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|path| path.extension().is_some_and(|ext| ext == "cuh"))
+        .collect();
+    files.sort();
+    let mut text = String::new();
+    for path in &files {
+        let source =
+            std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        if source.contains(&format!("){DELIMITER}\"")) {
+            return Err(format!(
+                "{} contains the table's raw-string delimiter",
+                path.display()
+            ));
+        }
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        text.push_str(&format!(
+            "{{\"{name}\", R\"{DELIMITER}({source}){DELIMITER}\"}},\n"
+        ));
+    }
+    std::fs::write(table, text).map_err(|e| format!("{}: {e}", table.display()))
 }
 
 /// The CUDA headers (`cuda_runtime_api.h`) from the `nvidia-cuda-*` wheels next to torch in

@@ -142,6 +142,31 @@ extern "C" {
     ) -> c_int;
     fn sk_to_channels_last_(tensor: *mut C_tensor) -> c_int;
     fn sk_is_channels_last(tensor: *mut C_tensor, out: *mut c_int) -> c_int;
+
+    fn sk_kernel_source_count(out: *mut c_int) -> c_int;
+    fn sk_kernel_source_name(index: c_int, out: *mut *const c_char) -> c_int;
+    fn sk_kernel_compile(index: c_int, major: c_int, minor: c_int, cubin_bytes: *mut i64) -> c_int;
+    fn sk_nvrtc_version(out: *mut c_int) -> c_int;
+    fn sk_kernels_unavailable_reason(index: c_int, reason: *mut c_char, capacity: c_int) -> c_int;
+
+    fn sk_layer_norm_width_supported(index: c_int, width: i64, out: *mut c_int) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    fn sk_layer_norm(
+        x: *mut C_tensor,
+        residual: *mut C_tensor,
+        weight: *mut C_tensor,
+        bias: *mut C_tensor,
+        eps: f64,
+        out_type: c_int,
+        y: *mut *mut C_tensor,
+        sum: *mut *mut C_tensor,
+    ) -> c_int;
+    fn sk_cross_entropy(
+        logits: *mut C_tensor,
+        targets: *mut C_tensor,
+        ignore_index: i64,
+        loss: *mut *mut C_tensor,
+    ) -> c_int;
 }
 
 /// Turns a shim status into a `Result`, fetching the C++ message on failure.
@@ -1028,4 +1053,136 @@ impl Drop for RawReducer {
         // SAFETY: created by sk_reducer_new, freed exactly once.
         unsafe { sk_reducer_free(self.0) }
     }
+}
+
+// ----- speedkit's kernels ------------------------------------------------------------------------
+
+/// The file names of the embedded kernel sources, in the shim's order.
+pub(crate) fn kernel_source_names() -> Result<Vec<String>, SpeedkitError> {
+    let mut count = 0;
+    // SAFETY: valid out-pointer.
+    check(unsafe { sk_kernel_source_count(&mut count) })?;
+    (0..count)
+        .map(|index| {
+            let mut name: *const c_char = ptr::null();
+            // SAFETY: index in range; the shim returns a pointer to a static NUL-terminated string.
+            check(unsafe { sk_kernel_source_name(index, &mut name) })?;
+            // SAFETY: static string, valid for the life of the process.
+            Ok(unsafe { CStr::from_ptr(name) }
+                .to_string_lossy()
+                .into_owned())
+        })
+        .collect()
+}
+
+/// Compiles kernel source `index` with NVRTC for sm_<major><minor>; the cubin's size in bytes.
+pub(crate) fn kernel_compile(index: usize, major: u32, minor: u32) -> Result<usize, SpeedkitError> {
+    let to_int = |v: u64| {
+        c_int::try_from(v).map_err(|_| SpeedkitError::Misuse(format!("{v} is out of range")))
+    };
+    let mut bytes = 0i64;
+    // SAFETY: plain integers and a valid out-pointer.
+    check(unsafe {
+        sk_kernel_compile(
+            to_int(index as u64)?,
+            to_int(u64::from(major))?,
+            to_int(u64::from(minor))?,
+            &mut bytes,
+        )
+    })?;
+    Ok(usize::try_from(bytes).unwrap_or(0))
+}
+
+/// NVRTC's version as major * 1000 + minor * 10.
+pub(crate) fn nvrtc_version() -> Result<u32, SpeedkitError> {
+    let mut version = 0;
+    // SAFETY: valid out-pointer.
+    check(unsafe { sk_nvrtc_version(&mut version) })?;
+    Ok(u32::try_from(version).unwrap_or(0))
+}
+
+/// Why speedkit's kernels cannot run on CUDA device `index`, or `None` when they can.
+pub(crate) fn kernels_unavailable_reason(index: usize) -> Result<Option<String>, SpeedkitError> {
+    let index =
+        c_int::try_from(index).map_err(|_| SpeedkitError::Torch("bad device index".into()))?;
+    let mut reason = [0 as c_char; 1024];
+    // SAFETY: the buffer's capacity is passed; the shim NUL-terminates within it.
+    check(unsafe {
+        sk_kernels_unavailable_reason(index, reason.as_mut_ptr(), reason.len() as c_int)
+    })?;
+    // SAFETY: NUL-terminated by the shim.
+    let text = unsafe { CStr::from_ptr(reason.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+    Ok((!text.is_empty()).then_some(text))
+}
+
+/// c10's ScalarType code of the storage types speedkit's kernels take.
+fn scalar_type_code(kind: tch::Kind) -> Result<c_int, SpeedkitError> {
+    match kind {
+        tch::Kind::Half => Ok(5),
+        tch::Kind::Float => Ok(6),
+        tch::Kind::BFloat16 => Ok(15),
+        other => Err(SpeedkitError::Unsupported(format!(
+            "speedkit's kernels do not take {other:?}"
+        ))),
+    }
+}
+
+fn optional_handle(tensor: Option<&Tensor>) -> *mut C_tensor {
+    tensor.map_or(ptr::null_mut(), handle)
+}
+
+/// Whether the fused LayerNorm backward fits rows of `width` on CUDA device `index`.
+pub(crate) fn layer_norm_width_supported(index: usize, width: i64) -> Result<bool, SpeedkitError> {
+    let index =
+        c_int::try_from(index).map_err(|_| SpeedkitError::Torch("bad device index".into()))?;
+    let mut out = 0;
+    // SAFETY: plain values and a valid out-pointer.
+    check(unsafe { sk_layer_norm_width_supported(index, width, &mut out) })?;
+    Ok(out != 0)
+}
+
+/// `(LN(x [+ residual]) in out_kind, x + residual)` on speedkit's kernels, differentiable.
+pub(crate) fn layer_norm(
+    x: &Tensor,
+    residual: Option<&Tensor>,
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+    eps: f64,
+    out_kind: tch::Kind,
+) -> Result<(Tensor, Option<Tensor>), SpeedkitError> {
+    let out_type = scalar_type_code(out_kind)?;
+    let (mut y, mut sum): (*mut C_tensor, *mut C_tensor) = (ptr::null_mut(), ptr::null_mut());
+    // SAFETY: live handles (or null) borrowed for the call; on success the shim hands over
+    // ownership of `y` (and of `sum` when a residual was given).
+    check(unsafe {
+        sk_layer_norm(
+            handle(x),
+            optional_handle(residual),
+            optional_handle(weight),
+            optional_handle(bias),
+            eps,
+            out_type,
+            &mut y,
+            &mut sum,
+        )
+    })?;
+    // SAFETY: owned tensors allocated by the shim.
+    let y = unsafe { Tensor::from_ptr(y) };
+    let sum = (!sum.is_null()).then(|| unsafe { Tensor::from_ptr(sum) });
+    Ok((y, sum))
+}
+
+/// The mean cross-entropy of `[rows, vocab]` logits on speedkit's fused kernels, differentiable.
+pub(crate) fn cross_entropy(
+    logits: &Tensor,
+    targets: &Tensor,
+    ignore_index: i64,
+) -> Result<Tensor, SpeedkitError> {
+    let mut loss: *mut C_tensor = ptr::null_mut();
+    // SAFETY: live handles borrowed for the call; on success the shim hands over `loss`.
+    check(unsafe { sk_cross_entropy(handle(logits), handle(targets), ignore_index, &mut loss) })?;
+    // SAFETY: an owned tensor allocated by the shim.
+    Ok(unsafe { Tensor::from_ptr(loss) })
 }

@@ -26,8 +26,9 @@
 //! [`plan`] (config × hardware → settings with reasons), [`flags`] (the global flag registry and the
 //! restoring guard), [`amp`] (autocast, GradScaler), [`optim`] (AdamW), [`nn`] (attention),
 //! [`graph`] (CUDA graph capture of a whole step), [`dist`] (data parallelism over several
-//! processes), [`bench`](mod@bench) (workloads and the runner), [`report`] (audit and report),
-//! [`profile`] (where a step's time goes), [`autograd`] (the backward graph).
+//! processes), [`kernels`] (speedkit's own fused CUDA kernels), [`bench`](mod@bench) (workloads
+//! and the runner), [`report`] (audit and report), [`profile`] (where a step's time goes),
+//! [`autograd`] (the backward graph).
 
 #![warn(missing_docs)]
 
@@ -42,6 +43,7 @@ mod ffi;
 pub mod flags;
 pub mod graph;
 pub mod hardware;
+pub mod kernels;
 pub mod launch;
 pub mod nn;
 mod nvtx;

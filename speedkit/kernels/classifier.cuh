@@ -1,0 +1,173 @@
+// The classifier's loss: softmax cross-entropy over the vocabulary, mean over the rows whose target
+// is not ignore_index, and its gradient with respect to the logits.
+//
+// Forward: one block per row, one pass over the logits with an online softmax (a running maximum
+// and a sum of exponentials rescaled when the maximum grows), giving the row's log-sum-exp and loss.
+// Nothing of size rows × vocabulary is written: no fp32 copy of the logits, no probabilities.
+// Backward: one block per row, one pass again, writing dlogits = (softmax − onehot) · dloss / n in
+// the logits' type, with dloss and n read from device memory (no host synchronisation; under a
+// GradScaler dloss is the scale). llm.c fuses this into the forward because it knows dloss there;
+// a library does not (the scale lives on the device), and doing it here costs no extra pass: one
+// read in the forward, one read and one write in the backward, against ATen's cast to fp32,
+// log-softmax, NLL and their backwards.
+#ifdef __CUDACC_RTC__
+#include "common.cuh"
+
+namespace sk {
+
+// Combines two (max, sum of exp(v - max)) pairs.
+__device__ __forceinline__ void softmax_merge(float& max, float& sum, float other_max, float other_sum) {
+  const float new_max = fmaxf(max, other_max);
+  if (new_max == -infinity()) return;  // both empty
+  sum = sum * __expf(max - new_max) + other_sum * __expf(other_max - new_max);
+  max = new_max;
+}
+
+// Block-wide (max, sum) reduction; every thread gets the result. blockDim.x is a multiple of 32.
+__device__ void block_softmax_stats(float& max, float& sum) {
+  __shared__ float maxes[32], sums[32];
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float m = __shfl_xor_sync(0xffffffffu, max, offset);
+    const float s = __shfl_xor_sync(0xffffffffu, sum, offset);
+    softmax_merge(max, sum, m, s);
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  if (lane == 0) {
+    maxes[warp] = max;
+    sums[warp] = sum;
+  }
+  __syncthreads();
+  max = -infinity();
+  sum = 0.f;
+  for (int w = 0; w < warps; ++w) softmax_merge(max, sum, maxes[w], sums[w]);
+}
+
+template <typename TL>
+__device__ void cross_entropy_forward(const TL* __restrict__ logits, const long long* __restrict__ targets,
+                                      float* __restrict__ row_loss, float* __restrict__ row_lse, int vocab,
+                                      long long ignore_index) {
+  const int row = blockIdx.x;
+  const TL* l = logits + static_cast<size_t>(row) * vocab;
+  float max = -infinity(), sum = 0.f;
+  for (int c = threadIdx.x; c < vocab; c += blockDim.x) {
+    const float v = to_float(l[c]);
+    if (v == -infinity()) continue;  // a masked class: exp gives 0, and -inf - -inf would be NaN
+    if (v > max) {
+      sum = sum * __expf(max - v) + 1.f;
+      max = v;
+    } else {
+      sum += __expf(v - max);
+    }
+  }
+  block_softmax_stats(max, sum);
+  if (threadIdx.x == 0) {
+    const float lse = max + logf(sum);
+    const long long target = targets[row];
+    row_lse[row] = lse;
+    if (target == ignore_index) {
+      row_loss[row] = 0.f;
+    } else if (target < 0 || target >= vocab) {
+      row_loss[row] = __int_as_float(0x7fc00000);  // NaN: an out-of-range target poisons the loss
+    } else {
+      row_loss[row] = lse - to_float(l[target]);
+    }
+  }
+}
+
+// dloss: the gradient of the mean loss (one float); count: the number of rows that count (one float).
+template <typename TL>
+__device__ void cross_entropy_backward(const TL* __restrict__ logits, const long long* __restrict__ targets,
+                                       const float* __restrict__ row_lse, const float* __restrict__ dloss,
+                                       const float* __restrict__ count, TL* __restrict__ dlogits, int vocab,
+                                       long long ignore_index) {
+  const int row = blockIdx.x;
+  const size_t offset = static_cast<size_t>(row) * vocab;
+  const long long target = targets[row];
+  TL* out = dlogits + offset;
+  if (target == ignore_index) {
+    for (int c = threadIdx.x; c < vocab; c += blockDim.x) out[c] = from_float<TL>(0.f);
+    return;
+  }
+  const TL* l = logits + offset;
+  const float lse = row_lse[row];
+  const float scale = *dloss / *count;
+  for (int c = threadIdx.x; c < vocab; c += blockDim.x) {
+    const float p = __expf(to_float(l[c]) - lse);
+    out[c] = from_float<TL>((p - (c == target ? 1.f : 0.f)) * scale);
+  }
+}
+
+}  // namespace sk
+
+#define SK_CE(tl_tag, TL, ...)                                                                               \
+  extern "C" __global__ void cross_entropy_forward_##tl_tag(const TL* logits, const long long* targets,     \
+                                                            float* row_loss, float* row_lse, int vocab,     \
+                                                            long long ignore_index) {                      \
+    sk::cross_entropy_forward<TL>(logits, targets, row_loss, row_lse, vocab, ignore_index);                 \
+  }                                                                                                          \
+  extern "C" __global__ void cross_entropy_backward_##tl_tag(                                               \
+      const TL* logits, const long long* targets, const float* row_lse, const float* dloss,                 \
+      const float* count, TL* dlogits, int vocab, long long ignore_index) {                                  \
+    sk::cross_entropy_backward<TL>(logits, targets, row_lse, dloss, count, dlogits, vocab, ignore_index);    \
+  }
+SK_TYPES_1(SK_CE, )
+
+#else  // host: the launchers
+
+#include "kernels.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+
+namespace sk::kernels::classifier {
+
+// Threads per row: enough to keep a row's loads in flight, few enough for small vocabularies.
+inline unsigned threads_for(int64_t vocab) { return vocab >= 4096 ? 512 : vocab >= 1024 ? 256 : 128; }
+
+struct Forward {
+  at::Tensor row_loss, row_lse;  // fp32 [rows]
+};
+
+// logits: [rows, vocab] contiguous; targets: [rows] int64 contiguous.
+inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index) {
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  const auto floats = logits.options().dtype(at::kFloat);
+  Forward out{at::empty({rows}, floats), at::empty({rows}, floats)};
+  if (rows == 0) return out;
+  Kernel kernel = get("classifier.cuh", std::string("cross_entropy_forward_") + type_tag(logits.scalar_type()),
+                      logits.device());
+  const void* logits_ptr = logits.data_ptr();
+  const void* targets_ptr = targets.data_ptr();
+  void* loss_ptr = out.row_loss.data_ptr();
+  void* lse_ptr = out.row_lse.data_ptr();
+  int vocab_arg = static_cast<int>(vocab);
+  long long ignore_arg = ignore_index;
+  void* args[] = {&logits_ptr, &targets_ptr, &loss_ptr, &lse_ptr, &vocab_arg, &ignore_arg};
+  launch(kernel, {static_cast<unsigned>(rows), 1, 1}, {threads_for(vocab), 1, 1}, 0, args);
+  return out;
+}
+
+// dloss, count: fp32 scalars on the device.
+inline at::Tensor backward(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& row_lse,
+                           const at::Tensor& dloss, const at::Tensor& count, int64_t ignore_index) {
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  at::Tensor dlogits = at::empty_like(logits);
+  if (rows == 0) return dlogits;
+  Kernel kernel = get("classifier.cuh", std::string("cross_entropy_backward_") + type_tag(logits.scalar_type()),
+                      logits.device());
+  const void* logits_ptr = logits.data_ptr();
+  const void* targets_ptr = targets.data_ptr();
+  const void* lse_ptr = row_lse.data_ptr();
+  const void* dloss_ptr = dloss.data_ptr();
+  const void* count_ptr = count.data_ptr();
+  void* dlogits_ptr = dlogits.data_ptr();
+  int vocab_arg = static_cast<int>(vocab);
+  long long ignore_arg = ignore_index;
+  void* args[] = {&logits_ptr, &targets_ptr, &lse_ptr, &dloss_ptr, &count_ptr, &dlogits_ptr, &vocab_arg, &ignore_arg};
+  launch(kernel, {static_cast<unsigned>(rows), 1, 1}, {threads_for(vocab), 1, 1}, 0, args);
+  return dlogits;
+}
+
+}  // namespace sk::kernels::classifier
+
+#endif

@@ -1,0 +1,52 @@
+// Device helpers shared by every kernel file: conversions between the storage types (fp32, bf16,
+// fp16) and fp32 arithmetic, warp reductions, and the X-macro of the storage types that the kernel
+// files use to emit one extern "C" entry point per type combination (so the host looks kernels up
+// by a plain name, with no C++ name mangling or NVRTC name expressions to keep in step).
+//
+// Compiled by NVRTC only, never by the host compiler; the kernel files include it as a header that
+// the compile layer hands to NVRTC in memory.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace sk {
+
+typedef __nv_bfloat16 bf16;
+typedef __half f16;
+typedef float f32;
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(bf16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(f16 v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ bf16 from_float<bf16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ f16 from_float<f16>(float v) { return __float2half_rn(v); }
+
+// NVRTC has no <cmath>, so no INFINITY macro.
+__device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+}  // namespace sk
+
+// SK_TYPES_n(M, ...) expands M(tag, type, ...) for every storage type; the tag is the suffix the host
+// composes kernel names from (shim/kernels.h: sk::kernels::type_tag). Three copies, because a
+// macro cannot expand inside its own expansion and a kernel over three types nests three deep.
+#define SK_TYPES_1(M, ...) M(f32, sk::f32, __VA_ARGS__) M(bf16, sk::bf16, __VA_ARGS__) M(f16, sk::f16, __VA_ARGS__)
+#define SK_TYPES_2(M, ...) M(f32, sk::f32, __VA_ARGS__) M(bf16, sk::bf16, __VA_ARGS__) M(f16, sk::f16, __VA_ARGS__)
+#define SK_TYPES_3(M, ...) M(f32, sk::f32, __VA_ARGS__) M(bf16, sk::bf16, __VA_ARGS__) M(f16, sk::f16, __VA_ARGS__)

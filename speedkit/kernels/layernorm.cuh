@@ -1,0 +1,286 @@
+// LayerNorm over the last dimension, optionally of a residual sum: y = LN(x [+ r]) · weight + bias.
+//
+// Forward: one warp per row; two passes over the row for the mean and the variance (the row stays
+// in L1/L2), a third writes y in the output type (the autocast type, so no cast kernel follows) and
+// mean and rstd in fp32 for the backward. With a residual, the first pass also writes s = x + r and
+// the later passes read s back, so y is exactly LN of the stored sum.
+//
+// Backward: one pass over dy and x gives dx and the weight/bias gradients together. Each warp owns a
+// row at a time and adds its dy·x̂ and dy into its own shared-memory accumulators (no atomics, so the
+// result is bitwise reproducible); at the end the block sums its warps in a fixed order into one
+// fp32 partial per block, and a second small kernel sums the partials per column in a fixed order.
+// This replaces ATen's separate GammaBeta column reduction, which reads dy and x a second time.
+//
+// The device part below is compiled by NVRTC (shim/kernels.cpp); the host part at the end, the
+// launchers, is compiled into the shim by the host compiler.
+#ifdef __CUDACC_RTC__
+#include "common.cuh"
+
+namespace sk {
+
+template <typename TX, typename TW, typename TY>
+__device__ void layernorm_forward(const TX* __restrict__ x, const TX* __restrict__ residual,
+                                  const TW* __restrict__ weight, const TW* __restrict__ bias,
+                                  TX* __restrict__ sum_out, TY* __restrict__ y, float* __restrict__ mean_out,
+                                  float* __restrict__ rstd_out, int rows, int width, float eps) {
+  const int lane = threadIdx.x % 32;
+  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= rows) return;
+  const size_t offset = static_cast<size_t>(row) * width;
+  const TX* in = x + offset;
+  float total = 0.f;
+  if (residual != nullptr) {
+    const TX* r = residual + offset;
+    TX* s = sum_out + offset;
+    for (int c = lane; c < width; c += 32) {
+      TX v = from_float<TX>(to_float(in[c]) + to_float(r[c]));
+      s[c] = v;
+      total += to_float(v);
+    }
+    in = s;
+  } else {
+    for (int c = lane; c < width; c += 32) total += to_float(in[c]);
+  }
+  const float mean = warp_sum(total) / width;
+  float squares = 0.f;
+  for (int c = lane; c < width; c += 32) {
+    float d = to_float(in[c]) - mean;
+    squares += d * d;
+  }
+  const float rstd = rsqrtf(warp_sum(squares) / width + eps);
+  TY* out = y + offset;
+  for (int c = lane; c < width; c += 32) {
+    float v = (to_float(in[c]) - mean) * rstd;
+    if (weight != nullptr) v *= to_float(weight[c]);
+    if (bias != nullptr) v += to_float(bias[c]);
+    out[c] = from_float<TY>(v);
+  }
+  if (lane == 0) {
+    mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+}
+
+// Dynamic shared memory: (blockDim.x / 32) warps × 2 × width floats ([warp][dweight, dbias][column]).
+// `partials` receives gridDim.x × 2 × width floats. `dsum`, when given, is the gradient arriving at
+// the residual sum s itself (its other uses), added to dx.
+template <typename TX, typename TW, typename TY>
+__device__ void layernorm_backward(const TY* __restrict__ dy, const TX* __restrict__ x,
+                                   const TW* __restrict__ weight, const float* __restrict__ mean,
+                                   const float* __restrict__ rstd, const TX* __restrict__ dsum,
+                                   TX* __restrict__ dx, float* __restrict__ partials, int rows, int width) {
+  extern __shared__ float accumulators[];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int warps = blockDim.x / 32;
+  for (int i = threadIdx.x; i < warps * 2 * width; i += blockDim.x) accumulators[i] = 0.f;
+  __syncthreads();
+  float* dweight_acc = accumulators + static_cast<size_t>(warp) * 2 * width;
+  float* dbias_acc = dweight_acc + width;
+  for (int row = blockIdx.x * warps + warp; row < rows; row += gridDim.x * warps) {
+    const size_t offset = static_cast<size_t>(row) * width;
+    const TY* g = dy + offset;
+    const TX* in = x + offset;
+    const float mu = mean[row];
+    const float rs = rstd[row];
+    float sum_g = 0.f, sum_gx = 0.f;
+    for (int c = lane; c < width; c += 32) {
+      const float d = to_float(g[c]);
+      const float xhat = (to_float(in[c]) - mu) * rs;
+      const float gw = weight != nullptr ? d * to_float(weight[c]) : d;
+      sum_g += gw;
+      sum_gx += gw * xhat;
+      dweight_acc[c] += d * xhat;
+      dbias_acc[c] += d;
+    }
+    const float mean_g = warp_sum(sum_g) / width;
+    const float mean_gx = warp_sum(sum_gx) / width;
+    TX* out = dx + offset;
+    for (int c = lane; c < width; c += 32) {
+      const float d = to_float(g[c]);
+      const float xhat = (to_float(in[c]) - mu) * rs;
+      const float gw = weight != nullptr ? d * to_float(weight[c]) : d;
+      float v = rs * (gw - mean_g - xhat * mean_gx);
+      if (dsum != nullptr) v += to_float(dsum[offset + c]);
+      out[c] = from_float<TX>(v);
+    }
+  }
+  __syncthreads();
+  float* block_partial = partials + static_cast<size_t>(blockIdx.x) * 2 * width;
+  for (int i = threadIdx.x; i < 2 * width; i += blockDim.x) {
+    float total = 0.f;
+    for (int w = 0; w < warps; ++w) total += accumulators[static_cast<size_t>(w) * 2 * width + i];
+    block_partial[i] = total;
+  }
+}
+
+// Block (32, 8): threadIdx.x picks the column, threadIdx.y strides over the partials; shared memory
+// adds the 8 strands in a fixed order. Either output may be null (no weight or no bias).
+template <typename TW>
+__device__ void layernorm_param_grad(const float* __restrict__ partials, int blocks, int width,
+                                     TW* __restrict__ dweight, TW* __restrict__ dbias) {
+  __shared__ float strands[2][8][33];
+  const int column = blockIdx.x * 32 + threadIdx.x;
+  float dw = 0.f, db = 0.f;
+  if (column < width) {
+    for (int b = threadIdx.y; b < blocks; b += 8) {
+      dw += partials[static_cast<size_t>(b) * 2 * width + column];
+      db += partials[static_cast<size_t>(b) * 2 * width + width + column];
+    }
+  }
+  strands[0][threadIdx.y][threadIdx.x] = dw;
+  strands[1][threadIdx.y][threadIdx.x] = db;
+  __syncthreads();
+  if (threadIdx.y == 0 && column < width) {
+    dw = 0.f;
+    db = 0.f;
+    for (int s = 0; s < 8; ++s) {
+      dw += strands[0][s][threadIdx.x];
+      db += strands[1][s][threadIdx.x];
+    }
+    if (dweight != nullptr) dweight[column] = from_float<TW>(dw);
+    if (dbias != nullptr) dbias[column] = from_float<TW>(db);
+  }
+}
+
+}  // namespace sk
+
+// One entry point per (x, weight, y) type triple: layernorm_forward_<x>_<w>_<y>, and likewise for
+// the backward (y is the type of dy there); layernorm_param_grad_<w>.
+#define SK_LN_FORWARD(ty_tag, TY, tx_tag, TX, tw_tag, TW)                                               \
+  extern "C" __global__ void layernorm_forward_##tx_tag##_##tw_tag##_##ty_tag(                           \
+      const TX* x, const TX* residual, const TW* weight, const TW* bias, TX* sum_out, TY* y, float* mean, \
+      float* rstd, int rows, int width, float eps) {                                                      \
+    sk::layernorm_forward<TX, TW, TY>(x, residual, weight, bias, sum_out, y, mean, rstd, rows, width, eps); \
+  }
+#define SK_LN_BACKWARD(ty_tag, TY, tx_tag, TX, tw_tag, TW)                                                \
+  extern "C" __global__ void layernorm_backward_##tx_tag##_##tw_tag##_##ty_tag(                            \
+      const TY* dy, const TX* x, const TW* weight, const float* mean, const float* rstd, const TX* dsum,   \
+      TX* dx, float* partials, int rows, int width) {                                                       \
+    sk::layernorm_backward<TX, TW, TY>(dy, x, weight, mean, rstd, dsum, dx, partials, rows, width);       \
+  }
+#define SK_LN_BOTH(ty_tag, TY, tx_tag, TX, tw_tag, TW) \
+  SK_LN_FORWARD(ty_tag, TY, tx_tag, TX, tw_tag, TW) SK_LN_BACKWARD(ty_tag, TY, tx_tag, TX, tw_tag, TW)
+#define SK_LN_OVER_Y(tw_tag, TW, tx_tag, TX) SK_TYPES_3(SK_LN_BOTH, tx_tag, TX, tw_tag, TW)
+#define SK_LN_OVER_W(tx_tag, TX, ...) SK_TYPES_2(SK_LN_OVER_Y, tx_tag, TX)
+SK_TYPES_1(SK_LN_OVER_W, )
+
+#define SK_LN_PARAM_GRAD(tw_tag, TW, ...)                                                              \
+  extern "C" __global__ void layernorm_param_grad_##tw_tag(const float* partials, int blocks, int width, \
+                                                           TW* dweight, TW* dbias) {                    \
+    sk::layernorm_param_grad<TW>(partials, blocks, width, dweight, dbias);                               \
+  }
+SK_TYPES_1(SK_LN_PARAM_GRAD, )
+
+#else  // host: the launchers
+
+#include "kernels.h"
+
+namespace sk::kernels::layernorm {
+
+// Rows per forward block (one warp each).
+constexpr int kForwardWarps = 8;
+// Warps per backward block, at most: each needs 2 × width floats of shared memory.
+constexpr int kBackwardWarps = 4;
+
+// What the forward leaves for the backward and returns: y, and with a residual the sum s = x + r
+// (undefined without one); mean and rstd are fp32 [rows].
+struct Forward {
+  at::Tensor y, sum, mean, rstd;
+};
+
+struct Backward {
+  at::Tensor dx, dweight, dbias;
+};
+
+// Warps per backward block for this width on this device, 0 when even one warp's accumulators do
+// not fit in shared memory (the caller then takes the ATen path).
+inline int backward_warps(int64_t width, const at::Device& device) {
+  if (width <= 0) return 0;
+  const int64_t per_warp = 2 * width * static_cast<int64_t>(sizeof(float));
+  return static_cast<int>(std::min<int64_t>(kBackwardWarps, max_dynamic_shared_memory(device) / per_warp));
+}
+
+// x, residual: [rows, width] contiguous, same type; weight, bias: [width] contiguous or undefined.
+inline Forward forward(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                       const at::Tensor& bias, double eps, at::ScalarType out_type) {
+  const int64_t rows = x.size(0), width = x.size(1);
+  const auto floats = x.options().dtype(at::kFloat);
+  Forward out{at::empty({rows, width}, x.options().dtype(out_type)),
+              residual.defined() ? at::empty_like(x) : at::Tensor(), at::empty({rows}, floats),
+              at::empty({rows}, floats)};
+  if (rows == 0) return out;
+  const auto weight_type = weight.defined() ? weight.scalar_type() : at::kFloat;
+  Kernel kernel = get("layernorm.cuh",
+                      std::string("layernorm_forward_") + type_tag(x.scalar_type()) + "_" +
+                          type_tag(weight_type) + "_" + type_tag(out_type),
+                      x.device());
+  const void* x_ptr = x.data_ptr();
+  const void* residual_ptr = pointer_or_null(residual);
+  const void* weight_ptr = pointer_or_null(weight);
+  const void* bias_ptr = pointer_or_null(bias);
+  void* sum_ptr = pointer_or_null(out.sum);
+  void* y_ptr = out.y.data_ptr();
+  void* mean_ptr = out.mean.data_ptr();
+  void* rstd_ptr = out.rstd.data_ptr();
+  int rows_arg = static_cast<int>(rows), width_arg = static_cast<int>(width);
+  float eps_arg = static_cast<float>(eps);
+  void* args[] = {&x_ptr,    &residual_ptr, &weight_ptr, &bias_ptr, &sum_ptr,  &y_ptr,
+                  &mean_ptr, &rstd_ptr,     &rows_arg,   &width_arg, &eps_arg};
+  const unsigned blocks = static_cast<unsigned>((rows + kForwardWarps - 1) / kForwardWarps);
+  launch(kernel, {blocks, 1, 1}, {32 * kForwardWarps, 1, 1}, 0, args);
+  return out;
+}
+
+// dy: [rows, width] in the forward's output type; x: the forward's normalised input (the sum s with
+// a residual); dsum: the gradient arriving at s from its other uses, or undefined. The caller has
+// checked backward_warps(width) > 0.
+inline Backward backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight, bool has_bias,
+                         const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& dsum) {
+  const int64_t rows = x.size(0), width = x.size(1);
+  const auto weight_type = weight.defined() ? weight.scalar_type() : at::kFloat;
+  const auto param_options = x.options().dtype(weight_type);
+  Backward out{at::empty_like(x), weight.defined() ? at::empty({width}, param_options) : at::Tensor(),
+               has_bias ? at::empty({width}, param_options) : at::Tensor()};
+  if (!out.dweight.defined() && !out.dbias.defined() && rows == 0) return out;
+  const int warps = backward_warps(width, x.device());
+  const int64_t row_blocks = (rows + warps - 1) / warps;
+  const int blocks = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(row_blocks, 2 * static_cast<int64_t>(multiprocessors(x.device())))));
+  at::Tensor partials = at::empty({blocks, 2, width}, x.options().dtype(at::kFloat));
+  int rows_arg = static_cast<int>(rows), width_arg = static_cast<int>(width), blocks_arg = blocks;
+  {
+    Kernel kernel = get("layernorm.cuh",
+                        std::string("layernorm_backward_") + type_tag(x.scalar_type()) + "_" +
+                            type_tag(weight_type) + "_" + type_tag(dy.scalar_type()),
+                        x.device());
+    const int shared = static_cast<int>(warps * 2 * width * sizeof(float));
+    allow_dynamic_shared_memory(kernel, shared);
+    const void* dy_ptr = dy.data_ptr();
+    const void* x_ptr = x.data_ptr();
+    const void* weight_ptr = pointer_or_null(weight);
+    const void* mean_ptr = mean.data_ptr();
+    const void* rstd_ptr = rstd.data_ptr();
+    const void* dsum_ptr = pointer_or_null(dsum);
+    void* dx_ptr = out.dx.data_ptr();
+    void* partials_ptr = partials.data_ptr();
+    void* args[] = {&dy_ptr, &x_ptr, &weight_ptr, &mean_ptr, &rstd_ptr, &dsum_ptr, &dx_ptr, &partials_ptr,
+                    &rows_arg, &width_arg};
+    launch(kernel, {static_cast<unsigned>(blocks), 1, 1}, {static_cast<unsigned>(32 * warps), 1, 1}, shared,
+           args);
+  }
+  if (out.dweight.defined() || out.dbias.defined()) {
+    Kernel kernel =
+        get("layernorm.cuh", std::string("layernorm_param_grad_") + type_tag(weight_type), x.device());
+    const void* partials_ptr = partials.data_ptr();
+    void* dweight_ptr = pointer_or_null(out.dweight);
+    void* dbias_ptr = pointer_or_null(out.dbias);
+    void* args[] = {&partials_ptr, &blocks_arg, &width_arg, &dweight_ptr, &dbias_ptr};
+    launch(kernel, {static_cast<unsigned>((width + 31) / 32), 1, 1}, {32, 8, 1}, 0, args);
+  }
+  return out;
+}
+
+}  // namespace sk::kernels::layernorm
+
+#endif

@@ -1,0 +1,109 @@
+// LayerNorm on speedkit's kernels (kernels/layernorm.cuh) as a C++ autograd function, so that the
+// backward is the fused kernel too: y = LN(x) and, with a residual, (y, s) = (LN(x + r), x + r).
+// The Rust side (nn/layer_norm.rs) decides when this path applies and otherwise runs ATen's.
+#include "shim.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+
+#if SK_WITH_CUDA
+#include "layernorm.cuh"
+#endif
+
+namespace {
+
+#if SK_WITH_CUDA
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+namespace ln = sk::kernels::layernorm;
+
+// Which optional inputs are present. Autograd's apply() records metadata of every tensor argument
+// and cannot take an undefined one, so an absent input is passed as an empty placeholder.
+enum Present : int64_t { kResidual = 1, kWeight = 2, kBias = 4 };
+
+at::Tensor placeholder_unless(bool present, const at::Tensor& t, const at::Tensor& like) {
+  return present ? t : at::empty({0}, like.options());
+}
+
+// Inputs are [rows, width] contiguous (the caller flattens); residual, weight, bias are used as
+// `present` says. Outputs: y, and s = x + r when there is a residual.
+struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& residual_in,
+                               const at::Tensor& weight_in, const at::Tensor& bias_in, double eps,
+                               int64_t out_type, int64_t present) {
+    const at::Tensor residual = (present & kResidual) ? residual_in : at::Tensor();
+    const at::Tensor weight = (present & kWeight) ? weight_in : at::Tensor();
+    const at::Tensor bias = (present & kBias) ? bias_in : at::Tensor();
+    ln::Forward out = ln::forward(x, residual, weight, bias, eps, static_cast<at::ScalarType>(out_type));
+    const bool with_residual = residual.defined();
+    ctx->saved_data["has_bias"] = bias.defined();
+    ctx->saved_data["with_residual"] = with_residual;
+    ctx->save_for_backward({with_residual ? out.sum : x, weight, out.mean, out.rstd});
+    // An unused output's gradient stays undefined instead of a materialised tensor of zeros.
+    ctx->set_materialize_grads(false);
+    if (with_residual) return {out.y, out.sum};
+    return {out.y};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& weight = saved[1];
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    const bool with_residual = ctx->saved_data["with_residual"].toBool();
+    at::Tensor dy = grads[0];
+    at::Tensor dsum = with_residual ? grads[1] : at::Tensor();
+    if (dsum.defined()) dsum = dsum.contiguous();
+    if (!dy.defined()) {
+      // Only s was used: the gradient passes through the sum unchanged; the parameters get none.
+      at::Tensor dx = dsum.defined() ? dsum : at::Tensor();
+      return {dx, with_residual ? dx : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+              at::Tensor()};
+    }
+    ln::Backward out = ln::backward(dy.contiguous(), x, weight, has_bias, saved[2], saved[3], dsum);
+    return {out.dx,        with_residual ? out.dx : at::Tensor(), out.dweight, out.dbias, at::Tensor(),
+            at::Tensor(), at::Tensor()};
+  }
+};
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// Whether the fused backward fits a row of `width` on CUDA device `index` (its per-warp shared
+// memory accumulators); wider rows take the ATen path.
+int sk_layer_norm_width_supported(int index, int64_t width, int* out) {
+#if SK_WITH_CUDA
+  SK_TRY(*out = ln::backward_warps(width, c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index))) > 0)
+#else
+  (void)index; (void)width; (void)out;
+  SK_NO_CUDA();
+#endif
+}
+
+// y = LN(x [+ residual]) over the last dimension in `out_type` (a c10::ScalarType code); with a
+// residual also *sum = x + residual. x and residual: CUDA, the same shape and floating type;
+// weight, bias: [width] or null. Differentiable through LayerNormFunction.
+int sk_layer_norm(at::Tensor* x, at::Tensor* residual, at::Tensor* weight, at::Tensor* bias, double eps,
+                  int out_type, at::Tensor** y, at::Tensor** sum) {
+#if SK_WITH_CUDA
+  SK_TRY({
+    const int64_t width = x->size(-1);
+    const auto rows2d = [width](const at::Tensor& t) { return t.reshape({-1, width}).contiguous(); };
+    at::Tensor x2d = rows2d(*x);
+    const int64_t present = (residual != nullptr ? kResidual : 0) | (weight != nullptr ? kWeight : 0) |
+                            (bias != nullptr ? kBias : 0);
+    at::Tensor r = placeholder_unless(residual != nullptr, residual ? rows2d(*residual) : at::Tensor(), x2d);
+    at::Tensor w = placeholder_unless(weight != nullptr, weight ? weight->contiguous() : at::Tensor(), x2d);
+    at::Tensor b = placeholder_unless(bias != nullptr, bias ? bias->contiguous() : at::Tensor(), x2d);
+    auto outputs = LayerNormFunction::apply(x2d, r, w, b, eps, static_cast<int64_t>(out_type), present);
+    *y = new at::Tensor(outputs[0].view(x->sizes()));
+    *sum = residual != nullptr ? new at::Tensor(outputs[1].view(x->sizes())) : nullptr;
+  })
+#else
+  (void)x; (void)residual; (void)weight; (void)bias; (void)eps; (void)out_type; (void)y; (void)sum;
+  SK_NO_CUDA();
+#endif
+}
+
+}  // extern "C"

@@ -1,0 +1,429 @@
+//! speedkit's fused kernels against ATen's composites on the GPU: forward and backward on odd
+//! shapes in fp32, bf16 and fp16, and a graphed training step through them equal to the eager one.
+//! Each test is skipped, with the reason printed, where no CUDA device is visible.
+//!
+//! Tolerances (‖got − want‖ ≤ tol · max(‖want‖, 1), the reference computed in fp32 from the same
+//! rounded inputs): outputs stored in fp32 1e-5, fp16 2e-3, bf16 1e-2 (a few units of each type's
+//! rounding); fp32 parameter gradients and losses 1e-4 (only the summation order differs).
+
+mod common;
+
+use common::cuda_or_skip;
+use speedkit::config::{AutoBool, DeviceChoice, Precision, SpeedConfig};
+use speedkit::nn::{cross_entropy, cross_entropy_fallback_reason, layer_norm, LayerNorm};
+use speedkit::optim::AdamW;
+use speedkit::SpeedContext;
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+
+const ROWS: [i64; 3] = [1, 7, 1000];
+const WIDTHS: [i64; 5] = [1, 33, 768, 1023, 8192];
+const KINDS: [Kind; 3] = [Kind::Float, Kind::BFloat16, Kind::Half];
+
+fn output_tolerance(kind: Kind) -> f64 {
+    match kind {
+        Kind::BFloat16 => 1e-2,
+        Kind::Half => 2e-3,
+        _ => 1e-5,
+    }
+}
+
+/// The kernels ran: no op has taken the ATen path (the message says why one did).
+fn assert_no_fallback() {
+    let notes = speedkit::kernels::fallbacks();
+    assert!(notes.is_empty(), "ATen fallbacks: {notes:?}");
+}
+
+fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
+    assert_eq!(got.size(), want.size(), "{what}: shapes differ");
+    let got = got.to_kind(Kind::Double).to_device(Device::Cpu);
+    let want = want.to_kind(Kind::Double).to_device(Device::Cpu);
+    let gap = (&got - &want).norm().double_value(&[]);
+    let scale = want.norm().double_value(&[]).max(1.0);
+    assert!(
+        gap <= tol * scale,
+        "{what}: ‖got − want‖ = {gap:.3e} > {tol:.0e} · {scale:.3e}"
+    );
+}
+
+/// A LayerNorm of `width` on `device` with random (not 1/0) fp32 parameters.
+fn random_layer_norm(vs: &nn::VarStore, width: i64) -> LayerNorm {
+    let norm = layer_norm(vs.root(), width, Default::default());
+    tch::no_grad(|| {
+        for p in norm.weight.iter().chain(norm.bias.iter()) {
+            p.shallow_clone()
+                .copy_(&Tensor::randn([width], (Kind::Float, vs.device())));
+        }
+    });
+    norm
+}
+
+/// The reference: ATen's LayerNorm in fp32 on copies of the inputs and parameters.
+struct Reference {
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+}
+
+fn reference_of(x: &Tensor, norm: &LayerNorm) -> Reference {
+    let copy = |t: &Tensor| t.detach().to_kind(Kind::Float).set_requires_grad(true);
+    Reference {
+        x: copy(x),
+        weight: copy(norm.weight.as_ref().expect("affine")),
+        bias: copy(norm.bias.as_ref().expect("affine")),
+    }
+}
+
+fn layer_norm_matches_aten(kind: Kind, device: Device) {
+    for rows in ROWS {
+        for width in WIDTHS {
+            let vs = nn::VarStore::new(device);
+            let norm = random_layer_norm(&vs, width);
+            let x = (Tensor::randn([rows, width], (Kind::Float, device)) * 2.0 + 0.5)
+                .to_kind(kind)
+                .set_requires_grad(true);
+            assert_eq!(norm.fallback_reason(&x), None, "{kind:?} {rows}×{width}");
+            let y = norm.forward(&x);
+            assert_no_fallback();
+            assert_eq!(y.kind(), kind);
+            let dy = Tensor::randn([rows, width], (Kind::Float, device)).to_kind(kind);
+            (y.to_kind(Kind::Float) * dy.to_kind(Kind::Float))
+                .sum(Kind::Float)
+                .backward();
+
+            let r = reference_of(&x, &norm);
+            let want =
+                r.x.layer_norm([width], Some(&r.weight), Some(&r.bias), 1e-5, false);
+            (&want * dy.to_kind(Kind::Float))
+                .sum(Kind::Float)
+                .backward();
+
+            let case = format!("{kind:?} {rows}×{width}");
+            let tol = output_tolerance(kind);
+            assert_close(&format!("y {case}"), &y, &want, tol);
+            if width == 1 {
+                // LN of one element is the bias whatever x is: dx is exactly 0. ATen's fp32
+                // reference shows rounding noise there (1.2e-5 on an H200), amplified by 1/√eps.
+                assert_eq!(x.grad().abs().max().double_value(&[]), 0.0, "dx {case}");
+            } else {
+                assert_close(&format!("dx {case}"), &x.grad(), &r.x.grad(), tol);
+            }
+            let (w, b) = (norm.weight.as_ref().unwrap(), norm.bias.as_ref().unwrap());
+            assert_close(
+                &format!("dweight {case}"),
+                &w.grad(),
+                &r.weight.grad(),
+                1e-4,
+            );
+            assert_close(&format!("dbias {case}"), &b.grad(), &r.bias.grad(), 1e-4);
+        }
+    }
+}
+
+#[test]
+fn layer_norm_fp32_matches_aten_forward_and_backward() {
+    let Some(device) = cuda_or_skip("layer_norm_fp32_matches_aten_forward_and_backward") else {
+        return;
+    };
+    layer_norm_matches_aten(Kind::Float, device);
+}
+
+#[test]
+fn layer_norm_bf16_matches_aten_forward_and_backward() {
+    let Some(device) = cuda_or_skip("layer_norm_bf16_matches_aten_forward_and_backward") else {
+        return;
+    };
+    layer_norm_matches_aten(Kind::BFloat16, device);
+}
+
+#[test]
+fn layer_norm_fp16_matches_aten_forward_and_backward() {
+    let Some(device) = cuda_or_skip("layer_norm_fp16_matches_aten_forward_and_backward") else {
+        return;
+    };
+    layer_norm_matches_aten(Kind::Half, device);
+}
+
+#[test]
+fn residual_layer_norm_matches_add_then_aten() {
+    let Some(device) = cuda_or_skip("residual_layer_norm_matches_add_then_aten") else {
+        return;
+    };
+    for kind in KINDS {
+        for (rows, width) in [(7, 33), (1000, 768), (3, 8192)] {
+            let vs = nn::VarStore::new(device);
+            let norm = random_layer_norm(&vs, width);
+            let leaf = |scale: f64| {
+                (Tensor::randn([rows, width], (Kind::Float, device)) * scale)
+                    .to_kind(kind)
+                    .set_requires_grad(true)
+            };
+            let (x, residual) = (leaf(1.0), leaf(3.0));
+            let (y, sum) = norm.forward_residual(&x, &residual);
+            assert_no_fallback();
+            let dy = Tensor::randn([rows, width], (Kind::Float, device)).to_kind(kind);
+            let dsum = Tensor::randn([rows, width], (Kind::Float, device)).to_kind(kind);
+            let objective = |y: &Tensor, s: &Tensor| {
+                (y.to_kind(Kind::Float) * dy.to_kind(Kind::Float)).sum(Kind::Float)
+                    + (s.to_kind(Kind::Float) * dsum.to_kind(Kind::Float)).sum(Kind::Float)
+            };
+            objective(&y, &sum).backward();
+
+            let want_sum = (&x + &residual).detach();
+            let r = reference_of(&want_sum, &norm);
+            let want =
+                r.x.layer_norm([width], Some(&r.weight), Some(&r.bias), 1e-5, false);
+            objective(&want, &r.x).backward();
+
+            let case = format!("{kind:?} {rows}×{width}");
+            assert!(
+                sum.equal(&want_sum),
+                "sum {case}: x + r differs from ATen's add"
+            );
+            assert_close(&format!("y {case}"), &y, &want, output_tolerance(kind));
+            assert_close(
+                &format!("dx {case}"),
+                &x.grad(),
+                &r.x.grad(),
+                output_tolerance(kind),
+            );
+            assert!(
+                x.grad().equal(&residual.grad()),
+                "dx and dresidual differ ({case})"
+            );
+        }
+    }
+}
+
+#[test]
+fn layer_norm_writes_the_autocast_type() {
+    let Some(device) = cuda_or_skip("layer_norm_writes_the_autocast_type") else {
+        return;
+    };
+    let vs = nn::VarStore::new(device);
+    let norm = random_layer_norm(&vs, 768);
+    let x = Tensor::randn([64, 768], (Kind::Float, device));
+    let y = speedkit::amp::autocast(device, Kind::BFloat16, || norm.forward(&x)).unwrap();
+    assert_no_fallback();
+    assert_eq!(y.kind(), Kind::BFloat16);
+    let r = reference_of(&x, &norm);
+    let want =
+        r.x.layer_norm([768], Some(&r.weight), Some(&r.bias), 1e-5, false);
+    assert_close(
+        "y under bf16 autocast",
+        &y,
+        &want,
+        output_tolerance(Kind::BFloat16),
+    );
+}
+
+#[test]
+fn layer_norm_of_a_non_contiguous_input_equals_the_contiguous_one() {
+    let Some(device) =
+        cuda_or_skip("layer_norm_of_a_non_contiguous_input_equals_the_contiguous_one")
+    else {
+        return;
+    };
+    let vs = nn::VarStore::new(device);
+    let norm = random_layer_norm(&vs, 33);
+    let base = Tensor::randn([33, 10], (Kind::Float, device));
+    let strided = base.transpose(0, 1);
+    assert!(!strided.is_contiguous());
+    assert!(norm
+        .forward(&strided)
+        .equal(&norm.forward(&strided.contiguous())));
+}
+
+#[test]
+fn layer_norm_of_zero_rows_gives_zero_parameter_gradients() {
+    let Some(device) = cuda_or_skip("layer_norm_of_zero_rows_gives_zero_parameter_gradients")
+    else {
+        return;
+    };
+    let vs = nn::VarStore::new(device);
+    let norm = random_layer_norm(&vs, 768);
+    let x = Tensor::zeros([0, 768], (Kind::BFloat16, device)).set_requires_grad(true);
+    let y = norm.forward(&x);
+    assert_eq!(y.size(), [0, 768]);
+    y.to_kind(Kind::Float).sum(Kind::Float).backward();
+    let dweight = norm.weight.as_ref().unwrap().grad();
+    assert_eq!(dweight.abs().sum(Kind::Float).double_value(&[]), 0.0);
+}
+
+#[test]
+fn layer_norm_backward_is_bitwise_reproducible() {
+    let Some(device) = cuda_or_skip("layer_norm_backward_is_bitwise_reproducible") else {
+        return;
+    };
+    let vs = nn::VarStore::new(device);
+    let norm = random_layer_norm(&vs, 768);
+    let x = Tensor::randn([4096, 768], (Kind::BFloat16, device));
+    let dy = Tensor::randn([4096, 768], (Kind::BFloat16, device));
+    let dweight = || {
+        let w = norm.weight.as_ref().unwrap();
+        w.shallow_clone().zero_grad();
+        (norm.forward(&x).to_kind(Kind::Float) * dy.to_kind(Kind::Float))
+            .sum(Kind::Float)
+            .backward();
+        w.grad().copy()
+    };
+    assert!(dweight().equal(&dweight()));
+}
+
+fn cross_entropy_matches_aten(kind: Kind, device: Device) {
+    for rows in ROWS {
+        for vocab in [1, 33, 1023, 8192] {
+            let logits = (Tensor::randn([rows, vocab], (Kind::Float, device)) * 3.0)
+                .to_kind(kind)
+                .set_requires_grad(true);
+            let targets = Tensor::randint(vocab, [rows], (Kind::Int64, device));
+            // Every third row ignored (not the only row, so the mean stays defined).
+            let ignored = Tensor::arange(rows, (Kind::Int64, device))
+                .remainder(3)
+                .eq(2);
+            let targets = targets.masked_fill(&ignored, speedkit::nn::IGNORE_INDEX);
+            assert_eq!(cross_entropy_fallback_reason(&logits, &targets), None);
+            let loss = cross_entropy(&logits, &targets);
+            assert_no_fallback();
+            assert_eq!(loss.kind(), Kind::Float);
+            (&loss * 3.0).backward();
+
+            let reference = logits.detach().to_kind(Kind::Float).set_requires_grad(true);
+            let want = reference.cross_entropy_for_logits(&targets);
+            (&want * 3.0).backward();
+
+            let case = format!("{kind:?} {rows}×{vocab}");
+            assert_close(&format!("loss {case}"), &loss, &want, 1e-4);
+            assert_eq!(logits.grad().kind(), kind);
+            assert_close(
+                &format!("dlogits {case}"),
+                &logits.grad(),
+                &reference.grad(),
+                output_tolerance(kind),
+            );
+        }
+    }
+}
+
+#[test]
+fn cross_entropy_fp32_matches_aten_forward_and_backward() {
+    let Some(device) = cuda_or_skip("cross_entropy_fp32_matches_aten_forward_and_backward") else {
+        return;
+    };
+    cross_entropy_matches_aten(Kind::Float, device);
+}
+
+#[test]
+fn cross_entropy_bf16_matches_aten_forward_and_backward() {
+    let Some(device) = cuda_or_skip("cross_entropy_bf16_matches_aten_forward_and_backward") else {
+        return;
+    };
+    cross_entropy_matches_aten(Kind::BFloat16, device);
+}
+
+#[test]
+fn cross_entropy_fp16_matches_aten_forward_and_backward() {
+    let Some(device) = cuda_or_skip("cross_entropy_fp16_matches_aten_forward_and_backward") else {
+        return;
+    };
+    cross_entropy_matches_aten(Kind::Half, device);
+}
+
+#[test]
+fn cross_entropy_with_every_row_ignored_is_nan_like_aten() {
+    let Some(device) = cuda_or_skip("cross_entropy_with_every_row_ignored_is_nan_like_aten") else {
+        return;
+    };
+    let logits = Tensor::randn([4, 10], (Kind::BFloat16, device));
+    let targets = Tensor::full([4], speedkit::nn::IGNORE_INDEX, (Kind::Int64, device));
+    assert!(cross_entropy(&logits, &targets).double_value(&[]).is_nan());
+    assert!(logits
+        .cross_entropy_for_logits(&targets)
+        .double_value(&[])
+        .is_nan());
+}
+
+/// linear → residual LayerNorm → linear → fused cross-entropy, trained with bf16 autocast.
+fn train_through_kernels(graphed: bool, device: Device, steps: usize) -> (Vec<f64>, Vec<Tensor>) {
+    let (batch, width, classes) = (256, 768, 1000);
+    tch::manual_seed(0);
+    let x = Tensor::randn([batch, width], (Kind::Float, device));
+    let y = Tensor::randint(classes, [batch], (Kind::Int64, device));
+    tch::manual_seed(1);
+    let mut vs = nn::VarStore::new(device);
+    let root = vs.root();
+    let first = nn::linear(&root / "first", width, width, Default::default());
+    let norm = layer_norm(&root / "norm", width, Default::default());
+    let head = nn::linear(&root / "head", width, classes, Default::default());
+    let mut config = SpeedConfig {
+        device: DeviceChoice::Cuda(0),
+        precision: Precision::Bf16,
+        ..SpeedConfig::auto()
+    };
+    config.compile.enabled = if graphed { AutoBool::On } else { AutoBool::Off };
+    let ctx = SpeedContext::new(&config).unwrap();
+    ctx.prepare(&mut vs).unwrap();
+    let mut opt = ctx
+        .adamw(
+            &vs,
+            AdamW {
+                lr: 1e-3,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    let mut step = |_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
+        let loss = ctx.autocast(|| {
+            // The residual stream stays fp32; the branch's bf16 output joins it in fp32.
+            let (h, _) = norm.forward_residual(&x, &first.forward(&x).to_kind(Kind::Float));
+            cross_entropy(&head.forward(&h), &y)
+        });
+        ctx.backward_step(&loss, &mut opt)?;
+        Ok(Some(loss))
+    };
+    let mut losses = Vec::new();
+    if graphed {
+        let mut g = ctx.graphed(&mut step);
+        for _ in 0..steps {
+            losses.push(g.run(&[]).unwrap().unwrap().double_value(&[]));
+        }
+        assert!(
+            g.is_graphed(),
+            "expected a captured graph: {:?}",
+            g.fallback_reason()
+        );
+    } else {
+        for _ in 0..steps {
+            losses.push(step(&[]).unwrap().unwrap().double_value(&[]));
+        }
+    }
+    let params = vs
+        .trainable_variables()
+        .iter()
+        .map(|p| p.detach().copy())
+        .collect();
+    (losses, params)
+}
+
+#[test]
+fn a_graphed_step_through_the_kernels_equals_the_eager_step() {
+    let Some(device) = cuda_or_skip("a_graphed_step_through_the_kernels_equals_the_eager_step")
+    else {
+        return;
+    };
+    let _serial = common::serial();
+    let (eager_losses, eager) = train_through_kernels(false, device, 30);
+    let (_, graphed) = train_through_kernels(true, device, 30);
+    assert!(
+        eager_losses[29] < eager_losses[0],
+        "the loss falls: {eager_losses:?}"
+    );
+    for (e, g) in eager.iter().zip(&graphed) {
+        assert_close("parameter after 30 steps", g, e, 1e-5);
+    }
+    assert!(
+        speedkit::kernels::fallbacks().is_empty(),
+        "{:?}",
+        speedkit::kernels::fallbacks()
+    );
+}
