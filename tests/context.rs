@@ -121,6 +121,9 @@ fn fp8_asked_for_on_a_machine_without_it_is_an_error_that_changes_nothing() {
     let before = speedkit::flags::FlagState::capture().unwrap();
     let config = SpeedConfig::from_yaml_str("device: cpu\nfp8: {enabled: true}\n").unwrap();
     let err = SpeedContext::new(&config).unwrap_err().to_string();
-    assert!(err.contains("fp8.enabled: true needs FP8 Tensor Cores"), "{err}");
+    assert!(
+        err.contains("fp8.enabled: true needs FP8 Tensor Cores"),
+        "{err}"
+    );
     assert_eq!(speedkit::flags::FlagState::capture().unwrap(), before);
 }

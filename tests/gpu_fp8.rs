@@ -54,7 +54,10 @@ fn fp8_linear_matches_bf16_forward_and_backward() {
     let dy = Tensor::randn([4, 96, 1040], (Kind::BFloat16, Device::Cuda(0)));
     let fp8 = run(&ctx, &layer, &x, &dy);
     drop(ctx);
-    let bf16_ctx = SpeedContext::new(&SpeedConfig::from_yaml_str("device: cuda\nfp8: {enabled: false}\n").unwrap()).unwrap();
+    let bf16_ctx = SpeedContext::new(
+        &SpeedConfig::from_yaml_str("device: cuda\nfp8: {enabled: false}\n").unwrap(),
+    )
+    .unwrap();
     let bf16 = run(&bf16_ctx, &layer, &x, &dy);
     // Forward and dX within 8%, dW within 10% (e5m2 gradients), db exact up to bf16 summation.
     for (what, a, b, tol) in [
@@ -65,7 +68,10 @@ fn fp8_linear_matches_bf16_forward_and_backward() {
     ] {
         let err = common::rel_err(a, b);
         assert!(err < tol, "{what}: relative error {err:.4} >= {tol}");
-        assert!(err > 0.0 || what == "db", "{what}: identical to bf16, so FP8 did not run");
+        assert!(
+            err > 0.0 || what == "db",
+            "{what}: identical to bf16, so FP8 did not run"
+        );
     }
 }
 
@@ -83,7 +89,10 @@ fn a_huge_activation_saturates_instead_of_producing_nan_under_delayed_scaling() 
         let [y, dx, dw, db] = run(&ctx, &layer, &x, &dy);
         for (what, t) in [("y", y), ("dX", dx), ("dW", dw), ("db", db)] {
             let finite = t.isfinite().all().int64_value(&[]) == 1;
-            assert!(finite, "{what} not finite with an activation {scale}× the history");
+            assert!(
+                finite,
+                "{what} not finite with an activation {scale}× the history"
+            );
         }
     }
 }
@@ -100,8 +109,12 @@ fn the_amax_history_is_saved_and_loaded_with_the_checkpoint() {
     let dy = Tensor::randn([32, 128], (Kind::BFloat16, Device::Cuda(0)));
     let _ = run(&ctx, &layer, &x, &dy);
     let history = vs.variables()["fc.fp8_amax_history"].copy();
-    assert!(history.abs().sum(Kind::Float).double_value(&[]) > 0.0, "history recorded");
-    let file = std::env::temp_dir().join(format!("speedkit-fp8-{}.safetensors", std::process::id()));
+    assert!(
+        history.abs().sum(Kind::Float).double_value(&[]) > 0.0,
+        "history recorded"
+    );
+    let file =
+        std::env::temp_dir().join(format!("speedkit-fp8-{}.safetensors", std::process::id()));
     vs.save(&file).unwrap();
     let mut restored = nn::VarStore::new(Device::Cuda(0));
     let _twin = Linear::new(&(restored.root() / "fc"), 128, 128, true);
@@ -120,12 +133,19 @@ fn the_audit_says_which_layers_ran_in_fp8_and_why_not() {
     let wide = Linear::new(&(vs.root() / "wide"), 256, 512, true);
     let odd = Linear::new(&(vs.root() / "odd"), 512, 1000, true);
     let x = Tensor::randn([64, 256], (Kind::BFloat16, Device::Cuda(0)));
-    let y = ctx.autocast(|| odd.forward_t(&wide.forward_t(&x)?)).unwrap();
+    let y = ctx
+        .autocast(|| odd.forward_t(&wide.forward_t(&x)?))
+        .unwrap();
     assert_eq!(y.size(), [64, 1000]);
     let notes = ctx.audit().notes;
-    assert!(notes.iter().any(|n| n.contains("layer wide runs in FP8")), "{notes:?}");
     assert!(
-        notes.iter().any(|n| n.contains("layer odd stays") && n.contains("multiple of 16")),
+        notes.iter().any(|n| n.contains("layer wide runs in FP8")),
+        "{notes:?}"
+    );
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains("layer odd stays") && n.contains("multiple of 16")),
         "{notes:?}"
     );
 }

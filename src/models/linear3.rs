@@ -3,7 +3,6 @@
 use speedkit::Result;
 use tch::{nn, Reduction, Tensor};
 
-
 /// Sizes of [`Linear3`] and of its batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Linear3Config {
@@ -50,12 +49,7 @@ impl Linear3 {
     pub fn new(p: &nn::Path, config: &Linear3Config) -> Self {
         let layers = (0..3)
             .map(|i| {
-                speedkit::nn::Linear::new(
-                    &(p / format!("l{i}")),
-                    config.width,
-                    config.width,
-                    true,
-                )
+                speedkit::nn::Linear::new(&(p / format!("l{i}")), config.width, config.width, true)
             })
             .collect();
         Self { layers }
