@@ -9,6 +9,8 @@
 //! | `+sdpa fused` | the fused attention kernels enabled (PyTorch picks FlashAttention or cuDNN attention) |
 //! | `+fused adamw` | the single-kernel AdamW step |
 //! | `+cuda graphs` | the whole step captured once and replayed |
+//! | `+speedkit kernels` | speedkit's fused kernels (LayerNorm with the residual add, cross-entropy) |
+//! | `+fp8` | FP8 GEMMs in every `speedkit::nn::Linear` whose shapes allow it (SM 8.9 or newer) |
 //!
 //! ```text
 //! cargo run --release --example ladder
@@ -80,6 +82,9 @@ fn rungs() -> anyhow::Result<Vec<Rung>> {
         .compile(false)
         .sdp_backends(false, false, true, false)
         .build()?;
+    // FP8 waits for its own rung.
+    let mut bf16 = bf16;
+    bf16.fp8.enabled = AutoBool::Off;
     // Every fused kernel allowed: PyTorch picks the fastest that fits (FlashAttention on Ampere,
     // cuDNN attention on Hopper), as `auto` does.
     let fused_sdpa = SpeedConfig {
@@ -98,6 +103,11 @@ fn rungs() -> anyhow::Result<Vec<Rung>> {
     let graphs = SpeedConfigBuilder::from(fused.clone())
         .compile(AutoBool::On)
         .build()?;
+    let kernels = SpeedConfigBuilder::from(graphs.clone())
+        .kernels(AutoBool::Auto)
+        .build()?;
+    let mut fp8 = kernels.clone();
+    fp8.fp8.enabled = AutoBool::On;
     let rung = |name, adds, config, needs_cuda| Rung {
         name,
         adds,
@@ -129,6 +139,18 @@ fn rungs() -> anyhow::Result<Vec<Rung>> {
             "+cuda graphs",
             "whole step captured and replayed",
             graphs,
+            true,
+        ),
+        rung(
+            "+speedkit kernels",
+            "fused LayerNorm + residual, fused cross-entropy",
+            kernels,
+            true,
+        ),
+        rung(
+            "+fp8",
+            "FP8 GEMMs in every speedkit::nn::Linear (SM 8.9+)",
+            fp8,
             true,
         ),
     ])

@@ -127,3 +127,41 @@ fn fp8_asked_for_on_a_machine_without_it_is_an_error_that_changes_nothing() {
     );
     assert_eq!(speedkit::flags::FlagState::capture().unwrap(), before);
 }
+
+#[test]
+fn the_kernels_setting_holds_while_the_context_lives_and_comes_back_after() {
+    let _lock = common::serial();
+    let before = speedkit::kernels::set_enabled(true);
+    let config = SpeedConfig {
+        kernels: speedkit::config::AutoBool::Off,
+        ..SpeedConfig::auto()
+    };
+    {
+        let ctx = SpeedContext::new(&config).unwrap();
+        assert!(!speedkit::kernels::enabled(), "kernels: false is in force");
+        let decision = ctx.plan().decisions.iter().find(|d| d.key == "kernels");
+        assert_eq!(decision.map(|d| d.value.as_str()), Some("off"));
+    }
+    assert!(
+        speedkit::kernels::enabled(),
+        "the setting before the context is back"
+    );
+    speedkit::kernels::set_enabled(before);
+}
+
+#[test]
+fn the_kernels_setting_comes_back_when_the_training_code_panics() {
+    let _lock = common::serial();
+    let before = speedkit::kernels::set_enabled(true);
+    let config = SpeedConfig {
+        kernels: speedkit::config::AutoBool::Off,
+        ..SpeedConfig::auto()
+    };
+    let result = std::panic::catch_unwind(|| {
+        let _ctx = SpeedContext::new(&config).unwrap();
+        panic!("training failed");
+    });
+    assert!(result.is_err());
+    assert!(speedkit::kernels::enabled());
+    speedkit::kernels::set_enabled(before);
+}

@@ -196,6 +196,59 @@ fn residual_layer_norm_matches_add_then_aten() {
 }
 
 #[test]
+fn fp32_stream_with_a_half_precision_residual_matches_add_then_aten() {
+    let Some(device) =
+        cuda_or_skip("fp32_stream_with_a_half_precision_residual_matches_add_then_aten")
+    else {
+        return;
+    };
+    for branch_kind in [Kind::BFloat16, Kind::Half] {
+        let (rows, width) = (999, 768);
+        let vs = nn::VarStore::new(device);
+        let norm = random_layer_norm(&vs, width);
+        let x = Tensor::randn([rows, width], (Kind::Float, device)).set_requires_grad(true);
+        let branch = (Tensor::randn([rows, width], (Kind::Float, device)) * 3.0)
+            .to_kind(branch_kind)
+            .set_requires_grad(true);
+        let (y, sum) = norm.forward_residual(&x, &branch);
+        assert_no_fallback();
+        assert_eq!(sum.kind(), Kind::Float, "the stream stays fp32");
+        let dy = Tensor::randn([rows, width], (Kind::Float, device));
+        (y.to_kind(Kind::Float) * &dy).sum(Kind::Float).backward();
+
+        let want_sum = (&x + &branch).detach();
+        let r = reference_of(&want_sum, &norm);
+        let want =
+            r.x.layer_norm([width], Some(&r.weight), Some(&r.bias), 1e-5, false);
+        (&want * &dy).sum(Kind::Float).backward();
+
+        let case = format!("fp32 + {branch_kind:?}");
+        assert!(
+            sum.equal(&want_sum),
+            "sum {case}: differs from ATen's promoting add"
+        );
+        assert_close(
+            &format!("y {case}"),
+            &y,
+            &want,
+            output_tolerance(Kind::Float),
+        );
+        assert_close(&format!("dx {case}"), &x.grad(), &r.x.grad(), 1e-5);
+        assert_eq!(
+            branch.grad().kind(),
+            branch_kind,
+            "the branch's gradient in its own type"
+        );
+        assert_close(
+            &format!("dbranch {case}"),
+            &branch.grad(),
+            &r.x.grad(),
+            output_tolerance(branch_kind),
+        );
+    }
+}
+
+#[test]
 fn layer_norm_writes_the_autocast_type() {
     let Some(device) = cuda_or_skip("layer_norm_writes_the_autocast_type") else {
         return;

@@ -217,3 +217,60 @@ fn an_invalid_config_is_rejected_before_planning() {
     config.grad_scaler.growth_factor = 0.5;
     assert!(Plan::resolve(&config, &h100()).is_err());
 }
+
+fn kernels_decision(plan: &Plan) -> &speedkit::plan::Decision {
+    plan.decisions
+        .iter()
+        .find(|d| d.key == "kernels")
+        .expect("the plan decides `kernels`")
+}
+
+#[test]
+fn kernels_auto_turns_on_for_sm80_and_newer_with_a_toolchain() {
+    for (name, major, minor) in [("A100", 8, 0), ("H100", 9, 0)] {
+        let plan = auto_on(&Hardware::simulated_gpu(name, major, minor));
+        assert!(plan.kernels, "{name}");
+        assert!(kernels_decision(&plan).reason.contains("NVRTC"), "{name}");
+    }
+}
+
+#[test]
+fn kernels_auto_stays_off_on_old_gpus_the_cpu_and_without_nvrtc_saying_why() {
+    let mut no_nvrtc = h100();
+    no_nvrtc.kernels_unavailable = Some("NVRTC (libnvrtc.so.13) was not found".into());
+    for (hw, why) in [
+        (Hardware::simulated_gpu("T4", 7, 5), "SM 7.5"),
+        (Hardware::cpu_only(), "CPU"),
+        (no_nvrtc, "libnvrtc.so.13"),
+    ] {
+        let plan = auto_on(&hw);
+        assert!(!plan.kernels, "{why}");
+        let reason = &kernels_decision(&plan).reason;
+        assert!(reason.contains(why), "{reason:?} does not say {why:?}");
+    }
+}
+
+#[test]
+fn kernels_true_where_they_cannot_run_is_an_error_that_says_what_to_set() {
+    let config = SpeedConfig {
+        kernels: AutoBool::On,
+        ..SpeedConfig::auto()
+    };
+    for hw in [Hardware::cpu_only(), Hardware::simulated_gpu("T4", 7, 5)] {
+        let err = Plan::resolve(&config, &hw).unwrap_err().to_string();
+        assert!(err.contains("kernels: true"), "{err}");
+        assert!(err.contains("set kernels to auto or false"), "{err}");
+    }
+    assert!(Plan::resolve(&config, &h100()).unwrap().kernels);
+}
+
+#[test]
+fn kernels_false_keeps_aten_everywhere() {
+    let config = SpeedConfig {
+        kernels: AutoBool::Off,
+        ..SpeedConfig::auto()
+    };
+    let plan = Plan::resolve(&config, &h100()).unwrap();
+    assert!(!plan.kernels);
+    assert!(kernels_decision(&plan).reason.contains("set in the config"));
+}

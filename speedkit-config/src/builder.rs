@@ -77,6 +77,12 @@ impl SpeedConfigBuilder {
         self
     }
 
+    /// Sets `kernels` (speedkit's own fused kernels).
+    pub fn kernels(mut self, value: impl Into<AutoBool>) -> Self {
+        self.config.kernels = value.into();
+        self
+    }
+
     /// Sets `deterministic`.
     pub fn deterministic(mut self, value: bool) -> Self {
         self.config.deterministic = value;

@@ -12,7 +12,7 @@ impl SpeedConfig {
     ///
     /// - `"fp32_strict"`: the baseline every speed-up is measured against — fp32 everywhere, no
     ///   TF32, no cuDNN autotuning, no reduced-precision reductions, unfused optimizer, no graph
-    ///   capture, no grad scaler (`examples/configs/baseline.yaml`).
+    ///   capture, no grad scaler, none of speedkit's own kernels (`examples/configs/baseline.yaml`).
     /// - `"tf32"`: like `fp32_strict`, but matmuls and cuDNN convolutions may use TF32.
     /// - `"auto"`: the defaults, every choice left to the runtime (`examples/configs/auto_speed.yaml`).
     /// - `"fp8"`: `auto` with `fp8.enabled: true`: every `speedkit::nn::Linear` whose shapes allow
@@ -65,5 +65,6 @@ fn fp32_strict() -> SpeedConfig {
     config.optimizer.fused = AutoBool::Off;
     config.compile.enabled = AutoBool::Off;
     config.grad_scaler.enabled = AutoBool::Off;
+    config.kernels = AutoBool::Off;
     config
 }

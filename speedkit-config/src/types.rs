@@ -62,6 +62,11 @@ pub struct SpeedConfig {
     /// FP8 GEMMs for `speedkit::nn::Linear` layers on Hopper/Ada GPUs.
     #[serde(deserialize_with = "section")]
     pub fp8: Fp8Config,
+    /// speedkit's own fused CUDA kernels behind `speedkit::nn`'s modules (LayerNorm with the
+    /// residual add, the cross-entropy classifier): `auto` uses them on GPUs of SM 8.0 or newer where
+    /// NVRTC and the CUDA driver library are found; `false` runs ATen's composite ops everywhere;
+    /// `true` asks for them and is an error where they cannot run.
+    pub kernels: AutoBool,
     /// Settings of the built-in benchmark runner.
     #[serde(deserialize_with = "section")]
     pub bench: BenchConfig,

@@ -18,8 +18,8 @@
 
 namespace sk {
 
-template <typename TX, typename TW, typename TY>
-__device__ void layernorm_forward(const TX* __restrict__ x, const TX* __restrict__ residual,
+template <typename TX, typename TR, typename TW, typename TY>
+__device__ void layernorm_forward(const TX* __restrict__ x, const TR* __restrict__ residual,
                                   const TW* __restrict__ weight, const TW* __restrict__ bias,
                                   TX* __restrict__ sum_out, TY* __restrict__ y, float* __restrict__ mean_out,
                                   float* __restrict__ rstd_out, int rows, int width, float eps) {
@@ -30,7 +30,7 @@ __device__ void layernorm_forward(const TX* __restrict__ x, const TX* __restrict
   const TX* in = x + offset;
   float total = 0.f;
   if (residual != nullptr) {
-    const TX* r = residual + offset;
+    const TR* r = residual + offset;
     TX* s = sum_out + offset;
     for (int c = lane; c < width; c += 32) {
       TX v = from_float<TX>(to_float(in[c]) + to_float(r[c]));
@@ -145,13 +145,15 @@ __device__ void layernorm_param_grad(const float* __restrict__ partials, int blo
 
 }  // namespace sk
 
-// One entry point per (x, weight, y) type triple: layernorm_forward_<x>_<w>_<y>, and likewise for
-// the backward (y is the type of dy there); layernorm_param_grad_<w>.
-#define SK_LN_FORWARD(ty_tag, TY, tx_tag, TX, tw_tag, TW)                                               \
-  extern "C" __global__ void layernorm_forward_##tx_tag##_##tw_tag##_##ty_tag(                           \
-      const TX* x, const TX* residual, const TW* weight, const TW* bias, TX* sum_out, TY* y, float* mean, \
-      float* rstd, int rows, int width, float eps) {                                                      \
-    sk::layernorm_forward<TX, TW, TY>(x, residual, weight, bias, sum_out, y, mean, rstd, rows, width, eps); \
+// Entry points: layernorm_forward_<x>_<r>_<w>_<y> per type of the input, the residual (the input's
+// own without one), the weight and the output; layernorm_backward_<x>_<w>_<y> (y is the type of dy
+// there); layernorm_param_grad_<w>. The residual differs from the input only for an fp32 residual
+// stream with a bf16/fp16 branch output (autocast's mix), whose sum is fp32.
+#define SK_LN_FORWARD(ty_tag, TY, tx_tag, TX, tr_tag, TR, tw_tag, TW)                                      \
+  extern "C" __global__ void layernorm_forward_##tx_tag##_##tr_tag##_##tw_tag##_##ty_tag(                   \
+      const TX* x, const TR* residual, const TW* weight, const TW* bias, TX* sum_out, TY* y, float* mean,   \
+      float* rstd, int rows, int width, float eps) {                                                        \
+    sk::layernorm_forward<TX, TR, TW, TY>(x, residual, weight, bias, sum_out, y, mean, rstd, rows, width, eps); \
   }
 #define SK_LN_BACKWARD(ty_tag, TY, tx_tag, TX, tw_tag, TW)                                                \
   extern "C" __global__ void layernorm_backward_##tx_tag##_##tw_tag##_##ty_tag(                            \
@@ -159,11 +161,20 @@ __device__ void layernorm_param_grad(const float* __restrict__ partials, int blo
       TX* dx, float* partials, int rows, int width) {                                                       \
     sk::layernorm_backward<TX, TW, TY>(dy, x, weight, mean, rstd, dsum, dx, partials, rows, width);       \
   }
-#define SK_LN_BOTH(ty_tag, TY, tx_tag, TX, tw_tag, TW) \
-  SK_LN_FORWARD(ty_tag, TY, tx_tag, TX, tw_tag, TW) SK_LN_BACKWARD(ty_tag, TY, tx_tag, TX, tw_tag, TW)
+#define SK_LN_BOTH(ty_tag, TY, tx_tag, TX, tw_tag, TW)                \
+  SK_LN_FORWARD(ty_tag, TY, tx_tag, TX, tx_tag, TX, tw_tag, TW) \
+  SK_LN_BACKWARD(ty_tag, TY, tx_tag, TX, tw_tag, TW)
 #define SK_LN_OVER_Y(tw_tag, TW, tx_tag, TX) SK_TYPES_3(SK_LN_BOTH, tx_tag, TX, tw_tag, TW)
 #define SK_LN_OVER_W(tx_tag, TX, ...) SK_TYPES_2(SK_LN_OVER_Y, tx_tag, TX)
 SK_TYPES_1(SK_LN_OVER_W, )
+
+// The mixed forwards: fp32 input and sum, bf16 or fp16 residual.
+#define SK_LN_F32_RESIDUAL(ty_tag, TY, tr_tag, TR, tw_tag, TW) \
+  SK_LN_FORWARD(ty_tag, TY, f32, sk::f32, tr_tag, TR, tw_tag, TW)
+#define SK_LN_F32_OVER_Y(tw_tag, TW, tr_tag, TR) SK_TYPES_3(SK_LN_F32_RESIDUAL, tr_tag, TR, tw_tag, TW)
+#define SK_LN_F32_OVER_W(tr_tag, TR) SK_TYPES_2(SK_LN_F32_OVER_Y, tr_tag, TR)
+SK_LN_F32_OVER_W(bf16, sk::bf16)
+SK_LN_F32_OVER_W(f16, sk::f16)
 
 #define SK_LN_PARAM_GRAD(tw_tag, TW, ...)                                                              \
   extern "C" __global__ void layernorm_param_grad_##tw_tag(const float* partials, int blocks, int width, \
@@ -201,7 +212,8 @@ inline int backward_warps(int64_t width, const at::Device& device) {
   return static_cast<int>(std::min<int64_t>(kBackwardWarps, max_dynamic_shared_memory(device) / per_warp));
 }
 
-// x, residual: [rows, width] contiguous, same type; weight, bias: [width] contiguous or undefined.
+// x, residual: [rows, width] contiguous, the same type or x fp32 and residual bf16/fp16 (the sum is
+// x's type); weight, bias: [width] contiguous or undefined.
 inline Forward forward(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
                        const at::Tensor& bias, double eps, at::ScalarType out_type) {
   const int64_t rows = x.size(0), width = x.size(1);
@@ -213,6 +225,7 @@ inline Forward forward(const at::Tensor& x, const at::Tensor& residual, const at
   const auto weight_type = weight.defined() ? weight.scalar_type() : at::kFloat;
   Kernel kernel = get("layernorm.cuh",
                       std::string("layernorm_forward_") + type_tag(x.scalar_type()) + "_" +
+                          type_tag(residual.defined() ? residual.scalar_type() : x.scalar_type()) + "_" +
                           type_tag(weight_type) + "_" + type_tag(out_type),
                       x.device());
   const void* x_ptr = x.data_ptr();

@@ -12,6 +12,7 @@ use crate::error::{Result, SpeedkitError};
 use crate::ffi;
 use crate::flags::{FlagGuard, FlagState};
 use crate::hardware::Hardware;
+use crate::kernels;
 use crate::nn::Fp8Scope;
 use crate::nvtx::NvtxRange;
 use crate::optim::{AdamW, AdamWOptimizer};
@@ -54,6 +55,7 @@ pub struct SpeedContext {
     // Dropped before the group it reduces over.
     data_parallel: RefCell<Option<DataParallel>>,
     group: Option<Rc<ProcessGroup>>,
+    _kernels: kernels::EnabledGuard,
     // Declared last so it drops last: everything above may still use the flags while dropping.
     guard: FlagGuard,
 }
@@ -82,6 +84,7 @@ impl SpeedContext {
             }
         };
         let guard = FlagGuard::apply(&plan.flag_settings())?;
+        let kernels = kernels::EnabledGuard::set(plan.kernels);
         let mut scaler = GradScaler::new(plan.grad_scaler.clone(), plan.device)?;
         if let Some(group) = &group {
             scaler.agree_across(Rc::clone(group));
@@ -94,6 +97,7 @@ impl SpeedContext {
             notes: RefCell::default(),
             data_parallel: RefCell::default(),
             group,
+            _kernels: kernels,
             guard,
         })
     }
@@ -317,7 +321,19 @@ impl SpeedContext {
             hardware: self.hardware.clone(),
             decisions: self.plan.decisions.clone(),
             flag_changes: self.guard.changes().to_vec(),
-            notes: self.notes.borrow().clone(),
+            notes: self
+                .notes
+                .borrow()
+                .iter()
+                .cloned()
+                // With the kernels off by the plan, every op's fallback says only that.
+                .chain(
+                    kernels::fallbacks()
+                        .into_iter()
+                        .filter(|_| self.plan.kernels)
+                        .map(|f| format!("kernels: {f}: ran ATen's composite instead")),
+                )
+                .collect(),
         }
     }
 

@@ -120,6 +120,9 @@ pub struct Hardware {
     pub os: String,
     /// Logical CPUs available to this process.
     pub cpu_threads: usize,
+    /// Why speedkit's own kernels ([`crate::kernels`]) cannot run on the first GPU (no GPU, SM below
+    /// 8.0, NVRTC or the CUDA driver library not found), or `None` when they can.
+    pub kernels_unavailable: Option<String>,
     /// Whether the values were read from this machine (`false` for simulated snapshots).
     pub detected: bool,
 }
@@ -174,6 +177,10 @@ impl Hardware {
             driver: driver_version(),
             os: std::env::consts::OS.to_owned(),
             cpu_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            kernels_unavailable: match count {
+                0 => Some("no CUDA device".into()),
+                _ => crate::kernels::unavailable_reason(tch::Device::Cuda(0))?,
+            },
             detected: true,
         })
     }
@@ -189,6 +196,7 @@ impl Hardware {
             driver: None,
             os: "linux".into(),
             cpu_threads: 1,
+            kernels_unavailable: Some("no CUDA device".into()),
             detected: false,
         }
     }
@@ -206,6 +214,7 @@ impl Hardware {
             }],
             built_with_cuda: true,
             cuda_runtime: Some("13.0".into()),
+            kernels_unavailable: (major < 8).then(|| format!("the GPU is SM {major}.{minor}")),
             ..Self::cpu_only()
         }
     }

@@ -119,6 +119,9 @@ static AVAILABILITY: Mutex<BTreeMap<usize, Option<String>>> = Mutex::new(BTreeMa
 /// Each distinct "op: reason" an op took the ATen path for, in order of first occurrence.
 static FALLBACKS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
+/// The ops that ran on the kernels since the last [`take_ops_run`], in order of first run.
+static OPS_RUN: Mutex<Vec<&'static str>> = Mutex::new(Vec::new());
+
 /// Turns speedkit's kernels on or off for every [`crate::nn`] module in the process and returns the
 /// previous setting. [`crate::apply_speedups`] sets it from the config's `kernels` key and puts
 /// the previous value back when the context drops.
@@ -130,6 +133,27 @@ static FALLBACKS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 /// ```
 pub fn set_enabled(on: bool) -> bool {
     ENABLED.swap(on, Ordering::SeqCst)
+}
+
+/// A [`crate::SpeedContext`]'s `kernels` setting, in force until dropped, when the previous
+/// setting comes back (also during a panic).
+#[derive(Debug)]
+pub(crate) struct EnabledGuard {
+    previous: bool,
+}
+
+impl EnabledGuard {
+    pub(crate) fn set(on: bool) -> Self {
+        Self {
+            previous: set_enabled(on),
+        }
+    }
+}
+
+impl Drop for EnabledGuard {
+    fn drop(&mut self) {
+        set_enabled(self.previous);
+    }
 }
 
 /// Whether speedkit's kernels are switched on (see [`set_enabled`]).
@@ -151,6 +175,25 @@ pub fn enabled() -> bool {
 /// ```
 pub fn fallbacks() -> Vec<String> {
     lock(&FALLBACKS).clone()
+}
+
+/// The ops (`layer_norm`, `cross_entropy`, ...) that ran on speedkit's kernels since the previous
+/// call, each once, and starts counting afresh: the benchmark runner reports them per row.
+///
+/// ```
+/// let _ = speedkit::kernels::take_ops_run();
+/// assert!(speedkit::kernels::take_ops_run().is_empty());   // nothing ran in between
+/// ```
+pub fn take_ops_run() -> Vec<&'static str> {
+    std::mem::take(&mut *lock(&OPS_RUN))
+}
+
+/// Records that `op` ran on the kernels.
+pub(crate) fn note_run(op: &'static str) {
+    let mut ops = lock(&OPS_RUN);
+    if !ops.contains(&op) {
+        ops.push(op);
+    }
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -168,6 +168,8 @@ pub struct Plan {
     pub channels_last: bool,
     /// FP8 GEMMs for `speedkit::nn::Linear`, if the plan uses them.
     pub fp8: Option<Fp8Plan>,
+    /// speedkit's own fused kernels for [`crate::nn`]'s modules ([`crate::kernels`]).
+    pub kernels: bool,
     /// Data-parallel training over several processes, when on.
     pub distributed: Option<DistributedSettings>,
     /// Every decision with its reason, in config-key order.
@@ -438,6 +440,7 @@ impl Plan {
         };
 
         let fp8 = resolve_fp8(&config.fp8, gpu, precision, &mut d)?;
+        let kernels = resolve_kernels(config.kernels, gpu, hardware, &mut d)?;
 
         let channels_last = match (config.channels_last, gpu) {
             (AutoBool::Auto, Some(g)) if g.has_tensor_cores() => {
@@ -499,6 +502,7 @@ impl Plan {
             graph_warmup_steps: config.compile.warmup_steps as usize,
             channels_last,
             fp8,
+            kernels,
             distributed,
             decisions: d.0,
         })
@@ -826,6 +830,49 @@ fn resolve_fp8(
     let shown = value.map_or("off".to_owned(), |p: Fp8Plan| p.recipe.as_str().to_owned());
     d.push("fp8", shown, reason);
     Ok(value)
+}
+
+/// Whether [`crate::nn`]'s modules run speedkit's kernels: on a GPU of SM ≥ 8.0 whose toolchain
+/// (NVRTC, the CUDA headers, the driver library) was found.
+fn resolve_kernels(
+    setting: AutoBool,
+    gpu: Option<&GpuInfo>,
+    hardware: &Hardware,
+    d: &mut Decisions,
+) -> Result<bool> {
+    let missing = match gpu {
+        None => Some("this run is on the CPU".to_owned()),
+        Some(g) if g.compute_capability.major < 8 => Some(format!(
+            "{} is SM {} and the kernels need SM 8.0 or newer",
+            g.name, g.compute_capability
+        )),
+        Some(_) => hardware.kernels_unavailable.clone(),
+    };
+    let (on, reason) = match (setting, missing) {
+        (AutoBool::Off, _) => (
+            false,
+            "set in the config: speedkit::nn modules run ATen's composite ops".to_owned(),
+        ),
+        (AutoBool::On, Some(why)) => {
+            return Err(SpeedkitError::Unsupported(format!(
+                "kernels: true needs a CUDA GPU of SM 8.0 or newer with NVRTC and the CUDA driver                  library, and {why}; set kernels to auto or false"
+            )))
+        }
+        (AutoBool::Auto, Some(why)) => (
+            false,
+            format!("{why}: speedkit::nn modules run ATen's composite ops"),
+        ),
+        (setting, None) => (
+            true,
+            format!(
+                "{}speedkit::nn's LayerNorm (with the residual add) and cross-entropy run \
+                 speedkit's fused kernels, compiled by NVRTC for this GPU",
+                if setting == AutoBool::On { "set in the config: " } else { "" }
+            ),
+        ),
+    };
+    d.push("kernels", if on { "on" } else { "off" }, reason);
+    Ok(on)
 }
 
 fn explicit_only(

@@ -1,9 +1,9 @@
 //! `Transformer`: a GPT-style pre-LayerNorm decoder trained on next-token cross-entropy.
 
+use speedkit::nn::{cross_entropy, layer_norm, LayerNorm, Linear};
 use speedkit::{Result, SpeedkitError};
+use tch::nn::Module;
 use tch::{nn, Tensor};
-
-use super::{cross_entropy, layer_norm, linear};
 
 /// Dimensions of [`Transformer`] and of its batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,20 +108,24 @@ impl TransformerConfig {
 }
 
 /// One pre-LN decoder block: `x + proj(attn(LN(x)))`, then `x + fc2(gelu(fc1(LN(x))))`.
+///
+/// Each residual add is fused into the LayerNorm that follows it ([`LayerNorm::forward_residual`]):
+/// a block takes the residual stream and the previous block's MLP output still to be added, and
+/// returns the same pair for the next one.
 #[derive(Debug)]
 struct Block {
-    ln1: nn::LayerNorm,
-    qkv: nn::Linear,
-    proj: nn::Linear,
-    ln2: nn::LayerNorm,
-    fc1: nn::Linear,
-    fc2: nn::Linear,
+    ln1: LayerNorm,
+    qkv: Linear,
+    proj: Linear,
+    ln2: LayerNorm,
+    fc1: Linear,
+    fc2: Linear,
 }
 
 impl Block {
     fn new(p: &nn::Path, d: i64) -> Self {
-        let ln = |name: &str| nn::layer_norm(p / name, vec![d], Default::default());
-        let lin = |name: &str, i: i64, o: i64| nn::linear(p / name, i, o, Default::default());
+        let ln = |name: &str| layer_norm(p / name, d, Default::default());
+        let lin = |name: &str, i: i64, o: i64| Linear::new(&(p / name), i, o, true);
         Self {
             ln1: ln("ln1"),
             qkv: lin("qkv", d, 3 * d),
@@ -132,9 +136,20 @@ impl Block {
         }
     }
 
-    fn forward(&self, x: &Tensor, heads: i64) -> Result<Tensor> {
-        let (b, t, d) = x.size3()?;
-        let qkv = linear(&self.qkv, &layer_norm(&self.ln1, x)?)?;
+    /// `(stream, pending)` → the next block's `(stream, pending)`, where the block's input is
+    /// `stream + pending` (`pending` is `None` for the first block).
+    fn forward(
+        &self,
+        stream: &Tensor,
+        pending: Option<&Tensor>,
+        heads: i64,
+    ) -> Result<(Tensor, Tensor)> {
+        let (b, t, d) = stream.size3()?;
+        let (h, x) = match pending {
+            Some(delta) => self.ln1.forward_residual(stream, delta),
+            None => (self.ln1.forward(stream), stream.shallow_clone()),
+        };
+        let qkv = self.qkv.forward_t(&h)?;
         // [B, T, d] → [B, heads, T, head_dim], the layout SDPA takes.
         let split = |part: &Tensor| -> Result<Tensor> {
             Ok(part.f_view([b, t, heads, d / heads])?.f_transpose(1, 2)?)
@@ -143,23 +158,30 @@ impl Block {
         let [q, k, v] = [split(&parts[0])?, split(&parts[1])?, split(&parts[2])?];
         let y = speedkit::nn::attention(&q, &k, &v, true)?;
         let y = y.f_transpose(1, 2)?.f_reshape([b, t, d])?;
-        let x = x.f_add(&linear(&self.proj, &y)?)?;
-        let h = linear(&self.fc1, &layer_norm(&self.ln2, &x)?)?.f_gelu("tanh")?;
-        Ok(x.f_add(&linear(&self.fc2, &h)?)?)
+        let (h, x) = self.ln2.forward_residual(&x, &self.proj.forward_t(&y)?);
+        let m = self
+            .fc2
+            .forward_t(&self.fc1.forward_t(&h)?.f_gelu("tanh")?)?;
+        Ok((x, m))
     }
 }
 
 /// The GPT-style decoder of `docs/workloads.md`: token + learned position embeddings, pre-LN blocks
 /// with causal scaled-dot-product attention ([`speedkit::nn::attention`], so the `sdp_backend` flags
 /// pick the kernel), a final LayerNorm and an output head without bias.
+///
+/// Built on [`speedkit::nn`]'s modules, which run speedkit's fused kernels where the plan turns
+/// them on (`kernels`: LayerNorm fused with the residual add, the fused cross-entropy) and FP8
+/// GEMMs where it turns FP8 on, and ATen's composite ops anywhere else. The parameters keep tch's
+/// names (`block0.ln1.weight`, `head.weight`, ...).
 #[derive(Debug)]
 pub struct Transformer {
     config: TransformerConfig,
     tok: Tensor,
     pos: Tensor,
     blocks: Vec<Block>,
-    ln_f: nn::LayerNorm,
-    head: nn::Linear,
+    ln_f: LayerNorm,
+    head: Linear,
 }
 
 impl Transformer {
@@ -177,16 +199,8 @@ impl Transformer {
         let blocks = (0..config.layers)
             .map(|i| Block::new(&(p / format!("block{i}")), d))
             .collect();
-        let ln_f = nn::layer_norm(p / "ln_f", vec![d], Default::default());
-        let head = nn::linear(
-            p / "head",
-            d,
-            config.vocab,
-            nn::LinearConfig {
-                bias: false,
-                ..Default::default()
-            },
-        );
+        let ln_f = layer_norm(p / "ln_f", d, Default::default());
+        let head = Linear::new(&(p / "head"), d, config.vocab, false);
         Ok(Self {
             config: *config,
             tok,
@@ -214,18 +228,23 @@ impl Transformer {
         // The first T rows of the position table, broadcast over the batch: no index tensor, so
         // nothing is created on the host per step (graph capture friendly).
         let pos = self.pos.f_narrow(0, 0, t)?;
-        let mut x = Tensor::f_embedding(&self.tok, tokens, -1, false, false)?.f_add(&pos)?;
+        let mut stream = Tensor::f_embedding(&self.tok, tokens, -1, false, false)?.f_add(&pos)?;
+        let mut pending: Option<Tensor> = None;
         for block in &self.blocks {
-            x = block.forward(&x, self.config.heads)?;
+            let (next, delta) = block.forward(&stream, pending.as_ref(), self.config.heads)?;
+            (stream, pending) = (next, Some(delta));
         }
-        let x = layer_norm(&self.ln_f, &x)?;
-        linear(&self.head, &x)
+        let x = match &pending {
+            Some(delta) => self.ln_f.forward_residual(&stream, delta).0,
+            None => self.ln_f.forward(&stream),
+        };
+        self.head.forward_t(&x)
     }
 
     /// Mean cross-entropy over the vocabulary of every position against `targets` `[B, T]`.
     pub fn loss(&self, tokens: &Tensor, targets: &Tensor) -> Result<Tensor> {
         let logits = self.forward(tokens)?;
         let flat = logits.f_view([-1, self.config.vocab])?;
-        cross_entropy(&flat, &targets.f_reshape([-1])?)
+        Ok(cross_entropy(&flat, &targets.f_reshape([-1])?))
     }
 }

@@ -171,6 +171,8 @@ pub struct Row {
     pub flags: Vec<String>,
     /// Notes from the context (graph capture, fall-backs).
     pub notes: Vec<String>,
+    /// The ops that ran on speedkit's own kernels ([`crate::kernels`]); empty when none did.
+    pub kernels: Vec<String>,
     /// Error message if the run failed.
     pub error: Option<String>,
 }
@@ -539,6 +541,7 @@ fn run_one(
         precision: String::new(),
         flags: Vec::new(),
         notes: Vec::new(),
+        kernels: Vec::new(),
         error: None,
     };
     let ctx = match SpeedContext::new(&nc.config) {
@@ -560,7 +563,12 @@ fn run_one(
     let mut b = Bencher::new(size, &ctx, protocol.clone())
         .with_progress(&tick)
         .with_profile(profile);
+    let _ = crate::kernels::take_ops_run();
     let outcome = (w.run)(&mut b);
+    row.kernels = crate::kernels::take_ops_run()
+        .into_iter()
+        .map(String::from)
+        .collect();
     bar.finish_and_clear();
     let profile = b.take_profile();
     let measurement = b.take_measurement();
@@ -622,8 +630,9 @@ pub fn render_text(report: &RunReport) -> String {
     );
     out.push_str(&time_table(report));
     out.push_str(
-        "\ndevice memory in GiB, and output. peak: allocated over the whole run (warm-up and graph\n\
-         capture included); resv: reserved over the whole run; steady: allocated in timed steps\n",
+        "\ndevice memory in GiB, and output. kernels: speedkit's own kernels ran. peak: allocated over the\n\
+         whole run (warm-up and graph capture included); resv: reserved over the whole run; steady:\n\
+         allocated in timed steps\n",
     );
     out.push_str(&memory_table(report));
     if let Some(c) = &report.baseline {
@@ -684,6 +693,7 @@ fn memory_table(report: &RunReport) -> String {
                     r.workload.clone(),
                     r.config.clone(),
                     if m.graphed { "yes" } else { "no" }.to_string(),
+                    if r.kernels.is_empty() { "no" } else { "yes" }.to_string(),
                     gib(|mem| mem.peak_allocated_bytes),
                     gib(|mem| mem.peak_reserved_bytes),
                     gib(|mem| mem.steady_peak_allocated_bytes),
@@ -701,6 +711,7 @@ fn memory_table(report: &RunReport) -> String {
             "workload",
             "config",
             "graph",
+            "kernels",
             "peak",
             "resv",
             "steady",

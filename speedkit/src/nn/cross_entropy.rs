@@ -30,7 +30,10 @@ pub const IGNORE_INDEX: i64 = -100;
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Tensor {
     match unsupported(logits, targets) {
         None => match ffi::cross_entropy(logits, targets, IGNORE_INDEX) {
-            Ok(loss) => return loss,
+            Ok(loss) => {
+                kernels::note_run(OP);
+                return loss;
+            }
             Err(e) => kernels::note_fallback(OP, &format!("the kernel failed ({e})")),
         },
         Some(reason) => kernels::note_fallback(OP, &reason),

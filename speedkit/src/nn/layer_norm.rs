@@ -146,7 +146,10 @@ impl LayerNorm {
             self.eps,
             out_kind,
         ) {
-            Ok(result) => Some(result),
+            Ok(result) => {
+                kernels::note_run(OP);
+                Some(result)
+            }
             Err(e) => {
                 kernels::note_fallback(OP, &format!("the kernel failed ({e})"));
                 None
@@ -173,7 +176,10 @@ impl LayerNorm {
             ));
         }
         if let Some(r) = residual {
-            if r.kind() != x.kind() || r.size() != size || r.device() != x.device() {
+            // An fp32 residual stream may take a bf16/fp16 branch output (autocast's mix).
+            let kinds_fit = r.kind() == x.kind()
+                || (x.kind() == Kind::Float && matches!(r.kind(), Kind::BFloat16 | Kind::Half));
+            if !kinds_fit || r.size() != size || r.device() != x.device() {
                 return Some(format!(
                     "residual {:?} {:?} differs from the input {:?} {size:?}",
                     r.kind(),
