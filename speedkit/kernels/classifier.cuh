@@ -42,6 +42,16 @@ __device__ void block_softmax_stats(float& max, float& sum) {
   for (int w = 0; w < warps; ++w) softmax_merge(max, sum, maxes[w], sums[w]);
 }
 
+// 16-byte loads and stores: N elements of TL at a time, where the row allows (vocab a multiple of N,
+// the logits 16-byte aligned); one max and one rescale per N elements instead of per element.
+template <typename TL>
+struct Vec16 {
+  static constexpr int N = 16 / sizeof(TL);
+  static __device__ __forceinline__ bool fits(const void* base, int vocab) {
+    return vocab % N == 0 && reinterpret_cast<unsigned long long>(base) % 16 == 0;
+  }
+};
+
 template <typename TL>
 __device__ void cross_entropy_forward(const TL* __restrict__ logits, const long long* __restrict__ targets,
                                       float* __restrict__ row_loss, float* __restrict__ row_lse, int vocab,
@@ -49,7 +59,23 @@ __device__ void cross_entropy_forward(const TL* __restrict__ logits, const long 
   const int row = blockIdx.x;
   const TL* l = logits + static_cast<size_t>(row) * vocab;
   float max = -infinity(), sum = 0.f;
-  for (int c = threadIdx.x; c < vocab; c += blockDim.x) {
+  constexpr int N = Vec16<TL>::N;
+  const bool vectorised = Vec16<TL>::fits(logits, vocab);
+  for (int i = threadIdx.x; vectorised && i < vocab / N; i += blockDim.x) {
+    const uint4 raw = reinterpret_cast<const uint4*>(l)[i];
+    const TL* e = reinterpret_cast<const TL*>(&raw);
+    float v[N], chunk_max = -infinity(), chunk_sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      v[k] = to_float(e[k]);
+      chunk_max = fmaxf(chunk_max, v[k]);
+    }
+    if (chunk_max == -infinity()) continue;  // every class masked
+#pragma unroll
+    for (int k = 0; k < N; ++k) chunk_sum += __expf(v[k] - chunk_max);
+    softmax_merge(max, sum, chunk_max, chunk_sum);
+  }
+  for (int c = threadIdx.x; !vectorised && c < vocab; c += blockDim.x) {
     const float v = to_float(l[c]);
     if (v == -infinity()) continue;  // a masked class: exp gives 0, and -inf - -inf would be NaN
     if (v > max) {
@@ -91,7 +117,22 @@ __device__ void cross_entropy_backward(const TL* __restrict__ logits, const long
   const TL* l = logits + offset;
   const float lse = row_lse[row];
   const float scale = *dloss / *count;
-  for (int c = threadIdx.x; c < vocab; c += blockDim.x) {
+  constexpr int N = Vec16<TL>::N;
+  const bool vectorised = Vec16<TL>::fits(logits, vocab) && Vec16<TL>::fits(dlogits, vocab);
+  for (int i = threadIdx.x; vectorised && i < vocab / N; i += blockDim.x) {
+    const uint4 raw = reinterpret_cast<const uint4*>(l)[i];
+    const TL* e = reinterpret_cast<const TL*>(&raw);
+    uint4 packed;
+    TL* o = reinterpret_cast<TL*>(&packed);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const int c = i * N + k;
+      const float p = __expf(to_float(e[k]) - lse);
+      o[k] = from_float<TL>((p - (c == target ? 1.f : 0.f)) * scale);
+    }
+    reinterpret_cast<uint4*>(out)[i] = packed;
+  }
+  for (int c = threadIdx.x; !vectorised && c < vocab; c += blockDim.x) {
     const float p = __expf(to_float(l[c]) - lse);
     out[c] = from_float<TL>((p - (c == target ? 1.f : 0.f)) * scale);
   }

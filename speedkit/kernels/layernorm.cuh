@@ -87,7 +87,9 @@ __device__ void layernorm_backward(const TY* __restrict__ dy, const TX* __restri
     for (int c = lane; c < width; c += 32) {
       const float d = to_float(g[c]);
       const float xhat = (to_float(in[c]) - mu) * rs;
-      const float gw = weight != nullptr ? d * to_float(weight[c]) : d;
+      // Rounded once (no FMA contraction), the same as in the second loop: for width 1,
+      // gw − mean_g must be exactly 0.
+      const float gw = weight != nullptr ? __fmul_rn(d, to_float(weight[c])) : d;
       sum_g += gw;
       sum_gx += gw * xhat;
       dweight_acc[c] += d * xhat;
@@ -99,7 +101,7 @@ __device__ void layernorm_backward(const TY* __restrict__ dy, const TX* __restri
     for (int c = lane; c < width; c += 32) {
       const float d = to_float(g[c]);
       const float xhat = (to_float(in[c]) - mu) * rs;
-      const float gw = weight != nullptr ? d * to_float(weight[c]) : d;
+      const float gw = weight != nullptr ? __fmul_rn(d, to_float(weight[c])) : d;
       float v = rs * (gw - mean_g - xhat * mean_gx);
       if (dsum != nullptr) v += to_float(dsum[offset + c]);
       out[c] = from_float<TX>(v);
@@ -114,16 +116,16 @@ __device__ void layernorm_backward(const TY* __restrict__ dy, const TX* __restri
   }
 }
 
-// Block (32, 8): threadIdx.x picks the column, threadIdx.y strides over the partials; shared memory
-// adds the 8 strands in a fixed order. Either output may be null (no weight or no bias).
+// Block (32, 32): threadIdx.x picks the column, threadIdx.y strides over the partials; shared memory
+// adds the 32 strands in a fixed order. Either output may be null (no weight or no bias).
 template <typename TW>
 __device__ void layernorm_param_grad(const float* __restrict__ partials, int blocks, int width,
                                      TW* __restrict__ dweight, TW* __restrict__ dbias) {
-  __shared__ float strands[2][8][33];
+  __shared__ float strands[2][32][33];
   const int column = blockIdx.x * 32 + threadIdx.x;
   float dw = 0.f, db = 0.f;
   if (column < width) {
-    for (int b = threadIdx.y; b < blocks; b += 8) {
+    for (int b = threadIdx.y; b < blocks; b += 32) {
       dw += partials[static_cast<size_t>(b) * 2 * width + column];
       db += partials[static_cast<size_t>(b) * 2 * width + width + column];
     }
@@ -134,7 +136,7 @@ __device__ void layernorm_param_grad(const float* __restrict__ partials, int blo
   if (threadIdx.y == 0 && column < width) {
     dw = 0.f;
     db = 0.f;
-    for (int s = 0; s < 8; ++s) {
+    for (int s = 0; s < 32; ++s) {
       dw += strands[0][s][threadIdx.x];
       db += strands[1][s][threadIdx.x];
     }
@@ -258,8 +260,12 @@ inline Backward backward(const at::Tensor& dy, const at::Tensor& x, const at::Te
   if (!out.dweight.defined() && !out.dbias.defined() && rows == 0) return out;
   const int warps = backward_warps(width, x.device());
   const int64_t row_blocks = (rows + warps - 1) / warps;
+  // As many blocks as fit on an SM at once (up to 8): the row loop is bound by memory latency, and
+  // a block's accumulators are its only cost, one fp32 partial per block and column later.
+  const int64_t shared_bytes = static_cast<int64_t>(warps) * 2 * width * static_cast<int64_t>(sizeof(float));
+  const int64_t per_sm = std::max<int64_t>(1, std::min<int64_t>(8, max_dynamic_shared_memory(x.device()) / shared_bytes));
   const int blocks = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>(row_blocks, 2 * static_cast<int64_t>(multiprocessors(x.device())))));
+      1, std::min<int64_t>(row_blocks, per_sm * static_cast<int64_t>(multiprocessors(x.device())))));
   at::Tensor partials = at::empty({blocks, 2, width}, x.options().dtype(at::kFloat));
   int rows_arg = static_cast<int>(rows), width_arg = static_cast<int>(width), blocks_arg = blocks;
   {
@@ -289,7 +295,7 @@ inline Backward backward(const at::Tensor& dy, const at::Tensor& x, const at::Te
     void* dweight_ptr = pointer_or_null(out.dweight);
     void* dbias_ptr = pointer_or_null(out.dbias);
     void* args[] = {&partials_ptr, &blocks_arg, &width_arg, &dweight_ptr, &dbias_ptr};
-    launch(kernel, {static_cast<unsigned>((width + 31) / 32), 1, 1}, {32, 8, 1}, 0, args);
+    launch(kernel, {static_cast<unsigned>((width + 31) / 32), 1, 1}, {32, 32, 1}, 0, args);
   }
   return out;
 }
