@@ -90,8 +90,8 @@ fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
     if scenario == "accelerate" {
         return train_accelerated_rank(rank, out);
     }
-    if scenario == "bench_runner" {
-        return run_bench_rank(out);
+    if scenario == "bench_runner" || scenario == "bench_runner_peer" {
+        return run_bench_rank(out, scenario == "bench_runner_peer");
     }
     if let Some(graphs) = scenario.strip_prefix("nccl_graphs_") {
         return train_nccl_rank(rank, out, graphs == "auto");
@@ -223,32 +223,42 @@ fn write_bench_configs(out: &Path) -> [PathBuf; 2] {
 }
 
 /// One rank of the benchmark runner: `transformer` and `linear3` at the tiny size under both
-/// configs of [`write_bench_configs`]; rank 0 writes `report.json`.
-fn run_bench_rank(out: &Path) -> Result<(), SpeedkitError> {
+/// configs of [`write_bench_configs`]; rank 0 writes `report.json`. With `peer`, also
+/// `--peer pytorch` (which a data-parallel run refuses).
+fn run_bench_rank(out: &Path, peer: bool) -> Result<(), SpeedkitError> {
     use clap::Parser;
     use speedkit::bench::runner::{main_with, Args};
     use speedkit::bench::Workload;
     let [cpu, bf16] = [out.join("cpu.yaml"), out.join("cpu_bf16.yaml")];
     let json = out.join("report.json");
-    let args = Args::try_parse_from([
-        "bench",
-        "--filter",
-        "transformer",
-        "--filter",
-        "linear3",
-        "--size",
-        "tiny",
-        "--warmup",
-        "1",
-        "--steps",
-        "3",
-        "--config",
-        cpu.to_str().unwrap(),
-        "--config",
-        bf16.to_str().unwrap(),
-        "--json",
-        json.to_str().unwrap(),
-    ])
+    let peer_args = if peer {
+        &["--peer", "pytorch"][..]
+    } else {
+        &[]
+    };
+    let args = Args::try_parse_from(
+        [
+            "bench",
+            "--filter",
+            "transformer",
+            "--filter",
+            "linear3",
+            "--size",
+            "tiny",
+            "--warmup",
+            "1",
+            "--steps",
+            "3",
+            "--config",
+            cpu.to_str().unwrap(),
+            "--config",
+            bf16.to_str().unwrap(),
+            "--json",
+            json.to_str().unwrap(),
+        ]
+        .iter()
+        .chain(peer_args),
+    )
     .map_err(|e| SpeedkitError::Misuse(e.to_string()))?;
     match main_with(&args, &Workload::all()) {
         0 => Ok(()),
@@ -767,5 +777,23 @@ fn toy_transformer_under_the_launcher_reports_tokens_per_gpu_and_in_total() {
     assert!(
         total > 0.0 && (per_gpu - total / 2.0).abs() <= 1.0,
         "{summary}"
+    );
+}
+
+#[test]
+fn the_single_process_pytorch_peer_is_refused_under_the_launcher_with_its_replacement() {
+    let out = scratch("runner-peer");
+    write_bench_configs(&out);
+    let output = run_launcher("bench_runner_peer", &out);
+    let log = text(&output);
+    assert_eq!(output.status.code(), Some(1), "{log}");
+    assert!(
+        log.contains("--peer pytorch times single-process PyTorch, not a data-parallel run"),
+        "{log}"
+    );
+    assert!(log.contains("pytorch_reference.py --ddp"), "{log}");
+    assert!(
+        !out.join("report.json").exists(),
+        "nothing is measured or written"
     );
 }
