@@ -25,11 +25,16 @@
 //! Both run the same step — forward + loss under autocast, then `ctx.backward_step` (zero_grad,
 //! loss scaling when the plan uses fp16, backward, AdamW step) — through `ctx.graphed`, which
 //! replays it as one CUDA graph when the plan enables graphs and simply calls it otherwise.
+//!
+//! Under `speedkit launch --nproc-per-node N -- <this example>` every rank trains a replica on its
+//! own device, data-parallel (the same fixed batch on each; gradients averaged across ranks), rank
+//! 0 alone prints, and the summary gives tokens/s per GPU and in total.
 
 use anyhow::Context as _;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use speedkit::bench::Size;
+use speedkit::dist::Throughput;
 use speedkit::profile::DEFAULT_OUTPUT_DIR;
 use speedkit::{SpeedConfig, SpeedContext};
 use speedkit_suite::data;
@@ -68,7 +73,9 @@ fn main() -> anyhow::Result<()> {
         None => train(&args)?,
         Some(path) => train_with_config(&args, path)?,
     };
-    println!("{summary}");
+    if speedkit::dist::is_main_process() {
+        println!("{summary}");
+    }
     Ok(())
 }
 
@@ -103,8 +110,8 @@ fn train(args: &Args) -> anyhow::Result<Summary> {
         );
     }
     drop(step);
-    let summary = log.finish();
-    println!("{}", ctx.audit());
+    let summary = log.finish().gather(&ctx)?;
+    ctx.print_main(ctx.audit());
     Ok(summary)
 }
 
@@ -143,8 +150,8 @@ fn train_with_config(args: &Args, path: &Path) -> anyhow::Result<Summary> {
         );
     }
     drop(step);
-    let summary = log.finish();
-    println!("{}", ctx.audit());
+    let summary = log.finish().gather(&ctx)?;
+    ctx.print_main(ctx.audit());
     Ok(summary)
 }
 
@@ -174,6 +181,8 @@ impl Run {
         data::seed();
         let vs = VarStore::new(device);
         let model = Transformer::new(&vs.root(), &config)?;
+        // Under a launcher: rank 0's weights everywhere, gradients averaged in every backward.
+        ctx.data_parallel(&vs)?;
         let (tokens, targets) = data::tokens(config.batch, config.seq_len, config.vocab, device)?;
         let steps = args.steps.unwrap_or(size.pick(30, 200));
         let log_every = args.log_every.unwrap_or(steps / 10).max(1);
@@ -194,6 +203,8 @@ impl Run {
 /// happens only on log steps; the time of a log window therefore covers finished device work.
 struct Log {
     bar: ProgressBar,
+    /// Rank 0 (or the only process): the one that prints.
+    main: bool,
     tokens_per_step: f64,
     log_every: usize,
     steps: usize,
@@ -209,7 +220,9 @@ struct Log {
 impl Log {
     fn new(run: &Run, config_name: &str) -> Self {
         let c = &run.config;
-        println!(
+        // Under a launcher, rank 0 alone prints; the others measure the same way, silently.
+        let main = speedkit::dist::is_main_process();
+        let header = format!(
             "toy transformer ({} size): {} layers, d {}, {} heads, vocab {}, batch {}×{} tokens, {} parameters; config {config_name}",
             run.size,
             c.layers,
@@ -220,7 +233,12 @@ impl Log {
             c.seq_len,
             count(run.vs.trainable_variables().iter().map(|t| t.numel()).sum::<usize>()),
         );
-        let bar = ProgressBar::new(run.steps as u64);
+        let bar = if main {
+            println!("{header}");
+            ProgressBar::new(run.steps as u64)
+        } else {
+            ProgressBar::hidden()
+        };
         bar.set_style(
             ProgressStyle::with_template("{bar:40} {pos}/{len} steps {elapsed_precise} {msg}")
                 .unwrap_or_else(|_| ProgressStyle::default_bar())
@@ -228,6 +246,7 @@ impl Log {
         );
         Self {
             bar,
+            main,
             tokens_per_step: c.tokens_per_step() as f64,
             log_every: run.log_every,
             steps: run.steps,
@@ -260,6 +279,9 @@ impl Log {
         self.last_loss = loss;
         let tokens_per_s = self.tokens_per_step / (ms * 1e-3);
         self.bar.set_message(format!("loss {loss:.4}"));
+        if !self.main {
+            return Ok(());
+        }
         self.bar.suspend(|| {
             println!(
                 "step {done:>5}  loss {loss:.4}  {ms:>9.2} ms/step  {tokens_per_s:>12.0} tokens/s"
@@ -279,6 +301,7 @@ impl Log {
             last_loss: self.last_loss,
             median_ms,
             tokens_per_step: self.tokens_per_step,
+            throughput: None,
         }
     }
 }
@@ -300,6 +323,22 @@ struct Summary {
     /// Median ms/step over the log windows after the first, if there were any.
     median_ms: Option<f64>,
     tokens_per_step: f64,
+    /// Every rank's steady-state tokens/s, when several ranks trained together.
+    throughput: Option<Throughput>,
+}
+
+impl Summary {
+    /// Gathers every rank's steady-state rate (a collective: every rank calls it; NaN where too
+    /// few log windows gave none); kept for the display under a launcher.
+    fn gather(mut self, ctx: &SpeedContext) -> anyhow::Result<Self> {
+        if let Some(group) = ctx.process_group() {
+            let mine = self
+                .median_ms
+                .map_or(f64::NAN, |ms| self.tokens_per_step / (ms * 1e-3));
+            self.throughput = Some(Throughput::gather(Some(group), mine, "tokens")?);
+        }
+        Ok(self)
+    }
 }
 
 impl std::fmt::Display for Summary {
@@ -319,6 +358,10 @@ impl std::fmt::Display for Summary {
                 f,
                 "; too few log windows for a steady-state rate (raise --steps)"
             ),
+        }?;
+        match &self.throughput {
+            Some(t) => write!(f, "\ndata parallel: {t}"),
+            None => Ok(()),
         }
     }
 }

@@ -1,11 +1,15 @@
 //! Data parallelism on the CPU over Gloo: two processes started by the launcher train a tiny model;
 //! their parameters end equal to each other and to one process trained on the concatenated batches.
 //! Faults end every rank with a clear error: a killed rank, different configs, a bad environment.
+//! The benchmark runner (over this repository's workloads) and the `toy_transformer` example run
+//! under the launcher and report every rank's figures and the total throughput.
 //!
 //! The ranks are this test executable itself, re-run with `--ignored --exact dist_worker` (and the
 //! launcher with `--exact dist_launcher`); `SK_TEST_*` variables tell them what to do.
 
 mod common;
+#[path = "../workloads/mod.rs"]
+mod workloads;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -85,6 +89,9 @@ fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
     }
     if scenario == "accelerate" {
         return train_accelerated_rank(rank, out);
+    }
+    if scenario == "bench_runner" || scenario == "bench_runner_peer" {
+        return run_bench_rank(out, scenario == "bench_runner_peer");
     }
     if let Some(graphs) = scenario.strip_prefix("nccl_graphs_") {
         return train_nccl_rank(rank, out, graphs == "auto");
@@ -205,15 +212,76 @@ fn train_accelerated_rank(rank: usize, out: &Path) -> Result<(), SpeedkitError> 
         .map_err(|e| SpeedkitError::Torch(e.to_string()))
 }
 
-/// The launcher, in its own process (it installs signal handlers and spawns the ranks).
+/// Two configs on the CPU over Gloo (each a process group of its own, one after the other).
+fn write_bench_configs(out: &Path) -> [PathBuf; 2] {
+    let gloo = "distributed: {backend: gloo, timeout_s: 60}\n";
+    let cpu = out.join("cpu.yaml");
+    let bf16 = out.join("cpu_bf16.yaml");
+    std::fs::write(&cpu, format!("device: cpu\n{gloo}")).unwrap();
+    std::fs::write(&bf16, format!("device: cpu\nprecision: bf16\n{gloo}")).unwrap();
+    [cpu, bf16]
+}
+
+/// One rank of the benchmark runner: `transformer` and `linear3` at the tiny size under both
+/// configs of [`write_bench_configs`]; rank 0 writes `report.json`. With `peer`, also
+/// `--peer pytorch` (which a data-parallel run refuses).
+fn run_bench_rank(out: &Path, peer: bool) -> Result<(), SpeedkitError> {
+    use clap::Parser;
+    use speedkit::bench::runner::{main_with, Args};
+    use speedkit::bench::Workload;
+    let [cpu, bf16] = [out.join("cpu.yaml"), out.join("cpu_bf16.yaml")];
+    let json = out.join("report.json");
+    let peer_args = if peer {
+        &["--peer", "pytorch"][..]
+    } else {
+        &[]
+    };
+    let args = Args::try_parse_from(
+        [
+            "bench",
+            "--filter",
+            "transformer",
+            "--filter",
+            "linear3",
+            "--size",
+            "tiny",
+            "--warmup",
+            "1",
+            "--steps",
+            "3",
+            "--config",
+            cpu.to_str().unwrap(),
+            "--config",
+            bf16.to_str().unwrap(),
+            "--json",
+            json.to_str().unwrap(),
+        ]
+        .iter()
+        .chain(peer_args),
+    )
+    .map_err(|e| SpeedkitError::Misuse(e.to_string()))?;
+    match main_with(&args, &Workload::all()) {
+        0 => Ok(()),
+        status => Err(SpeedkitError::Misuse(format!(
+            "the runner exited with status {status}"
+        ))),
+    }
+}
+
+/// The launcher, in its own process (it installs signal handlers and spawns the ranks): of this
+/// executable's `dist_worker`, or of the command in `SK_TEST_COMMAND` (arguments separated by
+/// newlines).
 #[test]
 #[ignore = "the launcher of the distributed tests, started by them"]
 fn dist_launcher() {
     let exe = std::env::current_exe().unwrap().display().to_string();
-    let command = worker_args().into_iter().fold(vec![exe], |mut v, a| {
-        v.push(a.to_string());
-        v
-    });
+    let command = match std::env::var("SK_TEST_COMMAND") {
+        Ok(c) => c.lines().map(str::to_string).collect(),
+        Err(_) => worker_args().into_iter().fold(vec![exe], |mut v, a| {
+            v.push(a.to_string());
+            v
+        }),
+    };
     let options = speedkit::launch::LaunchOptions::new(2, command);
     let status = speedkit::launch::launch(&options).unwrap();
     std::process::exit(status);
@@ -238,8 +306,17 @@ fn scratch(name: &str) -> PathBuf {
 
 /// Runs the launcher for `scenario`; fails the test instead of hanging if it never ends.
 fn run_launcher(scenario: &str, out: &Path) -> Output {
+    run_launcher_of(scenario, out, None)
+}
+
+/// [`run_launcher`], of `command` instead of this executable's `dist_worker` when given.
+fn run_launcher_of(scenario: &str, out: &Path, command: Option<&[String]>) -> Output {
     let exe = std::env::current_exe().unwrap();
-    let child = Command::new(exe)
+    let mut launcher = Command::new(exe);
+    if let Some(command) = command {
+        launcher.env("SK_TEST_COMMAND", command.join("\n"));
+    }
+    let child = launcher
         .args([
             "--exact",
             "dist_launcher",
@@ -562,4 +639,161 @@ fn non_numeric_rank_is_a_clear_error() {
 #[test]
 fn no_launch_environment_means_a_single_process() {
     assert_eq!(LaunchEnv::from_lookup(|_| None).unwrap(), None);
+}
+
+#[test]
+fn benchmark_runner_under_the_launcher_reports_every_rank_and_the_total() {
+    let out = scratch("runner");
+    write_bench_configs(&out);
+    let output = run_launcher("bench_runner", &out);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{}", text(&output));
+    // One table, from rank 0; the data-parallel table names the world size.
+    assert_eq!(
+        stdout.matches("speedkit benchmarks — size tiny").count(),
+        1,
+        "{stdout}"
+    );
+    assert!(!stdout
+        .lines()
+        .any(|l| l.starts_with("[rank 1] speedkit benchmarks")));
+    assert!(
+        stdout.contains("[rank 0] data parallel over 2 ranks (gloo)"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("ranks       2 processes"), "{stdout}");
+
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["world_size"], 2);
+    let rows = report["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 4, "transformer and linear3 under two configs");
+    for row in rows {
+        let name = format!("{} / {}", row["workload"], row["config"]);
+        assert!(row["error"].is_null(), "{name}: {}", row["error"]);
+        let dp = &row["data_parallel"];
+        assert_eq!(dp["world_size"], 2, "{name}");
+        let medians: Vec<f64> = serde_json::from_value(dp["median_ms_per_rank"].clone()).unwrap();
+        assert_eq!(medians.len(), 2, "{name}");
+        assert!(
+            medians.iter().all(|ms| ms.is_finite() && *ms > 0.0),
+            "{name}"
+        );
+        assert_eq!(
+            medians[0],
+            row["measurement"]["median_ms"].as_f64().unwrap()
+        );
+        let items = row["measurement"]["items_per_step"][0].as_f64().unwrap();
+        let t = &dp["throughput"];
+        let per_rank: Vec<f64> = serde_json::from_value(t["per_rank"].clone()).unwrap();
+        for (rate, ms) in per_rank.iter().zip(&medians) {
+            assert!((rate - items / (ms * 1e-3)).abs() <= 1e-9 * rate, "{name}");
+        }
+        let total = t["total"].as_f64().unwrap();
+        assert!(
+            (total - per_rank.iter().sum::<f64>()).abs() <= 1e-9 * total,
+            "{name}"
+        );
+        assert!((t["per_gpu"].as_f64().unwrap() - total / 2.0).abs() <= 1e-9 * total);
+        let unit = if row["workload"] == "transformer" {
+            "tokens"
+        } else {
+            "samples"
+        };
+        assert_eq!(t["unit"], unit, "{name}");
+        // The text's data-parallel table gives the same total.
+        let line = stdout
+            .lines()
+            .find(|l| {
+                l.contains(&format!("{total:.0} {unit}/s"))
+                    && l.split_whitespace().any(|c| row["workload"] == c)
+            })
+            .unwrap_or_else(|| panic!("{name}: no line with the total {total:.0}\n{stdout}"));
+        assert!(line.starts_with("[rank 0]"), "{line}");
+    }
+}
+
+/// The example binary `name`, built next to this test executable's directory by `cargo test`
+/// (which builds every example); `None` when only this test target was built.
+fn example_binary(name: &str) -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let path = exe.parent()?.parent()?.join("examples").join(name);
+    path.exists().then_some(path)
+}
+
+#[test]
+fn toy_transformer_under_the_launcher_reports_tokens_per_gpu_and_in_total() {
+    let Some(example) = example_binary("toy_transformer") else {
+        eprintln!(
+            "skipped toy_transformer_under_the_launcher_reports_tokens_per_gpu_and_in_total: the \
+             example is not built (`cargo test` builds it; `cargo test --test distributed` alone \
+             does not: run `cargo build --example toy_transformer` first)"
+        );
+        return;
+    };
+    let out = scratch("toy");
+    let [cpu, _] = write_bench_configs(&out);
+    let command: Vec<String> = [
+        example.to_str().unwrap(),
+        "--config",
+        cpu.to_str().unwrap(),
+        "--size",
+        "tiny",
+        "--steps",
+        "6",
+        "--log-every",
+        "2",
+    ]
+    .map(str::to_string)
+    .to_vec();
+    let output = run_launcher_of("toy", &out, Some(&command));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{}", text(&output));
+    // Rank 0 alone prints the header, the log, the summary and the audit.
+    for line in stdout.lines().filter(|l| l.starts_with("[rank ")) {
+        assert!(
+            line.starts_with("[rank 0]"),
+            "a line not from rank 0: {line}\n{stdout}"
+        );
+    }
+    assert_eq!(
+        stdout.matches("toy transformer (tiny size)").count(),
+        1,
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("data parallel: rank 0 of 2 over gloo"),
+        "{stdout}"
+    );
+    let summary = stdout
+        .lines()
+        .find(|l| l.contains("[rank 0] data parallel: ") && l.contains("in total over 2 ranks"))
+        .unwrap_or_else(|| panic!("no data-parallel summary\n{stdout}"));
+    let number = |before: &str| -> f64 {
+        let head = &summary[..summary.find(before).unwrap()];
+        head.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let (total, per_gpu) = (number(" tokens/s in total"), number(" tokens/s per GPU"));
+    assert!(
+        total > 0.0 && (per_gpu - total / 2.0).abs() <= 1.0,
+        "{summary}"
+    );
+}
+
+#[test]
+fn the_single_process_pytorch_peer_is_refused_under_the_launcher_with_its_replacement() {
+    let out = scratch("runner-peer");
+    write_bench_configs(&out);
+    let output = run_launcher("bench_runner_peer", &out);
+    let log = text(&output);
+    assert_eq!(output.status.code(), Some(1), "{log}");
+    assert!(
+        log.contains("--peer pytorch times single-process PyTorch, not a data-parallel run"),
+        "{log}"
+    );
+    assert!(log.contains("pytorch_reference.py --ddp"), "{log}");
+    assert!(
+        !out.join("report.json").exists(),
+        "nothing is measured or written"
+    );
 }

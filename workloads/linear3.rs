@@ -14,5 +14,6 @@ fn linear3(b: &mut Bencher) -> anyhow::Result<()> {
     let model = Linear3::new(&vs.root(), &config);
     let (x, target) = data::regression(config.batch, config.width, b.device())?;
     b.set_flops_per_step(config.flops_per_step());
+    b.set_items_per_step(config.batch as f64, "samples");
     super::train_step(b, &vs, || model.loss(&x, &target))
 }

@@ -26,7 +26,9 @@ use tch::Tensor;
 
 /// Times one full training step per call, as `docs/workloads.md` defines it: `zero_grad` → forward
 /// and loss (`loss()`, under the plan's autocast) → backward (scaled when the plan has a GradScaler)
-/// → AdamW step over `vs` (fused or foreach as the plan says).
+/// → AdamW step over `vs` (fused or foreach as the plan says). Under `speedkit launch` every rank
+/// trains its replica data-parallel: `vs` takes rank 0's values and its gradients are averaged
+/// across ranks in each backward (a single process: nothing changes).
 ///
 /// The step reads nothing on the host and returns the loss tensor, so the runner can capture it
 /// as a CUDA graph when the plan enables graphs; `loss` must use static tensors made beforehand.
@@ -36,6 +38,7 @@ fn train_step(
     mut loss: impl FnMut() -> speedkit::Result<Tensor>,
 ) -> anyhow::Result<()> {
     let ctx = b.ctx();
+    ctx.data_parallel(vs)?;
     let mut opt = ctx.adamw(vs, REFERENCE_ADAMW)?;
     b.run(|| -> speedkit::Result<Tensor> {
         opt.zero_grad()?;

@@ -25,12 +25,24 @@ row as it finishes) and the human-readable lines on stderr: this is how the spee
 4: torch cannot be imported; 5: a size other than `bench` was asked for.
 --profile prints torch.profiler's kernel table for one eager `transformer` step and times the
 attention of that workload under each SDPA backend, which is where to look for a step's time.
+
+--ddp is the data-parallel peer of `speedkit launch`: run under torchrun, each rank trains its
+replica wrapped in DistributedDataParallel (NCCL on its GPU, LOCAL_RANK; Gloo on the CPU where no
+GPU is visible, which times by the host clock and reports no memory), AMP bf16 and fused AdamW as
+above, on the same fixed batch on every rank (as speedkit's workloads under the launcher). Each
+rank times its own steps; rank 0 gathers every rank's median and prints and writes the rows, each
+with `world_size`, `median_ms_per_rank` and `throughput` (items/s per rank, `total` and `per_gpu`,
+the fields of speedkit's report). --size tiny (transformer, linear3, mlp) is for a CPU check.
+
+    torchrun --nproc-per-node 2 docs/benchmarks/pytorch_reference.py --ddp --only transformer,linear3 --json ddp.json
 """
 
 import argparse
 import json
 import math
+import os
 import sys
+import time
 
 try:
     import torch
@@ -88,9 +100,9 @@ class Linear3(nn.Module):
 
 
 class Mlp(nn.Module):
-    def __init__(self):
+    def __init__(self, inputs=512, hidden=1024, classes=10):
         super().__init__()
-        self.layers = nn.Sequential(nn.Linear(512, 1024), nn.ReLU(), nn.Linear(1024, 10))
+        self.layers = nn.Sequential(nn.Linear(inputs, hidden), nn.ReLU(), nn.Linear(hidden, classes))
 
     def forward(self, x, labels):
         return F.cross_entropy(self.layers(x), labels)
@@ -153,28 +165,51 @@ class ResNet18(nn.Module):
         return 3 * (forward + 2 * batch * cin * classes)
 
 
-def workload(name, device):
+# The tiny sizes of speedkit_suite's models (src/models/), for a data-parallel check on the CPU.
+TINY = dict(transformer=dict(vocab=128, d=32, heads=2, layers=2, seq=16, batch=2),
+            linear3=dict(width=64, batch=8), mlp=dict(inputs=32, hidden=64, classes=10, batch=16))
+
+
+def transformer_flops(batch, seq, vocab, d, layers, **_):
+    """Matmul FLOPs of a step: weights 12 d^2 per block and the head, and causal attention's
+    two matmuls, each x3 for forward + backward (the formula of TransformerConfig)."""
+    return 6 * batch * seq * (layers * 12 * d * d + d * vocab) + 3 * layers * 2 * batch * seq**2 * d
+
+
+def workload(name, device, size="bench"):
+    """(model, batch, flops per step, (items per step, unit)) of a reference workload."""
     torch.manual_seed(0)
     if name == "transformer":
-        model = Transformer()
-        batch = (torch.randint(0, 8192, (32, 512), device=device),
-                 torch.randint(0, 8192, (32, 512), device=device))
-        flops = 6 * 32 * 512 * (6 * 7_077_888 + 6_291_456) + 3 * 6 * 2 * 32 * 512**2 * 768
+        c = TINY[name] if size == "tiny" else dict(vocab=8192, d=768, heads=12, layers=6, seq=512,
+                                                   batch=32)
+        model = Transformer(c["vocab"], c["d"], c["heads"], c["layers"], c["seq"])
+        batch = (torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device=device),
+                 torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device=device))
+        flops = transformer_flops(**c)
+        items = (c["batch"] * c["seq"], "tokens")
     elif name == "linear3":
-        model = Linear3()
-        batch = (torch.randn(512, 8192, device=device), torch.randn(512, 8192, device=device))
-        flops = 3 * 3 * 2 * 512 * 8192**2
+        width, rows = (64, 8) if size == "tiny" else (8192, 512)
+        model = Linear3(width)
+        batch = (torch.randn(rows, width, device=device), torch.randn(rows, width, device=device))
+        flops = 3 * 3 * 2 * rows * width**2
+        items = (rows, "samples")
     elif name == "mlp":
-        model = Mlp()
-        batch = (torch.randn(256, 512, device=device), torch.randint(0, 10, (256,), device=device))
-        flops = 0.82e9
+        c = TINY[name] if size == "tiny" else dict(inputs=512, hidden=1024, classes=10, batch=256)
+        model = Mlp(c["inputs"], c["hidden"], c["classes"])
+        batch = (torch.randn(c["batch"], c["inputs"], device=device),
+                 torch.randint(0, c["classes"], (c["batch"],), device=device))
+        flops = 6 * c["batch"] * (c["inputs"] * c["hidden"] + c["hidden"] * c["classes"])
+        items = (c["batch"], "samples")
+    elif size == "tiny":
+        raise ValueError(f"{name} has no tiny size here (tiny: {', '.join(TINY)})")
     else:
         model = ResNet18().to(memory_format=torch.channels_last)
         images = torch.randn(256, 3, 32, 32, device=device)
         batch = (images.contiguous(memory_format=torch.channels_last),
                  torch.randint(0, 10, (256,), device=device))
         flops = ResNet18.flops_per_step()
-    return model.to(device), batch, flops
+        items = (256, "images")
+    return model.to(device), batch, flops, items
 
 
 def nearest_rank(sorted_times, p):
@@ -252,7 +287,7 @@ def train_step(model, batch, mode):
 
 
 def profile_transformer(device):
-    model, batch, _ = workload("transformer", device)
+    model, batch, _, _ = workload("transformer", device)
     step = train_step(model, batch, "eager")
     for _ in range(5):
         step()
@@ -281,7 +316,7 @@ def profile_transformer(device):
 
 
 def measure(name, mode, device, warmup, steps, sync_every_step=True):
-    model, batch, flops = workload(name, device)
+    model, batch, flops, _ = workload(name, device)
     # Before the optimizer exists: its state, compilation and graph capture count in the peaks.
     start_memory()
     times, memory = time_steps(train_step(model, batch, mode), warmup, steps, sync_every_step)
@@ -290,11 +325,93 @@ def measure(name, mode, device, warmup, steps, sync_every_step=True):
                 tflops=flops / median / 1e9, times_ms=times, memory=memory)
 
 
+def ddp_setup():
+    """Joins torchrun's group: (rank, world size, device). NCCL on GPU LOCAL_RANK, else Gloo."""
+    import torch.distributed as dist
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        print("--ddp runs under torchrun (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and "
+              "MASTER_PORT): torchrun --nproc-per-node N docs/benchmarks/pytorch_reference.py "
+              "--ddp ...", file=sys.stderr)
+        sys.exit(2)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def time_steps_host(step, warmup, steps):
+    """time_steps on the CPU: the host clock around each step (CPU work is synchronous)."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    return times, None
+
+
+def ddp_train_step(model, batch, device):
+    """The eager AMP step of train_step, on a DistributedDataParallel replica (gradients averaged
+    in 25 MiB buckets during backward, as speedkit's default)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ids = [device.index] if device.type == "cuda" else None
+    replica = DDP(model, device_ids=ids, bucket_cap_mb=25)
+    opt = torch.optim.AdamW(replica.parameters(), lr=3e-4, weight_decay=0.1,
+                            fused=device.type == "cuda", foreach=device.type != "cuda" or None)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = replica(*batch)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def measure_ddp(name, device, size, world, warmup, steps, sync_every_step=True):
+    """One rank's run of `name` under DDP; every rank returns the row with every rank's median."""
+    import torch.distributed as dist
+    model, batch, flops, (items, unit) = workload(name, device, size)
+    if device.type == "cuda":
+        start_memory()
+        times, memory = time_steps(ddp_train_step(model, batch, device), warmup, steps,
+                                   sync_every_step)
+    else:
+        times, memory = time_steps_host(ddp_train_step(model, batch, device), warmup, steps)
+    median, p10, p90 = summary(times)
+    # A tensor all-gather (all_gather_object needs NumPy), on the device the backend serves.
+    gathered = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(world)]
+    dist.all_gather(gathered, torch.tensor(median, dtype=torch.float64, device=device))
+    medians = [t.item() for t in gathered]
+    rates = [items / (ms * 1e-3) for ms in medians]
+    throughput = dict(unit=unit, world_size=world, per_rank=rates, total=sum(rates),
+                      per_gpu=sum(rates) / world)
+    return dict(workload=name, mode="ddp", median_ms=median, p10_ms=p10, p90_ms=p90,
+                tflops=flops / median / 1e9, times_ms=times, memory=memory, world_size=world,
+                median_ms_per_rank=medians, throughput=throughput)
+
+
 def describe(row):
     if row.get("error"):
         return f"{row['workload']:12} {row['mode']:16} failed: {row['error']}"
     gib = lambda b: b / 2**30
     m = row["memory"]
+    if row.get("throughput"):
+        t = row["throughput"]
+        head = (f"{row['workload']:12} {row['mode']:16} {row['median_ms']:8.3f} ms  "
+                f"p10 {row['p10_ms']:.3f}  p90 {row['p90_ms']:.3f}  ranks "
+                + " ".join(f"{ms:.3f}" for ms in row["median_ms_per_rank"])
+                + f" ms  {t['per_gpu']:.0f} {t['unit']}/s per GPU, {t['total']:.0f} {t['unit']}/s "
+                f"in total over {t['world_size']} rank{'s' if t['world_size'] > 1 else ''}")
+        if m is None:
+            return head
+        return head + f"  peak {gib(m['peak_allocated_bytes']):.2f} GiB"
     return (f"{row['workload']:12} {row['mode']:16} {row['median_ms']:8.3f} ms  "
             f"p10 {row['p10_ms']:.3f}  p90 {row['p90_ms']:.3f}  {row['tflops']:.1f} TFLOP/s  "
             f"peak {gib(m['peak_allocated_bytes']):.2f} GiB  reserved "
@@ -314,7 +431,11 @@ def main():
                         help="queue timed steps back to back instead of synchronising after each")
     parser.add_argument("--json")
     parser.add_argument("--json-lines", action="store_true")
+    parser.add_argument("--ddp", action="store_true",
+                        help="data-parallel under torchrun (DistributedDataParallel, eager AMP)")
     args = parser.parse_args()
+    if args.ddp:
+        return main_ddp(args)
     if not torch.cuda.is_available():
         print(f"the PyTorch reference times CUDA work and torch {torch.__version__} sees no CUDA "
               "device: run it on a machine with an NVIDIA GPU and a CUDA build of torch",
@@ -324,14 +445,7 @@ def main():
         print(f"the PyTorch reference runs the bench size only, not {args.size}: "
               "run with --size bench", file=sys.stderr)
         sys.exit(5)
-    names = WORKLOADS
-    if args.only:
-        asked = [n for n in args.only.split(",") if n]
-        for n in asked:
-            if n not in WORKLOADS:
-                print(f"note: {n} has no PyTorch version here (known: {', '.join(WORKLOADS)})",
-                      file=sys.stderr)
-        names = [n for n in asked if n in WORKLOADS]
+    names = selected(args)
     human = sys.stderr if args.json_lines else sys.stdout
     device = torch.device("cuda")
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -369,6 +483,65 @@ def main():
                            f"steps, CUDA events, {sync}; memory over the whole run (warm-up, "
                            "compilation and capture included)",
                            results=results), f, indent=2)
+
+
+def selected(args, known=WORKLOADS, quiet=False):
+    """The workloads of --only that have a PyTorch version here at --size (a note for each other
+    one, unless quiet)."""
+    if not args.only:
+        return list(known)
+    asked = [n for n in args.only.split(",") if n]
+    for n in asked:
+        if n not in known and not quiet:
+            print(f"note: {n} has no PyTorch version here at the {args.size} size "
+                  f"(known: {', '.join(known)})", file=sys.stderr)
+    return [n for n in asked if n in known]
+
+
+def main_ddp(args):
+    """--ddp: every rank runs every workload; rank 0 prints and writes (see the module docs)."""
+    import torch.distributed as dist
+    if args.compile or args.graph or args.profile or args.json_lines:
+        print("--ddp times eager AMP only: leave out --compile, --graph, --profile and "
+              "--json-lines", file=sys.stderr)
+        sys.exit(2)
+    if args.size not in ("bench", "tiny"):
+        print(f"--size is bench or tiny, not {args.size}", file=sys.stderr)
+        sys.exit(5)
+    rank, world, device = ddp_setup()
+    names = selected(args, tuple(TINY) if args.size == "tiny" else WORKLOADS, quiet=rank != 0)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+    env = dict(torch=torch.__version__, python=sys.version.split()[0], world_size=world,
+               backend=dist.get_backend(),
+               gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               cuda=torch.version.cuda,
+               cudnn=torch.backends.cudnn.version() if device.type == "cuda" else None)
+    if rank == 0:
+        print(f"torch {env['torch']}, {env['gpu']}, DDP over {world} rank(s) ({env['backend']})",
+              flush=True)
+    results = []
+    for name in names:
+        row = measure_ddp(name, device, args.size, world, args.warmup, args.steps,
+                          not args.no_paranoid_sync)
+        results.append(row)
+        if rank == 0:
+            print(describe(row), flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if rank == 0 and args.json:
+        timer = "CUDA events" if device.type == "cuda" else "host clock"
+        sync = "queued back to back" if args.no_paranoid_sync else "synchronised after every step"
+        with open(args.json, "w") as f:
+            json.dump(dict(environment=env, world_size=world,
+                           protocol=f"DDP over {world} rank(s), each timing its own steps: "
+                           f"{args.warmup} warm-up + {args.steps} timed steps, {timer}, {sync}; "
+                           "the row's figures are rank 0's, median_ms_per_rank every rank's",
+                           results=results), f, indent=2)
+    # Every rank leaves together: a rank that tears Gloo down while rank 0 still writes can abort.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,9 @@
 #include <chrono>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
 
 namespace {
 
@@ -81,26 +84,60 @@ c10::intrusive_ptr<c10d::Backend> make_nccl(const c10::intrusive_ptr<c10d::Store
 
 void wait(const c10::intrusive_ptr<c10d::Work>& work) { work->wait(); }
 
+// The rendezvous store outlives the groups built over it: a process that trains under several
+// contexts one after another (a benchmark runner, an #[accelerate] function called twice) builds a
+// group per context. Were each to open its own store on the same port, a fast rank could reach the
+// store of the group rank 0 is still tearing down and read its stale keys. So every process keeps
+// one connection (rank 0: the server) per rendezvous address, and the n-th group of the process
+// takes its keys under its own prefix; ranks build their groups in the same order, so the n-th
+// group of every rank meets under the same prefix. Never freed: it lives as long as the process.
+struct SharedStore {
+  std::string host;
+  int port;
+  int rank;
+  int world;
+  c10::intrusive_ptr<c10d::TCPStore> tcp;
+  std::int64_t groups;
+};
+
+std::mutex shared_store_mutex;
+SharedStore* shared_store = nullptr;
+
+// The store for the next group at host:port, and that group's key prefix.
+std::pair<c10::intrusive_ptr<c10d::Store>, c10::intrusive_ptr<c10d::TCPStore>> next_group_store(
+    const std::string& host, int port, int rank, int world, std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(shared_store_mutex);
+  const bool same = shared_store && shared_store->host == host && shared_store->port == port &&
+                    shared_store->rank == rank && shared_store->world == world;
+  if (!same) {
+    c10d::TCPStoreOptions options;
+    options.port = static_cast<std::uint16_t>(port);
+    options.isServer = rank == 0;
+    options.numWorkers = static_cast<std::size_t>(world);
+    options.waitWorkers = true;
+    options.timeout = timeout;
+    auto tcp = c10::make_intrusive<c10d::TCPStore>(host, options);
+    // A previous store (another address) is left to the groups that still hold it.
+    shared_store = new SharedStore{host, port, rank, world, tcp, 0};
+  }
+  shared_store->tcp->setTimeout(timeout);
+  const std::string prefix = "speedkit/" + std::to_string(shared_store->groups++) + "/";
+  return {c10::make_intrusive<c10d::PrefixStore>(prefix, shared_store->tcp), shared_store->tcp};
+}
+
 }  // namespace
 
 extern "C" {
 
-// Rendezvous at master_addr:port (rank 0 serves the store and waits for all `world` ranks), then
-// builds the process group. `timeout_ms` bounds the rendezvous, every store access and every
+// Rendezvous at master_addr:port (rank 0 serves the store and waits for all `world` ranks; later
+// groups of the process reuse it, see SharedStore), then builds the process group. `timeout_ms` bounds the rendezvous, every store access and every
 // collective. On success *out owns a Group (free with sk_dist_free).
 int sk_dist_init(int backend, const char* master_addr, int port, int rank, int world,
                  int local_rank, int64_t timeout_ms, void** out) {
   SK_TRY({
     const std::string host(master_addr);
     const std::chrono::milliseconds timeout(timeout_ms);
-    c10d::TCPStoreOptions store_options;
-    store_options.port = static_cast<std::uint16_t>(port);
-    store_options.isServer = rank == 0;
-    store_options.numWorkers = static_cast<std::size_t>(world);
-    store_options.waitWorkers = true;
-    store_options.timeout = timeout;
-    auto tcp = c10::make_intrusive<c10d::TCPStore>(host, store_options);
-    c10::intrusive_ptr<c10d::Store> store = c10::make_intrusive<c10d::PrefixStore>("speedkit/", tcp);
+    auto [store, tcp] = next_group_store(host, port, rank, world, timeout);
 
     auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, world);
     if (backend == kGloo) {

@@ -14,6 +14,10 @@
 //! ([`baseline`](super::baseline)); `--peer pytorch` times the same workloads in PyTorch in the
 //! same run ([`peer`](super::peer)). Exit status: 0, 1 when a workload failed or a row is slower
 //! than the baseline beyond `--fail-above`, 2 for bad input (including no workload to run).
+//!
+//! Under `speedkit launch --nproc-per-node N -- <runner>` (or torchrun) every rank runs every
+//! workload data-parallel, and rank 0 alone prints and writes files: each row then carries every
+//! rank's median ([`DataParallelRow`]) and the throughput per GPU and in total.
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -27,6 +31,7 @@ use super::baseline::{self, Baseline, Comparison};
 use super::peer::{self, PeerReport};
 use super::{Bencher, DeviceMemory, Measurement, Protocol, Size, Workload};
 use crate::config::{AutoBool, Precision, SpeedConfig};
+use crate::dist::{LaunchEnv, ProcessGroup, Throughput};
 use crate::error::{Result, SpeedkitError};
 use crate::ffi;
 use crate::hardware::Hardware;
@@ -175,10 +180,47 @@ pub struct Row {
     pub kernels: Vec<String>,
     /// Error message if the run failed.
     pub error: Option<String>,
+    /// Every rank's figures, when the row ran data-parallel under a launcher.
+    pub data_parallel: Option<DataParallelRow>,
+}
+
+/// A row measured by every rank of a data-parallel run. The row's own figures are rank 0's.
+#[derive(Clone, Debug, Serialize)]
+pub struct DataParallelRow {
+    /// Ranks that trained together.
+    pub world_size: usize,
+    /// Their transport, `gloo` or `nccl`.
+    pub backend: String,
+    /// Each rank's median step time, ms, in rank order (NaN for a rank whose run failed).
+    pub median_ms_per_rank: Vec<f64>,
+    /// Items/s per rank, per GPU and in total, when the workload declares its items per step.
+    pub throughput: Option<Throughput>,
+}
+
+impl DataParallelRow {
+    /// Gathers every rank's median (a collective: every rank calls it, also when its own run
+    /// failed, with `None`).
+    fn gather(group: &ProcessGroup, mine: Option<&Measurement>) -> Result<Self> {
+        let median_ms_per_rank = group.all_gather_f64(mine.map_or(f64::NAN, |m| m.median_ms))?;
+        let throughput = mine.and_then(|m| m.items_per_step).map(|(items, unit)| {
+            let rates = median_ms_per_rank
+                .iter()
+                .map(|ms| items / (ms * 1e-3))
+                .collect();
+            Throughput::from_rates(unit, rates)
+        });
+        Ok(Self {
+            world_size: group.world_size(),
+            backend: group.backend().to_string(),
+            median_ms_per_rank,
+            throughput,
+        })
+    }
 }
 
 /// Version of the layout of [`RunReport`]'s JSON; bumped whenever a field changes meaning or
-/// moves. 2: memory as [`DeviceMemory`](super::DeviceMemory), baselines and peers.
+/// moves. 2: memory as [`DeviceMemory`](super::DeviceMemory), baselines and peers (later
+/// additions: `world_size`, rows' `data_parallel`).
 pub const REPORT_SCHEMA_VERSION: u32 = 2;
 
 /// The whole run, as written by `--json` and `--save-baseline`.
@@ -188,6 +230,9 @@ pub struct RunReport {
     pub schema_version: u32,
     /// Hardware and software.
     pub environment: Hardware,
+    /// Processes of the run: 1, or the launcher's `WORLD_SIZE` (the table's figures are rank 0's;
+    /// each row's `data_parallel` has every rank's).
+    pub world_size: usize,
     /// The device peak used for "% of peak", TFLOP/s.
     pub peak_tflops: Option<f64>,
     /// How the peak was obtained.
@@ -274,9 +319,22 @@ pub fn run(args: &Args) -> Result<RunReport> {
 pub fn run_with(args: &Args, workloads: &[&Workload]) -> Result<RunReport> {
     let selected = select(workloads, &args.filters)?;
     let hardware = Hardware::detect()?;
+    let launch = LaunchEnv::from_env()?;
+    let main = launch.as_ref().is_none_or(LaunchEnv::is_main);
     if args.list {
-        print_list(&selected);
+        if main {
+            print_list(&selected);
+        }
         return Ok(RunReport::empty(hardware));
+    }
+    let world_size = launch.as_ref().map_or(1, |e| e.world_size);
+    if world_size > 1 && args.peer.is_some() {
+        return Err(SpeedkitError::Misuse(
+            "--peer pytorch times single-process PyTorch, not a data-parallel run: under a \
+             launcher, time the peer with `torchrun --nproc-per-node N \
+             docs/benchmarks/pytorch_reference.py --ddp` (docs/benchmarks/multi_gpu.sh runs both)"
+                .into(),
+        ));
     }
     let names = if args.configs.is_empty() {
         vec!["fp32_strict".to_string(), "auto".to_string()]
@@ -299,7 +357,7 @@ pub fn run_with(args: &Args, workloads: &[&Workload]) -> Result<RunReport> {
         None => Size::Tiny,
     };
     let protocol = protocol_of(args, &configs[0].config);
-    let (peak_tflops, peak_source) = device_peak(args, on_gpu)?;
+    let (peak_tflops, peak_source) = device_peak(args, on_gpu, launch.as_ref())?;
     let rows = measure_all(
         &selected,
         &configs,
@@ -325,6 +383,7 @@ pub fn run_with(args: &Args, workloads: &[&Workload]) -> Result<RunReport> {
     let report = RunReport {
         schema_version: REPORT_SCHEMA_VERSION,
         environment: hardware,
+        world_size,
         peak_tflops,
         peak_source,
         protocol,
@@ -333,8 +392,11 @@ pub fn run_with(args: &Args, workloads: &[&Workload]) -> Result<RunReport> {
         baseline: comparison,
         peer,
     };
-    println!("{}", render_text(&report));
-    write_outputs(args, &report)?;
+    // Every rank has the same rows; one copy of the tables and files is enough.
+    if main {
+        println!("{}", render_text(&report));
+        write_outputs(args, &report)?;
+    }
     Ok(report)
 }
 
@@ -398,6 +460,7 @@ impl RunReport {
         RunReport {
             schema_version: REPORT_SCHEMA_VERSION,
             environment,
+            world_size: 1,
             peak_tflops: None,
             peak_source: String::new(),
             protocol: Protocol {
@@ -426,14 +489,23 @@ fn protocol_of(args: &Args, first: &SpeedConfig) -> Protocol {
     }
 }
 
-fn device_peak(args: &Args, on_gpu: bool) -> Result<(Option<f64>, String)> {
-    Ok(match (args.peak_tflops, on_gpu) {
-        (Some(p), _) => (Some(p), "given with --peak-tflops".to_string()),
-        (None, true) => (
-            Some(measure_matmul_peak(Device::Cuda(0))?),
+/// The peak for "% of peak". Under a launcher only rank 0 (which prints) measures it, on its own
+/// device: the other ranks' devices are busy with nothing else yet, but they print no table.
+fn device_peak(
+    args: &Args,
+    on_gpu: bool,
+    launch: Option<&LaunchEnv>,
+) -> Result<(Option<f64>, String)> {
+    Ok(match (args.peak_tflops, on_gpu, launch) {
+        (Some(p), _, _) => (Some(p), "given with --peak-tflops".to_string()),
+        (None, true, Some(env)) if !env.is_main() => (None, "measured by rank 0".to_string()),
+        (None, true, _) => (
+            Some(measure_matmul_peak(Device::Cuda(
+                launch.map_or(0, |env| env.local_rank),
+            ))?),
             "measured: 8192^3 bf16 matmul, median of 20".to_string(),
         ),
-        (None, false) => (None, "no GPU: no peak".to_string()),
+        (None, false, _) => (None, "no GPU: no peak".to_string()),
     })
 }
 
@@ -447,13 +519,19 @@ fn measure_all(
     profile: Option<usize>,
 ) -> Vec<Row> {
     let mut rows = Vec::new();
+    let main = crate::dist::is_main_process();
     for w in workloads {
-        if w.cuda_only && !on_gpu {
-            eprintln!("skip {}: needs a CUDA device", w.name);
-            continue;
-        }
-        if !w.sizes.contains(&size) {
-            eprintln!("skip {}: no {size} size", w.name);
+        let skip = if w.cuda_only && !on_gpu {
+            Some("needs a CUDA device".to_string())
+        } else if !w.sizes.contains(&size) {
+            Some(format!("no {size} size"))
+        } else {
+            None
+        };
+        if let Some(why) = skip {
+            if main {
+                eprintln!("skip {}: {why}", w.name);
+            }
             continue;
         }
         let mut first_median: Option<f64> = None;
@@ -543,6 +621,7 @@ fn run_one(
         notes: Vec::new(),
         kernels: Vec::new(),
         error: None,
+        data_parallel: None,
     };
     let ctx = match SpeedContext::new(&nc.config) {
         Ok(c) => c,
@@ -552,7 +631,11 @@ fn run_one(
         }
     };
     row.precision = ctx.plan().precision.to_string();
-    let bar = ProgressBar::new((protocol.warmup + protocol.steps) as u64);
+    let bar = if ctx.is_main() {
+        ProgressBar::new((protocol.warmup + protocol.steps) as u64)
+    } else {
+        ProgressBar::hidden()
+    };
     bar.set_style(
         ProgressStyle::with_template("{prefix:>28} [{bar:30}] {pos}/{len} {elapsed}")
             .unwrap_or_else(|_| ProgressStyle::default_bar())
@@ -572,6 +655,12 @@ fn run_one(
     bar.finish_and_clear();
     let profile = b.take_profile();
     let measurement = b.take_measurement();
+    if let Some(group) = ctx.process_group() {
+        match DataParallelRow::gather(group, measurement.as_ref()) {
+            Ok(d) => row.data_parallel = Some(d),
+            Err(e) => row.error = Some(e.to_string()),
+        }
+    }
     let audit = ctx.audit();
     row.flags = audit
         .flag_changes
@@ -593,6 +682,8 @@ fn run_one(
     match (outcome, measurement) {
         (Err(e), _) => row.error = Some(e.to_string()),
         (Ok(()), None) => row.error = Some("the workload never called Bencher::run".into()),
+        // The gather across ranks failed (already in `row.error`).
+        (Ok(()), Some(_)) if row.error.is_some() => {}
         (Ok(()), Some(m)) => {
             row.percent_of_peak = match (m.tflops, peak) {
                 (Some(t), Some(p)) => Some(100.0 * t / p),
@@ -635,6 +726,9 @@ pub fn render_text(report: &RunReport) -> String {
          allocated in timed steps\n",
     );
     out.push_str(&memory_table(report));
+    if report.rows.iter().any(|r| r.data_parallel.is_some()) {
+        out.push_str(&data_parallel_table(report));
+    }
     if let Some(c) = &report.baseline {
         out.push_str(&c.render());
     }
@@ -722,6 +816,49 @@ fn memory_table(report: &RunReport) -> String {
     )
 }
 
+/// Every rank's median and the throughput per GPU and in total, for data-parallel rows.
+fn data_parallel_table(report: &RunReport) -> String {
+    let rows: Vec<Vec<String>> = report
+        .rows
+        .iter()
+        .filter_map(|r| Some((r, r.data_parallel.as_ref()?)))
+        .map(|(r, d)| {
+            let medians: Vec<String> = d
+                .median_ms_per_rank
+                .iter()
+                .map(|ms| format!("{ms:.3}"))
+                .collect();
+            let rate = |pick: fn(&Throughput) -> f64| {
+                d.throughput
+                    .as_ref()
+                    .map_or("-".into(), |t| format!("{:.0} {}/s", pick(t), t.unit))
+            };
+            vec![
+                r.workload.clone(),
+                r.config.clone(),
+                medians.join(" "),
+                rate(|t| t.per_gpu),
+                rate(|t| t.total),
+            ]
+        })
+        .collect();
+    let (world, backend) = report
+        .rows
+        .iter()
+        .find_map(|r| r.data_parallel.as_ref())
+        .map_or((report.world_size, "-".to_string()), |d| {
+            (d.world_size, d.backend.clone())
+        });
+    format!(
+        "\ndata parallel over {world} ranks ({backend}): median ms of each rank, throughput per \
+         GPU and in total\n{}",
+        table(
+            &["workload", "config", "median per rank", "per GPU", "total"],
+            &rows
+        )
+    )
+}
+
 fn render_peer(report: &RunReport, peer: &PeerReport) -> String {
     let Some(run) = &peer.run else {
         return format!(
@@ -757,6 +894,14 @@ fn environment_block(report: &RunReport) -> String {
         fmt_opt(report.peak_tflops, 1),
         report.peak_source
     );
+    if report.world_size > 1 {
+        let _ = writeln!(
+            out,
+            "  ranks       {} processes (the tables give rank 0's figures, \"data parallel\" \
+             every rank's)",
+            report.world_size
+        );
+    }
     if let Some(run) = report.peer.as_ref().and_then(|p| p.run.as_ref()) {
         let _ = writeln!(
             out,

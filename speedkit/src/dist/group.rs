@@ -154,6 +154,15 @@ impl ProcessGroup {
         Ok(values.into_iter().map(|v| v as u64).collect())
     }
 
+    /// Every rank's `value` (rank order), bit for bit (NaN and infinities included).
+    pub fn all_gather_f64(&self, value: f64) -> Result<Vec<f64>> {
+        Ok(self
+            .all_gather_u64(value.to_bits())?
+            .into_iter()
+            .map(f64::from_bits)
+            .collect())
+    }
+
     /// Where this group's tensors must live: the CPU for Gloo, this rank's GPU for NCCL.
     pub fn collective_device(&self) -> tch::Device {
         match self.backend {

@@ -38,11 +38,13 @@ mod data_parallel;
 mod env;
 mod group;
 mod shard;
+mod throughput;
 
 pub use data_parallel::DataParallel;
 pub use env::LaunchEnv;
 pub use group::{Backend, ProcessGroup};
 pub use shard::Shard;
+pub use throughput::Throughput;
 
 /// Whether this process is rank 0 (or the only one): the process that should print and save.
 /// A malformed launch environment counts as rank 0 here; the context reports it as an error.

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# Data parallel on 2 GPUs of one host, in one device session (issue 12's figures): speedkit's runner
+# on `transformer` and `linear3` with 1 GPU and with 2 GPUs under `speedkit launch`, PyTorch DDP
+# (pytorch_reference.py --ddp under torchrun) with 1 and 2 processes, and the NCCL equality test
+# (graphs off and auto). Run from the project root on the CUDA host, after the executables were
+# packed (bench, speedkit, toy_transformer and the distributed test; see README, "Benchmarks"):
+#
+#   bash docs/benchmarks/multi_gpu.sh PACKDIR OUTDIR      e.g.  bash docs/benchmarks/multi_gpu.sh .gpu "$OUT"
+#
+# Everything lands in OUTDIR: one log per part, the runners' and the reference's JSON, and
+# multi_gpu_summary.md (tokens/s per configuration and the scaling from 1 to 2 GPUs). Each part is
+# bounded by a timeout, 580 s in all, so that the whole fits one 600 s device command and one hang
+# cannot take the session's device time.
+set -uo pipefail
+pack=${1:?usage: multi_gpu.sh PACKDIR OUTDIR}
+out=${2:?usage: multi_gpu.sh PACKDIR OUTDIR}
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$out"
+sk=(bash "$pack/run")
+part() { # part NAME SECONDS COMMAND...: runs COMMAND into OUTDIR/NAME.log, says how it ended
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name: $*" | tee "$out/$name.log"
+  timeout --kill-after=10 "$limit" "$@" >>"$out/$name.log" 2>&1
+  local status=$?
+  echo "== $name: exit $status" | tee -a "$out/$name.log"
+}
+
+{
+  nvidia-smi --query-gpu=index,name,driver_version,clocks.max.sm,power.limit --format=csv
+  nvidia-smi topo -m
+  python3 -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version())'
+} >"$out/environment.txt" 2>&1
+cat "$out/environment.txt"
+
+# Per-GPU batch unchanged from 1 to 2 GPUs (the workloads' bench size on every rank). `auto` is
+# one CUDA graph per step on 1 GPU and eager under data parallelism (the Reducer's hooks cannot be
+# captured); auto_eager is the eager step on both, the like-for-like scaling.
+configs=(--config auto --config examples/configs/auto_eager.yaml)
+work=(--filter transformer --filter linear3 --size bench)
+part speedkit_1gpu 100 "${sk[@]}" bench "${work[@]}" "${configs[@]}" --json "$out/speedkit_1gpu.json"
+part speedkit_2gpu 130 "${sk[@]}" speedkit launch --nproc-per-node 2 -- \
+  bash "$pack/run" bench "${work[@]}" "${configs[@]}" --json "$out/speedkit_2gpu.json"
+
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+ref=(python3 -m torch.distributed.run --standalone)
+for n in 1 2; do
+  part "pytorch_ddp_${n}gpu" 90 "${ref[@]}" --nproc-per-node "$n" "$here/pytorch_reference.py" \
+    --ddp --only transformer,linear3 --json "$out/pytorch_ddp_${n}gpu.json"
+done
+
+part nccl_equality 120 "${sk[@]}" distributed.test --exact nccl_ranks_match_one_process_with_graphs_off_and_auto \
+  --nocapture --test-threads=1
+part toy_transformer_2gpu 50 "${sk[@]}" speedkit launch --nproc-per-node 2 -- \
+  bash "$pack/run" toy_transformer --size bench --steps 100
+
+python3 - "$out" <<'PY' | tee "$out/multi_gpu_summary.md"
+import json, os, sys
+out = sys.argv[1]
+def load(name):
+    try:
+        return json.load(open(os.path.join(out, name)))
+    except (OSError, ValueError) as e:
+        print(f"(no {name}: {e})")
+        return None
+def speedkit_rates(report):
+    rates = {}
+    for r in (report or {}).get("rows", []):
+        m = r.get("measurement")
+        if not m or not m.get("items_per_step"):
+            continue
+        items, unit = m["items_per_step"]
+        dp = r.get("data_parallel") or {}
+        t = dp.get("throughput")
+        total = t["total"] if t else items / (m["median_ms"] * 1e-3)
+        rates[(r["workload"], r["config"])] = (total, unit, m["median_ms"])
+    return rates
+one, two = speedkit_rates(load("speedkit_1gpu.json")), speedkit_rates(load("speedkit_2gpu.json"))
+print("| workload | config | 1 GPU | 2 GPUs, total | scaling | ms/step 1 → 2 |")
+print("|---|---|---|---|---|---|")
+for key in sorted(one):
+    r1 = one[key]
+    r2 = two.get(key)
+    if r2 is None:
+        print(f"| {key[0]} | speedkit {key[1]} | {r1[0]:.0f} {r1[1]}/s | - | - | {r1[2]:.3f} → - |")
+        continue
+    print(f"| {key[0]} | speedkit {key[1]} | {r1[0]:.0f} {r1[1]}/s | {r2[0]:.0f} {r2[1]}/s | "
+          f"{r2[0] / r1[0]:.3f}x | {r1[2]:.3f} → {r2[2]:.3f} |")
+ddp = {n: load(f"pytorch_ddp_{n}gpu.json") for n in (1, 2)}
+rows = {n: {r["workload"]: r for r in (d or {}).get("results", []) if "throughput" in r}
+        for n, d in ddp.items()}
+for name in sorted(rows[1]):
+    a, b = rows[1][name], rows[2].get(name)
+    t1 = a["throughput"]
+    if b is None:
+        print(f"| {name} | PyTorch DDP AMP | {t1['total']:.0f} {t1['unit']}/s | - | - | - |")
+        continue
+    t2 = b["throughput"]
+    print(f"| {name} | PyTorch DDP AMP | {t1['total']:.0f} {t1['unit']}/s | {t2['total']:.0f} "
+          f"{t2['unit']}/s | {t2['total'] / t1['total']:.3f}x | {a['median_ms']:.3f} → "
+          f"{b['median_ms']:.3f} |")
+PY
+grep -h "== .*: exit" "$out"/*.log
