@@ -94,6 +94,7 @@ fn cross_entropy_on_the_cpu_equals_tch_with_ignored_rows() {
 
 #[test]
 fn fallbacks_are_noted_once_with_their_reason() {
+    let _serial = common::serial();
     let vs = nn::VarStore::new(Device::Cpu);
     let ours = layer_norm(vs.root(), 8, Default::default());
     for _ in 0..3 {
@@ -116,4 +117,19 @@ fn kernels_switched_off_say_so() {
     let reason = ours.fallback_reason(&Tensor::randn([2, 8], CPU));
     speedkit::kernels::set_enabled(before);
     assert!(reason.is_some_and(|r| r.contains("kernels: false")));
+}
+
+#[test]
+fn nothing_is_noted_while_the_kernels_are_switched_off() {
+    let _serial = common::serial();
+    let before = speedkit::kernels::set_enabled(false);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let ours = layer_norm(vs.root(), 13, Default::default());
+    let _ = ours.forward(&Tensor::randn([2, 13], CPU));
+    speedkit::kernels::set_enabled(before);
+    let notes = speedkit::kernels::fallbacks();
+    assert!(
+        !notes.iter().any(|n| n.contains("kernels: false")),
+        "{notes:?}"
+    );
 }

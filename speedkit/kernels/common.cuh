@@ -32,6 +32,31 @@ __device__ __forceinline__ f16 from_float<f16>(float v) { return __float2half_rn
 // NVRTC has no <cmath>, so no INFINITY macro.
 __device__ __forceinline__ float infinity() { return __int_as_float(0x7f800000); }
 
+// Four consecutive elements as fp32, in one load (16 bytes of fp32, 8 of bf16/fp16); the pointer
+// must be aligned to four elements.
+__device__ __forceinline__ void load4(const float* p, float v[4]) {
+  const float4 q = *reinterpret_cast<const float4*>(p);
+  v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+}
+template <typename T>
+__device__ __forceinline__ void load4(const T* p, float v[4]) {
+  const uint2 q = *reinterpret_cast<const uint2*>(p);
+  const T* e = reinterpret_cast<const T*>(&q);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) v[k] = to_float(e[k]);
+}
+__device__ __forceinline__ void store4(float* p, const float v[4]) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float v[4]) {
+  uint2 q;
+  T* e = reinterpret_cast<T*>(&q);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) e[k] = from_float<T>(v[k]);
+  *reinterpret_cast<uint2*>(p) = q;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;

@@ -61,6 +61,135 @@ __device__ void layernorm_forward(const TX* __restrict__ x, const TR* __restrict
   }
 }
 
+// Rows of at most kRowChunks × 128 columns, a multiple of 4, with every pointer aligned to four
+// elements: each lane keeps its columns in registers (chunks of four, loaded and stored 8 or 16 bytes
+// at a time), so the row is read from memory once instead of once per pass.
+constexpr int kRowChunks = 8;
+
+template <typename TX, typename TR, typename TW, typename TY>
+__device__ void layernorm_forward_in_registers(const TX* __restrict__ x, const TR* __restrict__ residual,
+                                               const TW* __restrict__ weight, const TW* __restrict__ bias,
+                                               TX* __restrict__ sum_out, TY* __restrict__ y,
+                                               float* __restrict__ mean_out, float* __restrict__ rstd_out,
+                                               int rows, int width, float eps) {
+  const int lane = threadIdx.x % 32;
+  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= rows) return;
+  const size_t offset = static_cast<size_t>(row) * width;
+  float v[kRowChunks][4];
+  float total = 0.f;
+#pragma unroll
+  for (int k = 0; k < kRowChunks; ++k) {
+    const int c = (k * 32 + lane) * 4;
+    if (c >= width) break;
+    load4(x + offset + c, v[k]);
+    if (residual != nullptr) {
+      float r[4];
+      load4(residual + offset + c, r);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) v[k][j] = to_float(from_float<TX>(v[k][j] + r[j]));
+      store4(sum_out + offset + c, v[k]);
+    }
+    total += (v[k][0] + v[k][1]) + (v[k][2] + v[k][3]);
+  }
+  const float mean = warp_sum(total) / width;
+  float squares = 0.f;
+#pragma unroll
+  for (int k = 0; k < kRowChunks; ++k) {
+    if ((k * 32 + lane) * 4 >= width) break;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float d = v[k][j] - mean;
+      squares += d * d;
+    }
+  }
+  const float rstd = rsqrtf(warp_sum(squares) / width + eps);
+#pragma unroll
+  for (int k = 0; k < kRowChunks; ++k) {
+    const int c = (k * 32 + lane) * 4;
+    if (c >= width) break;
+    float w[4] = {1.f, 1.f, 1.f, 1.f}, b[4] = {0.f, 0.f, 0.f, 0.f}, out[4];
+    if (weight != nullptr) load4(weight + c, w);
+    if (bias != nullptr) load4(bias + c, b);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[j] = (v[k][j] - mean) * rstd * w[j] + b[j];
+    store4(y + offset + c, out);
+  }
+  if (lane == 0) {
+    mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+}
+
+// As layernorm_backward below, with the row's dy and x in registers and the accumulators updated
+// four columns at a time.
+template <typename TX, typename TW, typename TY>
+__device__ void layernorm_backward_in_registers(const TY* __restrict__ dy, const TX* __restrict__ x,
+                                                const TW* __restrict__ weight, const float* __restrict__ mean,
+                                                const float* __restrict__ rstd, const TX* __restrict__ dsum,
+                                                TX* __restrict__ dx, float* __restrict__ partials, int rows,
+                                                int width) {
+  extern __shared__ float accumulators[];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int warps = blockDim.x / 32;
+  for (int i = threadIdx.x; i < warps * 2 * width; i += blockDim.x) accumulators[i] = 0.f;
+  __syncthreads();
+  float* dweight_acc = accumulators + static_cast<size_t>(warp) * 2 * width;
+  float* dbias_acc = dweight_acc + width;
+  for (int row = blockIdx.x * warps + warp; row < rows; row += gridDim.x * warps) {
+    const size_t offset = static_cast<size_t>(row) * width;
+    const float mu = mean[row];
+    const float rs = rstd[row];
+    float g[kRowChunks][4], xhat[kRowChunks][4];
+    float sum_g = 0.f, sum_gx = 0.f;
+#pragma unroll
+    for (int k = 0; k < kRowChunks; ++k) {
+      const int c = (k * 32 + lane) * 4;
+      if (c >= width) break;
+      float d[4], in[4], w[4] = {1.f, 1.f, 1.f, 1.f};
+      load4(dy + offset + c, d);
+      load4(x + offset + c, in);
+      if (weight != nullptr) load4(weight + c, w);
+      float4 dw = *reinterpret_cast<float4*>(dweight_acc + c);
+      float4 db = *reinterpret_cast<float4*>(dbias_acc + c);
+      float* dwv = reinterpret_cast<float*>(&dw);
+      float* dbv = reinterpret_cast<float*>(&db);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        xhat[k][j] = (in[j] - mu) * rs;
+        // Rounded once (no FMA contraction): for width 1, gw − mean_g must be exactly 0.
+        g[k][j] = weight != nullptr ? __fmul_rn(d[j], w[j]) : d[j];
+        sum_g += g[k][j];
+        sum_gx += g[k][j] * xhat[k][j];
+        dwv[j] += d[j] * xhat[k][j];
+        dbv[j] += d[j];
+      }
+      *reinterpret_cast<float4*>(dweight_acc + c) = dw;
+      *reinterpret_cast<float4*>(dbias_acc + c) = db;
+    }
+    const float mean_g = warp_sum(sum_g) / width;
+    const float mean_gx = warp_sum(sum_gx) / width;
+#pragma unroll
+    for (int k = 0; k < kRowChunks; ++k) {
+      const int c = (k * 32 + lane) * 4;
+      if (c >= width) break;
+      float out[4], extra[4] = {0.f, 0.f, 0.f, 0.f};
+      if (dsum != nullptr) load4(dsum + offset + c, extra);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) out[j] = rs * (g[k][j] - mean_g - xhat[k][j] * mean_gx) + extra[j];
+      store4(dx + offset + c, out);
+    }
+  }
+  __syncthreads();
+  float* block_partial = partials + static_cast<size_t>(blockIdx.x) * 2 * width;
+  for (int i = threadIdx.x; i < 2 * width; i += blockDim.x) {
+    float total = 0.f;
+    for (int w = 0; w < warps; ++w) total += accumulators[static_cast<size_t>(w) * 2 * width + i];
+    block_partial[i] = total;
+  }
+}
+
 // Dynamic shared memory: (blockDim.x / 32) warps × 2 × width floats ([warp][dweight, dbias][column]).
 // `partials` receives gridDim.x × 2 × width floats. `dsum`, when given, is the gradient arriving at
 // the residual sum s itself (its other uses), added to dx.
@@ -154,14 +283,22 @@ __device__ void layernorm_param_grad(const float* __restrict__ partials, int blo
 #define SK_LN_FORWARD(ty_tag, TY, tx_tag, TX, tr_tag, TR, tw_tag, TW)                                      \
   extern "C" __global__ void layernorm_forward_##tx_tag##_##tr_tag##_##tw_tag##_##ty_tag(                   \
       const TX* x, const TR* residual, const TW* weight, const TW* bias, TX* sum_out, TY* y, float* mean,   \
-      float* rstd, int rows, int width, float eps) {                                                        \
-    sk::layernorm_forward<TX, TR, TW, TY>(x, residual, weight, bias, sum_out, y, mean, rstd, rows, width, eps); \
+      float* rstd, int rows, int width, float eps, int in_registers) {                                      \
+    if (in_registers)                                                                                        \
+      sk::layernorm_forward_in_registers<TX, TR, TW, TY>(x, residual, weight, bias, sum_out, y, mean, rstd,  \
+                                                         rows, width, eps);                                  \
+    else                                                                                                     \
+      sk::layernorm_forward<TX, TR, TW, TY>(x, residual, weight, bias, sum_out, y, mean, rstd, rows, width, eps); \
   }
 #define SK_LN_BACKWARD(ty_tag, TY, tx_tag, TX, tw_tag, TW)                                                \
   extern "C" __global__ void layernorm_backward_##tx_tag##_##tw_tag##_##ty_tag(                            \
       const TY* dy, const TX* x, const TW* weight, const float* mean, const float* rstd, const TX* dsum,   \
-      TX* dx, float* partials, int rows, int width) {                                                       \
-    sk::layernorm_backward<TX, TW, TY>(dy, x, weight, mean, rstd, dsum, dx, partials, rows, width);       \
+      TX* dx, float* partials, int rows, int width, int in_registers) {                                     \
+    if (in_registers)                                                                                       \
+      sk::layernorm_backward_in_registers<TX, TW, TY>(dy, x, weight, mean, rstd, dsum, dx, partials, rows,  \
+                                                      width);                                               \
+    else                                                                                                    \
+      sk::layernorm_backward<TX, TW, TY>(dy, x, weight, mean, rstd, dsum, dx, partials, rows, width);       \
   }
 #define SK_LN_BOTH(ty_tag, TY, tx_tag, TX, tw_tag, TW)                \
   SK_LN_FORWARD(ty_tag, TY, tx_tag, TX, tx_tag, TX, tw_tag, TW) \
@@ -189,12 +326,26 @@ SK_TYPES_1(SK_LN_PARAM_GRAD, )
 
 #include "kernels.h"
 
+#include <initializer_list>
+
 namespace sk::kernels::layernorm {
 
 // Rows per forward block (one warp each).
 constexpr int kForwardWarps = 8;
 // Warps per backward block, at most: each needs 2 × width floats of shared memory.
 constexpr int kBackwardWarps = 4;
+// The widest row the kernels keep in registers (kRowChunks × 4 columns × 32 lanes).
+constexpr int64_t kRegisterWidth = 1024;
+
+// Whether the in-register path applies: the width fits, is a multiple of 4, and every tensor's rows
+// start on a four-element boundary (its 8- or 16-byte loads).
+inline int rows_fit_registers(int64_t width, std::initializer_list<const at::Tensor*> tensors) {
+  if (width % 4 != 0 || width > kRegisterWidth) return 0;
+  for (const at::Tensor* t : tensors) {
+    if (t->defined() && reinterpret_cast<uintptr_t>(t->data_ptr()) % (4 * t->element_size()) != 0) return 0;
+  }
+  return 1;
+}
 
 // What the forward leaves for the backward and returns: y, and with a residual the sum s = x + r
 // (undefined without one); mean and rstd are fp32 [rows].
@@ -240,8 +391,9 @@ inline Forward forward(const at::Tensor& x, const at::Tensor& residual, const at
   void* rstd_ptr = out.rstd.data_ptr();
   int rows_arg = static_cast<int>(rows), width_arg = static_cast<int>(width);
   float eps_arg = static_cast<float>(eps);
-  void* args[] = {&x_ptr,    &residual_ptr, &weight_ptr, &bias_ptr, &sum_ptr,  &y_ptr,
-                  &mean_ptr, &rstd_ptr,     &rows_arg,   &width_arg, &eps_arg};
+  int in_registers = rows_fit_registers(width, {&x, &residual, &weight, &bias, &out.sum, &out.y});
+  void* args[] = {&x_ptr,    &residual_ptr, &weight_ptr, &bias_ptr,  &sum_ptr, &y_ptr,
+                  &mean_ptr, &rstd_ptr,     &rows_arg,   &width_arg, &eps_arg, &in_registers};
   const unsigned blocks = static_cast<unsigned>((rows + kForwardWarps - 1) / kForwardWarps);
   launch(kernel, {blocks, 1, 1}, {32 * kForwardWarps, 1, 1}, 0, args);
   return out;
@@ -283,8 +435,9 @@ inline Backward backward(const at::Tensor& dy, const at::Tensor& x, const at::Te
     const void* dsum_ptr = pointer_or_null(dsum);
     void* dx_ptr = out.dx.data_ptr();
     void* partials_ptr = partials.data_ptr();
-    void* args[] = {&dy_ptr, &x_ptr, &weight_ptr, &mean_ptr, &rstd_ptr, &dsum_ptr, &dx_ptr, &partials_ptr,
-                    &rows_arg, &width_arg};
+    int in_registers = rows_fit_registers(width, {&dy, &x, &weight, &dsum, &out.dx});
+    void* args[] = {&dy_ptr,       &x_ptr,    &weight_ptr, &mean_ptr,    &rstd_ptr, &dsum_ptr,
+                    &dx_ptr,       &partials_ptr, &rows_arg, &width_arg, &in_registers};
     launch(kernel, {static_cast<unsigned>(blocks), 1, 1}, {static_cast<unsigned>(32 * warps), 1, 1}, shared,
            args);
   }

@@ -224,6 +224,11 @@ pub(crate) fn unusable_on(device: Device) -> Option<String> {
 
 /// Records that `op` ran on ATen for `reason`; the first time for this op and reason only.
 pub(crate) fn note_fallback(op: &str, reason: &str) {
+    // Switched off, every op falls back for that one reason, which the plan already states; and a
+    // later context that turns the kernels on must not list it as its own.
+    if !enabled() {
+        return;
+    }
     let line = format!("{op}: {reason}");
     let mut notes = lock(&FALLBACKS);
     if !notes.contains(&line) {
