@@ -149,3 +149,280 @@ fn the_audit_says_which_layers_ran_in_fp8_and_why_not() {
         "{notes:?}"
     );
 }
+
+// ----- the fused cast (kernels/fp8_cast.cuh) against ATen's composite --------------------------
+
+use speedkit::nn::{quantize_fp8, Fp8Format, Fp8Tensor};
+
+/// A `[rows, cols]` matrix of `kind` spanning many binades (so FP8's subnormals and saturation are
+/// both hit), at an address that is 16-byte aligned or, with `misaligned`, not.
+fn wide_range_matrix(rows: i64, cols: i64, kind: Kind, misaligned: bool) -> Tensor {
+    let n = rows * cols;
+    let opts = (Kind::Float, Device::Cuda(0));
+    // Within fp16's range: an infinity would make the scale 0 and the bytes NaN.
+    let values = (Tensor::randn([n + 1], opts) * (Tensor::randn([n + 1], opts) * 2.0).exp())
+        .clamp(-6e4, 6e4);
+    let start = i64::from(misaligned);
+    values.to_kind(kind).narrow(0, start, n).view([rows, cols])
+}
+
+/// The cast with the kernels on or off (ATen's composite); the history is a copy, returned.
+fn cast_with(
+    kernels_on: bool,
+    t: &Tensor,
+    format: Fp8Format,
+    history: Option<&Tensor>,
+) -> (Fp8Tensor, Option<Tensor>) {
+    let history = history.map(|h| h.copy());
+    let before = speedkit::kernels::set_enabled(kernels_on);
+    let q = quantize_fp8(t, format, history.as_ref(), true);
+    speedkit::kernels::set_enabled(before);
+    (q.unwrap(), history)
+}
+
+/// No FP8 cast took ATen's path for a reason other than the tests switching the kernels off.
+fn assert_no_cast_fallback() {
+    let notes = speedkit::kernels::fallbacks();
+    let fallbacks: Vec<_> = notes
+        .iter()
+        .filter(|n| n.starts_with("fp8 cast") && !n.contains("kernels are off"))
+        .collect();
+    assert!(fallbacks.is_empty(), "{fallbacks:?}");
+}
+
+fn bytes(t: &Tensor) -> Tensor {
+    t.view_dtype(Kind::Uint8)
+}
+
+fn assert_casts_equal(what: &str, t: &Tensor, format: Fp8Format, history: Option<&Tensor>) {
+    let (fused, fused_history) = cast_with(true, t, format, history);
+    let (aten, aten_history) = cast_with(false, t, format, history);
+    let fused_t = fused.transpose.as_ref().expect("a transpose was asked for");
+    assert_eq!(fused.data.kind(), format.kind(), "{what}");
+    assert!(
+        bytes(&fused.data).equal(&bytes(&aten.data)),
+        "{what}: FP8 bytes differ"
+    );
+    assert!(
+        bytes(fused_t).equal(&bytes(aten.transpose.as_ref().unwrap())),
+        "{what}: transposes differ"
+    );
+    assert!(
+        bytes(fused_t).equal(&bytes(&fused.data).tr().contiguous()),
+        "{what}: the transpose is not the data's"
+    );
+    assert!(
+        fused.inverse_scale.equal(&aten.inverse_scale),
+        "{what}: inverse scale {} vs {}",
+        fused.inverse_scale.double_value(&[]),
+        aten.inverse_scale.double_value(&[])
+    );
+    if let (Some(f), Some(a)) = (fused_history, aten_history) {
+        assert!(f.equal(&a), "{what}: history {f} vs {a}");
+        let amax = t.to_kind(Kind::Float).abs().max();
+        assert!(
+            f.get(0).equal(&amax),
+            "{what}: the recorded amax is not max |t|"
+        );
+    }
+}
+
+#[test]
+fn the_fused_fp8_cast_equals_the_aten_composite_bit_for_bit() {
+    let _lock = common::serial();
+    let Some(device) = common::cuda_or_skip("the_fused_fp8_cast_equals_the_aten_composite") else {
+        return;
+    };
+    if let Some(why) = speedkit::kernels::unavailable_reason(device).unwrap() {
+        eprintln!("skipped the_fused_fp8_cast_equals_the_aten_composite: {why}");
+        return;
+    }
+    tch::manual_seed(13);
+    let opts = (Kind::Float, device);
+    // Empty, a history from earlier steps smaller than this tensor's amax (so values saturate),
+    // and one larger.
+    let histories = [
+        None,
+        Some(Tensor::zeros([4], opts)),
+        Some(Tensor::from_slice(&[0.5f32, 2.0, 0.0]).to_device(device)),
+        Some(Tensor::full([16], 1e6, opts)),
+    ];
+    // Full tiles, edge tiles, shapes that are not multiples of 8 or 16, a single element.
+    let shapes = [
+        (256, 512),
+        (192, 64),
+        (100, 70),
+        (130, 24),
+        (17, 33),
+        (1, 1),
+        (64, 1000),
+    ];
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+        for format in [Fp8Format::E4m3, Fp8Format::E5m2] {
+            for (rows, cols) in shapes {
+                for misaligned in [false, true] {
+                    let t = wide_range_matrix(rows, cols, kind, misaligned);
+                    for history in &histories {
+                        let what = format!(
+                            "{kind:?} {format:?} {rows}×{cols} misaligned {misaligned} history {}",
+                            history.as_ref().map_or(0, |h| h.numel())
+                        );
+                        assert_casts_equal(&what, &t, format, history.as_ref());
+                    }
+                }
+            }
+        }
+    }
+    assert_no_cast_fallback();
+}
+
+#[test]
+fn the_fused_fp8_cast_of_an_empty_matrix_records_a_zero_amax() {
+    let _lock = common::serial();
+    let Some(device) = common::cuda_or_skip("the_fused_fp8_cast_of_an_empty_matrix") else {
+        return;
+    };
+    if speedkit::kernels::unavailable_reason(device)
+        .unwrap()
+        .is_some()
+    {
+        return;
+    }
+    for (rows, cols) in [(0, 32), (48, 0), (0, 0)] {
+        let t = Tensor::zeros([rows, cols], (Kind::BFloat16, device));
+        let history = Tensor::from_slice(&[3.0f32, 1.0]).to_device(device);
+        let q = quantize_fp8(&t, Fp8Format::E4m3, Some(&history), true).unwrap();
+        assert_eq!(q.data.size(), [rows, cols]);
+        assert_eq!(q.transpose.unwrap().size(), [cols, rows]);
+        // Scaled from the history's 3.0; the newest entry is this step's amax, 0.
+        let inverse = q.inverse_scale.double_value(&[]);
+        assert!((inverse - 3.0 / 448.0).abs() < 1e-6, "{inverse}");
+        assert_eq!(
+            Vec::<f32>::try_from(&history.to_device(Device::Cpu)).unwrap(),
+            [0.0, 3.0]
+        );
+    }
+}
+
+#[test]
+fn the_fp8_linear_on_the_kernels_equals_the_aten_path() {
+    let _lock = common::serial();
+    let Some(ctx) = fp8_context(
+        "the_fp8_linear_on_the_kernels_equals_the_aten_path",
+        "delayed",
+    ) else {
+        return;
+    };
+    let vs = nn::VarStore::new(Device::Cuda(0));
+    // 240 tokens and 784 outputs: multiples of 16 (FP8 GEMMs) but not of the casts' 64-wide tiles.
+    let layer = Linear::new(&(vs.root() / "fc"), 512, 784, true);
+    let history = || vs.variables()["fc.fp8_amax_history"].copy();
+    let start = history();
+    let mut outputs = Vec::new();
+    for kernels_on in [true, false] {
+        let mut live = vs.variables()["fc.fp8_amax_history"].shallow_clone();
+        live.copy_(&start);
+        let before = speedkit::kernels::set_enabled(kernels_on);
+        let mut last = Vec::new();
+        // Three steps: the first scales from this step's amax, the later ones from the history.
+        for step in 0..3 {
+            tch::manual_seed(step);
+            let x = Tensor::randn([3, 80, 512], (Kind::BFloat16, Device::Cuda(0))) * 4.0;
+            let dy = Tensor::randn([3, 80, 784], (Kind::BFloat16, Device::Cuda(0)));
+            last = Vec::from(run(&ctx, &layer, &x, &dy));
+        }
+        speedkit::kernels::set_enabled(before);
+        last.push(history());
+        outputs.push(last);
+    }
+    // The same FP8 bytes into the same GEMMs: equal. The bias gradient is summed in another order
+    // (the cast's per-tile column sums, then the tiles, against ATen's reduction): fp32 rounding.
+    for (what, (a, b)) in ["y", "dX", "dW", "db", "history"]
+        .iter()
+        .zip(outputs[0].iter().zip(&outputs[1]))
+    {
+        if *what == "db" {
+            let err = common::rel_err(a, b);
+            assert!(err < 1e-6, "db: kernels and ATen differ by {err}");
+        } else {
+            assert!(
+                a.equal(b),
+                "{what}: kernels and ATen differ ({})",
+                common::rel_err(a, b)
+            );
+        }
+    }
+}
+
+/// Linear → GELU → Linear in FP8 (delayed scaling), MSE, AdamW; the parameters after `steps`.
+fn train_fp8(graphed: bool, steps: usize) -> (Vec<f64>, Vec<Tensor>) {
+    let device = Device::Cuda(0);
+    tch::manual_seed(0);
+    let x = Tensor::randn([256, 256], (Kind::Float, device));
+    let target = Tensor::randn([256, 256], (Kind::Float, device));
+    let mut vs = nn::VarStore::new(device);
+    let first = Linear::new(&(vs.root() / "first"), 256, 512, true);
+    let second = Linear::new(&(vs.root() / "second"), 512, 256, true);
+    let config = SpeedConfig::from_yaml_str(&format!(
+        "device: cuda\nprecision: bf16\ncompile: {{enabled: {graphed}}}\n\
+         fp8: {{enabled: true, recipe: delayed, amax_history: 4}}\n"
+    ))
+    .unwrap();
+    let ctx = SpeedContext::new(&config).unwrap();
+    ctx.prepare(&mut vs).unwrap();
+    let mut opt = ctx.adamw(&vs, Default::default()).unwrap();
+    let mut step = |_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
+        let loss = ctx.autocast(|| -> speedkit::Result<Tensor> {
+            let h = first.forward_t(&x)?.gelu("tanh");
+            Ok(second
+                .forward_t(&h)?
+                .to_kind(Kind::Float)
+                .mse_loss(&target, tch::Reduction::Mean))
+        })?;
+        ctx.backward_step(&loss, &mut opt)?;
+        Ok(Some(loss))
+    };
+    let mut losses = Vec::new();
+    if graphed {
+        let mut g = ctx.graphed(&mut step);
+        for _ in 0..steps {
+            losses.push(g.run(&[]).unwrap().unwrap().double_value(&[]));
+        }
+        assert!(
+            g.is_graphed(),
+            "expected a captured graph: {:?}",
+            g.fallback_reason()
+        );
+    } else {
+        for _ in 0..steps {
+            losses.push(step(&[]).unwrap().unwrap().double_value(&[]));
+        }
+    }
+    // By name: the VarStore's map has no stable order of its own.
+    let variables: std::collections::BTreeMap<_, _> = vs.variables().into_iter().collect();
+    let state = variables.values().map(|p| p.detach().copy()).collect();
+    (losses, state)
+}
+
+#[test]
+fn a_graphed_fp8_step_equals_the_eager_step() {
+    let _lock = common::serial();
+    if fp8_context("a_graphed_fp8_step_equals_the_eager_step", "delayed").is_none() {
+        return;
+    }
+    let (eager_losses, eager) = train_fp8(false, 20);
+    let (graphed_losses, graphed) = train_fp8(true, 20);
+    assert!(
+        eager_losses[19] < eager_losses[0],
+        "the loss falls: {eager_losses:?}"
+    );
+    // The same kernels in the same order; 1e-5 as for the bf16 graphed step (tests/gpu_kernels.rs).
+    let last = (graphed_losses[19] - eager_losses[19]).abs() / eager_losses[19];
+    assert!(last < 1e-5, "{eager_losses:?} vs {graphed_losses:?}");
+    // Parameters, and the amax histories the graph's replays recorded on the device.
+    for (e, g) in eager.iter().zip(&graphed) {
+        let err = common::rel_err(g, e);
+        assert!(err < 1e-5, "graphed and eager differ: {err}");
+    }
+    assert_no_cast_fallback();
+}

@@ -50,3 +50,9 @@ fn kernels_do_not_run_on_the_cpu() {
     let why = kernels::unavailable_reason(tch::Device::Cpu).expect("a reason, not an error");
     assert!(why.is_some_and(|w| w.contains("CUDA")));
 }
+
+#[test]
+fn kernel_files_include_the_fp8_cast() {
+    let files = kernels::files().expect("the kernel table is embedded");
+    assert!(files.iter().any(|f| f == "fp8_cast.cuh"), "{files:?}");
+}

@@ -133,3 +133,58 @@ fn nothing_is_noted_while_the_kernels_are_switched_off() {
         "{notes:?}"
     );
 }
+
+// ----- FP8 quantisation (ATen's composite on the CPU; the fused kernel is in gpu_fp8.rs) ---------
+
+#[test]
+fn quantize_fp8_round_trips_within_the_format_and_transposes() {
+    use speedkit::nn::{quantize_fp8, Fp8Format};
+    tch::manual_seed(5);
+    let t = Tensor::randn([48, 40], (Kind::Float, tch::Device::Cpu));
+    for (format, tolerance) in [(Fp8Format::E4m3, 1.0 / 16.0), (Fp8Format::E5m2, 1.0 / 8.0)] {
+        let q = quantize_fp8(&t, format, None, true).unwrap();
+        assert_eq!(q.data.kind(), format.kind());
+        let back = q.data.to_kind(Kind::Float) * &q.inverse_scale;
+        // Each element within half an FP8 step of itself (relative), or of the smallest normal.
+        let err = (&back - &t).abs() - t.abs() * tolerance;
+        assert!(err.max().double_value(&[]) < 1e-2, "{format:?}");
+        let transpose = q.transpose.unwrap().to_kind(Kind::Float);
+        assert!(transpose.equal(&q.data.to_kind(Kind::Float).tr()));
+        // The largest magnitude lands on the format's largest value.
+        let top = q.data.to_kind(Kind::Float).abs().max().double_value(&[]);
+        assert_eq!(top, format.max());
+    }
+}
+
+#[test]
+fn quantize_fp8_with_a_history_scales_from_it_and_records_the_amax() {
+    use speedkit::nn::{quantize_fp8, Fp8Format};
+    let t = Tensor::from_slice(&[1.0f32, -3.0, 0.5, 2.0]).view([2, 2]);
+    let history = Tensor::from_slice(&[0.0f32, 1.5, 0.0]);
+    let q = quantize_fp8(&t, Fp8Format::E4m3, Some(&history), false).unwrap();
+    assert!(q.transpose.is_none());
+    // Scaled from the history's 1.5: -3 saturates at -448; 1.5 / 448 back.
+    let scale = (1.0f32 / 1.5) * 448.0;
+    assert_eq!(q.inverse_scale.double_value(&[]), f64::from(1.0 / scale));
+    assert_eq!(q.data.to_kind(Kind::Float).double_value(&[0, 1]), -448.0);
+    assert_eq!(Vec::<f32>::try_from(&history).unwrap(), [3.0, 0.0, 1.5]);
+}
+
+#[test]
+fn quantize_fp8_rejects_bad_input_and_changes_nothing() {
+    use speedkit::nn::{quantize_fp8, Fp8Format, MAX_AMAX_HISTORY};
+    let cpu = tch::Device::Cpu;
+    let history = Tensor::from_slice(&[2.0f32, 1.0]);
+    for (t, why) in [
+        (Tensor::ones([2, 3, 4], (Kind::Float, cpu)), "3-d"),
+        (Tensor::ones([4, 4], (Kind::Int64, cpu)), "Int64"),
+    ] {
+        let err = quantize_fp8(&t, Fp8Format::E4m3, Some(&history), true).unwrap_err();
+        assert!(err.to_string().contains(why), "{err}");
+    }
+    let long = Tensor::zeros([MAX_AMAX_HISTORY + 1], (Kind::Float, cpu));
+    let t = Tensor::ones([4, 4], (Kind::Float, cpu));
+    let err = quantize_fp8(&t, Fp8Format::E5m2, Some(&long), false).unwrap_err();
+    assert!(err.to_string().contains("1025 entries"), "{err}");
+    assert_eq!(Vec::<f32>::try_from(&history).unwrap(), [2.0, 1.0]);
+}

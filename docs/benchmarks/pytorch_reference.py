@@ -1,13 +1,15 @@
 """The reference workloads of this repository (workloads/) in PyTorch, timed with speedkit's protocol.
 
 speedkit's figures mean something only next to the same work done the usual way, on the same
-machine, in the same session. This script trains `transformer`, `linear3`, `mlp` and `resnet`
-exactly as the workloads define them, in PyTorch eager with AMP bf16 and fused AdamW; with
+machine, in the same session. This script trains `transformer`, `linear3`, `mlp`, `resnet` and
+`mlp_block` exactly as the workloads define them, in PyTorch eager with AMP bf16 and fused AdamW; with
 --compile also under torch.compile's default and `reduce-overhead` modes (the loss computed
 inside the compiled model, as the strongest PyTorch user would write it); with --graph also as
 one whole-step CUDA graph of the eager kernels (forward, backward and optimizer captured with
 torch.cuda.graph: what speedkit's graph mode does, so the two show the same kernels' cost).
-`resnet` runs channels-last. Each step is timed between CUDA events with a device
+`resnet` runs channels-last. With --torchao-fp8 also torchao's FP8 training (`Float8Linear` on
+every nn.Linear, tensorwise dynamic scaling, under torch.compile's default mode: the peer of
+speedkit's `fp8` config; torchao is not in requirements-torch.txt, install it beside torch). Each step is timed between CUDA events with a device
 synchronisation after every step (10 warm-up + 50 timed steps unless --warmup/--steps say
 otherwise; median/p10/p90 by nearest rank, as speedkit computes them).
 
@@ -18,6 +20,7 @@ allocated during the timed steps alone is reported apart as `steady_peak_allocat
 
     python3 docs/benchmarks/pytorch_reference.py [--compile] [--graph] [--only NAME,...]
         [--warmup N] [--steps N] [--no-paranoid-sync] [--json FILE] [--json-lines] [--profile]
+        [--torchao-fp8]
 
 --json-lines prints one JSON object per line on stdout (the environment first, then one per
 row as it finishes) and the human-readable lines on stderr: this is how the speedkit runner's
@@ -53,7 +56,7 @@ except ImportError as error:
           "`pip install -r requirements-torch.txt`", file=sys.stderr)
     sys.exit(4)
 
-WORKLOADS = ("transformer", "linear3", "mlp", "resnet")
+WORKLOADS = ("transformer", "linear3", "mlp", "resnet", "mlp_block")
 
 
 class Block(nn.Module):
@@ -97,6 +100,21 @@ class Linear3(nn.Module):
 
     def forward(self, x, target):
         return F.mse_loss(self.layers(x), target)
+
+
+class MlpBlock(nn.Module):
+    """speedkit's mlp_block: LayerNorm → Linear(4096, 16384) → GELU (tanh) → Linear(16384, 4096) →
+    residual, MSE against a target."""
+
+    def __init__(self, width=4096, hidden=16384):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+
+    def forward(self, x, target):
+        y = x + self.fc2(F.gelu(self.fc1(self.norm(x)), approximate="tanh"))
+        return F.mse_loss(y, target)
 
 
 class Mlp(nn.Module):
@@ -193,6 +211,11 @@ def workload(name, device, size="bench"):
         batch = (torch.randn(rows, width, device=device), torch.randn(rows, width, device=device))
         flops = 3 * 3 * 2 * rows * width**2
         items = (rows, "samples")
+    elif name == "mlp_block" and size != "tiny":
+        model = MlpBlock()
+        batch = (torch.randn(16384, 4096, device=device), torch.randn(16384, 4096, device=device))
+        flops = 12 * 16384 * 4096 * 16384
+        items = (16384, "tokens")
     elif name == "mlp":
         c = TINY[name] if size == "tiny" else dict(inputs=512, hidden=1024, classes=10, batch=256)
         model = Mlp(c["inputs"], c["hidden"], c["classes"])
@@ -315,11 +338,21 @@ def profile_transformer(device):
                 print(f"attention {backend.name}: {e}".splitlines()[0])
 
 
+def to_float8(model):
+    """torchao's FP8 training (Float8Linear, tensorwise dynamic scaling) on every nn.Linear."""
+    from torchao.float8 import convert_to_float8_training
+    return convert_to_float8_training(model)
+
+
 def measure(name, mode, device, warmup, steps, sync_every_step=True):
     model, batch, flops, _ = workload(name, device)
+    # "torchao-fp8": torchao's Float8Linear under torch.compile (default mode), as torchao advises.
+    compile_mode = mode
+    if mode == "torchao-fp8":
+        model, compile_mode = to_float8(model), "default"
     # Before the optimizer exists: its state, compilation and graph capture count in the peaks.
     start_memory()
-    times, memory = time_steps(train_step(model, batch, mode), warmup, steps, sync_every_step)
+    times, memory = time_steps(train_step(model, batch, compile_mode), warmup, steps, sync_every_step)
     median, p10, p90 = summary(times)
     return dict(workload=name, mode=mode, median_ms=median, p10_ms=p10, p90_ms=p90,
                 tflops=flops / median / 1e9, times_ms=times, memory=memory)
@@ -423,6 +456,8 @@ def main():
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--graph", action="store_true")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--torchao-fp8", action="store_true",
+                        help="also time torchao's Float8Linear with torch.compile (needs torchao)")
     parser.add_argument("--only", help="comma-separated workloads (others are skipped with a note)")
     parser.add_argument("--size", default="bench")
     parser.add_argument("--warmup", type=int, default=10)
@@ -461,7 +496,8 @@ def main():
         profile_transformer(device)
     results = []
     modes = (["eager"] + (["graph"] if args.graph else [])
-             + (["default", "reduce-overhead"] if args.compile else []))
+             + (["default", "reduce-overhead"] if args.compile else [])
+             + (["torchao-fp8"] if args.torchao_fp8 else []))
     for name in names:
         for mode in modes:
             try:
@@ -473,7 +509,7 @@ def main():
             print(describe(row), file=human, flush=True)
             if args.json_lines:
                 print(json.dumps(row), flush=True)
-            if mode in ("default", "reduce-overhead"):
+            if mode in ("default", "reduce-overhead", "torchao-fp8"):
                 torch._dynamo.reset()  # frees compiled graphs and their CUDA-graph pools
             torch.cuda.empty_cache()
     if args.json:

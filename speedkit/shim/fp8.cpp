@@ -8,6 +8,10 @@
 // and then records this step's amax in it. Both stay on the device: no host synchronisation, so a
 // step using them can be captured in a CUDA graph. Values beyond the delayed scale saturate at
 // FP8_MAX instead of overflowing to NaN.
+//
+// The casts run on speedkit's kernels (kernels/fp8_cast.cuh) where the caller allows it and they take
+// the tensor: one pass writes q, its transpose (what the backward GEMMs take) and the amax, and the
+// gradient's cast also gives the bias gradient. ATen's composite (same bytes) is the path otherwise.
 #include "shim.h"
 
 #include <ATen/ATen.h>
@@ -15,7 +19,19 @@
 #include <torch/autograd.h>
 
 #include <cmath>
+#include <cstring>
+#include <string>
 #include <utility>
+
+#if SK_WITH_CUDA
+#include "fp8_cast.cuh"
+#else
+namespace sk::kernels::fp8_cast {
+struct Quantized {
+  at::Tensor data, transpose, inverse_scale, column_sums;
+};
+}  // namespace sk::kernels::fp8_cast
+#endif
 
 namespace {
 
@@ -25,13 +41,13 @@ using torch::autograd::variable_list;
 constexpr double E4M3_MAX = 448.0;
 constexpr double E5M2_MAX = 57344.0;
 
-struct Quantized {
-  at::Tensor data;         // FP8, same shape as the input
-  at::Tensor inverse_scale; // fp32 scalar: data · inverse_scale ≈ the input
-};
+using Quantized = sk::kernels::fp8_cast::Quantized;
 
-// One pass for amax (an ∞-norm reduction), one for scale-and-saturate, one for the cast.
-Quantized quantize(const at::Tensor& t, at::ScalarType fp8, double fp8_max, const at::Tensor& history) {
+// ATen's composite, the path wherever the kernels do not run: one pass for amax (an ∞-norm
+// reduction), then scale, saturate and cast in fp32 (so that its bytes equal the kernel's), and a
+// transposed copy when asked for.
+Quantized quantize_aten(const at::Tensor& t, at::ScalarType fp8, double fp8_max, const at::Tensor& history,
+                        bool transpose) {
   at::Tensor amax = at::linalg_vector_norm(t, INFINITY, at::OptionalIntArrayRef{}, false, at::kFloat);
   at::Tensor scale_from = amax;
   if (history.numel() > 0) {
@@ -41,35 +57,67 @@ Quantized quantize(const at::Tensor& t, at::ScalarType fp8, double fp8_max, cons
     history.select(0, 0).copy_(amax);
   }
   at::Tensor scale = at::reciprocal(scale_from.clamp_min(1e-12)).mul_(fp8_max);
-  at::Tensor q = t.mul(scale.to(t.scalar_type())).clamp_(-fp8_max, fp8_max).to(fp8);
-  return {q, at::reciprocal(scale)};
+  at::Tensor q = t.to(at::kFloat).mul(scale).clamp_(-fp8_max, fp8_max).to(fp8);
+  return {q, transpose ? q.t().contiguous() : at::Tensor(), at::reciprocal(scale), at::Tensor()};
+}
+
+// Why the fused kernels (kernels/fp8_cast.cuh) cannot cast `t`, or an empty string when they can.
+std::string kernel_unsupported(const at::Tensor& t, const at::Tensor& history) {
+#if SK_WITH_CUDA
+  return sk::kernels::fp8_cast::unsupported(t, history);
+#else
+  (void)t; (void)history;
+  return "speedkit was built without CUDA";
+#endif
+}
+
+// t [rows, cols] in FP8 with its inverse scale, and its transpose when `transpose`: through the fused
+// kernels when `kernels` is set and they take t, else through ATen's composite (the same bytes).
+// The kernels also give t's column sums when `column_sums` (ATen's composite leaves them undefined).
+Quantized quantize(const at::Tensor& t, at::ScalarType fp8, double fp8_max, const at::Tensor& history,
+                   bool transpose, bool kernels, bool column_sums = false) {
+#if SK_WITH_CUDA
+  if (kernels && kernel_unsupported(t, history).empty())
+    return sk::kernels::fp8_cast::cast(t, fp8, history, transpose, column_sums);
+#else
+  (void)column_sums;
+#endif
+  return quantize_aten(t, fp8, fp8_max, history, transpose);
 }
 
 // Autograd's Function::apply needs every tensor argument defined (it records each one's device), so
 // "none" crosses as an empty tensor: no bias, or no history (dynamic scaling).
 at::Tensor none_like(const at::Tensor& x) { return at::empty({0}, x.options().dtype(at::kFloat)); }
 
+// What the caller decided for this call: run the casts on the kernels; a backward will follow (so
+// the casts also write the transposes the backward GEMMs take).
+enum Options : int64_t { kKernels = 1, kBackward = 2 };
+
 struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& bias, const at::Tensor& x_history,
                             const at::Tensor& w_history, const at::Tensor& g_history,
-                            int64_t out_dtype) {
+                            int64_t out_dtype, int64_t options) {
     // The GEMM dtypes are chosen here; autocast must not re-cast the FP8 operands.
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const auto out_type = static_cast<at::ScalarType>(out_dtype);
+    const bool kernels = options & kKernels, backward = options & kBackward;
     const int64_t in_features = weight.size(1);
-    const at::Tensor x2 = x.reshape({-1, in_features});
-    Quantized xq = quantize(x2, at::kFloat8_e4m3fn, E4M3_MAX, x_history);
-    Quantized wq = quantize(weight, at::kFloat8_e4m3fn, E4M3_MAX, w_history);
+    const at::Tensor x2 = x.reshape({-1, in_features}).contiguous();
+    Quantized xq = quantize(x2, at::kFloat8_e4m3fn, E4M3_MAX, x_history, backward, kernels);
+    Quantized wq = quantize(weight.contiguous(), at::kFloat8_e4m3fn, E4M3_MAX, w_history, backward, kernels);
     std::optional<at::Tensor> b;
     if (bias.numel() > 0) b = bias.to(out_type);
     // _scaled_mm wants its second operand column-major: wq (out, in) row-major is exactly Wᵀ so.
     at::Tensor y = at::_scaled_mm(xq.data, wq.data.t(), xq.inverse_scale, wq.inverse_scale, b,
                                   std::nullopt, out_type, /*use_fast_accum=*/true);
-    ctx->save_for_backward({xq.data, wq.data, xq.inverse_scale, wq.inverse_scale});
+    // The backward GEMMs take Xᵀ and Wᵀ (row-major), which the casts wrote: X and W themselves are
+    // not kept.
+    ctx->save_for_backward({xq.transpose, wq.transpose, xq.inverse_scale, wq.inverse_scale});
     // Not saved as tensors: the backward writes to it, which would trip autograd's version check.
     ctx->saved_data["g_history"] = g_history;
     ctx->saved_data["has_bias"] = bias.numel() > 0;
+    ctx->saved_data["kernels"] = kernels;
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
     std::vector<int64_t> out_sizes = x.sizes().vec();
@@ -80,26 +128,34 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor& xq = saved[0];
-    const at::Tensor& wq = saved[1];
+    const at::Tensor& xt = saved[0];
+    const at::Tensor& wt = saved[1];
     const at::Tensor& x_inverse = saved[2];
     const at::Tensor& w_inverse = saved[3];
+    TORCH_CHECK(xt.defined() && wt.defined(),
+                "speedkit FP8 Linear: backward through a forward that ran without gradients");
     const auto x_dtype = static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt());
-    const at::Tensor g = grad_outputs[0].reshape({-1, wq.size(0)}).contiguous();
-    Quantized gq = quantize(g, at::kFloat8_e5m2, E5M2_MAX, ctx->saved_data["g_history"].toTensor());
+    const at::Tensor g = grad_outputs[0].reshape({-1, wt.size(1)}).contiguous();
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    // The bias gradient (G's column sums) comes out of the kernel's cast of G, which reads G anyway.
+    Quantized gq = quantize(g, at::kFloat8_e5m2, E5M2_MAX, ctx->saved_data["g_history"].toTensor(),
+                            /*transpose=*/true, ctx->saved_data["kernels"].toBool(), has_bias);
     // dX = G W: W as the column-major (out, in) operand is Wᵀ laid out row-major.
-    at::Tensor wt = wq.t().contiguous();
-    at::Tensor dx = at::_scaled_mm(gq.data, wt.t(), gq.inverse_scale, w_inverse, std::nullopt,
-                                   std::nullopt, x_dtype, /*use_fast_accum=*/false);
-    // dW = Gᵀ X, in fp32 for the fp32 master weights.
-    at::Tensor gt = gq.data.t().contiguous();
-    at::Tensor xt = xq.t().contiguous();
-    at::Tensor dw = at::_scaled_mm(gt, xt.t(), gq.inverse_scale, x_inverse, std::nullopt, std::nullopt,
-                                   at::kFloat, /*use_fast_accum=*/false);
+    at::Tensor dx;
+    if (ctx->needs_input_grad(0)) {
+      dx = at::_scaled_mm(gq.data, wt.t(), gq.inverse_scale, w_inverse, std::nullopt, std::nullopt, x_dtype,
+                          /*use_fast_accum=*/false)
+               .view(ctx->saved_data["x_sizes"].toIntVector());
+    }
+    // dW = Gᵀ X, in fp32 for the fp32 master weights: X as the column-major operand is Xᵀ row-major.
+    at::Tensor dw;
+    if (ctx->needs_input_grad(1)) {
+      dw = at::_scaled_mm(gq.transpose, xt.t(), gq.inverse_scale, x_inverse, std::nullopt, std::nullopt,
+                          at::kFloat, /*use_fast_accum=*/false);
+    }
     at::Tensor db;
-    if (ctx->saved_data["has_bias"].toBool()) db = g.sum(0, false, at::kFloat);
-    return {dx.view(ctx->saved_data["x_sizes"].toIntVector()), dw, db, at::Tensor(), at::Tensor(),
-            at::Tensor(), at::Tensor()};
+    if (has_bias) db = gq.column_sums.defined() ? gq.column_sums : g.sum(0, false, at::kFloat);
+    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -110,12 +166,41 @@ at::Tensor or_none(at::Tensor* t, const at::Tensor& x) { return t == nullptr ? n
 extern "C" {
 
 // `histories` are the delayed recipe's amax histories (fp32, 1-d) of x, W and the output gradient,
-// or all null for the dynamic recipe. `bias` may be null.
+// or all null for the dynamic recipe. `bias` may be null. `use_kernels`: cast on speedkit's kernels
+// where they take the tensor (the caller has checked that they run on this device).
 int sk_fp8_linear(at::Tensor* x, at::Tensor* weight, at::Tensor* bias, at::Tensor* x_history,
-                  at::Tensor* w_history, at::Tensor* g_history, int out_dtype, at::Tensor** out) {
-  SK_TRY(*out = new at::Tensor(Fp8LinearFunction::apply(
-             *x, *weight, or_none(bias, *x), or_none(x_history, *x), or_none(w_history, *x),
-             or_none(g_history, *x), static_cast<int64_t>(out_dtype))))
+                  at::Tensor* w_history, at::Tensor* g_history, int out_dtype, int use_kernels,
+                  at::Tensor** out) {
+  SK_TRY({
+    const bool backward = at::GradMode::is_enabled() && (x->requires_grad() || weight->requires_grad());
+    const int64_t options = (use_kernels ? kKernels : 0) | (backward ? kBackward : 0);
+    *out = new at::Tensor(Fp8LinearFunction::apply(*x, *weight, or_none(bias, *x), or_none(x_history, *x),
+                                                   or_none(w_history, *x), or_none(g_history, *x),
+                                                   static_cast<int64_t>(out_dtype), options));
+  })
+}
+
+// t (2-d) in FP8: `format` 0 = e4m3, 1 = e5m2; `history` the delayed recipe's (recording t's amax)
+// or null for dynamic scaling; `*transposed` receives tᵀ in FP8 when `transpose`, else null. Through
+// the kernels when `use_kernels` and they take t, else through ATen's composite. `*reason` (may be
+// null) receives why the kernels did not run, empty when they did.
+int sk_fp8_quantize(at::Tensor* t, int format, at::Tensor* history, int transpose, int use_kernels,
+                    at::Tensor** data, at::Tensor** transposed, at::Tensor** inverse_scale, char* reason,
+                    int capacity) {
+  SK_TRY({
+    const bool e5m2 = format == 1;
+    const at::Tensor h = history == nullptr ? at::Tensor() : *history;
+    std::string why = use_kernels ? kernel_unsupported(*t, h) : "not asked to";
+    Quantized q = quantize(*t, e5m2 ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn, e5m2 ? E5M2_MAX : E4M3_MAX,
+                           h.defined() ? h : none_like(*t), transpose != 0, use_kernels != 0);
+    if (reason != nullptr && capacity > 0) {
+      std::strncpy(reason, why.c_str(), static_cast<size_t>(capacity) - 1);
+      reason[capacity - 1] = '\0';
+    }
+    *data = new at::Tensor(q.data);
+    *transposed = q.transpose.defined() ? new at::Tensor(q.transpose) : nullptr;
+    *inverse_scale = new at::Tensor(q.inverse_scale);
+  })
 }
 
 }  // extern "C"

@@ -53,7 +53,20 @@ extern "C" {
         w_history: *mut C_tensor,
         g_history: *mut C_tensor,
         out_dtype: c_int,
+        use_kernels: c_int,
         out: *mut *mut C_tensor,
+    ) -> c_int;
+    fn sk_fp8_quantize(
+        t: *mut C_tensor,
+        format: c_int,
+        history: *mut C_tensor,
+        transpose: c_int,
+        use_kernels: c_int,
+        data: *mut *mut C_tensor,
+        transposed: *mut *mut C_tensor,
+        inverse_scale: *mut *mut C_tensor,
+        reason: *mut c_char,
+        capacity: c_int,
     ) -> c_int;
 
     fn sk_autocast_get(device_type: c_int, enabled: *mut c_int, dtype: *mut c_int) -> c_int;
@@ -655,13 +668,15 @@ pub(crate) fn is_channels_last(tensor: &Tensor) -> Result<bool, SpeedkitError> {
 // ----- fp8 -----------------------------------------------------------------------------------------
 
 /// `x Wᵀ + b` through the shim's FP8 autograd function; `histories` (x, W, grad) for the delayed
-/// recipe, `None` for dynamic scaling. `out_dtype` is a c10 ScalarType code.
+/// recipe, `None` for dynamic scaling. `out_dtype` is a c10 ScalarType code. `use_kernels`: cast
+/// on speedkit's kernels where they take the tensor (the caller has checked they run on the device).
 pub(crate) fn fp8_linear(
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
     histories: Option<[&Tensor; 3]>,
     out_dtype: i32,
+    use_kernels: bool,
 ) -> Result<Tensor, SpeedkitError> {
     let optional = |t: Option<&Tensor>| t.map_or(ptr::null_mut(), handle);
     let [hx, hw, hg] = histories.map_or([ptr::null_mut(); 3], |h| h.map(handle));
@@ -676,11 +691,53 @@ pub(crate) fn fp8_linear(
             hw,
             hg,
             out_dtype,
+            c_int::from(use_kernels),
             &mut out,
         )
     })?;
     // SAFETY: `out` is a fresh heap `at::Tensor*` from the shim.
     Ok(unsafe { Tensor::from_ptr(out) })
+}
+
+/// The shim's FP8 cast: (data, transpose, inverse scale, why the kernels did not run or empty).
+/// `format` 0 = e4m3, 1 = e5m2; `history` for the delayed recipe (it records t's amax).
+pub(crate) fn fp8_quantize(
+    t: &Tensor,
+    format: i32,
+    history: Option<&Tensor>,
+    transpose: bool,
+    use_kernels: bool,
+) -> Result<(Tensor, Option<Tensor>, Tensor, String), SpeedkitError> {
+    let (mut data, mut transposed, mut inverse) =
+        (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
+    let mut reason = [0 as c_char; 512];
+    // SAFETY: live handles (history may be null); the out-pointers receive fresh tensors (the
+    // transpose null when not asked for); `reason` is a writable buffer of the capacity passed.
+    check(unsafe {
+        sk_fp8_quantize(
+            handle(t),
+            format,
+            history.map_or(ptr::null_mut(), handle),
+            c_int::from(transpose),
+            c_int::from(use_kernels),
+            &mut data,
+            &mut transposed,
+            &mut inverse,
+            reason.as_mut_ptr(),
+            reason.len() as c_int,
+        )
+    })?;
+    // SAFETY: fresh heap `at::Tensor*`s from the shim; `reason` is NUL-terminated by it.
+    unsafe {
+        Ok((
+            Tensor::from_ptr(data),
+            (!transposed.is_null()).then(|| Tensor::from_ptr(transposed)),
+            Tensor::from_ptr(inverse),
+            CStr::from_ptr(reason.as_ptr())
+                .to_string_lossy()
+                .into_owned(),
+        ))
+    }
 }
 
 // ----- step profiler, NVTX, autograd graph -------------------------------------------------------

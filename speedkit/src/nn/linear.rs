@@ -82,6 +82,7 @@ impl Linear {
                     self.bs.as_ref(),
                     h,
                     kind_code(out),
+                    super::fp8::kernels_run_on(x.device()),
                 )?)
             }
             Err(reason) => {

@@ -1,0 +1,372 @@
+// Casts to FP8 for speedkit::nn::Linear's FP8 GEMMs (shim/fp8.cpp): q = saturate(t · s) in e4m3 or
+// e5m2 with a per-tensor scale s = FP8_MAX / amax, and, when asked, qᵀ, which the backward GEMMs
+// take as their column-major operands (instead of a transposed copy of q).
+//
+// The scale never leaves the device. `dynamic` scaling needs this step's amax before the cast, so it
+// takes two passes over t: fp8_amax (a max reduction into a device fp32 slot), then the cast, which
+// computes s from that slot. `delayed` scaling (Transformer Engine's recipe) takes s from the largest
+// amax of the last steps' history, so one pass both casts and records this step's amax into the
+// history's newest entry: fp8_history_roll first shifts the history by one and leaves the past
+// maximum in a slot; fp8_amax still launches but returns at once unless the history is all zero
+// (the first step), when the scale falls back to this step's amax as in the dynamic recipe.
+//
+// The arithmetic is ATen's composite op for op: scale = (1 / max(amax, 1e-12)) · FP8_MAX in fp32,
+// q = fp8(clamp(float(t) · scale, ±FP8_MAX)) rounded to nearest even, 1 / scale for _scaled_mm; so
+// the kernel's bytes equal the composite's bit for bit. The amax is the largest |t| compared as the
+// bit patterns of non-negative floats, which orders them like the floats, lets NaN win like ATen's
+// max does, and makes the result independent of the order the blocks finish in.
+//
+// The cast works on 64 × 64 tiles: 16-byte loads along the rows where the row length and the
+// pointer allow it, the FP8 bytes written row-major from registers and kept in shared memory, from
+// where the transposed tile is written with 8-byte stores. Edge tiles go element by element.
+//
+// The device part below is compiled by NVRTC (shim/kernels.cpp); the host part at the end, the
+// launchers, is compiled into the shim by the host compiler.
+#ifdef __CUDACC_RTC__
+#include "common.cuh"
+
+#include <cuda_fp8.h>
+
+namespace sk {
+
+constexpr int kFp8Tile = 64;
+constexpr int kFp8Threads = 256;
+// Shared-memory row stride of a tile in bytes: 68 = 17 words, so a column read spreads over banks.
+constexpr int kFp8TileStride = kFp8Tile + 4;
+
+struct E4m3 {
+  static constexpr __nv_fp8_interpretation_t kind = __NV_E4M3;
+  static constexpr float max = 448.f;
+};
+struct E5m2 {
+  static constexpr __nv_fp8_interpretation_t kind = __NV_E5M2;
+  static constexpr float max = 57344.f;
+};
+
+typedef unsigned long long u64;
+
+__device__ __forceinline__ unsigned magnitude_bits(float v) { return __float_as_uint(fabsf(v)); }
+
+__device__ __forceinline__ unsigned warp_max_bits(unsigned v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// The block's largest value, valid in thread 0. Every thread of the block must call it.
+__device__ unsigned block_max_bits(unsigned v) {
+  __shared__ unsigned partial[32];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  v = warp_max_bits(v);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  if (warp == 0) v = warp_max_bits(lane < static_cast<int>((blockDim.x + 31) / 32) ? partial[lane] : 0u);
+  return v;
+}
+
+__device__ __forceinline__ void record_max(unsigned local, float* slot) {
+  const unsigned block = block_max_bits(local);
+  if (threadIdx.x == 0 && block != 0u) atomicMax(reinterpret_cast<unsigned*>(slot), block);
+}
+
+// FP8_MAX / amax as ATen's composite computes it; `past` (the history's maximum) wins when positive.
+// A NaN amax passes through the lower bound, as it does through clamp_min.
+__device__ __forceinline__ float fp8_scale(const float* amax, const float* past, float fp8_max) {
+  float from = (past != nullptr && *past > 0.f) ? *past : *amax;
+  if (from < 1e-12f) from = 1e-12f;
+  return (1.f / from) * fp8_max;
+}
+
+template <typename F>
+__device__ __forceinline__ unsigned char to_fp8(float v, float scale) {
+  // Saturating, round-to-nearest-even: the same bytes as clamp(v · scale, ±max) then the cast.
+  return static_cast<unsigned char>(__nv_cvt_float_to_fp8(v * scale, __NV_SATFINITE, F::kind));
+}
+
+// Largest |x| over n elements into *slot (non-negative fp32, zero or an earlier maximum before the
+// launch). With `skip_if_positive` set and positive, the launch does nothing.
+template <typename T>
+__device__ void fp8_amax(const T* __restrict__ x, long long n, float* slot, const float* skip_if_positive,
+                         int vector_ok) {
+  if (skip_if_positive != nullptr && *skip_if_positive > 0.f) return;
+  constexpr int kVec = 16 / sizeof(T);
+  const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  unsigned local = 0u;
+  long long done = 0;
+  if (vector_ok) {
+    const long long vectors = n / kVec;
+    for (long long v = first; v < vectors; v += stride) {
+      const uint4 raw = reinterpret_cast<const uint4*>(x)[v];
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) local = max(local, magnitude_bits(to_float(e[i])));
+    }
+    done = vectors * kVec;
+  }
+  for (long long i = done + first; i < n; i += stride) local = max(local, magnitude_bits(to_float(x[i])));
+  record_max(local, slot);
+}
+
+// One 64 × 64 tile of x [rows, cols] per block: q = fp8(x · scale) into q [rows, cols] and, when
+// qt is given, into qt [cols, rows]; this tile's amax into *amax_out when that is given; and, when
+// column_partials is given, the tile's column sums of x into its row blockIdx.y ([row tiles, cols]
+// fp32, summed by fp8_column_sum). Block 0 writes 1 / scale to *inverse_out. `vector_ok`: x is
+// 16-byte aligned and cols a multiple of the 16-byte vector (so every row starts aligned).
+template <typename T, typename F>
+__device__ void fp8_cast_transpose(const T* __restrict__ x, long long rows, long long cols, const float* amax,
+                                   const float* past, float* amax_out, float* inverse_out,
+                                   unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
+                                   float* __restrict__ column_partials, int vector_ok) {
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kPerRow = kFp8Tile / kVec;                 // threads across a tile row
+  constexpr int kRowsPerPass = kFp8Threads / kPerRow;      // 32 (16-bit types) or 16 (fp32)
+  constexpr int kPasses = kFp8Tile / kRowsPerPass;
+  __shared__ unsigned char tile[kFp8Tile][kFp8TileStride];
+  // Column sums, one row per group of threads that share columns, added in a fixed order at the end.
+  __shared__ float sums[kRowsPerPass][kFp8Tile];
+  const float scale = fp8_scale(amax, past, F::max);
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *inverse_out = 1.f / scale;
+  const long long r0 = static_cast<long long>(blockIdx.y) * kFp8Tile;
+  const long long c0 = static_cast<long long>(blockIdx.x) * kFp8Tile;
+  const bool full = vector_ok && r0 + kFp8Tile <= rows && c0 + kFp8Tile <= cols;
+  unsigned local = 0u;
+  int groups;
+  if (full) {
+    groups = kRowsPerPass;
+    const int c = (threadIdx.x % kPerRow) * kVec;
+    const int r = threadIdx.x / kPerRow;
+    // Every load issued before any is used: more bytes in flight per thread.
+    uint4 raw[kPasses];
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p)
+      raw[p] = *reinterpret_cast<const uint4*>(x + (r0 + r + p * kRowsPerPass) * cols + c0 + c);
+    float column[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) column[i] = 0.f;
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      const int row = r + p * kRowsPerPass;
+      const T* e = reinterpret_cast<const T*>(&raw[p]);
+      u64 packed = 0;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        const float v = to_float(e[i]);
+        column[i] += v;
+        local = max(local, magnitude_bits(v));
+        const unsigned char b = to_fp8<F>(v, scale);
+        tile[row][c + i] = b;
+        packed |= static_cast<u64>(b) << (8 * i);
+      }
+      unsigned char* out = q + (r0 + row) * cols + c0 + c;
+      if (kVec == 8) {
+        *reinterpret_cast<u64*>(out) = packed;
+      } else {
+        *reinterpret_cast<unsigned*>(out) = static_cast<unsigned>(packed);
+      }
+    }
+    if (column_partials != nullptr) {
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) sums[r][c + i] = column[i];
+    }
+  } else {
+    // Thread t always has column t % 64 (256 threads stride a 64-wide tile) and rows t / 64 + 4k.
+    groups = kFp8Threads / kFp8Tile;
+    float column = 0.f;
+    for (int i = threadIdx.x; i < kFp8Tile * kFp8Tile; i += kFp8Threads) {
+      const int r = i / kFp8Tile, c = i % kFp8Tile;
+      if (r0 + r >= rows || c0 + c >= cols) continue;
+      const long long offset = (r0 + r) * cols + c0 + c;
+      const float v = to_float(x[offset]);
+      column += v;
+      local = max(local, magnitude_bits(v));
+      const unsigned char b = to_fp8<F>(v, scale);
+      tile[r][c] = b;
+      q[offset] = b;
+    }
+    if (column_partials != nullptr) sums[threadIdx.x / kFp8Tile][threadIdx.x % kFp8Tile] = column;
+  }
+  if (amax_out != nullptr) record_max(local, amax_out);
+  if (qt == nullptr && column_partials == nullptr) return;
+  __syncthreads();
+  if (column_partials != nullptr && threadIdx.x < kFp8Tile && c0 + threadIdx.x < cols) {
+    float total = 0.f;
+    for (int g = 0; g < groups; ++g) total += sums[g][threadIdx.x];
+    column_partials[blockIdx.y * cols + c0 + threadIdx.x] = total;
+  }
+  if (qt == nullptr) return;
+  if (full && rows % 8 == 0) {
+    // Thread t writes rows 8·(t % 8) … +7 of the tile's column t / 8 (and t / 8 + 32) as 8 bytes.
+    const int r = (threadIdx.x % 8) * 8;
+    for (int c = threadIdx.x / 8; c < kFp8Tile; c += kFp8Threads / 8) {
+      u64 packed = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) packed |= static_cast<u64>(tile[r + i][c]) << (8 * i);
+      *reinterpret_cast<u64*>(qt + (c0 + c) * rows + r0 + r) = packed;
+    }
+  } else {
+    for (int i = threadIdx.x; i < kFp8Tile * kFp8Tile; i += kFp8Threads) {
+      const int c = i / kFp8Tile, r = i % kFp8Tile;
+      if (r0 + r < rows && c0 + c < cols) qt[(c0 + c) * rows + r0 + r] = tile[r][c];
+    }
+  }
+}
+
+}  // namespace sk
+
+// The delayed recipe's history step, one block of up to 1024 threads (length <= 1024): *past =
+// max(history), then history = [0, history[0 .. length-1]] (the newest entry, about to receive this
+// step's amax, first).
+extern "C" __global__ void fp8_history_roll(float* history, int length, float* past) {
+  const int i = threadIdx.x;
+  const float v = i < length ? history[i] : 0.f;
+  const unsigned largest = sk::block_max_bits(i < length ? __float_as_uint(v) : 0u);
+  if (i == 0) *past = __uint_as_float(largest);
+  __syncthreads();
+  if (i + 1 < length) history[i + 1] = v;
+  if (i == 0) history[0] = 0.f;
+}
+
+// out[c] = Σ_g partials[g, c] over the cast's row tiles, in a fixed order: the column sums of x
+// (the bias gradient when x is the output gradient) without a second pass over x.
+extern "C" __global__ void fp8_column_sum(const float* partials, int groups, long long cols, float* out) {
+  const long long c = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float total = 0.f;
+  for (int g = 0; g < groups; ++g) total += partials[g * cols + c];
+  out[c] = total;
+}
+
+// fp8_amax_<x>, fp8_cast_transpose_<x>_<e4m3|e5m2>: one entry point per input type and FP8 format.
+#define SK_FP8_AMAX(tag, T, ...)                                                                        \
+  extern "C" __global__ void __launch_bounds__(sk::kFp8Threads)                                        \
+      fp8_amax_##tag(const T* x, long long n, float* slot, const float* skip_if_positive, int vector_ok) { \
+    sk::fp8_amax<T>(x, n, slot, skip_if_positive, vector_ok);                                           \
+  }
+SK_TYPES_1(SK_FP8_AMAX, )
+
+#define SK_FP8_CAST(tag, T, fp8_tag, F)                                                                    \
+  extern "C" __global__ void __launch_bounds__(sk::kFp8Threads) fp8_cast_transpose_##tag##_##fp8_tag(      \
+      const T* x, long long rows, long long cols, const float* amax, const float* past, float* amax_out,  \
+      float* inverse_out, unsigned char* q, unsigned char* qt, float* column_partials, int vector_ok) {    \
+    sk::fp8_cast_transpose<T, F>(x, rows, cols, amax, past, amax_out, inverse_out, q, qt, column_partials, \
+                                 vector_ok);                                                               \
+  }
+#define SK_FP8_CAST_BOTH(tag, T, ...) SK_FP8_CAST(tag, T, e4m3, sk::E4m3) SK_FP8_CAST(tag, T, e5m2, sk::E5m2)
+SK_TYPES_1(SK_FP8_CAST_BOTH, )
+
+#else  // host: the launchers
+
+#include "kernels.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+namespace sk::kernels::fp8_cast {
+
+constexpr int kTile = 64;
+constexpr int kThreads = 256;
+// The history roll runs in one block of at most this many threads.
+constexpr int64_t kMaxHistory = 1024;
+
+struct Quantized {
+  at::Tensor data;           // FP8 [rows, cols]
+  at::Tensor transpose;      // FP8 [cols, rows], or undefined when not asked for
+  at::Tensor inverse_scale;  // fp32 scalar: data · inverse_scale ≈ the input
+  at::Tensor column_sums;    // fp32 [cols], Σ over rows of the input, or undefined when not asked for
+};
+
+// Why the kernels cannot cast `t` with `history` (undefined or empty for dynamic scaling), or an
+// empty string when they can. The caller then takes ATen's composite.
+inline std::string unsupported(const at::Tensor& t, const at::Tensor& history) {
+  if (!t.is_cuda()) return "the tensor is not on a CUDA device";
+  if (t.dim() != 2 || !t.is_contiguous()) return "the tensor is not a contiguous matrix";
+  const auto type = t.scalar_type();
+  if (type != at::kFloat && type != at::kBFloat16 && type != at::kHalf)
+    return std::string("input type ") + c10::toString(type) + " (the kernels take fp32, bf16, fp16)";
+  if ((t.size(0) + kTile - 1) / kTile > 65535 || (t.size(1) + kTile - 1) / kTile > INT32_MAX)
+    return "more rows or columns than one grid of 64 × 64 tiles covers";
+  if (history.defined() && history.numel() > 0 &&
+      (history.scalar_type() != at::kFloat || !history.is_contiguous() || history.numel() > kMaxHistory ||
+       history.device() != t.device()))
+    return "the amax history is not a contiguous fp32 vector of at most 1024 entries on the tensor's device";
+  return {};
+}
+
+inline const char* format_tag(at::ScalarType fp8) {
+  return fp8 == at::kFloat8_e5m2 ? "e5m2" : "e4m3";
+}
+
+// q = fp8(t · s) and, with `transpose`, qᵀ, with `column_sums` Σ_rows t in fp32; s from t's amax
+// (`history` undefined or empty) or from the history, which then records t's amax as its newest
+// entry. The caller has checked unsupported(t, history) is empty. No host synchronisation:
+// everything runs on the current stream.
+inline Quantized cast(const at::Tensor& t, at::ScalarType fp8, const at::Tensor& history, bool transpose,
+                      bool column_sums = false) {
+  const int64_t rows = t.size(0), cols = t.size(1);
+  const auto floats = t.options().dtype(at::kFloat);
+  const auto bytes = t.options().dtype(fp8);
+  const auto tiles = [](int64_t n) { return static_cast<unsigned>(std::max<int64_t>(1, (n + kTile - 1) / kTile)); };
+  Quantized out{at::empty({rows, cols}, bytes), transpose ? at::empty({cols, rows}, bytes) : at::Tensor(),
+                at::empty({}, floats), column_sums ? at::empty({cols}, floats) : at::Tensor()};
+  // One row of partial column sums per row tile (the cast writes each, zeros for an empty input).
+  at::Tensor partials = column_sums ? at::empty({tiles(rows), cols}, floats) : at::Tensor();
+  const bool delayed = history.defined() && history.numel() > 0;
+  at::Tensor slots = at::zeros({2}, floats);  // [amax (dynamic), past maximum (delayed)]
+  float* amax = delayed ? history.data_ptr<float>() : slots.data_ptr<float>();
+  float* past = delayed ? slots.data_ptr<float>() + 1 : nullptr;
+  if (delayed) {
+    Kernel roll = get("fp8_cast.cuh", "fp8_history_roll", t.device());
+    int length = static_cast<int>(history.numel());
+    void* args[] = {&amax, &length, &past};
+    const unsigned threads = static_cast<unsigned>((length + 31) / 32 * 32);
+    launch(roll, {1, 1, 1}, {threads, 1, 1}, 0, args);
+  }
+  const int vector = 16 / static_cast<int>(t.element_size());
+  const bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  const void* x = t.data_ptr();
+  {
+    Kernel kernel = get("fp8_cast.cuh", std::string("fp8_amax_") + type_tag(t.scalar_type()), t.device());
+    long long n = t.numel();
+    const float* skip = past;
+    int vector_ok = aligned;
+    void* args[] = {&x, &n, &amax, &skip, &vector_ok};
+    const int64_t wanted = (n + static_cast<int64_t>(kThreads) * vector - 1) / (kThreads * vector);
+    const int64_t blocks = std::clamp<int64_t>(wanted, 1, 4 * static_cast<int64_t>(multiprocessors(t.device())));
+    launch(kernel, {static_cast<unsigned>(blocks), 1, 1}, {kThreads, 1, 1}, 0, args);
+  }
+  {
+    Kernel kernel = get("fp8_cast.cuh",
+                        std::string("fp8_cast_transpose_") + type_tag(t.scalar_type()) + "_" + format_tag(fp8),
+                        t.device());
+    long long rows_arg = rows, cols_arg = cols;
+    const float* amax_in = amax;
+    const float* past_in = past;
+    float* amax_out = delayed ? amax : nullptr;
+    float* inverse = out.inverse_scale.data_ptr<float>();
+    void* q = out.data.data_ptr();
+    void* qt = pointer_or_null(out.transpose);
+    void* partials_ptr = pointer_or_null(partials);
+    int vector_ok = aligned && cols % vector == 0;
+    void* args[] = {&x, &rows_arg, &cols_arg, &amax_in, &past_in, &amax_out, &inverse, &q, &qt, &partials_ptr,
+                    &vector_ok};
+    // At least one block, so that the inverse scale is written for an empty tensor too.
+    launch(kernel, {tiles(cols), tiles(rows), 1}, {kThreads, 1, 1}, 0, args);
+  }
+  if (column_sums) {
+    Kernel kernel = get("fp8_cast.cuh", "fp8_column_sum", t.device());
+    const float* partials_ptr = partials.data_ptr<float>();
+    int groups = static_cast<int>(tiles(rows));
+    long long cols_arg = cols;
+    float* sums = out.column_sums.data_ptr<float>();
+    void* args[] = {&partials_ptr, &groups, &cols_arg, &sums};
+    launch(kernel, {static_cast<unsigned>((cols + kThreads - 1) / kThreads), 1, 1}, {kThreads, 1, 1}, 0, args);
+  }
+  return out;
+}
+
+}  // namespace sk::kernels::fp8_cast
+
+#endif

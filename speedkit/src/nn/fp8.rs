@@ -1,0 +1,169 @@
+//! FP8 quantisation of a matrix as [`Linear`](super::Linear)'s FP8 GEMMs take it: per-tensor scale
+//! `s = FP8_MAX / amax`, `q = saturate(t · s)` in e4m3 or e5m2, and optionally `qᵀ` in FP8 (what
+//! the backward GEMMs take), with the scale kept on the device.
+//!
+//! On a CUDA device where speedkit's kernels run, the cast is the fused kernel of
+//! `speedkit/kernels/fp8_cast.cuh` (one pass over `t` under the delayed recipe, two under the
+//! dynamic one, transposes from shared-memory tiles); elsewhere, or with the kernels switched off
+//! ([`crate::kernels::set_enabled`]), ATen's composite ops, which give the same bytes.
+//!
+//! ```no_run
+//! use speedkit::nn::{quantize_fp8, Fp8Format};
+//! use tch::{Device, Kind, Tensor};
+//! let t = Tensor::randn([256, 512], (Kind::BFloat16, Device::Cuda(0)));
+//! let q = quantize_fp8(&t, Fp8Format::E4m3, None, true)?;
+//! let back = q.data.to_kind(Kind::Float) * &q.inverse_scale;   // ≈ t
+//! assert_eq!(q.transpose.unwrap().size(), [512, 256]);
+//! # Ok::<(), speedkit::SpeedkitError>(())
+//! ```
+
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Result, SpeedkitError};
+use crate::{ffi, kernels};
+
+/// What the kernel layer's fallback notes call this op.
+const OP: &str = "fp8 cast";
+
+/// Longest amax history the fused cast takes (one thread block rolls it).
+///
+/// ```
+/// assert_eq!(speedkit::nn::MAX_AMAX_HISTORY, 1024);
+/// ```
+pub const MAX_AMAX_HISTORY: i64 = 1024;
+
+/// An FP8 format of PyTorch's (`torch.float8_e4m3fn`, `torch.float8_e5m2`).
+///
+/// ```
+/// use speedkit::nn::Fp8Format;
+/// assert_eq!(Fp8Format::E4m3.max(), 448.0);
+/// assert_eq!(Fp8Format::E5m2.max(), 57344.0);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Fp8Format {
+    /// 4 exponent and 3 mantissa bits, no infinities: activations and weights.
+    E4m3,
+    /// 5 exponent and 2 mantissa bits: gradients.
+    E5m2,
+}
+
+impl Fp8Format {
+    /// The largest finite value, to which larger magnitudes saturate.
+    pub fn max(self) -> f64 {
+        match self {
+            Fp8Format::E4m3 => 448.0,
+            Fp8Format::E5m2 => 57344.0,
+        }
+    }
+
+    /// The tensor kind holding this format.
+    ///
+    /// ```
+    /// use speedkit::nn::Fp8Format;
+    /// assert_eq!(Fp8Format::E5m2.kind(), tch::Kind::Float8e5m2);
+    /// ```
+    pub fn kind(self) -> Kind {
+        match self {
+            Fp8Format::E4m3 => Kind::Float8e4m3fn,
+            Fp8Format::E5m2 => Kind::Float8e5m2,
+        }
+    }
+}
+
+/// A matrix in FP8: `data · inverse_scale ≈` the input.
+///
+/// ```
+/// use speedkit::nn::{quantize_fp8, Fp8Format};
+/// use tch::{Device, Kind, Tensor};
+/// let t = Tensor::from_slice(&[1.0f32, -2.0, 0.5, 4.0]).view([2, 2]);
+/// let q = quantize_fp8(&t, Fp8Format::E4m3, None, false)?;   // ATen's composite on the CPU
+/// let back = q.data.to_kind(Kind::Float) * &q.inverse_scale;
+/// assert!(back.allclose(&t, 0.07, 0.0, false));
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+#[derive(Debug)]
+pub struct Fp8Tensor {
+    /// `[rows, cols]` in the format's kind.
+    pub data: Tensor,
+    /// `[cols, rows]`, `dataᵀ` laid out row-major, when asked for.
+    pub transpose: Option<Tensor>,
+    /// fp32 scalar on the device, `1 / s`.
+    pub inverse_scale: Tensor,
+}
+
+/// `t` (2-d, fp32/bf16/fp16) in FP8 `format`. With `history` (1-d fp32 on `t`'s device, at most
+/// [`MAX_AMAX_HISTORY`] entries, newest first) the scale comes from its largest entry when that is
+/// positive, else from `t`'s amax, and the history is shifted by one with `t`'s amax as its newest
+/// entry (Transformer Engine's delayed recipe); without it, from `t`'s amax. No host
+/// synchronisation. Bad input is an error that changes nothing.
+///
+/// ```no_run
+/// use speedkit::nn::{quantize_fp8, Fp8Format};
+/// use tch::{Device, Kind, Tensor};
+/// let history = Tensor::zeros([16], (Kind::Float, Device::Cuda(0)));
+/// let g = Tensor::randn([1024, 64], (Kind::BFloat16, Device::Cuda(0)));
+/// let q = quantize_fp8(&g, Fp8Format::E5m2, Some(&history), false)?;
+/// assert!(q.transpose.is_none());
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn quantize_fp8(
+    t: &Tensor,
+    format: Fp8Format,
+    history: Option<&Tensor>,
+    transpose: bool,
+) -> Result<Fp8Tensor> {
+    check_input(t, history)?;
+    let use_kernels = kernels_run_on(t.device());
+    let code = match format {
+        Fp8Format::E4m3 => 0,
+        Fp8Format::E5m2 => 1,
+    };
+    let (data, transpose, inverse_scale, why_not) =
+        ffi::fp8_quantize(t, code, history, transpose, use_kernels)?;
+    if use_kernels && !why_not.is_empty() {
+        kernels::note_fallback(OP, &why_not);
+    }
+    Ok(Fp8Tensor {
+        data,
+        transpose,
+        inverse_scale,
+    })
+}
+
+fn check_input(t: &Tensor, history: Option<&Tensor>) -> Result<()> {
+    let misuse = |what: String| Err(SpeedkitError::Misuse(format!("quantize_fp8: {what}")));
+    if t.dim() != 2 {
+        return misuse(format!("the tensor is {}-d, not a matrix", t.dim()));
+    }
+    if !matches!(t.kind(), Kind::Float | Kind::BFloat16 | Kind::Half) {
+        return misuse(format!("type {:?}; it takes fp32, bf16 or fp16", t.kind()));
+    }
+    if let Some(h) = history {
+        let entries = h.numel() as i64;
+        if h.dim() != 1 || h.kind() != Kind::Float || h.device() != t.device() {
+            return misuse(
+                "the amax history must be a 1-d fp32 tensor on the tensor's device".into(),
+            );
+        }
+        if !(1..=MAX_AMAX_HISTORY).contains(&entries) {
+            return misuse(format!(
+                "an amax history of {entries} entries; it takes 1 to {MAX_AMAX_HISTORY}"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Whether the FP8 casts of a tensor on `device` may run on speedkit's kernels (switched on, and a
+/// device they run on); records the reason in the fallback notes when not.
+pub(crate) fn kernels_run_on(device: Device) -> bool {
+    match kernels::unusable_on(device) {
+        None => true,
+        Some(reason) => {
+            if matches!(device, Device::Cuda(_)) {
+                kernels::note_fallback(OP, &reason);
+            }
+            false
+        }
+    }
+}
