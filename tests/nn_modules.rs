@@ -3,7 +3,7 @@
 
 mod common;
 
-use speedkit::nn::{cross_entropy, layer_norm};
+use speedkit::nn::{cross_entropy, layer_norm, Mlp};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 
@@ -187,4 +187,65 @@ fn quantize_fp8_rejects_bad_input_and_changes_nothing() {
     let err = quantize_fp8(&t, Fp8Format::E5m2, Some(&long), false).unwrap_err();
     assert!(err.to_string().contains("1025 entries"), "{err}");
     assert_eq!(Vec::<f32>::try_from(&history).unwrap(), [2.0, 1.0]);
+}
+
+#[test]
+fn mlp_keeps_tch_parameter_names() {
+    let ours = nn::VarStore::new(Device::Cpu);
+    let _ = Mlp::new(&(ours.root() / "mlp"), 16, 40, 12);
+    let theirs = nn::VarStore::new(Device::Cpu);
+    let path = theirs.root() / "mlp";
+    let _ = nn::linear(&path / "fc1", 16, 40, Default::default());
+    let _ = nn::linear(&path / "fc2", 40, 12, Default::default());
+    let shapes = |vs: &nn::VarStore| {
+        let mut v: Vec<(String, Vec<i64>)> = vs
+            .variables()
+            .into_iter()
+            .map(|(name, t)| (name, t.size()))
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(shapes(&ours), shapes(&theirs));
+    assert!(ours.variables().contains_key("mlp.fc2.bias"));
+}
+
+/// The composite the fused path replaces, on separate leaf copies of the same parameters.
+fn mlp_reference(mlp: &Mlp, x: &Tensor) -> (Tensor, [Tensor; 5]) {
+    let leaf = |t: &Tensor| t.detach().copy().set_requires_grad(true);
+    let (b1, b2) = (mlp.fc1.bs.as_ref().unwrap(), mlp.fc2.bs.as_ref().unwrap());
+    let leaves = [x, &mlp.fc1.ws, b1, &mlp.fc2.ws, b2].map(leaf);
+    let [x, w1, b1, w2, b2] = &leaves;
+    let y = x.linear(w1, Some(b1)).gelu("tanh").linear(w2, Some(b2));
+    (y, leaves)
+}
+
+#[test]
+fn mlp_on_the_cpu_equals_the_aten_composite_forward_and_backward() {
+    for tokens in [0, 1, 7] {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let mlp = Mlp::new(&vs.root(), 16, 40, 12);
+        let x = Tensor::randn([3, tokens, 16], CPU).set_requires_grad(true);
+        let y = mlp.forward_t(&x).unwrap();
+        let (want, leaves) = mlp_reference(&mlp, &x);
+        assert_eq!(y.size(), [3, tokens, 12]);
+        assert!(y.equal(&want));
+        let dy = Tensor::randn([3, tokens, 12], CPU);
+        (&y * &dy).sum(Kind::Float).backward();
+        (&want * &dy).sum(Kind::Float).backward();
+        let (b1, b2) = (mlp.fc1.bs.as_ref().unwrap(), mlp.fc2.bs.as_ref().unwrap());
+        for (got, reference) in [&x, &mlp.fc1.ws, b1, &mlp.fc2.ws, b2].iter().zip(&leaves) {
+            assert!(got.grad().allclose(&reference.grad(), 1e-6, 1e-6, false));
+        }
+    }
+}
+
+#[test]
+fn mlp_on_the_cpu_says_why_it_is_not_fused_and_rejects_a_wrong_width() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let mlp = Mlp::new(&vs.root(), 16, 40, 12);
+    let why = mlp.fallback_reason(&Tensor::zeros([2, 16], CPU));
+    assert!(why.is_some_and(|w| w.contains("CUDA") || w.contains("kernels: false")));
+    let err = mlp.forward_t(&Tensor::zeros([2, 15], CPU));
+    assert!(err.is_err());
 }

@@ -180,6 +180,17 @@ extern "C" {
         ignore_index: i64,
         loss: *mut *mut C_tensor,
     ) -> c_int;
+    fn sk_mlp(
+        x: *mut C_tensor,
+        w1: *mut C_tensor,
+        b1: *mut C_tensor,
+        w2: *mut C_tensor,
+        b2: *mut C_tensor,
+        compute_type: c_int,
+        y: *mut *mut C_tensor,
+    ) -> c_int;
+    fn sk_mlp_take_notes(out: *mut *const c_char) -> c_int;
+    fn sk_mlp_set_backward_fusion(mask: c_int, previous: *mut c_int) -> c_int;
 }
 
 /// Turns a shim status into a `Result`, fetching the C++ message on failure.
@@ -1242,4 +1253,49 @@ pub(crate) fn cross_entropy(
     check(unsafe { sk_cross_entropy(handle(logits), handle(targets), ignore_index, &mut loss) })?;
     // SAFETY: an owned tensor allocated by the shim.
     Ok(unsafe { Tensor::from_ptr(loss) })
+}
+
+/// `fc2(gelu_tanh(fc1(x)))` with its GEMMs in `compute` on cuBLASLt with epilogues, differentiable.
+pub(crate) fn mlp(
+    x: &Tensor,
+    fc1: (&Tensor, &Tensor),
+    fc2: (&Tensor, &Tensor),
+    compute: tch::Kind,
+) -> Result<Tensor, SpeedkitError> {
+    let compute_type = scalar_type_code(compute)?;
+    let mut y: *mut C_tensor = ptr::null_mut();
+    // SAFETY: live handles borrowed for the call; on success the shim hands over `y`.
+    check(unsafe {
+        sk_mlp(
+            handle(x),
+            handle(fc1.0),
+            handle(fc1.1),
+            handle(fc2.0),
+            handle(fc2.1),
+            compute_type,
+            &mut y,
+        )
+    })?;
+    // SAFETY: an owned tensor allocated by the shim.
+    Ok(unsafe { Tensor::from_ptr(y) })
+}
+
+/// The reasons a GEMM of the MLP ran on ATen since the last call, each once per process.
+pub(crate) fn mlp_take_notes() -> Vec<String> {
+    let mut text: *const c_char = ptr::null();
+    // SAFETY: valid out-pointer; the shim points it at a NUL-terminated per-thread string.
+    if unsafe { sk_mlp_take_notes(&mut text) } != 0 || text.is_null() {
+        return Vec::new();
+    }
+    // SAFETY: valid until this thread's next call, and copied out at once.
+    let text = unsafe { CStr::from_ptr(text) }.to_string_lossy();
+    text.lines().map(str::to_owned).collect()
+}
+
+/// Sets the mask of MLP backward epilogues (shim/cublaslt.cpp's `Fusion` bits); the previous one.
+pub(crate) fn mlp_set_backward_fusion(mask: i32) -> Result<i32, SpeedkitError> {
+    let mut previous = 0;
+    // SAFETY: a plain value and a valid out-pointer.
+    check(unsafe { sk_mlp_set_backward_fusion(mask, &mut previous) })?;
+    Ok(previous)
 }
