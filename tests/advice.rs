@@ -48,3 +48,26 @@ fn small_batches_are_flagged() {
     let a = audit(&vs).with_batch_rows(32);
     assert!(a.warnings.iter().any(|w| w.subject == "batch"), "{a}");
 }
+
+#[test]
+fn the_audit_says_which_speedkit_linear_layers_can_run_in_fp8_and_why_not() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _fits = speedkit::nn::Linear::new(&(vs.root() / "fits"), 64, 128, true);
+    let _odd = speedkit::nn::Linear::new(&(vs.root() / "odd"), 64, 100, true);
+    let _plain = nn::linear(vs.root() / "plain", 64, 64, Default::default());
+    let advice = audit(&vs);
+    let verdicts: Vec<(&str, bool)> = advice
+        .fp8
+        .iter()
+        .map(|l| (l.layer.as_str(), l.possible))
+        .collect();
+    assert_eq!(
+        verdicts,
+        [("fits", true), ("odd", false)],
+        "tch's own Linear is not listed"
+    );
+    assert!(advice.fp8[1].reason.contains("multiple of 16"));
+    assert!(advice
+        .to_string()
+        .contains("fp8: odd stays in the autocast dtype"));
+}

@@ -41,6 +41,55 @@ pub struct ModelAudit {
     /// added it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backward: Option<AutogradSummary>,
+    /// Each [`crate::nn::Linear`] (known by its `fp8_amax_history`): whether its weight's shape lets
+    /// its GEMMs run in FP8, and why.
+    pub fp8: Vec<Fp8Eligibility>,
+}
+
+/// Whether a [`crate::nn::Linear`]'s GEMMs can run in FP8, as far as its weight tells.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Fp8Eligibility {
+    /// The layer's path, e.g. `block0.fc1`.
+    pub layer: String,
+    /// Whether FP8 is possible for its weight's shape.
+    pub possible: bool,
+    /// Why, and what else decides at run time.
+    pub reason: String,
+}
+
+/// FP8 GEMMs (`_scaled_mm`) need every dimension a multiple of 16.
+const FP8_MULTIPLE: i64 = 16;
+
+/// The FP8 verdict of every speedkit `Linear` among `named` (sorted by name).
+fn fp8_eligibility(named: &[(String, Tensor)]) -> Vec<Fp8Eligibility> {
+    named
+        .iter()
+        .filter_map(|(name, _)| name.strip_suffix(".fp8_amax_history"))
+        .filter_map(|layer| {
+            let weight = named.iter().find(|(n, _)| *n == format!("{layer}.weight"))?;
+            let size = weight.1.size();
+            let (possible, reason) = if size.len() == 2 && size.iter().all(|d| d % FP8_MULTIPLE == 0) {
+                (
+                    true,
+                    format!(
+                        "weight {size:?}: FP8 where the plan has it, the tokens are a multiple of 16 and, \
+                         under fp8.enabled: auto, tokens × {} × {} reaches fp8.min_gemm_size",
+                        size[1], size[0]
+                    ),
+                )
+            } else {
+                (
+                    false,
+                    format!("weight {size:?}: FP8 GEMMs need every dimension a multiple of 16"),
+                )
+            };
+            Some(Fp8Eligibility {
+                layer: layer.to_owned(),
+                possible,
+                reason,
+            })
+        })
+        .collect()
 }
 
 /// Dimensions of matmul operands should be multiples of 8 for fp16/bf16 Tensor Cores (cuBLAS pads or
@@ -63,6 +112,7 @@ pub fn audit(vs: &VarStore) -> ModelAudit {
 pub fn audit_tensors(named: &[(String, Tensor)], gpu_available: bool) -> ModelAudit {
     let mut audit = ModelAudit {
         tensors: named.len(),
+        fp8: fp8_eligibility(named),
         ..Default::default()
     };
     let mut on_cpu = 0i64;
@@ -187,6 +237,14 @@ impl fmt::Display for ModelAudit {
                 "  warning [{}]: {}\n    fix: {}",
                 w.subject, w.problem, w.fix
             )?;
+        }
+        for layer in &self.fp8 {
+            let verdict = if layer.possible {
+                "can run in FP8"
+            } else {
+                "stays in the autocast dtype"
+            };
+            writeln!(f, "  fp8: {} {verdict}: {}", layer.layer, layer.reason)?;
         }
         if let Some(backward) = &self.backward {
             write!(f, "{backward}")?;

@@ -31,7 +31,7 @@ use crate::report::table;
 pub const REFERENCE_SCRIPT: &str = include_str!("../../../docs/benchmarks/pytorch_reference.py");
 
 /// The workloads the reference has a PyTorch version of (its `WORKLOADS`).
-pub const REFERENCE_WORKLOADS: [&str; 4] = ["transformer", "linear3", "mlp", "resnet"];
+pub const REFERENCE_WORKLOADS: [&str; 5] = ["transformer", "linear3", "mlp", "resnet", "mlp_block"];
 
 /// The reference's modes, in column order, with their column headers.
 pub const MODES: [(&str, &str); 4] = [
