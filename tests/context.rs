@@ -48,6 +48,7 @@ fn three_line_integration_trains_and_restores_flags() {
 
 #[test]
 fn the_forward_pass_runs_under_autocast_and_the_rest_does_not() {
+    let _lock = common::serial();
     let config = SpeedConfig {
         precision: Precision::Bf16,
         ..SpeedConfig::auto()
@@ -60,6 +61,7 @@ fn the_forward_pass_runs_under_autocast_and_the_rest_does_not() {
 
 #[test]
 fn an_fp32_plan_makes_autocast_a_no_op() {
+    let _lock = common::serial();
     let ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
     if ctx.device() == Device::Cpu {
         let a = Tensor::randn([4, 4], (Kind::Float, Device::Cpu));
@@ -70,6 +72,7 @@ fn an_fp32_plan_makes_autocast_a_no_op() {
 
 #[test]
 fn the_audit_lists_decisions_with_reasons_and_prints_as_a_table_and_json() {
+    let _lock = common::serial();
     let ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
     let audit = ctx.audit();
     assert!(audit.decisions.iter().any(|d| d.key == "precision"));
@@ -98,6 +101,7 @@ fn a_config_that_needs_a_missing_gpu_fails_and_changes_nothing() {
 
 #[test]
 fn apply_speedups_moves_parameters_to_the_plan_device() {
+    let _lock = common::serial();
     let mut vs = nn::VarStore::new(Device::Cpu);
     let _layer = nn::linear(vs.root(), 2, 2, Default::default());
     let ctx = apply_speedups(&mut vs, &SpeedConfig::auto()).unwrap();
@@ -106,6 +110,7 @@ fn apply_speedups_moves_parameters_to_the_plan_device() {
 
 #[test]
 fn speedkit_linear_without_fp8_equals_tch_linear() {
+    let _lock = common::serial();
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
     let layer = speedkit::nn::Linear::new(&(vs.root() / "fc"), 24, 40, true);
     let x = tch::Tensor::randn([5, 3, 24], (tch::Kind::Float, tch::Device::Cpu));
