@@ -1,4 +1,4 @@
-//! FP8 fidelity: `linear3` and `mlp_block` (the workloads' models at their bench sizes) trained the
+//! FP8 fidelity: `linear3`, `mlp_block` and `transformer` (the workloads' models at their bench sizes) trained the
 //! same number of steps from the same start with bf16 GEMMs and with FP8 GEMMs (`fp8.enabled:
 //! true`, the default delayed recipe), each step captured as a CUDA graph; prints both loss curves
 //! and the gap between the final losses. Needs a GPU with FP8 Tensor Cores (SM 8.9+).
@@ -12,13 +12,15 @@ use clap::Parser;
 use speedkit::optim::AdamW;
 use speedkit::{SpeedConfig, SpeedContext};
 use speedkit_suite::data;
-use speedkit_suite::models::{Linear3, Linear3Config, MlpBlock, MlpBlockConfig};
+use speedkit_suite::models::{
+    Linear3, Linear3Config, MlpBlock, MlpBlockConfig, Transformer, TransformerConfig,
+};
 use tch::nn::VarStore;
 use tch::{Device, Tensor};
 
 /// Command line.
 #[derive(Parser, Debug)]
-#[command(about = "Loss curves of bf16 and FP8 training on linear3 and mlp_block")]
+#[command(about = "Loss curves of bf16 and FP8 training on linear3, mlp_block and transformer")]
 struct Args {
     /// Training steps of each run.
     #[arg(long, default_value_t = 200)]
@@ -36,6 +38,7 @@ struct Args {
 enum Model {
     Linear3,
     MlpBlock,
+    Transformer,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -46,7 +49,7 @@ fn main() -> anyhow::Result<()> {
     );
     let device = Device::Cuda(0);
     anyhow::ensure!(tch::Cuda::is_available(), "fp8_fidelity needs a CUDA GPU");
-    for model in [Model::Linear3, Model::MlpBlock] {
+    for model in [Model::Linear3, Model::MlpBlock, Model::Transformer] {
         let bf16 = train(model, false, device, &args)?;
         let fp8 = train(model, true, device, &args)?;
         println!("{model:?}, {} steps, lr {}", args.steps, args.lr);
@@ -92,6 +95,12 @@ fn train(model: Model, fp8: bool, device: Device, args: &Args) -> anyhow::Result
             let c = MlpBlockConfig::bench();
             let m = MlpBlock::new(&vs.root(), &c);
             let (x, t) = data::regression(c.tokens, c.width, device)?;
+            (Box::new(move |x, t| m.loss(x, t)), x, t)
+        }
+        Model::Transformer => {
+            let c = TransformerConfig::bench();
+            let m = Transformer::new(&vs.root(), &c)?;
+            let (x, t) = data::tokens(c.batch, c.seq_len, c.vocab, device)?;
             (Box::new(move |x, t| m.loss(x, t)), x, t)
         }
     };
