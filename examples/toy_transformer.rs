@@ -35,6 +35,7 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use speedkit::bench::Size;
 use speedkit::dist::Throughput;
+use speedkit::graph::GraphedStep;
 use speedkit::profile::DEFAULT_OUTPUT_DIR;
 use speedkit::{SpeedConfig, SpeedContext};
 use speedkit_suite::data;
@@ -84,35 +85,14 @@ fn main() -> anyhow::Result<()> {
 fn train(args: &Args) -> anyhow::Result<Summary> {
     let run = Run::new(&ctx, args)?;
     let mut opt = ctx.adamw(&run.vs, REFERENCE_ADAMW)?;
-    let mut log = Log::new(&run, "examples/configs/speed.yaml (built in)");
-    let mut step = ctx.graphed(|batch: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
+    let log = Log::new(&run, "examples/configs/speed.yaml (built in)");
+    let step = ctx.graphed(|batch: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
         #[speedkit::forward]
         let loss = run.model.loss(&batch[0], &batch[1])?;
         ctx.backward_step(&loss, &mut opt)?;
         Ok(Some(loss))
     });
-    for i in 0..run.steps {
-        let loss = step.run(&[&run.tokens, &run.targets])?;
-        log.step(i, loss.as_ref())?;
-    }
-    if let Some(steps) = args.profile {
-        let profile = ctx.profile(steps, || step.run(&[&run.tokens, &run.targets]))?;
-        profile.print_and_write(
-            "toy_transformer",
-            Path::new(DEFAULT_OUTPUT_DIR),
-            "toy_transformer",
-        )?;
-        // An eager forward for the backward graph's anatomy (a replayed step's loss has none).
-        let loss = ctx.autocast(|| run.model.loss(&run.tokens, &run.targets))?;
-        println!(
-            "{}",
-            speedkit::audit(&run.vs).with_backward(&loss, &run.vs)?
-        );
-    }
-    drop(step);
-    let summary = log.finish().gather(&ctx)?;
-    ctx.print_main(ctx.audit());
-    Ok(summary)
+    train_loop(&ctx, &run, step, log, args)
 }
 
 /// Trains with a config file chosen at run time (see the header).
@@ -125,12 +105,27 @@ fn train_with_config(args: &Args, path: &Path) -> anyhow::Result<Summary> {
     let ctx = SpeedContext::new(&config).with_context(|| format!("applying {}", path.display()))?;
     let run = Run::new(&ctx, args)?;
     let mut opt = ctx.adamw(&run.vs, REFERENCE_ADAMW)?;
-    let mut log = Log::new(&run, &path.display().to_string());
-    let mut step = ctx.graphed(|batch: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
+    let log = Log::new(&run, &path.display().to_string());
+    let step = ctx.graphed(|batch: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
         let loss = ctx.autocast(|| run.model.loss(&batch[0], &batch[1]))?;
         ctx.backward_step(&loss, &mut opt)?;
         Ok(Some(loss))
     });
+    train_loop(&ctx, &run, step, log, args)
+}
+
+/// What both entry points do with their graphed step: `run.steps` logged steps, then the optional
+/// profile and the model audit, then the summary gathered over the ranks and the context's audit.
+fn train_loop<F>(
+    ctx: &SpeedContext,
+    run: &Run,
+    mut step: GraphedStep<'_, F>,
+    mut log: Log,
+    args: &Args,
+) -> anyhow::Result<Summary>
+where
+    F: FnMut(&[Tensor]) -> speedkit::Result<Option<Tensor>>,
+{
     for i in 0..run.steps {
         let loss = step.run(&[&run.tokens, &run.targets])?;
         log.step(i, loss.as_ref())?;
@@ -150,7 +145,7 @@ fn train_with_config(args: &Args, path: &Path) -> anyhow::Result<Summary> {
         );
     }
     drop(step);
-    let summary = log.finish().gather(&ctx)?;
+    let summary = log.finish().gather(ctx)?;
     ctx.print_main(ctx.audit());
     Ok(summary)
 }

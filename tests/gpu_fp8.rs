@@ -371,7 +371,7 @@ fn train_fp8(graphed: bool, steps: usize) -> (Vec<f64>, Vec<Tensor>) {
     let ctx = SpeedContext::new(&config).unwrap();
     ctx.prepare(&mut vs).unwrap();
     let mut opt = ctx.adamw(&vs, Default::default()).unwrap();
-    let mut step = |_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
+    let step = |_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
         let loss = ctx.autocast(|| -> speedkit::Result<Tensor> {
             let h = first.forward_t(&x)?.gelu("tanh");
             Ok(second
@@ -382,22 +382,7 @@ fn train_fp8(graphed: bool, steps: usize) -> (Vec<f64>, Vec<Tensor>) {
         ctx.backward_step(&loss, &mut opt)?;
         Ok(Some(loss))
     };
-    let mut losses = Vec::new();
-    if graphed {
-        let mut g = ctx.graphed(&mut step);
-        for _ in 0..steps {
-            losses.push(g.run(&[]).unwrap().unwrap().double_value(&[]));
-        }
-        assert!(
-            g.is_graphed(),
-            "expected a captured graph: {:?}",
-            g.fallback_reason()
-        );
-    } else {
-        for _ in 0..steps {
-            losses.push(step(&[]).unwrap().unwrap().double_value(&[]));
-        }
-    }
+    let losses = common::run_steps(&ctx, step, graphed, steps);
     // By name: the VarStore's map has no stable order of its own.
     let variables: std::collections::BTreeMap<_, _> = vs.variables().into_iter().collect();
     let state = variables.values().map(|p| p.detach().copy()).collect();

@@ -438,7 +438,7 @@ fn train_through_kernels(graphed: bool, device: Device, steps: usize) -> (Vec<f6
             },
         )
         .unwrap();
-    let mut step = |_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
+    let step = |_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
         let loss = ctx.autocast(|| {
             // The residual stream stays fp32; the branch's bf16 output joins it in fp32.
             let (h, _) = norm.forward_residual(&x, &first.forward(&x).to_kind(Kind::Float));
@@ -447,28 +447,8 @@ fn train_through_kernels(graphed: bool, device: Device, steps: usize) -> (Vec<f6
         ctx.backward_step(&loss, &mut opt)?;
         Ok(Some(loss))
     };
-    let mut losses = Vec::new();
-    if graphed {
-        let mut g = ctx.graphed(&mut step);
-        for _ in 0..steps {
-            losses.push(g.run(&[]).unwrap().unwrap().double_value(&[]));
-        }
-        assert!(
-            g.is_graphed(),
-            "expected a captured graph: {:?}",
-            g.fallback_reason()
-        );
-    } else {
-        for _ in 0..steps {
-            losses.push(step(&[]).unwrap().unwrap().double_value(&[]));
-        }
-    }
-    let params = vs
-        .trainable_variables()
-        .iter()
-        .map(|p| p.detach().copy())
-        .collect();
-    (losses, params)
+    let losses = common::run_steps(&ctx, step, graphed, steps);
+    (losses, common::trained_parameters(&vs))
 }
 
 #[test]

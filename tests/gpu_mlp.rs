@@ -273,7 +273,7 @@ fn train(graphed: bool, device: Device, steps: usize) -> (Vec<f64>, Vec<Tensor>)
             },
         )
         .unwrap();
-    let mut step = |_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
+    let step = |_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
         let loss = ctx.autocast(|| {
             let y = mlp.forward_t(&x)?;
             Ok::<_, speedkit::SpeedkitError>(
@@ -285,28 +285,8 @@ fn train(graphed: bool, device: Device, steps: usize) -> (Vec<f64>, Vec<Tensor>)
         ctx.backward_step(&loss, &mut opt)?;
         Ok(Some(loss))
     };
-    let mut losses = Vec::new();
-    if graphed {
-        let mut g = ctx.graphed(&mut step);
-        for _ in 0..steps {
-            losses.push(g.run(&[]).unwrap().unwrap().double_value(&[]));
-        }
-        assert!(
-            g.is_graphed(),
-            "expected a captured graph: {:?}",
-            g.fallback_reason()
-        );
-    } else {
-        for _ in 0..steps {
-            losses.push(step(&[]).unwrap().unwrap().double_value(&[]));
-        }
-    }
-    let params = vs
-        .trainable_variables()
-        .iter()
-        .map(|p| p.detach().copy())
-        .collect();
-    (losses, params)
+    let losses = common::run_steps(&ctx, step, graphed, steps);
+    (losses, common::trained_parameters(&vs))
 }
 
 #[test]

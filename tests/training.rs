@@ -70,34 +70,13 @@ fn train(
             },
         )
         .unwrap();
-    let mut losses = Vec::with_capacity(steps);
-    let mut step = |_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
+    let step = |_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
         let loss = ctx.autocast(|| model.forward(&data.x).cross_entropy_for_logits(&data.y));
         ctx.backward_step(&loss, &mut opt)?;
         Ok(Some(loss))
     };
-    if graphed {
-        let mut g = ctx.graphed(&mut step);
-        for _ in 0..steps {
-            let loss = g.run(&[]).unwrap().unwrap();
-            losses.push(loss.double_value(&[]));
-        }
-        assert!(
-            g.is_graphed(),
-            "expected a captured graph: {:?}",
-            g.fallback_reason()
-        );
-    } else {
-        for _ in 0..steps {
-            let loss = step(&[]).unwrap().unwrap();
-            losses.push(loss.double_value(&[]));
-        }
-    }
-    let params = vs
-        .trainable_variables()
-        .iter()
-        .map(|t| t.detach().copy())
-        .collect();
+    let losses = common::run_steps(&ctx, step, graphed, steps);
+    let params = common::trained_parameters(&vs);
     Run { losses, params }
 }
 

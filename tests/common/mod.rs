@@ -30,3 +30,36 @@ pub fn rel_err(a: &tch::Tensor, b: &tch::Tensor) -> f64 {
     let b = b.to_kind(tch::Kind::Double).to_device(Device::Cpu);
     (&a - &b).norm().double_value(&[]) / b.norm().double_value(&[]).max(1e-30)
 }
+
+/// The losses of `steps` runs of a training `step`: through a whole-step CUDA graph when `graphed`
+/// (the capture must take), eagerly otherwise. The tests comparing the two share this loop.
+pub fn run_steps<F>(ctx: &speedkit::SpeedContext, step: F, graphed: bool, steps: usize) -> Vec<f64>
+where
+    F: FnMut(&[tch::Tensor]) -> speedkit::Result<Option<tch::Tensor>>,
+{
+    let loss_of = |loss: speedkit::Result<Option<tch::Tensor>>| {
+        loss.expect("the step runs")
+            .expect("the step returns its loss")
+            .double_value(&[])
+    };
+    if !graphed {
+        let mut step = step;
+        return (0..steps).map(|_| loss_of(step(&[]))).collect();
+    }
+    let mut g = ctx.graphed(step);
+    let losses = (0..steps).map(|_| loss_of(g.run(&[]))).collect();
+    assert!(
+        g.is_graphed(),
+        "expected a captured graph: {:?}",
+        g.fallback_reason()
+    );
+    losses
+}
+
+/// Copies of a VarStore's trainable parameters, in its order.
+pub fn trained_parameters(vs: &tch::nn::VarStore) -> Vec<tch::Tensor> {
+    vs.trainable_variables()
+        .iter()
+        .map(|p| p.detach().copy())
+        .collect()
+}
