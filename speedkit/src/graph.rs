@@ -298,6 +298,10 @@ where
         // Static buffers are allocated outside the capture, so they outlive every replay.
         let static_inputs: Vec<Tensor> = inputs.iter().map(|t| t.copy()).collect();
         ffi::cuda_synchronize(device_index)?;
+        // The warm-up ran on a side stream, whose freed blocks the allocator keeps for that stream
+        // alone; the capture allocates into the graph's private pool. Handing those blocks back to
+        // the driver first (as torch.cuda.graph does) keeps the process from holding both.
+        ffi::cuda_empty_cache()?;
         let mut graph = CudaGraph::new()?;
         let side = SideStream::enter(device_index)?;
         let mut gradients = (Vec::new(), Vec::new());
