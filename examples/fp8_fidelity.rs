@@ -1,6 +1,6 @@
 //! FP8 fidelity: `linear3`, `mlp_block` and `transformer` (the workloads' models at their bench sizes) trained the
 //! same number of steps from the same start with bf16 GEMMs and with FP8 GEMMs (`fp8.enabled:
-//! true`, the default delayed recipe), each step captured as a CUDA graph; prints both loss curves
+//! true`, the delayed recipe unless `--recipe dynamic`), each step captured as a CUDA graph; prints both loss curves
 //! and the gap between the final losses. Needs a GPU with FP8 Tensor Cores (SM 8.9+).
 //!
 //! ```text
@@ -31,6 +31,9 @@ struct Args {
     /// AdamW learning rate.
     #[arg(long, default_value_t = 1e-4)]
     lr: f64,
+    /// FP8 scaling recipe: `delayed` (amax history) or `dynamic` (this step's amax).
+    #[arg(long, default_value = "delayed", value_parser = ["delayed", "dynamic"])]
+    recipe: String,
 }
 
 /// Which model a run trains.
@@ -52,7 +55,10 @@ fn main() -> anyhow::Result<()> {
     for model in [Model::Linear3, Model::MlpBlock, Model::Transformer] {
         let bf16 = train(model, false, device, &args)?;
         let fp8 = train(model, true, device, &args)?;
-        println!("{model:?}, {} steps, lr {}", args.steps, args.lr);
+        println!(
+            "{model:?}, {} steps, lr {}, {} scaling",
+            args.steps, args.lr, args.recipe
+        );
         println!("  step   bf16 loss     fp8 loss      fp8 / bf16");
         for (step, (b, f)) in bf16.iter().zip(&fp8).enumerate() {
             let step = step + 1;
@@ -79,7 +85,8 @@ type LossFn = Box<dyn Fn(&Tensor, &Tensor) -> speedkit::Result<Tensor>>;
 /// The loss of every step of one run.
 fn train(model: Model, fp8: bool, device: Device, args: &Args) -> anyhow::Result<Vec<f64>> {
     let config = SpeedConfig::from_yaml_str(&format!(
-        "device: cuda\nprecision: bf16\nfp8: {{enabled: {fp8}}}\n"
+        "device: cuda\nprecision: bf16\nfp8: {{enabled: {fp8}, recipe: {}}}\n",
+        args.recipe
     ))?;
     let ctx = SpeedContext::new(&config).with_context(|| format!("fp8: {fp8}"))?;
     data::seed();
