@@ -11,8 +11,8 @@
 //! `tf32`, `auto`), `bf16`/`fp16` (auto with that precision), or a YAML/JSON file.
 //!
 //! `--save-baseline`/`--baseline` keep a run and judge a later one against it
-//! ([`baseline`](super::baseline)); `--peer pytorch` times the same workloads in PyTorch in the
-//! same run ([`peer`](super::peer)). Exit status: 0, 1 when a workload failed or a row is slower
+//! ([`baseline`]); `--peer pytorch` times the same workloads in PyTorch in the
+//! same run ([`peer`]). Exit status: 0, 1 when a workload failed or a row is slower
 //! than the baseline beyond `--fail-above`, 2 for bad input (including no workload to run).
 //!
 //! Under `speedkit launch --nproc-per-node N -- <runner>` (or torchrun) every rank runs every
@@ -219,7 +219,7 @@ impl DataParallelRow {
 }
 
 /// Version of the layout of [`RunReport`]'s JSON; bumped whenever a field changes meaning or
-/// moves. 2: memory as [`DeviceMemory`](super::DeviceMemory), baselines and peers (later
+/// moves. 2: memory as [`DeviceMemory`], baselines and peers (later
 /// additions: `world_size`, rows' `data_parallel`).
 pub const REPORT_SCHEMA_VERSION: u32 = 2;
 
