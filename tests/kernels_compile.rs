@@ -56,3 +56,9 @@ fn kernel_files_include_the_fp8_cast() {
     let files = kernels::files().expect("the kernel table is embedded");
     assert!(files.iter().any(|f| f == "fp8_cast.cuh"), "{files:?}");
 }
+
+#[test]
+fn kernel_files_include_the_bias_gelu() {
+    let files = kernels::files().expect("the kernel table is embedded");
+    assert!(files.iter().any(|f| f == "bias_gelu.cuh"), "{files:?}");
+}

@@ -3,7 +3,7 @@
 
 mod common;
 
-use speedkit::nn::{cross_entropy, layer_norm, Mlp};
+use speedkit::nn::{cross_entropy, layer_norm, Linear, Mlp};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 
@@ -218,6 +218,25 @@ fn mlp_reference(mlp: &Mlp, x: &Tensor) -> (Tensor, [Tensor; 5]) {
     let [x, w1, b1, w2, b2] = &leaves;
     let y = x.linear(w1, Some(b1)).gelu("tanh").linear(w2, Some(b2));
     (y, leaves)
+}
+
+#[test]
+fn linear_forward_gelu_on_the_cpu_equals_gelu_of_the_linear_forward_and_backward() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let fc = Linear::new(&(vs.root() / "fc"), 12, 37, true);
+    let bias = fc.bs.as_ref().expect("bias");
+    let x = Tensor::randn([3, 5, 12], CPU).set_requires_grad(true);
+    let y = fc.forward_gelu(&x).unwrap();
+    let copy = |t: &Tensor| t.detach().copy().set_requires_grad(true);
+    let (rx, rw, rb) = (copy(&x), copy(&fc.ws), copy(bias));
+    let want = rx.linear(&rw, Some(&rb)).gelu("tanh");
+    assert!(y.equal(&want));
+    let dy = Tensor::randn([3, 5, 37], CPU);
+    (&y * &dy).sum(Kind::Float).backward();
+    (&want * &dy).sum(Kind::Float).backward();
+    assert!(x.grad().equal(&rx.grad()));
+    assert!(fc.ws.grad().equal(&rw.grad()));
+    assert!(bias.grad().equal(&rb.grad()));
 }
 
 #[test]

@@ -180,6 +180,7 @@ extern "C" {
         ignore_index: i64,
         loss: *mut *mut C_tensor,
     ) -> c_int;
+    fn sk_bias_gelu(h: *mut C_tensor, bias: *mut C_tensor, y: *mut *mut C_tensor) -> c_int;
     fn sk_mlp(
         x: *mut C_tensor,
         w1: *mut C_tensor,
@@ -1253,6 +1254,16 @@ pub(crate) fn cross_entropy(
     check(unsafe { sk_cross_entropy(handle(logits), handle(targets), ignore_index, &mut loss) })?;
     // SAFETY: an owned tensor allocated by the shim.
     Ok(unsafe { Tensor::from_ptr(loss) })
+}
+
+/// `gelu_tanh(h + bias)` on speedkit's kernels, differentiable (the bias gradient from the
+/// GELU-backward pass).
+pub(crate) fn bias_gelu(h: &Tensor, bias: &Tensor) -> Result<Tensor, SpeedkitError> {
+    let mut y: *mut C_tensor = ptr::null_mut();
+    // SAFETY: live handles borrowed for the call; on success the shim hands over `y`.
+    check(unsafe { sk_bias_gelu(handle(h), handle(bias), &mut y) })?;
+    // SAFETY: an owned tensor allocated by the shim.
+    Ok(unsafe { Tensor::from_ptr(y) })
 }
 
 /// `fc2(gelu_tanh(fc1(x)))` with its GEMMs in `compute` on cuBLASLt with epilogues, differentiable.

@@ -159,9 +159,7 @@ impl Block {
         let y = speedkit::nn::attention(&q, &k, &v, true)?;
         let y = y.f_transpose(1, 2)?.f_reshape([b, t, d])?;
         let (h, x) = self.ln2.forward_residual(&x, &self.proj.forward_t(&y)?);
-        let m = self
-            .fc2
-            .forward_t(&self.fc1.forward_t(&h)?.f_gelu("tanh")?)?;
+        let m = self.fc2.forward_t(&self.fc1.forward_gelu(&h)?)?;
         Ok((x, m))
     }
 }

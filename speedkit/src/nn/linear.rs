@@ -22,8 +22,8 @@ use std::cell::RefCell;
 use std::marker::PhantomData;
 use tch::{nn, Device, Kind, Tensor};
 
-use crate::ffi;
 use crate::plan::Fp8Plan;
+use crate::{ffi, kernels};
 
 /// Longest amax history a layer keeps (the `fp8.amax_history` limit); the plan uses its first N.
 const HISTORY_CAPACITY: i64 = 1024;
@@ -68,8 +68,54 @@ impl Linear {
 
     /// `x Wᵀ + b`, in FP8 where the active plan allows it for this call's shapes.
     pub fn forward_t(&self, x: &Tensor) -> crate::Result<Tensor> {
+        self.project(x, self.bs.as_ref())
+    }
+
+    /// `gelu_tanh(x Wᵀ + b)`: the first half of a transformer MLP.
+    ///
+    /// Where speedkit's kernels run (see [`crate::kernels`]), the GEMM runs without its bias and one
+    /// kernel adds the bias and applies GELU; its backward yields the bias gradient from the
+    /// GELU-backward pass, instead of a separate column reduction over the layer's whole output.
+    /// Anywhere else (no bias, not CUDA, kernels off) it is ATen's `gelu(x Wᵀ + b)`, and
+    /// [`crate::kernels::fallbacks`] says why, once.
+    ///
+    /// ```
+    /// use speedkit::nn::Linear;
+    /// use tch::{nn, Device, Kind, Tensor};
+    /// let vs = nn::VarStore::new(Device::Cpu);
+    /// let fc1 = Linear::new(&(vs.root() / "fc1"), 16, 64, true);
+    /// let x = Tensor::randn([4, 16], (Kind::Float, Device::Cpu));
+    /// let y = fc1.forward_gelu(&x)?;
+    /// assert!(y.allclose(&x.linear(&fc1.ws, fc1.bs.as_ref()).gelu("tanh"), 1e-6, 1e-6, false));
+    /// # Ok::<(), speedkit::SpeedkitError>(())
+    /// ```
+    pub fn forward_gelu(&self, x: &Tensor) -> crate::Result<Tensor> {
+        let Some(bias) = &self.bs else {
+            return Ok(self.forward_t(x)?.f_gelu("tanh")?);
+        };
+        if let Some(reason) = kernels::unusable_on(x.device()) {
+            kernels::note_fallback(BIAS_GELU, &reason);
+            return Ok(self.forward_t(x)?.f_gelu("tanh")?);
+        }
+        let h = self.project(x, None)?;
+        let reason = match bias_gelu_unsupported(&h, bias) {
+            None => match ffi::bias_gelu(&h, bias) {
+                Ok(y) => {
+                    kernels::note_run(BIAS_GELU);
+                    return Ok(y);
+                }
+                Err(e) => format!("the kernel failed ({e})"),
+            },
+            Some(reason) => reason,
+        };
+        kernels::note_fallback(BIAS_GELU, &reason);
+        Ok(h.f_add(&bias.f_to_kind(h.kind())?)?.f_gelu("tanh")?)
+    }
+
+    /// `x Wᵀ (+ bias)`, in FP8 where the active plan allows it for this call's shapes.
+    fn project(&self, x: &Tensor, bias: Option<&Tensor>) -> crate::Result<Tensor> {
         let Some((plan, out)) = Fp8Scope::active() else {
-            return Ok(x.f_linear(&self.ws, self.bs.as_ref())?);
+            return Ok(x.f_linear(&self.ws, bias)?);
         };
         match self.fp8_gemm(x, &plan) {
             Ok(gemm) => {
@@ -79,7 +125,7 @@ impl Linear {
                 Ok(ffi::fp8_linear(
                     x,
                     &self.ws,
-                    self.bs.as_ref(),
+                    bias,
                     h,
                     kind_code(out),
                     super::fp8::kernels_run_on(x.device()),
@@ -87,7 +133,7 @@ impl Linear {
             }
             Err(reason) => {
                 Fp8Scope::record(&self.name, false, &reason);
-                Ok(x.f_linear(&self.ws, self.bs.as_ref())?)
+                Ok(x.f_linear(&self.ws, bias)?)
             }
         }
     }
@@ -138,6 +184,34 @@ impl nn::Module for Linear {
             Err(e) => panic!("speedkit::nn::Linear {}: {e}", self.name),
         }
     }
+}
+
+/// The op name [`Linear::forward_gelu`]'s kernel is listed under in the audit and the runner.
+const BIAS_GELU: &str = "bias_gelu";
+
+/// Why `gelu(h + bias)` would not run on the kernel, or `None` when it does.
+fn bias_gelu_unsupported(h: &Tensor, bias: &Tensor) -> Option<String> {
+    let floating = |k: Kind| matches!(k, Kind::Float | Kind::BFloat16 | Kind::Half);
+    if !floating(h.kind()) || !floating(bias.kind()) {
+        return Some(format!(
+            "input {:?} and bias {:?} (the kernel takes fp32, bf16, fp16)",
+            h.kind(),
+            bias.kind()
+        ));
+    }
+    let width = h.size().last().copied().unwrap_or(0);
+    let rows = h.numel() as i64 / width.max(1);
+    if bias.size() != [width] || bias.device() != h.device() {
+        return Some(format!(
+            "bias {:?} on {:?} does not match the output width {width}",
+            bias.size(),
+            bias.device()
+        ));
+    }
+    if rows > i64::from(i32::MAX) || width > i64::from(i32::MAX) {
+        return Some(format!("output of {rows} rows × {width}"));
+    }
+    None
 }
 
 fn kind_code(kind: Kind) -> i32 {
