@@ -314,16 +314,21 @@ pub(crate) fn excerpt(text: &str) -> String {
     }
 }
 
-/// The candidate most similar to `got`, if it is similar enough to be a likely typo.
+/// The candidate most similar to `got`, if it is similar enough to be a likely typo: the
+/// "did you mean" of config errors, and of `#[speedkit::accelerate]`'s and `#[speedkit::bench]`'s
+/// compile errors, so that every suggestion follows one rule.
 ///
 /// Similarity is the normalized Damerau-Levenshtein similarity (a swap of two letters is one
 /// edit), case-insensitive, and must be at least 0.6. A single edit, or `got` being a prefix of
 /// at least three characters, always qualifies: short keys such as `math` would otherwise miss
 /// the threshold on one typo.
-pub(crate) fn closest<'a>(
-    got: &str,
-    candidates: impl IntoIterator<Item = &'a str>,
-) -> Option<String> {
+///
+/// ```
+/// let keys = ["precision", "device", "ctx"];
+/// assert_eq!(speedkit_config::closest("precison", keys).as_deref(), Some("precision"));
+/// assert_eq!(speedkit_config::closest("learning_rate", keys), None);
+/// ```
+pub fn closest<'a>(got: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<String> {
     let got = got.to_lowercase();
     let got_chars = got.chars().count();
     let mut best: Option<(f64, &str)> = None;

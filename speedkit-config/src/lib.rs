@@ -44,7 +44,7 @@ mod validate;
 use std::path::Path;
 
 pub use builder::SpeedConfigBuilder;
-pub use error::{ConfigError, Format, Location, Problem};
+pub use error::{closest, ConfigError, Format, Location, Problem};
 pub use types::{
     AutoBool, BenchConfig, CompileConfig, CompileMode, CudnnConfig, DeviceChoice,
     DistributedBackend, DistributedConfig, Fp8Config, Fp8Recipe, GradScalerConfig, MatmulPrecision,

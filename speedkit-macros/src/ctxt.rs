@@ -68,31 +68,7 @@ impl Drop for Ctxt {
     }
 }
 
-/// The candidate most similar to `got`, when it is similar enough to be a likely typo.
-///
-/// Same rule as `speedkit-config` uses for keys (normalized Damerau-Levenshtein of at least 0.6,
-/// one edit or a prefix of three characters always qualifies), so that suggestions for macro
-/// arguments and for config keys feel the same.
-pub(crate) fn closest<'a>(
-    got: &str,
-    candidates: impl IntoIterator<Item = &'a str>,
-) -> Option<&'a str> {
-    let got = got.to_lowercase();
-    let mut best: Option<(f64, &str)> = None;
-    for candidate in candidates {
-        let lower = candidate.to_lowercase();
-        let mut score = strsim::normalized_damerau_levenshtein(&got, &lower);
-        let one_edit = !got.is_empty() && strsim::damerau_levenshtein(&got, &lower) <= 1;
-        let prefix = got.chars().count() >= 3 && lower.starts_with(&got);
-        if one_edit || prefix {
-            score = score.max(0.6);
-        }
-        if score >= 0.6 && best.is_none_or(|(b, _)| score > b) {
-            best = Some((score, candidate));
-        }
-    }
-    best.map(|(_, candidate)| candidate)
-}
+pub(crate) use speedkit_config::closest;
 
 /// `` `a`, `b`, `c` `` for an error message.
 pub(crate) fn backticked_list<'a>(names: impl IntoIterator<Item = &'a str>) -> String {
@@ -129,9 +105,9 @@ mod tests {
     #[test]
     fn closest_finds_typos_and_prefixes() {
         let keys = ["config", "ctx", "precision", "device"];
-        assert_eq!(closest("precison", keys), Some("precision"));
-        assert_eq!(closest("cxt", keys), Some("ctx"));
-        assert_eq!(closest("dev", keys), Some("device"));
+        assert_eq!(closest("precison", keys).as_deref(), Some("precision"));
+        assert_eq!(closest("cxt", keys).as_deref(), Some("ctx"));
+        assert_eq!(closest("dev", keys).as_deref(), Some("device"));
         assert_eq!(closest("learning_rate", keys), None);
     }
 }
