@@ -9,8 +9,8 @@
 // ATen runs the backward as a GELU-backward kernel and then a separate column reduction that reads
 // dh again, the whole [rows, width] activation of the MLP's widest layer.
 //
-// Layout: a block is 32 × 8 threads over 256 columns (8 per thread, one 16-byte load for bf16/fp16)
-// and a strip of rows; each of its 8 warps takes every 8th row of the strip.
+// Layout: a block is 32 × 8 threads over 256 columns (8 per thread, as two 4-element loads) and a
+// strip of rows; each of its 8 warps takes every 8th row of the strip.
 #ifdef __CUDACC_RTC__
 #include "common.cuh"
 
@@ -34,7 +34,7 @@ __device__ __forceinline__ float gelu_tanh_grad(float x) {
   return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * GELU_BETA * (1.f + 3.f * GELU_KAPPA * x_sq);
 }
 
-// Eight consecutive elements as fp32 (two 16-byte loads of fp32, one of bf16/fp16).
+// Eight consecutive elements as fp32 (two 4-element loads: 16 bytes each in fp32, 8 in bf16/fp16).
 template <typename T>
 __device__ __forceinline__ void load8(const T* p, float v[8]) {
   load4(p, v);
@@ -46,8 +46,9 @@ __device__ __forceinline__ void store8(T* p, const float v[8]) {
   store4(p + 4, v + 4);
 }
 
-// The first of the thread's eight columns, and whether all eight can move as vectors: the row width
-// a multiple of 8 (every row starts aligned) and the base pointers aligned to 8 elements.
+// The first of the thread's eight columns. They move as vectors when the host says the rows allow
+// it (`vectorised`: the width a multiple of 8, every pointer aligned to 8 elements) and all eight
+// lie inside the row.
 __device__ __forceinline__ int gelu_first_column() {
   return (blockIdx.x * 32 + threadIdx.x) * GELU_COLUMNS_PER_THREAD;
 }
