@@ -5,11 +5,11 @@
 //!
 //! Each figure is the median over 30 timed repetitions (after 5 warm-up ones) of one forward and
 //! backward, with a device synchronisation around each repetition. The LayerNorm backward is driven
-//! by sum(y · dy), whose multiply and sum are in both figures.
+//! by sum(y · dy), whose multiply and sum are in both figures; so are the Linear layers'.
 
 use std::time::Instant;
 
-use speedkit::nn::{cross_entropy, layer_norm};
+use speedkit::nn::{cross_entropy, layer_norm, Linear};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 
@@ -84,6 +84,43 @@ fn main() -> anyhow::Result<()> {
         "cross-entropy fwd+bwd, bf16 logits 16384 × 8192",
         &mut |_| {
             cross_entropy(&logits, &targets).backward();
+        },
+    );
+    let tokens = Tensor::randn([ROWS, WIDTH], (Kind::BFloat16, device)).set_requires_grad(true);
+    for (label, inputs, outputs) in [
+        (
+            "Linear fwd+bwd 768 → 2304 (qkv), fp32 weights, bf16 autocast",
+            WIDTH,
+            3 * WIDTH,
+        ),
+        (
+            "Linear fwd+bwd 3072 → 768 (fc2), fp32 weights, bf16 autocast",
+            4 * WIDTH,
+            WIDTH,
+        ),
+    ] {
+        let layer = Linear::new(&(vs.root() / label), inputs, outputs, true);
+        let input = if inputs == WIDTH {
+            tokens.shallow_clone()
+        } else {
+            Tensor::randn([ROWS, inputs], (Kind::BFloat16, device)).set_requires_grad(true)
+        };
+        let grad = Tensor::randn([ROWS, outputs], (Kind::BFloat16, device));
+        both(label, &mut |_| {
+            let mut y = None;
+            bf16(&mut || y = Some(layer.forward(&input))).expect("autocast");
+            (y.expect("ran") * &grad).sum(Kind::Float).backward();
+        });
+    }
+    let fc1 = Linear::new(&(vs.root() / "fc1"), WIDTH, 4 * WIDTH, true);
+    let grad = Tensor::randn([ROWS, 4 * WIDTH], (Kind::BFloat16, device));
+    both(
+        "Linear 768 → 3072 + bias + GELU fwd+bwd (fc1), bf16 autocast",
+        &mut |_| {
+            let mut y = None;
+            bf16(&mut || y = Some(fc1.forward_gelu(&tokens).expect("forward_gelu")))
+                .expect("autocast");
+            (y.expect("ran") * &grad).sum(Kind::Float).backward();
         },
     );
     for note in speedkit::kernels::fallbacks() {

@@ -11,7 +11,7 @@ mod common;
 use common::cuda_or_skip;
 use speedkit::config::{AutoBool, DeviceChoice, Precision, SpeedConfig};
 use speedkit::nn::{cross_entropy, cross_entropy_fallback_reason, layer_norm, LayerNorm, Linear};
-use speedkit::optim::AdamW;
+use speedkit::optim::{AdamW, AdamWOptimizer};
 use speedkit::SpeedContext;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
@@ -409,13 +409,9 @@ fn cross_entropy_with_every_row_ignored_is_nan_like_aten() {
         .is_nan());
 }
 
-/// `Linear::forward_gelu` against `gelu(x Wᵀ + b)` in fp32 on the same rounded values (x, W, b and
-/// the GEMM's output x Wᵀ in `kind`), forward and backward (dx, dW, db), with the layer's parameters
-/// and input in `kind`, or with
-/// fp32 parameters under bf16 autocast (`autocast: true`: the bias stays fp32, the GEMM's output
-/// is bf16).
-fn bias_gelu_matches_aten(kind: Kind, autocast: bool, device: Device) {
-    let ctx = SpeedContext::new(&SpeedConfig {
+/// A context on the first GPU computing in fp32, or under bf16 autocast when `autocast`.
+fn context_for(autocast: bool) -> SpeedContext {
+    SpeedContext::new(&SpeedConfig {
         device: DeviceChoice::Cuda(0),
         precision: if autocast {
             Precision::Bf16
@@ -424,7 +420,58 @@ fn bias_gelu_matches_aten(kind: Kind, autocast: bool, device: Device) {
         },
         ..SpeedConfig::auto()
     })
-    .unwrap();
+    .unwrap()
+}
+
+/// Puts the parameters of `vs` in `kind`, unless autocast keeps them in fp32.
+fn store_in(vs: &mut nn::VarStore, kind: Kind, autocast: bool) {
+    match kind {
+        _ if autocast => {}
+        Kind::BFloat16 => vs.bfloat16(),
+        Kind::Half => vs.half(),
+        _ => {}
+    }
+}
+
+/// Runs `forward` inside `ctx` on a random input of shape `input` in `kind`, checks that the
+/// kernels ran and that the output is in `kind`, and backpropagates a random `outputs`-wide
+/// gradient. Returns the input, the output and that gradient.
+fn forward_backward(
+    ctx: &SpeedContext,
+    input: [i64; 2],
+    outputs: i64,
+    kind: Kind,
+    forward: impl Fn(&Tensor) -> speedkit::Result<Tensor>,
+) -> (Tensor, Tensor, Tensor) {
+    let device = Device::Cuda(0);
+    let x = Tensor::randn(input, (Kind::Float, device))
+        .to_kind(kind)
+        .set_requires_grad(true);
+    let y = ctx.autocast(|| forward(&x)).unwrap();
+    assert_no_fallback();
+    assert_eq!(y.kind(), kind);
+    let dy = Tensor::randn([input[0], outputs], (Kind::Float, device)).to_kind(kind);
+    (y.to_kind(Kind::Float) * dy.to_kind(Kind::Float))
+        .sum(Kind::Float)
+        .backward();
+    (x, y, dy)
+}
+
+/// `t`'s value rounded to `kind`, as an fp32 leaf of the reference computation.
+fn rounded_leaf(t: &Tensor, kind: Kind) -> Tensor {
+    t.detach()
+        .to_kind(kind)
+        .to_kind(Kind::Float)
+        .set_requires_grad(true)
+}
+
+/// `Linear::forward_gelu` against `gelu(x Wᵀ + b)` in fp32 on the same rounded values (x, W, b and
+/// the GEMM's output x Wᵀ in `kind`), forward and backward (dx, dW, db), with the layer's parameters
+/// and input in `kind`, or with
+/// fp32 parameters under bf16 autocast (`autocast: true`: the bias stays fp32, the GEMM's output
+/// is bf16).
+fn bias_gelu_matches_aten(kind: Kind, autocast: bool, device: Device) {
+    let ctx = context_for(autocast);
     for rows in [0, 1, 7, 1000] {
         for width in [1, 33, 1000, 3072] {
             let mut vs = nn::VarStore::new(device);
@@ -434,30 +481,10 @@ fn bias_gelu_matches_aten(kind: Kind, autocast: bool, device: Device) {
                 bias.shallow_clone()
                     .copy_(&Tensor::randn([width], (Kind::Float, device)));
             });
-            if !autocast {
-                match kind {
-                    Kind::BFloat16 => vs.bfloat16(),
-                    Kind::Half => vs.half(),
-                    _ => {}
-                }
-            }
-            let x = Tensor::randn([rows, 48], (Kind::Float, device))
-                .to_kind(kind)
-                .set_requires_grad(true);
-            let y = ctx.autocast(|| fc.forward_gelu(&x)).unwrap();
-            assert_no_fallback();
-            assert_eq!(y.kind(), kind);
-            let dy = Tensor::randn([rows, width], (Kind::Float, device)).to_kind(kind);
-            (y.to_kind(Kind::Float) * dy.to_kind(Kind::Float))
-                .sum(Kind::Float)
-                .backward();
-
-            let copy = |t: &Tensor| {
-                t.detach()
-                    .to_kind(kind)
-                    .to_kind(Kind::Float)
-                    .set_requires_grad(true)
-            };
+            store_in(&mut vs, kind, autocast);
+            let (x, y, dy) =
+                forward_backward(&ctx, [rows, 48], width, kind, |x| fc.forward_gelu(x));
+            let copy = |t: &Tensor| rounded_leaf(t, kind);
             let (rx, rw, rb) = (copy(&x), copy(&fc.ws), copy(fc.bs.as_ref().unwrap()));
             let rb_exact = fc
                 .bs
@@ -543,6 +570,284 @@ fn bias_gelu_of_a_non_contiguous_input_equals_the_contiguous_one() {
     assert!(y.equal(&fc.forward_gelu(&x.contiguous()).unwrap()));
 }
 
+/// `Linear::forward_t` on speedkit's path against `x Wᵀ + b` in fp32 on the same rounded values,
+/// forward and backward, with the layer in `kind` (`autocast: false`) or fp32 under bf16
+/// autocast; `bias` says whether the layer has one. Shapes cover the bias-gradient kernel's
+/// scalar path (widths not a multiple of 8), partial column tiles and zero rows.
+fn linear_matches_aten(kind: Kind, autocast: bool, bias: bool, device: Device) {
+    let ctx = context_for(autocast);
+    for rows in [0, 1, 7, 1000] {
+        for (inputs, outputs) in [(13, 1), (48, 7), (40, 264), (768, 2304)] {
+            let mut vs = nn::VarStore::new(device);
+            let fc = Linear::new(&(vs.root() / "fc"), inputs, outputs, bias);
+            store_in(&mut vs, kind, autocast);
+            let (x, y, dy) =
+                forward_backward(&ctx, [rows, inputs], outputs, kind, |x| fc.forward_t(x));
+            let copy = |t: &Tensor| rounded_leaf(t, kind);
+            let (rx, rw) = (copy(&x), copy(&fc.ws));
+            let rb = fc.bs.as_ref().map(copy);
+            let want = rx.linear(&rw, rb.as_ref());
+            (&want * dy.to_kind(Kind::Float))
+                .sum(Kind::Float)
+                .backward();
+
+            let case =
+                format!("{kind:?} autocast {autocast} bias {bias} {rows}×{inputs}→{outputs}");
+            let tol = output_tolerance(kind);
+            assert_close(&format!("y {case}"), &y, &want, tol);
+            assert_close(&format!("dx {case}"), &x.grad(), &rx.grad(), tol);
+            // The parameters' gradients come back in their own type; under autocast that is fp32,
+            // straight from the GEMM's fp32 accumulator, so they meet the fp32 tolerance.
+            let param_tol = if autocast { 1e-4 } else { tol.max(1e-4) };
+            assert_eq!(fc.ws.grad().kind(), fc.ws.kind(), "dW's type, {case}");
+            assert_close(&format!("dW {case}"), &fc.ws.grad(), &rw.grad(), param_tol);
+            if let (Some(b), Some(rb)) = (&fc.bs, &rb) {
+                assert_eq!(b.grad().kind(), b.kind(), "db's type, {case}");
+                assert_close(&format!("db {case}"), &b.grad(), &rb.grad(), param_tol);
+            }
+        }
+    }
+    assert!(speedkit::kernels::take_ops_run().contains(&"linear"));
+}
+
+#[test]
+fn linear_fp32_matches_aten_forward_and_backward() {
+    let _serial = common::serial();
+    let Some(device) = cuda_or_skip("linear_fp32_matches_aten_forward_and_backward") else {
+        return;
+    };
+    linear_matches_aten(Kind::Float, false, true, device);
+    linear_matches_aten(Kind::Float, false, false, device);
+}
+
+#[test]
+fn linear_bf16_and_fp16_match_aten_forward_and_backward() {
+    let _serial = common::serial();
+    let Some(device) = cuda_or_skip("linear_bf16_and_fp16_match_aten_forward_and_backward") else {
+        return;
+    };
+    linear_matches_aten(Kind::BFloat16, false, true, device);
+    linear_matches_aten(Kind::Half, false, true, device);
+}
+
+#[test]
+fn linear_under_bf16_autocast_gives_fp32_gradients_from_the_gemm() {
+    let _serial = common::serial();
+    let Some(device) =
+        cuda_or_skip("linear_under_bf16_autocast_gives_fp32_gradients_from_the_gemm")
+    else {
+        return;
+    };
+    linear_matches_aten(Kind::BFloat16, true, true, device);
+    linear_matches_aten(Kind::BFloat16, true, false, device);
+}
+
+#[test]
+fn linear_of_a_non_contiguous_input_equals_the_contiguous_one() {
+    let _serial = common::serial();
+    let Some(device) = cuda_or_skip("linear_of_a_non_contiguous_input_equals_the_contiguous_one")
+    else {
+        return;
+    };
+    let vs = nn::VarStore::new(device);
+    let fc = Linear::new(&(vs.root() / "fc"), 40, 24, true);
+    let wide = Tensor::randn([40, 70], (Kind::Float, device));
+    let x = wide.tr(); // [70, 40], strided
+    assert!(!x.is_contiguous());
+    let y = fc.forward_t(&x).unwrap();
+    // The GEMM reads the strided operand in place, so only its summation order may differ.
+    assert_close(
+        "strided input",
+        &y,
+        &fc.forward_t(&x.contiguous()).unwrap(),
+        1e-5,
+    );
+    assert_no_fallback();
+}
+
+#[test]
+fn linear_keeps_the_leading_dimensions_of_its_input() {
+    let _serial = common::serial();
+    let Some(device) = cuda_or_skip("linear_keeps_the_leading_dimensions_of_its_input") else {
+        return;
+    };
+    let vs = nn::VarStore::new(device);
+    let fc = Linear::new(&(vs.root() / "fc"), 16, 24, true);
+    let x = Tensor::randn([3, 5, 16], (Kind::Float, device));
+    let y = fc.forward_t(&x).unwrap();
+    assert_eq!(y.size(), [3, 5, 24]);
+    assert_close("3-d input", &y, &x.linear(&fc.ws, fc.bs.as_ref()), 1e-5);
+}
+
+/// A bf16-autocast context with the kernels on, a speedkit `Linear` in it and its fused AdamW.
+fn linear_in_a_context(device: Device) -> (SpeedContext, nn::VarStore, Linear, AdamWOptimizer) {
+    let ctx = SpeedContext::new(&SpeedConfig {
+        device: DeviceChoice::Cuda(0),
+        precision: Precision::Bf16,
+        ..SpeedConfig::auto()
+    })
+    .unwrap();
+    let vs = nn::VarStore::new(device);
+    let fc = Linear::new(&(vs.root() / "fc"), 64, 48, true);
+    let opt = ctx
+        .adamw(
+            &vs,
+            AdamW {
+                lr: 1e-2,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    (ctx, vs, fc, opt)
+}
+
+/// The layer's output on speedkit's path equals ATen's `linear` on the weights as they are now.
+fn assert_linear_uses_current_weights(ctx: &SpeedContext, fc: &Linear, x: &Tensor, what: &str) {
+    let y = ctx.autocast(|| fc.forward_t(x)).unwrap();
+    let want = ctx.autocast(|| x.linear(&fc.ws, fc.bs.as_ref()));
+    assert_close(what, &y, &want, 1e-6);
+}
+
+#[test]
+fn linear_after_optimizer_steps_computes_with_the_updated_weights() {
+    let _serial = common::serial();
+    let Some(device) =
+        cuda_or_skip("linear_after_optimizer_steps_computes_with_the_updated_weights")
+    else {
+        return;
+    };
+    let (ctx, _vs, fc, mut opt) = linear_in_a_context(device);
+    let x = Tensor::randn([32, 64], (Kind::Float, device));
+    for step in 0..3 {
+        assert_linear_uses_current_weights(&ctx, &fc, &x, &format!("before step {step}"));
+        let loss = ctx.autocast(|| fc.forward_t(&x).unwrap().square().mean(Kind::Float));
+        ctx.backward_step(&loss, &mut opt).unwrap();
+    }
+    assert_linear_uses_current_weights(&ctx, &fc, &x, "after 3 steps");
+    assert_no_fallback();
+}
+
+#[test]
+fn linear_sees_a_weight_changed_in_place_outside_the_optimizer() {
+    let _serial = common::serial();
+    let Some(device) = cuda_or_skip("linear_sees_a_weight_changed_in_place_outside_the_optimizer")
+    else {
+        return;
+    };
+    let (ctx, _vs, fc, _opt) = linear_in_a_context(device);
+    let x = Tensor::randn([32, 64], (Kind::Float, device));
+    assert_linear_uses_current_weights(&ctx, &fc, &x, "first use");
+    tch::no_grad(|| {
+        fc.ws
+            .shallow_clone()
+            .copy_(&Tensor::randn([48, 64], (Kind::Float, device)));
+        let _ = fc.bs.as_ref().unwrap().shallow_clone().fill_(3.0);
+    });
+    assert_linear_uses_current_weights(&ctx, &fc, &x, "after an in-place change");
+}
+
+/// Five AdamW steps (weight decay on) from the same weights and gradients: `with_copies`'s weights
+/// have kept bf16 copies (a forward on the kernels made them), so speedkit's AdamW kernel updates
+/// them and writes the copies; `without`'s have none, so ATen's `_fused_adamw_` updates them.
+#[test]
+fn adamw_writing_the_weight_copies_matches_aten_fused_adamw() {
+    let _serial = common::serial();
+    let Some(device) = cuda_or_skip("adamw_writing_the_weight_copies_matches_aten_fused_adamw")
+    else {
+        return;
+    };
+    let ctx = SpeedContext::new(&SpeedConfig {
+        device: DeviceChoice::Cuda(0),
+        precision: Precision::Bf16,
+        ..SpeedConfig::auto()
+    })
+    .unwrap();
+    let config = AdamW {
+        lr: 1e-2,
+        wd: 0.1,
+        ..Default::default()
+    };
+    let layer = |vs: &nn::VarStore| Linear::new(&(vs.root() / "fc"), 64, 48, true);
+    let (vs_a, vs_b) = (nn::VarStore::new(device), nn::VarStore::new(device));
+    let (with_copies, without) = (layer(&vs_a), layer(&vs_b));
+    tch::no_grad(|| {
+        without.ws.shallow_clone().copy_(&with_copies.ws);
+        without
+            .bs
+            .as_ref()
+            .unwrap()
+            .shallow_clone()
+            .copy_(with_copies.bs.as_ref().unwrap());
+    });
+    let x = Tensor::randn([32, 64], (Kind::Float, device));
+    let _ = ctx.autocast(|| with_copies.forward_t(&x)).unwrap();
+    let (mut opt_a, mut opt_b) = (
+        ctx.adamw(&vs_a, config.clone()).unwrap(),
+        ctx.adamw(&vs_b, config).unwrap(),
+    );
+    for step in 0..5 {
+        let (dw, db) = (
+            Tensor::randn([48, 64], (Kind::Float, device)),
+            Tensor::randn([48], (Kind::Float, device)),
+        );
+        for (layer, opt) in [(&with_copies, &mut opt_a), (&without, &mut opt_b)] {
+            opt.zero_grad().unwrap();
+            let loss = (&layer.ws * &dw).sum(Kind::Float)
+                + (layer.bs.as_ref().unwrap() * &db).sum(Kind::Float);
+            loss.backward();
+            opt.step().unwrap();
+        }
+        assert_close(
+            &format!("weight after step {step}"),
+            &with_copies.ws,
+            &without.ws,
+            1e-6,
+        );
+        let (a, b) = (
+            with_copies.bs.as_ref().unwrap(),
+            without.bs.as_ref().unwrap(),
+        );
+        assert_close(&format!("bias after step {step}"), a, b, 1e-6);
+    }
+    assert_linear_uses_current_weights(&ctx, &with_copies, &x, "the copies after 5 steps");
+    assert_no_fallback();
+}
+
+#[test]
+fn adamw_writing_the_weight_copies_skips_the_step_the_grad_scaler_finds_inf_in() {
+    let _serial = common::serial();
+    let Some(device) =
+        cuda_or_skip("adamw_writing_the_weight_copies_skips_the_step_the_grad_scaler_finds_inf_in")
+    else {
+        return;
+    };
+    let ctx = SpeedContext::new(&SpeedConfig {
+        device: DeviceChoice::Cuda(0),
+        precision: Precision::Fp16,
+        ..SpeedConfig::auto()
+    })
+    .unwrap();
+    let vs = nn::VarStore::new(device);
+    let fc = Linear::new(&(vs.root() / "fc"), 64, 48, true);
+    let mut opt = ctx.adamw(&vs, AdamW::default()).unwrap();
+    let x = Tensor::randn([32, 64], (Kind::Float, device));
+    let before = fc.ws.copy();
+    let overflow = ctx.autocast(|| fc.forward_t(&x).unwrap().sum(Kind::Float) * f64::INFINITY);
+    ctx.backward_step(&overflow, &mut opt).unwrap();
+    assert!(
+        fc.ws.equal(&before),
+        "a step with inf gradients changed the weights"
+    );
+    assert_linear_uses_current_weights(&ctx, &fc, &x, "after the skipped step");
+    let loss = ctx.autocast(|| fc.forward_t(&x).unwrap().square().mean(Kind::Float));
+    ctx.backward_step(&loss, &mut opt).unwrap();
+    assert!(
+        !fc.ws.equal(&before),
+        "a finite step must change the weights"
+    );
+    assert_linear_uses_current_weights(&ctx, &fc, &x, "after a finite step");
+}
+
 /// linear → residual LayerNorm → linear → fused cross-entropy, trained with bf16 autocast.
 fn train_through_kernels(graphed: bool, device: Device, steps: usize) -> (Vec<f64>, Vec<Tensor>) {
     let (batch, width, classes) = (256, 768, 1000);
@@ -552,7 +857,7 @@ fn train_through_kernels(graphed: bool, device: Device, steps: usize) -> (Vec<f6
     tch::manual_seed(1);
     let mut vs = nn::VarStore::new(device);
     let root = vs.root();
-    let first = nn::linear(&root / "first", width, width, Default::default());
+    let first = Linear::new(&(&root / "first"), width, width, true);
     let norm = layer_norm(&root / "norm", width, Default::default());
     let head = nn::linear(&root / "head", width, classes, Default::default());
     let mut config = SpeedConfig {
@@ -668,10 +973,12 @@ fn transformer_with_the_kernels_follows_fp32_as_closely_as_bf16_over_200_steps()
     let _ = speedkit::kernels::take_ops_run();
     let fused = transformer_losses(&bf16(AutoBool::On), device, 200);
     let ran = speedkit::kernels::take_ops_run();
-    assert!(
-        ran.contains(&"layer_norm") && ran.contains(&"cross_entropy"),
-        "{ran:?}"
-    );
+    for op in ["layer_norm", "cross_entropy", "linear", "bias_gelu"] {
+        assert!(
+            ran.contains(&op),
+            "{op} did not run on the kernels: {ran:?}"
+        );
+    }
     assert!(
         reference[199] < 0.8 * reference[0],
         "the batch must be learnable"

@@ -268,3 +268,57 @@ fn mlp_on_the_cpu_says_why_it_is_not_fused_and_rejects_a_wrong_width() {
     let err = mlp.forward_t(&Tensor::zeros([2, 15], CPU));
     assert!(err.is_err());
 }
+
+#[test]
+fn linear_on_the_cpu_equals_tch_linear_forward_and_backward() {
+    let _serial = common::serial();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let ours = Linear::new(&(vs.root() / "fc"), 13, 7, true);
+    let theirs = nn::Linear {
+        ws: ours.ws.detach().copy().set_requires_grad(true),
+        bs: ours
+            .bs
+            .as_ref()
+            .map(|b| b.detach().copy().set_requires_grad(true)),
+    };
+    let x = Tensor::randn([5, 3, 13], CPU);
+    let (y, want) = (ours.forward_t(&x).unwrap(), theirs.forward(&x));
+    assert!(y.allclose(&want, 1e-6, 1e-6, false));
+    y.sum(Kind::Float).backward();
+    want.sum(Kind::Float).backward();
+    assert!(ours
+        .ws
+        .grad()
+        .allclose(&theirs.ws.grad(), 1e-5, 1e-5, false));
+    let (b, tb) = (ours.bs.as_ref().unwrap(), theirs.bs.as_ref().unwrap());
+    assert!(b.grad().allclose(&tb.grad(), 1e-5, 1e-5, false));
+}
+
+#[test]
+fn linear_on_the_cpu_says_once_why_it_runs_aten() {
+    let _serial = common::serial();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let fc = Linear::new(&(vs.root() / "fc"), 8, 4, true);
+    for _ in 0..3 {
+        let _ = fc.forward_t(&Tensor::randn([2, 8], CPU)).unwrap();
+    }
+    let notes = speedkit::kernels::fallbacks();
+    let cpu_notes = notes
+        .iter()
+        .filter(|n| n.starts_with("linear:") && n.contains("Cpu"))
+        .count();
+    assert_eq!(cpu_notes, 1, "{notes:?}");
+}
+
+#[test]
+fn linear_given_the_wrong_input_width_is_an_error_naming_the_layer_and_shapes() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let fc = Linear::new(&(vs.root() / "fc"), 16, 24, true);
+    let err = fc.forward_t(&Tensor::randn([4, 17], CPU)).unwrap_err();
+    let message = err.to_string();
+    for part in ["fc", "[4, 17]", "16 input features"] {
+        assert!(message.contains(part), "{part:?} missing from: {message}");
+    }
+    let err = fc.forward_gelu(&Tensor::randn([4, 17], CPU)).unwrap_err();
+    assert!(err.to_string().contains("[4, 17]"), "{err}");
+}

@@ -1,7 +1,8 @@
 // The classifier's loss: softmax cross-entropy over the vocabulary, mean over the rows whose target
 // is not ignore_index, and its gradient with respect to the logits.
 //
-// Forward: one block per row, one pass over the logits with an online softmax (a running maximum
+// Forward: one warp per row, eight rows per block (a row's statistics reduce with warp shuffles, with
+// no block-wide synchronisation), one pass over the logits with an online softmax (a running maximum
 // and a sum of exponentials rescaled when the maximum grows), giving the row's log-sum-exp and loss.
 // Nothing of size rows × vocabulary is written: no fp32 copy of the logits, no probabilities.
 // Backward: one block per row, one pass again, writing dlogits = (softmax − onehot) · dloss / n in
@@ -23,23 +24,13 @@ __device__ __forceinline__ void softmax_merge(float& max, float& sum, float othe
   max = new_max;
 }
 
-// Block-wide (max, sum) reduction; every thread gets the result. blockDim.x is a multiple of 32.
-__device__ void block_softmax_stats(float& max, float& sum) {
-  __shared__ float maxes[32], sums[32];
+// Warp-wide (max, sum) reduction with shuffles; every lane gets the result.
+__device__ __forceinline__ void warp_softmax_stats(float& max, float& sum) {
   for (int offset = 16; offset > 0; offset >>= 1) {
     const float m = __shfl_xor_sync(0xffffffffu, max, offset);
     const float s = __shfl_xor_sync(0xffffffffu, sum, offset);
     softmax_merge(max, sum, m, s);
   }
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-  if (lane == 0) {
-    maxes[warp] = max;
-    sums[warp] = sum;
-  }
-  __syncthreads();
-  max = -infinity();
-  sum = 0.f;
-  for (int w = 0; w < warps; ++w) softmax_merge(max, sum, maxes[w], sums[w]);
 }
 
 // 16-byte loads and stores: N elements of TL at a time, where the row allows (vocab a multiple of N,
@@ -54,14 +45,17 @@ struct Vec16 {
 
 template <typename TL>
 __device__ void cross_entropy_forward(const TL* __restrict__ logits, const long long* __restrict__ targets,
-                                      float* __restrict__ row_loss, float* __restrict__ row_lse, int vocab,
-                                      long long ignore_index) {
-  const int row = blockIdx.x;
+                                      float* __restrict__ row_loss, float* __restrict__ row_lse, int rows,
+                                      int vocab, long long ignore_index) {
+  const int row = blockIdx.x * blockDim.y + threadIdx.y;
+  if (row >= rows) return;
   const TL* l = logits + static_cast<size_t>(row) * vocab;
   float max = -infinity(), sum = 0.f;
   constexpr int N = Vec16<TL>::N;
   const bool vectorised = Vec16<TL>::fits(logits, vocab);
-  for (int i = threadIdx.x; vectorised && i < vocab / N; i += blockDim.x) {
+  // Four 16-byte loads of the row in flight per lane.
+#pragma unroll 4
+  for (int i = threadIdx.x; vectorised && i < vocab / N; i += 32) {
     const uint4 raw = reinterpret_cast<const uint4*>(l)[i];
     const TL* e = reinterpret_cast<const TL*>(&raw);
     float v[N], chunk_max = -infinity(), chunk_sum = 0.f;
@@ -75,7 +69,7 @@ __device__ void cross_entropy_forward(const TL* __restrict__ logits, const long 
     for (int k = 0; k < N; ++k) chunk_sum += __expf(v[k] - chunk_max);
     softmax_merge(max, sum, chunk_max, chunk_sum);
   }
-  for (int c = threadIdx.x; !vectorised && c < vocab; c += blockDim.x) {
+  for (int c = threadIdx.x; !vectorised && c < vocab; c += 32) {
     const float v = to_float(l[c]);
     if (v == -infinity()) continue;  // a masked class: exp gives 0, and -inf - -inf would be NaN
     if (v > max) {
@@ -85,7 +79,7 @@ __device__ void cross_entropy_forward(const TL* __restrict__ logits, const long 
       sum += __expf(v - max);
     }
   }
-  block_softmax_stats(max, sum);
+  warp_softmax_stats(max, sum);
   if (threadIdx.x == 0) {
     const float lse = max + logf(sum);
     const long long target = targets[row];
@@ -142,9 +136,9 @@ __device__ void cross_entropy_backward(const TL* __restrict__ logits, const long
 
 #define SK_CE(tl_tag, TL, ...)                                                                               \
   extern "C" __global__ void cross_entropy_forward_##tl_tag(const TL* logits, const long long* targets,     \
-                                                            float* row_loss, float* row_lse, int vocab,     \
-                                                            long long ignore_index) {                      \
-    sk::cross_entropy_forward<TL>(logits, targets, row_loss, row_lse, vocab, ignore_index);                 \
+                                                            float* row_loss, float* row_lse, int rows,      \
+                                                            int vocab, long long ignore_index) {           \
+    sk::cross_entropy_forward<TL>(logits, targets, row_loss, row_lse, rows, vocab, ignore_index);           \
   }                                                                                                          \
   extern "C" __global__ void cross_entropy_backward_##tl_tag(                                               \
       const TL* logits, const long long* targets, const float* row_lse, const float* dloss,                 \
@@ -162,7 +156,11 @@ SK_TYPES_1(SK_CE, )
 
 namespace sk::kernels::classifier {
 
-// Threads per row: enough to keep a row's loads in flight, few enough for small vocabularies.
+// The forward's rows per block, one warp each.
+constexpr unsigned kForwardRowsPerBlock = 8;
+
+// The backward's threads per row: enough to keep a row's loads in flight, few enough for small
+// vocabularies.
 inline unsigned threads_for(int64_t vocab) { return vocab >= 4096 ? 512 : vocab >= 1024 ? 256 : 128; }
 
 struct Forward {
@@ -181,10 +179,11 @@ inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, int6
   const void* targets_ptr = targets.data_ptr();
   void* loss_ptr = out.row_loss.data_ptr();
   void* lse_ptr = out.row_lse.data_ptr();
-  int vocab_arg = static_cast<int>(vocab);
+  int rows_arg = static_cast<int>(rows), vocab_arg = static_cast<int>(vocab);
   long long ignore_arg = ignore_index;
-  void* args[] = {&logits_ptr, &targets_ptr, &loss_ptr, &lse_ptr, &vocab_arg, &ignore_arg};
-  launch(kernel, {static_cast<unsigned>(rows), 1, 1}, {threads_for(vocab), 1, 1}, 0, args);
+  void* args[] = {&logits_ptr, &targets_ptr, &loss_ptr, &lse_ptr, &rows_arg, &vocab_arg, &ignore_arg};
+  const unsigned blocks = static_cast<unsigned>((rows + kForwardRowsPerBlock - 1) / kForwardRowsPerBlock);
+  launch(kernel, {blocks, 1, 1}, {32, kForwardRowsPerBlock, 1}, 0, args);
   return out;
 }
 

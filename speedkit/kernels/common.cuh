@@ -57,6 +57,60 @@ __device__ __forceinline__ void store4(T* p, const float v[4]) {
   *reinterpret_cast<uint2*>(p) = q;
 }
 
+// Eight consecutive elements as fp32: one 16-byte load for bf16/fp16, two for fp32 (a single
+// 16-byte access per thread is what keeps enough bytes in flight to reach HBM bandwidth). The
+// pointer must be aligned to eight elements.
+__device__ __forceinline__ void load8(const float* p, float v[8]) {
+  load4(p, v);
+  load4(p + 4, v + 4);
+}
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float v[8]) {
+  const uint4 q = *reinterpret_cast<const uint4*>(p);
+  const T* e = reinterpret_cast<const T*>(&q);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) v[k] = to_float(e[k]);
+}
+__device__ __forceinline__ void store8(float* p, const float v[8]) {
+  store4(p, v);
+  store4(p + 4, v + 4);
+}
+template <typename T>
+__device__ __forceinline__ void store8(T* p, const float v[8]) {
+  uint4 q;
+  T* e = reinterpret_cast<T*>(&q);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) e[k] = from_float<T>(v[k]);
+  *reinterpret_cast<uint4*>(p) = q;
+}
+
+// tanh on the SFU in one instruction (PTX tanh.approx.f32, SM 7.5+): relative error about 2^-11,
+// below the rounding of a 16-bit result (bf16 keeps 8 mantissa bits, fp16 11). tanhf is a dozen
+// FP32 instructions, which makes an element-wise kernel with a tanh per element compute-bound on
+// Hopper instead of bandwidth-bound. Kernels use it only where they store 16-bit results.
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The last step of a pass that sums columns over a strip of rows (bias_grad.cuh, bias_gelu.cuh): a
+// block of 32 × WARPS threads, thread (x, y) holding in `sum` its warp's sums of the 8 columns from
+// c0 (n of them inside the row), adds its warps' sums in a fixed order and writes them as row
+// blockIdx.y of `partials` [gridDim.y, width]. Every thread of the block must call it.
+template <int WARPS>
+__device__ void write_column_partials(const float (&sum)[8], int n, int c0, int width, float* partials) {
+  __shared__ float column_sums[WARPS][32 * 8];
+  for (int k = 0; k < 8; ++k) column_sums[threadIdx.y][threadIdx.x * 8 + k] = sum[k];
+  __syncthreads();
+  if (threadIdx.y != 0) return;
+  for (int k = 0; k < n; ++k) {
+    float total = 0.f;
+    for (int w = 0; w < WARPS; ++w) total += column_sums[w][threadIdx.x * 8 + k];
+    partials[static_cast<size_t>(blockIdx.y) * width + c0 + k] = total;
+  }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;

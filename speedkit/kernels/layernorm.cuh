@@ -127,8 +127,8 @@ template <typename TX, typename TW, typename TY>
 __device__ void layernorm_backward_in_registers(const TY* __restrict__ dy, const TX* __restrict__ x,
                                                 const TW* __restrict__ weight, const float* __restrict__ mean,
                                                 const float* __restrict__ rstd, const TX* __restrict__ dsum,
-                                                TX* __restrict__ dx, float* __restrict__ partials, int rows,
-                                                int width) {
+                                                TX* __restrict__ dx, TY* __restrict__ dx_branch,
+                                                float* __restrict__ partials, int rows, int width) {
   extern __shared__ float accumulators[];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
@@ -179,6 +179,7 @@ __device__ void layernorm_backward_in_registers(const TY* __restrict__ dy, const
 #pragma unroll
       for (int j = 0; j < 4; ++j) out[j] = rs * (g[k][j] - mean_g - xhat[k][j] * mean_gx) + extra[j];
       store4(dx + offset + c, out);
+      if (dx_branch != nullptr) store4(dx_branch + offset + c, out);
     }
   }
   __syncthreads();
@@ -192,12 +193,15 @@ __device__ void layernorm_backward_in_registers(const TY* __restrict__ dy, const
 
 // Dynamic shared memory: (blockDim.x / 32) warps × 2 × width floats ([warp][dweight, dbias][column]).
 // `partials` receives gridDim.x × 2 × width floats. `dsum`, when given, is the gradient arriving at
-// the residual sum s itself (its other uses), added to dx.
+// the residual sum s itself (its other uses), added to dx. `dx_branch`, when given, receives dx again
+// in dy's type: the gradient of a bf16/fp16 branch that joined an fp32 residual stream, which would
+// otherwise take a separate cast kernel.
 template <typename TX, typename TW, typename TY>
 __device__ void layernorm_backward(const TY* __restrict__ dy, const TX* __restrict__ x,
                                    const TW* __restrict__ weight, const float* __restrict__ mean,
                                    const float* __restrict__ rstd, const TX* __restrict__ dsum,
-                                   TX* __restrict__ dx, float* __restrict__ partials, int rows, int width) {
+                                   TX* __restrict__ dx, TY* __restrict__ dx_branch, float* __restrict__ partials,
+                                   int rows, int width) {
   extern __shared__ float accumulators[];
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
@@ -234,6 +238,7 @@ __device__ void layernorm_backward(const TY* __restrict__ dy, const TX* __restri
       float v = rs * (gw - mean_g - xhat * mean_gx);
       if (dsum != nullptr) v += to_float(dsum[offset + c]);
       out[c] = from_float<TX>(v);
+      if (dx_branch != nullptr) dx_branch[offset + c] = from_float<TY>(v);
     }
   }
   __syncthreads();
@@ -293,12 +298,13 @@ __device__ void layernorm_param_grad(const float* __restrict__ partials, int blo
 #define SK_LN_BACKWARD(ty_tag, TY, tx_tag, TX, tw_tag, TW)                                                \
   extern "C" __global__ void layernorm_backward_##tx_tag##_##tw_tag##_##ty_tag(                            \
       const TY* dy, const TX* x, const TW* weight, const float* mean, const float* rstd, const TX* dsum,   \
-      TX* dx, float* partials, int rows, int width, int in_registers) {                                     \
+      TX* dx, TY* dx_branch, float* partials, int rows, int width, int in_registers) {                      \
     if (in_registers)                                                                                       \
-      sk::layernorm_backward_in_registers<TX, TW, TY>(dy, x, weight, mean, rstd, dsum, dx, partials, rows,  \
-                                                      width);                                               \
+      sk::layernorm_backward_in_registers<TX, TW, TY>(dy, x, weight, mean, rstd, dsum, dx, dx_branch,       \
+                                                      partials, rows, width);                               \
     else                                                                                                    \
-      sk::layernorm_backward<TX, TW, TY>(dy, x, weight, mean, rstd, dsum, dx, partials, rows, width);       \
+      sk::layernorm_backward<TX, TW, TY>(dy, x, weight, mean, rstd, dsum, dx, dx_branch, partials, rows,    \
+                                         width);                                                            \
   }
 #define SK_LN_BOTH(ty_tag, TY, tx_tag, TX, tw_tag, TW)                \
   SK_LN_FORWARD(ty_tag, TY, tx_tag, TX, tx_tag, TX, tw_tag, TW) \
@@ -355,6 +361,7 @@ struct Forward {
 
 struct Backward {
   at::Tensor dx, dweight, dbias;
+  at::Tensor dx_branch;  // dx in dy's type, when asked for
 };
 
 // Warps per backward block for this width on this device, 0 when even one warp's accumulators do
@@ -401,14 +408,17 @@ inline Forward forward(const at::Tensor& x, const at::Tensor& residual, const at
 
 // dy: [rows, width] in the forward's output type; x: the forward's normalised input (the sum s with
 // a residual); dsum: the gradient arriving at s from its other uses, or undefined. The caller has
-// checked backward_warps(width) > 0.
+// checked backward_warps(width) > 0. With `branch_in_dy_type`, dx also comes back in dy's type
+// (Backward::dx_branch), from the same pass.
 inline Backward backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight, bool has_bias,
-                         const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& dsum) {
+                         const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& dsum,
+                         bool branch_in_dy_type = false) {
   const int64_t rows = x.size(0), width = x.size(1);
   const auto weight_type = weight.defined() ? weight.scalar_type() : at::kFloat;
   const auto param_options = x.options().dtype(weight_type);
   Backward out{at::empty_like(x), weight.defined() ? at::empty({width}, param_options) : at::Tensor(),
-               has_bias ? at::empty({width}, param_options) : at::Tensor()};
+               has_bias ? at::empty({width}, param_options) : at::Tensor(),
+               branch_in_dy_type ? at::empty_like(dy) : at::Tensor()};
   if (!out.dweight.defined() && !out.dbias.defined() && rows == 0) return out;
   const int warps = backward_warps(width, x.device());
   const int64_t row_blocks = (rows + warps - 1) / warps;
@@ -434,10 +444,11 @@ inline Backward backward(const at::Tensor& dy, const at::Tensor& x, const at::Te
     const void* rstd_ptr = rstd.data_ptr();
     const void* dsum_ptr = pointer_or_null(dsum);
     void* dx_ptr = out.dx.data_ptr();
+    void* dx_branch_ptr = pointer_or_null(out.dx_branch);
     void* partials_ptr = partials.data_ptr();
-    int in_registers = rows_fit_registers(width, {&dy, &x, &weight, &dsum, &out.dx});
-    void* args[] = {&dy_ptr,       &x_ptr,    &weight_ptr, &mean_ptr,    &rstd_ptr, &dsum_ptr,
-                    &dx_ptr,       &partials_ptr, &rows_arg, &width_arg, &in_registers};
+    int in_registers = rows_fit_registers(width, {&dy, &x, &weight, &dsum, &out.dx, &out.dx_branch});
+    void* args[] = {&dy_ptr, &x_ptr,         &weight_ptr,   &mean_ptr, &rstd_ptr,  &dsum_ptr,
+                    &dx_ptr, &dx_branch_ptr, &partials_ptr, &rows_arg, &width_arg, &in_registers};
     launch(kernel, {static_cast<unsigned>(blocks), 1, 1}, {static_cast<unsigned>(32 * warps), 1, 1}, shared,
            args);
   }

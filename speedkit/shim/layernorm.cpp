@@ -37,6 +37,7 @@ struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {
     const bool with_residual = residual.defined();
     ctx->saved_data["has_bias"] = bias.defined();
     ctx->saved_data["with_residual"] = with_residual;
+    ctx->saved_data["residual_type"] = static_cast<int64_t>(with_residual ? residual.scalar_type() : x.scalar_type());
     ctx->save_for_backward({with_residual ? out.sum : x, weight, out.mean, out.rstd});
     // An unused output's gradient stays undefined instead of a materialised tensor of zeros.
     ctx->set_materialize_grads(false);
@@ -59,9 +60,15 @@ struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {
       return {dx, with_residual ? dx : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
               at::Tensor()};
     }
-    ln::Backward out = ln::backward(dy.contiguous(), x, weight, has_bias, saved[2], saved[3], dsum);
-    return {out.dx,        with_residual ? out.dx : at::Tensor(), out.dweight, out.dbias, at::Tensor(),
-            at::Tensor(), at::Tensor()};
+    // A bf16/fp16 branch joining an fp32 stream gets its gradient in its own type from the kernel's
+    // pass, instead of autograd casting the fp32 one in a kernel of its own.
+    const auto residual_type = static_cast<at::ScalarType>(ctx->saved_data["residual_type"].toInt());
+    const bool branch_in_dy_type =
+        with_residual && residual_type == dy.scalar_type() && residual_type != x.scalar_type();
+    ln::Backward out =
+        ln::backward(dy.contiguous(), x, weight, has_bias, saved[2], saved[3], dsum, branch_in_dy_type);
+    at::Tensor dresidual = with_residual ? (branch_in_dy_type ? out.dx_branch : out.dx) : at::Tensor();
+    return {out.dx, dresidual, out.dweight, out.dbias, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 #endif

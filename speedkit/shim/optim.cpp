@@ -7,6 +7,57 @@
 #include <ATen/TensorOperators.h>
 #include <ATen/core/grad_mode.h>
 
+#if SK_WITH_CUDA
+#include "adamw.cuh"
+#endif
+
+namespace {
+
+// The parameters whose kept autocast copy (weight_casts.cpp) speedkit's AdamW kernel can write in its
+// update pass, updated by that kernel; the others' indices are returned for ATen's fused AdamW.
+std::vector<size_t> adamw_with_copies(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g,
+                                      const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& v,
+                                      const std::vector<at::Tensor>& s, const at::Tensor& lr, double beta1,
+                                      double beta2, double weight_decay, double eps, const at::Tensor& grad_scale,
+                                      const at::Tensor& found_inf) {
+  std::vector<size_t> rest;
+#if SK_WITH_CUDA
+  namespace kernel = sk::kernels::adamw;
+  std::vector<kernel::Entry> bf16, f16;
+  for (size_t i = 0; i < p.size(); ++i) {
+    kernel::Entry e{p[i], g[i], m[i], v[i], s[i], sk::weight_casts::copy_of(p[i])};
+    if (!kernel::unsupported(e).empty() || !lr.is_cuda() || lr.device() != p[i].device()) {
+      rest.push_back(i);
+      continue;
+    }
+    (e.copy.scalar_type() == at::kBFloat16 ? bf16 : f16).push_back(e);
+  }
+  for (const auto* group : {&bf16, &f16}) {
+    kernel::step(*group, lr, beta1, beta2, weight_decay, eps, grad_scale, found_inf);
+    for (const kernel::Entry& e : *group) {
+      // Written through raw pointers: bump the version counters as an in-place ATen op would.
+      for (const at::Tensor* t : {&e.param, &e.exp_avg, &e.exp_avg_sq, &e.grad, &e.copy})
+        t->unsafeGetTensorImpl()->bump_version();
+      sk::weight_casts::mark_current(e.param);
+    }
+  }
+#else
+  (void)g; (void)m; (void)v; (void)s; (void)lr; (void)beta1; (void)beta2; (void)weight_decay; (void)eps;
+  (void)grad_scale; (void)found_inf;
+  for (size_t i = 0; i < p.size(); ++i) rest.push_back(i);
+#endif
+  return rest;
+}
+
+std::vector<at::Tensor> pick(const std::vector<at::Tensor>& list, const std::vector<size_t>& indices) {
+  std::vector<at::Tensor> out;
+  out.reserve(indices.size());
+  for (size_t i : indices) out.push_back(list[i]);
+  return out;
+}
+
+}  // namespace
+
 extern "C" {
 
 // torch._fused_adamw_ with a tensor learning rate (capturable: lr and steps live on the device).
@@ -22,8 +73,18 @@ int sk_fused_adamw_(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_av
     // PyTorch's optimizer increments the steps before the kernel and takes the increment back for
     // a step that the scaler skipped (found_inf), so counts stay equal to the applied updates.
     at::_foreach_add_(s, 1);
-    at::_fused_adamw_(p, g, m, v, {}, s, *lr, beta1, beta2, weight_decay, eps, /*amsgrad=*/false,
-                      /*maximize=*/false, sk::optional_tensor(grad_scale), sk::optional_tensor(found_inf));
+    // Parameters with a kept autocast copy take speedkit's kernel, which writes the copy in the same
+    // pass; the rest ATen's, after which their copies (if any) are re-cast.
+    const std::vector<size_t> rest =
+        adamw_with_copies(p, g, m, v, s, *lr, beta1, beta2, weight_decay, eps,
+                          grad_scale ? *grad_scale : at::Tensor(), found_inf ? *found_inf : at::Tensor());
+    if (!rest.empty()) {
+      const auto rest_p = pick(p, rest);
+      at::_fused_adamw_(rest_p, pick(g, rest), pick(m, rest), pick(v, rest), {}, pick(s, rest), *lr, beta1, beta2,
+                        weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false, sk::optional_tensor(grad_scale),
+                        sk::optional_tensor(found_inf));
+      sk::weight_casts::refresh(rest_p);
+    }
     if (found_inf != nullptr) at::_foreach_sub_(s, std::vector<at::Tensor>(s.size(), *found_inf));
   })
 }
@@ -59,6 +120,7 @@ int sk_foreach_adamw_(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_
     at::_foreach_add_(denom, eps);
     at::_foreach_div_(denom, bias1);
     at::_foreach_addcdiv_(p, m, denom);
+    sk::weight_casts::refresh(p);
   })
 }
 

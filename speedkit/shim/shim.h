@@ -2,8 +2,9 @@
 // flags.cpp (PyTorch's global speed flags), amp.cpp (autocast state, the GradScaler's unscale),
 // device.cpp (versions, device properties, allocator statistics, events, streams), graphs.cpp (CUDA
 // graphs), optim.cpp (fused/multi-tensor AdamW and the parameter-list helpers), profiler.cpp (the
-// Kineto step profiler), nvtx.cpp (NVTX ranges), autograd.cpp (the backward graph). This header holds
-// what they share: the error contract and the tensor-list helpers.
+// Kineto step profiler), nvtx.cpp (NVTX ranges), autograd.cpp (the backward graph), weight_casts.cpp
+// (weights' autocast-type copies kept across steps); kernels.h lists the kernel layer's files. This
+// header holds what they share: the error contract and the tensor-list helpers.
 //
 // Contract, for every `sk_*` function that returns `int`: 0 on success; otherwise non-zero, and
 // `sk_last_error()` holds the message (per thread) until the next failing call. No C++ exception ever
@@ -51,6 +52,20 @@ inline std::optional<at::Tensor> optional_tensor(at::Tensor* t) {
   if (t == nullptr) return std::nullopt;
   return *t;
 }
+
+// weight_casts.cpp: fp32 weights' copies in the autocast type, kept across steps.
+namespace weight_casts {
+// `weight` in `type`: its kept copy where that is current (same version counter), else a fresh cast,
+// kept when `weight` is a CUDA parameter (a leaf that requires grad).
+at::Tensor get(const at::Tensor& weight, at::ScalarType type);
+// Re-casts the kept copies of `params` in one multi-tensor copy; the optimizers call it right after
+// their in-place update.
+void refresh(const std::vector<at::Tensor>& params);
+// `param`'s kept copy (current or not), or an undefined tensor when it has none.
+at::Tensor copy_of(const at::Tensor& param);
+// Records that `param`'s copy was rewritten together with `param` (by speedkit's AdamW kernel).
+void mark_current(const at::Tensor& param);
+}  // namespace weight_casts
 
 }  // namespace sk
 

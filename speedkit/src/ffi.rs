@@ -181,6 +181,12 @@ extern "C" {
         loss: *mut *mut C_tensor,
     ) -> c_int;
     fn sk_bias_gelu(h: *mut C_tensor, bias: *mut C_tensor, y: *mut *mut C_tensor) -> c_int;
+    fn sk_linear(
+        x: *mut C_tensor,
+        weight: *mut C_tensor,
+        bias: *mut C_tensor,
+        y: *mut *mut C_tensor,
+    ) -> c_int;
     fn sk_mlp(
         x: *mut C_tensor,
         w1: *mut C_tensor,
@@ -1262,6 +1268,22 @@ pub(crate) fn bias_gelu(h: &Tensor, bias: &Tensor) -> Result<Tensor, SpeedkitErr
     let mut y: *mut C_tensor = ptr::null_mut();
     // SAFETY: live handles borrowed for the call; on success the shim hands over `y`.
     check(unsafe { sk_bias_gelu(handle(h), handle(bias), &mut y) })?;
+    // SAFETY: an owned tensor allocated by the shim.
+    Ok(unsafe { Tensor::from_ptr(y) })
+}
+
+/// `x Wᵀ + b` in the autocast type (else x's), differentiable, with the weight gradient written in
+/// the weight's type by its GEMM and the bias gradient summed on speedkit's kernel.
+pub(crate) fn linear(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+) -> Result<Tensor, SpeedkitError> {
+    let mut y: *mut C_tensor = ptr::null_mut();
+    let bias = bias.map_or(ptr::null_mut(), handle);
+    // SAFETY: live handles (or null for no bias) borrowed for the call; on success the shim hands
+    // over `y`.
+    check(unsafe { sk_linear(handle(x), handle(weight), bias, &mut y) })?;
     // SAFETY: an owned tensor allocated by the shim.
     Ok(unsafe { Tensor::from_ptr(y) })
 }

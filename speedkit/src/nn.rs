@@ -1,8 +1,8 @@
 //! Building blocks for models: attention on `scaled_dot_product_attention` (the backend chosen by
 //! PyTorch among those the `sdp_backend` flags allow), drop-in modules on speedkit's fused kernels
-//! ([`LayerNorm`], [`cross_entropy`], [`Linear::forward_gelu`]) and on cuBLASLt's GEMM epilogues
-//! ([`Mlp`]) that fall back to ATen's composite ops wherever those do not run, and [`Linear`], whose
-//! GEMMs run in FP8 where the plan says so (cast by [`quantize_fp8`]).
+//! ([`LayerNorm`], [`cross_entropy`], [`Linear`] and [`Linear::forward_gelu`]) and on cuBLASLt's GEMM
+//! epilogues ([`Mlp`]) that fall back to ATen's composite ops wherever those do not run; [`Linear`]'s
+//! GEMMs also run in FP8 where the plan says so (cast by [`quantize_fp8`]).
 
 mod cross_entropy;
 mod fp8;

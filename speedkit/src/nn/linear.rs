@@ -8,6 +8,13 @@
 //! `fp8.min_gemm_size` — and otherwise runs the ordinary `x Wᵀ + b` under autocast. The first
 //! decision of each layer is recorded for the context's audit.
 //!
+//! Outside FP8, where speedkit's kernels run (see [`crate::kernels`]), that `x Wᵀ + b` is the same
+//! GEMMs as ATen's `linear` with a cheaper backward: the fp32 weight gradient comes out of its GEMM
+//! in fp32 (no cast kernel), the bias gradient from speedkit's column-sum kernel, and the weight's
+//! copy in the autocast type is kept from one step to the next (speedkit's AdamW writes it in its
+//! update pass; a weight changed in place anywhere else is cast again at its next use). This path is
+//! differentiable once (no double backward). Anywhere else it is ATen's `linear`.
+//!
 //! ```
 //! use speedkit::nn::Linear;
 //! use tch::{nn, nn::Module, Device, Kind, Tensor};
@@ -67,6 +74,9 @@ impl Linear {
     }
 
     /// `x Wᵀ + b`, in FP8 where the active plan allows it for this call's shapes.
+    ///
+    /// An input whose last dimension is not the layer's input width is a
+    /// [`SpeedkitError::Misuse`](crate::SpeedkitError::Misuse) naming the layer and both shapes.
     pub fn forward_t(&self, x: &Tensor) -> crate::Result<Tensor> {
         self.project(x, self.bs.as_ref())
     }
@@ -114,8 +124,9 @@ impl Linear {
 
     /// `x Wᵀ (+ bias)`, in FP8 where the active plan allows it for this call's shapes.
     fn project(&self, x: &Tensor, bias: Option<&Tensor>) -> crate::Result<Tensor> {
+        self.check_input(x)?;
         let Some((plan, out)) = Fp8Scope::active() else {
-            return Ok(x.f_linear(&self.ws, bias)?);
+            return self.project_in_autocast_type(x, bias);
         };
         match self.fp8_gemm(x, &plan) {
             Ok(gemm) => {
@@ -133,9 +144,47 @@ impl Linear {
             }
             Err(reason) => {
                 Fp8Scope::record(&self.name, false, &reason);
-                Ok(x.f_linear(&self.ws, bias)?)
+                self.project_in_autocast_type(x, bias)
             }
         }
+    }
+
+    /// `x Wᵀ (+ bias)` in the autocast type: on speedkit's kernels where they run (the weight
+    /// gradient straight from its GEMM in fp32, the bias gradient from `bias_grad`), else ATen's
+    /// `linear`, with the reason noted once.
+    fn project_in_autocast_type(&self, x: &Tensor, bias: Option<&Tensor>) -> crate::Result<Tensor> {
+        let reason = match kernels::unusable_on(x.device()) {
+            Some(reason) => reason,
+            None => match linear_unsupported(x, &self.ws, bias) {
+                Some(reason) => reason,
+                None => match ffi::linear(x, &self.ws, bias) {
+                    Ok(y) => {
+                        kernels::note_run(LINEAR);
+                        return Ok(y);
+                    }
+                    Err(e) => format!("the kernel failed ({e})"),
+                },
+            },
+        };
+        kernels::note_fallback(LINEAR, &reason);
+        Ok(x.f_linear(&self.ws, bias)?)
+    }
+
+    /// An input whose last dimension is not the layer's input width is the caller's mistake, on
+    /// every path: an error naming the layer and both shapes.
+    fn check_input(&self, x: &Tensor) -> crate::Result<()> {
+        let in_features = self.ws.size().last().copied();
+        if x.size().last().copied() == in_features {
+            return Ok(());
+        }
+        Err(crate::SpeedkitError::Misuse(format!(
+            "speedkit::nn::Linear {}: the input of shape {:?} must end in the layer's {} input \
+             features (its weight is {:?})",
+            self.name,
+            x.size(),
+            in_features.unwrap_or(0),
+            self.ws.size()
+        )))
     }
 
     /// This call's GEMM, if it can run in FP8 under `plan`; otherwise why not.
@@ -188,6 +237,31 @@ impl nn::Module for Linear {
 
 /// The op name [`Linear::forward_gelu`]'s kernel is listed under in the audit and the runner.
 const BIAS_GELU: &str = "bias_gelu";
+
+/// The op name [`Linear`]'s fused-backward path is listed under in the audit and the runner.
+const LINEAR: &str = "linear";
+
+/// Why `x Wᵀ + b` would not run on speedkit's path, or `None` when it does.
+fn linear_unsupported(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Option<String> {
+    let floating = |k: Kind| matches!(k, Kind::Float | Kind::BFloat16 | Kind::Half);
+    let kinds_ok =
+        floating(x.kind()) && floating(weight.kind()) && bias.is_none_or(|b| floating(b.kind()));
+    if !kinds_ok {
+        return Some(format!(
+            "input {:?}, weight {:?} (the kernels take fp32, bf16, fp16)",
+            x.kind(),
+            weight.kind()
+        ));
+    }
+    let [out_features, in_features] = weight.size()[..] else {
+        return Some(format!("weight of shape {:?} is not 2-d", weight.size()));
+    };
+    let rows = x.numel() as i64 / in_features.max(1);
+    if rows > i64::from(i32::MAX) || out_features > i64::from(i32::MAX) {
+        return Some(format!("output of {rows} rows × {out_features}"));
+    }
+    None
+}
 
 /// Why `gelu(h + bias)` would not run on the kernel, or `None` when it does.
 fn bias_gelu_unsupported(h: &Tensor, bias: &Tensor) -> Option<String> {

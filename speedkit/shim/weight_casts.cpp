@@ -1,0 +1,115 @@
+// Copies of fp32 weights in the autocast type, kept from one step to the next.
+//
+// Under autocast every forward casts each fp32 weight to bf16/fp16 again: one small kernel per
+// weight and per bias, a few microseconds each, about 0.36 ms of a `transformer` step. speedkit's
+// Linear (linear.cpp) takes its operands from here instead: a copy is current as long as the
+// weight's version counter is the one it was made at. After the optimizer's in-place update the
+// copies are current again without a cast of their own: speedkit's AdamW kernel (optim.cpp,
+// kernels/adamw.cuh) writes them in its update pass and calls mark_current(); parameters that ATen's
+// AdamW updated instead get refresh(), one multi-tensor copy (ATen's _foreach_copy_, which converts
+// the type on its fast path). A weight changed in place by anything else (a checkpoint load,
+// another optimizer, the user) has a new version, and its next use casts it again. Autocast's own
+// cache makes the same bargain within one forward; this one spans steps.
+//
+// Entries hold the weight weakly (as autocast's cache does), so dropping a model frees its copies
+// at the next insertion. Only CUDA leaf tensors that require grad (parameters) are cached.
+#include "shim.h"
+
+#include <ATen/Functions.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <algorithm>
+#include <mutex>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+namespace sk::weight_casts {
+namespace {
+
+using WeakWeight = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+struct Entry {
+  WeakWeight weight;
+  int64_t version;
+  at::Tensor copy;
+};
+
+std::mutex mutex;
+std::unordered_map<const c10::TensorImpl*, Entry>& entries() {
+  static auto* map = new std::unordered_map<const c10::TensorImpl*, Entry>();
+  return *map;
+}
+
+bool cacheable(const at::Tensor& weight, at::ScalarType type) {
+  return weight.is_cuda() && weight.scalar_type() != type && weight.is_leaf() && weight.requires_grad();
+}
+
+void drop_expired() {
+  for (auto it = entries().begin(); it != entries().end();) {
+    it = it->second.weight.expired() ? entries().erase(it) : std::next(it);
+  }
+}
+
+}  // namespace
+
+at::Tensor get(const at::Tensor& weight, at::ScalarType type) {
+  if (!cacheable(weight, type)) return weight.to(type);
+  std::lock_guard<std::mutex> lock(mutex);
+  const c10::TensorImpl* key = weight.unsafeGetTensorImpl();
+  auto it = entries().find(key);
+  const bool same_weight = it != entries().end() && !it->second.weight.expired() &&
+                           it->second.copy.scalar_type() == type && it->second.copy.sizes() == weight.sizes();
+  if (same_weight && it->second.version == weight._version()) return it->second.copy;
+  at::NoGradGuard no_grad;
+  if (same_weight) {
+    // Recast into the same storage, so a CUDA graph that captured the copy keeps reading it.
+    it->second.copy.copy_(weight);
+    it->second.version = weight._version();
+    return it->second.copy;
+  }
+  drop_expired();
+  at::Tensor copy = weight.detach().to(type).contiguous();
+  entries().insert_or_assign(key, Entry{WeakWeight(weight.getIntrusivePtr()), weight._version(), copy});
+  return copy;
+}
+
+at::Tensor copy_of(const at::Tensor& param) {
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = entries().find(param.unsafeGetTensorImpl());
+  if (it == entries().end() || it->second.weight.expired() || it->second.copy.sizes() != param.sizes())
+    return at::Tensor();
+  return it->second.copy;
+}
+
+void mark_current(const at::Tensor& param) {
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = entries().find(param.unsafeGetTensorImpl());
+  if (it != entries().end()) it->second.version = param._version();
+}
+
+void refresh(const std::vector<at::Tensor>& params) {
+  std::lock_guard<std::mutex> lock(mutex);
+  if (entries().empty()) return;
+  // One _foreach_copy_ per copy type (its fast path wants one source and one target type).
+  std::vector<std::tuple<at::ScalarType, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<Entry*>>> groups;
+  for (const at::Tensor& p : params) {
+    auto it = entries().find(p.unsafeGetTensorImpl());
+    if (it == entries().end() || it->second.weight.expired() || p.scalar_type() != at::kFloat) continue;
+    Entry& e = it->second;
+    auto group = std::find_if(groups.begin(), groups.end(),
+                              [&](const auto& g) { return std::get<0>(g) == e.copy.scalar_type(); });
+    if (group == groups.end()) group = groups.insert(groups.end(), {e.copy.scalar_type(), {}, {}, {}});
+    std::get<1>(*group).push_back(e.copy);
+    std::get<2>(*group).push_back(p.detach());
+    std::get<3>(*group).push_back(&e);
+  }
+  at::NoGradGuard no_grad;
+  for (auto& [type, copies, sources, refreshed] : groups) {
+    at::_foreach_copy_(copies, sources);
+    for (size_t i = 0; i < refreshed.size(); ++i) refreshed[i]->version = sources[i]._version();
+  }
+}
+
+}  // namespace sk::weight_casts
