@@ -744,6 +744,10 @@ fn linear_sees_a_weight_changed_in_place_outside_the_optimizer() {
         let _ = fc.bs.as_ref().unwrap().shallow_clone().fill_(3.0);
     });
     assert_linear_uses_current_weights(&ctx, &fc, &x, "after an in-place change");
+    // set_data swaps the data without a new version counter.
+    let mut weight = fc.ws.shallow_clone();
+    weight.set_data(&Tensor::randn([48, 64], (Kind::Float, device)));
+    assert_linear_uses_current_weights(&ctx, &fc, &x, "after set_data");
 }
 
 /// Five AdamW steps (weight decay on) from the same weights and gradients: `with_copies`'s weights

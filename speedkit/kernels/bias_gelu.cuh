@@ -170,7 +170,7 @@ inline at::Tensor forward(const at::Tensor& h, const at::Tensor& bias) {
   at::Tensor y = at::empty_like(h);
   if (rows == 0 || width == 0) return y;
   Kernel kernel = get("bias_gelu.cuh", name("forward", h, bias), h.device());
-  const bias_grad::Strips s = strips_for(rows, width, h.device());
+  const bias_grad::Strips s = strips_for(rows, width, kernel, h.device());
   const void* h_ptr = h.data_ptr();
   const void* bias_ptr = bias.data_ptr();
   void* y_ptr = y.data_ptr();
@@ -191,7 +191,7 @@ inline Backward backward(const at::Tensor& dy, const at::Tensor& h, const at::Te
   at::Tensor dh = at::empty_like(h);
   if (rows == 0 || width == 0) return {dh, at::zeros_like(bias)};
   Kernel kernel = get("bias_gelu.cuh", name("backward", h, bias), h.device());
-  const bias_grad::Strips s = strips_for(rows, width, h.device());
+  const bias_grad::Strips s = strips_for(rows, width, kernel, h.device());
   at::Tensor partials = at::empty({static_cast<int64_t>(s.strips), width}, h.options().dtype(at::kFloat));
   const void* dy_ptr = dy.data_ptr();
   const void* h_ptr = h.data_ptr();

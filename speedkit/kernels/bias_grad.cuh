@@ -93,17 +93,20 @@ constexpr int kColumnsPerBlock = 256;  // 32 threads × 8 columns
 constexpr int kWarps = 8;
 constexpr unsigned kFinishRows = 32;
 
-// The launch shape of a pass over [rows, width] that writes column partials (this file's pass 1,
-// bias_gelu.cuh's backward): column tiles across x, strips of rows across y, enough blocks to fill
-// the GPU about eight times over (fewer strips means fewer partial rows to finish).
+// The launch shape of `kernel`, a pass over [rows, width] in blocks of 32 × 8 threads (this file's
+// pass 1, bias_gelu.cuh's passes): column tiles across x, strips of rows across y, as many blocks as
+// are resident on the GPU at once (registers decide how many per SM), so that they run as one full
+// wave (fewer strips also means fewer partial rows to finish).
 struct Strips {
   unsigned column_tiles, strips;
   int rows_per_block;
 };
 
-inline Strips strips_for(int64_t rows, int64_t width, const c10::Device& device) {
+inline Strips strips_for(int64_t rows, int64_t width, const Kernel& kernel, const c10::Device& device) {
   const int64_t tiles = (width + kColumnsPerBlock - 1) / kColumnsPerBlock;
-  const int64_t wanted = std::max<int64_t>(1, 8 * multiprocessors(device) / std::max<int64_t>(tiles, 1));
+  const int64_t resident = std::clamp<int64_t>(resident_blocks_per_sm(kernel, 32 * kWarps, 0), 1, 8) *
+                           static_cast<int64_t>(multiprocessors(device));
+  const int64_t wanted = std::max<int64_t>(1, resident / std::max<int64_t>(tiles, 1));
   const int64_t strips = std::clamp<int64_t>(std::min(wanted, (rows + kWarps - 1) / kWarps), 1, 65535);
   const int64_t per_block = (rows + strips - 1) / strips;
   return {static_cast<unsigned>(tiles), static_cast<unsigned>((rows + per_block - 1) / per_block),
@@ -138,7 +141,7 @@ inline at::Tensor column_sums(const at::Tensor& dy, at::ScalarType out) {
   const int64_t rows = dy.size(0), width = dy.size(1);
   if (rows == 0 || width == 0) return at::zeros({width}, dy.options().dtype(out));
   Kernel kernel = get("bias_grad.cuh", std::string("bias_grad_partials_") + type_tag(dy.scalar_type()), dy.device());
-  const Strips s = strips_for(rows, width, dy.device());
+  const Strips s = strips_for(rows, width, kernel, dy.device());
   at::Tensor partials = at::empty({static_cast<int64_t>(s.strips), width}, dy.options().dtype(at::kFloat));
   const void* dy_ptr = dy.data_ptr();
   void* partials_ptr = partials.data_ptr();

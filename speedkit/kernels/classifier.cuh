@@ -5,7 +5,7 @@
 // no block-wide synchronisation), one pass over the logits with an online softmax (a running maximum
 // and a sum of exponentials rescaled when the maximum grows), giving the row's log-sum-exp and loss.
 // Nothing of size rows × vocabulary is written: no fp32 copy of the logits, no probabilities.
-// Backward: one block per row, one pass again, writing dlogits = (softmax − onehot) · dloss / n in
+// Backward: one warp per row again, one pass, writing dlogits = (softmax − onehot) · dloss / n in
 // the logits' type, with dloss and n read from device memory (no host synchronisation; under a
 // GradScaler dloss is the scale). llm.c fuses this into the forward because it knows dloss there;
 // a library does not (the scale lives on the device), and doing it here costs no extra pass: one
@@ -98,14 +98,15 @@ __device__ void cross_entropy_forward(const TL* __restrict__ logits, const long 
 template <typename TL>
 __device__ void cross_entropy_backward(const TL* __restrict__ logits, const long long* __restrict__ targets,
                                        const float* __restrict__ row_lse, const float* __restrict__ dloss,
-                                       const float* __restrict__ count, TL* __restrict__ dlogits, int vocab,
-                                       long long ignore_index) {
-  const int row = blockIdx.x;
+                                       const float* __restrict__ count, TL* __restrict__ dlogits, int rows,
+                                       int vocab, long long ignore_index) {
+  const int row = blockIdx.x * blockDim.y + threadIdx.y;
+  if (row >= rows) return;
   const size_t offset = static_cast<size_t>(row) * vocab;
   const long long target = targets[row];
   TL* out = dlogits + offset;
   if (target == ignore_index) {
-    for (int c = threadIdx.x; c < vocab; c += blockDim.x) out[c] = from_float<TL>(0.f);
+    for (int c = threadIdx.x; c < vocab; c += 32) out[c] = from_float<TL>(0.f);
     return;
   }
   const TL* l = logits + offset;
@@ -113,7 +114,8 @@ __device__ void cross_entropy_backward(const TL* __restrict__ logits, const long
   const float scale = *dloss / *count;
   constexpr int N = Vec16<TL>::N;
   const bool vectorised = Vec16<TL>::fits(logits, vocab) && Vec16<TL>::fits(dlogits, vocab);
-  for (int i = threadIdx.x; vectorised && i < vocab / N; i += blockDim.x) {
+#pragma unroll 4
+  for (int i = threadIdx.x; vectorised && i < vocab / N; i += 32) {
     const uint4 raw = reinterpret_cast<const uint4*>(l)[i];
     const TL* e = reinterpret_cast<const TL*>(&raw);
     uint4 packed;
@@ -126,7 +128,7 @@ __device__ void cross_entropy_backward(const TL* __restrict__ logits, const long
     }
     reinterpret_cast<uint4*>(out)[i] = packed;
   }
-  for (int c = threadIdx.x; !vectorised && c < vocab; c += blockDim.x) {
+  for (int c = threadIdx.x; !vectorised && c < vocab; c += 32) {
     const float p = __expf(to_float(l[c]) - lse);
     out[c] = from_float<TL>((p - (c == target ? 1.f : 0.f)) * scale);
   }
@@ -142,8 +144,9 @@ __device__ void cross_entropy_backward(const TL* __restrict__ logits, const long
   }                                                                                                          \
   extern "C" __global__ void cross_entropy_backward_##tl_tag(                                               \
       const TL* logits, const long long* targets, const float* row_lse, const float* dloss,                 \
-      const float* count, TL* dlogits, int vocab, long long ignore_index) {                                  \
-    sk::cross_entropy_backward<TL>(logits, targets, row_lse, dloss, count, dlogits, vocab, ignore_index);    \
+      const float* count, TL* dlogits, int rows, int vocab, long long ignore_index) {                        \
+    sk::cross_entropy_backward<TL>(logits, targets, row_lse, dloss, count, dlogits, rows, vocab,            \
+                                   ignore_index);                                                            \
   }
 SK_TYPES_1(SK_CE, )
 
@@ -156,12 +159,8 @@ SK_TYPES_1(SK_CE, )
 
 namespace sk::kernels::classifier {
 
-// The forward's rows per block, one warp each.
-constexpr unsigned kForwardRowsPerBlock = 8;
-
-// The backward's threads per row: enough to keep a row's loads in flight, few enough for small
-// vocabularies.
-inline unsigned threads_for(int64_t vocab) { return vocab >= 4096 ? 512 : vocab >= 1024 ? 256 : 128; }
+// Rows per block, one warp each, in both directions.
+constexpr unsigned kRowsPerBlock = 8;
 
 struct Forward {
   at::Tensor row_loss, row_lse;  // fp32 [rows]
@@ -182,8 +181,8 @@ inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, int6
   int rows_arg = static_cast<int>(rows), vocab_arg = static_cast<int>(vocab);
   long long ignore_arg = ignore_index;
   void* args[] = {&logits_ptr, &targets_ptr, &loss_ptr, &lse_ptr, &rows_arg, &vocab_arg, &ignore_arg};
-  const unsigned blocks = static_cast<unsigned>((rows + kForwardRowsPerBlock - 1) / kForwardRowsPerBlock);
-  launch(kernel, {blocks, 1, 1}, {32, kForwardRowsPerBlock, 1}, 0, args);
+  const unsigned blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+  launch(kernel, {blocks, 1, 1}, {32, kRowsPerBlock, 1}, 0, args);
   return out;
 }
 
@@ -201,10 +200,12 @@ inline at::Tensor backward(const at::Tensor& logits, const at::Tensor& targets, 
   const void* dloss_ptr = dloss.data_ptr();
   const void* count_ptr = count.data_ptr();
   void* dlogits_ptr = dlogits.data_ptr();
-  int vocab_arg = static_cast<int>(vocab);
+  int rows_arg = static_cast<int>(rows), vocab_arg = static_cast<int>(vocab);
   long long ignore_arg = ignore_index;
-  void* args[] = {&logits_ptr, &targets_ptr, &lse_ptr, &dloss_ptr, &count_ptr, &dlogits_ptr, &vocab_arg, &ignore_arg};
-  launch(kernel, {static_cast<unsigned>(rows), 1, 1}, {threads_for(vocab), 1, 1}, 0, args);
+  void* args[] = {&logits_ptr, &targets_ptr, &lse_ptr,  &dloss_ptr,  &count_ptr,
+                  &dlogits_ptr, &rows_arg,   &vocab_arg, &ignore_arg};
+  const unsigned blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+  launch(kernel, {blocks, 1, 1}, {32, kRowsPerBlock, 1}, 0, args);
   return dlogits;
 }
 

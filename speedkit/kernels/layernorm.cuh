@@ -332,6 +332,7 @@ SK_TYPES_1(SK_LN_PARAM_GRAD, )
 
 #include "kernels.h"
 
+#include <algorithm>
 #include <initializer_list>
 
 namespace sk::kernels::layernorm {
@@ -422,21 +423,23 @@ inline Backward backward(const at::Tensor& dy, const at::Tensor& x, const at::Te
   if (!out.dweight.defined() && !out.dbias.defined() && rows == 0) return out;
   const int warps = backward_warps(width, x.device());
   const int64_t row_blocks = (rows + warps - 1) / warps;
-  // As many blocks as fit on an SM at once (up to 8): the row loop is bound by memory latency, and
-  // a block's accumulators are its only cost, one fp32 partial per block and column later.
-  const int64_t shared_bytes = static_cast<int64_t>(warps) * 2 * width * static_cast<int64_t>(sizeof(float));
-  const int64_t per_sm = std::max<int64_t>(1, std::min<int64_t>(8, max_dynamic_shared_memory(x.device()) / shared_bytes));
+  Kernel kernel = get("layernorm.cuh",
+                      std::string("layernorm_backward_") + type_tag(x.scalar_type()) + "_" + type_tag(weight_type) +
+                          "_" + type_tag(dy.scalar_type()),
+                      x.device());
+  const int shared = static_cast<int>(warps * 2 * width * sizeof(float));
+  allow_dynamic_shared_memory(kernel, shared);
+  // One wave of as many blocks as are resident on an SM at once (up to 8; registers and shared
+  // memory decide): the row loop is bound by memory latency, a block's accumulators are its only
+  // cost (one fp32 partial per block and column later), and a grid beyond one wave would leave a
+  // partly filled second wave.
+  const int64_t per_sm =
+      std::clamp<int64_t>(resident_blocks_per_sm(kernel, 32 * warps, shared), 1, 8);
   const int blocks = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>(row_blocks, per_sm * static_cast<int64_t>(multiprocessors(x.device())))));
   at::Tensor partials = at::empty({blocks, 2, width}, x.options().dtype(at::kFloat));
   int rows_arg = static_cast<int>(rows), width_arg = static_cast<int>(width), blocks_arg = blocks;
   {
-    Kernel kernel = get("layernorm.cuh",
-                        std::string("layernorm_backward_") + type_tag(x.scalar_type()) + "_" +
-                            type_tag(weight_type) + "_" + type_tag(dy.scalar_type()),
-                        x.device());
-    const int shared = static_cast<int>(warps * 2 * width * sizeof(float));
-    allow_dynamic_shared_memory(kernel, shared);
     const void* dy_ptr = dy.data_ptr();
     const void* x_ptr = x.data_ptr();
     const void* weight_ptr = pointer_or_null(weight);

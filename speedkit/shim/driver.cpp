@@ -28,6 +28,7 @@ struct Api {
   CUresult (*ModuleLoadData)(CUmodule*, const void*);
   CUresult (*ModuleGetFunction)(CUfunction*, CUmodule, const char*);
   CUresult (*FuncSetAttribute)(CUfunction, CUfunction_attribute, int);
+  CUresult (*OccupancyMaxActiveBlocksPerMultiprocessor)(int*, CUfunction, int, size_t);
   CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                            CUstream, void**, void**);
 };
@@ -55,6 +56,7 @@ const Api& api() {
       bind(library, loaded.ModuleLoadData, "cuModuleLoadData");
       bind(library, loaded.ModuleGetFunction, "cuModuleGetFunction");
       bind(library, loaded.FuncSetAttribute, "cuFuncSetAttribute");
+      bind(library, loaded.OccupancyMaxActiveBlocksPerMultiprocessor, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
       bind(library, loaded.LaunchKernel, "cuLaunchKernel");
     } catch (const std::exception& e) {
       failure = e.what();
@@ -116,6 +118,14 @@ void set_max_dynamic_shared_memory(void* function, int bytes) {
         "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)");
 }
 
+int max_active_blocks(void* function, int threads, int shared_bytes) {
+  int blocks = 0;
+  check(api().OccupancyMaxActiveBlocksPerMultiprocessor(&blocks, static_cast<CUfunction>(function), threads,
+                                                        static_cast<size_t>(shared_bytes)),
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+  return blocks;
+}
+
 void launch(void* function, Dim3 grid, Dim3 block, int shared_bytes, void* stream, void** args) {
   check(api().LaunchKernel(static_cast<CUfunction>(function), grid.x, grid.y, grid.z, block.x, block.y, block.z,
                            static_cast<unsigned>(shared_bytes), static_cast<CUstream>(stream), args, nullptr),
@@ -138,6 +148,7 @@ void make_primary_context_current(c10::DeviceIndex) { no_cuda(); }
 void* load_module(const std::vector<char>&, c10::DeviceIndex) { no_cuda(); }
 void* function(void*, const std::string&) { no_cuda(); }
 void set_max_dynamic_shared_memory(void*, int) { no_cuda(); }
+int max_active_blocks(void*, int, int) { no_cuda(); }
 void launch(void*, Dim3, Dim3, int, void*, void**) { no_cuda(); }
 
 #endif

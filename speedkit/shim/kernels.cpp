@@ -13,6 +13,7 @@
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
+#include <tuple>
 #include <unistd.h>
 
 #if SK_WITH_CUDA
@@ -161,6 +162,20 @@ void allow_dynamic_shared_memory(const Kernel& kernel, int bytes) {
   driver::set_max_dynamic_shared_memory(kernel.function, bytes);
 }
 
+int resident_blocks_per_sm(const Kernel& kernel, int threads, int shared_bytes) {
+  // Asked at every launch of the grid-stride and one-wave kernels: a map lookup after the first.
+  static std::mutex mutex;
+  static auto* known = new std::map<std::tuple<void*, int, int>, int>();
+  const auto key = std::make_tuple(kernel.function, threads, shared_bytes);
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = known->find(key);
+  if (it != known->end()) return it->second;
+  driver::make_primary_context_current(kernel.device);
+  const int blocks = driver::max_active_blocks(kernel.function, threads, shared_bytes);
+  known->emplace(key, blocks);
+  return blocks;
+}
+
 void launch(const Kernel& kernel, Dim3 grid, Dim3 block, int shared_bytes, void** args) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   // Device-generic guard: c10::cuda::CUDAGuard inlines CUDA runtime calls (see shim.h).
@@ -202,6 +217,7 @@ Kernel get(const char*, const std::string& name, const c10::Device&) {
   throw std::runtime_error("speedkit kernel " + name + " needs CUDA, and speedkit was built without it");
 }
 void allow_dynamic_shared_memory(const Kernel&, int) {}
+int resident_blocks_per_sm(const Kernel&, int, int) { return 0; }
 void launch(const Kernel&, Dim3, Dim3, int, void**) {
   throw std::runtime_error("speedkit was built without CUDA, so its kernels cannot run");
 }

@@ -69,6 +69,9 @@ void* load_module(const std::vector<char>& cubin, c10::DeviceIndex device);
 // The CUfunction `name` of a module; throws naming the kernel when it is missing.
 void* function(void* module, const std::string& name);
 void set_max_dynamic_shared_memory(void* function, int bytes);
+// How many blocks of `threads` threads and `shared_bytes` of dynamic shared memory fit on one SM at
+// once (registers, shared memory and thread slots considered).
+int max_active_blocks(void* function, int threads, int shared_bytes);
 void launch(void* function, Dim3 grid, Dim3 block, int shared_bytes, void* stream, void** args);
 }  // namespace driver
 
@@ -78,6 +81,10 @@ Kernel get(const char* file, const std::string& name, const c10::Device& device)
 
 // Allows `kernel` more than the default 48 KiB of dynamic shared memory.
 void allow_dynamic_shared_memory(const Kernel& kernel, int bytes);
+
+// How many blocks of `kernel` (`threads` threads, `shared_bytes` of dynamic shared memory) are
+// resident on one SM at once: what a grid-stride kernel's grid should be sized by.
+int resident_blocks_per_sm(const Kernel& kernel, int threads, int shared_bytes);
 
 // Launches on PyTorch's current stream of the kernel's device: no synchronisation, so kernels run
 // in order with ATen's and can be captured in CUDA graphs.

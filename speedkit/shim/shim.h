@@ -55,7 +55,7 @@ inline std::optional<at::Tensor> optional_tensor(at::Tensor* t) {
 
 // weight_casts.cpp: fp32 weights' copies in the autocast type, kept across steps.
 namespace weight_casts {
-// `weight` in `type`: its kept copy where that is current (same version counter), else a fresh cast,
+// `weight` in `type`: its kept copy where that is current (same version counter and data), else a fresh cast,
 // kept when `weight` is a CUDA parameter (a leaf that requires grad).
 at::Tensor get(const at::Tensor& weight, at::ScalarType type);
 // Re-casts the kept copies of `params` in one multi-tensor copy; the optimizers call it right after

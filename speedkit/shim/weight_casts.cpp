@@ -3,13 +3,14 @@
 // Under autocast every forward casts each fp32 weight to bf16/fp16 again: one small kernel per
 // weight and per bias, a few microseconds each, about 0.36 ms of a `transformer` step. speedkit's
 // Linear (linear.cpp) takes its operands from here instead: a copy is current as long as the
-// weight's version counter is the one it was made at. After the optimizer's in-place update the
-// copies are current again without a cast of their own: speedkit's AdamW kernel (optim.cpp,
-// kernels/adamw.cuh) writes them in its update pass and calls mark_current(); parameters that ATen's
-// AdamW updated instead get refresh(), one multi-tensor copy (ATen's _foreach_copy_, which converts
-// the type on its fast path). A weight changed in place by anything else (a checkpoint load,
-// another optimizer, the user) has a new version, and its next use casts it again. Autocast's own
-// cache makes the same bargain within one forward; this one spans steps.
+// weight's version counter and data are the ones it was made from. After the optimizer's in-place
+// update the copies are current again without a cast of their own: speedkit's AdamW kernel
+// (optim.cpp, kernels/adamw.cuh) writes them in its update pass and calls mark_current();
+// parameters that ATen's AdamW updated instead get refresh(), one multi-tensor copy (ATen's
+// _foreach_copy_, which converts the type on its fast path). A weight changed anywhere else (a
+// checkpoint load, another optimizer, the user, set_data) has a new version or new data, and its
+// next use casts it again. Autocast's own cache makes the same bargain within one forward; this one
+// spans steps. The copies live as long as their weights: the model's size again in 16 bits.
 //
 // Entries hold the weight weakly (as autocast's cache does), so dropping a model frees its copies
 // at the next insertion. Only CUDA leaf tensors that require grad (parameters) are cached.
@@ -30,9 +31,19 @@ namespace {
 
 using WeakWeight = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 
+// What a copy was made from: the weight's version counter and its data (set_data() swaps the data
+// of a parameter without a new version).
+struct Source {
+  int64_t version;
+  const void* data;
+  bool operator==(const Source& other) const { return version == other.version && data == other.data; }
+};
+
+Source source_of(const at::Tensor& weight) { return {weight._version(), weight.data_ptr()}; }
+
 struct Entry {
   WeakWeight weight;
-  int64_t version;
+  Source source;
   at::Tensor copy;
 };
 
@@ -61,17 +72,17 @@ at::Tensor get(const at::Tensor& weight, at::ScalarType type) {
   auto it = entries().find(key);
   const bool same_weight = it != entries().end() && !it->second.weight.expired() &&
                            it->second.copy.scalar_type() == type && it->second.copy.sizes() == weight.sizes();
-  if (same_weight && it->second.version == weight._version()) return it->second.copy;
+  if (same_weight && it->second.source == source_of(weight)) return it->second.copy;
   at::NoGradGuard no_grad;
   if (same_weight) {
     // Recast into the same storage, so a CUDA graph that captured the copy keeps reading it.
     it->second.copy.copy_(weight);
-    it->second.version = weight._version();
+    it->second.source = source_of(weight);
     return it->second.copy;
   }
   drop_expired();
   at::Tensor copy = weight.detach().to(type).contiguous();
-  entries().insert_or_assign(key, Entry{WeakWeight(weight.getIntrusivePtr()), weight._version(), copy});
+  entries().insert_or_assign(key, Entry{WeakWeight(weight.getIntrusivePtr()), source_of(weight), copy});
   return copy;
 }
 
@@ -86,7 +97,7 @@ at::Tensor copy_of(const at::Tensor& param) {
 void mark_current(const at::Tensor& param) {
   std::lock_guard<std::mutex> lock(mutex);
   auto it = entries().find(param.unsafeGetTensorImpl());
-  if (it != entries().end()) it->second.version = param._version();
+  if (it != entries().end()) it->second.source = source_of(param);
 }
 
 void refresh(const std::vector<at::Tensor>& params) {
@@ -108,7 +119,7 @@ void refresh(const std::vector<at::Tensor>& params) {
   at::NoGradGuard no_grad;
   for (auto& [type, copies, sources, refreshed] : groups) {
     at::_foreach_copy_(copies, sources);
-    for (size_t i = 0; i < refreshed.size(); ++i) refreshed[i]->version = sources[i]._version();
+    for (size_t i = 0; i < refreshed.size(); ++i) refreshed[i]->source = source_of(sources[i]);
   }
 }
 
