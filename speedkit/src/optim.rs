@@ -6,6 +6,11 @@
 //! new rate into that tensor. With the fused kernel the [`GradScaler`](crate::amp::GradScaler)'s
 //! unscale and inf-skip happen inside the same kernel.
 //!
+//! Parameters whose autocast-type copy speedkit keeps (the weights of [`crate::nn::Linear`] on
+//! speedkit's kernels) take speedkit's own AdamW kernel on the fused path instead: the same update,
+//! GradScaler handling included, that also writes each copy in its pass, so the next forward casts
+//! no weight.
+//!
 //! ```
 //! use speedkit::optim::{AdamW, AdamWOptimizer};
 //! use tch::{nn, nn::Module, Device, Kind, Tensor};
