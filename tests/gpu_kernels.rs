@@ -10,7 +10,10 @@ mod common;
 
 use common::cuda_or_skip;
 use speedkit::config::{AutoBool, DeviceChoice, Precision, SpeedConfig};
-use speedkit::nn::{cross_entropy, cross_entropy_fallback_reason, layer_norm, LayerNorm, Linear};
+use speedkit::nn::{
+    cross_entropy, cross_entropy_fallback_reason, embedding, embedding_fallback_reason, layer_norm,
+    LayerNorm, Linear,
+};
 use speedkit::optim::{AdamW, AdamWOptimizer};
 use speedkit::SpeedContext;
 use tch::nn::{self, Module};
@@ -194,6 +197,48 @@ fn residual_layer_norm_matches_add_then_aten() {
             assert!(
                 x.grad().equal(&residual.grad()),
                 "dx and dresidual differ ({case})"
+            );
+        }
+    }
+}
+
+#[test]
+fn layer_norm_keeping_its_input_adds_the_later_uses_gradient_to_dx() {
+    let _serial = common::serial();
+    let Some(device) =
+        cuda_or_skip("layer_norm_keeping_its_input_adds_the_later_uses_gradient_to_dx")
+    else {
+        return;
+    };
+    for kind in KINDS {
+        for (rows, width) in [(7, 33), (1000, 768), (3, 8192)] {
+            let vs = nn::VarStore::new(device);
+            let norm = random_layer_norm(&vs, width);
+            let x = Tensor::randn([rows, width], (Kind::Float, device))
+                .to_kind(kind)
+                .set_requires_grad(true);
+            let (y, same) = norm.forward_keeping_input(&x);
+            assert_no_fallback();
+            assert!(same.equal(&x));
+            let dy = Tensor::randn([rows, width], (Kind::Float, device)).to_kind(kind);
+            let dlater = Tensor::randn([rows, width], (Kind::Float, device)).to_kind(kind);
+            let objective = |y: &Tensor, x: &Tensor| {
+                (y.to_kind(Kind::Float) * dy.to_kind(Kind::Float)).sum(Kind::Float)
+                    + (x.to_kind(Kind::Float) * dlater.to_kind(Kind::Float)).sum(Kind::Float)
+            };
+            objective(&y, &same).backward();
+
+            let r = reference_of(&x, &norm);
+            let want =
+                r.x.layer_norm([width], Some(&r.weight), Some(&r.bias), 1e-5, false);
+            objective(&want, &r.x).backward();
+            let case = format!("{kind:?} {rows}×{width}");
+            assert_close(&format!("y {case}"), &y, &want, output_tolerance(kind));
+            assert_close(
+                &format!("dx {case}"),
+                &x.grad(),
+                &r.x.grad(),
+                output_tolerance(kind),
             );
         }
     }
@@ -410,6 +455,146 @@ fn cross_entropy_with_every_row_ignored_is_nan_like_aten() {
 }
 
 /// A context on the first GPU computing in fp32, or under bf16 autocast when `autocast`.
+/// The embedding's forward equals ATen's lookup plus positions bit for bit, and its gradients
+/// equal the fp32 reference's, for `tokens` [batch, seq] over a table of `vocab` rows.
+fn embedding_matches_aten(kind: Kind, tokens: &Tensor, vocab: i64, width: i64, positions: bool) {
+    let device = tokens.device();
+    let seq = tokens.size()[1];
+    let table = Tensor::randn([vocab, width], (Kind::Float, device))
+        .to_kind(kind)
+        .set_requires_grad(true);
+    let position_table = Tensor::randn([seq + 3, width], (Kind::Float, device))
+        .to_kind(kind)
+        .set_requires_grad(true);
+    let positions_arg = positions.then_some(&position_table);
+    assert_eq!(
+        embedding_fallback_reason(tokens, &table, positions_arg),
+        None
+    );
+    let x = embedding(tokens, &table, positions_arg).unwrap();
+    assert_no_fallback();
+    let copy = |t: &Tensor| t.detach().set_requires_grad(true);
+    let (t, p) = (copy(&table), copy(&position_table));
+    let lookup_plus_positions = |table: &Tensor, positions_table: &Tensor| {
+        let lookup = Tensor::embedding(table, tokens, -1, false, false);
+        if positions {
+            lookup + positions_table.narrow(0, 0, seq)
+        } else {
+            lookup
+        }
+    };
+    let want = lookup_plus_positions(&t, &p);
+    let case = format!("{kind:?} {:?} over {vocab}×{width}", tokens.size());
+    assert!(x.equal(&want), "forward {case}");
+
+    let dy = Tensor::randn(x.size(), (Kind::Float, device)).to_kind(kind);
+    (x.to_kind(Kind::Float) * dy.to_kind(Kind::Float))
+        .sum(Kind::Float)
+        .backward();
+    let (t32, p32) = (copy(&t.to_kind(Kind::Float)), copy(&p.to_kind(Kind::Float)));
+    (lookup_plus_positions(&t32, &p32) * dy.to_kind(Kind::Float))
+        .sum(Kind::Float)
+        .backward();
+    let tol = output_tolerance(kind);
+    assert_close(&format!("dtable {case}"), &table.grad(), &t32.grad(), tol);
+    if positions {
+        assert_close(
+            &format!("dpositions {case}"),
+            &position_table.grad(),
+            &p32.grad(),
+            tol,
+        );
+    }
+}
+
+#[test]
+fn embedding_matches_aten_forward_and_backward() {
+    let _serial = common::serial();
+    let Some(device) = cuda_or_skip("embedding_matches_aten_forward_and_backward") else {
+        return;
+    };
+    for kind in KINDS {
+        for width in [1, 7, 33, 768, 1027, 2050] {
+            for (batch, seq, vocab) in [(1, 1, 5), (3, 17, 40), (32, 128, 8192)] {
+                // Few tokens over a large vocabulary leave most rows without a gradient; many over a
+                // small one repeat each token dozens of times.
+                let tokens = Tensor::randint(vocab, [batch, seq], (Kind::Int64, device));
+                for positions in [false, true] {
+                    embedding_matches_aten(kind, &tokens, vocab, width, positions);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn embedding_of_one_token_everywhere_sums_every_row_in_order() {
+    let _serial = common::serial();
+    let Some(device) = cuda_or_skip("embedding_of_one_token_everywhere_sums_every_row_in_order")
+    else {
+        return;
+    };
+    let tokens = Tensor::full([64, 256], 7, (Kind::Int64, device));
+    embedding_matches_aten(Kind::Float, &tokens, 10, 768, true);
+}
+
+#[test]
+fn embedding_of_strided_tokens_equals_that_of_contiguous_ones() {
+    let _serial = common::serial();
+    let Some(device) = cuda_or_skip("embedding_of_strided_tokens_equals_that_of_contiguous_ones")
+    else {
+        return;
+    };
+    let table = Tensor::randn([100, 64], (Kind::Float, device));
+    let positions = Tensor::randn([16, 64], (Kind::Float, device));
+    let tokens = Tensor::randint(100, [16, 4], (Kind::Int64, device)).transpose(0, 1);
+    assert!(!tokens.is_contiguous());
+    let strided = embedding(&tokens, &table, Some(&positions)).unwrap();
+    let contiguous = embedding(&tokens.contiguous(), &table, Some(&positions)).unwrap();
+    assert!(strided.equal(&contiguous));
+}
+
+#[test]
+fn embedding_of_an_empty_batch_gives_zero_gradients() {
+    let _serial = common::serial();
+    let Some(device) = cuda_or_skip("embedding_of_an_empty_batch_gives_zero_gradients") else {
+        return;
+    };
+    let table = Tensor::randn([10, 8], (Kind::Float, device)).set_requires_grad(true);
+    let positions = Tensor::randn([4, 8], (Kind::Float, device)).set_requires_grad(true);
+    let tokens = Tensor::zeros([0, 4], (Kind::Int64, device));
+    let x = embedding(&tokens, &table, Some(&positions)).unwrap();
+    assert_eq!(x.size(), [0, 4, 8]);
+    x.sum(Kind::Float).backward();
+    assert_eq!(table.grad().abs().sum(Kind::Float).double_value(&[]), 0.0);
+    assert_eq!(
+        positions.grad().abs().sum(Kind::Float).double_value(&[]),
+        0.0
+    );
+}
+
+#[test]
+fn embedding_backward_is_bitwise_reproducible() {
+    let _serial = common::serial();
+    let Some(device) = cuda_or_skip("embedding_backward_is_bitwise_reproducible") else {
+        return;
+    };
+    let table = Tensor::randn([512, 768], (Kind::Float, device)).set_requires_grad(true);
+    let positions = Tensor::randn([256, 768], (Kind::Float, device)).set_requires_grad(true);
+    let tokens = Tensor::randint(512, [32, 256], (Kind::Int64, device));
+    let dy = Tensor::randn([32, 256, 768], (Kind::Float, device));
+    let grads = || {
+        table.shallow_clone().zero_grad();
+        positions.shallow_clone().zero_grad();
+        (embedding(&tokens, &table, Some(&positions)).unwrap() * &dy)
+            .sum(Kind::Float)
+            .backward();
+        (table.grad().copy(), positions.grad().copy())
+    };
+    let (first, second) = (grads(), grads());
+    assert!(first.0.equal(&second.0) && first.1.equal(&second.1));
+}
+
 fn context_for(autocast: bool) -> SpeedContext {
     SpeedContext::new(&SpeedConfig {
         device: DeviceChoice::Cuda(0),
@@ -642,6 +827,81 @@ fn linear_under_bf16_autocast_gives_fp32_gradients_from_the_gemm() {
     linear_matches_aten(Kind::BFloat16, true, false, device);
 }
 
+/// `Linear::forward_chunks` against `(x Wᵀ + b).split(..)` in fp32 on the same rounded values,
+/// each chunk given its own gradient; the chunk counts cover the fused concatenation (up to 4
+/// chunks, vector and scalar widths) and the cat it falls back to beyond that.
+fn linear_chunks_match_aten(kind: Kind, autocast: bool, bias: bool, device: Device) {
+    let ctx = context_for(autocast);
+    for rows in [0, 1, 7, 1000] {
+        for (inputs, outputs, chunks) in [
+            (13, 3, 3),
+            (48, 21, 3),
+            (40, 264, 2),
+            (768, 2304, 3),
+            (32, 40, 5),
+        ] {
+            let mut vs = nn::VarStore::new(device);
+            let fc = Linear::new(&(vs.root() / "fc"), inputs, outputs, bias);
+            store_in(&mut vs, kind, autocast);
+            let x = Tensor::randn([rows, inputs], (Kind::Float, device))
+                .to_kind(kind)
+                .set_requires_grad(true);
+            let parts = ctx.autocast(|| fc.forward_chunks(&x, chunks)).unwrap();
+            assert_no_fallback();
+            assert_eq!(parts.len(), chunks);
+            let width = outputs / chunks as i64;
+            let grads: Vec<Tensor> = (0..chunks)
+                .map(|_| Tensor::randn([rows, width], (Kind::Float, device)).to_kind(kind))
+                .collect();
+            let loss = |parts: &[Tensor]| {
+                parts
+                    .iter()
+                    .zip(&grads)
+                    .map(|(p, g)| {
+                        (p.to_kind(Kind::Float) * g.to_kind(Kind::Float)).sum(Kind::Float)
+                    })
+                    .fold(Tensor::zeros([], (Kind::Float, device)), |a, b| a + b)
+            };
+            loss(&parts).backward();
+            let copy = |t: &Tensor| rounded_leaf(t, kind);
+            let (rx, rw) = (copy(&x), copy(&fc.ws));
+            let rb = fc.bs.as_ref().map(copy);
+            let want = rx.linear(&rw, rb.as_ref()).split(width, -1);
+            loss(&want).backward();
+
+            let case = format!(
+                "{kind:?} autocast {autocast} bias {bias} {rows}×{inputs}→{chunks}×{width}"
+            );
+            let tol = output_tolerance(kind);
+            for (i, (got, want)) in parts.iter().zip(&want).enumerate() {
+                assert_eq!(got.kind(), kind, "chunk {i}'s type, {case}");
+                assert_close(&format!("chunk {i} {case}"), got, want, tol);
+            }
+            assert_close(&format!("dx {case}"), &x.grad(), &rx.grad(), tol);
+            let param_tol = if autocast { 1e-4 } else { tol.max(1e-4) };
+            assert_close(&format!("dW {case}"), &fc.ws.grad(), &rw.grad(), param_tol);
+            if let (Some(b), Some(rb)) = (&fc.bs, &rb) {
+                assert_close(&format!("db {case}"), &b.grad(), &rb.grad(), param_tol);
+            }
+        }
+    }
+    assert!(speedkit::kernels::take_ops_run().contains(&"linear"));
+}
+
+#[test]
+fn linear_chunks_match_the_split_of_aten_forward_and_backward() {
+    let _serial = common::serial();
+    let Some(device) = cuda_or_skip("linear_chunks_match_the_split_of_aten_forward_and_backward")
+    else {
+        return;
+    };
+    for bias in [true, false] {
+        linear_chunks_match_aten(Kind::Float, false, bias, device);
+        linear_chunks_match_aten(Kind::Half, false, bias, device);
+        linear_chunks_match_aten(Kind::BFloat16, true, bias, device);
+    }
+}
+
 #[test]
 fn linear_of_a_non_contiguous_input_equals_the_contiguous_one() {
     let _serial = common::serial();
@@ -753,10 +1013,30 @@ fn linear_sees_a_weight_changed_in_place_outside_the_optimizer() {
 /// Five AdamW steps (weight decay on) from the same weights and gradients: `with_copies`'s weights
 /// have kept bf16 copies (a forward on the kernels made them), so speedkit's AdamW kernel updates
 /// them and writes the copies; `without`'s have none, so ATen's `_fused_adamw_` updates them.
+/// torch.optim.AdamW's update of `p` for gradient `g`, in fp64, `steps` times with the same
+/// gradients as `grads` gives; the reference for speedkit's AdamW kernel.
+fn adamw_reference(p: &Tensor, grads: &[Tensor], config: &AdamW) -> Tensor {
+    let mut p = p.to_kind(Kind::Double);
+    let mut m = p.zeros_like();
+    let mut v = p.zeros_like();
+    for (step, g) in grads.iter().enumerate() {
+        let g = g.to_kind(Kind::Double);
+        let t = (step + 1) as i32;
+        p = &p * (1.0 - config.lr * config.wd);
+        m = &m * config.beta1 + &g * (1.0 - config.beta1);
+        v = &v * config.beta2 + &g * &g * (1.0 - config.beta2);
+        let step_size = config.lr / (1.0 - config.beta1.powi(t));
+        let denom = v.sqrt() / (1.0 - config.beta2.powi(t)).sqrt() + config.eps;
+        p -= (&m / denom) * step_size;
+    }
+    p
+}
+
 #[test]
-fn adamw_writing_the_weight_copies_matches_aten_fused_adamw() {
+fn adamw_kernel_matches_the_adamw_update_with_and_without_weight_copies() {
     let _serial = common::serial();
-    let Some(device) = cuda_or_skip("adamw_writing_the_weight_copies_matches_aten_fused_adamw")
+    let Some(device) =
+        cuda_or_skip("adamw_kernel_matches_the_adamw_update_with_and_without_weight_copies")
     else {
         return;
     };
@@ -771,49 +1051,40 @@ fn adamw_writing_the_weight_copies_matches_aten_fused_adamw() {
         wd: 0.1,
         ..Default::default()
     };
-    let layer = |vs: &nn::VarStore| Linear::new(&(vs.root() / "fc"), 64, 48, true);
-    let (vs_a, vs_b) = (nn::VarStore::new(device), nn::VarStore::new(device));
-    let (with_copies, without) = (layer(&vs_a), layer(&vs_b));
-    tch::no_grad(|| {
-        without.ws.shallow_clone().copy_(&with_copies.ws);
-        without
-            .bs
-            .as_ref()
-            .unwrap()
-            .shallow_clone()
-            .copy_(with_copies.bs.as_ref().unwrap());
-    });
+    // The weight gets a bf16 copy from the forward; the bias, used outside the layer, and the
+    // embedding table keep none.
+    let vs = nn::VarStore::new(device);
+    let layer = Linear::new(&(vs.root() / "fc"), 64, 48, false);
+    let bias = vs.root().randn("bias", &[48], 0.0, 1.0);
+    let table = vs.root().randn("table", &[100, 64], 0.0, 1.0);
     let x = Tensor::randn([32, 64], (Kind::Float, device));
-    let _ = ctx.autocast(|| with_copies.forward_t(&x)).unwrap();
-    let (mut opt_a, mut opt_b) = (
-        ctx.adamw(&vs_a, config.clone()).unwrap(),
-        ctx.adamw(&vs_b, config).unwrap(),
-    );
-    for step in 0..5 {
-        let (dw, db) = (
-            Tensor::randn([48, 64], (Kind::Float, device)),
-            Tensor::randn([48], (Kind::Float, device)),
-        );
-        for (layer, opt) in [(&with_copies, &mut opt_a), (&without, &mut opt_b)] {
-            opt.zero_grad().unwrap();
-            let loss = (&layer.ws * &dw).sum(Kind::Float)
-                + (layer.bs.as_ref().unwrap() * &db).sum(Kind::Float);
-            loss.backward();
-            opt.step().unwrap();
-        }
-        assert_close(
-            &format!("weight after step {step}"),
-            &with_copies.ws,
-            &without.ws,
-            1e-6,
-        );
-        let (a, b) = (
-            with_copies.bs.as_ref().unwrap(),
-            without.bs.as_ref().unwrap(),
-        );
-        assert_close(&format!("bias after step {step}"), a, b, 1e-6);
+    let _ = ctx.autocast(|| layer.forward_t(&x)).unwrap();
+    let initial: Vec<Tensor> = [&layer.ws, &bias, &table]
+        .iter()
+        .map(|t| t.copy())
+        .collect();
+    let mut opt = ctx.adamw(&vs, config.clone()).unwrap();
+    let randn = |size: &[i64]| Tensor::randn(size, (Kind::Float, device));
+    let grads: Vec<[Tensor; 3]> = (0..5)
+        .map(|_| [randn(&[48, 64]), randn(&[48]), randn(&[100, 64])])
+        .collect();
+    for [dw, db, dt] in &grads {
+        opt.zero_grad().unwrap();
+        let loss = (&layer.ws * dw).sum(Kind::Float)
+            + (&bias * db).sum(Kind::Float)
+            + (&table * dt).sum(Kind::Float);
+        loss.backward();
+        opt.step().unwrap();
     }
-    assert_linear_uses_current_weights(&ctx, &with_copies, &x, "the copies after 5 steps");
+    for (i, (param, name)) in [(&layer.ws, "weight"), (&bias, "bias"), (&table, "table")]
+        .into_iter()
+        .enumerate()
+    {
+        let own: Vec<Tensor> = grads.iter().map(|g| g[i].shallow_clone()).collect();
+        let want = adamw_reference(&initial[i], &own, &config);
+        assert_close(&format!("{name} after 5 steps"), param, &want, 1e-6);
+    }
+    assert_linear_uses_current_weights(&ctx, &layer, &x, "the copies after 5 steps");
     assert_no_fallback();
 }
 
@@ -852,15 +1123,18 @@ fn adamw_writing_the_weight_copies_skips_the_step_the_grad_scaler_finds_inf_in()
     assert_linear_uses_current_weights(&ctx, &fc, &x, "after a finite step");
 }
 
-/// linear → residual LayerNorm → linear → fused cross-entropy, trained with bf16 autocast.
+/// token and position embedding → linear → residual LayerNorm → linear → fused cross-entropy,
+/// trained with bf16 autocast.
 fn train_through_kernels(graphed: bool, device: Device, steps: usize) -> (Vec<f64>, Vec<Tensor>) {
-    let (batch, width, classes) = (256, 768, 1000);
+    let (batch, seq, width, classes) = (8, 32, 768, 1000);
     tch::manual_seed(0);
-    let x = Tensor::randn([batch, width], (Kind::Float, device));
-    let y = Tensor::randint(classes, [batch], (Kind::Int64, device));
+    let tokens = Tensor::randint(classes, [batch, seq], (Kind::Int64, device));
+    let y = Tensor::randint(classes, [batch * seq], (Kind::Int64, device));
     tch::manual_seed(1);
     let mut vs = nn::VarStore::new(device);
     let root = vs.root();
+    let table = root.randn("table", &[classes, width], 0.0, 0.02);
+    let positions = root.randn("positions", &[seq, width], 0.0, 0.02);
     let first = Linear::new(&(&root / "first"), width, width, true);
     let norm = layer_norm(&root / "norm", width, Default::default());
     let head = nn::linear(&root / "head", width, classes, Default::default());
@@ -882,11 +1156,12 @@ fn train_through_kernels(graphed: bool, device: Device, steps: usize) -> (Vec<f6
         )
         .unwrap();
     let step = |_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
-        let loss = ctx.autocast(|| {
+        let loss = ctx.autocast(|| -> speedkit::Result<Tensor> {
+            let x = embedding(&tokens, &table, Some(&positions))?.view([batch * seq, width]);
             // The residual stream stays fp32; the branch's bf16 output joins it in fp32.
             let (h, _) = norm.forward_residual(&x, &first.forward(&x).to_kind(Kind::Float));
-            cross_entropy(&head.forward(&h), &y)
-        });
+            Ok(cross_entropy(&head.forward(&h), &y))
+        })?;
         ctx.backward_step(&loss, &mut opt)?;
         Ok(Some(loss))
     };
@@ -977,7 +1252,13 @@ fn transformer_with_the_kernels_follows_fp32_as_closely_as_bf16_over_200_steps()
     let _ = speedkit::kernels::take_ops_run();
     let fused = transformer_losses(&bf16(AutoBool::On), device, 200);
     let ran = speedkit::kernels::take_ops_run();
-    for op in ["layer_norm", "cross_entropy", "linear", "bias_gelu"] {
+    for op in [
+        "embedding",
+        "layer_norm",
+        "cross_entropy",
+        "linear",
+        "bias_gelu",
+    ] {
         assert!(
             ran.contains(&op),
             "{op} did not run on the kernels: {ran:?}"

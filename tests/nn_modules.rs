@@ -3,7 +3,7 @@
 
 mod common;
 
-use speedkit::nn::{cross_entropy, layer_norm, Linear, Mlp};
+use speedkit::nn::{cross_entropy, embedding, layer_norm, Linear, Mlp};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 
@@ -321,4 +321,95 @@ fn linear_given_the_wrong_input_width_is_an_error_naming_the_layer_and_shapes() 
     }
     let err = fc.forward_gelu(&Tensor::randn([4, 17], CPU)).unwrap_err();
     assert!(err.to_string().contains("[4, 17]"), "{err}");
+}
+
+#[test]
+fn embedding_on_the_cpu_equals_aten_lookup_plus_positions_forward_and_backward() {
+    let table = Tensor::randn([50, 12], CPU).set_requires_grad(true);
+    let positions = Tensor::randn([9, 12], CPU).set_requires_grad(true);
+    let tokens = Tensor::from_slice(&[3i64, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]).view([2, 6]);
+    let x = embedding(&tokens, &table, Some(&positions)).unwrap();
+    let (t, p) = (
+        table.detach().set_requires_grad(true),
+        positions.detach().set_requires_grad(true),
+    );
+    let want = Tensor::embedding(&t, &tokens, -1, false, false) + p.narrow(0, 0, 6);
+    assert!(x.equal(&want));
+    let dy = Tensor::randn([2, 6, 12], CPU);
+    (&x * &dy).sum(Kind::Float).backward();
+    (&want * &dy).sum(Kind::Float).backward();
+    assert!(table.grad().allclose(&t.grad(), 1e-6, 1e-6, false));
+    assert!(positions.grad().allclose(&p.grad(), 1e-6, 1e-6, false));
+}
+
+#[test]
+fn embedding_without_positions_keeps_the_shape_of_the_tokens() {
+    let table = Tensor::randn([10, 4], CPU);
+    let tokens = Tensor::from_slice(&[1i64, 2, 3, 4, 5, 6, 7, 8]).view([2, 2, 2]);
+    let x = embedding(&tokens, &table, None).unwrap();
+    assert_eq!(x.size(), [2, 2, 2, 4]);
+    assert!(x.equal(&Tensor::embedding(&table, &tokens, -1, false, false)));
+}
+
+#[test]
+fn embedding_with_a_sequence_longer_than_the_positions_is_a_misuse_error() {
+    let table = Tensor::randn([10, 4], CPU);
+    let positions = Tensor::randn([3, 4], CPU);
+    let tokens = Tensor::zeros([2, 5], (Kind::Int64, Device::Cpu));
+    let err = embedding(&tokens, &table, Some(&positions)).unwrap_err();
+    assert!(matches!(err, speedkit::SpeedkitError::Misuse(_)), "{err}");
+    for part in ["[>= 5, 4]", "[3, 4]"] {
+        assert!(
+            err.to_string().contains(part),
+            "{part:?} missing from: {err}"
+        );
+    }
+}
+
+#[test]
+fn embedding_of_tokens_that_are_not_int64_is_a_misuse_error() {
+    let table = Tensor::randn([10, 4], CPU);
+    let tokens = Tensor::zeros([2, 5], (Kind::Int, Device::Cpu));
+    let err = embedding(&tokens, &table, None).unwrap_err();
+    assert!(err.to_string().contains("int64"), "{err}");
+}
+
+#[test]
+fn embedding_on_the_cpu_says_once_why_it_runs_aten() {
+    let _serial = common::serial();
+    let table = Tensor::randn([10, 4], CPU);
+    let tokens = Tensor::from_slice(&[1i64, 2]);
+    for _ in 0..3 {
+        let _ = embedding(&tokens, &table, None).unwrap();
+    }
+    let notes = speedkit::kernels::fallbacks();
+    let cpu_notes = notes
+        .iter()
+        .filter(|n| n.starts_with("embedding:") && n.contains("Cpu"))
+        .count();
+    assert_eq!(cpu_notes, 1, "{notes:?}");
+}
+
+#[test]
+fn linear_chunks_on_the_cpu_are_the_split_of_the_forward() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let qkv = Linear::new(&(vs.root() / "qkv"), 8, 12, true);
+    let x = Tensor::randn([2, 3, 8], CPU);
+    let parts = qkv.forward_chunks(&x, 3).unwrap();
+    let whole = qkv.forward_t(&x).unwrap();
+    assert_eq!(parts.len(), 3);
+    for (i, part) in parts.iter().enumerate() {
+        assert!(part.equal(&whole.narrow(-1, 4 * i as i64, 4)), "chunk {i}");
+    }
+}
+
+#[test]
+fn linear_chunks_that_do_not_divide_the_output_are_a_misuse_error() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let qkv = Linear::new(&(vs.root() / "qkv"), 8, 10, true);
+    let err = qkv
+        .forward_chunks(&Tensor::randn([2, 8], CPU), 3)
+        .unwrap_err();
+    assert!(matches!(err, speedkit::SpeedkitError::Misuse(_)), "{err}");
+    assert!(err.to_string().contains("10 output features"), "{err}");
 }

@@ -1,5 +1,6 @@
 // AdamW over fp32 parameters that also writes each parameter's copy in the autocast type (bf16 or
-// fp16), the copy speedkit's Linear multiplies with (shim/weight_casts.cpp).
+// fp16), the copy speedkit's Linear multiplies with (shim/weight_casts.cpp). Parameters without a
+// copy (embeddings, norms, biases) take the same launch, so that one kernel updates the whole model.
 //
 // The update is torch.optim.AdamW's (ATen's _fused_adamw_, capturable): with the step count t and
 // the learning rate read from device memory, and, under a GradScaler, the gradient divided by the
@@ -83,7 +84,7 @@ __device__ void adamw_with_copy(const AdamWList& list, const float* __restrict__
     m[i] = mi;
     v[i] = vi;
     p[i] = param;
-    copy[i] = from_float<TC>(param);
+    if (copy != nullptr) copy[i] = from_float<TC>(param);
   }
 }
 
@@ -112,7 +113,7 @@ constexpr int64_t kChunk = 8192;
 constexpr unsigned kThreads = 512;
 
 // One parameter's tensors: fp32 param, grad, exp_avg, exp_avg_sq, step (one float), and its copy in
-// bf16/fp16; all on one CUDA device, contiguous, the same number of elements.
+// bf16/fp16 or none (undefined); all on one CUDA device, contiguous, the same number of elements.
 struct Entry {
   at::Tensor param, grad, exp_avg, exp_avg_sq, step, copy;
 };
@@ -122,22 +123,24 @@ inline std::string unsupported(const Entry& e) {
   for (const at::Tensor* t : {&e.param, &e.grad, &e.exp_avg, &e.exp_avg_sq, &e.step})
     if (!t->defined() || !t->is_cuda() || t->scalar_type() != at::kFloat || !t->is_contiguous())
       return "not a contiguous fp32 CUDA tensor";
-  if (!e.copy.defined() || !(e.copy.scalar_type() == at::kBFloat16 || e.copy.scalar_type() == at::kHalf) ||
-      !e.copy.is_contiguous())
-    return "no bf16/fp16 copy";
+  if (e.copy.defined() && (!(e.copy.scalar_type() == at::kBFloat16 || e.copy.scalar_type() == at::kHalf) ||
+                           !e.copy.is_contiguous()))
+    return "a copy that is not contiguous bf16/fp16";
   const int64_t n = e.param.numel();
-  if (e.grad.numel() != n || e.exp_avg.numel() != n || e.exp_avg_sq.numel() != n || e.copy.numel() != n ||
-      e.step.numel() != 1)
+  if (e.grad.numel() != n || e.exp_avg.numel() != n || e.exp_avg_sq.numel() != n ||
+      (e.copy.defined() && e.copy.numel() != n) || e.step.numel() != 1)
     return "mismatched sizes";
-  if (e.grad.device() != e.param.device() || e.copy.device() != e.param.device()) return "another device";
+  for (const at::Tensor* t : {&e.grad, &e.exp_avg, &e.exp_avg_sq, &e.step, &e.copy})
+    if (t->defined() && t->device() != e.param.device()) return "another device";
   return "";
 }
 
-// Updates every entry (all of one copy type) in as few launches as the per-launch tensor count allows.
-inline void step(const std::vector<Entry>& entries, const at::Tensor& lr, double beta1, double beta2,
-                 double weight_decay, double eps, const at::Tensor& grad_scale, const at::Tensor& found_inf) {
+// Updates every entry (those with a copy all of `copy_type`) in as few launches as the per-launch
+// tensor count allows.
+inline void step(const std::vector<Entry>& entries, at::ScalarType copy_type, const at::Tensor& lr, double beta1,
+                 double beta2, double weight_decay, double eps, const at::Tensor& grad_scale,
+                 const at::Tensor& found_inf) {
   if (entries.empty()) return;
-  const at::ScalarType copy_type = entries.front().copy.scalar_type();
   Kernel kernel = get("adamw.cuh", std::string("adamw_with_copy_") + type_tag(copy_type), entries.front().param.device());
   for (size_t first = 0; first < entries.size(); first += SK_ADAMW_TENSORS) {
     AdamWList list;
@@ -151,7 +154,7 @@ inline void step(const std::vector<Entry>& entries, const at::Tensor& lr, double
       list.grad[k] = reinterpret_cast<unsigned long long>(e.grad.data_ptr());
       list.exp_avg[k] = reinterpret_cast<unsigned long long>(e.exp_avg.data_ptr());
       list.exp_avg_sq[k] = reinterpret_cast<unsigned long long>(e.exp_avg_sq.data_ptr());
-      list.copy[k] = reinterpret_cast<unsigned long long>(e.copy.data_ptr());
+      list.copy[k] = reinterpret_cast<unsigned long long>(pointer_or_null(e.copy));
       list.step[k] = reinterpret_cast<unsigned long long>(e.step.data_ptr());
       list.numel[k] = e.param.numel();
       list.first_block[k] = blocks;

@@ -7,6 +7,11 @@
 // Pass 2 (bias_grad_finish): a block is 32 columns × 32 threads over the strips' partials; it sums
 // them in a fixed order and writes db in the bias's type.
 //
+// Pass 1 has a second form (bias_grad_concat_partials) for a layer whose output was used as equal
+// column blocks, a qkv projection split into q, k and v: the blocks' gradients arrive as separate
+// tensors, and the pass writes them side by side into dy while it sums them, where autograd would
+// run a cat kernel and pass 1 would read its result again.
+//
 // Every sum runs in a fixed order, so the result is the same from run to run (no atomics). ATen
 // sums a column of a row-major matrix with its generic reduce_kernel, which reaches about a quarter
 // of HBM bandwidth at a transformer's shapes (16384 × 768 bf16: 24.5 µs for 25 MB on an H200).
@@ -45,6 +50,47 @@ __device__ void bias_grad_partials(const T* __restrict__ dy, float* __restrict__
   write_column_partials<BIAS_GRAD_WARPS>(sum, n, c0, width, partials);
 }
 
+// Up to BIAS_GRAD_MAX_PARTS column blocks of one gradient, each [rows, part_width] contiguous;
+// passed by value.
+constexpr int BIAS_GRAD_MAX_PARTS = 4;
+struct ColumnBlocks {
+  const void* part[BIAS_GRAD_MAX_PARTS];
+};
+
+// As bias_grad_partials over dy = [part 0 | part 1 | ...] [rows, width], writing dy as it goes.
+template <typename T>
+__device__ void bias_grad_concat_partials(ColumnBlocks blocks, int part_width, T* __restrict__ dy,
+                                          float* __restrict__ partials, int rows, int width, int rows_per_block,
+                                          int vectorised) {
+  const int c0 = (blockIdx.x * 32 + threadIdx.x) * BIAS_GRAD_COLUMNS_PER_THREAD;
+  const int n = c0 < width ? min(BIAS_GRAD_COLUMNS_PER_THREAD, width - c0) : 0;
+  float sum[BIAS_GRAD_COLUMNS_PER_THREAD];
+  for (int k = 0; k < BIAS_GRAD_COLUMNS_PER_THREAD; ++k) sum[k] = 0.f;
+  const int first = blockIdx.y * rows_per_block, last = min(rows, first + rows_per_block);
+  if (vectorised && n == BIAS_GRAD_COLUMNS_PER_THREAD) {
+    // part_width is a multiple of 8 here, so a thread's 8 columns lie in one block.
+    const int part = c0 / part_width;
+    const T* source = static_cast<const T*>(blocks.part[part]) + (c0 - part * part_width);
+#pragma unroll 4
+    for (int r = first + threadIdx.y; r < last; r += BIAS_GRAD_WARPS) {
+      float v[BIAS_GRAD_COLUMNS_PER_THREAD];
+      load8(source + static_cast<size_t>(r) * part_width, v);
+      store8(dy + static_cast<size_t>(r) * width + c0, v);
+#pragma unroll
+      for (int k = 0; k < BIAS_GRAD_COLUMNS_PER_THREAD; ++k) sum[k] += v[k];
+    }
+  } else {
+    for (int r = first + threadIdx.y; n > 0 && r < last; r += BIAS_GRAD_WARPS)
+      for (int k = 0; k < n; ++k) {
+        const int c = c0 + k, part = c / part_width;
+        const T v = static_cast<const T*>(blocks.part[part])[static_cast<size_t>(r) * part_width + (c - part * part_width)];
+        dy[static_cast<size_t>(r) * width + c] = v;
+        sum[k] += to_float(v);
+      }
+  }
+  write_column_partials<BIAS_GRAD_WARPS>(sum, n, c0, width, partials);
+}
+
 // db[c] = Σ_s partials[s, c]; thread (x, y) of a block sums strips y, y + 32, ... of column x.
 template <typename TB>
 __device__ void bias_grad_finish(const float* __restrict__ partials, TB* __restrict__ db, int strips, int width) {
@@ -63,7 +109,7 @@ __device__ void bias_grad_finish(const float* __restrict__ partials, TB* __restr
 
 }  // namespace sk
 
-// bias_grad_partials_<dy> and bias_grad_finish_<db>.
+// bias_grad_partials_<dy>, bias_grad_concat_partials_<dy> and bias_grad_finish_<db>.
 #define SK_BIAS_GRAD(tag, T, ...)                                                                          \
   extern "C" __global__ void bias_grad_partials_##tag(const T* dy, float* partials, int rows, int width,    \
                                                       int rows_per_block, int vectorised) {                 \
@@ -71,6 +117,12 @@ __device__ void bias_grad_finish(const float* __restrict__ partials, TB* __restr
   }                                                                                                          \
   extern "C" __global__ void bias_grad_finish_##tag(const float* partials, T* db, int strips, int width) {   \
     sk::bias_grad_finish<T>(partials, db, strips, width);                                                    \
+  }                                                                                                          \
+  extern "C" __global__ void bias_grad_concat_partials_##tag(sk::ColumnBlocks blocks, int part_width, T* dy,  \
+                                                             float* partials, int rows, int width,            \
+                                                             int rows_per_block, int vectorised) {            \
+    sk::bias_grad_concat_partials<T>(blocks, part_width, dy, partials, rows, width, rows_per_block,           \
+                                     vectorised);                                                             \
   }
 SK_TYPES_1(SK_BIAS_GRAD, )
 
@@ -86,6 +138,8 @@ SK_TYPES_1(SK_BIAS_GRAD, )
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <utility>
+#include <vector>
 
 namespace sk::kernels::bias_grad {
 
@@ -150,6 +204,45 @@ inline at::Tensor column_sums(const at::Tensor& dy, at::ScalarType out) {
   void* args[] = {&dy_ptr, &partials_ptr, &rows_arg, &width_arg, &per_block, &vector};
   launch(kernel, {s.column_tiles, s.strips, 1}, {32, kWarps, 1}, 0, args);
   return finish(partials, out);
+}
+
+// The host's copy of the device part's ColumnBlocks (the kernel argument, by value).
+constexpr int kMaxParts = 4;
+struct ColumnBlocks {
+  const void* part[kMaxParts];
+};
+
+// dy = the parts side by side, [rows, parts · part_width] (each part [rows, part_width] contiguous,
+// one type, at most kMaxParts of them), and its column sums as a [width] tensor of type `out`, from
+// one pass over the parts.
+inline std::pair<at::Tensor, at::Tensor> concat_and_column_sums(const std::vector<at::Tensor>& parts,
+                                                                 at::ScalarType out) {
+  TORCH_CHECK(!parts.empty() && parts.size() <= static_cast<size_t>(kMaxParts),
+              "bias_grad: between 1 and ", kMaxParts, " column blocks, got ", parts.size());
+  const int64_t rows = parts[0].size(0), part_width = parts[0].size(1);
+  const int64_t width = part_width * static_cast<int64_t>(parts.size());
+  at::Tensor dy = at::empty({rows, width}, parts[0].options());
+  if (rows == 0 || width == 0) return {dy, at::zeros({width}, dy.options().dtype(out))};
+  Kernel kernel =
+      get("bias_grad.cuh", std::string("bias_grad_concat_partials_") + type_tag(dy.scalar_type()), dy.device());
+  const Strips s = strips_for(rows, width, kernel, dy.device());
+  at::Tensor partials = at::empty({static_cast<int64_t>(s.strips), width}, dy.options().dtype(at::kFloat));
+  ColumnBlocks blocks{};
+  std::vector<const at::Tensor*> all{&dy};
+  for (size_t i = 0; i < parts.size(); ++i) {
+    blocks.part[i] = parts[i].data_ptr();
+    all.push_back(&parts[i]);
+  }
+  int vector = part_width % 8 == 0 ? 1 : 0;
+  for (const at::Tensor* t : all)
+    if (reinterpret_cast<uintptr_t>(t->data_ptr()) % (8 * t->element_size()) != 0) vector = 0;
+  void* dy_ptr = dy.data_ptr();
+  void* partials_ptr = partials.data_ptr();
+  int part_arg = static_cast<int>(part_width), rows_arg = static_cast<int>(rows), width_arg = static_cast<int>(width),
+      per_block = s.rows_per_block;
+  void* args[] = {&blocks, &part_arg, &dy_ptr, &partials_ptr, &rows_arg, &width_arg, &per_block, &vector};
+  launch(kernel, {s.column_tiles, s.strips, 1}, {32, kWarps, 1}, 0, args);
+  return {dy, finish(partials, out)};
 }
 
 }  // namespace sk::kernels::bias_grad

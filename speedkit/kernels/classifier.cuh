@@ -33,6 +33,9 @@ __device__ __forceinline__ void warp_softmax_stats(float& max, float& sum) {
   }
 }
 
+// 16-byte vectors per lane that the forward loads before reducing them together.
+constexpr int CE_GROUP = 2;
+
 // 16-byte loads and stores: N elements of TL at a time, where the row allows (vocab a multiple of N,
 // the logits 16-byte aligned); one max and one rescale per N elements instead of per element.
 template <typename TL>
@@ -53,10 +56,34 @@ __device__ void cross_entropy_forward(const TL* __restrict__ logits, const long 
   float max = -infinity(), sum = 0.f;
   constexpr int N = Vec16<TL>::N;
   const bool vectorised = Vec16<TL>::fits(logits, vocab);
-  // Four 16-byte loads of the row in flight per lane.
-#pragma unroll 4
-  for (int i = threadIdx.x; vectorised && i < vocab / N; i += 32) {
-    const uint4 raw = reinterpret_cast<const uint4*>(l)[i];
+  const int vectors = vectorised ? vocab / N : 0;
+  const uint4* row_vectors = reinterpret_cast<const uint4*>(l);
+  // Groups of CE_GROUP 16-byte vectors per lane: the group's loads issued together, then one
+  // maximum and one rescale per group. One vector at a time (a rescale, two exponentials, per 8
+  // bf16 logits) ran at 3.6 TB/s on an H200 at 16384 × 8192, groups of two at 3.9.
+  int i = threadIdx.x;
+  for (; i + 32 * (CE_GROUP - 1) < vectors; i += 32 * CE_GROUP) {
+    uint4 raw[CE_GROUP];
+#pragma unroll
+    for (int g = 0; g < CE_GROUP; ++g) raw[g] = row_vectors[i + 32 * g];
+    float v[CE_GROUP * N], chunk_max = -infinity();
+#pragma unroll
+    for (int g = 0; g < CE_GROUP; ++g) {
+      const TL* e = reinterpret_cast<const TL*>(&raw[g]);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        v[g * N + k] = to_float(e[k]);
+        chunk_max = fmaxf(chunk_max, v[g * N + k]);
+      }
+    }
+    if (chunk_max == -infinity()) continue;  // every class masked
+    float chunk_sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < CE_GROUP * N; ++k) chunk_sum += __expf(v[k] - chunk_max);
+    softmax_merge(max, sum, chunk_max, chunk_sum);
+  }
+  for (; i < vectors; i += 32) {
+    const uint4 raw = row_vectors[i];
     const TL* e = reinterpret_cast<const TL*>(&raw);
     float v[N], chunk_max = -infinity(), chunk_sum = 0.f;
 #pragma unroll
@@ -64,7 +91,7 @@ __device__ void cross_entropy_forward(const TL* __restrict__ logits, const long 
       v[k] = to_float(e[k]);
       chunk_max = fmaxf(chunk_max, v[k]);
     }
-    if (chunk_max == -infinity()) continue;  // every class masked
+    if (chunk_max == -infinity()) continue;
 #pragma unroll
     for (int k = 0; k < N; ++k) chunk_sum += __expf(v[k] - chunk_max);
     softmax_merge(max, sum, chunk_max, chunk_sum);

@@ -13,37 +13,43 @@
 
 namespace {
 
-// The parameters whose kept autocast copy (weight_casts.cpp) speedkit's AdamW kernel can write in its
-// update pass, updated by that kernel; the others' indices are returned for ATen's fused AdamW.
+// The parameters with a kept autocast copy (weight_casts.cpp), and with `every_param` all others
+// too, that speedkit's AdamW kernel can update (contiguous fp32 on CUDA), updated by it, their copies
+// written in the same pass; the others' indices are returned for ATen's fused AdamW.
 std::vector<size_t> adamw_with_copies(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g,
                                       const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& v,
                                       const std::vector<at::Tensor>& s, const at::Tensor& lr, double beta1,
                                       double beta2, double weight_decay, double eps, const at::Tensor& grad_scale,
-                                      const at::Tensor& found_inf) {
+                                      const at::Tensor& found_inf, bool every_param) {
   std::vector<size_t> rest;
 #if SK_WITH_CUDA
   namespace kernel = sk::kernels::adamw;
-  std::vector<kernel::Entry> bf16, f16;
+  // Copies of one type per launch; parameters without a copy join the first group.
+  std::vector<kernel::Entry> bf16, f16, plain;
   for (size_t i = 0; i < p.size(); ++i) {
     kernel::Entry e{p[i], g[i], m[i], v[i], s[i], sk::weight_casts::copy_of(p[i])};
-    if (!kernel::unsupported(e).empty() || !lr.is_cuda() || lr.device() != p[i].device()) {
+    if (!kernel::unsupported(e).empty() || !lr.is_cuda() || lr.device() != p[i].device() ||
+        (!every_param && !e.copy.defined())) {
       rest.push_back(i);
       continue;
     }
-    (e.copy.scalar_type() == at::kBFloat16 ? bf16 : f16).push_back(e);
+    if (!e.copy.defined()) plain.push_back(e);
+    else (e.copy.scalar_type() == at::kBFloat16 ? bf16 : f16).push_back(e);
   }
-  for (const auto* group : {&bf16, &f16}) {
-    kernel::step(*group, lr, beta1, beta2, weight_decay, eps, grad_scale, found_inf);
+  std::vector<kernel::Entry>& with_plain = bf16.empty() && !f16.empty() ? f16 : bf16;
+  with_plain.insert(with_plain.end(), plain.begin(), plain.end());
+  for (const auto& [group, copy_type] : {std::pair{&bf16, at::kBFloat16}, std::pair{&f16, at::kHalf}}) {
+    kernel::step(*group, copy_type, lr, beta1, beta2, weight_decay, eps, grad_scale, found_inf);
     for (const kernel::Entry& e : *group) {
       // Written through raw pointers: bump the version counters as an in-place ATen op would.
       for (const at::Tensor* t : {&e.param, &e.exp_avg, &e.exp_avg_sq, &e.grad, &e.copy})
-        t->unsafeGetTensorImpl()->bump_version();
-      sk::weight_casts::mark_current(e.param);
+        if (t->defined()) t->unsafeGetTensorImpl()->bump_version();
+      if (e.copy.defined()) sk::weight_casts::mark_current(e.param);
     }
   }
 #else
   (void)g; (void)m; (void)v; (void)s; (void)lr; (void)beta1; (void)beta2; (void)weight_decay; (void)eps;
-  (void)grad_scale; (void)found_inf;
+  (void)grad_scale; (void)found_inf; (void)every_param;
   for (size_t i = 0; i < p.size(); ++i) rest.push_back(i);
 #endif
   return rest;
@@ -60,10 +66,13 @@ std::vector<at::Tensor> pick(const std::vector<at::Tensor>& list, const std::vec
 
 extern "C" {
 
-// torch._fused_adamw_ with a tensor learning rate (capturable: lr and steps live on the device).
+// torch._fused_adamw_ with a tensor learning rate (capturable: lr and steps live on the device);
+// speedkit's AdamW kernel takes the parameters with kept copies, and every other it can with
+// `every_param_on_kernel`.
 int sk_fused_adamw_(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_avgs, at::Tensor** exp_avg_sqs,
                     at::Tensor** steps, int64_t n, at::Tensor* lr, double beta1, double beta2,
-                    double weight_decay, double eps, at::Tensor* grad_scale, at::Tensor* found_inf) {
+                    double weight_decay, double eps, at::Tensor* grad_scale, at::Tensor* found_inf,
+                    int every_param_on_kernel) {
   SK_TRY({
     auto p = sk::tensor_list(params, n);
     auto g = sk::tensor_list(grads, n);
@@ -77,7 +86,8 @@ int sk_fused_adamw_(at::Tensor** params, at::Tensor** grads, at::Tensor** exp_av
     // pass; the rest ATen's, after which their copies (if any) are re-cast.
     const std::vector<size_t> rest =
         adamw_with_copies(p, g, m, v, s, *lr, beta1, beta2, weight_decay, eps,
-                          grad_scale ? *grad_scale : at::Tensor(), found_inf ? *found_inf : at::Tensor());
+                          grad_scale ? *grad_scale : at::Tensor(), found_inf ? *found_inf : at::Tensor(),
+                          every_param_on_kernel != 0);
     if (!rest.empty()) {
       const auto rest_p = pick(p, rest);
       at::_fused_adamw_(rest_p, pick(g, rest), pick(m, rest), pick(v, rest), {}, pick(s, rest), *lr, beta1, beta2,

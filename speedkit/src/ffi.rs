@@ -124,6 +124,7 @@ extern "C" {
         eps: f64,
         grad_scale: *mut C_tensor,
         found_inf: *mut C_tensor,
+        every_param_on_kernel: c_int,
     ) -> c_int;
     #[allow(clippy::too_many_arguments)]
     fn sk_foreach_adamw_(
@@ -171,6 +172,7 @@ extern "C" {
         bias: *mut C_tensor,
         eps: f64,
         out_type: c_int,
+        keep_input: c_int,
         y: *mut *mut C_tensor,
         sum: *mut *mut C_tensor,
     ) -> c_int;
@@ -181,10 +183,23 @@ extern "C" {
         loss: *mut *mut C_tensor,
     ) -> c_int;
     fn sk_bias_gelu(h: *mut C_tensor, bias: *mut C_tensor, y: *mut *mut C_tensor) -> c_int;
+    fn sk_embedding(
+        tokens: *mut C_tensor,
+        table: *mut C_tensor,
+        positions: *mut C_tensor,
+        out: *mut *mut C_tensor,
+    ) -> c_int;
     fn sk_linear(
         x: *mut C_tensor,
         weight: *mut C_tensor,
         bias: *mut C_tensor,
+        y: *mut *mut C_tensor,
+    ) -> c_int;
+    fn sk_linear_chunks(
+        x: *mut C_tensor,
+        weight: *mut C_tensor,
+        bias: *mut C_tensor,
+        chunks: i64,
         y: *mut *mut C_tensor,
     ) -> c_int;
     fn sk_mlp(
@@ -564,11 +579,14 @@ fn check_lists(l: &AdamWLists<'_>) -> Result<usize, SpeedkitError> {
     Ok(n)
 }
 
+/// `_fused_adamw_`; parameters with a kept autocast copy (and, with `every_param_on_kernel`, those
+/// without one too) take speedkit's AdamW kernel instead.
 pub(crate) fn fused_adamw_(
     lists: &AdamWLists<'_>,
     hyper: &AdamWHyper<'_>,
     grad_scale: Option<&Tensor>,
     found_inf: Option<&Tensor>,
+    every_param_on_kernel: bool,
 ) -> Result<(), SpeedkitError> {
     let n = check_lists(lists)?;
     let (p, g, m, v, s) = (
@@ -594,6 +612,7 @@ pub(crate) fn fused_adamw_(
             hyper.eps,
             grad_scale.map_or(ptr::null_mut(), handle),
             found_inf.map_or(ptr::null_mut(), handle),
+            c_int::from(every_param_on_kernel),
         )
     })
 }
@@ -1218,7 +1237,8 @@ pub(crate) fn layer_norm_width_supported(index: usize, width: i64) -> Result<boo
     Ok(out != 0)
 }
 
-/// `(LN(x [+ residual]) in out_kind, x + residual)` on speedkit's kernels, differentiable.
+/// `(LN(x [+ residual]) in out_kind, x + residual)` on speedkit's kernels, differentiable; without a
+/// residual the second output is x passed through when `keep_input`, else none.
 pub(crate) fn layer_norm(
     x: &Tensor,
     residual: Option<&Tensor>,
@@ -1226,11 +1246,12 @@ pub(crate) fn layer_norm(
     bias: Option<&Tensor>,
     eps: f64,
     out_kind: tch::Kind,
+    keep_input: bool,
 ) -> Result<(Tensor, Option<Tensor>), SpeedkitError> {
     let out_type = scalar_type_code(out_kind)?;
     let (mut y, mut sum): (*mut C_tensor, *mut C_tensor) = (ptr::null_mut(), ptr::null_mut());
     // SAFETY: live handles (or null) borrowed for the call; on success the shim hands over
-    // ownership of `y` (and of `sum` when a residual was given).
+    // ownership of `y` (and of `sum` when a residual or `keep_input` was given).
     check(unsafe {
         sk_layer_norm(
             handle(x),
@@ -1239,6 +1260,7 @@ pub(crate) fn layer_norm(
             optional_handle(bias),
             eps,
             out_type,
+            c_int::from(keep_input),
             &mut y,
             &mut sum,
         )
@@ -1260,6 +1282,28 @@ pub(crate) fn cross_entropy(
     check(unsafe { sk_cross_entropy(handle(logits), handle(targets), ignore_index, &mut loss) })?;
     // SAFETY: an owned tensor allocated by the shim.
     Ok(unsafe { Tensor::from_ptr(loss) })
+}
+
+/// `table[tokens]` plus `positions[t]` for `[batch, seq]` tokens, on speedkit's kernels,
+/// differentiable in the table and the positions.
+pub(crate) fn embedding(
+    tokens: &Tensor,
+    table: &Tensor,
+    positions: Option<&Tensor>,
+) -> Result<Tensor, SpeedkitError> {
+    let mut out: *mut C_tensor = ptr::null_mut();
+    // SAFETY: live handles (or null for no positions) borrowed for the call; on success the shim
+    // hands over `out`.
+    check(unsafe {
+        sk_embedding(
+            handle(tokens),
+            handle(table),
+            optional_handle(positions),
+            &mut out,
+        )
+    })?;
+    // SAFETY: an owned tensor allocated by the shim.
+    Ok(unsafe { Tensor::from_ptr(out) })
 }
 
 /// `gelu_tanh(h + bias)` on speedkit's kernels, differentiable (the bias gradient from the
@@ -1286,6 +1330,33 @@ pub(crate) fn linear(
     check(unsafe { sk_linear(handle(x), handle(weight), bias, &mut y) })?;
     // SAFETY: an owned tensor allocated by the shim.
     Ok(unsafe { Tensor::from_ptr(y) })
+}
+
+/// As [`linear`], the output returned as `chunks` equal blocks of its last dimension, whose
+/// gradients the backward puts side by side in the pass that sums the bias gradient.
+pub(crate) fn linear_chunks(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    chunks: usize,
+) -> Result<Vec<Tensor>, SpeedkitError> {
+    let mut y: Vec<*mut C_tensor> = vec![ptr::null_mut(); chunks];
+    let bias = bias.map_or(ptr::null_mut(), handle);
+    // SAFETY: live handles (or null for no bias) borrowed for the call; `y` has room for `chunks`
+    // handles, which the shim fills and hands over on success.
+    check(unsafe {
+        sk_linear_chunks(
+            handle(x),
+            handle(weight),
+            bias,
+            chunks as i64,
+            y.as_mut_ptr(),
+        )
+    })?;
+    // SAFETY: owned tensors allocated by the shim.
+    Ok(y.into_iter()
+        .map(|t| unsafe { Tensor::from_ptr(t) })
+        .collect())
 }
 
 /// `fc2(gelu_tanh(fc1(x)))` with its GEMMs in `compute` on cuBLASLt with epilogues, differentiable.

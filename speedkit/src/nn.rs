@@ -1,16 +1,18 @@
 //! Building blocks for models: attention on `scaled_dot_product_attention` (the backend chosen by
 //! PyTorch among those the `sdp_backend` flags allow), drop-in modules on speedkit's fused kernels
-//! ([`LayerNorm`], [`cross_entropy`], [`Linear`] and [`Linear::forward_gelu`]) and on cuBLASLt's GEMM
+//! ([`embedding`], [`LayerNorm`], [`cross_entropy`], [`Linear`] and [`Linear::forward_gelu`]) and on cuBLASLt's GEMM
 //! epilogues ([`Mlp`]) that fall back to ATen's composite ops wherever those do not run; [`Linear`]'s
 //! GEMMs also run in FP8 where the plan says so (cast by [`quantize_fp8`]).
 
 mod cross_entropy;
+mod embedding;
 mod fp8;
 mod layer_norm;
 mod linear;
 mod mlp;
 
 pub use cross_entropy::{cross_entropy, cross_entropy_fallback_reason, IGNORE_INDEX};
+pub use embedding::{embedding, embedding_fallback_reason};
 pub use fp8::{quantize_fp8, Fp8Format, Fp8Tensor, MAX_AMAX_HISTORY};
 pub use layer_norm::{layer_norm, LayerNorm};
 pub use linear::{Fp8Decision, Fp8Scope, Linear};

@@ -346,7 +346,17 @@ impl AdamWOptimizer {
                     let inf = found_inf
                         .map(|t| t.f_to_device(b.lr.device()))
                         .transpose()?;
-                    ffi::fused_adamw_(&lists, &hyper, scale.as_ref(), inf.as_ref())?;
+                    // With speedkit's kernels on, its AdamW kernel updates every parameter in one
+                    // launch; with them off, only those whose copies it must write (none then).
+                    let every_param_on_kernel =
+                        crate::kernels::unusable_on(b.lr.device()).is_none();
+                    ffi::fused_adamw_(
+                        &lists,
+                        &hyper,
+                        scale.as_ref(),
+                        inf.as_ref(),
+                        every_param_on_kernel,
+                    )?;
                 } else {
                     ffi::foreach_adamw_(&lists, &hyper)?;
                 }

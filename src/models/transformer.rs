@@ -147,14 +147,13 @@ impl Block {
         let (b, t, d) = stream.size3()?;
         let (h, x) = match pending {
             Some(delta) => self.ln1.forward_residual(stream, delta),
-            None => (self.ln1.forward(stream), stream.shallow_clone()),
+            None => self.ln1.forward_keeping_input(stream),
         };
-        let qkv = self.qkv.forward_t(&h)?;
+        let parts = self.qkv.forward_chunks(&h, 3)?;
         // [B, T, d] → [B, heads, T, head_dim], the layout SDPA takes.
         let split = |part: &Tensor| -> Result<Tensor> {
             Ok(part.f_view([b, t, heads, d / heads])?.f_transpose(1, 2)?)
         };
-        let parts = qkv.f_split(d, -1)?;
         let [q, k, v] = [split(&parts[0])?, split(&parts[1])?, split(&parts[2])?];
         let y = speedkit::nn::attention(&q, &k, &v, true)?;
         let y = y.f_transpose(1, 2)?.f_reshape([b, t, d])?;
@@ -169,7 +168,8 @@ impl Block {
 /// pick the kernel), a final LayerNorm and an output head without bias.
 ///
 /// Built on [`speedkit::nn`]'s modules, which run speedkit's fused kernels where the plan turns
-/// them on (`kernels`: LayerNorm fused with the residual add, the fused cross-entropy) and FP8
+/// them on (`kernels`: the token and position embeddings in one kernel each way, LayerNorm fused
+/// with the residual add, the fused cross-entropy) and FP8
 /// GEMMs where it turns FP8 on, and ATen's composite ops anywhere else. The parameters keep tch's
 /// names (`block0.ln1.weight`, `head.weight`, ...).
 #[derive(Debug)]
@@ -223,10 +223,7 @@ impl Transformer {
                 self.config.seq_len
             )));
         }
-        // The first T rows of the position table, broadcast over the batch: no index tensor, so
-        // nothing is created on the host per step (graph capture friendly).
-        let pos = self.pos.f_narrow(0, 0, t)?;
-        let mut stream = Tensor::f_embedding(&self.tok, tokens, -1, false, false)?.f_add(&pos)?;
+        let mut stream = speedkit::nn::embedding(tokens, &self.tok, Some(&self.pos))?;
         let mut pending: Option<Tensor> = None;
         for block in &self.blocks {
             let (next, delta) = block.forward(&stream, pending.as_ref(), self.config.heads)?;

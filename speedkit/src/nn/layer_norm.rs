@@ -96,11 +96,33 @@ impl LayerNorm {
     /// assert_eq!(y.size(), [3, 16]);
     /// ```
     pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> (Tensor, Tensor) {
-        if let Some((y, Some(sum))) = self.on_kernels(x, Some(residual)) {
+        if let Some((y, Some(sum))) = self.on_kernels(x, Some(residual), false) {
             return (y, sum);
         }
         let sum = x + residual;
         (self.aten(&sum), sum)
+    }
+
+    /// `(LN(x), x)`, for an input that is used again later, as a pre-LN block's residual stream is:
+    /// [`LayerNorm::forward_residual`] without a residual to add. The second output is `x` itself,
+    /// passed through the LayerNorm, so that on speedkit's kernels the gradient of its later uses
+    /// is added to the LayerNorm's input gradient inside the backward kernel. Otherwise autograd
+    /// would add the two in a kernel of its own over the whole stream.
+    ///
+    /// ```
+    /// use tch::{nn, Device, Kind, Tensor};
+    /// let vs = nn::VarStore::new(Device::Cpu);
+    /// let norm = speedkit::nn::layer_norm(vs.root(), 16, Default::default());
+    /// let x = Tensor::randn([3, 16], (Kind::Float, Device::Cpu));
+    /// let (y, same) = norm.forward_keeping_input(&x);
+    /// assert!(same.equal(&x));
+    /// assert!(y.allclose(&x.layer_norm([16], None::<Tensor>, None::<Tensor>, 1e-5, false), 1e-5, 1e-5, false));
+    /// ```
+    pub fn forward_keeping_input(&self, x: &Tensor) -> (Tensor, Tensor) {
+        if let Some((y, Some(same))) = self.on_kernels(x, None, true) {
+            return (y, same);
+        }
+        (self.aten(x), x.shallow_clone())
     }
 
     /// Why a forward of `x` would run ATen's composite instead of speedkit's kernels, or `None`
@@ -132,6 +154,7 @@ impl LayerNorm {
         &self,
         x: &Tensor,
         residual: Option<&Tensor>,
+        keep_input: bool,
     ) -> Option<(Tensor, Option<Tensor>)> {
         if let Some(reason) = self.unsupported(x, residual) {
             kernels::note_fallback(OP, &reason);
@@ -145,6 +168,7 @@ impl LayerNorm {
             self.bias.as_ref(),
             self.eps,
             out_kind,
+            keep_input,
         ) {
             Ok(result) => {
                 kernels::note_run(OP);
@@ -228,7 +252,7 @@ impl LayerNorm {
 
 impl Module for LayerNorm {
     fn forward(&self, x: &Tensor) -> Tensor {
-        match self.on_kernels(x, None) {
+        match self.on_kernels(x, None, false) {
             Some((y, _)) => y,
             None => self.aten(x),
         }
