@@ -6,10 +6,11 @@
 //! new rate into that tensor. With the fused kernel the [`GradScaler`](crate::amp::GradScaler)'s
 //! unscale and inf-skip happen inside the same kernel.
 //!
-//! Parameters whose autocast-type copy speedkit keeps (the weights of [`crate::nn::Linear`] on
-//! speedkit's kernels) take speedkit's own AdamW kernel on the fused path instead: the same update,
-//! GradScaler handling included, that also writes each copy in its pass, so the next forward casts
-//! no weight.
+//! On the fused path, where speedkit's kernels are on, speedkit's own AdamW kernel takes every
+//! contiguous fp32 CUDA parameter instead, in one launch per 48 parameters: the same update,
+//! GradScaler handling included. For the parameters whose autocast-type copy speedkit keeps (the
+//! weights of [`crate::nn::Linear`] on speedkit's kernels) it also writes the copy in its pass, so
+//! the next forward casts no weight. With `kernels: false` ATen's kernel updates every parameter.
 //!
 //! ```
 //! use speedkit::optim::{AdamW, AdamWOptimizer};
