@@ -25,15 +25,25 @@ constexpr int BIAS_GRAD_COLUMNS_PER_THREAD = 8;
 constexpr int BIAS_GRAD_WARPS = 8;
 constexpr int BIAS_GRAD_FINISH_ROWS = 32;
 
+// A pass-1 thread's share: its first column c0 (8 per thread), how many of its 8 lie inside the row
+// (n), and the rows [first, last) of its block's strip.
+struct ColumnStrip {
+  int c0, n, first, last;
+};
+__device__ __forceinline__ ColumnStrip column_strip(int rows, int width, int rows_per_block) {
+  const int c0 = (blockIdx.x * 32 + threadIdx.x) * BIAS_GRAD_COLUMNS_PER_THREAD;
+  const int first = blockIdx.y * rows_per_block;
+  return {c0, c0 < width ? min(BIAS_GRAD_COLUMNS_PER_THREAD, width - c0) : 0, first,
+          min(rows, first + rows_per_block)};
+}
+
 // partials: gridDim.y × width fp32, block (·, y) writing row y.
 template <typename T>
 __device__ void bias_grad_partials(const T* __restrict__ dy, float* __restrict__ partials, int rows, int width,
                                    int rows_per_block, int vectorised) {
-  const int c0 = (blockIdx.x * 32 + threadIdx.x) * BIAS_GRAD_COLUMNS_PER_THREAD;
-  const int n = c0 < width ? min(BIAS_GRAD_COLUMNS_PER_THREAD, width - c0) : 0;
+  const auto [c0, n, first, last] = column_strip(rows, width, rows_per_block);
   float sum[BIAS_GRAD_COLUMNS_PER_THREAD];
   for (int k = 0; k < BIAS_GRAD_COLUMNS_PER_THREAD; ++k) sum[k] = 0.f;
-  const int first = blockIdx.y * rows_per_block, last = min(rows, first + rows_per_block);
   if (vectorised && n == BIAS_GRAD_COLUMNS_PER_THREAD) {
     // Four rows per iteration, so that each thread has four loads in flight.
 #pragma unroll 4
@@ -62,11 +72,9 @@ template <typename T>
 __device__ void bias_grad_concat_partials(ColumnBlocks blocks, int part_width, T* __restrict__ dy,
                                           float* __restrict__ partials, int rows, int width, int rows_per_block,
                                           int vectorised) {
-  const int c0 = (blockIdx.x * 32 + threadIdx.x) * BIAS_GRAD_COLUMNS_PER_THREAD;
-  const int n = c0 < width ? min(BIAS_GRAD_COLUMNS_PER_THREAD, width - c0) : 0;
+  const auto [c0, n, first, last] = column_strip(rows, width, rows_per_block);
   float sum[BIAS_GRAD_COLUMNS_PER_THREAD];
   for (int k = 0; k < BIAS_GRAD_COLUMNS_PER_THREAD; ++k) sum[k] = 0.f;
-  const int first = blockIdx.y * rows_per_block, last = min(rows, first + rows_per_block);
   if (vectorised && n == BIAS_GRAD_COLUMNS_PER_THREAD) {
     // part_width is a multiple of 8 here, so a thread's 8 columns lie in one block.
     const int part = c0 / part_width;

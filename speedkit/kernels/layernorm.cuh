@@ -121,6 +121,25 @@ __device__ void layernorm_forward_in_registers(const TX* __restrict__ x, const T
   }
 }
 
+// The backwards' per-warp accumulators in dynamic shared memory, [warp][dweight, dbias][column]:
+// zeroed by the whole block before the rows are taken.
+__device__ __forceinline__ void clear_accumulators(float* accumulators, int warps, int width) {
+  for (int i = threadIdx.x; i < warps * 2 * width; i += blockDim.x) accumulators[i] = 0.f;
+  __syncthreads();
+}
+
+// The block's warps' accumulators added in warp order into its row of partials [gridDim.x, 2, width].
+__device__ __forceinline__ void write_block_partials(const float* accumulators, int warps, int width,
+                                                     float* __restrict__ partials) {
+  __syncthreads();
+  float* block_partial = partials + static_cast<size_t>(blockIdx.x) * 2 * width;
+  for (int i = threadIdx.x; i < 2 * width; i += blockDim.x) {
+    float total = 0.f;
+    for (int w = 0; w < warps; ++w) total += accumulators[static_cast<size_t>(w) * 2 * width + i];
+    block_partial[i] = total;
+  }
+}
+
 // As layernorm_backward_in_registers below, for rows of exactly CHUNKS × 128 columns (widths 128,
 // 256, ..., 1024): with the width a compile-time constant the compiler issues every load of a row
 // before the first is used, and the weight stays in registers across rows. With a width known only
@@ -137,8 +156,7 @@ __device__ void layernorm_backward_exact(const TY* __restrict__ dy, const TX* __
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int warps = blockDim.x / 32;
-  for (int i = threadIdx.x; i < warps * 2 * width; i += blockDim.x) accumulators[i] = 0.f;
-  __syncthreads();
+  clear_accumulators(accumulators, warps, width);
   float* dweight_acc = accumulators + static_cast<size_t>(warp) * 2 * width;
   float* dbias_acc = dweight_acc + width;
   float w[CHUNKS][4];
@@ -194,13 +212,7 @@ __device__ void layernorm_backward_exact(const TY* __restrict__ dy, const TX* __
       if (dx_branch != nullptr) store4(dx_branch + offset + c, out);
     }
   }
-  __syncthreads();
-  float* block_partial = partials + static_cast<size_t>(blockIdx.x) * 2 * width;
-  for (int i = threadIdx.x; i < 2 * width; i += blockDim.x) {
-    float total = 0.f;
-    for (int v = 0; v < warps; ++v) total += accumulators[static_cast<size_t>(v) * 2 * width + i];
-    block_partial[i] = total;
-  }
+  write_block_partials(accumulators, warps, width, partials);
 }
 
 // As layernorm_backward below, with the row's dy and x in registers and the accumulators updated
@@ -215,8 +227,7 @@ __device__ void layernorm_backward_in_registers(const TY* __restrict__ dy, const
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int warps = blockDim.x / 32;
-  for (int i = threadIdx.x; i < warps * 2 * width; i += blockDim.x) accumulators[i] = 0.f;
-  __syncthreads();
+  clear_accumulators(accumulators, warps, width);
   float* dweight_acc = accumulators + static_cast<size_t>(warp) * 2 * width;
   float* dbias_acc = dweight_acc + width;
   for (int row = blockIdx.x * warps + warp; row < rows; row += gridDim.x * warps) {
@@ -264,13 +275,7 @@ __device__ void layernorm_backward_in_registers(const TY* __restrict__ dy, const
       if (dx_branch != nullptr) store4(dx_branch + offset + c, out);
     }
   }
-  __syncthreads();
-  float* block_partial = partials + static_cast<size_t>(blockIdx.x) * 2 * width;
-  for (int i = threadIdx.x; i < 2 * width; i += blockDim.x) {
-    float total = 0.f;
-    for (int w = 0; w < warps; ++w) total += accumulators[static_cast<size_t>(w) * 2 * width + i];
-    block_partial[i] = total;
-  }
+  write_block_partials(accumulators, warps, width, partials);
 }
 
 // Dynamic shared memory: (blockDim.x / 32) warps × 2 × width floats ([warp][dweight, dbias][column]).
@@ -288,8 +293,7 @@ __device__ void layernorm_backward(const TY* __restrict__ dy, const TX* __restri
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int warps = blockDim.x / 32;
-  for (int i = threadIdx.x; i < warps * 2 * width; i += blockDim.x) accumulators[i] = 0.f;
-  __syncthreads();
+  clear_accumulators(accumulators, warps, width);
   float* dweight_acc = accumulators + static_cast<size_t>(warp) * 2 * width;
   float* dbias_acc = dweight_acc + width;
   for (int row = blockIdx.x * warps + warp; row < rows; row += gridDim.x * warps) {
@@ -323,13 +327,7 @@ __device__ void layernorm_backward(const TY* __restrict__ dy, const TX* __restri
       if (dx_branch != nullptr) dx_branch[offset + c] = from_float<TY>(v);
     }
   }
-  __syncthreads();
-  float* block_partial = partials + static_cast<size_t>(blockIdx.x) * 2 * width;
-  for (int i = threadIdx.x; i < 2 * width; i += blockDim.x) {
-    float total = 0.f;
-    for (int w = 0; w < warps; ++w) total += accumulators[static_cast<size_t>(w) * 2 * width + i];
-    block_partial[i] = total;
-  }
+  write_block_partials(accumulators, warps, width, partials);
 }
 
 // Block (32, 32): threadIdx.x picks the column, threadIdx.y strides over the partials; shared memory

@@ -6,7 +6,13 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <ATen/ops/empty.h>
+
 #include <unordered_set>
+
+at::Tensor sk::placeholder_unless(bool present, const at::Tensor& t, const at::Tensor& like) {
+  return present ? t : at::empty({0}, like.options());
+}
 
 namespace {
 

@@ -19,7 +19,7 @@ namespace emb = sk::kernels::embedding;
 
 struct EmbeddingFunction : torch::autograd::Function<EmbeddingFunction> {
   // tokens: [rows] int64; table: [vocab, width]; positions_in: [max_seq, width] when has_positions,
-  // else a placeholder (apply() cannot take an undefined tensor); row r takes position r % seq.
+  // else sk::placeholder_unless's placeholder; row r takes position r % seq.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& tokens, const at::Tensor& table,
                             const at::Tensor& positions_in, bool has_positions, int64_t seq) {
     const at::Tensor positions = has_positions ? positions_in : at::Tensor();
@@ -69,9 +69,10 @@ int sk_embedding(at::Tensor* tokens, at::Tensor* table, at::Tensor* positions, a
                   "embedding: the positions must be of the table's type");
     }
     at::Tensor flat = tokens->reshape({-1}).contiguous();
-    at::Tensor result =
-        positions ? EmbeddingFunction::apply(flat, table->contiguous(), positions->contiguous(), true, seq)
-                  : EmbeddingFunction::apply(flat, table->contiguous(), at::empty({0}, table->options()), false, seq);
+    at::Tensor result = EmbeddingFunction::apply(
+        flat, table->contiguous(),
+        sk::placeholder_unless(positions != nullptr, positions ? positions->contiguous() : at::Tensor(), *table),
+        positions != nullptr, seq);
     std::vector<int64_t> shape = tokens->sizes().vec();
     shape.push_back(width);
     *out = new at::Tensor(result.view(shape));

@@ -17,14 +17,9 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 namespace ln = sk::kernels::layernorm;
 
-// Which optional inputs are present. Autograd's apply() records metadata of every tensor argument
-// and cannot take an undefined one, so an absent input is passed as an empty placeholder.
+// Which optional inputs are present; an absent one is passed as sk::placeholder_unless's placeholder.
 // kKeepInput (without a residual) asks for x back as a second output.
 enum Present : int64_t { kResidual = 1, kWeight = 2, kBias = 4, kKeepInput = 8 };
-
-at::Tensor placeholder_unless(bool present, const at::Tensor& t, const at::Tensor& like) {
-  return present ? t : at::empty({0}, like.options());
-}
 
 // Inputs are [rows, width] contiguous (the caller flattens); residual, weight, bias are used as
 // `present` says. Outputs: y, and s = x + r when there is a residual, or x itself with kKeepInput.
@@ -109,9 +104,9 @@ int sk_layer_norm(at::Tensor* x, at::Tensor* residual, at::Tensor* weight, at::T
     const bool second_output = residual != nullptr || keep_input != 0;
     const int64_t present = (residual != nullptr ? kResidual : 0) | (weight != nullptr ? kWeight : 0) |
                             (bias != nullptr ? kBias : 0) | (keep_input != 0 ? kKeepInput : 0);
-    at::Tensor r = placeholder_unless(residual != nullptr, residual ? rows2d(*residual) : at::Tensor(), x2d);
-    at::Tensor w = placeholder_unless(weight != nullptr, weight ? weight->contiguous() : at::Tensor(), x2d);
-    at::Tensor b = placeholder_unless(bias != nullptr, bias ? bias->contiguous() : at::Tensor(), x2d);
+    at::Tensor r = sk::placeholder_unless(residual != nullptr, residual ? rows2d(*residual) : at::Tensor(), x2d);
+    at::Tensor w = sk::placeholder_unless(weight != nullptr, weight ? weight->contiguous() : at::Tensor(), x2d);
+    at::Tensor b = sk::placeholder_unless(bias != nullptr, bias ? bias->contiguous() : at::Tensor(), x2d);
     auto outputs = LayerNormFunction::apply(x2d, r, w, b, eps, static_cast<int64_t>(out_type), present);
     *y = new at::Tensor(outputs[0].view(x->sizes()));
     *sum = second_output ? new at::Tensor(outputs[1].view(x->sizes())) : nullptr;

@@ -26,7 +26,6 @@
 
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/cat.h>
-#include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 
 #include <utility>
@@ -72,8 +71,8 @@ std::pair<at::Tensor, at::Tensor> output_gradient(const variable_list& grads, at
 }
 
 struct LinearFunction : torch::autograd::Function<LinearFunction> {
-  // x: [rows, in]; weight: [out, in]; bias_in: [out] when has_bias, else a placeholder (apply()
-  // records metadata of every tensor argument and cannot take an undefined one). Returns y
+  // x: [rows, in]; weight: [out, in]; bias_in: [out] when has_bias, else sk::placeholder_unless's
+  // placeholder. Returns y
   // [rows, out] as `chunks` equal column blocks (views of one tensor).
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                                const at::Tensor& bias_in, bool has_bias, int64_t chunks) {
@@ -119,9 +118,9 @@ void check_linear_arguments(const at::Tensor& x, const at::Tensor& weight, const
 variable_list apply_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias, int64_t chunks) {
   const int64_t in = weight.size(1);
   at::Tensor rows2d = x.reshape({-1, in});
-  variable_list outputs =
-      bias ? LinearFunction::apply(rows2d, weight, *bias, true, chunks)
-           : LinearFunction::apply(rows2d, weight, at::empty({0}, weight.options()), false, chunks);
+  variable_list outputs = LinearFunction::apply(
+      rows2d, weight, sk::placeholder_unless(bias != nullptr, bias ? *bias : at::Tensor(), weight), bias != nullptr,
+      chunks);
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = weight.size(0) / chunks;
   for (at::Tensor& output : outputs) output = output.view(shape);

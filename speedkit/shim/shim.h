@@ -67,6 +67,11 @@ at::Tensor copy_of(const at::Tensor& param);
 void mark_current(const at::Tensor& param);
 }  // namespace weight_casts
 
+// `t` when `present`, else an empty tensor with `like`'s options: an autograd Function's apply()
+// records every tensor argument and cannot take an undefined one, so an absent optional input is
+// passed as this placeholder (defined in autograd.cpp).
+at::Tensor placeholder_unless(bool present, const at::Tensor& t, const at::Tensor& like);
+
 }  // namespace sk
 
 #define SK_TRY(...)                                      \
