@@ -12,11 +12,15 @@ use speedkit::{SpeedConfig, SpeedContext};
 use tch::{nn, Device, Kind, Tensor};
 
 fn fp8_context(test: &str, recipe: &str) -> Option<SpeedContext> {
+    fp8_context_with(test, &format!("recipe: {recipe}, amax_history: 4"))
+}
+
+/// A context with FP8 on and the `fp8` section's other `fields` (YAML flow mapping entries).
+fn fp8_context_with(test: &str, fields: &str) -> Option<SpeedContext> {
     let device = common::cuda_or_skip(test)?;
-    let config = SpeedConfig::from_yaml_str(&format!(
-        "device: cuda\nfp8:\n  enabled: true\n  recipe: {recipe}\n  amax_history: 4\n"
-    ))
-    .unwrap();
+    let config =
+        SpeedConfig::from_yaml_str(&format!("device: cuda\nfp8: {{enabled: true, {fields}}}\n"))
+            .unwrap();
     match SpeedContext::new(&config) {
         Ok(ctx) => Some(ctx),
         Err(e) => {
@@ -42,10 +46,24 @@ fn run(ctx: &SpeedContext, layer: &Linear, x: &Tensor, dy: &Tensor) -> [Tensor; 
     ]
 }
 
+fn bf16_context() -> SpeedContext {
+    SpeedContext::new(&SpeedConfig::from_yaml_str("device: cuda\nfp8: {enabled: false}\n").unwrap())
+        .unwrap()
+}
+
 #[test]
 fn fp8_linear_matches_bf16_forward_and_backward() {
+    assert_fp8_linear_matches_bf16("fp8_linear_matches_bf16_forward_and_backward", "dynamic");
+}
+
+#[test]
+fn rowwise_fp8_linear_matches_bf16_forward_and_backward() {
+    assert_fp8_linear_matches_bf16("rowwise_fp8_linear_matches_bf16", "rowwise");
+}
+
+fn assert_fp8_linear_matches_bf16(test: &str, recipe: &str) {
     let _lock = common::serial();
-    let Some(ctx) = fp8_context("fp8_linear_matches_bf16_forward_and_backward", "dynamic") else {
+    let Some(ctx) = fp8_context(test, recipe) else {
         return;
     };
     let vs = nn::VarStore::new(Device::Cuda(0));
@@ -54,11 +72,7 @@ fn fp8_linear_matches_bf16_forward_and_backward() {
     let dy = Tensor::randn([4, 96, 1040], (Kind::BFloat16, Device::Cuda(0)));
     let fp8 = run(&ctx, &layer, &x, &dy);
     drop(ctx);
-    let bf16_ctx = SpeedContext::new(
-        &SpeedConfig::from_yaml_str("device: cuda\nfp8: {enabled: false}\n").unwrap(),
-    )
-    .unwrap();
-    let bf16 = run(&bf16_ctx, &layer, &x, &dy);
+    let bf16 = run(&bf16_context(), &layer, &x, &dy);
     // Forward and dX within 8%, dW within 10% (e5m2 gradients), db exact up to bf16 summation.
     for (what, a, b, tol) in [
         ("y", &fp8[0], &bf16[0], 0.08),
@@ -73,6 +87,64 @@ fn fp8_linear_matches_bf16_forward_and_backward() {
             "{what}: identical to bf16, so FP8 did not run"
         );
     }
+}
+
+#[test]
+fn rowwise_scaling_keeps_an_outlier_tokens_cost_in_its_own_row() {
+    let _lock = common::serial();
+    let test = "rowwise_scaling_keeps_an_outlier_tokens_cost_in_its_own_row";
+    let (Some(rowwise), Some(dynamic)) =
+        (fp8_context(test, "rowwise"), fp8_context(test, "dynamic"))
+    else {
+        return;
+    };
+    let vs = nn::VarStore::new(Device::Cuda(0));
+    let layer = Linear::new(&(vs.root() / "fc"), 512, 256, true);
+    let x = Tensor::randn([64, 512], (Kind::BFloat16, Device::Cuda(0)));
+    let mut outlier = x.get(7);
+    let _ = outlier.g_mul_scalar_(3e4);
+    let dy = Tensor::randn([64, 256], (Kind::BFloat16, Device::Cuda(0)));
+    let bf16 = run(&bf16_context(), &layer, &x, &dy);
+    let others = |y: &Tensor| Tensor::cat(&[y.narrow(0, 0, 7), y.narrow(0, 8, 56)], 0);
+    let error_of = |ctx: &SpeedContext| {
+        let [y, dx, dw, db] = run(ctx, &layer, &x, &dy);
+        for t in [&y, &dx, &dw, &db] {
+            assert!(t.isfinite().all().int64_value(&[]) == 1, "not finite");
+        }
+        common::rel_err(&others(&y), &others(&bf16[0]))
+    };
+    let (rowwise_err, tensor_err) = (error_of(&rowwise), error_of(&dynamic));
+    // Row-wise: the other 63 tokens keep e4m3's usual few percent. Per tensor, the outlier's scale
+    // pushes them into e4m3's subnormals.
+    assert!(rowwise_err < 0.08, "row-wise: {rowwise_err:.4}");
+    assert!(
+        tensor_err > 2.0 * rowwise_err,
+        "per tensor {tensor_err:.4} vs row-wise {rowwise_err:.4}"
+    );
+}
+
+#[test]
+fn e4m3_gradients_halve_the_input_gradients_rounding() {
+    let _lock = common::serial();
+    let test = "e4m3_gradients_halve_the_input_gradients_rounding";
+    let (Some(e5m2), Some(e4m3)) = (
+        fp8_context_with(test, "recipe: rowwise, gradient_format: e5m2"),
+        fp8_context_with(test, "recipe: rowwise, gradient_format: e4m3"),
+    ) else {
+        return;
+    };
+    let vs = nn::VarStore::new(Device::Cuda(0));
+    let layer = Linear::new(&(vs.root() / "fc"), 768, 1040, true);
+    let x = Tensor::randn([384, 768], (Kind::BFloat16, Device::Cuda(0)));
+    let dy = Tensor::randn([384, 1040], (Kind::BFloat16, Device::Cuda(0)));
+    let bf16 = run(&bf16_context(), &layer, &x, &dy);
+    let dx_error = |ctx: &SpeedContext| common::rel_err(&run(ctx, &layer, &x, &dy)[1], &bf16[1]);
+    let (wide, precise) = (dx_error(&e5m2), dx_error(&e4m3));
+    // A third mantissa bit halves the gradient's rounding; W's e4m3 rounding is in both.
+    assert!(
+        precise < 0.75 * wide,
+        "dX error: e4m3 {precise:.4}, e5m2 {wide:.4}"
+    );
 }
 
 #[test]
@@ -152,7 +224,7 @@ fn the_audit_says_which_layers_ran_in_fp8_and_why_not() {
 
 // ----- the fused cast (kernels/fp8_cast.cuh) against ATen's composite --------------------------
 
-use speedkit::nn::{quantize_fp8, Fp8Format, Fp8Tensor};
+use speedkit::nn::{quantize_fp8, quantize_fp8_rowwise, Fp8Format, Fp8Tensor};
 
 /// A `[rows, cols]` matrix of `kind` spanning many binades (so FP8's subnormals and saturation are
 /// both hit), at an address that is 16-byte aligned or, with `misaligned`, not.
@@ -164,6 +236,40 @@ fn wide_range_matrix(rows: i64, cols: i64, kind: Kind, misaligned: bool) -> Tens
         .clamp(-6e4, 6e4);
     let start = i64::from(misaligned);
     values.to_kind(kind).narrow(0, start, n).view([rows, cols])
+}
+
+/// Full tiles, edge tiles, shapes that are not multiples of 8 or 16, a single element.
+const CAST_SHAPES: [(i64, i64); 7] = [
+    (256, 512),
+    (192, 64),
+    (100, 70),
+    (130, 24),
+    (17, 33),
+    (1, 1),
+    (64, 1000),
+];
+
+/// Calls `check(t, format, description)` for every input the bit-for-bit cast tests take: each
+/// storage type and FP8 format, each shape of [`CAST_SHAPES`] and `extra_shapes`, at an aligned and
+/// a misaligned address.
+fn for_each_cast_input(
+    extra_shapes: &[(i64, i64)],
+    mut check: impl FnMut(&Tensor, Fp8Format, &str),
+) {
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+        for format in [Fp8Format::E4m3, Fp8Format::E5m2] {
+            for &(rows, cols) in CAST_SHAPES.iter().chain(extra_shapes) {
+                for misaligned in [false, true] {
+                    let t = wide_range_matrix(rows, cols, kind, misaligned);
+                    check(
+                        &t,
+                        format,
+                        &format!("{kind:?} {format:?} {rows}×{cols} misaligned {misaligned}"),
+                    );
+                }
+            }
+        }
+    }
 }
 
 /// The cast with the kernels on or off (ATen's composite); the history is a copy, returned.
@@ -247,32 +353,15 @@ fn the_fused_fp8_cast_equals_the_aten_composite_bit_for_bit() {
         Some(Tensor::from_slice(&[0.5f32, 2.0, 0.0]).to_device(device)),
         Some(Tensor::full([16], 1e6, opts)),
     ];
-    // Full tiles, edge tiles, shapes that are not multiples of 8 or 16, a single element.
-    let shapes = [
-        (256, 512),
-        (192, 64),
-        (100, 70),
-        (130, 24),
-        (17, 33),
-        (1, 1),
-        (64, 1000),
-    ];
-    for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
-        for format in [Fp8Format::E4m3, Fp8Format::E5m2] {
-            for (rows, cols) in shapes {
-                for misaligned in [false, true] {
-                    let t = wide_range_matrix(rows, cols, kind, misaligned);
-                    for history in &histories {
-                        let what = format!(
-                            "{kind:?} {format:?} {rows}×{cols} misaligned {misaligned} history {}",
-                            history.as_ref().map_or(0, |h| h.numel())
-                        );
-                        assert_casts_equal(&what, &t, format, history.as_ref());
-                    }
-                }
-            }
+    for_each_cast_input(&[], |t, format, what| {
+        for history in &histories {
+            let what = format!(
+                "{what} history {}",
+                history.as_ref().map_or(0, |h| h.numel())
+            );
+            assert_casts_equal(&what, t, format, history.as_ref());
         }
-    }
+    });
     assert_no_cast_fallback();
 }
 
@@ -304,13 +393,68 @@ fn the_fused_fp8_cast_of_an_empty_matrix_records_a_zero_amax() {
     }
 }
 
+/// The row-wise cast with the kernels on or off (ATen's composite).
+fn rowwise_cast_with(kernels_on: bool, t: &Tensor, format: Fp8Format) -> Fp8Tensor {
+    let before = speedkit::kernels::set_enabled(kernels_on);
+    let q = quantize_fp8_rowwise(t, format, true);
+    speedkit::kernels::set_enabled(before);
+    q.unwrap()
+}
+
+#[test]
+fn the_fused_rowwise_fp8_cast_equals_the_aten_composite_bit_for_bit() {
+    let _lock = common::serial();
+    let test = "the_fused_rowwise_fp8_cast_equals_the_aten_composite";
+    let Some(device) = common::cuda_or_skip(test) else {
+        return;
+    };
+    if let Some(why) = speedkit::kernels::unavailable_reason(device).unwrap() {
+        eprintln!("skipped {test}: {why}");
+        return;
+    }
+    tch::manual_seed(14);
+    for_each_cast_input(&[(0, 32), (48, 0)], |t, format, what| {
+        let (rows, cols) = (t.size()[0], t.size()[1]);
+        let fused = rowwise_cast_with(true, t, format);
+        let aten = rowwise_cast_with(false, t, format);
+        let (fused_t, aten_t) = (fused.transpose.unwrap(), aten.transpose.unwrap());
+        assert!(
+            bytes(&fused.data).equal(&bytes(&aten.data)),
+            "{what}: bytes"
+        );
+        assert!(bytes(&fused_t).equal(&bytes(&aten_t)), "{what}: transposes");
+        assert!(
+            fused.inverse_scale.equal(&aten.inverse_scale),
+            "{what}: row scales"
+        );
+        let fused_columns = fused.transpose_inverse_scale.unwrap();
+        let aten_columns = aten.transpose_inverse_scale.unwrap();
+        assert!(fused_columns.equal(&aten_columns), "{what}: column scales");
+        assert_eq!(fused.inverse_scale.size(), [rows], "{what}");
+        assert_eq!(fused_columns.size(), [cols], "{what}");
+    });
+    assert_no_cast_fallback();
+}
+
 #[test]
 fn the_fp8_linear_on_the_kernels_equals_the_aten_path() {
-    let _lock = common::serial();
-    let Some(ctx) = fp8_context(
+    assert_fp8_linear_on_kernels_equals_aten(
         "the_fp8_linear_on_the_kernels_equals_the_aten_path",
         "delayed",
-    ) else {
+    );
+}
+
+#[test]
+fn the_rowwise_fp8_linear_on_the_kernels_equals_the_aten_path() {
+    assert_fp8_linear_on_kernels_equals_aten(
+        "the_rowwise_fp8_linear_on_the_kernels_equals_the_aten",
+        "rowwise",
+    );
+}
+
+fn assert_fp8_linear_on_kernels_equals_aten(test: &str, recipe: &str) {
+    let _lock = common::serial();
+    let Some(ctx) = fp8_context(test, recipe) else {
         return;
     };
     let vs = nn::VarStore::new(Device::Cuda(0));
@@ -354,8 +498,8 @@ fn the_fp8_linear_on_the_kernels_equals_the_aten_path() {
     }
 }
 
-/// Linear → GELU → Linear in FP8 (delayed scaling), MSE, AdamW; the parameters after `steps`.
-fn train_fp8(graphed: bool, steps: usize) -> (Vec<f64>, Vec<Tensor>) {
+/// Linear → GELU → Linear in FP8 (`recipe`), MSE, AdamW; the parameters after `steps`.
+fn train_fp8(graphed: bool, steps: usize, recipe: &str) -> (Vec<f64>, Vec<Tensor>) {
     let device = Device::Cuda(0);
     tch::manual_seed(0);
     let x = Tensor::randn([256, 256], (Kind::Float, device));
@@ -365,7 +509,7 @@ fn train_fp8(graphed: bool, steps: usize) -> (Vec<f64>, Vec<Tensor>) {
     let second = Linear::new(&(vs.root() / "second"), 512, 256, true);
     let config = SpeedConfig::from_yaml_str(&format!(
         "device: cuda\nprecision: bf16\ncompile: {{enabled: {graphed}}}\n\
-         fp8: {{enabled: true, recipe: delayed, amax_history: 4}}\n"
+         fp8: {{enabled: true, recipe: {recipe}, amax_history: 4}}\n"
     ))
     .unwrap();
     let ctx = SpeedContext::new(&config).unwrap();
@@ -391,12 +535,24 @@ fn train_fp8(graphed: bool, steps: usize) -> (Vec<f64>, Vec<Tensor>) {
 
 #[test]
 fn a_graphed_fp8_step_equals_the_eager_step() {
+    assert_graphed_fp8_step_equals_eager("a_graphed_fp8_step_equals_the_eager_step", "delayed");
+}
+
+#[test]
+fn a_graphed_rowwise_fp8_step_equals_the_eager_step() {
+    assert_graphed_fp8_step_equals_eager(
+        "a_graphed_rowwise_fp8_step_equals_the_eager_step",
+        "rowwise",
+    );
+}
+
+fn assert_graphed_fp8_step_equals_eager(test: &str, recipe: &str) {
     let _lock = common::serial();
-    if fp8_context("a_graphed_fp8_step_equals_the_eager_step", "delayed").is_none() {
+    if fp8_context(test, recipe).is_none() {
         return;
     }
-    let (eager_losses, eager) = train_fp8(false, 20);
-    let (graphed_losses, graphed) = train_fp8(true, 20);
+    let (eager_losses, eager) = train_fp8(false, 20, recipe);
+    let (graphed_losses, graphed) = train_fp8(true, 20, recipe);
     assert!(
         eager_losses[19] < eager_losses[0],
         "the loss falls: {eager_losses:?}"

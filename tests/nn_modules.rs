@@ -171,6 +171,31 @@ fn quantize_fp8_with_a_history_scales_from_it_and_records_the_amax() {
 }
 
 #[test]
+fn quantize_fp8_rowwise_scales_each_row_and_each_column_by_its_own_amax() {
+    use speedkit::nn::{quantize_fp8_rowwise, Fp8Format};
+    tch::manual_seed(6);
+    // Rows and columns six orders of magnitude apart, and an all-zero row.
+    let spread = Tensor::from_slice(&[1e-3f32, 1.0, 1e3, 0.0, 7.0]).view([5, 1]);
+    let t = Tensor::randn([5, 48], (Kind::Float, Device::Cpu)) * &spread;
+    let q = quantize_fp8_rowwise(&t, Fp8Format::E4m3, true).unwrap();
+    let inverse_of = |amax: Tensor| (amax.clamp_min(1e-12).reciprocal() * 448.0).reciprocal();
+    let row_amax = t.abs().amax([1].as_slice(), false);
+    assert!(q.inverse_scale.equal(&inverse_of(row_amax.shallow_clone())));
+    // Every row within e4m3's rounding (1/16 relative) of itself, whatever its scale: the error
+    // beyond that is below a thousandth of the row's own amax (FP8's subnormals).
+    let back = q.data.to_kind(Kind::Float) * q.inverse_scale.unsqueeze(1);
+    let err = (&back - &t).abs() - t.abs() / 16.0 - row_amax.unsqueeze(1) * 1e-3;
+    assert!(err.max().double_value(&[]) <= 0.0);
+    // The transpose is scaled per column of t, by the column's amax.
+    let column_inverse = q.transpose_inverse_scale.unwrap();
+    assert!(column_inverse.equal(&inverse_of(t.abs().amax([0].as_slice(), false))));
+    let back_t = q.transpose.unwrap().to_kind(Kind::Float) * column_inverse.unsqueeze(1);
+    let column_amax = t.tr().abs().amax([1].as_slice(), true);
+    let err_t = (&back_t - &t.tr()).abs() - t.tr().abs() / 16.0 - column_amax * 1e-3;
+    assert!(err_t.max().double_value(&[]) <= 0.0);
+}
+
+#[test]
 fn quantize_fp8_rejects_bad_input_and_changes_nothing() {
     use speedkit::nn::{quantize_fp8, Fp8Format, MAX_AMAX_HISTORY};
     let cpu = tch::Device::Cpu;
@@ -187,6 +212,9 @@ fn quantize_fp8_rejects_bad_input_and_changes_nothing() {
     let err = quantize_fp8(&t, Fp8Format::E5m2, Some(&long), false).unwrap_err();
     assert!(err.to_string().contains("1025 entries"), "{err}");
     assert_eq!(Vec::<f32>::try_from(&history).unwrap(), [2.0, 1.0]);
+    let vector = Tensor::ones([8], (Kind::Float, cpu));
+    let err = speedkit::nn::quantize_fp8_rowwise(&vector, Fp8Format::E4m3, true).unwrap_err();
+    assert!(err.to_string().contains("1-d"), "{err}");
 }
 
 #[test]

@@ -9,8 +9,9 @@ one whole-step CUDA graph of the eager kernels (forward, backward and optimizer 
 torch.cuda.graph: what speedkit's graph mode does, so the two show the same kernels' cost).
 `resnet` runs channels-last. With --torchao-fp8 also torchao's FP8 training (`Float8Linear` on
 every nn.Linear, tensorwise dynamic scaling, under torch.compile's default mode: the peer of
-speedkit's `fp8` config; torchao is not in requirements-torch.txt, install it beside torch). Each step is timed between CUDA events with a device
-synchronisation after every step (10 warm-up + 50 timed steps unless --warmup/--steps say
+speedkit's `fp8` config; torchao is not in requirements-torch.txt, install it beside torch), and
+with --torchao-fp8-rowwise the same with torchao's row-wise recipe (speedkit's `fp8.recipe:
+rowwise`). Each step is timed between CUDA events with a device synchronisation after every step (10 warm-up + 50 timed steps unless --warmup/--steps say
 otherwise; median/p10/p90 by nearest rank, as speedkit computes them).
 
 Memory is measured as speedkit measures its own: the allocator's cache is emptied and its peaks
@@ -20,7 +21,7 @@ allocated during the timed steps alone is reported apart as `steady_peak_allocat
 
     python3 docs/benchmarks/pytorch_reference.py [--compile] [--graph] [--only NAME,...]
         [--warmup N] [--steps N] [--no-paranoid-sync] [--json FILE] [--json-lines] [--profile]
-        [--torchao-fp8]
+        [--torchao-fp8] [--torchao-fp8-rowwise]
 
 --json-lines prints one JSON object per line on stdout (the environment first, then one per
 row as it finishes) and the human-readable lines on stderr: this is how the speedkit runner's
@@ -338,18 +339,22 @@ def profile_transformer(device):
                 print(f"attention {backend.name}: {e}".splitlines()[0])
 
 
-def to_float8(model):
-    """torchao's FP8 training (Float8Linear, tensorwise dynamic scaling) on every nn.Linear."""
-    from torchao.float8 import convert_to_float8_training
-    return convert_to_float8_training(model)
+def to_float8(model, recipe="tensorwise"):
+    """torchao's FP8 training (Float8Linear) on every nn.Linear: "tensorwise" dynamic scaling, or
+    "rowwise" (a scale per row of each GEMM operand, e4m3 everywhere)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    return convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe))
 
 
 def measure(name, mode, device, warmup, steps, sync_every_step=True):
     model, batch, flops, _ = workload(name, device)
-    # "torchao-fp8": torchao's Float8Linear under torch.compile (default mode), as torchao advises.
+    # "torchao-fp8[-rowwise]": torchao's Float8Linear under torch.compile (default mode), as torchao
+    # advises.
     compile_mode = mode
     if mode == "torchao-fp8":
         model, compile_mode = to_float8(model), "default"
+    elif mode == "torchao-fp8-rowwise":
+        model, compile_mode = to_float8(model, "rowwise"), "default"
     # Before the optimizer exists: its state, compilation and graph capture count in the peaks.
     start_memory()
     times, memory = time_steps(train_step(model, batch, compile_mode), warmup, steps, sync_every_step)
@@ -458,6 +463,8 @@ def main():
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--torchao-fp8", action="store_true",
                         help="also time torchao's Float8Linear with torch.compile (needs torchao)")
+    parser.add_argument("--torchao-fp8-rowwise", action="store_true",
+                        help="also time torchao's Float8Linear with row-wise scaling and torch.compile")
     parser.add_argument("--only", help="comma-separated workloads (others are skipped with a note)")
     parser.add_argument("--size", default="bench")
     parser.add_argument("--warmup", type=int, default=10)
@@ -497,7 +504,8 @@ def main():
     results = []
     modes = (["eager"] + (["graph"] if args.graph else [])
              + (["default", "reduce-overhead"] if args.compile else [])
-             + (["torchao-fp8"] if args.torchao_fp8 else []))
+             + (["torchao-fp8"] if args.torchao_fp8 else [])
+             + (["torchao-fp8-rowwise"] if args.torchao_fp8_rowwise else []))
     for name in names:
         for mode in modes:
             try:
@@ -509,7 +517,7 @@ def main():
             print(describe(row), file=human, flush=True)
             if args.json_lines:
                 print(json.dumps(row), flush=True)
-            if mode in ("default", "reduce-overhead", "torchao-fp8"):
+            if mode in ("default", "reduce-overhead", "torchao-fp8", "torchao-fp8-rowwise"):
                 torch._dynamo.reset()  # frees compiled graphs and their CUDA-graph pools
             torch.cuda.empty_cache()
     if args.json:

@@ -47,9 +47,9 @@ pub use builder::SpeedConfigBuilder;
 pub use error::{closest, ConfigError, Format, Location, Problem};
 pub use types::{
     AutoBool, BenchConfig, CompileConfig, CompileMode, CudnnConfig, DeviceChoice,
-    DistributedBackend, DistributedConfig, Fp8Config, Fp8Recipe, GradScalerConfig, MatmulPrecision,
-    MatmulPrecisionChoice, OptimizerConfig, OptimizerName, Precision, ProfileConfig,
-    SdpBackendConfig, SpeedConfig,
+    DistributedBackend, DistributedConfig, Fp8Config, Fp8GradientFormat, Fp8Recipe,
+    GradScalerConfig, MatmulPrecision, MatmulPrecisionChoice, OptimizerConfig, OptimizerName,
+    Precision, ProfileConfig, SdpBackendConfig, SpeedConfig,
 };
 
 impl SpeedConfig {

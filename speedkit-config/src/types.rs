@@ -219,14 +219,23 @@ pub struct Fp8Config {
     /// `auto`: on for GPUs with FP8 Tensor Cores (SM >= 8.9), and then only for layers whose GEMM
     /// is at least `min_gemm_size`; `true`: every eligible layer (an error without FP8 hardware).
     pub enabled: AutoBool,
-    /// How scales are chosen: `dynamic` (from the current tensor's amax) or `delayed` (from the
-    /// largest amax of the last `amax_history` steps, as Transformer Engine does).
+    /// How scales are chosen: `dynamic` (from the current tensor's amax), `delayed` (from the
+    /// largest amax of the last `amax_history` steps, as Transformer Engine does) or `rowwise` (one
+    /// scale per row of each GEMM operand, from the row's current amax).
     pub recipe: Fp8Recipe,
     /// Steps of amax history kept per tensor by the `delayed` recipe; 1 to 1024.
     pub amax_history: u32,
+    /// The FP8 format of the output gradients in the backward GEMMs: `e5m2` (Transformer Engine's
+    /// "hybrid" format: two mantissa bits, the range of fp16) or `e4m3` (its "E4M3": a third
+    /// mantissa bit, the range of the scale). Unset: the recipe's
+    /// ([`Fp8Recipe::default_gradient_format`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gradient_format: Option<Fp8GradientFormat>,
     /// Under `enabled: auto`, the smallest GEMM (tokens × in_features × out_features) that runs in
-    /// FP8; smaller ones lose more to the casts than FP8 gains.
-    pub min_gemm_size: u64,
+    /// FP8; smaller ones lose more to the casts than FP8 gains. Unset: the recipe's measured
+    /// crossover ([`Fp8Recipe::measured_min_gemm_size`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_gemm_size: Option<u64>,
 }
 
 impl Default for Fp8Config {
@@ -235,19 +244,43 @@ impl Default for Fp8Config {
             enabled: AutoBool::Auto,
             recipe: Fp8Recipe::Delayed,
             amax_history: 16,
-            min_gemm_size: Fp8Config::MEASURED_MIN_GEMM_SIZE,
+            gradient_format: None,
+            min_gemm_size: None,
         }
     }
 }
 
 impl Fp8Config {
-    /// The default `min_gemm_size` (2^38 ≈ 2.7e11). Chosen first between two GEMM sizes measured on
-    /// an H200 with unfused casts (512 × 8192 × 8192 ≈ 3.4e10 ran 0.63× bf16's speed in FP8,
-    /// 16384 × 4096 × 16384 ≈ 1.1e12 ran 1.07×). With the fused casts FP8 gains at every size
-    /// measured since (3.4e10: 1.27×; `transformer`'s 9.7e9 to 1.0e11: 1.13× a step), but its loss
-    /// is not yet within 1% of bf16's over 200 steps (docs/benchmarks/README.md, "FP8"), so `auto`
-    /// keeps FP8 to GEMMs this large and smaller layers opt in with `enabled: true`.
-    pub const MEASURED_MIN_GEMM_SIZE: u64 = 1 << 38;
+    /// The smallest GEMM that runs in FP8 under `enabled: auto`: `min_gemm_size` when set, else the
+    /// recipe's measured crossover.
+    ///
+    /// ```
+    /// use speedkit_config::{Fp8Config, Fp8Recipe};
+    /// let mut fp8 = Fp8Config::default();
+    /// assert_eq!(fp8.min_gemm_size(), Fp8Recipe::Delayed.measured_min_gemm_size());
+    /// fp8.min_gemm_size = Some(1 << 20);
+    /// assert_eq!(fp8.min_gemm_size(), 1 << 20);
+    /// ```
+    #[must_use]
+    pub fn min_gemm_size(&self) -> u64 {
+        self.min_gemm_size
+            .unwrap_or_else(|| self.recipe.measured_min_gemm_size())
+    }
+
+    /// The output gradients' FP8 format: `gradient_format` when set, else the recipe's.
+    ///
+    /// ```
+    /// use speedkit_config::{Fp8Config, Fp8GradientFormat, Fp8Recipe};
+    /// let mut fp8 = Fp8Config::default();
+    /// assert_eq!(fp8.gradient_format(), Fp8GradientFormat::E5m2);
+    /// fp8.recipe = Fp8Recipe::Rowwise;
+    /// assert_eq!(fp8.gradient_format(), Fp8GradientFormat::E4m3);
+    /// ```
+    #[must_use]
+    pub fn gradient_format(&self) -> Fp8GradientFormat {
+        self.gradient_format
+            .unwrap_or_else(|| self.recipe.default_gradient_format())
+    }
 }
 
 /// Settings of the benchmark runner.
@@ -651,9 +684,67 @@ pub enum Fp8Recipe {
     /// From the largest amax of the last `amax_history` steps (Transformer Engine's default).
     #[default]
     Delayed,
+    /// One scale per row of each GEMM operand, along the axis the GEMM sums over, from that row's
+    /// current amax (torchao's "rowwise"): an outlier costs precision in its own row only.
+    Rowwise,
 }
 
-spelled_enum!(Fp8Recipe, "fp8.recipe", [Dynamic => "dynamic", Delayed => "delayed"]);
+spelled_enum!(Fp8Recipe, "fp8.recipe", [Dynamic => "dynamic", Delayed => "delayed", Rowwise => "rowwise"]);
+
+impl Fp8Recipe {
+    /// The output gradients' FP8 format when `fp8.gradient_format` is unset: e5m2 under a
+    /// per-tensor scale, whose range must span the whole gradient (Transformer Engine's "hybrid"
+    /// format); e4m3 under row-wise scales, which give each row its own range, so the bit goes to
+    /// the mantissa (torchao's row-wise recipe). Measured: e4m3 gradients kept the `learn` losses
+    /// of `examples/fp8_fidelity.rs` closer to bf16's in every case (docs/benchmarks/README.md).
+    ///
+    /// ```
+    /// use speedkit_config::{Fp8GradientFormat, Fp8Recipe};
+    /// assert_eq!(Fp8Recipe::Rowwise.default_gradient_format(), Fp8GradientFormat::E4m3);
+    /// ```
+    #[must_use]
+    pub fn default_gradient_format(self) -> Fp8GradientFormat {
+        match self {
+            Fp8Recipe::Delayed | Fp8Recipe::Dynamic => Fp8GradientFormat::E5m2,
+            Fp8Recipe::Rowwise => Fp8GradientFormat::E4m3,
+        }
+    }
+
+    /// The GEMM size from which FP8 under this recipe was measured faster than bf16.
+    ///
+    /// The smallest GEMM (tokens × in × out) from which one `speedkit::nn::Linear`'s forward and
+    /// backward, graphed, was faster in FP8 under this recipe than in bf16 at every shape measured
+    /// on an H200 (`examples/fp8_crossover.rs`, 36 shapes from 512 × 768 × 768 to 16384 × 4096 ×
+    /// 16384; docs/benchmarks/README.md, "FP8"): 16384 × 768 × 3072 (a transformer MLP's) for the
+    /// per-tensor recipes, 2^36 for row-wise, which casts every operand along both axes. Below,
+    /// the casts cost more than the FP8 GEMMs save; so do they at 512 tokens × 8192 × 8192, where
+    /// the weight's cast is large beside the GEMM.
+    ///
+    /// ```
+    /// use speedkit_config::Fp8Recipe;
+    /// assert!(Fp8Recipe::Delayed.measured_min_gemm_size() < Fp8Recipe::Rowwise.measured_min_gemm_size());
+    /// ```
+    #[must_use]
+    pub fn measured_min_gemm_size(self) -> u64 {
+        match self {
+            Fp8Recipe::Delayed | Fp8Recipe::Dynamic => 16384 * 768 * 3072,
+            Fp8Recipe::Rowwise => 1 << 36,
+        }
+    }
+}
+
+/// The FP8 format of the output gradients in the backward GEMMs (activations and weights are
+/// always e4m3).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Fp8GradientFormat {
+    /// 5 exponent and 2 mantissa bits: the range of fp16 (Transformer Engine's default).
+    #[default]
+    E5m2,
+    /// 4 exponent and 3 mantissa bits: twice e5m2's precision, the range that the scale gives.
+    E4m3,
+}
+
+spelled_enum!(Fp8GradientFormat, "fp8.gradient_format", [E5m2 => "e5m2", E4m3 => "e4m3"]);
 
 /// Where to train. Spelled `auto`, `cpu`, `cuda` (= `cuda:0`) or `cuda:N` in files.
 ///

@@ -5,8 +5,8 @@
 #![allow(clippy::field_reassign_with_default)]
 
 use speedkit_config::{
-    AutoBool, CompileMode, DeviceChoice, MatmulPrecision, MatmulPrecisionChoice, OptimizerName,
-    Precision, SpeedConfig,
+    AutoBool, CompileMode, DeviceChoice, Fp8GradientFormat, Fp8Recipe, MatmulPrecision,
+    MatmulPrecisionChoice, OptimizerName, Precision, SpeedConfig,
 };
 
 /// A config with every field away from its default (and still valid).
@@ -34,6 +34,11 @@ fn everything_changed() -> SpeedConfig {
     c.grad_scaler.growth_factor = 1.5;
     c.grad_scaler.backoff_factor = 0.25;
     c.grad_scaler.growth_interval = 100;
+    c.fp8.enabled = AutoBool::Off;
+    c.fp8.recipe = Fp8Recipe::Rowwise;
+    c.fp8.amax_history = 32;
+    c.fp8.gradient_format = Some(Fp8GradientFormat::E5m2);
+    c.fp8.min_gemm_size = Some(4096);
     c.bench.warmup = 0;
     c.bench.steps = 3;
     c.bench.paranoid_sync = false;
@@ -71,6 +76,12 @@ grad_scaler:
   growth_factor: 1.5
   backoff_factor: 0.25
   growth_interval: 100
+fp8:
+  enabled: false
+  recipe: rowwise
+  amax_history: 32
+  gradient_format: e5m2
+  min_gemm_size: 4096
 bench:
   warmup: 0
   steps: 3
@@ -126,6 +137,13 @@ fn defaults_match_the_documented_values() {
     assert_eq!(gs.init_scale, 65536.0);
     assert_eq!((gs.growth_factor, gs.backoff_factor), (2.0, 0.5));
     assert_eq!(gs.growth_interval, 2000);
+    let fp8 = &c.fp8;
+    assert_eq!(
+        (fp8.enabled, fp8.recipe, fp8.amax_history),
+        (AutoBool::Auto, Fp8Recipe::Delayed, 16)
+    );
+    assert_eq!((fp8.gradient_format, fp8.min_gemm_size), (None, None));
+    assert_eq!(fp8.gradient_format(), Fp8GradientFormat::E5m2);
     assert_eq!(
         (c.bench.warmup, c.bench.steps, c.bench.paranoid_sync),
         (10, 50, true)

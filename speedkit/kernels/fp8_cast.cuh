@@ -1,6 +1,7 @@
 // Casts to FP8 for speedkit::nn::Linear's FP8 GEMMs (shim/fp8.cpp): q = saturate(t · s) in e4m3 or
-// e5m2 with a per-tensor scale s = FP8_MAX / amax, and, when asked, qᵀ, which the backward GEMMs
-// take as their column-major operands (instead of a transposed copy of q).
+// e5m2 with s = FP8_MAX / amax, and, when asked, qᵀ, which the backward GEMMs take as their
+// column-major operands (instead of a transposed copy of q). The scale is per tensor, or per row
+// (the `rowwise` recipe: q by each row's amax, qᵀ by each column's; see "row-wise scaling" below).
 //
 // The scale never leaves the device. `dynamic` scaling needs this step's amax before the cast, so it
 // takes two passes over t: fp8_amax (a max reduction into a device fp32 slot), then the cast, which
@@ -16,9 +17,10 @@
 // bit patterns of non-negative floats, which orders them like the floats, lets NaN win like ATen's
 // max does, and makes the result independent of the order the blocks finish in.
 //
-// The cast works on 64 × 64 tiles: 16-byte loads along the rows where the row length and the
-// pointer allow it, the FP8 bytes written row-major from registers and kept in shared memory, from
-// where the transposed tile is written with 8-byte stores. Edge tiles go element by element.
+// Both casts work on 64 × 64 tiles (fp8_cast_tile): 16-byte loads along the rows where the row
+// length and the pointer allow it, the FP8 bytes written row-major from registers and kept in shared
+// memory, from where the transposed tile is written with 8-byte stores. Edge tiles go element by
+// element.
 //
 // The device part below is compiled by NVRTC (shim/kernels.cpp); the host part at the end, the
 // launchers, is compiled into the shim by the host compiler.
@@ -107,16 +109,56 @@ __device__ void fp8_amax(const T* __restrict__ x, long long n, float* slot, cons
   record_max(local, slot);
 }
 
-// One 64 × 64 tile of x [rows, cols] per block: q = fp8(x · scale) into q [rows, cols] and, when
-// qt is given, into qt [cols, rows]; this tile's amax into *amax_out when that is given; and, when
-// column_partials is given, the tile's column sums of x into its row blockIdx.y ([row tiles, cols]
-// fp32, summed by fp8_column_sum). Block 0 writes 1 / scale to *inverse_out. `vector_ok`: x is
-// 16-byte aligned and cols a multiple of the 16-byte vector (so every row starts aligned).
-template <typename T, typename F>
-__device__ void fp8_cast_transpose(const T* __restrict__ x, long long rows, long long cols, const float* amax,
-                                   const float* past, float* amax_out, float* inverse_out,
-                                   unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
-                                   float* __restrict__ column_partials, int vector_ok) {
+// The FP8 tile in shared memory (row-major bytes of x's tile at r0, c0) written to qt [cols, rows]:
+// 8-byte stores along qt's rows for a full tile, element by element at the edges. The caller has
+// synchronised the block after filling the tile.
+__device__ __forceinline__ void write_transposed_tile(const unsigned char (*tile)[kFp8TileStride],
+                                                      unsigned char* __restrict__ qt, long long rows,
+                                                      long long cols, long long r0, long long c0, bool full) {
+  if (full && rows % 8 == 0) {
+    // Thread t writes rows 8·(t % 8) … +7 of the tile's column t / 8 (and t / 8 + 32) as 8 bytes.
+    const int r = (threadIdx.x % 8) * 8;
+    for (int c = threadIdx.x / 8; c < kFp8Tile; c += kFp8Threads / 8) {
+      u64 packed = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) packed |= static_cast<u64>(tile[r + i][c]) << (8 * i);
+      *reinterpret_cast<u64*>(qt + (c0 + c) * rows + r0 + r) = packed;
+    }
+  } else {
+    for (int i = threadIdx.x; i < kFp8Tile * kFp8Tile; i += kFp8Threads) {
+      const int c = i / kFp8Tile, r = i % kFp8Tile;
+      if (r0 + r < rows && c0 + c < cols) qt[(c0 + c) * rows + r0 + r] = tile[r][c];
+    }
+  }
+}
+
+// How a cast tile scales: one scale for q and qᵀ (per tensor), or q by its rows' scales and qᵀ by
+// the columns' (row-wise).
+struct TensorScale {
+  static constexpr bool kOneScale = true;
+  float scale;
+  __device__ float row(long long) const { return scale; }
+  __device__ float column(long long) const { return scale; }
+};
+template <typename F>
+struct AxisScales {
+  static constexpr bool kOneScale = false;
+  const float* row_amax;
+  const float* col_amax;
+  __device__ float row(long long r) const { return fp8_scale(row_amax + r, nullptr, F::max); }
+  __device__ float column(long long c) const { return fp8_scale(col_amax + c, nullptr, F::max); }
+};
+
+// One 64 × 64 tile of x [rows, cols] per block: q = fp8(x · row scale) into q [rows, cols] when q
+// is given, fp8(x · column scale) into qt [cols, rows] when qt is given (the same bytes under one
+// scale); this tile's amax into *amax_out when that is given; and, when column_partials is given,
+// the tile's column sums of x into its row blockIdx.y ([row tiles, cols] fp32, summed by
+// fp8_column_sum). `vector_ok`: x is 16-byte aligned and cols a multiple of the 16-byte vector (so
+// every row starts aligned).
+template <typename T, typename F, typename Scales>
+__device__ void fp8_cast_tile(const T* __restrict__ x, long long rows, long long cols, const Scales& scales,
+                              float* amax_out, unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
+                              float* __restrict__ column_partials, int vector_ok) {
   constexpr int kVec = 16 / sizeof(T);
   constexpr int kPerRow = kFp8Tile / kVec;                 // threads across a tile row
   constexpr int kRowsPerPass = kFp8Threads / kPerRow;      // 32 (16-bit types) or 16 (fp32)
@@ -124,8 +166,6 @@ __device__ void fp8_cast_transpose(const T* __restrict__ x, long long rows, long
   __shared__ unsigned char tile[kFp8Tile][kFp8TileStride];
   // Column sums, one row per group of threads that share columns, added in a fixed order at the end.
   __shared__ float sums[kRowsPerPass][kFp8Tile];
-  const float scale = fp8_scale(amax, past, F::max);
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *inverse_out = 1.f / scale;
   const long long r0 = static_cast<long long>(blockIdx.y) * kFp8Tile;
   const long long c0 = static_cast<long long>(blockIdx.x) * kFp8Tile;
   const bool full = vector_ok && r0 + kFp8Tile <= rows && c0 + kFp8Tile <= cols;
@@ -140,12 +180,16 @@ __device__ void fp8_cast_transpose(const T* __restrict__ x, long long rows, long
 #pragma unroll
     for (int p = 0; p < kPasses; ++p)
       raw[p] = *reinterpret_cast<const uint4*>(x + (r0 + r + p * kRowsPerPass) * cols + c0 + c);
-    float column[kVec];
+    float column[kVec], column_scale[kVec];
 #pragma unroll
-    for (int i = 0; i < kVec; ++i) column[i] = 0.f;
+    for (int i = 0; i < kVec; ++i) {
+      column[i] = 0.f;
+      column_scale[i] = scales.column(c0 + c + i);
+    }
 #pragma unroll
     for (int p = 0; p < kPasses; ++p) {
       const int row = r + p * kRowsPerPass;
+      const float row_scale = scales.row(r0 + row);
       const T* e = reinterpret_cast<const T*>(&raw[p]);
       u64 packed = 0;
 #pragma unroll
@@ -153,15 +197,17 @@ __device__ void fp8_cast_transpose(const T* __restrict__ x, long long rows, long
         const float v = to_float(e[i]);
         column[i] += v;
         local = max(local, magnitude_bits(v));
-        const unsigned char b = to_fp8<F>(v, scale);
-        tile[row][c + i] = b;
+        const unsigned char b = to_fp8<F>(v, row_scale);
+        tile[row][c + i] = Scales::kOneScale ? b : to_fp8<F>(v, column_scale[i]);
         packed |= static_cast<u64>(b) << (8 * i);
       }
-      unsigned char* out = q + (r0 + row) * cols + c0 + c;
-      if (kVec == 8) {
-        *reinterpret_cast<u64*>(out) = packed;
-      } else {
-        *reinterpret_cast<unsigned*>(out) = static_cast<unsigned>(packed);
+      if (q != nullptr) {
+        unsigned char* out = q + (r0 + row) * cols + c0 + c;
+        if (kVec == 8) {
+          *reinterpret_cast<u64*>(out) = packed;
+        } else {
+          *reinterpret_cast<unsigned*>(out) = static_cast<unsigned>(packed);
+        }
       }
     }
     if (column_partials != nullptr) {
@@ -179,9 +225,9 @@ __device__ void fp8_cast_transpose(const T* __restrict__ x, long long rows, long
       const float v = to_float(x[offset]);
       column += v;
       local = max(local, magnitude_bits(v));
-      const unsigned char b = to_fp8<F>(v, scale);
-      tile[r][c] = b;
-      q[offset] = b;
+      const unsigned char b = to_fp8<F>(v, scales.row(r0 + r));
+      tile[r][c] = Scales::kOneScale ? b : to_fp8<F>(v, scales.column(c0 + c));
+      if (q != nullptr) q[offset] = b;
     }
     if (column_partials != nullptr) sums[threadIdx.x / kFp8Tile][threadIdx.x % kFp8Tile] = column;
   }
@@ -193,22 +239,115 @@ __device__ void fp8_cast_transpose(const T* __restrict__ x, long long rows, long
     for (int g = 0; g < groups; ++g) total += sums[g][threadIdx.x];
     column_partials[blockIdx.y * cols + c0 + threadIdx.x] = total;
   }
-  if (qt == nullptr) return;
-  if (full && rows % 8 == 0) {
-    // Thread t writes rows 8·(t % 8) … +7 of the tile's column t / 8 (and t / 8 + 32) as 8 bytes.
-    const int r = (threadIdx.x % 8) * 8;
-    for (int c = threadIdx.x / 8; c < kFp8Tile; c += kFp8Threads / 8) {
-      u64 packed = 0;
+  if (qt != nullptr) write_transposed_tile(tile, qt, rows, cols, r0, c0, full);
+}
+
+// The per-tensor cast of one tile: the scale from *amax (dynamic) or, when positive, *past (the
+// delayed recipe's history maximum); block 0 writes 1 / scale to *inverse_out.
+template <typename T, typename F>
+__device__ void fp8_cast_transpose(const T* __restrict__ x, long long rows, long long cols, const float* amax,
+                                   const float* past, float* amax_out, float* inverse_out,
+                                   unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
+                                   float* __restrict__ column_partials, int vector_ok) {
+  const TensorScale scale{fp8_scale(amax, past, F::max)};
+  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *inverse_out = 1.f / scale.scale;
+  fp8_cast_tile<T, F>(x, rows, cols, scale, amax_out, q, qt, column_partials, vector_ok);
+}
+
+// ----- row-wise scaling ----------------------------------------------------------------------------
+// Each row of q gets its own scale from its row's amax, and each row of qᵀ (a column of x) from
+// that column's amax: every GEMM operand is scaled along the axis the GEMM sums over, which is what
+// _scaled_mm's row-wise mode multiplies back. A scale needs its whole row or column reduced first,
+// so this takes two passes: fp8_axis_amax reduces both axes at once, then fp8_cast_axiswise writes
+// q and qᵀ. Scales, bytes and inverses are ATen's composite's, element for element.
+
+// Both axes' amax of one 64 × 64 tile of x per block, merged into row_amax [rows] and col_amax
+// [cols] (zero before the launch) with one atomic per row and column of the tile.
+template <typename T>
+__device__ void fp8_axis_amax(const T* __restrict__ x, long long rows, long long cols, float* row_amax,
+                              float* col_amax, int vector_ok) {
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kPerRow = kFp8Tile / kVec;
+  constexpr int kRowsPerPass = kFp8Threads / kPerRow;
+  constexpr int kPasses = kFp8Tile / kRowsPerPass;
+  __shared__ unsigned row_max[kFp8Tile];
+  __shared__ unsigned col_max[kRowsPerPass][kFp8Tile];
+  const long long r0 = static_cast<long long>(blockIdx.y) * kFp8Tile;
+  const long long c0 = static_cast<long long>(blockIdx.x) * kFp8Tile;
+  const bool full = vector_ok && r0 + kFp8Tile <= rows && c0 + kFp8Tile <= cols;
+  int groups;
+  if (full) {
+    groups = kRowsPerPass;
+    const int c = (threadIdx.x % kPerRow) * kVec;
+    const int r = threadIdx.x / kPerRow;
+    uint4 raw[kPasses];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) packed |= static_cast<u64>(tile[r + i][c]) << (8 * i);
-      *reinterpret_cast<u64*>(qt + (c0 + c) * rows + r0 + r) = packed;
+    for (int p = 0; p < kPasses; ++p)
+      raw[p] = *reinterpret_cast<const uint4*>(x + (r0 + r + p * kRowsPerPass) * cols + c0 + c);
+    unsigned column[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) column[i] = 0u;
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p) {
+      const T* e = reinterpret_cast<const T*>(&raw[p]);
+      unsigned row = 0u;
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) {
+        const unsigned m = magnitude_bits(to_float(e[i]));
+        row = max(row, m);
+        column[i] = max(column[i], m);
+      }
+      // The kPerRow threads of a row are neighbouring lanes of one warp.
+#pragma unroll
+      for (int offset = kPerRow / 2; offset > 0; offset >>= 1)
+        row = max(row, __shfl_xor_sync(0xffffffffu, row, offset));
+      if (threadIdx.x % kPerRow == 0) row_max[r + p * kRowsPerPass] = row;
     }
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) col_max[r][c + i] = column[i];
   } else {
+    // Thread t has column t % 64 and rows t / 64 + 4k; a row's maximum gathers in shared memory.
+    groups = kFp8Threads / kFp8Tile;
+    if (threadIdx.x < kFp8Tile) row_max[threadIdx.x] = 0u;
+    __syncthreads();
+    unsigned column = 0u;
     for (int i = threadIdx.x; i < kFp8Tile * kFp8Tile; i += kFp8Threads) {
-      const int c = i / kFp8Tile, r = i % kFp8Tile;
-      if (r0 + r < rows && c0 + c < cols) qt[(c0 + c) * rows + r0 + r] = tile[r][c];
+      const int r = i / kFp8Tile, c = i % kFp8Tile;
+      if (r0 + r >= rows || c0 + c >= cols) continue;
+      const unsigned m = magnitude_bits(to_float(x[(r0 + r) * cols + c0 + c]));
+      column = max(column, m);
+      atomicMax(&row_max[r], m);
     }
+    col_max[threadIdx.x / kFp8Tile][threadIdx.x % kFp8Tile] = column;
   }
+  __syncthreads();
+  const int t = threadIdx.x;
+  if (t < kFp8Tile && r0 + t < rows && row_max[t] != 0u)
+    atomicMax(reinterpret_cast<unsigned*>(row_amax + r0 + t), row_max[t]);
+  if (t >= kFp8Tile && t < 2 * kFp8Tile && c0 + t - kFp8Tile < cols) {
+    unsigned m = 0u;
+    for (int g = 0; g < groups; ++g) m = max(m, col_max[g][t - kFp8Tile]);
+    if (m != 0u) atomicMax(reinterpret_cast<unsigned*>(col_amax + c0 + t - kFp8Tile), m);
+  }
+}
+
+// The row-wise cast of one tile, with the amaxes of fp8_axis_amax: q by each row's scale, qᵀ by
+// each column's. The blocks of the first tile column write 1 / row scale to row_inverse [rows],
+// those of the first tile row 1 / column scale to col_inverse [cols] when it is given.
+template <typename T, typename F>
+__device__ void fp8_cast_axiswise(const T* __restrict__ x, long long rows, long long cols, const float* row_amax,
+                                  const float* col_amax, unsigned char* __restrict__ q, float* row_inverse,
+                                  unsigned char* __restrict__ qt, float* col_inverse,
+                                  float* __restrict__ column_partials, int vector_ok) {
+  const AxisScales<F> scales{row_amax, col_amax};
+  const long long r0 = static_cast<long long>(blockIdx.y) * kFp8Tile;
+  const long long c0 = static_cast<long long>(blockIdx.x) * kFp8Tile;
+  const int t = threadIdx.x;
+  if (blockIdx.x == 0 && t < kFp8Tile && r0 + t < rows) row_inverse[r0 + t] = 1.f / scales.row(r0 + t);
+  const long long c = c0 + t - kFp8Tile;
+  if (col_inverse != nullptr && blockIdx.y == 0 && t >= kFp8Tile && t < 2 * kFp8Tile && c < cols)
+    col_inverse[c] = 1.f / scales.column(c);
+  fp8_cast_tile<T, F>(x, rows, cols, scales, nullptr, q, qt, column_partials, vector_ok);
 }
 
 }  // namespace sk
@@ -254,6 +393,26 @@ SK_TYPES_1(SK_FP8_AMAX, )
 #define SK_FP8_CAST_BOTH(tag, T, ...) SK_FP8_CAST(tag, T, e4m3, sk::E4m3) SK_FP8_CAST(tag, T, e5m2, sk::E5m2)
 SK_TYPES_1(SK_FP8_CAST_BOTH, )
 
+// fp8_axis_amax_<x>, fp8_cast_axiswise_<x>_<e4m3|e5m2>: the row-wise recipe's two passes.
+#define SK_FP8_AXIS_AMAX(tag, T, ...)                                                                  \
+  extern "C" __global__ void __launch_bounds__(sk::kFp8Threads) fp8_axis_amax_##tag(                   \
+      const T* x, long long rows, long long cols, float* row_amax, float* col_amax, int vector_ok) {   \
+    sk::fp8_axis_amax<T>(x, rows, cols, row_amax, col_amax, vector_ok);                               \
+  }
+SK_TYPES_1(SK_FP8_AXIS_AMAX, )
+
+#define SK_FP8_CAST_AXISWISE(tag, T, fp8_tag, F)                                                         \
+  extern "C" __global__ void __launch_bounds__(sk::kFp8Threads) fp8_cast_axiswise_##tag##_##fp8_tag(     \
+      const T* x, long long rows, long long cols, const float* row_amax, const float* col_amax,         \
+      unsigned char* q, float* row_inverse, unsigned char* qt, float* col_inverse, float* column_partials, \
+      int vector_ok) {                                                                                   \
+    sk::fp8_cast_axiswise<T, F>(x, rows, cols, row_amax, col_amax, q, row_inverse, qt, col_inverse,      \
+                                column_partials, vector_ok);                                             \
+  }
+#define SK_FP8_CAST_AXISWISE_BOTH(tag, T, ...) \
+  SK_FP8_CAST_AXISWISE(tag, T, e4m3, sk::E4m3) SK_FP8_CAST_AXISWISE(tag, T, e5m2, sk::E5m2)
+SK_TYPES_1(SK_FP8_CAST_AXISWISE_BOTH, )
+
 #else  // host: the launchers
 
 #include "kernels.h"
@@ -274,8 +433,12 @@ constexpr int64_t kMaxHistory = 1024;
 struct Quantized {
   at::Tensor data;           // FP8 [rows, cols]
   at::Tensor transpose;      // FP8 [cols, rows], or undefined when not asked for
-  at::Tensor inverse_scale;  // fp32 scalar: data · inverse_scale ≈ the input
+  // fp32, data · inverse_scale ≈ the input: a scalar (per-tensor scaling) or one per row, [rows].
+  at::Tensor inverse_scale;
   at::Tensor column_sums;    // fp32 [cols], Σ over rows of the input, or undefined when not asked for
+  // fp32, transpose · transpose_inverse_scale ≈ the input's transpose: the same scalar, or one per
+  // row of the transpose, [cols]. Undefined when the transpose is.
+  at::Tensor transpose_inverse_scale;
 };
 
 // Why the kernels cannot cast `t` with `history` (undefined or empty for dynamic scaling), or an
@@ -299,6 +462,20 @@ inline const char* format_tag(at::ScalarType fp8) {
   return fp8 == at::kFloat8_e5m2 ? "e5m2" : "e4m3";
 }
 
+// 64-wide tiles covering n, at least one (so that an empty tensor's launch still writes its scales).
+inline unsigned tiles(int64_t n) { return static_cast<unsigned>(std::max<int64_t>(1, (n + kTile - 1) / kTile)); }
+
+// sums[c] = Σ over the partials' rows (one per row tile of the cast) of partials[·, c].
+inline void sum_partials(const at::Tensor& partials, const at::Tensor& sums) {
+  Kernel kernel = get("fp8_cast.cuh", "fp8_column_sum", sums.device());
+  const float* partials_ptr = partials.data_ptr<float>();
+  int groups = static_cast<int>(partials.size(0));
+  long long cols = partials.size(1);
+  float* out = sums.data_ptr<float>();
+  void* args[] = {&partials_ptr, &groups, &cols, &out};
+  launch(kernel, {static_cast<unsigned>((cols + kThreads - 1) / kThreads), 1, 1}, {kThreads, 1, 1}, 0, args);
+}
+
 // q = fp8(t · s) and, with `transpose`, qᵀ, with `column_sums` Σ_rows t in fp32; s from t's amax
 // (`history` undefined or empty) or from the history, which then records t's amax as its newest
 // entry. The caller has checked unsupported(t, history) is empty. No host synchronisation:
@@ -308,9 +485,8 @@ inline Quantized cast(const at::Tensor& t, at::ScalarType fp8, const at::Tensor&
   const int64_t rows = t.size(0), cols = t.size(1);
   const auto floats = t.options().dtype(at::kFloat);
   const auto bytes = t.options().dtype(fp8);
-  const auto tiles = [](int64_t n) { return static_cast<unsigned>(std::max<int64_t>(1, (n + kTile - 1) / kTile)); };
   Quantized out{at::empty({rows, cols}, bytes), transpose ? at::empty({cols, rows}, bytes) : at::Tensor(),
-                at::empty({}, floats), column_sums ? at::empty({cols}, floats) : at::Tensor()};
+                at::empty({}, floats), column_sums ? at::empty({cols}, floats) : at::Tensor(), at::Tensor()};
   // One row of partial column sums per row tile (the cast writes each, zeros for an empty input).
   at::Tensor partials = column_sums ? at::empty({tiles(rows), cols}, floats) : at::Tensor();
   const bool delayed = history.defined() && history.numel() > 0;
@@ -355,15 +531,51 @@ inline Quantized cast(const at::Tensor& t, at::ScalarType fp8, const at::Tensor&
     // At least one block, so that the inverse scale is written for an empty tensor too.
     launch(kernel, {tiles(cols), tiles(rows), 1}, {kThreads, 1, 1}, 0, args);
   }
-  if (column_sums) {
-    Kernel kernel = get("fp8_cast.cuh", "fp8_column_sum", t.device());
-    const float* partials_ptr = partials.data_ptr<float>();
-    int groups = static_cast<int>(tiles(rows));
-    long long cols_arg = cols;
-    float* sums = out.column_sums.data_ptr<float>();
-    void* args[] = {&partials_ptr, &groups, &cols_arg, &sums};
-    launch(kernel, {static_cast<unsigned>((cols + kThreads - 1) / kThreads), 1, 1}, {kThreads, 1, 1}, 0, args);
+  if (column_sums) sum_partials(partials, out.column_sums);
+  if (transpose) out.transpose_inverse_scale = out.inverse_scale;
+  return out;
+}
+
+// q = fp8(t · s_row) with each row's own scale s_row = FP8_MAX / amax(row) and, with `transpose`,
+// qᵀ = fp8(tᵀ · s_col) with each column's own scale; with `column_sums` Σ_rows t in fp32. The
+// caller has checked unsupported(t, {}) is empty. Two passes over t, no host synchronisation.
+inline Quantized cast_axiswise(const at::Tensor& t, at::ScalarType fp8, bool transpose, bool column_sums = false) {
+  const int64_t rows = t.size(0), cols = t.size(1);
+  const auto floats = t.options().dtype(at::kFloat);
+  const auto bytes = t.options().dtype(fp8);
+  Quantized out{at::empty({rows, cols}, bytes), transpose ? at::empty({cols, rows}, bytes) : at::Tensor(),
+                at::empty({rows}, floats), column_sums ? at::empty({cols}, floats) : at::Tensor(),
+                transpose ? at::empty({cols}, floats) : at::Tensor()};
+  at::Tensor partials = column_sums ? at::empty({tiles(rows), cols}, floats) : at::Tensor();
+  at::Tensor amax = at::zeros({rows + cols}, floats);  // [row maxima, column maxima]
+  const void* x = t.data_ptr();
+  long long rows_arg = rows, cols_arg = cols;
+  float* row_amax = amax.data_ptr<float>();
+  float* col_amax = row_amax + rows;
+  const bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  int vector_ok = aligned && cols % (16 / static_cast<int>(t.element_size())) == 0;
+  const Dim3 grid{tiles(cols), tiles(rows), 1};
+  {
+    Kernel kernel = get("fp8_cast.cuh", std::string("fp8_axis_amax_") + type_tag(t.scalar_type()), t.device());
+    void* args[] = {&x, &rows_arg, &cols_arg, &row_amax, &col_amax, &vector_ok};
+    launch(kernel, grid, {kThreads, 1, 1}, 0, args);
   }
+  {
+    Kernel kernel = get("fp8_cast.cuh",
+                        std::string("fp8_cast_axiswise_") + type_tag(t.scalar_type()) + "_" + format_tag(fp8),
+                        t.device());
+    const float* row_in = row_amax;
+    const float* col_in = col_amax;
+    void* q = out.data.data_ptr();
+    float* row_inverse = out.inverse_scale.data_ptr<float>();
+    void* qt = pointer_or_null(out.transpose);
+    void* col_inverse = pointer_or_null(out.transpose_inverse_scale);
+    void* partials_ptr = pointer_or_null(partials);
+    void* args[] = {&x,           &rows_arg,    &cols_arg,     &row_in,   &col_in, &q, &row_inverse, &qt,
+                    &col_inverse, &partials_ptr, &vector_ok};
+    launch(kernel, grid, {kThreads, 1, 1}, 0, args);
+  }
+  if (column_sums) sum_partials(partials, out.column_sums);
   return out;
 }
 

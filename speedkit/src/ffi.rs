@@ -53,18 +53,21 @@ extern "C" {
         w_history: *mut C_tensor,
         g_history: *mut C_tensor,
         out_dtype: c_int,
-        use_kernels: c_int,
+        options: c_int,
         out: *mut *mut C_tensor,
+        casts_on_kernels: *mut c_int,
     ) -> c_int;
     fn sk_fp8_quantize(
         t: *mut C_tensor,
         format: c_int,
         history: *mut C_tensor,
+        rowwise: c_int,
         transpose: c_int,
         use_kernels: c_int,
         data: *mut *mut C_tensor,
         transposed: *mut *mut C_tensor,
         inverse_scale: *mut *mut C_tensor,
+        transposed_inverse_scale: *mut *mut C_tensor,
         reason: *mut c_char,
         capacity: c_int,
     ) -> c_int;
@@ -704,20 +707,40 @@ pub(crate) fn is_channels_last(tensor: &Tensor) -> Result<bool, SpeedkitError> {
 
 // ----- fp8 -----------------------------------------------------------------------------------------
 
-/// `x Wᵀ + b` through the shim's FP8 autograd function; `histories` (x, W, grad) for the delayed
-/// recipe, `None` for dynamic scaling. `out_dtype` is a c10 ScalarType code. `use_kernels`: cast
-/// on speedkit's kernels where they take the tensor (the caller has checked they run on the device).
+/// How one FP8 GEMM casts its operands (the shim's `options` bits).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Fp8LinearOptions {
+    /// Cast on speedkit's kernels where they take the tensor (the caller has checked they run on
+    /// the device).
+    pub use_kernels: bool,
+    /// One scale per row (the histories are then `None`).
+    pub rowwise: bool,
+    /// The output gradient in e4m3 instead of e5m2.
+    pub e4m3_gradients: bool,
+}
+
+impl Fp8LinearOptions {
+    fn bits(self) -> c_int {
+        c_int::from(self.use_kernels)
+            | (c_int::from(self.rowwise) << 2)
+            | (c_int::from(self.e4m3_gradients) << 3)
+    }
+}
+
+/// `x Wᵀ + b` through the shim's FP8 autograd function, and whether the forward's casts ran on
+/// speedkit's kernels; `histories` (x, W, grad) for the delayed recipe, `None` for dynamic and
+/// row-wise scaling. `out_dtype` is a c10 ScalarType code.
 pub(crate) fn fp8_linear(
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
     histories: Option<[&Tensor; 3]>,
     out_dtype: i32,
-    use_kernels: bool,
-) -> Result<Tensor, SpeedkitError> {
+    options: Fp8LinearOptions,
+) -> Result<(Tensor, bool), SpeedkitError> {
     let optional = |t: Option<&Tensor>| t.map_or(ptr::null_mut(), handle);
     let [hx, hw, hg] = histories.map_or([ptr::null_mut(); 3], |h| h.map(handle));
-    let mut out = ptr::null_mut();
+    let (mut out, mut on_kernels) = (ptr::null_mut(), 0);
     // SAFETY: live handles (or null where the shim accepts null); `out` receives a new tensor.
     check(unsafe {
         sk_fp8_linear(
@@ -728,25 +751,41 @@ pub(crate) fn fp8_linear(
             hw,
             hg,
             out_dtype,
-            c_int::from(use_kernels),
+            options.bits(),
             &mut out,
+            &mut on_kernels,
         )
     })?;
     // SAFETY: `out` is a fresh heap `at::Tensor*` from the shim.
-    Ok(unsafe { Tensor::from_ptr(out) })
+    Ok((unsafe { Tensor::from_ptr(out) }, on_kernels != 0))
 }
 
-/// The shim's FP8 cast: (data, transpose, inverse scale, why the kernels did not run or empty).
-/// `format` 0 = e4m3, 1 = e5m2; `history` for the delayed recipe (it records t's amax).
+/// The shim's FP8 cast of `t`.
+pub(crate) struct Fp8Cast {
+    pub data: Tensor,
+    pub transpose: Option<Tensor>,
+    pub inverse_scale: Tensor,
+    pub transpose_inverse_scale: Option<Tensor>,
+    /// Why the kernels did not run, or empty.
+    pub why_not_kernels: String,
+}
+
+/// The shim's FP8 cast. `format` 0 = e4m3, 1 = e5m2; `history` for the delayed recipe (it records
+/// t's amax); `rowwise` for one scale per row (and per row of the transpose).
 pub(crate) fn fp8_quantize(
     t: &Tensor,
     format: i32,
     history: Option<&Tensor>,
+    rowwise: bool,
     transpose: bool,
     use_kernels: bool,
-) -> Result<(Tensor, Option<Tensor>, Tensor, String), SpeedkitError> {
-    let (mut data, mut transposed, mut inverse) =
-        (ptr::null_mut(), ptr::null_mut(), ptr::null_mut());
+) -> Result<Fp8Cast, SpeedkitError> {
+    let (mut data, mut transposed, mut inverse, mut transposed_inverse) = (
+        ptr::null_mut(),
+        ptr::null_mut(),
+        ptr::null_mut(),
+        ptr::null_mut(),
+    );
     let mut reason = [0 as c_char; 512];
     // SAFETY: live handles (history may be null); the out-pointers receive fresh tensors (the
     // transpose null when not asked for); `reason` is a writable buffer of the capacity passed.
@@ -755,25 +794,30 @@ pub(crate) fn fp8_quantize(
             handle(t),
             format,
             history.map_or(ptr::null_mut(), handle),
+            c_int::from(rowwise),
             c_int::from(transpose),
             c_int::from(use_kernels),
             &mut data,
             &mut transposed,
             &mut inverse,
+            &mut transposed_inverse,
             reason.as_mut_ptr(),
             reason.len() as c_int,
         )
     })?;
-    // SAFETY: fresh heap `at::Tensor*`s from the shim; `reason` is NUL-terminated by it.
+    // SAFETY: fresh heap `at::Tensor*`s from the shim (null where not asked for); `reason` is
+    // NUL-terminated by it.
     unsafe {
-        Ok((
-            Tensor::from_ptr(data),
-            (!transposed.is_null()).then(|| Tensor::from_ptr(transposed)),
-            Tensor::from_ptr(inverse),
-            CStr::from_ptr(reason.as_ptr())
+        let optional = |t: *mut C_tensor| (!t.is_null()).then(|| Tensor::from_ptr(t));
+        Ok(Fp8Cast {
+            data: Tensor::from_ptr(data),
+            transpose: optional(transposed),
+            inverse_scale: Tensor::from_ptr(inverse),
+            transpose_inverse_scale: optional(transposed_inverse),
+            why_not_kernels: CStr::from_ptr(reason.as_ptr())
                 .to_string_lossy()
                 .into_owned(),
-        ))
+        })
     }
 }
 

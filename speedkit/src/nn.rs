@@ -13,7 +13,7 @@ mod mlp;
 
 pub use cross_entropy::{cross_entropy, cross_entropy_fallback_reason, IGNORE_INDEX};
 pub use embedding::{embedding, embedding_fallback_reason};
-pub use fp8::{quantize_fp8, Fp8Format, Fp8Tensor, MAX_AMAX_HISTORY};
+pub use fp8::{quantize_fp8, quantize_fp8_rowwise, Fp8Format, Fp8Tensor, MAX_AMAX_HISTORY};
 pub use layer_norm::{layer_norm, LayerNorm};
 pub use linear::{Fp8Decision, Fp8Scope, Linear};
 pub use mlp::{set_mlp_backward_fusion, Mlp, MlpBackwardFusion};

@@ -24,8 +24,8 @@ use std::fmt;
 use tch::{Device, Kind};
 
 use crate::config::{
-    AutoBool, DeviceChoice, DistributedBackend, Fp8Config, Fp8Recipe, GradScalerConfig,
-    MatmulPrecision, MatmulPrecisionChoice, Precision, SpeedConfig,
+    AutoBool, DeviceChoice, DistributedBackend, Fp8Config, Fp8GradientFormat, Fp8Recipe,
+    GradScalerConfig, MatmulPrecision, MatmulPrecisionChoice, Precision, SpeedConfig,
 };
 use crate::dist::{Backend, LaunchEnv};
 use crate::error::{Result, SpeedkitError};
@@ -119,6 +119,9 @@ pub struct Fp8Plan {
     /// How scales are chosen.
     #[serde(serialize_with = "serialize_recipe")]
     pub recipe: Fp8Recipe,
+    /// The output gradients' FP8 format in the backward GEMMs.
+    #[serde(serialize_with = "serialize_gradient_format")]
+    pub gradient_format: Fp8GradientFormat,
     /// Steps of amax history (delayed recipe).
     pub amax_history: usize,
     /// Layers whose GEMM (tokens × in × out) is smaller stay in the autocast dtype; 0 under
@@ -128,6 +131,13 @@ pub struct Fp8Plan {
 
 fn serialize_recipe<S: serde::Serializer>(r: &Fp8Recipe, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(r.as_str())
+}
+
+fn serialize_gradient_format<S: serde::Serializer>(
+    f: &Fp8GradientFormat,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.serialize_str(f.as_str())
 }
 
 /// Everything speedkit will do, resolved for one machine.
@@ -785,6 +795,7 @@ fn resolve_fp8(
 ) -> Result<Option<Fp8Plan>> {
     let plan = |min_gemm_size| Fp8Plan {
         recipe: config.recipe,
+        gradient_format: config.gradient_format(),
         amax_history: config.amax_history as usize,
         min_gemm_size,
     };
@@ -817,13 +828,19 @@ fn resolve_fp8(
                 .to_owned(),
         ),
         (AutoBool::Auto, Some(g), _) => (
-            Some(plan(config.min_gemm_size)),
+            Some(plan(config.min_gemm_size())),
             format!(
-                "SM {} has FP8 Tensor Cores: Linear GEMMs of at least {} (tokens × in × out) run \
-                 in FP8 ({} scaling); smaller ones stay in the autocast dtype",
+                "SM {} has FP8 Tensor Cores: Linear GEMMs of at least {} (tokens × in × out{}) \
+                 run in FP8 ({} scaling, {} gradients); smaller ones stay in the autocast dtype",
                 g.compute_capability,
-                config.min_gemm_size,
-                config.recipe.as_str()
+                config.min_gemm_size(),
+                if config.min_gemm_size.is_none() {
+                    ", where this recipe's FP8 was measured faster than bf16"
+                } else {
+                    ""
+                },
+                config.recipe.as_str(),
+                config.gradient_format().as_str()
             ),
         ),
     };

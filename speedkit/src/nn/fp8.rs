@@ -1,11 +1,12 @@
-//! FP8 quantisation of a matrix as [`Linear`](super::Linear)'s FP8 GEMMs take it: per-tensor scale
-//! `s = FP8_MAX / amax`, `q = saturate(t · s)` in e4m3 or e5m2, and optionally `qᵀ` in FP8 (what
-//! the backward GEMMs take), with the scale kept on the device.
+//! FP8 quantisation of a matrix as [`Linear`](super::Linear)'s FP8 GEMMs take it: `s = FP8_MAX /
+//! amax`, `q = saturate(t · s)` in e4m3 or e5m2, and optionally `qᵀ` in FP8 (what the backward GEMMs
+//! take), with the scales kept on the device. The scale is per tensor ([`quantize_fp8`]) or per row
+//! ([`quantize_fp8_rowwise`]: each row of `q` and each row of `qᵀ` scaled by its own amax).
 //!
 //! On a CUDA device where speedkit's kernels run, the cast is the fused kernel of
 //! `speedkit/kernels/fp8_cast.cuh` (one pass over `t` under the delayed recipe, two under the
-//! dynamic one, transposes from shared-memory tiles); elsewhere, or with the kernels switched off
-//! ([`crate::kernels::set_enabled`]), ATen's composite ops, which give the same bytes.
+//! dynamic and row-wise ones, transposes from shared-memory tiles); elsewhere, or with the kernels
+//! switched off ([`crate::kernels::set_enabled`]), ATen's composite ops, which give the same bytes.
 //!
 //! ```no_run
 //! use speedkit::nn::{quantize_fp8, Fp8Format};
@@ -22,8 +23,8 @@ use tch::{Device, Kind, Tensor};
 use crate::error::{Result, SpeedkitError};
 use crate::{ffi, kernels};
 
-/// What the kernel layer's fallback notes call this op.
-const OP: &str = "fp8 cast";
+/// What the kernel layer's notes call this op.
+pub(crate) const OP: &str = "fp8 cast";
 
 /// Longest amax history the fused cast takes (one thread block rolls it).
 ///
@@ -70,7 +71,7 @@ impl Fp8Format {
     }
 }
 
-/// A matrix in FP8: `data · inverse_scale ≈` the input.
+/// A matrix in FP8: `data · inverse_scale ≈` the input (row by row when the scale is per row).
 ///
 /// ```
 /// use speedkit::nn::{quantize_fp8, Fp8Format};
@@ -85,10 +86,14 @@ impl Fp8Format {
 pub struct Fp8Tensor {
     /// `[rows, cols]` in the format's kind.
     pub data: Tensor,
-    /// `[cols, rows]`, `dataᵀ` laid out row-major, when asked for.
+    /// `[cols, rows]`, the input's transpose in FP8 laid out row-major, when asked for.
     pub transpose: Option<Tensor>,
-    /// fp32 scalar on the device, `1 / s`.
+    /// fp32 on the device, `1 / s`: a scalar, or `[rows]` under row-wise scaling.
     pub inverse_scale: Tensor,
+    /// fp32 on the device, `transpose · transpose_inverse_scale ≈` the input's transpose: the same
+    /// scalar as `inverse_scale`, or `[cols]` (one per row of the transpose) under row-wise scaling.
+    /// `None` without the transpose.
+    pub transpose_inverse_scale: Option<Tensor>,
 }
 
 /// `t` (2-d, fp32/bf16/fp16) in FP8 `format`. With `history` (1-d fp32 on `t`'s device, at most
@@ -113,20 +118,56 @@ pub fn quantize_fp8(
     transpose: bool,
 ) -> Result<Fp8Tensor> {
     check_input(t, history)?;
+    cast(t, format, history, false, transpose)
+}
+
+/// `t` (2-d, fp32/bf16/fp16) in FP8 `format` with one scale per row, `FP8_MAX / amax(row)`, and,
+/// when `transpose`, `tᵀ` with one scale per row of `tᵀ` (per column of `t`): each operand of a GEMM
+/// scaled along the axis the GEMM sums over, as `_scaled_mm`'s row-wise mode takes it (the
+/// `rowwise` recipe). Two passes over `t` on the kernels, no host synchronisation. Bad input is an
+/// error that changes nothing.
+///
+/// ```
+/// use speedkit::nn::{quantize_fp8_rowwise, Fp8Format};
+/// use tch::{Device, Kind, Tensor};
+/// // Rows a thousand times apart keep their precision: each has its own scale.
+/// let t = Tensor::from_slice(&[1.0f32, -0.5, 1000.0, 250.0]).view([2, 2]);
+/// let q = quantize_fp8_rowwise(&t, Fp8Format::E4m3, true)?;
+/// assert_eq!(q.inverse_scale.size(), [2]);
+/// let back = q.data.to_kind(Kind::Float) * q.inverse_scale.unsqueeze(1);
+/// assert!(back.allclose(&t, 0.07, 0.0, false));
+/// assert_eq!(q.transpose_inverse_scale.unwrap().size(), [2]);
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn quantize_fp8_rowwise(t: &Tensor, format: Fp8Format, transpose: bool) -> Result<Fp8Tensor> {
+    check_input(t, None)?;
+    cast(t, format, None, true, transpose)
+}
+
+fn cast(
+    t: &Tensor,
+    format: Fp8Format,
+    history: Option<&Tensor>,
+    rowwise: bool,
+    transpose: bool,
+) -> Result<Fp8Tensor> {
     let use_kernels = kernels_run_on(t.device());
     let code = match format {
         Fp8Format::E4m3 => 0,
         Fp8Format::E5m2 => 1,
     };
-    let (data, transpose, inverse_scale, why_not) =
-        ffi::fp8_quantize(t, code, history, transpose, use_kernels)?;
-    if use_kernels && !why_not.is_empty() {
-        kernels::note_fallback(OP, &why_not);
+    let out = ffi::fp8_quantize(t, code, history, rowwise, transpose, use_kernels)?;
+    if use_kernels {
+        match out.why_not_kernels.as_str() {
+            "" => kernels::note_run(OP),
+            why => kernels::note_fallback(OP, why),
+        }
     }
     Ok(Fp8Tensor {
-        data,
-        transpose,
-        inverse_scale,
+        data: out.data,
+        transpose: out.transpose,
+        inverse_scale: out.inverse_scale,
+        transpose_inverse_scale: out.transpose_inverse_scale,
     })
 }
 

@@ -29,6 +29,7 @@ use std::cell::RefCell;
 use std::marker::PhantomData;
 use tch::{nn, Device, Kind, Tensor};
 
+use crate::config::{Fp8GradientFormat, Fp8Recipe};
 use crate::plan::Fp8Plan;
 use crate::{ffi, kernels};
 
@@ -187,14 +188,17 @@ impl Linear {
                 Fp8Scope::record(&self.name, true, &gemm);
                 let histories = self.histories(&plan);
                 let h = histories.as_ref().map(|[a, b, c]| [a, b, c]);
-                Ok(ffi::fp8_linear(
-                    x,
-                    &self.ws,
-                    bias,
-                    h,
-                    kind_code(out),
-                    super::fp8::kernels_run_on(x.device()),
-                )?)
+                let options = ffi::Fp8LinearOptions {
+                    use_kernels: super::fp8::kernels_run_on(x.device()),
+                    rowwise: plan.recipe == Fp8Recipe::Rowwise,
+                    e4m3_gradients: plan.gradient_format == Fp8GradientFormat::E4m3,
+                };
+                let (y, on_kernels) =
+                    ffi::fp8_linear(x, &self.ws, bias, h, kind_code(out), options)?;
+                if on_kernels {
+                    kernels::note_run(super::fp8::OP);
+                }
+                Ok(y)
             }
             Err(reason) => {
                 Fp8Scope::record(&self.name, false, &reason);
@@ -269,9 +273,9 @@ impl Linear {
         Ok(gemm)
     }
 
-    /// The delayed recipe's histories, each narrowed to the plan's length; none for dynamic scaling.
+    /// The delayed recipe's histories, each narrowed to the plan's length; none for the others.
     fn histories(&self, plan: &Fp8Plan) -> Option<[Tensor; 3]> {
-        if plan.recipe == crate::config::Fp8Recipe::Dynamic {
+        if plan.recipe != Fp8Recipe::Delayed {
             return None;
         }
         let len = (plan.amax_history as i64).clamp(1, HISTORY_CAPACITY);
