@@ -132,6 +132,28 @@ __device__ __forceinline__ void write_transposed_tile(const unsigned char (*tile
   }
 }
 
+// A full tile's 16-byte loads: thread t holds kVec consecutive columns from c = (t % kPerRow) ·
+// kVec of the rows r + p · kRowsPerPass, p < kPasses, with r = t / kPerRow. Every load is issued
+// before any is used: more bytes in flight per thread.
+template <typename T>
+struct TileLoads {
+  static constexpr int kVec = 16 / sizeof(T);
+  static constexpr int kPerRow = kFp8Tile / kVec;             // threads across a tile row
+  static constexpr int kRowsPerPass = kFp8Threads / kPerRow;  // 32 (16-bit types) or 16 (fp32)
+  static constexpr int kPasses = kFp8Tile / kRowsPerPass;
+  int r, c;
+  uint4 raw[kPasses];
+
+  __device__ TileLoads(const T* __restrict__ x, long long cols, long long r0, long long c0)
+      : r(threadIdx.x / kPerRow), c((threadIdx.x % kPerRow) * kVec) {
+#pragma unroll
+    for (int p = 0; p < kPasses; ++p)
+      raw[p] = *reinterpret_cast<const uint4*>(x + (r0 + r + p * kRowsPerPass) * cols + c0 + c);
+  }
+  // The kVec elements of pass p.
+  __device__ const T* pass(int p) const { return reinterpret_cast<const T*>(&raw[p]); }
+};
+
 // How a cast tile scales: one scale for q and qᵀ (per tensor), or q by its rows' scales and qᵀ by
 // the columns' (row-wise).
 struct TensorScale {
@@ -159,10 +181,8 @@ template <typename T, typename F, typename Scales>
 __device__ void fp8_cast_tile(const T* __restrict__ x, long long rows, long long cols, const Scales& scales,
                               float* amax_out, unsigned char* __restrict__ q, unsigned char* __restrict__ qt,
                               float* __restrict__ column_partials, int vector_ok) {
-  constexpr int kVec = 16 / sizeof(T);
-  constexpr int kPerRow = kFp8Tile / kVec;                 // threads across a tile row
-  constexpr int kRowsPerPass = kFp8Threads / kPerRow;      // 32 (16-bit types) or 16 (fp32)
-  constexpr int kPasses = kFp8Tile / kRowsPerPass;
+  using Loads = TileLoads<T>;
+  constexpr int kVec = Loads::kVec, kRowsPerPass = Loads::kRowsPerPass;
   __shared__ unsigned char tile[kFp8Tile][kFp8TileStride];
   // Column sums, one row per group of threads that share columns, added in a fixed order at the end.
   __shared__ float sums[kRowsPerPass][kFp8Tile];
@@ -173,13 +193,8 @@ __device__ void fp8_cast_tile(const T* __restrict__ x, long long rows, long long
   int groups;
   if (full) {
     groups = kRowsPerPass;
-    const int c = (threadIdx.x % kPerRow) * kVec;
-    const int r = threadIdx.x / kPerRow;
-    // Every load issued before any is used: more bytes in flight per thread.
-    uint4 raw[kPasses];
-#pragma unroll
-    for (int p = 0; p < kPasses; ++p)
-      raw[p] = *reinterpret_cast<const uint4*>(x + (r0 + r + p * kRowsPerPass) * cols + c0 + c);
+    const Loads loads(x, cols, r0, c0);
+    const int r = loads.r, c = loads.c;
     float column[kVec], column_scale[kVec];
 #pragma unroll
     for (int i = 0; i < kVec; ++i) {
@@ -187,10 +202,10 @@ __device__ void fp8_cast_tile(const T* __restrict__ x, long long rows, long long
       column_scale[i] = scales.column(c0 + c + i);
     }
 #pragma unroll
-    for (int p = 0; p < kPasses; ++p) {
+    for (int p = 0; p < Loads::kPasses; ++p) {
       const int row = r + p * kRowsPerPass;
       const float row_scale = scales.row(r0 + row);
-      const T* e = reinterpret_cast<const T*>(&raw[p]);
+      const T* e = loads.pass(p);
       u64 packed = 0;
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {
@@ -266,10 +281,8 @@ __device__ void fp8_cast_transpose(const T* __restrict__ x, long long rows, long
 template <typename T>
 __device__ void fp8_axis_amax(const T* __restrict__ x, long long rows, long long cols, float* row_amax,
                               float* col_amax, int vector_ok) {
-  constexpr int kVec = 16 / sizeof(T);
-  constexpr int kPerRow = kFp8Tile / kVec;
-  constexpr int kRowsPerPass = kFp8Threads / kPerRow;
-  constexpr int kPasses = kFp8Tile / kRowsPerPass;
+  using Loads = TileLoads<T>;
+  constexpr int kVec = Loads::kVec, kPerRow = Loads::kPerRow, kRowsPerPass = Loads::kRowsPerPass;
   __shared__ unsigned row_max[kFp8Tile];
   __shared__ unsigned col_max[kRowsPerPass][kFp8Tile];
   const long long r0 = static_cast<long long>(blockIdx.y) * kFp8Tile;
@@ -278,18 +291,14 @@ __device__ void fp8_axis_amax(const T* __restrict__ x, long long rows, long long
   int groups;
   if (full) {
     groups = kRowsPerPass;
-    const int c = (threadIdx.x % kPerRow) * kVec;
-    const int r = threadIdx.x / kPerRow;
-    uint4 raw[kPasses];
-#pragma unroll
-    for (int p = 0; p < kPasses; ++p)
-      raw[p] = *reinterpret_cast<const uint4*>(x + (r0 + r + p * kRowsPerPass) * cols + c0 + c);
+    const Loads loads(x, cols, r0, c0);
+    const int r = loads.r, c = loads.c;
     unsigned column[kVec];
 #pragma unroll
     for (int i = 0; i < kVec; ++i) column[i] = 0u;
 #pragma unroll
-    for (int p = 0; p < kPasses; ++p) {
-      const T* e = reinterpret_cast<const T*>(&raw[p]);
+    for (int p = 0; p < Loads::kPasses; ++p) {
+      const T* e = loads.pass(p);
       unsigned row = 0u;
 #pragma unroll
       for (int i = 0; i < kVec; ++i) {

@@ -69,14 +69,14 @@ Quantized quantize_aten(const at::Tensor& t, at::ScalarType fp8, double fp8_max,
 // The row-wise recipe in ATen's ops (the same bytes as the kernels): each row's scale from its own
 // amax, and for the transpose each column's.
 Quantized quantize_rowwise_aten(const at::Tensor& t, at::ScalarType fp8, double fp8_max, bool transpose) {
-  const at::Tensor magnitude = t.to(at::kFloat).abs();
+  const at::Tensor values = t.to(at::kFloat);
+  const at::Tensor magnitude = values.abs();
   // amax over one axis; an axis of length zero has nothing to reduce (amax would refuse).
   const auto scales_along = [&](int64_t dim) {
     const int64_t kept = t.size(1 - dim);
     at::Tensor amax = t.size(dim) == 0 ? at::zeros({kept}, magnitude.options()) : magnitude.amax(dim);
     return at::reciprocal(amax.clamp_min(1e-12)).mul_(fp8_max);
   };
-  const at::Tensor values = t.to(at::kFloat);
   const at::Tensor row_scale = scales_along(1);
   at::Tensor q = values.mul(row_scale.unsqueeze(1)).clamp_(-fp8_max, fp8_max).to(fp8);
   if (!transpose) return {q, at::Tensor(), at::reciprocal(row_scale), at::Tensor(), at::Tensor()};
