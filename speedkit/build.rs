@@ -1,8 +1,10 @@
 //! Compiles the C++ shim (`shim/*.cpp`, one file per concept) against the libtorch that torch-sys found, and
 //! gives this package's executables an rpath to it, so they run without `LD_LIBRARY_PATH`.
 //!
-//! It also embeds speedkit's CUDA kernel files (`kernels/*.cuh`) in the shim as a generated table of
-//! raw string literals, which the shim compiles with NVRTC at run time for the GPU in use.
+//! It also writes the Rust declarations of the shim's C ABI from its one header (`shim/speedkit.h`,
+//! speedkit-build's `abi` module), and embeds speedkit's CUDA kernel files (`kernels/*.cuh`) in the
+//! shim as a generated table of raw string literals, which the shim compiles with NVRTC at run time
+//! for the GPU in use.
 
 use std::env;
 use std::path::{Path, PathBuf};
@@ -11,9 +13,14 @@ fn main() {
     println!("cargo:rerun-if-changed=shim");
     println!("cargo:rerun-if-changed=kernels");
     let out_dir = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    if let Err(message) =
-        write_kernel_table(Path::new("kernels"), &out_dir.join("kernel_sources.inc"))
-    {
+    let generated = write_kernel_table(Path::new("kernels"), &out_dir.join("kernel_sources.inc"))
+        .and_then(|()| {
+            write_abi_bindings(
+                Path::new("shim/speedkit.h"),
+                &out_dir.join("speedkit_abi.rs"),
+            )
+        });
+    if let Err(message) = generated {
         eprintln!("{message}");
         std::process::exit(1);
     }
@@ -46,26 +53,31 @@ fn main() {
     build
         .cpp(true)
         .pic(true)
-        .std("c++17")
-        .include(&include)
-        .include(include.join("torch/csrc/api/include"))
+        // C++20 for designated initializers: every kernel launch names its parameters' fields.
+        .std("c++20")
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         .define("GLOG_USE_GLOG_EXPORT", None)
         .define("SK_WITH_CUDA", if with_cuda { "1" } else { "0" })
         .define("SK_WITH_NCCL", if with_nccl { "1" } else { "0" })
-        // libtorch's headers are noisy under -Wall; our own file is small and reviewed.
-        .warnings(false)
+        // Warnings on for speedkit's own code; libtorch's, gloo's and CUDA's headers are system
+        // headers (-isystem), whose warnings are theirs.
+        .warnings(true)
+        .extra_warnings(true)
+        .flag("-Wno-unused-parameter")
         .include("shim")
-        // gloo's headers, which ProcessGroupGloo.hpp includes and the torch wheel does not ship
-        // (shim/vendor/gloo/README.md); USE_C10D_GLOO as libtorch itself was built.
-        .include("shim/vendor")
+        // USE_C10D_GLOO as libtorch itself was built.
         .define("USE_C10D_GLOO", None)
         // The kernel files' host parts (their launchers), and the generated source table.
         .include("kernels")
         .include(&out_dir)
         .files(shim_sources());
+    system_include(&mut build, &include);
+    system_include(&mut build, &include.join("torch/csrc/api/include"));
+    // gloo's headers, which ProcessGroupGloo.hpp includes and the torch wheel does not ship
+    // (shim/vendor/gloo/README.md).
+    system_include(&mut build, Path::new("shim/vendor"));
     if let Some(dir) = &cuda_headers {
-        build.include(dir);
+        system_include(&mut build, dir);
         // One more place the shim looks for NVRTC at run time (after the wheel next to libtorch).
         if let Some(root) = dir.parent() {
             build.define(
@@ -76,7 +88,8 @@ fn main() {
     }
     if let Some(dir) = nccl_headers.filter(|_| with_nccl) {
         // The macro ProcessGroupNCCL.hpp is guarded by, as libtorch itself was built.
-        build.include(dir).define("USE_C10D_NCCL", None);
+        system_include(&mut build, &dir);
+        build.define("USE_C10D_NCCL", None);
     }
     build.compile("speedkit_shim");
 
@@ -94,6 +107,19 @@ fn main() {
     // executables: cargo never applies a dependency's link arguments to its dependents.)
     println!("cargo:libtorch_lib={}", lib_dir.display());
     println!("cargo:with_cuda={}", u8::from(with_cuda));
+}
+
+/// Adds `dir` as a system include directory: its headers' warnings are not ours to fix.
+fn system_include(build: &mut cc::Build, dir: &Path) {
+    build.flag("-isystem").flag(dir.to_string_lossy().as_ref());
+}
+
+/// Writes the Rust declarations of the shim's C ABI from its header.
+fn write_abi_bindings(header: &Path, out: &Path) -> Result<(), String> {
+    let text = std::fs::read_to_string(header).map_err(|e| format!("{}: {e}", header.display()))?;
+    let rust = speedkit_build::abi::rust_bindings(&text)
+        .map_err(|e| format!("{}: {e}", header.display()))?;
+    std::fs::write(out, rust).map_err(|e| format!("{}: {e}", out.display()))
 }
 
 /// Every translation unit of the shim, in a stable order.

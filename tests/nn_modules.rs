@@ -3,6 +3,7 @@
 
 mod common;
 
+use speedkit::kernels::{KernelNote, KernelOp, NoteMark, Outcome};
 use speedkit::nn::{cross_entropy, embedding, layer_norm, Linear, Mlp};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
@@ -92,20 +93,30 @@ fn cross_entropy_on_the_cpu_equals_tch_with_ignored_rows() {
     assert!(logits.grad().equal(&reference.grad()));
 }
 
+/// The one note of `op` falling back for a CPU tensor since `mark`: there must be exactly one, and
+/// it counts the calls.
+fn cpu_fallback_count(mark: &NoteMark, op: KernelOp) -> u64 {
+    let notes: Vec<KernelNote> = mark
+        .since()
+        .into_iter()
+        .filter(|n| {
+            n.op == op && matches!(&n.outcome, Outcome::FellBack(r) if r.contains("not on cpu"))
+        })
+        .collect();
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    notes[0].count
+}
+
 #[test]
-fn fallbacks_are_noted_once_with_their_reason() {
+fn fallbacks_are_noted_once_with_their_reason_and_counted() {
     let _serial = common::serial();
     let vs = nn::VarStore::new(Device::Cpu);
     let ours = layer_norm(vs.root(), 8, Default::default());
+    let mark = NoteMark::now();
     for _ in 0..3 {
         let _ = ours.forward(&Tensor::randn([2, 8], CPU));
     }
-    let notes = speedkit::kernels::fallbacks();
-    let cpu_notes = notes
-        .iter()
-        .filter(|n| n.starts_with("layer_norm:") && n.contains("Cpu"))
-        .count();
-    assert_eq!(cpu_notes, 1, "{notes:?}");
+    assert_eq!(cpu_fallback_count(&mark, KernelOp::LayerNorm), 3);
 }
 
 #[test]
@@ -327,15 +338,11 @@ fn linear_on_the_cpu_says_once_why_it_runs_aten() {
     let _serial = common::serial();
     let vs = nn::VarStore::new(Device::Cpu);
     let fc = Linear::new(&(vs.root() / "fc"), 8, 4, true);
+    let mark = NoteMark::now();
     for _ in 0..3 {
         let _ = fc.forward_t(&Tensor::randn([2, 8], CPU)).unwrap();
     }
-    let notes = speedkit::kernels::fallbacks();
-    let cpu_notes = notes
-        .iter()
-        .filter(|n| n.starts_with("linear:") && n.contains("Cpu"))
-        .count();
-    assert_eq!(cpu_notes, 1, "{notes:?}");
+    assert_eq!(cpu_fallback_count(&mark, KernelOp::Linear), 3);
 }
 
 #[test]
@@ -407,15 +414,11 @@ fn embedding_on_the_cpu_says_once_why_it_runs_aten() {
     let _serial = common::serial();
     let table = Tensor::randn([10, 4], CPU);
     let tokens = Tensor::from_slice(&[1i64, 2]);
+    let mark = NoteMark::now();
     for _ in 0..3 {
         let _ = embedding(&tokens, &table, None).unwrap();
     }
-    let notes = speedkit::kernels::fallbacks();
-    let cpu_notes = notes
-        .iter()
-        .filter(|n| n.starts_with("embedding:") && n.contains("Cpu"))
-        .count();
-    assert_eq!(cpu_notes, 1, "{notes:?}");
+    assert_eq!(cpu_fallback_count(&mark, KernelOp::Embedding), 3);
 }
 
 #[test]

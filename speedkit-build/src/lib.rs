@@ -18,6 +18,8 @@
 
 #![warn(missing_docs)]
 
+pub mod abi;
+
 use std::env;
 use std::path::PathBuf;
 

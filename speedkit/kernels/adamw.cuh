@@ -12,48 +12,53 @@
 // 201 M parameters on an H200.
 //
 // Multi-tensor: one launch takes up to ADAMW_TENSORS tensors, their pointers passed by value in an
-// AdamWList (as ATen's multi_tensor_apply does, so nothing is read from host memory and the launch
+// TensorList (as ATen's multi_tensor_apply does, so nothing is read from host memory and the launch
 // can be captured in a CUDA graph); each block takes ADAMW_CHUNK elements of one tensor.
-#ifndef __CUDACC_RTC__
 #pragma once
-#endif
 
-#ifdef __CUDACC_RTC__
 #include "common.cuh"
 
-#define SK_ADAMW_TENSORS 48
+namespace sk::kernels::adamw {
+
+// Tensors per launch: what keeps the params struct under the 4 KiB kernel-parameter limit.
+constexpr int kTensors = 48;
+
+// One launch's tensors, their pointers by value.
+struct TensorList {
+  unsigned long long param[kTensors], grad[kTensors], exp_avg[kTensors], exp_avg_sq[kTensors], copy[kTensors],
+      step[kTensors];
+  long long numel[kTensors];
+  int first_block[kTensors + 1];
+  int tensors;
+};
+
+// One AdamW step over `list`; lr, grad_scale and found_inf are fp32 scalars on the device (the last
+// two null without a GradScaler). Entry points adamw_with_copy_<copy type>.
+struct Step {
+  SK_KERNEL_ENTRY("adamw.cuh", "adamw_with_copy");
+  TensorList list;
+  const float* lr;
+  float beta1;
+  float beta2;
+  float weight_decay;
+  float eps;
+  const float* grad_scale;
+  const float* found_inf;
+};
+
+}  // namespace sk::kernels::adamw
+
+#ifdef __CUDACC_RTC__
 
 namespace sk {
 
 constexpr int ADAMW_CHUNK = 8192;
 
-}  // namespace sk
-
-#else
-#define SK_ADAMW_TENSORS 48
-#endif
-
-// Shared by the device code and the host launcher: the same layout on both sides.
-struct AdamWList {
-  unsigned long long param[SK_ADAMW_TENSORS], grad[SK_ADAMW_TENSORS], exp_avg[SK_ADAMW_TENSORS],
-      exp_avg_sq[SK_ADAMW_TENSORS], copy[SK_ADAMW_TENSORS], step[SK_ADAMW_TENSORS];
-  long long numel[SK_ADAMW_TENSORS];
-  int first_block[SK_ADAMW_TENSORS + 1];
-  int tensors;
-};
-
-#ifdef __CUDACC_RTC__
-
-namespace sk {
-
-struct AdamWHyper {
-  float beta1, beta2, weight_decay, eps;
-};
-
 template <typename TC>
-__device__ void adamw_with_copy(const AdamWList& list, const float* __restrict__ lr_ptr, AdamWHyper h,
-                                const float* __restrict__ grad_scale, const float* __restrict__ found_inf) {
-  if (found_inf != nullptr && *found_inf != 0.f) return;
+__device__ void adamw_with_copy(const kernels::adamw::Step& h) {
+  const kernels::adamw::TensorList& list = h.list;
+  const float* __restrict__ grad_scale = h.grad_scale;
+  if (h.found_inf != nullptr && *h.found_inf != 0.f) return;
   int t = 0;
   while (t + 1 < list.tensors && static_cast<int>(blockIdx.x) >= list.first_block[t + 1]) ++t;
   float* p = reinterpret_cast<float*>(list.param[t]);
@@ -62,7 +67,7 @@ __device__ void adamw_with_copy(const AdamWList& list, const float* __restrict__
   float* v = reinterpret_cast<float*>(list.exp_avg_sq[t]);
   TC* copy = reinterpret_cast<TC*>(list.copy[t]);
   const double step = *reinterpret_cast<const float*>(list.step[t]);
-  const double lr = *lr_ptr;
+  const double lr = *h.lr;
   const float step_size = static_cast<float>(lr / (1.0 - pow(static_cast<double>(h.beta1), step)));
   const float bias_correction2_sqrt = static_cast<float>(sqrt(1.0 - pow(static_cast<double>(h.beta2), step)));
   const float decay = static_cast<float>(lr * h.weight_decay);
@@ -90,11 +95,10 @@ __device__ void adamw_with_copy(const AdamWList& list, const float* __restrict__
 
 }  // namespace sk
 
+// The params struct stays in parameter memory (__grid_constant__): the list is indexed at run time.
 #define SK_ADAMW(tag, TC, ...)                                                                            \
-  extern "C" __global__ void adamw_with_copy_##tag(const AdamWList list, const float* lr, float beta1,     \
-                                                   float beta2, float weight_decay, float eps,            \
-                                                   const float* grad_scale, const float* found_inf) {     \
-    sk::adamw_with_copy<TC>(list, lr, {beta1, beta2, weight_decay, eps}, grad_scale, found_inf);         \
+  extern "C" __global__ void adamw_with_copy_##tag(const __grid_constant__ sk::kernels::adamw::Step p) {  \
+    sk::adamw_with_copy<TC>(p);                                                                           \
   }
 SK_ADAMW(bf16, sk::bf16)
 SK_ADAMW(f16, sk::f16)
@@ -104,7 +108,6 @@ SK_ADAMW(f16, sk::f16)
 #include "kernels.h"
 
 #include <algorithm>
-#include <cstring>
 #include <vector>
 
 namespace sk::kernels::adamw {
@@ -141,21 +144,31 @@ inline void step(const std::vector<Entry>& entries, at::ScalarType copy_type, co
                  double beta2, double weight_decay, double eps, const at::Tensor& grad_scale,
                  const at::Tensor& found_inf) {
   if (entries.empty()) return;
-  Kernel kernel = get("adamw.cuh", std::string("adamw_with_copy_") + type_tag(copy_type), entries.front().param.device());
-  for (size_t first = 0; first < entries.size(); first += SK_ADAMW_TENSORS) {
-    AdamWList list;
-    std::memset(&list, 0, sizeof(list));
+  const auto kernel = get<Step>({copy_type}, entries.front().param.device());
+  for (size_t first = 0; first < entries.size(); first += kTensors) {
+    Step p{.list = {},
+           .lr = lr.data_ptr<float>(),
+           .beta1 = static_cast<float>(beta1),
+           .beta2 = static_cast<float>(beta2),
+           .weight_decay = static_cast<float>(weight_decay),
+           .eps = static_cast<float>(eps),
+           .grad_scale = grad_scale.defined() ? grad_scale.data_ptr<float>() : nullptr,
+           .found_inf = found_inf.defined() ? found_inf.data_ptr<float>() : nullptr};
+    TensorList& list = p.list;
+    const auto address = [](const at::Tensor& t) {
+      return reinterpret_cast<unsigned long long>(t.defined() ? t.data_ptr() : nullptr);
+    };
     int blocks = 0;
-    const size_t last = std::min(entries.size(), first + SK_ADAMW_TENSORS);
+    const size_t last = std::min(entries.size(), first + kTensors);
     for (size_t i = first; i < last; ++i) {
       const Entry& e = entries[i];
       const size_t k = i - first;
-      list.param[k] = reinterpret_cast<unsigned long long>(e.param.data_ptr());
-      list.grad[k] = reinterpret_cast<unsigned long long>(e.grad.data_ptr());
-      list.exp_avg[k] = reinterpret_cast<unsigned long long>(e.exp_avg.data_ptr());
-      list.exp_avg_sq[k] = reinterpret_cast<unsigned long long>(e.exp_avg_sq.data_ptr());
-      list.copy[k] = reinterpret_cast<unsigned long long>(pointer_or_null(e.copy));
-      list.step[k] = reinterpret_cast<unsigned long long>(e.step.data_ptr());
+      list.param[k] = address(e.param);
+      list.grad[k] = address(e.grad);
+      list.exp_avg[k] = address(e.exp_avg);
+      list.exp_avg_sq[k] = address(e.exp_avg_sq);
+      list.copy[k] = address(e.copy);
+      list.step[k] = address(e.step);
       list.numel[k] = e.param.numel();
       list.first_block[k] = blocks;
       // An empty tensor still gets one block (which finds nothing to do), so the block → tensor
@@ -164,13 +177,7 @@ inline void step(const std::vector<Entry>& entries, at::ScalarType copy_type, co
     }
     list.tensors = static_cast<int>(last - first);
     list.first_block[list.tensors] = blocks;
-    const void* lr_ptr = lr.data_ptr();
-    float beta1_arg = static_cast<float>(beta1), beta2_arg = static_cast<float>(beta2);
-    float decay_arg = static_cast<float>(weight_decay), eps_arg = static_cast<float>(eps);
-    const void* scale_ptr = pointer_or_null(grad_scale);
-    const void* found_ptr = pointer_or_null(found_inf);
-    void* args[] = {&list, &lr_ptr, &beta1_arg, &beta2_arg, &decay_arg, &eps_arg, &scale_ptr, &found_ptr};
-    launch(kernel, {static_cast<unsigned>(blocks), 1, 1}, {kThreads, 1, 1}, 0, args);
+    launch(kernel, {static_cast<unsigned>(blocks), 1, 1}, {kThreads, 1, 1}, 0, p);
   }
 }
 

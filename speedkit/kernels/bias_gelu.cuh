@@ -14,8 +14,43 @@
 // Layout: a block is 32 × 8 threads over 256 columns (8 per thread: one 16-byte load of bf16/fp16,
 // two of fp32; common.cuh's load8) and a strip of rows; each of its 8 warps takes every 8th row of
 // the strip.
-#ifdef __CUDACC_RTC__
+#pragma once
+
 #include "common.cuh"
+
+namespace sk::kernels::bias_gelu {
+
+// y = gelu_tanh(h + bias) over h [rows, width]; y in h's type. Entry points
+// bias_gelu_forward_<h>_<bias>.
+struct Forward {
+  SK_KERNEL_ENTRY("bias_gelu.cuh", "bias_gelu_forward");
+  const void* h;
+  const void* bias;
+  void* y;
+  int rows;
+  int width;
+  int rows_per_block;
+  int vectorised;  // the width a multiple of 8 and every row aligned to 8 elements
+};
+
+// dh = dy · gelu'(h + bias), and per strip of rows the column sums of dh into `partials`
+// [strips, width] fp32; dy and dh in h's type. Entry points bias_gelu_backward_<h>_<bias>.
+struct Backward {
+  SK_KERNEL_ENTRY("bias_gelu.cuh", "bias_gelu_backward");
+  const void* dy;
+  const void* h;
+  const void* bias;
+  void* dh;
+  float* partials;
+  int rows;
+  int width;
+  int rows_per_block;
+  int vectorised;
+};
+
+}  // namespace sk::kernels::bias_gelu
+
+#ifdef __CUDACC_RTC__
 
 namespace sk {
 
@@ -125,17 +160,15 @@ __device__ void bias_gelu_backward(const TY* __restrict__ dy, const TH* __restri
 
 }  // namespace sk
 
-// bias_gelu_forward_<h>_<b> (y in h's type) and bias_gelu_backward_<h>_<b> (dy and dh in h's type).
 #define SK_BIAS_GELU(tb_tag, TB, th_tag, TH)                                                                  \
-  extern "C" __global__ void bias_gelu_forward_##th_tag##_##tb_tag(const TH* h, const TB* bias, TH* y, int rows,  \
-                                                                    int width, int rows_per_block,             \
-                                                                    int vectorised) {                          \
-    sk::bias_gelu_forward<TH, TB, TH>(h, bias, y, rows, width, rows_per_block, vectorised);                    \
+  extern "C" __global__ void bias_gelu_forward_##th_tag##_##tb_tag(const sk::kernels::bias_gelu::Forward p) {   \
+    sk::bias_gelu_forward<TH, TB, TH>(static_cast<const TH*>(p.h), static_cast<const TB*>(p.bias),            \
+                                      static_cast<TH*>(p.y), p.rows, p.width, p.rows_per_block, p.vectorised);  \
   }                                                                                                             \
-  extern "C" __global__ void bias_gelu_backward_##th_tag##_##tb_tag(                                           \
-      const TH* dy, const TH* h, const TB* bias, TH* dh, float* partials, int rows, int width,                 \
-      int rows_per_block, int vectorised) {                                                                     \
-    sk::bias_gelu_backward<TH, TB, TH>(dy, h, bias, dh, partials, rows, width, rows_per_block, vectorised);    \
+  extern "C" __global__ void bias_gelu_backward_##th_tag##_##tb_tag(const sk::kernels::bias_gelu::Backward p) { \
+    sk::bias_gelu_backward<TH, TB, TH>(static_cast<const TH*>(p.dy), static_cast<const TH*>(p.h),             \
+                                       static_cast<const TB*>(p.bias), static_cast<TH*>(p.dh), p.partials,     \
+                                       p.rows, p.width, p.rows_per_block, p.vectorised);                       \
   }
 #define SK_BIAS_GELU_H(th_tag, TH, ...) SK_TYPES_2(SK_BIAS_GELU, th_tag, TH)
 SK_TYPES_1(SK_BIAS_GELU_H, )
@@ -160,48 +193,46 @@ constexpr int kWarps = 8;
 using bias_grad::strips_for;
 using bias_grad::vectorised;
 
-inline std::string name(const char* direction, const at::Tensor& h, const at::Tensor& bias) {
-  return std::string("bias_gelu_") + direction + "_" + type_tag(h.scalar_type()) + "_" + type_tag(bias.scalar_type());
-}
-
 // h: [rows, width] contiguous; bias: [width] contiguous. Returns y in h's type.
 inline at::Tensor forward(const at::Tensor& h, const at::Tensor& bias) {
   const int64_t rows = h.size(0), width = h.size(1);
   at::Tensor y = at::empty_like(h);
   if (rows == 0 || width == 0) return y;
-  Kernel kernel = get("bias_gelu.cuh", name("forward", h, bias), h.device());
+  const auto kernel = get<Forward>({h.scalar_type(), bias.scalar_type()}, h.device());
   const bias_grad::Strips s = strips_for(rows, width, kernel, h.device());
-  const void* h_ptr = h.data_ptr();
-  const void* bias_ptr = bias.data_ptr();
-  void* y_ptr = y.data_ptr();
-  int rows_arg = static_cast<int>(rows), width_arg = static_cast<int>(width), per_block = s.rows_per_block;
-  int vector = vectorised(width, {&h, &y});
-  void* args[] = {&h_ptr, &bias_ptr, &y_ptr, &rows_arg, &width_arg, &per_block, &vector};
-  launch(kernel, {s.column_tiles, s.strips, 1}, {32, kWarps, 1}, 0, args);
+  launch(kernel, {s.column_tiles, s.strips, 1}, {32, kWarps, 1}, 0,
+         Forward{.h = h.data_ptr(),
+                 .bias = bias.data_ptr(),
+                 .y = y.data_ptr(),
+                 .rows = static_cast<int>(rows),
+                 .width = static_cast<int>(width),
+                 .rows_per_block = s.rows_per_block,
+                 .vectorised = vectorised(width, {&h, &y})});
   return y;
 }
 
-struct Backward {
+struct Gradients {
   at::Tensor dh, dbias;
 };
 
 // dy, h: [rows, width] contiguous in h's type; dbias comes back in the bias's type.
-inline Backward backward(const at::Tensor& dy, const at::Tensor& h, const at::Tensor& bias) {
+inline Gradients backward(const at::Tensor& dy, const at::Tensor& h, const at::Tensor& bias) {
   const int64_t rows = h.size(0), width = h.size(1);
   at::Tensor dh = at::empty_like(h);
   if (rows == 0 || width == 0) return {dh, at::zeros_like(bias)};
-  Kernel kernel = get("bias_gelu.cuh", name("backward", h, bias), h.device());
+  const auto kernel = get<Backward>({h.scalar_type(), bias.scalar_type()}, h.device());
   const bias_grad::Strips s = strips_for(rows, width, kernel, h.device());
   at::Tensor partials = at::empty({static_cast<int64_t>(s.strips), width}, h.options().dtype(at::kFloat));
-  const void* dy_ptr = dy.data_ptr();
-  const void* h_ptr = h.data_ptr();
-  const void* bias_ptr = bias.data_ptr();
-  void* dh_ptr = dh.data_ptr();
-  void* partials_ptr = partials.data_ptr();
-  int rows_arg = static_cast<int>(rows), width_arg = static_cast<int>(width), per_block = s.rows_per_block;
-  int vector = vectorised(width, {&dy, &h, &dh});
-  void* args[] = {&dy_ptr, &h_ptr, &bias_ptr, &dh_ptr, &partials_ptr, &rows_arg, &width_arg, &per_block, &vector};
-  launch(kernel, {s.column_tiles, s.strips, 1}, {32, kWarps, 1}, 0, args);
+  launch(kernel, {s.column_tiles, s.strips, 1}, {32, kWarps, 1}, 0,
+         Backward{.dy = dy.data_ptr(),
+                  .h = h.data_ptr(),
+                  .bias = bias.data_ptr(),
+                  .dh = dh.data_ptr(),
+                  .partials = partials.data_ptr<float>(),
+                  .rows = static_cast<int>(rows),
+                  .width = static_cast<int>(width),
+                  .rows_per_block = s.rows_per_block,
+                  .vectorised = vectorised(width, {&dy, &h, &dh})});
   return {dh, bias_grad::finish(partials, bias.scalar_type())};
 }
 

@@ -16,8 +16,56 @@
 // sums a column of a row-major matrix with its generic reduce_kernel, which reaches about a quarter
 // of HBM bandwidth at a transformer's shapes (16384 × 768 bf16: 24.5 µs for 25 MB on an H200).
 // bias_gelu.cuh writes the same partials from its GELU-backward pass and finishes with pass 2.
-#ifdef __CUDACC_RTC__
+#pragma once
+
 #include "common.cuh"
+
+namespace sk::kernels::bias_grad {
+
+// Up to kMaxParts column blocks of one gradient, each [rows, part_width] contiguous.
+constexpr int kMaxParts = 4;
+struct ColumnBlocks {
+  const void* part[kMaxParts];
+};
+
+// Pass 1: per strip of rows, the column sums of dy [rows, width] into `partials` [strips, width]
+// fp32. Entry points bias_grad_partials_<dy>.
+struct Partials {
+  SK_KERNEL_ENTRY("bias_grad.cuh", "bias_grad_partials");
+  const void* dy;
+  float* partials;
+  int rows;
+  int width;
+  int rows_per_block;
+  int vectorised;  // the width a multiple of 8 and every row aligned to 8 elements
+};
+
+// Pass 1 over dy = [part 0 | part 1 | ...] [rows, width], writing dy as it goes. Entry points
+// bias_grad_concat_partials_<dy>.
+struct ConcatPartials {
+  SK_KERNEL_ENTRY("bias_grad.cuh", "bias_grad_concat_partials");
+  ColumnBlocks blocks;
+  int part_width;
+  void* dy;
+  float* partials;
+  int rows;
+  int width;
+  int rows_per_block;
+  int vectorised;
+};
+
+// Pass 2: db[c] = Σ_s partials[s, c] in db's type. Entry points bias_grad_finish_<db>.
+struct Finish {
+  SK_KERNEL_ENTRY("bias_grad.cuh", "bias_grad_finish");
+  const float* partials;
+  void* db;
+  int strips;
+  int width;
+};
+
+}  // namespace sk::kernels::bias_grad
+
+#ifdef __CUDACC_RTC__
 
 namespace sk {
 
@@ -60,16 +108,9 @@ __device__ void bias_grad_partials(const T* __restrict__ dy, float* __restrict__
   write_column_partials<BIAS_GRAD_WARPS>(sum, n, c0, width, partials);
 }
 
-// Up to BIAS_GRAD_MAX_PARTS column blocks of one gradient, each [rows, part_width] contiguous;
-// passed by value.
-constexpr int BIAS_GRAD_MAX_PARTS = 4;
-struct ColumnBlocks {
-  const void* part[BIAS_GRAD_MAX_PARTS];
-};
-
 // As bias_grad_partials over dy = [part 0 | part 1 | ...] [rows, width], writing dy as it goes.
 template <typename T>
-__device__ void bias_grad_concat_partials(ColumnBlocks blocks, int part_width, T* __restrict__ dy,
+__device__ void bias_grad_concat_partials(const kernels::bias_grad::ColumnBlocks& blocks, int part_width, T* __restrict__ dy,
                                           float* __restrict__ partials, int rows, int width, int rows_per_block,
                                           int vectorised) {
   const auto [c0, n, first, last] = column_strip(rows, width, rows_per_block);
@@ -117,26 +158,22 @@ __device__ void bias_grad_finish(const float* __restrict__ partials, TB* __restr
 
 }  // namespace sk
 
-// bias_grad_partials_<dy>, bias_grad_concat_partials_<dy> and bias_grad_finish_<db>.
-#define SK_BIAS_GRAD(tag, T, ...)                                                                          \
-  extern "C" __global__ void bias_grad_partials_##tag(const T* dy, float* partials, int rows, int width,    \
-                                                      int rows_per_block, int vectorised) {                 \
-    sk::bias_grad_partials<T>(dy, partials, rows, width, rows_per_block, vectorised);                       \
-  }                                                                                                          \
-  extern "C" __global__ void bias_grad_finish_##tag(const float* partials, T* db, int strips, int width) {   \
-    sk::bias_grad_finish<T>(partials, db, strips, width);                                                    \
-  }                                                                                                          \
-  extern "C" __global__ void bias_grad_concat_partials_##tag(sk::ColumnBlocks blocks, int part_width, T* dy,  \
-                                                             float* partials, int rows, int width,            \
-                                                             int rows_per_block, int vectorised) {            \
-    sk::bias_grad_concat_partials<T>(blocks, part_width, dy, partials, rows, width, rows_per_block,           \
-                                     vectorised);                                                             \
+#define SK_BIAS_GRAD(tag, T, ...)                                                                             \
+  extern "C" __global__ void bias_grad_partials_##tag(const sk::kernels::bias_grad::Partials p) {               \
+    sk::bias_grad_partials<T>(static_cast<const T*>(p.dy), p.partials, p.rows, p.width, p.rows_per_block,      \
+                              p.vectorised);                                                                    \
+  }                                                                                                             \
+  extern "C" __global__ void bias_grad_finish_##tag(const sk::kernels::bias_grad::Finish p) {                   \
+    sk::bias_grad_finish<T>(p.partials, static_cast<T*>(p.db), p.strips, p.width);                            \
+  }                                                                                                             \
+  extern "C" __global__ void bias_grad_concat_partials_##tag(const __grid_constant__                            \
+                                                             sk::kernels::bias_grad::ConcatPartials p) {        \
+    sk::bias_grad_concat_partials<T>(p.blocks, p.part_width, static_cast<T*>(p.dy), p.partials, p.rows, p.width, \
+                                     p.rows_per_block, p.vectorised);                                           \
   }
 SK_TYPES_1(SK_BIAS_GRAD, )
 
 #else  // host: the launchers
-
-#pragma once
 
 #include "kernels.h"
 
@@ -178,10 +215,7 @@ inline Strips strips_for(int64_t rows, int64_t width, const Kernel& kernel, cons
 // Whether 8 consecutive elements of every row move as one vector: the width a multiple of 8 and
 // every tensor aligned to 8 elements.
 inline int vectorised(int64_t width, std::initializer_list<const at::Tensor*> tensors) {
-  if (width % 8 != 0) return 0;
-  for (const at::Tensor* t : tensors)
-    if (reinterpret_cast<uintptr_t>(t->data_ptr()) % (8 * t->element_size()) != 0) return 0;
-  return 1;
+  return width % 8 == 0 && aligned_to(8, tensors) ? 1 : 0;
 }
 
 // Σ over the rows of partials [strips, width] fp32, as a [width] tensor of type `out`.
@@ -189,12 +223,12 @@ inline at::Tensor finish(const at::Tensor& partials, at::ScalarType out) {
   const int64_t strips = partials.size(0), width = partials.size(1);
   at::Tensor db = at::empty({width}, partials.options().dtype(out));
   if (width == 0) return db;
-  Kernel kernel = get("bias_grad.cuh", std::string("bias_grad_finish_") + type_tag(out), partials.device());
-  const void* partials_ptr = partials.data_ptr();
-  void* db_ptr = db.data_ptr();
-  int strips_arg = static_cast<int>(strips), width_arg = static_cast<int>(width);
-  void* args[] = {&partials_ptr, &db_ptr, &strips_arg, &width_arg};
-  launch(kernel, {static_cast<unsigned>((width + 31) / 32), 1, 1}, {32, kFinishRows, 1}, 0, args);
+  launch(get<Finish>({out}, partials.device()), {static_cast<unsigned>((width + 31) / 32), 1, 1}, {32, kFinishRows, 1},
+         0,
+         Finish{.partials = partials.data_ptr<float>(),
+                .db = db.data_ptr(),
+                .strips = static_cast<int>(strips),
+                .width = static_cast<int>(width)});
   return db;
 }
 
@@ -202,23 +236,18 @@ inline at::Tensor finish(const at::Tensor& partials, at::ScalarType out) {
 inline at::Tensor column_sums(const at::Tensor& dy, at::ScalarType out) {
   const int64_t rows = dy.size(0), width = dy.size(1);
   if (rows == 0 || width == 0) return at::zeros({width}, dy.options().dtype(out));
-  Kernel kernel = get("bias_grad.cuh", std::string("bias_grad_partials_") + type_tag(dy.scalar_type()), dy.device());
+  const auto kernel = get<Partials>({dy.scalar_type()}, dy.device());
   const Strips s = strips_for(rows, width, kernel, dy.device());
   at::Tensor partials = at::empty({static_cast<int64_t>(s.strips), width}, dy.options().dtype(at::kFloat));
-  const void* dy_ptr = dy.data_ptr();
-  void* partials_ptr = partials.data_ptr();
-  int rows_arg = static_cast<int>(rows), width_arg = static_cast<int>(width), per_block = s.rows_per_block;
-  int vector = vectorised(width, {&dy});
-  void* args[] = {&dy_ptr, &partials_ptr, &rows_arg, &width_arg, &per_block, &vector};
-  launch(kernel, {s.column_tiles, s.strips, 1}, {32, kWarps, 1}, 0, args);
+  launch(kernel, {s.column_tiles, s.strips, 1}, {32, kWarps, 1}, 0,
+         Partials{.dy = dy.data_ptr(),
+                  .partials = partials.data_ptr<float>(),
+                  .rows = static_cast<int>(rows),
+                  .width = static_cast<int>(width),
+                  .rows_per_block = s.rows_per_block,
+                  .vectorised = vectorised(width, {&dy})});
   return finish(partials, out);
 }
-
-// The host's copy of the device part's ColumnBlocks (the kernel argument, by value).
-constexpr int kMaxParts = 4;
-struct ColumnBlocks {
-  const void* part[kMaxParts];
-};
 
 // dy = the parts side by side, [rows, parts · part_width] (each part [rows, part_width] contiguous,
 // one type, at most kMaxParts of them), and its column sums as a [width] tensor of type `out`, from
@@ -231,25 +260,24 @@ inline std::pair<at::Tensor, at::Tensor> concat_and_column_sums(const std::vecto
   const int64_t width = part_width * static_cast<int64_t>(parts.size());
   at::Tensor dy = at::empty({rows, width}, parts[0].options());
   if (rows == 0 || width == 0) return {dy, at::zeros({width}, dy.options().dtype(out))};
-  Kernel kernel =
-      get("bias_grad.cuh", std::string("bias_grad_concat_partials_") + type_tag(dy.scalar_type()), dy.device());
+  const auto kernel = get<ConcatPartials>({dy.scalar_type()}, dy.device());
   const Strips s = strips_for(rows, width, kernel, dy.device());
   at::Tensor partials = at::empty({static_cast<int64_t>(s.strips), width}, dy.options().dtype(at::kFloat));
   ColumnBlocks blocks{};
-  std::vector<const at::Tensor*> all{&dy};
+  bool aligned = part_width % 8 == 0 && aligned_to(8, {&dy});
   for (size_t i = 0; i < parts.size(); ++i) {
     blocks.part[i] = parts[i].data_ptr();
-    all.push_back(&parts[i]);
+    aligned = aligned && aligned_to(8, {&parts[i]});
   }
-  int vector = part_width % 8 == 0 ? 1 : 0;
-  for (const at::Tensor* t : all)
-    if (reinterpret_cast<uintptr_t>(t->data_ptr()) % (8 * t->element_size()) != 0) vector = 0;
-  void* dy_ptr = dy.data_ptr();
-  void* partials_ptr = partials.data_ptr();
-  int part_arg = static_cast<int>(part_width), rows_arg = static_cast<int>(rows), width_arg = static_cast<int>(width),
-      per_block = s.rows_per_block;
-  void* args[] = {&blocks, &part_arg, &dy_ptr, &partials_ptr, &rows_arg, &width_arg, &per_block, &vector};
-  launch(kernel, {s.column_tiles, s.strips, 1}, {32, kWarps, 1}, 0, args);
+  launch(kernel, {s.column_tiles, s.strips, 1}, {32, kWarps, 1}, 0,
+         ConcatPartials{.blocks = blocks,
+                        .part_width = static_cast<int>(part_width),
+                        .dy = dy.data_ptr(),
+                        .partials = partials.data_ptr<float>(),
+                        .rows = static_cast<int>(rows),
+                        .width = static_cast<int>(width),
+                        .rows_per_block = s.rows_per_block,
+                        .vectorised = aligned ? 1 : 0});
   return {dy, finish(partials, out)};
 }
 

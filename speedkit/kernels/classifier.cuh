@@ -11,8 +11,43 @@
 // a library does not (the scale lives on the device), and doing it here costs no extra pass: one
 // read in the forward, one read and one write in the backward, against ATen's cast to fp32,
 // log-softmax, NLL and their backwards.
-#ifdef __CUDACC_RTC__
+#pragma once
+
 #include "common.cuh"
+
+namespace sk::kernels::classifier {
+
+// Per row of logits [rows, vocab]: the loss (0 for an ignored row) and the log-sum-exp, fp32.
+// Entry points cross_entropy_forward_<logits>.
+struct Forward {
+  SK_KERNEL_ENTRY("classifier.cuh", "cross_entropy_forward");
+  const void* logits;
+  const long long* targets;
+  float* row_loss;
+  float* row_lse;
+  int rows;
+  int vocab;
+  long long ignore_index;
+};
+
+// dlogits = (softmax − onehot) · dloss / count in the logits' type, dloss and count fp32 scalars on
+// the device. Entry points cross_entropy_backward_<logits>.
+struct Backward {
+  SK_KERNEL_ENTRY("classifier.cuh", "cross_entropy_backward");
+  const void* logits;
+  const long long* targets;
+  const float* row_lse;
+  const float* dloss;
+  const float* count;
+  void* dlogits;
+  int rows;
+  int vocab;
+  long long ignore_index;
+};
+
+}  // namespace sk::kernels::classifier
+
+#ifdef __CUDACC_RTC__
 
 namespace sk {
 
@@ -164,16 +199,13 @@ __device__ void cross_entropy_backward(const TL* __restrict__ logits, const long
 }  // namespace sk
 
 #define SK_CE(tl_tag, TL, ...)                                                                               \
-  extern "C" __global__ void cross_entropy_forward_##tl_tag(const TL* logits, const long long* targets,     \
-                                                            float* row_loss, float* row_lse, int rows,      \
-                                                            int vocab, long long ignore_index) {           \
-    sk::cross_entropy_forward<TL>(logits, targets, row_loss, row_lse, rows, vocab, ignore_index);           \
+  extern "C" __global__ void cross_entropy_forward_##tl_tag(const sk::kernels::classifier::Forward p) {     \
+    sk::cross_entropy_forward<TL>(static_cast<const TL*>(p.logits), p.targets, p.row_loss, p.row_lse, p.rows, \
+                                  p.vocab, p.ignore_index);                                                  \
   }                                                                                                          \
-  extern "C" __global__ void cross_entropy_backward_##tl_tag(                                               \
-      const TL* logits, const long long* targets, const float* row_lse, const float* dloss,                 \
-      const float* count, TL* dlogits, int rows, int vocab, long long ignore_index) {                        \
-    sk::cross_entropy_backward<TL>(logits, targets, row_lse, dloss, count, dlogits, rows, vocab,            \
-                                   ignore_index);                                                            \
+  extern "C" __global__ void cross_entropy_backward_##tl_tag(const sk::kernels::classifier::Backward p) {   \
+    sk::cross_entropy_backward<TL>(static_cast<const TL*>(p.logits), p.targets, p.row_lse, p.dloss, p.count, \
+                                   static_cast<TL*>(p.dlogits), p.rows, p.vocab, p.ignore_index);            \
   }
 SK_TYPES_1(SK_CE, )
 
@@ -189,27 +221,27 @@ namespace sk::kernels::classifier {
 // Rows per block, one warp each, in both directions.
 constexpr unsigned kRowsPerBlock = 8;
 
-struct Forward {
-  at::Tensor row_loss, row_lse;  // fp32 [rows]
+inline unsigned blocks_for(int64_t rows) { return static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock); }
+
+// What the forward keeps per row: fp32 [rows] each.
+struct Rows {
+  at::Tensor loss, lse;
 };
 
 // logits: [rows, vocab] contiguous; targets: [rows] int64 contiguous.
-inline Forward forward(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index) {
+inline Rows forward(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index) {
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   const auto floats = logits.options().dtype(at::kFloat);
-  Forward out{at::empty({rows}, floats), at::empty({rows}, floats)};
+  Rows out{at::empty({rows}, floats), at::empty({rows}, floats)};
   if (rows == 0) return out;
-  Kernel kernel = get("classifier.cuh", std::string("cross_entropy_forward_") + type_tag(logits.scalar_type()),
-                      logits.device());
-  const void* logits_ptr = logits.data_ptr();
-  const void* targets_ptr = targets.data_ptr();
-  void* loss_ptr = out.row_loss.data_ptr();
-  void* lse_ptr = out.row_lse.data_ptr();
-  int rows_arg = static_cast<int>(rows), vocab_arg = static_cast<int>(vocab);
-  long long ignore_arg = ignore_index;
-  void* args[] = {&logits_ptr, &targets_ptr, &loss_ptr, &lse_ptr, &rows_arg, &vocab_arg, &ignore_arg};
-  const unsigned blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
-  launch(kernel, {blocks, 1, 1}, {32, kRowsPerBlock, 1}, 0, args);
+  launch(get<Forward>({logits.scalar_type()}, logits.device()), {blocks_for(rows), 1, 1}, {32, kRowsPerBlock, 1}, 0,
+         Forward{.logits = logits.data_ptr(),
+                 .targets = reinterpret_cast<const long long*>(targets.data_ptr<int64_t>()),
+                 .row_loss = out.loss.data_ptr<float>(),
+                 .row_lse = out.lse.data_ptr<float>(),
+                 .rows = static_cast<int>(rows),
+                 .vocab = static_cast<int>(vocab),
+                 .ignore_index = ignore_index});
   return out;
 }
 
@@ -219,20 +251,16 @@ inline at::Tensor backward(const at::Tensor& logits, const at::Tensor& targets, 
   const int64_t rows = logits.size(0), vocab = logits.size(1);
   at::Tensor dlogits = at::empty_like(logits);
   if (rows == 0) return dlogits;
-  Kernel kernel = get("classifier.cuh", std::string("cross_entropy_backward_") + type_tag(logits.scalar_type()),
-                      logits.device());
-  const void* logits_ptr = logits.data_ptr();
-  const void* targets_ptr = targets.data_ptr();
-  const void* lse_ptr = row_lse.data_ptr();
-  const void* dloss_ptr = dloss.data_ptr();
-  const void* count_ptr = count.data_ptr();
-  void* dlogits_ptr = dlogits.data_ptr();
-  int rows_arg = static_cast<int>(rows), vocab_arg = static_cast<int>(vocab);
-  long long ignore_arg = ignore_index;
-  void* args[] = {&logits_ptr, &targets_ptr, &lse_ptr,  &dloss_ptr,  &count_ptr,
-                  &dlogits_ptr, &rows_arg,   &vocab_arg, &ignore_arg};
-  const unsigned blocks = static_cast<unsigned>((rows + kRowsPerBlock - 1) / kRowsPerBlock);
-  launch(kernel, {blocks, 1, 1}, {32, kRowsPerBlock, 1}, 0, args);
+  launch(get<Backward>({logits.scalar_type()}, logits.device()), {blocks_for(rows), 1, 1}, {32, kRowsPerBlock, 1}, 0,
+         Backward{.logits = logits.data_ptr(),
+                  .targets = reinterpret_cast<const long long*>(targets.data_ptr<int64_t>()),
+                  .row_lse = row_lse.data_ptr<float>(),
+                  .dloss = dloss.data_ptr<float>(),
+                  .count = count.data_ptr<float>(),
+                  .dlogits = dlogits.data_ptr(),
+                  .rows = static_cast<int>(rows),
+                  .vocab = static_cast<int>(vocab),
+                  .ignore_index = ignore_index});
   return dlogits;
 }
 

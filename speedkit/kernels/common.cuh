@@ -1,12 +1,18 @@
-// Device helpers shared by every kernel file: conversions between the storage types (fp32, bf16,
-// fp16) and fp32 arithmetic, warp reductions, and the X-macro of the storage types that the kernel
-// files use to emit one extern "C" entry point per type combination (so the host looks kernels up
-// by a plain name, with no C++ name mangling or NVRTC name expressions to keep in step).
-//
-// Compiled by NVRTC only, never by the host compiler; the kernel files include it as a header that
-// the compile layer hands to NVRTC in memory.
+// What every kernel file shares. For NVRTC and the host compiler alike: SK_KERNEL_ENTRY, which names
+// a params struct's kernel (shim/launch.h launches each kernel with its one params struct). For
+// NVRTC only: conversions between the storage types (fp32, bf16, fp16) and fp32 arithmetic, warp
+// reductions, and the X-macro of the storage types that the kernel files use to emit one extern "C"
+// entry point per type combination, named as the host composes names (shim/kernels.h:
+// sk::kernels::kernel_name), so no C++ name mangling or NVRTC name expressions need keeping in step.
 #pragma once
 
+// Inside a params struct: the kernel file that defines its entry points, and the entry points'
+// common name, to which the host appends one type tag per templated type.
+#define SK_KERNEL_ENTRY(file, name)          \
+  static constexpr const char* kFile = file; \
+  static constexpr const char* kName = name
+
+#ifdef __CUDACC_RTC__
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -129,3 +135,5 @@ __device__ __forceinline__ float warp_max(float v) {
 #define SK_TYPES_1(M, ...) M(f32, sk::f32, __VA_ARGS__) M(bf16, sk::bf16, __VA_ARGS__) M(f16, sk::f16, __VA_ARGS__)
 #define SK_TYPES_2(M, ...) M(f32, sk::f32, __VA_ARGS__) M(bf16, sk::bf16, __VA_ARGS__) M(f16, sk::f16, __VA_ARGS__)
 #define SK_TYPES_3(M, ...) M(f32, sk::f32, __VA_ARGS__) M(bf16, sk::bf16, __VA_ARGS__) M(f16, sk::f16, __VA_ARGS__)
+
+#endif  // __CUDACC_RTC__

@@ -19,8 +19,55 @@
 //
 // The device part below is compiled by NVRTC (shim/kernels.cpp); the host part at the end, the
 // launchers, is compiled into the shim by the host compiler.
-#ifdef __CUDACC_RTC__
+#pragma once
+
 #include "common.cuh"
+
+namespace sk::kernels::embedding {
+
+// out[r] = table[tokens[r]] (+ positions[r % seq]) over [rows, width], in the table's type; a token
+// outside [0, vocab) is a device-side assert. Entry points embedding_forward_<table>.
+struct Forward {
+  SK_KERNEL_ENTRY("embedding.cuh", "embedding_forward");
+  const long long* tokens;
+  const void* table;
+  const void* positions;  // or null
+  void* out;
+  int rows;
+  int seq;
+  int width;
+  long long vocab;
+  int vectorised;  // the width a multiple of 4 and every row aligned to 4 elements
+};
+
+// dtable[v] = Σ dout[p] over the positions p of token v, from the tokens sorted stably (`sorted`)
+// and their positions (`order`). Entry points embedding_backward_table_<table>.
+struct TableBackward {
+  SK_KERNEL_ENTRY("embedding.cuh", "embedding_backward_table");
+  const long long* sorted;
+  const int* order;
+  const void* dout;
+  void* dtable;
+  int rows;
+  int vocab;
+  int width;
+  int vectorised;
+};
+
+// dpositions[t] = Σ_b dout[b, t]. Entry points embedding_backward_positions_<table>.
+struct PositionsBackward {
+  SK_KERNEL_ENTRY("embedding.cuh", "embedding_backward_positions");
+  const void* dout;
+  void* dpositions;
+  int batch;
+  int seq;
+  int width;
+  int vectorised;
+};
+
+}  // namespace sk::kernels::embedding
+
+#ifdef __CUDACC_RTC__
 
 namespace sk {
 
@@ -196,28 +243,23 @@ __device__ void embedding_backward_positions(const T* __restrict__ dout, T* __re
 
 }  // namespace sk
 
-// embedding_forward_<t>, embedding_backward_table_<t> and embedding_backward_positions_<t>, for a
-// table (and dout) of type t.
-#define SK_EMBEDDING(tag, T, ...)                                                                             \
-  extern "C" __global__ void embedding_forward_##tag(const long long* tokens, const T* table,                 \
-                                                     const T* positions, T* out, int rows, int seq, int width, \
-                                                     long long vocab, int vectorised) {                        \
-    sk::embedding_forward<T>(tokens, table, positions, out, rows, seq, width, vocab, vectorised);              \
+#define SK_EMBEDDING(tag, T, ...)                                                                              \
+  extern "C" __global__ void embedding_forward_##tag(const sk::kernels::embedding::Forward p) {                 \
+    sk::embedding_forward<T>(p.tokens, static_cast<const T*>(p.table), static_cast<const T*>(p.positions),     \
+                             static_cast<T*>(p.out), p.rows, p.seq, p.width, p.vocab, p.vectorised);            \
   }                                                                                                             \
-  extern "C" __global__ void embedding_backward_table_##tag(const long long* sorted, const int* order,         \
-                                                            const T* dout, T* dtable, int rows, int vocab,     \
-                                                            int width, int vectorised) {                       \
-    sk::embedding_backward_table<T>(sorted, order, dout, dtable, rows, vocab, width, vectorised);              \
+  extern "C" __global__ void embedding_backward_table_##tag(const sk::kernels::embedding::TableBackward p) {    \
+    sk::embedding_backward_table<T>(p.sorted, p.order, static_cast<const T*>(p.dout), static_cast<T*>(p.dtable), \
+                                    p.rows, p.vocab, p.width, p.vectorised);                                    \
   }                                                                                                             \
-  extern "C" __global__ void embedding_backward_positions_##tag(const T* dout, T* dpositions, int batch,       \
-                                                                int seq, int width, int vectorised) {          \
-    sk::embedding_backward_positions<T>(dout, dpositions, batch, seq, width, vectorised);                      \
+  extern "C" __global__ void embedding_backward_positions_##tag(                                               \
+      const sk::kernels::embedding::PositionsBackward p) {                                                      \
+    sk::embedding_backward_positions<T>(static_cast<const T*>(p.dout), static_cast<T*>(p.dpositions), p.batch,  \
+                                        p.seq, p.width, p.vectorised);                                          \
   }
 SK_TYPES_1(SK_EMBEDDING, )
 
 #else  // host: the launchers
-
-#pragma once
 
 #include "kernels.h"
 
@@ -240,13 +282,14 @@ constexpr unsigned kPositionThreads = 32 * 8;
 // Whether rows move four elements at a time: the width a multiple of 4 and every tensor aligned to
 // four elements.
 inline int vectorised(int64_t width, std::initializer_list<const at::Tensor*> tensors) {
-  if (width % 4 != 0) return 0;
-  for (const at::Tensor* t : tensors)
-    if (t->defined() && reinterpret_cast<uintptr_t>(t->data_ptr()) % (4 * t->element_size()) != 0) return 0;
-  return 1;
+  return width % 4 == 0 && aligned_to(4, tensors) ? 1 : 0;
 }
 
 inline unsigned blocks_for(int64_t rows) { return static_cast<unsigned>((rows + kWarps - 1) / kWarps); }
+
+inline const long long* token_ids(const at::Tensor& t) {
+  return reinterpret_cast<const long long*>(t.const_data_ptr<int64_t>());
+}
 
 // tokens: [rows] int64, contiguous; table: [vocab, width] contiguous, fp32/bf16/fp16; positions:
 // [≥ seq, width] contiguous of the table's type, or undefined; row r takes position r % seq.
@@ -256,18 +299,16 @@ inline at::Tensor forward(const at::Tensor& tokens, const at::Tensor& table, con
   const int64_t rows = tokens.numel(), width = table.size(1);
   at::Tensor out = at::empty({rows, width}, table.options());
   if (rows == 0 || width == 0) return out;
-  Kernel kernel = get("embedding.cuh", std::string("embedding_forward_") + type_tag(table.scalar_type()),
-                      table.device());
-  const void* tokens_ptr = tokens.data_ptr();
-  const void* table_ptr = table.data_ptr();
-  const void* positions_ptr = pointer_or_null(positions);
-  void* out_ptr = out.data_ptr();
-  int rows_arg = static_cast<int>(rows), seq_arg = static_cast<int>(seq), width_arg = static_cast<int>(width);
-  long long vocab = table.size(0);
-  int vector = vectorised(width, {&table, &positions, &out});
-  void* args[] = {&tokens_ptr, &table_ptr, &positions_ptr, &out_ptr, &rows_arg,
-                  &seq_arg,    &width_arg, &vocab,         &vector};
-  launch(kernel, {blocks_for(rows), 1, 1}, {32 * kWarps, 1, 1}, 0, args);
+  launch(get<Forward>({table.scalar_type()}, table.device()), {blocks_for(rows), 1, 1}, {32 * kWarps, 1, 1}, 0,
+         Forward{.tokens = token_ids(tokens),
+                 .table = table.data_ptr(),
+                 .positions = positions.defined() ? positions.data_ptr() : nullptr,
+                 .out = out.data_ptr(),
+                 .rows = static_cast<int>(rows),
+                 .seq = static_cast<int>(seq),
+                 .width = static_cast<int>(width),
+                 .vocab = table.size(0),
+                 .vectorised = vectorised(width, {&table, &positions, &out})});
   return out;
 }
 
@@ -286,16 +327,15 @@ inline at::Tensor table_grad(const at::Tensor& dout, const at::Tensor& tokens, i
   at::cuda::cub::radix_sort_pairs<int64_t, int32_t>(
       tokens.const_data_ptr<int64_t>(), sorted.mutable_data_ptr<int64_t>(), positions.const_data_ptr<int32_t>(),
       order.mutable_data_ptr<int32_t>(), rows, false, 0, at::cuda::cub::get_num_bits(static_cast<uint64_t>(vocab)));
-  Kernel kernel = get("embedding.cuh", std::string("embedding_backward_table_") + type_tag(dout.scalar_type()),
-                      dout.device());
-  const void* sorted_ptr = sorted.data_ptr();
-  const void* order_ptr = order.data_ptr();
-  const void* dout_ptr = dout.data_ptr();
-  void* dtable_ptr = dtable.data_ptr();
-  int rows_arg = static_cast<int>(rows), vocab_arg = static_cast<int>(vocab), width_arg = static_cast<int>(width);
-  int vector = vectorised(width, {&dout, &dtable});
-  void* args[] = {&sorted_ptr, &order_ptr, &dout_ptr, &dtable_ptr, &rows_arg, &vocab_arg, &width_arg, &vector};
-  launch(kernel, {blocks_for(vocab), 1, 1}, {32 * kWarps, 1, 1}, 0, args);
+  launch(get<TableBackward>({dout.scalar_type()}, dout.device()), {blocks_for(vocab), 1, 1}, {32 * kWarps, 1, 1}, 0,
+         TableBackward{.sorted = token_ids(sorted),
+                       .order = order.const_data_ptr<int32_t>(),
+                       .dout = dout.data_ptr(),
+                       .dtable = dtable.data_ptr(),
+                       .rows = static_cast<int>(rows),
+                       .vocab = static_cast<int>(vocab),
+                       .width = static_cast<int>(width),
+                       .vectorised = vectorised(width, {&dout, &dtable})});
   return dtable;
 }
 
@@ -304,15 +344,14 @@ inline at::Tensor positions_grad(const at::Tensor& dout, int64_t seq, int64_t ma
   const int64_t width = dout.size(1);
   at::Tensor dpositions = at::empty({max_seq, width}, dout.options());
   if (max_seq == 0 || width == 0) return dpositions;
-  Kernel kernel = get("embedding.cuh", std::string("embedding_backward_positions_") + type_tag(dout.scalar_type()),
-                      dout.device());
-  const void* dout_ptr = dout.data_ptr();
-  void* dpositions_ptr = dpositions.data_ptr();
-  int batch = static_cast<int>(seq > 0 ? dout.size(0) / seq : 0), seq_arg = static_cast<int>(seq),
-      width_arg = static_cast<int>(width);
-  int vector = vectorised(width, {&dout, &dpositions});
-  void* args[] = {&dout_ptr, &dpositions_ptr, &batch, &seq_arg, &width_arg, &vector};
-  launch(kernel, {static_cast<unsigned>(max_seq), 1, 1}, {kPositionThreads, 1, 1}, 0, args);
+  launch(get<PositionsBackward>({dout.scalar_type()}, dout.device()), {static_cast<unsigned>(max_seq), 1, 1},
+         {kPositionThreads, 1, 1}, 0,
+         PositionsBackward{.dout = dout.data_ptr(),
+                           .dpositions = dpositions.data_ptr(),
+                           .batch = static_cast<int>(seq > 0 ? dout.size(0) / seq : 0),
+                           .seq = static_cast<int>(seq),
+                           .width = static_cast<int>(width),
+                           .vectorised = vectorised(width, {&dout, &dpositions})});
   return dpositions;
 }
 

@@ -24,8 +24,90 @@
 //
 // The device part below is compiled by NVRTC (shim/kernels.cpp); the host part at the end, the
 // launchers, is compiled into the shim by the host compiler.
-#ifdef __CUDACC_RTC__
+#pragma once
+
 #include "common.cuh"
+
+namespace sk::kernels::fp8_cast {
+
+// The delayed recipe's history step, one block of up to 1024 threads: *past = max(history), then
+// history = [0, history[0 .. length-1]]. Entry point fp8_history_roll.
+struct HistoryRoll {
+  SK_KERNEL_ENTRY("fp8_cast.cuh", "fp8_history_roll");
+  float* history;
+  int length;
+  float* past;
+};
+
+// out[c] = Σ_g partials[g, c] over the cast's row tiles, in a fixed order. Entry point
+// fp8_column_sum.
+struct ColumnSum {
+  SK_KERNEL_ENTRY("fp8_cast.cuh", "fp8_column_sum");
+  const float* partials;
+  int groups;
+  long long cols;
+  float* out;
+};
+
+// *slot = max(*slot, amax(x)), skipped when *skip_if_positive > 0. Entry points fp8_amax_<x>.
+struct Amax {
+  SK_KERNEL_ENTRY("fp8_cast.cuh", "fp8_amax");
+  const void* x;
+  long long n;
+  float* slot;
+  const float* skip_if_positive;  // or null
+  int vector_ok;                  // x 16-byte aligned
+};
+
+// q = fp8(x · s), qᵀ and the column partials where asked (non-null), s from *amax or, when *past is
+// positive, from it; the delayed recipe also records x's amax in *amax_out. Entry points
+// fp8_cast_transpose_<x>_<e4m3|e5m2>.
+struct CastTranspose {
+  SK_KERNEL_ENTRY("fp8_cast.cuh", "fp8_cast_transpose");
+  const void* x;
+  long long rows;
+  long long cols;
+  const float* amax;
+  const float* past;        // or null
+  float* amax_out;          // or null
+  float* inverse_out;
+  void* q;
+  void* qt;                 // or null
+  float* column_partials;   // or null
+  int vector_ok;            // x 16-byte aligned and cols a multiple of the vector
+};
+
+// Row and column maxima of x in one read. Entry points fp8_axis_amax_<x>.
+struct AxisAmax {
+  SK_KERNEL_ENTRY("fp8_cast.cuh", "fp8_axis_amax");
+  const void* x;
+  long long rows;
+  long long cols;
+  float* row_amax;
+  float* col_amax;
+  int vector_ok;
+};
+
+// q by each row's scale and qᵀ by each column's, with their inverse scales and the column partials
+// where asked. Entry points fp8_cast_axiswise_<x>_<e4m3|e5m2>.
+struct CastAxiswise {
+  SK_KERNEL_ENTRY("fp8_cast.cuh", "fp8_cast_axiswise");
+  const void* x;
+  long long rows;
+  long long cols;
+  const float* row_amax;
+  const float* col_amax;
+  void* q;
+  float* row_inverse;
+  void* qt;                 // or null
+  float* col_inverse;       // or null
+  float* column_partials;   // or null
+  int vector_ok;
+};
+
+}  // namespace sk::kernels::fp8_cast
+
+#ifdef __CUDACC_RTC__
 
 #include <cuda_fp8.h>
 
@@ -361,62 +443,59 @@ __device__ void fp8_cast_axiswise(const T* __restrict__ x, long long rows, long 
 
 }  // namespace sk
 
-// The delayed recipe's history step, one block of up to 1024 threads (length <= 1024): *past =
-// max(history), then history = [0, history[0 .. length-1]] (the newest entry, about to receive this
-// step's amax, first).
-extern "C" __global__ void fp8_history_roll(float* history, int length, float* past) {
+// The delayed recipe's history step: the newest entry, about to receive this step's amax, first.
+extern "C" __global__ void fp8_history_roll(const sk::kernels::fp8_cast::HistoryRoll p) {
   const int i = threadIdx.x;
-  const float v = i < length ? history[i] : 0.f;
-  const unsigned largest = sk::block_max_bits(i < length ? __float_as_uint(v) : 0u);
-  if (i == 0) *past = __uint_as_float(largest);
+  const float v = i < p.length ? p.history[i] : 0.f;
+  const unsigned largest = sk::block_max_bits(i < p.length ? __float_as_uint(v) : 0u);
+  if (i == 0) *p.past = __uint_as_float(largest);
   __syncthreads();
-  if (i + 1 < length) history[i + 1] = v;
-  if (i == 0) history[0] = 0.f;
+  if (i + 1 < p.length) p.history[i + 1] = v;
+  if (i == 0) p.history[0] = 0.f;
 }
 
-// out[c] = Σ_g partials[g, c] over the cast's row tiles, in a fixed order: the column sums of x
-// (the bias gradient when x is the output gradient) without a second pass over x.
-extern "C" __global__ void fp8_column_sum(const float* partials, int groups, long long cols, float* out) {
+// The column sums of x (the bias gradient when x is the output gradient) without a second pass
+// over x.
+extern "C" __global__ void fp8_column_sum(const sk::kernels::fp8_cast::ColumnSum p) {
   const long long c = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= cols) return;
+  if (c >= p.cols) return;
   float total = 0.f;
-  for (int g = 0; g < groups; ++g) total += partials[g * cols + c];
-  out[c] = total;
+  for (int g = 0; g < p.groups; ++g) total += p.partials[g * p.cols + c];
+  p.out[c] = total;
 }
 
-// fp8_amax_<x>, fp8_cast_transpose_<x>_<e4m3|e5m2>: one entry point per input type and FP8 format.
 #define SK_FP8_AMAX(tag, T, ...)                                                                        \
   extern "C" __global__ void __launch_bounds__(sk::kFp8Threads)                                        \
-      fp8_amax_##tag(const T* x, long long n, float* slot, const float* skip_if_positive, int vector_ok) { \
-    sk::fp8_amax<T>(x, n, slot, skip_if_positive, vector_ok);                                           \
+      fp8_amax_##tag(const sk::kernels::fp8_cast::Amax p) {                                             \
+    sk::fp8_amax<T>(static_cast<const T*>(p.x), p.n, p.slot, p.skip_if_positive, p.vector_ok);          \
   }
 SK_TYPES_1(SK_FP8_AMAX, )
 
-#define SK_FP8_CAST(tag, T, fp8_tag, F)                                                                    \
-  extern "C" __global__ void __launch_bounds__(sk::kFp8Threads) fp8_cast_transpose_##tag##_##fp8_tag(      \
-      const T* x, long long rows, long long cols, const float* amax, const float* past, float* amax_out,  \
-      float* inverse_out, unsigned char* q, unsigned char* qt, float* column_partials, int vector_ok) {    \
-    sk::fp8_cast_transpose<T, F>(x, rows, cols, amax, past, amax_out, inverse_out, q, qt, column_partials, \
-                                 vector_ok);                                                               \
+#define SK_FP8_CAST(tag, T, fp8_tag, F)                                                                     \
+  extern "C" __global__ void __launch_bounds__(sk::kFp8Threads) fp8_cast_transpose_##tag##_##fp8_tag(       \
+      const sk::kernels::fp8_cast::CastTranspose p) {                                                       \
+    sk::fp8_cast_transpose<T, F>(static_cast<const T*>(p.x), p.rows, p.cols, p.amax, p.past, p.amax_out,    \
+                                 p.inverse_out, static_cast<unsigned char*>(p.q),                           \
+                                 static_cast<unsigned char*>(p.qt), p.column_partials, p.vector_ok);        \
   }
 #define SK_FP8_CAST_BOTH(tag, T, ...) SK_FP8_CAST(tag, T, e4m3, sk::E4m3) SK_FP8_CAST(tag, T, e5m2, sk::E5m2)
 SK_TYPES_1(SK_FP8_CAST_BOTH, )
 
-// fp8_axis_amax_<x>, fp8_cast_axiswise_<x>_<e4m3|e5m2>: the row-wise recipe's two passes.
+// The row-wise recipe's two passes.
 #define SK_FP8_AXIS_AMAX(tag, T, ...)                                                                  \
   extern "C" __global__ void __launch_bounds__(sk::kFp8Threads) fp8_axis_amax_##tag(                   \
-      const T* x, long long rows, long long cols, float* row_amax, float* col_amax, int vector_ok) {   \
-    sk::fp8_axis_amax<T>(x, rows, cols, row_amax, col_amax, vector_ok);                               \
+      const sk::kernels::fp8_cast::AxisAmax p) {                                                        \
+    sk::fp8_axis_amax<T>(static_cast<const T*>(p.x), p.rows, p.cols, p.row_amax, p.col_amax, p.vector_ok); \
   }
 SK_TYPES_1(SK_FP8_AXIS_AMAX, )
 
 #define SK_FP8_CAST_AXISWISE(tag, T, fp8_tag, F)                                                         \
   extern "C" __global__ void __launch_bounds__(sk::kFp8Threads) fp8_cast_axiswise_##tag##_##fp8_tag(     \
-      const T* x, long long rows, long long cols, const float* row_amax, const float* col_amax,         \
-      unsigned char* q, float* row_inverse, unsigned char* qt, float* col_inverse, float* column_partials, \
-      int vector_ok) {                                                                                   \
-    sk::fp8_cast_axiswise<T, F>(x, rows, cols, row_amax, col_amax, q, row_inverse, qt, col_inverse,      \
-                                column_partials, vector_ok);                                             \
+      const sk::kernels::fp8_cast::CastAxiswise p) {                                                     \
+    sk::fp8_cast_axiswise<T, F>(static_cast<const T*>(p.x), p.rows, p.cols, p.row_amax, p.col_amax,     \
+                                static_cast<unsigned char*>(p.q), p.row_inverse,                          \
+                                static_cast<unsigned char*>(p.qt), p.col_inverse, p.column_partials,      \
+                                p.vector_ok);                                                             \
   }
 #define SK_FP8_CAST_AXISWISE_BOTH(tag, T, ...) \
   SK_FP8_CAST_AXISWISE(tag, T, e4m3, sk::E4m3) SK_FP8_CAST_AXISWISE(tag, T, e5m2, sk::E5m2)
@@ -476,14 +555,17 @@ inline unsigned tiles(int64_t n) { return static_cast<unsigned>(std::max<int64_t
 
 // sums[c] = Σ over the partials' rows (one per row tile of the cast) of partials[·, c].
 inline void sum_partials(const at::Tensor& partials, const at::Tensor& sums) {
-  Kernel kernel = get("fp8_cast.cuh", "fp8_column_sum", sums.device());
-  const float* partials_ptr = partials.data_ptr<float>();
-  int groups = static_cast<int>(partials.size(0));
-  long long cols = partials.size(1);
-  float* out = sums.data_ptr<float>();
-  void* args[] = {&partials_ptr, &groups, &cols, &out};
-  launch(kernel, {static_cast<unsigned>((cols + kThreads - 1) / kThreads), 1, 1}, {kThreads, 1, 1}, 0, args);
+  const int64_t cols = partials.size(1);
+  launch(get<ColumnSum>({}, sums.device()), {static_cast<unsigned>((cols + kThreads - 1) / kThreads), 1, 1},
+         {kThreads, 1, 1}, 0,
+         ColumnSum{.partials = partials.data_ptr<float>(),
+                   .groups = static_cast<int>(partials.size(0)),
+                   .cols = cols,
+                   .out = sums.data_ptr<float>()});
 }
+
+inline float* floats_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+inline void* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
 
 // q = fp8(t · s) and, with `transpose`, qᵀ, with `column_sums` Σ_rows t in fp32; s from t's amax
 // (`history` undefined or empty) or from the history, which then records t's amax as its newest
@@ -503,43 +585,31 @@ inline Quantized cast(const at::Tensor& t, at::ScalarType fp8, const at::Tensor&
   float* amax = delayed ? history.data_ptr<float>() : slots.data_ptr<float>();
   float* past = delayed ? slots.data_ptr<float>() + 1 : nullptr;
   if (delayed) {
-    Kernel roll = get("fp8_cast.cuh", "fp8_history_roll", t.device());
-    int length = static_cast<int>(history.numel());
-    void* args[] = {&amax, &length, &past};
-    const unsigned threads = static_cast<unsigned>((length + 31) / 32 * 32);
-    launch(roll, {1, 1, 1}, {threads, 1, 1}, 0, args);
+    const int length = static_cast<int>(history.numel());
+    launch(get<HistoryRoll>({}, t.device()), {1, 1, 1}, {static_cast<unsigned>((length + 31) / 32 * 32), 1, 1}, 0,
+           HistoryRoll{.history = amax, .length = length, .past = past});
   }
   const int vector = 16 / static_cast<int>(t.element_size());
-  const bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  const void* x = t.data_ptr();
-  {
-    Kernel kernel = get("fp8_cast.cuh", std::string("fp8_amax_") + type_tag(t.scalar_type()), t.device());
-    long long n = t.numel();
-    const float* skip = past;
-    int vector_ok = aligned;
-    void* args[] = {&x, &n, &amax, &skip, &vector_ok};
-    const int64_t wanted = (n + static_cast<int64_t>(kThreads) * vector - 1) / (kThreads * vector);
-    const int64_t blocks = std::clamp<int64_t>(wanted, 1, 4 * static_cast<int64_t>(multiprocessors(t.device())));
-    launch(kernel, {static_cast<unsigned>(blocks), 1, 1}, {kThreads, 1, 1}, 0, args);
-  }
-  {
-    Kernel kernel = get("fp8_cast.cuh",
-                        std::string("fp8_cast_transpose_") + type_tag(t.scalar_type()) + "_" + format_tag(fp8),
-                        t.device());
-    long long rows_arg = rows, cols_arg = cols;
-    const float* amax_in = amax;
-    const float* past_in = past;
-    float* amax_out = delayed ? amax : nullptr;
-    float* inverse = out.inverse_scale.data_ptr<float>();
-    void* q = out.data.data_ptr();
-    void* qt = pointer_or_null(out.transpose);
-    void* partials_ptr = pointer_or_null(partials);
-    int vector_ok = aligned && cols % vector == 0;
-    void* args[] = {&x, &rows_arg, &cols_arg, &amax_in, &past_in, &amax_out, &inverse, &q, &qt, &partials_ptr,
-                    &vector_ok};
-    // At least one block, so that the inverse scale is written for an empty tensor too.
-    launch(kernel, {tiles(cols), tiles(rows), 1}, {kThreads, 1, 1}, 0, args);
-  }
+  const bool aligned = aligned_to(vector, {&t});
+  const int64_t n = t.numel();
+  const int64_t wanted = (n + static_cast<int64_t>(kThreads) * vector - 1) / (kThreads * vector);
+  const int64_t amax_blocks = std::clamp<int64_t>(wanted, 1, 4 * static_cast<int64_t>(multiprocessors(t.device())));
+  launch(get<Amax>({t.scalar_type()}, t.device()), {static_cast<unsigned>(amax_blocks), 1, 1}, {kThreads, 1, 1}, 0,
+         Amax{.x = t.data_ptr(), .n = n, .slot = amax, .skip_if_positive = past, .vector_ok = aligned ? 1 : 0});
+  // At least one block, so that the inverse scale is written for an empty tensor too.
+  launch(get<CastTranspose>({t.scalar_type()}, t.device(), format_tag(fp8)), {tiles(cols), tiles(rows), 1},
+         {kThreads, 1, 1}, 0,
+         CastTranspose{.x = t.data_ptr(),
+                       .rows = rows,
+                       .cols = cols,
+                       .amax = amax,
+                       .past = past,
+                       .amax_out = delayed ? amax : nullptr,
+                       .inverse_out = out.inverse_scale.data_ptr<float>(),
+                       .q = out.data.data_ptr(),
+                       .qt = data_or_null(out.transpose),
+                       .column_partials = floats_or_null(partials),
+                       .vector_ok = aligned && cols % vector == 0 ? 1 : 0});
   if (column_sums) sum_partials(partials, out.column_sums);
   if (transpose) out.transpose_inverse_scale = out.inverse_scale;
   return out;
@@ -557,33 +627,29 @@ inline Quantized cast_axiswise(const at::Tensor& t, at::ScalarType fp8, bool tra
                 transpose ? at::empty({cols}, floats) : at::Tensor()};
   at::Tensor partials = column_sums ? at::empty({tiles(rows), cols}, floats) : at::Tensor();
   at::Tensor amax = at::zeros({rows + cols}, floats);  // [row maxima, column maxima]
-  const void* x = t.data_ptr();
-  long long rows_arg = rows, cols_arg = cols;
   float* row_amax = amax.data_ptr<float>();
   float* col_amax = row_amax + rows;
-  const bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
-  int vector_ok = aligned && cols % (16 / static_cast<int>(t.element_size())) == 0;
+  const int vector_ok = aligned_to(16 / t.element_size(), {&t}) && cols % (16 / t.element_size()) == 0 ? 1 : 0;
   const Dim3 grid{tiles(cols), tiles(rows), 1};
-  {
-    Kernel kernel = get("fp8_cast.cuh", std::string("fp8_axis_amax_") + type_tag(t.scalar_type()), t.device());
-    void* args[] = {&x, &rows_arg, &cols_arg, &row_amax, &col_amax, &vector_ok};
-    launch(kernel, grid, {kThreads, 1, 1}, 0, args);
-  }
-  {
-    Kernel kernel = get("fp8_cast.cuh",
-                        std::string("fp8_cast_axiswise_") + type_tag(t.scalar_type()) + "_" + format_tag(fp8),
-                        t.device());
-    const float* row_in = row_amax;
-    const float* col_in = col_amax;
-    void* q = out.data.data_ptr();
-    float* row_inverse = out.inverse_scale.data_ptr<float>();
-    void* qt = pointer_or_null(out.transpose);
-    void* col_inverse = pointer_or_null(out.transpose_inverse_scale);
-    void* partials_ptr = pointer_or_null(partials);
-    void* args[] = {&x,           &rows_arg,    &cols_arg,     &row_in,   &col_in, &q, &row_inverse, &qt,
-                    &col_inverse, &partials_ptr, &vector_ok};
-    launch(kernel, grid, {kThreads, 1, 1}, 0, args);
-  }
+  launch(get<AxisAmax>({t.scalar_type()}, t.device()), grid, {kThreads, 1, 1}, 0,
+         AxisAmax{.x = t.data_ptr(),
+                  .rows = rows,
+                  .cols = cols,
+                  .row_amax = row_amax,
+                  .col_amax = col_amax,
+                  .vector_ok = vector_ok});
+  launch(get<CastAxiswise>({t.scalar_type()}, t.device(), format_tag(fp8)), grid, {kThreads, 1, 1}, 0,
+         CastAxiswise{.x = t.data_ptr(),
+                      .rows = rows,
+                      .cols = cols,
+                      .row_amax = row_amax,
+                      .col_amax = col_amax,
+                      .q = out.data.data_ptr(),
+                      .row_inverse = out.inverse_scale.data_ptr<float>(),
+                      .qt = data_or_null(out.transpose),
+                      .col_inverse = floats_or_null(out.transpose_inverse_scale),
+                      .column_partials = floats_or_null(partials),
+                      .vector_ok = vector_ok});
   if (column_sums) sum_partials(partials, out.column_sums);
   return out;
 }

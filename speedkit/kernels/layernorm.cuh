@@ -13,8 +13,63 @@
 //
 // The device part below is compiled by NVRTC (shim/kernels.cpp); the host part at the end, the
 // launchers, is compiled into the shim by the host compiler.
-#ifdef __CUDACC_RTC__
+#pragma once
+
 #include "common.cuh"
+
+namespace sk::kernels::layernorm {
+
+// y = LN(x [+ residual]) · weight + bias over rows of `width`, y in its own type; with a residual
+// also sum = x + residual; mean and rstd fp32 [rows]. Entry points layernorm_forward_<x>_<r>_<w>_<y>.
+struct Forward {
+  SK_KERNEL_ENTRY("layernorm.cuh", "layernorm_forward");
+  const void* x;
+  const void* residual;  // or null
+  const void* weight;    // or null
+  const void* bias;      // or null
+  void* sum;             // with a residual, else null
+  void* y;
+  float* mean;
+  float* rstd;
+  int rows;
+  int width;
+  float eps;
+  int in_registers;  // the row fits the lanes' registers (layernorm::rows_fit_registers)
+};
+
+// dx (and dx_branch in dy's type, when asked), and per block the partial dweight and dbias [blocks,
+// 2, width] fp32. Entry points layernorm_backward_<x>_<w>_<dy>, and with a compile-time width
+// layernorm_backward_<x>_f32_<dy>_<width> (which ignore `width` and `in_registers`).
+struct Backward {
+  SK_KERNEL_ENTRY("layernorm.cuh", "layernorm_backward");
+  const void* dy;
+  const void* x;
+  const void* weight;  // or null
+  const float* mean;
+  const float* rstd;
+  const void* dsum;    // the gradient arriving at the sum from its other uses, or null
+  void* dx;
+  void* dx_branch;     // or null
+  float* partials;
+  int rows;
+  int width;
+  int in_registers;
+};
+
+// dweight and dbias (either may be null) from the backward's partials. Entry points
+// layernorm_param_grad_<w>.
+struct ParamGrad {
+  SK_KERNEL_ENTRY("layernorm.cuh", "layernorm_param_grad");
+  const float* partials;
+  int blocks;
+  int width;
+  void* dweight;
+  void* dbias;
+};
+
+}  // namespace sk::kernels::layernorm
+
+#ifdef __CUDACC_RTC__
 
 namespace sk {
 
@@ -365,28 +420,37 @@ __device__ void layernorm_param_grad(const float* __restrict__ partials, int blo
 // own without one), the weight and the output; layernorm_backward_<x>_<w>_<y> (y is the type of dy
 // there); layernorm_param_grad_<w>. The residual differs from the input only for an fp32 residual
 // stream with a bf16/fp16 branch output (autocast's mix), whose sum is fp32.
-#define SK_LN_FORWARD(ty_tag, TY, tx_tag, TX, tr_tag, TR, tw_tag, TW)                                      \
-  extern "C" __global__ void layernorm_forward_##tx_tag##_##tr_tag##_##tw_tag##_##ty_tag(                   \
-      const TX* x, const TR* residual, const TW* weight, const TW* bias, TX* sum_out, TY* y, float* mean,   \
-      float* rstd, int rows, int width, float eps, int in_registers) {                                      \
-    if (in_registers)                                                                                        \
-      sk::layernorm_forward_in_registers<TX, TR, TW, TY>(x, residual, weight, bias, sum_out, y, mean, rstd,  \
-                                                         rows, width, eps);                                  \
-    else                                                                                                     \
-      sk::layernorm_forward<TX, TR, TW, TY>(x, residual, weight, bias, sum_out, y, mean, rstd, rows, width, eps); \
+#define SK_LN_FORWARD(ty_tag, TY, tx_tag, TX, tr_tag, TR, tw_tag, TW)                                         \
+  extern "C" __global__ void layernorm_forward_##tx_tag##_##tr_tag##_##tw_tag##_##ty_tag(                      \
+      const sk::kernels::layernorm::Forward p) {                                                               \
+    const auto x = static_cast<const TX*>(p.x);                                                                \
+    const auto residual = static_cast<const TR*>(p.residual);                                                  \
+    const auto weight = static_cast<const TW*>(p.weight);                                                      \
+    const auto bias = static_cast<const TW*>(p.bias);                                                          \
+    if (p.in_registers)                                                                                         \
+      sk::layernorm_forward_in_registers<TX, TR, TW, TY>(x, residual, weight, bias, static_cast<TX*>(p.sum),    \
+                                                         static_cast<TY*>(p.y), p.mean, p.rstd, p.rows,         \
+                                                         p.width, p.eps);                                       \
+    else                                                                                                        \
+      sk::layernorm_forward<TX, TR, TW, TY>(x, residual, weight, bias, static_cast<TX*>(p.sum),                 \
+                                            static_cast<TY*>(p.y), p.mean, p.rstd, p.rows, p.width, p.eps);     \
   }
-#define SK_LN_BACKWARD(ty_tag, TY, tx_tag, TX, tw_tag, TW)                                                \
-  extern "C" __global__ void layernorm_backward_##tx_tag##_##tw_tag##_##ty_tag(                            \
-      const TY* dy, const TX* x, const TW* weight, const float* mean, const float* rstd, const TX* dsum,   \
-      TX* dx, TY* dx_branch, float* partials, int rows, int width, int in_registers) {                      \
-    if (in_registers)                                                                                       \
-      sk::layernorm_backward_in_registers<TX, TW, TY>(dy, x, weight, mean, rstd, dsum, dx, dx_branch,       \
-                                                      partials, rows, width);                               \
-    else                                                                                                    \
-      sk::layernorm_backward<TX, TW, TY>(dy, x, weight, mean, rstd, dsum, dx, dx_branch, partials, rows,    \
-                                         width);                                                            \
+#define SK_LN_BACKWARD(ty_tag, TY, tx_tag, TX, tw_tag, TW)                                                    \
+  extern "C" __global__ void layernorm_backward_##tx_tag##_##tw_tag##_##ty_tag(                                \
+      const sk::kernels::layernorm::Backward p) {                                                              \
+    const auto dy = static_cast<const TY*>(p.dy);                                                              \
+    const auto x = static_cast<const TX*>(p.x);                                                                \
+    const auto weight = static_cast<const TW*>(p.weight);                                                      \
+    const auto dsum = static_cast<const TX*>(p.dsum);                                                          \
+    if (p.in_registers)                                                                                         \
+      sk::layernorm_backward_in_registers<TX, TW, TY>(dy, x, weight, p.mean, p.rstd, dsum, static_cast<TX*>(p.dx), \
+                                                      static_cast<TY*>(p.dx_branch), p.partials, p.rows,        \
+                                                      p.width);                                                 \
+    else                                                                                                        \
+      sk::layernorm_backward<TX, TW, TY>(dy, x, weight, p.mean, p.rstd, dsum, static_cast<TX*>(p.dx),           \
+                                         static_cast<TY*>(p.dx_branch), p.partials, p.rows, p.width);           \
   }
-#define SK_LN_BOTH(ty_tag, TY, tx_tag, TX, tw_tag, TW)                \
+#define SK_LN_BOTH(ty_tag, TY, tx_tag, TX, tw_tag, TW)          \
   SK_LN_FORWARD(ty_tag, TY, tx_tag, TX, tx_tag, TX, tw_tag, TW) \
   SK_LN_BACKWARD(ty_tag, TY, tx_tag, TX, tw_tag, TW)
 #define SK_LN_OVER_Y(tw_tag, TW, tx_tag, TX) SK_TYPES_3(SK_LN_BOTH, tx_tag, TX, tw_tag, TW)
@@ -401,16 +465,17 @@ SK_TYPES_1(SK_LN_OVER_W, )
 SK_LN_F32_OVER_W(bf16, sk::bf16)
 SK_LN_F32_OVER_W(f16, sk::f16)
 
-// The exact-width backwards, layernorm_backward_<x>_<w>_<y>_<width> for widths 128 to 1024 in steps
+// The exact-width backwards, layernorm_backward_<x>_f32_<y>_<width> for widths 128 to 1024 in steps
 // of 128, with an fp32 weight (the mixed-precision case) and dy of x's type or x fp32: the type
 // combinations that sk::kernels::layernorm::has_exact_width lists. The other combinations take the
 // runtime-width kernels above.
-#define SK_LN_BACKWARD_EXACT_AT(chunks, width, ty_tag, TY, tx_tag, TX)                                   \
-  extern "C" __global__ void layernorm_backward_##tx_tag##_f32_##ty_tag##_##width(                        \
-      const TY* dy, const TX* x, const float* weight, const float* mean, const float* rstd,                \
-      const TX* dsum, TX* dx, TY* dx_branch, float* partials, int rows) {                                  \
-    sk::layernorm_backward_exact<chunks, TX, float, TY>(dy, x, weight, mean, rstd, dsum, dx, dx_branch,     \
-                                                        partials, rows);                                   \
+#define SK_LN_BACKWARD_EXACT_AT(chunks, width, ty_tag, TY, tx_tag, TX)                                       \
+  extern "C" __global__ void layernorm_backward_##tx_tag##_f32_##ty_tag##_##width(                            \
+      const sk::kernels::layernorm::Backward p) {                                                             \
+    sk::layernorm_backward_exact<chunks, TX, float, TY>(                                                      \
+        static_cast<const TY*>(p.dy), static_cast<const TX*>(p.x), static_cast<const float*>(p.weight), p.mean, \
+        p.rstd, static_cast<const TX*>(p.dsum), static_cast<TX*>(p.dx), static_cast<TY*>(p.dx_branch),          \
+        p.partials, p.rows);                                                                                   \
   }
 #define SK_LN_BACKWARD_EXACT(ty_tag, TY, tx_tag, TX, ...)   \
   SK_LN_BACKWARD_EXACT_AT(1, 128, ty_tag, TY, tx_tag, TX)  \
@@ -425,10 +490,10 @@ SK_TYPES_1(SK_LN_BACKWARD_EXACT, f32, sk::f32)
 SK_LN_BACKWARD_EXACT(bf16, sk::bf16, bf16, sk::bf16)
 SK_LN_BACKWARD_EXACT(f16, sk::f16, f16, sk::f16)
 
-#define SK_LN_PARAM_GRAD(tw_tag, TW, ...)                                                              \
-  extern "C" __global__ void layernorm_param_grad_##tw_tag(const float* partials, int blocks, int width, \
-                                                           TW* dweight, TW* dbias) {                    \
-    sk::layernorm_param_grad<TW>(partials, blocks, width, dweight, dbias);                               \
+#define SK_LN_PARAM_GRAD(tw_tag, TW, ...)                                                                  \
+  extern "C" __global__ void layernorm_param_grad_##tw_tag(const sk::kernels::layernorm::ParamGrad p) {    \
+    sk::layernorm_param_grad<TW>(p.partials, p.blocks, p.width, static_cast<TW*>(p.dweight),               \
+                                 static_cast<TW*>(p.dbias));                                               \
   }
 SK_TYPES_1(SK_LN_PARAM_GRAD, )
 
@@ -451,11 +516,7 @@ constexpr int64_t kRegisterWidth = 1024;
 // Whether the in-register path applies: the width fits, is a multiple of 4, and every tensor's rows
 // start on a four-element boundary (its 8- or 16-byte loads).
 inline int rows_fit_registers(int64_t width, std::initializer_list<const at::Tensor*> tensors) {
-  if (width % 4 != 0 || width > kRegisterWidth) return 0;
-  for (const at::Tensor* t : tensors) {
-    if (t->defined() && reinterpret_cast<uintptr_t>(t->data_ptr()) % (4 * t->element_size()) != 0) return 0;
-  }
-  return 1;
+  return width % 4 == 0 && width <= kRegisterWidth && aligned_to(4, tensors) ? 1 : 0;
 }
 
 // Whether the backward has an exact-width kernel for these types and this width (the list the
@@ -469,11 +530,11 @@ inline bool has_exact_width(at::ScalarType x, at::ScalarType weight, at::ScalarT
 
 // What the forward leaves for the backward and returns: y, and with a residual the sum s = x + r
 // (undefined without one); mean and rstd are fp32 [rows].
-struct Forward {
+struct Normalised {
   at::Tensor y, sum, mean, rstd;
 };
 
-struct Backward {
+struct Gradients {
   at::Tensor dx, dweight, dbias;
   at::Tensor dx_branch;  // dx in dy's type, when asked for
 };
@@ -486,99 +547,88 @@ inline int backward_warps(int64_t width, const at::Device& device) {
   return static_cast<int>(std::min<int64_t>(kBackwardWarps, max_dynamic_shared_memory(device) / per_warp));
 }
 
+inline void* data_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr() : nullptr; }
+
 // x, residual: [rows, width] contiguous, the same type or x fp32 and residual bf16/fp16 (the sum is
 // x's type); weight, bias: [width] contiguous or undefined.
-inline Forward forward(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
-                       const at::Tensor& bias, double eps, at::ScalarType out_type) {
+inline Normalised forward(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,
+                          const at::Tensor& bias, double eps, at::ScalarType out_type) {
   const int64_t rows = x.size(0), width = x.size(1);
   const auto floats = x.options().dtype(at::kFloat);
-  Forward out{at::empty({rows, width}, x.options().dtype(out_type)),
-              residual.defined() ? at::empty_like(x) : at::Tensor(), at::empty({rows}, floats),
-              at::empty({rows}, floats)};
+  Normalised out{at::empty({rows, width}, x.options().dtype(out_type)),
+                 residual.defined() ? at::empty_like(x) : at::Tensor(), at::empty({rows}, floats),
+                 at::empty({rows}, floats)};
   if (rows == 0) return out;
   const auto weight_type = weight.defined() ? weight.scalar_type() : at::kFloat;
-  Kernel kernel = get("layernorm.cuh",
-                      std::string("layernorm_forward_") + type_tag(x.scalar_type()) + "_" +
-                          type_tag(residual.defined() ? residual.scalar_type() : x.scalar_type()) + "_" +
-                          type_tag(weight_type) + "_" + type_tag(out_type),
-                      x.device());
-  const void* x_ptr = x.data_ptr();
-  const void* residual_ptr = pointer_or_null(residual);
-  const void* weight_ptr = pointer_or_null(weight);
-  const void* bias_ptr = pointer_or_null(bias);
-  void* sum_ptr = pointer_or_null(out.sum);
-  void* y_ptr = out.y.data_ptr();
-  void* mean_ptr = out.mean.data_ptr();
-  void* rstd_ptr = out.rstd.data_ptr();
-  int rows_arg = static_cast<int>(rows), width_arg = static_cast<int>(width);
-  float eps_arg = static_cast<float>(eps);
-  int in_registers = rows_fit_registers(width, {&x, &residual, &weight, &bias, &out.sum, &out.y});
-  void* args[] = {&x_ptr,    &residual_ptr, &weight_ptr, &bias_ptr,  &sum_ptr, &y_ptr,
-                  &mean_ptr, &rstd_ptr,     &rows_arg,   &width_arg, &eps_arg, &in_registers};
+  const auto residual_type = residual.defined() ? residual.scalar_type() : x.scalar_type();
   const unsigned blocks = static_cast<unsigned>((rows + kForwardWarps - 1) / kForwardWarps);
-  launch(kernel, {blocks, 1, 1}, {32 * kForwardWarps, 1, 1}, 0, args);
+  launch(get<Forward>({x.scalar_type(), residual_type, weight_type, out_type}, x.device()), {blocks, 1, 1},
+         {32 * kForwardWarps, 1, 1}, 0,
+         Forward{.x = x.data_ptr(),
+                 .residual = data_or_null(residual),
+                 .weight = data_or_null(weight),
+                 .bias = data_or_null(bias),
+                 .sum = data_or_null(out.sum),
+                 .y = out.y.data_ptr(),
+                 .mean = out.mean.data_ptr<float>(),
+                 .rstd = out.rstd.data_ptr<float>(),
+                 .rows = static_cast<int>(rows),
+                 .width = static_cast<int>(width),
+                 .eps = static_cast<float>(eps),
+                 .in_registers = rows_fit_registers(width, {&x, &residual, &weight, &bias, &out.sum, &out.y})});
   return out;
 }
 
 // dy: [rows, width] in the forward's output type; x: the forward's normalised input (the sum s with
 // a residual); dsum: the gradient arriving at s from its other uses, or undefined. The caller has
 // checked backward_warps(width) > 0. With `branch_in_dy_type`, dx also comes back in dy's type
-// (Backward::dx_branch), from the same pass.
-inline Backward backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight, bool has_bias,
-                         const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& dsum,
-                         bool branch_in_dy_type = false) {
+// (Gradients::dx_branch), from the same pass.
+inline Gradients backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& weight, bool has_bias,
+                          const at::Tensor& mean, const at::Tensor& rstd, const at::Tensor& dsum,
+                          bool branch_in_dy_type = false) {
   const int64_t rows = x.size(0), width = x.size(1);
   const auto weight_type = weight.defined() ? weight.scalar_type() : at::kFloat;
   const auto param_options = x.options().dtype(weight_type);
-  Backward out{at::empty_like(x), weight.defined() ? at::empty({width}, param_options) : at::Tensor(),
-               has_bias ? at::empty({width}, param_options) : at::Tensor(),
-               branch_in_dy_type ? at::empty_like(dy) : at::Tensor()};
+  Gradients out{at::empty_like(x), weight.defined() ? at::empty({width}, param_options) : at::Tensor(),
+                has_bias ? at::empty({width}, param_options) : at::Tensor(),
+                branch_in_dy_type ? at::empty_like(dy) : at::Tensor()};
   if (!out.dweight.defined() && !out.dbias.defined() && rows == 0) return out;
   const int warps = backward_warps(width, x.device());
   const int64_t row_blocks = (rows + warps - 1) / warps;
   const std::initializer_list<const at::Tensor*> rows_of = {&dy, &x, &weight, &dsum, &out.dx, &out.dx_branch};
   const bool exact = has_exact_width(x.scalar_type(), weight_type, dy.scalar_type(), width, rows_of);
-  Kernel kernel = get("layernorm.cuh",
-                      std::string("layernorm_backward_") + type_tag(x.scalar_type()) + "_" + type_tag(weight_type) +
-                          "_" + type_tag(dy.scalar_type()) + (exact ? "_" + std::to_string(width) : ""),
-                      x.device());
+  const auto kernel = get<Backward>({x.scalar_type(), weight_type, dy.scalar_type()}, x.device(),
+                                    exact ? std::to_string(width) : std::string());
   const int shared = static_cast<int>(warps * 2 * width * sizeof(float));
   allow_dynamic_shared_memory(kernel, shared);
   // One wave of as many blocks as are resident on an SM at once (up to 8; registers and shared
   // memory decide): the row loop is bound by memory latency, a block's accumulators are its only
   // cost (one fp32 partial per block and column later), and a grid beyond one wave would leave a
   // partly filled second wave.
-  const int64_t per_sm =
-      std::clamp<int64_t>(resident_blocks_per_sm(kernel, 32 * warps, shared), 1, 8);
+  const int64_t per_sm = std::clamp<int64_t>(resident_blocks_per_sm(kernel, 32 * warps, shared), 1, 8);
   const int blocks = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>(row_blocks, per_sm * static_cast<int64_t>(multiprocessors(x.device())))));
   at::Tensor partials = at::empty({blocks, 2, width}, x.options().dtype(at::kFloat));
-  int rows_arg = static_cast<int>(rows), width_arg = static_cast<int>(width), blocks_arg = blocks;
-  {
-    const void* dy_ptr = dy.data_ptr();
-    const void* x_ptr = x.data_ptr();
-    const void* weight_ptr = pointer_or_null(weight);
-    const void* mean_ptr = mean.data_ptr();
-    const void* rstd_ptr = rstd.data_ptr();
-    const void* dsum_ptr = pointer_or_null(dsum);
-    void* dx_ptr = out.dx.data_ptr();
-    void* dx_branch_ptr = pointer_or_null(out.dx_branch);
-    void* partials_ptr = partials.data_ptr();
-    int in_registers = rows_fit_registers(width, rows_of);
-    // The exact-width kernels take the arguments up to the rows (their width is in their name).
-    void* args[] = {&dy_ptr, &x_ptr,         &weight_ptr,   &mean_ptr, &rstd_ptr,  &dsum_ptr,
-                    &dx_ptr, &dx_branch_ptr, &partials_ptr, &rows_arg, &width_arg, &in_registers};
-    launch(kernel, {static_cast<unsigned>(blocks), 1, 1}, {static_cast<unsigned>(32 * warps), 1, 1}, shared,
-           args);
-  }
+  launch(kernel, {static_cast<unsigned>(blocks), 1, 1}, {static_cast<unsigned>(32 * warps), 1, 1}, shared,
+         Backward{.dy = dy.data_ptr(),
+                  .x = x.data_ptr(),
+                  .weight = data_or_null(weight),
+                  .mean = mean.data_ptr<float>(),
+                  .rstd = rstd.data_ptr<float>(),
+                  .dsum = data_or_null(dsum),
+                  .dx = out.dx.data_ptr(),
+                  .dx_branch = data_or_null(out.dx_branch),
+                  .partials = partials.data_ptr<float>(),
+                  .rows = static_cast<int>(rows),
+                  .width = static_cast<int>(width),
+                  .in_registers = rows_fit_registers(width, rows_of)});
   if (out.dweight.defined() || out.dbias.defined()) {
-    Kernel kernel =
-        get("layernorm.cuh", std::string("layernorm_param_grad_") + type_tag(weight_type), x.device());
-    const void* partials_ptr = partials.data_ptr();
-    void* dweight_ptr = pointer_or_null(out.dweight);
-    void* dbias_ptr = pointer_or_null(out.dbias);
-    void* args[] = {&partials_ptr, &blocks_arg, &width_arg, &dweight_ptr, &dbias_ptr};
-    launch(kernel, {static_cast<unsigned>((width + 31) / 32), 1, 1}, {32, 32, 1}, 0, args);
+    launch(get<ParamGrad>({weight_type}, x.device()), {static_cast<unsigned>((width + 31) / 32), 1, 1}, {32, 32, 1}, 0,
+           ParamGrad{.partials = partials.data_ptr<float>(),
+                     .blocks = blocks,
+                     .width = static_cast<int>(width),
+                     .dweight = data_or_null(out.dweight),
+                     .dbias = data_or_null(out.dbias)});
   }
   return out;
 }

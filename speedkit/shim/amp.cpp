@@ -27,10 +27,10 @@ int sk_autocast_increment_nesting(int* depth) { SK_TRY(*depth = at::autocast::in
 
 int sk_autocast_decrement_nesting(int* depth) { SK_TRY(*depth = at::autocast::decrement_nesting()) }
 
-int sk_autocast_clear_cache() { SK_TRY(at::autocast::clear_cache()) }
+int sk_autocast_clear_cache(void) { SK_TRY(at::autocast::clear_cache()) }
 
 // torch._amp_foreach_non_finite_check_and_unscale_: grads *= inv_scale; found_inf = 1 if any non-finite.
-int sk_amp_unscale_(at::Tensor** grads, int64_t n, at::Tensor* found_inf, at::Tensor* inv_scale) {
+int sk_amp_unscale_(const sk_tensor* grads, int64_t n, sk_tensor found_inf, sk_tensor inv_scale) {
   SK_TRY({
     auto list = sk::tensor_list(grads, n);
     at::_amp_foreach_non_finite_check_and_unscale_(list, *found_inf, *inv_scale);

@@ -27,7 +27,7 @@ extern "C" {
 
 // Walks the backward graph of `root` (each node once); `*out` receives it (sk_autograd_graph_free).
 // Fails when `root` has no grad_fn (it does not require grad, or it is a leaf).
-int sk_autograd_graph(at::Tensor* root, void** out) {
+int sk_autograd_graph(sk_tensor root, void** out) {
   SK_TRY({
     const auto& grad_fn = torch::autograd::impl::gradient_edge(*root).function;
     if (!grad_fn) {
@@ -73,7 +73,7 @@ int sk_autograd_graph_leaf(void* graph, int64_t index, uint64_t* id) {
 void sk_autograd_graph_free(void* graph) { delete static_cast<Graph*>(graph); }
 
 // The identity autograd keys a variable by (its TensorImpl), comparable with sk_autograd_graph_leaf.
-int sk_tensor_identity(at::Tensor* tensor, uint64_t* id) {
+int sk_tensor_identity(sk_tensor tensor, uint64_t* id) {
   SK_TRY(*id = reinterpret_cast<uint64_t>(tensor->unsafeGetTensorImpl()))
 }
 

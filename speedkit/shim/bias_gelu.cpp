@@ -1,21 +1,16 @@
 // A Linear layer's bias add and tanh-GELU on speedkit's kernels (kernels/bias_gelu.cuh) as a C++
-// autograd function, so that the backward yields the bias gradient from the GELU-backward pass. The
-// Rust side (nn/linear.rs, `Linear::forward_gelu`) decides when this path applies and otherwise runs
-// ATen's `gelu(x Wᵀ + b)`.
-#include "shim.h"
-
-#include <torch/csrc/autograd/custom_function.h>
-
-#if SK_WITH_CUDA
+// autograd function, so that the backward yields the bias gradient from the GELU-backward pass.
+// Inputs the kernels do not take run ATen's gelu(h + bias) instead (sk::ops::run_or_fall_back).
 #include "bias_gelu.cuh"
-#endif
+#include "fused_op.h"
 
+#include <ATen/ops/add.h>
+#include <ATen/ops/gelu.h>
+
+namespace sk {
 namespace {
 
-#if SK_WITH_CUDA
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-namespace bg = sk::kernels::bias_gelu;
+namespace bg = kernels::bias_gelu;
 
 struct BiasGeluFunction : torch::autograd::Function<BiasGeluFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& h, const at::Tensor& bias) {
@@ -25,30 +20,39 @@ struct BiasGeluFunction : torch::autograd::Function<BiasGeluFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    bg::Backward out = bg::backward(grads[0].contiguous(), saved[0], saved[1]);
+    bg::Gradients out = bg::backward(grads[0].contiguous(), saved[0], saved[1]);
     return {out.dh, out.dbias};
   }
 };
-#endif
+
+std::string unsupported(const at::Tensor& h, const at::Tensor& bias) {
+  if (auto why = sk::ops::unusable(SK_OP_BIAS_GELU, h.device()); !why.empty()) return why;
+  if (auto why = sk::ops::first_of({sk::ops::floating("input", h), sk::ops::floating("bias", bias)}); !why.empty())
+    return why;
+  if (h.dim() == 0) return "a 0-d input";
+  const int64_t width = h.size(-1);
+  if (bias.dim() != 1 || bias.size(0) != width || bias.device() != h.device())
+    return "bias " + c10::str(bias.sizes()) + " on " + bias.device().str() + " does not match the output width " +
+           std::to_string(width);
+  return sk::ops::fits_int32(h.numel() / std::max<int64_t>(width, 1), width);
+}
 
 }  // namespace
+}  // namespace sk
 
 extern "C" {
 
-// *y = gelu_tanh(h + bias) over the last dimension, in h's type. h: CUDA, fp32/bf16/fp16; bias:
-// [width] of one of those types on the same device. Differentiable through BiasGeluFunction.
-int sk_bias_gelu(at::Tensor* h, at::Tensor* bias, at::Tensor** y) {
-#if SK_WITH_CUDA
+int sk_bias_gelu(sk_tensor h, sk_tensor bias, sk_tensor* y) {
   SK_TRY({
-    const int64_t width = h->size(-1);
-    at::Tensor rows2d = h->reshape({-1, width}).contiguous();
-    at::Tensor result = BiasGeluFunction::apply(rows2d, bias->contiguous());
-    *y = new at::Tensor(result.view(h->sizes()));
+    at::Tensor result = sk::ops::run_or_fall_back(
+        SK_OP_BIAS_GELU, sk::unsupported(*h, *bias),
+        [&] {
+          const int64_t width = h->size(-1);
+          return sk::BiasGeluFunction::apply(sk::rows_of(*h, width), bias->contiguous()).view(h->sizes());
+        },
+        [&] { return at::gelu(at::add(*h, bias->to(h->scalar_type())), "tanh"); });
+    *y = sk::give(result);
   })
-#else
-  (void)h; (void)bias; (void)y;
-  SK_NO_CUDA();
-#endif
 }
 
 }  // extern "C"

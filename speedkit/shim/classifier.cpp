@@ -1,35 +1,31 @@
 // The fused classifier loss (kernels/classifier.cuh) as a C++ autograd function: mean softmax
-// cross-entropy of [rows, vocab] logits against int64 targets, ignore_index rows left out. The
-// Rust side (nn/cross_entropy.rs) decides when this path applies and otherwise runs ATen's.
-#include "shim.h"
-
-#include <torch/csrc/autograd/custom_function.h>
-
-#if SK_WITH_CUDA
+// cross-entropy of [rows, vocab] logits against int64 targets, ignore_index rows left out. Inputs
+// the kernels do not take run ATen's log_softmax in fp32 and nll_loss instead, as tch's
+// cross_entropy_for_logits does (sk::ops::run_or_fall_back).
 #include "classifier.cuh"
+#include "fused_op.h"
 
+#include <ATen/ops/log_softmax.h>
+#include <ATen/ops/nll_loss.h>
 #include <ATen/ops/div.h>
 #include <ATen/ops/ne.h>
 #include <ATen/ops/sum.h>
-#endif
 
+namespace sk {
 namespace {
 
-#if SK_WITH_CUDA
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-namespace ce = sk::kernels::classifier;
+namespace ce = kernels::classifier;
 
 struct CrossEntropyFunction : torch::autograd::Function<CrossEntropyFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
                             int64_t ignore_index) {
-    ce::Forward out = ce::forward(logits, targets, ignore_index);
+    ce::Rows rows = ce::forward(logits, targets, ignore_index);
     // Counted on the device: the mean never waits for the host. No counted row gives 0/0 = NaN,
     // as PyTorch's mean cross-entropy does.
     at::Tensor count = at::ne(targets, ignore_index).sum(at::kFloat);
-    ctx->save_for_backward({logits, targets, out.row_lse, count});
+    ctx->save_for_backward({logits, targets, rows.lse, count});
     ctx->saved_data["ignore_index"] = ignore_index;
-    return at::div(out.row_loss.sum(), count);
+    return at::div(rows.loss.sum(), count);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -40,24 +36,36 @@ struct CrossEntropyFunction : torch::autograd::Function<CrossEntropyFunction> {
     return {dlogits, at::Tensor(), at::Tensor()};
   }
 };
-#endif
+
+std::string unsupported(const at::Tensor& logits, const at::Tensor& targets) {
+  if (auto why = sk::ops::unusable(SK_OP_CROSS_ENTROPY, logits.device()); !why.empty()) return why;
+  if (auto why = sk::ops::floating("logits", logits); !why.empty()) return why;
+  if (logits.dim() != 2 || targets.dim() != 1 || targets.size(0) != logits.size(0))
+    return "logits " + c10::str(logits.sizes()) + " and targets " + c10::str(targets.sizes()) +
+           " are not [rows, classes] and [rows]";
+  if (targets.scalar_type() != at::kLong || targets.device() != logits.device())
+    return std::string("targets of type ") + c10::toString(targets.scalar_type()) + " on " + targets.device().str();
+  if (logits.size(1) == 0) return "logits with no classes";
+  return sk::ops::fits_int32(logits.size(0), logits.size(1));
+}
 
 }  // namespace
+}  // namespace sk
 
 extern "C" {
 
-// The mean cross-entropy of logits [rows, vocab] (CUDA, fp32/bf16/fp16, contiguous) against targets
-// [rows] (int64), rows whose target is ignore_index left out; *loss is an fp32 scalar.
-int sk_cross_entropy(at::Tensor* logits, at::Tensor* targets, int64_t ignore_index, at::Tensor** loss) {
-#if SK_WITH_CUDA
+int sk_cross_entropy(sk_tensor logits, sk_tensor targets, int64_t ignore_index, sk_tensor* loss) {
   SK_TRY({
-    at::Tensor result = CrossEntropyFunction::apply(logits->contiguous(), targets->contiguous(), ignore_index);
-    *loss = new at::Tensor(result);
+    at::Tensor result = sk::ops::run_or_fall_back(
+        SK_OP_CROSS_ENTROPY, sk::unsupported(*logits, *targets),
+        [&] { return sk::CrossEntropyFunction::apply(logits->contiguous(), targets->contiguous(), ignore_index); },
+        [&] { return at::nll_loss(at::log_softmax(*logits, -1, at::kFloat), *targets, {}, at::Reduction::Mean, ignore_index); });
+    *loss = sk::give(result);
   })
-#else
-  (void)logits; (void)targets; (void)ignore_index; (void)loss;
-  SK_NO_CUDA();
-#endif
+}
+
+int sk_cross_entropy_unsupported(sk_tensor logits, sk_tensor targets, const char** reason) {
+  SK_TRY(sk::hand_out(sk::unsupported(*logits, *targets), reason))
 }
 
 }  // extern "C"

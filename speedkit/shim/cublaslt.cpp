@@ -15,20 +15,21 @@
 // has already loaded it, so binding its symbols adds no link-time dependency on the wheel's library
 // path. The GEMMs run on PyTorch's current stream with its cuBLASLt handle and its cuBLASLt workspace
 // (from the caching allocator), so they are captured in CUDA graphs like ATen's own.
-#include "shim.h"
+#include "fused_op.h"
+#include "loader.h"
 
-#include <torch/csrc/autograd/custom_function.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/gelu_backward.h>
+#include <ATen/ops/linear.h>
 
 #if SK_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
-#include <c10/core/Allocator.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cublasLt.h>
-#include <dlfcn.h>
 
-#include <filesystem>
 #include <atomic>
 #include <map>
 #include <mutex>
@@ -38,8 +39,11 @@
 
 namespace {
 
+// cuBLASLt's epilogues want 16-byte rows of bf16/fp16 and a GELU buffer whose leading dimension is
+// a multiple of 8: every width must be a multiple of this.
+constexpr int64_t kWidthMultiple = 8;
+
 #if SK_WITH_CUDA
-namespace fs = std::filesystem;
 
 // ----- the library ---------------------------------------------------------------------------------
 
@@ -56,75 +60,33 @@ struct Api {
   decltype(&::cublasLtMatmul) Matmul;
 };
 
-// The wheel's copy, next to the libtorch this process loaded (found from one of libc10's functions).
-std::string wheel_library() {
-  Dl_info info{};
-  if (dladdr(reinterpret_cast<void*>(&c10::GetAllocator), &info) == 0 || info.dli_fname == nullptr) return {};
-  std::error_code ignored;
-  fs::path torch_lib = fs::canonical(fs::path(info.dli_fname), ignored).parent_path();
-  return (torch_lib.parent_path().parent_path() / "nvidia" / "cu13" / "lib" / "libcublasLt.so.13").string();
-}
-
-void* open_library() {
-  // Already in the process (libtorch_cuda depends on it): share that copy and its state.
-  if (void* loaded = dlopen("libcublasLt.so.13", RTLD_NOW | RTLD_NOLOAD)) return loaded;
-  const std::string wheel = wheel_library();
-  if (!wheel.empty()) {
-    if (void* library = dlopen(wheel.c_str(), RTLD_NOW | RTLD_LOCAL)) return library;
-  }
-  if (void* library = dlopen("libcublasLt.so.13", RTLD_NOW | RTLD_LOCAL)) return library;
-  throw std::runtime_error("libcublasLt.so.13 cannot be loaded (not in the process, not at " + wheel +
-                           ", not on the loader path)");
-}
-
-template <typename F>
-void bind(void* library, F& slot, const char* name) {
-  slot = reinterpret_cast<F>(dlsym(library, name));
-  if (slot == nullptr) throw std::runtime_error(std::string("libcublasLt lacks ") + name);
-}
-
+// The copy libtorch_cuda already loaded (its state shared), else the wheel's, else the loader path's.
 const Api& api() {
-  static std::once_flag once;
-  static Api loaded{};
-  static std::string failure;
-  std::call_once(once, [] {
-    try {
-      void* library = open_library();
-      bind(library, loaded.MatmulDescCreate, "cublasLtMatmulDescCreate");
-      bind(library, loaded.MatmulDescDestroy, "cublasLtMatmulDescDestroy");
-      bind(library, loaded.MatmulDescSetAttribute, "cublasLtMatmulDescSetAttribute");
-      bind(library, loaded.MatrixLayoutCreate, "cublasLtMatrixLayoutCreate");
-      bind(library, loaded.MatrixLayoutDestroy, "cublasLtMatrixLayoutDestroy");
-      bind(library, loaded.MatmulPreferenceCreate, "cublasLtMatmulPreferenceCreate");
-      bind(library, loaded.MatmulPreferenceDestroy, "cublasLtMatmulPreferenceDestroy");
-      bind(library, loaded.MatmulPreferenceSetAttribute, "cublasLtMatmulPreferenceSetAttribute");
-      bind(library, loaded.MatmulAlgoGetHeuristic, "cublasLtMatmulAlgoGetHeuristic");
-      bind(library, loaded.Matmul, "cublasLtMatmul");
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
+  return sk::loader::once<Api>([] {
+    const auto torch_lib = sk::loader::torch_lib_dir();
+    const std::string wheel =
+        torch_lib.empty() ? std::string() : (torch_lib.parent_path().parent_path() / "nvidia" / "cu13" / "lib" / "libcublasLt.so.13").string();
+    std::vector<std::string> candidates{"libcublasLt.so.13"};
+    if (!wheel.empty()) candidates.insert(candidates.begin(), wheel);
+    const auto library = sk::loader::Library::open("cuBLASLt", candidates, /*already_loaded=*/true);
+    Api api{};
+    library.bind(api.MatmulDescCreate, "cublasLtMatmulDescCreate");
+    library.bind(api.MatmulDescDestroy, "cublasLtMatmulDescDestroy");
+    library.bind(api.MatmulDescSetAttribute, "cublasLtMatmulDescSetAttribute");
+    library.bind(api.MatrixLayoutCreate, "cublasLtMatrixLayoutCreate");
+    library.bind(api.MatrixLayoutDestroy, "cublasLtMatrixLayoutDestroy");
+    library.bind(api.MatmulPreferenceCreate, "cublasLtMatmulPreferenceCreate");
+    library.bind(api.MatmulPreferenceDestroy, "cublasLtMatmulPreferenceDestroy");
+    library.bind(api.MatmulPreferenceSetAttribute, "cublasLtMatmulPreferenceSetAttribute");
+    library.bind(api.MatmulAlgoGetHeuristic, "cublasLtMatmulAlgoGetHeuristic");
+    library.bind(api.Matmul, "cublasLtMatmul");
+    return api;
   });
-  if (!failure.empty()) throw std::runtime_error(failure);
-  return loaded;
 }
 
 void check(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS)
     throw std::runtime_error(std::string("cuBLASLt ") + what + " failed with status " + std::to_string(status));
-}
-
-// ----- fallback notes ------------------------------------------------------------------------------
-
-std::mutex notes_mutex;
-std::vector<std::string> pending_notes;
-std::vector<std::string> all_notes;
-
-void note(const std::string& line) {
-  std::lock_guard<std::mutex> lock(notes_mutex);
-  for (const std::string& seen : all_notes)
-    if (seen == line) return;
-  all_notes.push_back(line);
-  pending_notes.push_back(line);
 }
 
 // ----- one GEMM ------------------------------------------------------------------------------------
@@ -271,16 +233,16 @@ void note_aten(const char* what, int64_t m, int64_t n, int64_t k, at::ScalarType
   const std::string gemm = "GEMM " + std::to_string(m) + " × " + std::to_string(n) + " × " + std::to_string(k) +
                            " in " + c10::toString(type);
   if (m == 0 || n == 0 || k == 0) {
-    note(std::string(what) + ": " + gemm + " has an empty dimension; ATen's ops ran it");
+    sk::ops::note_fell_back(SK_OP_MLP, std::string(what) + ": " + gemm + " has an empty dimension; ATen's ops ran it");
   } else {
-    note(std::string(what) + ": cuBLASLt has no algorithm for " + gemm + "; ATen's ops ran it");
+    sk::ops::note_fell_back(SK_OP_MLP, std::string(what) + ": cuBLASLt has no algorithm for " + gemm + "; ATen's ops ran it");
   }
 }
 
 // ----- the MLP -------------------------------------------------------------------------------------
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
+using sk::AutogradContext;
+using sk::variable_list;
 
 // Which parts of the backward run inside cuBLASLt's GEMMs (the rest on ATen's ops): set from Rust
 // (speedkit::nn::set_mlp_backward_fusion), because an epilogue is not always faster than the
@@ -392,7 +354,7 @@ struct MlpFunction : torch::autograd::Function<MlpFunction> {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &w1 = saved[1], &w2 = saved[2], &z = saved[3], &h = saved[4];
     const auto type = x.scalar_type();
-    const int64_t tokens = x.size(0), in = w1.size(1), hidden = w1.size(0), out = w2.size(0);
+    const int64_t tokens = x.size(0), in = w1.size(1), hidden = w1.size(0);
     const at::Tensor dy = grads[0].to(type).contiguous();
     const auto types = ctx->saved_data["types"].toIntVector();
     const auto as = [&](const at::Tensor& t, size_t i) {
@@ -416,74 +378,90 @@ struct MlpFunction : torch::autograd::Function<MlpFunction> {
     return {dx, as(dw1, 0), as(db1, 1), as(dw2, 2), as(db2, 3), at::Tensor()};
   }
 };
+
+at::Tensor on_kernels(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
+                      const at::Tensor& b2) {
+  c10::DeviceGuard guard(x.device());
+  api();
+  const int64_t in = w1.size(1), out = w2.size(0);
+  // Rows counted, not inferred: reshape cannot infer a -1 beside other sizes when x is empty.
+  const int64_t tokens = x.numel() / in;
+  const auto type = sk::autocast_type_for(x);
+  auto outputs = MlpFunction::apply(x.reshape({tokens, in}), w1, b1, w2, b2, static_cast<int64_t>(type));
+  return sk::shaped_like(outputs[0], x, out);
+}
+
+#else
+
+int fusion_mask = 0;
+
+at::Tensor on_kernels(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+  throw std::runtime_error("speedkit was built without CUDA, so the fused MLP cannot run");
+}
+
 #endif
+
+// Why the fused path cannot take these inputs, or empty.
+std::string unsupported(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
+                        const at::Tensor& b2) {
+  if (auto why = sk::ops::unusable(SK_OP_MLP, x.device()); !why.empty()) return why;
+  const auto compute = sk::autocast_type_for(x);
+  const bool in_autocast = at::autocast::is_autocast_enabled(x.device().type());
+  if (!in_autocast || (compute != at::kBFloat16 && compute != at::kHalf)) return "not inside a bf16 or fp16 autocast";
+  if (auto why = sk::ops::floating("input", x); !why.empty()) return why;
+  if (!b1.defined() || !b2.defined()) return "a layer has no bias";
+  for (const at::Tensor* p : {&w1, &b1, &w2, &b2}) {
+    if (auto why = sk::ops::first_of({sk::ops::floating("parameter", *p), sk::ops::on_device("parameter", *p, x.device())});
+        !why.empty())
+      return why;
+  }
+  if (w1.dim() != 2 || w2.dim() != 2) return "weights " + c10::str(w1.sizes()) + " and " + c10::str(w2.sizes()) + " are not 2-d";
+  const int64_t in = w1.size(1), hidden = w1.size(0), out = w2.size(0);
+  if (x.dim() == 0 || x.size(-1) != in || w2.size(1) != hidden || b1.sizes() != at::IntArrayRef{hidden} ||
+      b2.sizes() != at::IntArrayRef{out})
+    return "input " + c10::str(x.sizes()) + ", fc1 " + c10::str(w1.sizes()) + " and fc2 " + c10::str(w2.sizes()) +
+           " do not chain";
+  for (int64_t width : {in, hidden, out}) {
+    if (width <= 0 || width % kWidthMultiple != 0)
+      return "widths " + std::to_string(in) + " → " + std::to_string(hidden) + " → " + std::to_string(out) +
+             ": cuBLASLt's epilogues need positive multiples of " + std::to_string(kWidthMultiple);
+  }
+  return {};
+}
+
+at::Tensor on_aten(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
+                   const at::Tensor& b2) {
+  return at::linear(at::gelu(at::linear(x, w1, b1), "tanh"), w2, b2);
+}
 
 }  // namespace
 
 extern "C" {
 
-// y = fc2(gelu_tanh(fc1(x))) over the last dimension of x, its GEMMs in `compute_type` (a
-// c10::ScalarType code: bf16 or fp16) on cuBLASLt with epilogues; differentiable (MlpFunction).
-// w1 [hidden, in], b1 [hidden], w2 [out, hidden], b2 [out]; every tensor on one CUDA device.
-int sk_mlp(at::Tensor* x, at::Tensor* w1, at::Tensor* b1, at::Tensor* w2, at::Tensor* b2, int compute_type,
-           at::Tensor** y) {
-#if SK_WITH_CUDA
+int sk_mlp(sk_tensor x, sk_tensor w1, sk_tensor b1, sk_tensor w2, sk_tensor b2, sk_tensor* y) {
   SK_TRY({
-    const auto type = static_cast<at::ScalarType>(compute_type);
-    TORCH_CHECK(type == at::kBFloat16 || type == at::kHalf, "speedkit mlp: the compute type must be bf16 or fp16, not ",
-                c10::toString(type));
-    TORCH_CHECK(x->is_cuda() && x->dim() >= 1, "speedkit mlp: x must be a CUDA tensor of at least one dimension");
-    TORCH_CHECK(w1->dim() == 2 && w2->dim() == 2 && b1->dim() == 1 && b2->dim() == 1,
-                "speedkit mlp: weights must be 2-d and biases 1-d");
-    const int64_t in = w1->size(1), hidden = w1->size(0), out = w2->size(0);
-    TORCH_CHECK(x->size(-1) == in && w2->size(1) == hidden && b1->size(0) == hidden && b2->size(0) == out,
-                "speedkit mlp: x ", x->sizes(), ", fc1 ", w1->sizes(), " + ", b1->sizes(), ", fc2 ", w2->sizes(),
-                " + ", b2->sizes(), " do not chain");
-    for (const at::Tensor* p : {w1, b1, w2, b2})
-      TORCH_CHECK(p->device() == x->device(), "speedkit mlp: parameters must be on the input's device ",
-                  x->device());
-    c10::DeviceGuard guard(x->device());
-    api();
-    // Rows counted, not inferred: reshape cannot infer a -1 beside other sizes when x is empty.
-    TORCH_CHECK(in > 0 && hidden > 0 && out > 0, "speedkit mlp: widths must be positive");
-    const int64_t tokens = x->numel() / in;
-    auto outputs = MlpFunction::apply(x->reshape({tokens, in}), *w1, *b1, *w2, *b2, static_cast<int64_t>(type));
-    std::vector<int64_t> shape = x->sizes().vec();
-    shape.back() = out;
-    *y = new at::Tensor(outputs[0].view(shape));
+    const at::Tensor bias1 = sk::optional_tensor(b1), bias2 = sk::optional_tensor(b2);
+    *y = sk::give(sk::ops::run_or_fall_back(
+        SK_OP_MLP, unsupported(*x, *w1, bias1, *w2, bias2), [&] { return on_kernels(*x, *w1, bias1, *w2, bias2); },
+        [&] { return on_aten(*x, *w1, bias1, *w2, bias2); }));
   })
-#else
-  (void)x; (void)w1; (void)b1; (void)w2; (void)b2; (void)compute_type; (void)y;
-  SK_NO_CUDA();
-#endif
+}
+
+int sk_mlp_unsupported(sk_tensor x, sk_tensor w1, sk_tensor b1, sk_tensor w2, sk_tensor b2, const char** reason) {
+  SK_TRY(sk::hand_out(unsupported(*x, *w1, sk::optional_tensor(b1), *w2, sk::optional_tensor(b2)), reason))
 }
 
 // Sets which parts of the MLP's backward run in cuBLASLt epilogues (a mask of Fusion bits) and
 // returns the previous mask in *previous.
 int sk_mlp_set_backward_fusion(int mask, int* previous) {
 #if SK_WITH_CUDA
-  *previous = fusion.exchange(mask);
-  return 0;
+  SK_TRY(*previous = fusion.exchange(mask))
 #else
-  (void)mask; (void)previous;
-  SK_NO_CUDA();
+  SK_TRY({
+    *previous = fusion_mask;
+    fusion_mask = mask;
+  })
 #endif
-}
-
-// The reasons a GEMM of the MLP ran on ATen since the last call, one per line, each reported once
-// per process; *out points into a per-thread string valid until this thread's next call.
-int sk_mlp_take_notes(const char** out) {
-  static thread_local std::string text;
-  text.clear();
-#if SK_WITH_CUDA
-  {
-    std::lock_guard<std::mutex> lock(notes_mutex);
-    for (const std::string& line : pending_notes) text += line + "\n";
-    pending_notes.clear();
-  }
-#endif
-  *out = text.c_str();
-  return 0;
 }
 
 }  // extern "C"

@@ -5,6 +5,7 @@
 #include <torch/headeronly/version.h>
 
 #include <cstring>
+#include <memory>
 
 #if SK_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -15,13 +16,6 @@
 #endif
 
 extern "C" {
-
-struct sk_versions {
-  int torch_major, torch_minor, torch_patch;
-  int built_with_cuda;      // this shim has its CUDA parts
-  int64_t cuda_runtime;     // e.g. 13000, 0 when unknown
-  int64_t cudnn;            // e.g. 91500, 0 when unavailable
-};
 
 int sk_versions_get(sk_versions* out) {
   SK_TRY({
@@ -40,14 +34,7 @@ int sk_versions_get(sk_versions* out) {
   })
 }
 
-struct sk_device_props {
-  char name[256];
-  int major, minor;
-  int multiprocessors;
-  int64_t total_memory;
-  int64_t l2_cache_bytes;
-};
-
+// Without CUDA there are no devices: 0, not an error.
 int sk_cuda_device_count(int* out) {
 #if SK_WITH_CUDA
   SK_TRY(*out = at::globalContext().hasCUDA() ? static_cast<int>(c10::cuda::device_count()) : 0)
@@ -58,8 +45,7 @@ int sk_cuda_device_count(int* out) {
 }
 
 int sk_cuda_device_props(int index, sk_device_props* out) {
-#if SK_WITH_CUDA
-  SK_TRY({
+  SK_CUDA_TRY({
     const cudaDeviceProp* p = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(index));
     std::memset(out, 0, sizeof(*out));
     std::strncpy(out->name, p->name, sizeof(out->name) - 1);
@@ -69,16 +55,11 @@ int sk_cuda_device_props(int index, sk_device_props* out) {
     out->total_memory = static_cast<int64_t>(p->totalGlobalMem);
     out->l2_cache_bytes = static_cast<int64_t>(p->l2CacheSize);
   })
-#else
-  (void)index; (void)out;
-  SK_NO_CUDA();
-#endif
 }
 
 // Bytes currently allocated, peak allocated since the last reset, and reserved by the caching allocator.
 int sk_cuda_memory_stats(int index, int64_t* allocated, int64_t* peak, int64_t* reserved) {
-#if SK_WITH_CUDA
-  SK_TRY({
+  SK_CUDA_TRY({
     using Stat = c10::CachingDeviceAllocator::StatType;
     auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
     const auto all = static_cast<size_t>(Stat::AGGREGATE);
@@ -86,44 +67,26 @@ int sk_cuda_memory_stats(int index, int64_t* allocated, int64_t* peak, int64_t* 
     *peak = stats.allocated_bytes[all].peak;
     *reserved = stats.reserved_bytes[all].current;
   })
-#else
-  (void)index; (void)allocated; (void)peak; (void)reserved;
-  SK_NO_CUDA();
-#endif
 }
 
 int sk_cuda_reset_peak_memory(int index) {
-#if SK_WITH_CUDA
-  SK_TRY(c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index)))
-#else
-  (void)index;
-  SK_NO_CUDA();
-#endif
+  SK_CUDA_TRY(c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index)))
 }
 
 // Peak bytes reserved by the caching allocator since the last reset (what
 // torch.cuda.max_memory_reserved reports).
 int sk_cuda_peak_reserved_memory(int index, int64_t* out) {
-#if SK_WITH_CUDA
-  SK_TRY({
+  SK_CUDA_TRY({
     using Stat = c10::CachingDeviceAllocator::StatType;
     auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
     *out = stats.reserved_bytes[static_cast<size_t>(Stat::AGGREGATE)].peak;
   })
-#else
-  (void)index; (void)out;
-  SK_NO_CUDA();
-#endif
 }
 
 // Releases every unused cached block to the driver (torch.cuda.empty_cache), so that the next
 // benchmark's reserved figure is its own.
 int sk_cuda_empty_cache() {
-#if SK_WITH_CUDA
-  SK_TRY(c10::cuda::CUDACachingAllocator::emptyCache())
-#else
-  SK_NO_CUDA();
-#endif
+  SK_CUDA_TRY(c10::cuda::CUDACachingAllocator::emptyCache())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -131,35 +94,20 @@ int sk_cuda_empty_cache() {
 // ---------------------------------------------------------------------------------------------
 
 int sk_cuda_event_new(void** out) {
-#if SK_WITH_CUDA
   // BACKEND_DEFAULT = cudaEventDefault: timing enabled.
-  SK_TRY(*out = new c10::Event(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT))
-#else
-  (void)out;
-  SK_NO_CUDA();
-#endif
+  SK_CUDA_TRY(*out = new c10::Event(c10::DeviceType::CUDA, c10::EventFlag::BACKEND_DEFAULT))
 }
 
 int sk_cuda_event_record(void* event) {
-#if SK_WITH_CUDA
-  SK_TRY(static_cast<c10::Event*>(event)->record(c10::cuda::getCurrentCUDAStream()))
-#else
-  (void)event;
-  SK_NO_CUDA();
-#endif
+  SK_CUDA_TRY(static_cast<c10::Event*>(event)->record(c10::cuda::getCurrentCUDAStream()))
 }
 
 int sk_cuda_event_elapsed_ms(void* start, void* end, double* out) {
-#if SK_WITH_CUDA
-  SK_TRY({
+  SK_CUDA_TRY({
     auto* e = static_cast<c10::Event*>(end);
     e->synchronize();
     *out = static_cast<c10::Event*>(start)->elapsedTime(*e);
   })
-#else
-  (void)start; (void)end; (void)out;
-  SK_NO_CUDA();
-#endif
 }
 
 void sk_cuda_event_free(void* event) {
@@ -171,12 +119,7 @@ void sk_cuda_event_free(void* event) {
 }
 
 int sk_cuda_synchronize(int index) {
-#if SK_WITH_CUDA
-  SK_TRY(c10::cuda::device_synchronize(); (void)index)
-#else
-  (void)index;
-  SK_NO_CUDA();
-#endif
+  SK_CUDA_TRY(c10::cuda::device_synchronize(); (void)index)
 }
 
 #if SK_WITH_CUDA
@@ -205,30 +148,15 @@ struct SideStream {
 #endif
 
 int sk_cuda_side_stream_enter(int index, void** out) {
-#if SK_WITH_CUDA
-  SK_TRY(*out = new SideStream(static_cast<c10::DeviceIndex>(index)))
-#else
-  (void)index; (void)out;
-  SK_NO_CUDA();
-#endif
+  SK_CUDA_TRY(*out = new SideStream(static_cast<c10::DeviceIndex>(index)))
 }
 
 int sk_cuda_side_stream_exit(void* handle) {
-#if SK_WITH_CUDA
-  auto* s = static_cast<SideStream*>(handle);
-  int status = 0;
-  try {
-    s->exit();
-  } catch (const std::exception& e) {
-    sk::set_error_from(e);
-    status = 1;
-  }
-  delete s;
-  return status;
-#else
-  (void)handle;
-  SK_NO_CUDA();
-#endif
+  SK_CUDA_TRY({
+    // Freed whether or not the exit succeeds: the handle is spent either way.
+    std::unique_ptr<SideStream> side(static_cast<SideStream*>(handle));
+    side->exit();
+  })
 }
 
 }  // extern "C"

@@ -169,7 +169,7 @@ void sk_dist_free(void* group) {
   delete g;
 }
 
-int sk_dist_broadcast_(void* group, at::Tensor** tensors, int64_t n, int root) {
+int sk_dist_broadcast_(void* group, const sk_tensor* tensors, int64_t n, int root) {
   SK_TRY({
     auto* g = static_cast<Group*>(group);
     auto list = sk::tensor_list(tensors, n);
@@ -182,7 +182,7 @@ int sk_dist_broadcast_(void* group, at::Tensor** tensors, int64_t n, int root) {
   })
 }
 
-int sk_dist_all_reduce_(void* group, at::Tensor* tensor, int op) {
+int sk_dist_all_reduce_(void* group, sk_tensor tensor, int op) {
   SK_TRY({
     auto* g = static_cast<Group*>(group);
     std::vector<at::Tensor> one{*tensor};
@@ -193,7 +193,7 @@ int sk_dist_all_reduce_(void* group, at::Tensor* tensor, int op) {
 }
 
 // Every rank's `tensor`, stacked along a new first dimension (rank order).
-int sk_dist_all_gather(void* group, at::Tensor* tensor, at::Tensor** out) {
+int sk_dist_all_gather(void* group, sk_tensor tensor, sk_tensor* out) {
   SK_TRY({
     auto* g = static_cast<Group*>(group);
     std::vector<at::Tensor> input{*tensor};
@@ -215,7 +215,7 @@ int sk_dist_barrier(void* group) {
 // A Reducer over `params` (in registration order) with buckets of `bucket_bytes` (the first one
 // `first_bucket_bytes`, so the last layers' gradients leave early), assigned in reverse parameter
 // order as DistributedDataParallel does: gradients become ready roughly from the last layer back.
-int sk_reducer_new(void* group, at::Tensor** params, int64_t n, int64_t bucket_bytes,
+int sk_reducer_new(void* group, const sk_tensor* params, int64_t n, int64_t bucket_bytes,
                    int64_t first_bucket_bytes, void** out) {
   SK_TRY({
     auto* g = static_cast<Group*>(group);

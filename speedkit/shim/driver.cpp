@@ -1,13 +1,9 @@
-// The CUDA driver API, loaded with dlopen("libcuda.so.1"): loads speedkit's cubins into the device's
-// primary context (the one PyTorch's runtime uses) and launches their kernels.
-//
-// dlopen, because libcuda exists only where a GPU driver is installed: the shim must load (and CI
-// must compile kernels) on machines without one. Only these few entry points are needed.
+// The CUDA driver API, loaded at run time (loader.h): loads kernel cubins into the device's primary
+// context (the one PyTorch's runtime uses) and launches their kernels. libcuda exists only where a GPU
+// driver is installed: the shim must load (and CI must compile kernels) on machines without one.
 #include "kernels.h"
+#include "loader.h"
 
-#include <dlfcn.h>
-
-#include <mutex>
 #include <stdexcept>
 
 #if SK_WITH_CUDA
@@ -31,39 +27,27 @@ struct Api {
   CUresult (*OccupancyMaxActiveBlocksPerMultiprocessor)(int*, CUfunction, int, size_t);
   CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                            CUstream, void**, void**);
+  // CUDA 12.4 and newer: the offset and size of a kernel's parameter, or an error past the last.
+  CUresult (*FuncGetParamInfo)(CUfunction, size_t, size_t*, size_t*);
 };
 
-template <typename F>
-void bind(void* library, F*& slot, const char* name) {
-  slot = reinterpret_cast<F*>(dlsym(library, name));
-  if (slot == nullptr) throw std::runtime_error(std::string("libcuda.so.1 lacks ") + name);
-}
-
 const Api& api() {
-  static std::once_flag once;
-  static Api loaded{};
-  static std::string failure;
-  std::call_once(once, [] {
-    try {
-      void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-      if (library == nullptr)
-        throw std::runtime_error(std::string("the CUDA driver library cannot be loaded: ") + dlerror());
-      bind(library, loaded.GetErrorString, "cuGetErrorString");
-      bind(library, loaded.DeviceGet, "cuDeviceGet");
-      bind(library, loaded.CtxGetCurrent, "cuCtxGetCurrent");
-      bind(library, loaded.CtxSetCurrent, "cuCtxSetCurrent");
-      bind(library, loaded.DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
-      bind(library, loaded.ModuleLoadData, "cuModuleLoadData");
-      bind(library, loaded.ModuleGetFunction, "cuModuleGetFunction");
-      bind(library, loaded.FuncSetAttribute, "cuFuncSetAttribute");
-      bind(library, loaded.OccupancyMaxActiveBlocksPerMultiprocessor, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
-      bind(library, loaded.LaunchKernel, "cuLaunchKernel");
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
+  return loader::once<Api>([] {
+    const auto library = loader::Library::open("the CUDA driver library", {"libcuda.so.1"});
+    Api api{};
+    library.bind(api.GetErrorString, "cuGetErrorString");
+    library.bind(api.DeviceGet, "cuDeviceGet");
+    library.bind(api.CtxGetCurrent, "cuCtxGetCurrent");
+    library.bind(api.CtxSetCurrent, "cuCtxSetCurrent");
+    library.bind(api.DevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain");
+    library.bind(api.ModuleLoadData, "cuModuleLoadData");
+    library.bind(api.ModuleGetFunction, "cuModuleGetFunction");
+    library.bind(api.FuncSetAttribute, "cuFuncSetAttribute");
+    library.bind(api.OccupancyMaxActiveBlocksPerMultiprocessor, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
+    library.bind(api.LaunchKernel, "cuLaunchKernel");
+    library.bind_optional(api.FuncGetParamInfo, "cuFuncGetParamInfo");
+    return api;
   });
-  if (!failure.empty()) throw std::runtime_error(failure);
-  return loaded;
 }
 
 void check(CUresult result, const std::string& what) {
@@ -76,7 +60,7 @@ void check(CUresult result, const std::string& what) {
 }  // namespace
 
 // Modules belong to a context; PyTorch's runtime works in each device's primary context.
-void make_primary_context_current(c10::DeviceIndex index) {
+void make_primary_context_current(int index) {
   CUcontext current = nullptr;
   check(api().CtxGetCurrent(&current), "cuCtxGetCurrent");
   if (current != nullptr) return;
@@ -86,7 +70,6 @@ void make_primary_context_current(c10::DeviceIndex index) {
   check(api().DevicePrimaryCtxRetain(&primary, device), "cuDevicePrimaryCtxRetain");
   check(api().CtxSetCurrent(primary), "cuCtxSetCurrent");
 }
-
 
 bool available(std::string* why_not) {
   try {
@@ -98,7 +81,7 @@ bool available(std::string* why_not) {
   }
 }
 
-void* load_module(const std::vector<char>& cubin, c10::DeviceIndex device) {
+void* load_module(const std::vector<char>& cubin, int device) {
   make_primary_context_current(device);
   CUmodule module = nullptr;
   check(api().ModuleLoadData(&module, cubin.data()), "cuModuleLoadData");
@@ -107,14 +90,24 @@ void* load_module(const std::vector<char>& cubin, c10::DeviceIndex device) {
 
 void* function(void* module, const std::string& name) {
   CUfunction function = nullptr;
-  check(api().ModuleGetFunction(&function, static_cast<CUmodule>(module), name.c_str()),
-        "speedkit kernel " + name);
+  check(api().ModuleGetFunction(&function, static_cast<CUmodule>(module), name.c_str()), "kernel " + name);
   return function;
 }
 
+std::vector<size_t> parameter_sizes(void* function) {
+  std::vector<size_t> sizes;
+  if (api().FuncGetParamInfo == nullptr) return sizes;
+  for (size_t index = 0;; ++index) {
+    size_t offset = 0, size = 0;
+    if (api().FuncGetParamInfo(static_cast<CUfunction>(function), index, &offset, &size) != CUDA_SUCCESS) break;
+    sizes.push_back(size);
+  }
+  return sizes;
+}
+
 void set_max_dynamic_shared_memory(void* function, int bytes) {
-  check(api().FuncSetAttribute(static_cast<CUfunction>(function),
-                               CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes),
+  check(api().FuncSetAttribute(static_cast<CUfunction>(function), CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                               bytes),
         "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)");
 }
 
@@ -134,22 +127,10 @@ void launch(void* function, Dim3 grid, Dim3 block, int shared_bytes, void* strea
 
 #else  // a libtorch without CUDA: nothing can load or launch
 
-namespace {
-[[noreturn]] void no_cuda() {
-  throw std::runtime_error("speedkit was built against a libtorch without CUDA support, so its kernels cannot run");
-}
-}  // namespace
-
 bool available(std::string* why_not) {
   if (why_not != nullptr) *why_not = "speedkit was built against a libtorch without CUDA support";
   return false;
 }
-void make_primary_context_current(c10::DeviceIndex) { no_cuda(); }
-void* load_module(const std::vector<char>&, c10::DeviceIndex) { no_cuda(); }
-void* function(void*, const std::string&) { no_cuda(); }
-void set_max_dynamic_shared_memory(void*, int) { no_cuda(); }
-int max_active_blocks(void*, int, int) { no_cuda(); }
-void launch(void*, Dim3, Dim3, int, void*, void**) { no_cuda(); }
 
 #endif
 

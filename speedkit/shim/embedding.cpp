@@ -1,21 +1,17 @@
 // Token embedding plus an optional position embedding (kernels/embedding.cuh) as a C++ autograd
 // function, so that the backward runs the deterministic sorted-run kernel instead of ATen's
-// sort-and-segment pipeline. The Rust side (nn/embedding.rs) decides when this path applies and
-// otherwise runs ATen's `embedding` and a broadcast add.
-#include "shim.h"
-
-#include <torch/csrc/autograd/custom_function.h>
-
-#if SK_WITH_CUDA
+// sort-and-segment pipeline. Inputs the kernels do not take run ATen's embedding and a broadcast add
+// instead (sk::ops::run_or_fall_back).
 #include "embedding.cuh"
-#endif
+#include "fused_op.h"
 
+#include <ATen/ops/add.h>
+#include <ATen/ops/embedding.h>
+
+namespace sk {
 namespace {
 
-#if SK_WITH_CUDA
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-namespace emb = sk::kernels::embedding;
+namespace emb = kernels::embedding;
 
 struct EmbeddingFunction : torch::autograd::Function<EmbeddingFunction> {
   // tokens: [rows] int64; table: [vocab, width]; positions_in: [max_seq, width] when has_positions,
@@ -41,46 +37,68 @@ struct EmbeddingFunction : torch::autograd::Function<EmbeddingFunction> {
     return {at::Tensor(), dtable, dpositions, at::Tensor(), at::Tensor()};
   }
 };
-#endif
+
+// The shapes fit together on every path: int64 tokens, a [vocab, width] table, and with positions
+// [batch, seq] tokens and a [>= seq, width] position table of the table's type.
+void check_shapes(const at::Tensor& tokens, const at::Tensor& table, const at::Tensor& positions) {
+  TORCH_CHECK(table.dim() == 2, "embedding: the table must be [vocab, width], got ", table.sizes());
+  TORCH_CHECK(tokens.scalar_type() == at::kLong, "embedding: the tokens must be int64, got ", tokens.scalar_type());
+  if (!positions.defined()) return;
+  TORCH_CHECK(tokens.dim() == 2, "embedding: with positions the tokens must be [batch, seq], got ", tokens.sizes());
+  TORCH_CHECK(positions.dim() == 2 && positions.size(1) == table.size(1) && positions.size(0) >= tokens.size(1),
+              "embedding: the positions must be [>= ", tokens.size(1), ", ", table.size(1), "], got ",
+              positions.sizes());
+  TORCH_CHECK(positions.scalar_type() == table.scalar_type(), "embedding: the positions must be of the table's type");
+}
+
+std::string unsupported(const at::Tensor& tokens, const at::Tensor& table, const at::Tensor& positions) {
+  const c10::Device device = table.device();
+  if (auto why = sk::ops::unusable(SK_OP_EMBEDDING, device); !why.empty()) return why;
+  if (auto why = sk::ops::floating("a table", table); !why.empty()) return why;
+  if (auto why = sk::ops::first_of(
+          {sk::ops::on_device("tokens", tokens, device), sk::ops::on_device("positions", positions, device)});
+      !why.empty())
+    return why;
+  if (table.dim() != 2) return "a table of shape " + c10::str(table.sizes());
+  const int64_t limit = INT32_MAX;
+  if (tokens.numel() > limit || table.size(0) > limit || table.size(1) > limit)
+    return std::to_string(tokens.numel()) + " tokens over a table of " + c10::str(table.sizes());
+  return {};
+}
+
+at::Tensor on_kernels(const at::Tensor& tokens, const at::Tensor& table, const at::Tensor& positions) {
+  const int64_t seq = positions.defined() ? tokens.size(1) : 1;
+  at::Tensor result = EmbeddingFunction::apply(
+      tokens.reshape({-1}).contiguous(), table.contiguous(),
+      sk::placeholder_unless(positions.defined(), positions.defined() ? positions.contiguous() : positions, table),
+      positions.defined(), seq);
+  std::vector<int64_t> shape = tokens.sizes().vec();
+  shape.push_back(table.size(1));
+  return result.view(shape);
+}
+
+at::Tensor on_aten(const at::Tensor& tokens, const at::Tensor& table, const at::Tensor& positions) {
+  at::Tensor out = at::embedding(table, tokens);
+  return positions.defined() ? at::add(out, positions.narrow(0, 0, tokens.size(1))) : out;
+}
 
 }  // namespace
+}  // namespace sk
 
 extern "C" {
 
-// *out = table[tokens] (+ positions[t] for tokens [batch, seq], t the column), shaped tokens' shape
-// + [width], in the table's type. tokens: int64 on the table's CUDA device; table: [vocab, width],
-// fp32/bf16/fp16; positions: [≥ seq, width] of the table's type, or null. Differentiable in the
-// table and the positions through EmbeddingFunction.
-int sk_embedding(at::Tensor* tokens, at::Tensor* table, at::Tensor* positions, at::Tensor** out) {
-#if SK_WITH_CUDA
+int sk_embedding(sk_tensor tokens, sk_tensor table, sk_tensor positions, sk_tensor* out) {
   SK_TRY({
-    TORCH_CHECK(table->dim() == 2, "embedding: the table must be [vocab, width], got ", table->sizes());
-    TORCH_CHECK(tokens->scalar_type() == at::kLong, "embedding: the tokens must be int64, got ",
-                tokens->scalar_type());
-    const int64_t width = table->size(1);
-    int64_t seq = 1;
-    if (positions) {
-      TORCH_CHECK(tokens->dim() == 2, "embedding: with positions the tokens must be [batch, seq], got ",
-                  tokens->sizes());
-      seq = tokens->size(1);
-      TORCH_CHECK(positions->dim() == 2 && positions->size(1) == width && positions->size(0) >= seq,
-                  "embedding: the positions must be [>= ", seq, ", ", width, "], got ", positions->sizes());
-      TORCH_CHECK(positions->scalar_type() == table->scalar_type(),
-                  "embedding: the positions must be of the table's type");
-    }
-    at::Tensor flat = tokens->reshape({-1}).contiguous();
-    at::Tensor result = EmbeddingFunction::apply(
-        flat, table->contiguous(),
-        sk::placeholder_unless(positions != nullptr, positions ? positions->contiguous() : at::Tensor(), *table),
-        positions != nullptr, seq);
-    std::vector<int64_t> shape = tokens->sizes().vec();
-    shape.push_back(width);
-    *out = new at::Tensor(result.view(shape));
+    const at::Tensor p = sk::optional_tensor(positions);
+    sk::check_shapes(*tokens, *table, p);
+    *out = sk::give(sk::ops::run_or_fall_back(
+        SK_OP_EMBEDDING, sk::unsupported(*tokens, *table, p), [&] { return sk::on_kernels(*tokens, *table, p); },
+        [&] { return sk::on_aten(*tokens, *table, p); }));
   })
-#else
-  (void)tokens; (void)table; (void)positions; (void)out;
-  SK_NO_CUDA();
-#endif
+}
+
+int sk_embedding_unsupported(sk_tensor tokens, sk_tensor table, sk_tensor positions, const char** reason) {
+  SK_TRY(sk::hand_out(sk::unsupported(*tokens, *table, sk::optional_tensor(positions)), reason))
 }
 
 }  // extern "C"

@@ -55,36 +55,23 @@ template struct Expose<Fp32PrecisionTable, &at::Context::fp32_precision>;
 // Test-only fault injection: when non-zero, the n-th flag write from now throws (once).
 std::atomic<int> writes_until_fault{0};
 
-void count_write() {
-  int n = writes_until_fault.load();
-  while (n > 0 && !writes_until_fault.compare_exchange_weak(n, n - 1)) {
-  }
-  if (n == 1) throw std::runtime_error("injected fault: this flag write was made to fail by a test");
-}
 
-// Flag identifiers; the Rust side (`flags::Flag`) mirrors these numbers.
-enum BoolFlag : int {
-  CUDA_MATMUL_ALLOW_TF32 = 0,
-  CUDA_MATMUL_ALLOW_BF16_REDUCED_PRECISION_REDUCTION = 1,
-  CUDA_MATMUL_ALLOW_FP16_REDUCED_PRECISION_REDUCTION = 2,
-  CUDNN_ALLOW_TF32 = 3,
-  CUDNN_BENCHMARK = 4,
-  CUDNN_DETERMINISTIC = 5,
-  CUDNN_ENABLED = 6,
-  SDP_FLASH = 7,
-  SDP_MEM_EFFICIENT = 8,
-  SDP_MATH = 9,
-  SDP_CUDNN = 10,
-  USE_DETERMINISTIC_ALGORITHMS = 11,
-};
+// speedkit.h's scalar type codes are c10's: checked here, once.
+static_assert(SK_INT64 == static_cast<int>(c10::ScalarType::Long));
+static_assert(SK_FLOAT16 == static_cast<int>(c10::ScalarType::Half));
+static_assert(SK_FLOAT32 == static_cast<int>(c10::ScalarType::Float));
+static_assert(SK_FLOAT64 == static_cast<int>(c10::ScalarType::Double));
+static_assert(SK_BFLOAT16 == static_cast<int>(c10::ScalarType::BFloat16));
+static_assert(SK_FLOAT8_E5M2 == static_cast<int>(c10::ScalarType::Float8_e5m2));
+static_assert(SK_FLOAT8_E4M3FN == static_cast<int>(c10::ScalarType::Float8_e4m3fn));
 
-// The per-backend entries of the new API that speedkit's settings move; mirrors `flags::Flag`.
+// The per-backend entries of the new API that speedkit's settings move (speedkit.h's sk_fp32_precision_entry).
 PrecisionKey precision_key(int which) {
   switch (which) {
-    case 0: return {at::Float32Backend::CUDA, at::Float32Op::MATMUL};
-    case 1: return {at::Float32Backend::MKLDNN, at::Float32Op::MATMUL};
-    case 2: return {at::Float32Backend::CUDA, at::Float32Op::CONV};
-    case 3: return {at::Float32Backend::CUDA, at::Float32Op::RNN};
+    case SK_FP32_CUDA_MATMUL: return {at::Float32Backend::CUDA, at::Float32Op::MATMUL};
+    case SK_FP32_MKLDNN_MATMUL: return {at::Float32Backend::MKLDNN, at::Float32Op::MATMUL};
+    case SK_FP32_CUDNN_CONV: return {at::Float32Backend::CUDA, at::Float32Op::CONV};
+    case SK_FP32_CUDNN_RNN: return {at::Float32Backend::CUDA, at::Float32Op::RNN};
     default: throw std::invalid_argument("unknown speedkit fp32 precision id " + std::to_string(which));
   }
 }
@@ -103,9 +90,16 @@ bool reduction_allowed(at::CuBLASReductionOption option) {
 
 }  // namespace
 
+void sk::count_flag_write() {
+  int n = writes_until_fault.load();
+  while (n > 0 && !writes_until_fault.compare_exchange_weak(n, n - 1)) {
+  }
+  if (n == 1) throw std::runtime_error("injected fault: this flag write was made to fail by a test");
+}
+
 extern "C" {
 
-const char* sk_last_error() { return sk::last_error().c_str(); }
+const char* sk_last_error(void) { return sk::last_error().c_str(); }
 
 void sk_test_fail_nth_flag_write(int n) { writes_until_fault.store(n > 0 ? n : 0); }
 
@@ -115,25 +109,25 @@ int sk_flag_get_bool(int flag, int* out) {
     bool value = false;
     switch (flag) {
       // What PyTorch's checked getter returns when the two APIs agree, read without the check.
-      case CUDA_MATMUL_ALLOW_TF32:
+      case SK_FLAG_CUDA_MATMUL_ALLOW_TF32:
         value = ctx.float32Precision(at::Float32Backend::CUDA, at::Float32Op::MATMUL) ==
                 at::Float32Precision::TF32;
         break;
-      case CUDA_MATMUL_ALLOW_BF16_REDUCED_PRECISION_REDUCTION:
+      case SK_FLAG_CUDA_MATMUL_ALLOW_BF16_REDUCED_PRECISION_REDUCTION:
         value = reduction_allowed(ctx.allowBF16ReductionCuBLAS());
         break;
-      case CUDA_MATMUL_ALLOW_FP16_REDUCED_PRECISION_REDUCTION:
+      case SK_FLAG_CUDA_MATMUL_ALLOW_FP16_REDUCED_PRECISION_REDUCTION:
         value = reduction_allowed(ctx.allowFP16ReductionCuBLAS());
         break;
-      case CUDNN_ALLOW_TF32: value = ctx.*member(LegacyCudnnTf32{}); break;
-      case CUDNN_BENCHMARK: value = ctx.benchmarkCuDNN(); break;
-      case CUDNN_DETERMINISTIC: value = ctx.deterministicCuDNN(); break;
-      case CUDNN_ENABLED: value = ctx.userEnabledCuDNN(); break;
-      case SDP_FLASH: value = ctx.userEnabledFlashSDP(); break;
-      case SDP_MEM_EFFICIENT: value = ctx.userEnabledMemEfficientSDP(); break;
-      case SDP_MATH: value = ctx.userEnabledMathSDP(); break;
-      case SDP_CUDNN: value = ctx.userEnabledCuDNNSDP(); break;
-      case USE_DETERMINISTIC_ALGORITHMS: value = ctx.deterministicAlgorithms(); break;
+      case SK_FLAG_CUDNN_ALLOW_TF32: value = ctx.*member(LegacyCudnnTf32{}); break;
+      case SK_FLAG_CUDNN_BENCHMARK: value = ctx.benchmarkCuDNN(); break;
+      case SK_FLAG_CUDNN_DETERMINISTIC: value = ctx.deterministicCuDNN(); break;
+      case SK_FLAG_CUDNN_ENABLED: value = ctx.userEnabledCuDNN(); break;
+      case SK_FLAG_SDP_FLASH: value = ctx.userEnabledFlashSDP(); break;
+      case SK_FLAG_SDP_MEM_EFFICIENT: value = ctx.userEnabledMemEfficientSDP(); break;
+      case SK_FLAG_SDP_MATH: value = ctx.userEnabledMathSDP(); break;
+      case SK_FLAG_SDP_CUDNN: value = ctx.userEnabledCuDNNSDP(); break;
+      case SK_FLAG_USE_DETERMINISTIC_ALGORITHMS: value = ctx.deterministicAlgorithms(); break;
       default: throw std::invalid_argument("unknown speedkit flag id " + std::to_string(flag));
     }
     *out = value ? 1 : 0;
@@ -143,23 +137,23 @@ int sk_flag_get_bool(int flag, int* out) {
 // Sets a flag as PyTorch's Python setter does (the TF32 ones write both APIs consistently).
 int sk_flag_set_bool(int flag, int value) {
   SK_TRY({
-    count_write();
+    sk::count_flag_write();
     auto& ctx = at::globalContext();
     const bool b = value != 0;
     switch (flag) {
-      case CUDA_MATMUL_ALLOW_TF32: ctx.setAllowTF32CuBLAS(b); break;
+      case SK_FLAG_CUDA_MATMUL_ALLOW_TF32: ctx.setAllowTF32CuBLAS(b); break;
       // split-K stays allowed either way, as with PyTorch's Python setters.
-      case CUDA_MATMUL_ALLOW_BF16_REDUCED_PRECISION_REDUCTION: ctx.setAllowBF16ReductionCuBLAS(b); break;
-      case CUDA_MATMUL_ALLOW_FP16_REDUCED_PRECISION_REDUCTION: ctx.setAllowFP16ReductionCuBLAS(b); break;
-      case CUDNN_ALLOW_TF32: ctx.setAllowTF32CuDNN(b); break;
-      case CUDNN_BENCHMARK: ctx.setBenchmarkCuDNN(b); break;
-      case CUDNN_DETERMINISTIC: ctx.setDeterministicCuDNN(b); break;
-      case CUDNN_ENABLED: ctx.setUserEnabledCuDNN(b); break;
-      case SDP_FLASH: ctx.setSDPUseFlash(b); break;
-      case SDP_MEM_EFFICIENT: ctx.setSDPUseMemEfficient(b); break;
-      case SDP_MATH: ctx.setSDPUseMath(b); break;
-      case SDP_CUDNN: ctx.setSDPUseCuDNN(b); break;
-      case USE_DETERMINISTIC_ALGORITHMS:
+      case SK_FLAG_CUDA_MATMUL_ALLOW_BF16_REDUCED_PRECISION_REDUCTION: ctx.setAllowBF16ReductionCuBLAS(b); break;
+      case SK_FLAG_CUDA_MATMUL_ALLOW_FP16_REDUCED_PRECISION_REDUCTION: ctx.setAllowFP16ReductionCuBLAS(b); break;
+      case SK_FLAG_CUDNN_ALLOW_TF32: ctx.setAllowTF32CuDNN(b); break;
+      case SK_FLAG_CUDNN_BENCHMARK: ctx.setBenchmarkCuDNN(b); break;
+      case SK_FLAG_CUDNN_DETERMINISTIC: ctx.setDeterministicCuDNN(b); break;
+      case SK_FLAG_CUDNN_ENABLED: ctx.setUserEnabledCuDNN(b); break;
+      case SK_FLAG_SDP_FLASH: ctx.setSDPUseFlash(b); break;
+      case SK_FLAG_SDP_MEM_EFFICIENT: ctx.setSDPUseMemEfficient(b); break;
+      case SK_FLAG_SDP_MATH: ctx.setSDPUseMath(b); break;
+      case SK_FLAG_SDP_CUDNN: ctx.setSDPUseCuDNN(b); break;
+      case SK_FLAG_USE_DETERMINISTIC_ALGORITHMS:
         // Keep the current warn_only setting: speedkit only toggles the mode itself.
         ctx.setDeterministicAlgorithms(b, ctx.deterministicAlgorithmsWarnOnly());
         break;
@@ -173,10 +167,10 @@ int sk_flag_set_bool(int flag, int value) {
 // `allow_tf32` of cuBLAS has no field of its own (it is a view of the CUDA matmul entry), so
 // restoring it is the caller's mistake.
 int sk_flag_restore_bool(int flag, int value) {
-  if (flag == CUDNN_ALLOW_TF32) {
-    SK_TRY(count_write(); at::globalContext().*member(LegacyCudnnTf32{}) = value != 0)
+  if (flag == SK_FLAG_CUDNN_ALLOW_TF32) {
+    SK_TRY(sk::count_flag_write(); at::globalContext().*member(LegacyCudnnTf32{}) = value != 0)
   }
-  if (flag == CUDA_MATMUL_ALLOW_TF32) {
+  if (flag == SK_FLAG_CUDA_MATMUL_ALLOW_TF32) {
     sk::set_error("torch.backends.cuda.matmul.allow_tf32 is a view of the CUDA matmul fp32 precision; restore that");
     return 1;
   }
@@ -191,7 +185,7 @@ int sk_matmul_precision_get(int* out) {
 // torch.set_float32_matmul_precision(): the legacy field and the CUDA and oneDNN matmul entries together.
 int sk_matmul_precision_set(int value) {
   SK_TRY({
-    count_write();
+    sk::count_flag_write();
     static const char* names[] = {"highest", "high", "medium"};
     if (value < 0 || value > 2) throw std::invalid_argument("matmul precision must be 0, 1 or 2");
     at::globalContext().setFloat32MatmulPrecision(names[value]);
@@ -201,7 +195,7 @@ int sk_matmul_precision_set(int value) {
 // The legacy field alone, for restoring a captured state.
 int sk_matmul_precision_restore(int value) {
   SK_TRY({
-    count_write();
+    sk::count_flag_write();
     if (value < 0 || value > 2) throw std::invalid_argument("matmul precision must be 0, 1 or 2");
     at::globalContext().*member(LegacyMatmulPrecision{}) = static_cast<at::Float32MatmulPrecision>(value);
   })
@@ -220,7 +214,7 @@ int sk_fp32_precision_get(int which, int* out) {
 // Writes one entry of the new API's table (PyTorch's own setter, which rejects bf16 for CUDA).
 int sk_fp32_precision_set(int which, int value) {
   SK_TRY({
-    count_write();
+    sk::count_flag_write();
     const auto key = precision_key(which);
     at::globalContext().setFloat32Precision(key.first, key.second, precision_from(value));
   })

@@ -15,31 +15,18 @@
 // The casts run on speedkit's kernels (kernels/fp8_cast.cuh) where the caller allows it and they take
 // the tensor: one pass writes q, its transpose (what the backward GEMMs take) and the amax, and the
 // gradient's cast also gives the bias gradient. ATen's composite (same bytes) is the path otherwise.
-#include "shim.h"
+#include "fp8_cast.cuh"
+#include "fused_op.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
-#include <torch/autograd.h>
 
 #include <cmath>
-#include <cstring>
 #include <string>
 #include <utility>
 
-#if SK_WITH_CUDA
-#include "fp8_cast.cuh"
-#else
-namespace sk::kernels::fp8_cast {
-struct Quantized {
-  at::Tensor data, transpose, inverse_scale, column_sums, transpose_inverse_scale;
-};
-}  // namespace sk::kernels::fp8_cast
-#endif
-
+namespace sk {
 namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
 
 constexpr double E4M3_MAX = 448.0;
 constexpr double E5M2_MAX = 57344.0;
@@ -85,18 +72,10 @@ Quantized quantize_rowwise_aten(const at::Tensor& t, at::ScalarType fp8, double 
   return {q, qt, at::reciprocal(row_scale), at::Tensor(), at::reciprocal(column_scale)};
 }
 
-// Whether the last quantize() on this thread ran on the kernels: sk_fp8_linear reports whether its
-// forward's casts did (autograd's apply() returns only the output).
-thread_local bool last_cast_on_kernels = false;
-
 // Why the fused kernels (kernels/fp8_cast.cuh) cannot cast `t`, or an empty string when they can.
 std::string kernel_unsupported(const at::Tensor& t, const at::Tensor& history) {
-#if SK_WITH_CUDA
+  if (auto why = sk::ops::unusable(SK_OP_FP8_CAST, t.device()); !why.empty()) return why;
   return sk::kernels::fp8_cast::unsupported(t, history);
-#else
-  (void)t; (void)history;
-  return "speedkit was built without CUDA";
-#endif
 }
 
 // How one call casts: the format, its largest value, and per-tensor scaling (from `history` under
@@ -112,23 +91,21 @@ Cast e4m3(const at::Tensor& history, bool rowwise) { return {at::kFloat8_e4m3fn,
 Cast e5m2(const at::Tensor& history, bool rowwise) { return {at::kFloat8_e5m2, E5M2_MAX, history, rowwise}; }
 
 // t [rows, cols] in FP8 with its inverse scale(s), and its transpose when `transpose`: through the
-// fused kernels when `kernels` is set and they take t, else through ATen's composite (the same
-// bytes). The kernels also give t's column sums when `column_sums` (ATen's composite leaves them
-// undefined).
-Quantized quantize(const at::Tensor& t, const Cast& cast, bool transpose, bool kernels, bool column_sums = false) {
-  last_cast_on_kernels = false;
-#if SK_WITH_CUDA
-  if (kernels && kernel_unsupported(t, cast.history).empty()) {
-    last_cast_on_kernels = true;
-    namespace k = sk::kernels::fp8_cast;
-    return cast.rowwise ? k::cast_axiswise(t, cast.fp8, transpose, column_sums)
-                        : k::cast(t, cast.fp8, cast.history, transpose, column_sums);
-  }
-#else
-  (void)column_sums;
-#endif
-  return cast.rowwise ? quantize_rowwise_aten(t, cast.fp8, cast.fp8_max, transpose)
-                      : quantize_aten(t, cast.fp8, cast.fp8_max, cast.history, transpose);
+// fused kernels where the kernel switch allows and they take t, else through ATen's composite (the
+// same bytes). The kernels also give t's column sums when `column_sums` (ATen's composite leaves
+// them undefined).
+Quantized quantize(const at::Tensor& t, const Cast& cast, bool transpose, bool column_sums = false) {
+  namespace k = sk::kernels::fp8_cast;
+  return sk::ops::run_or_fall_back(
+      SK_OP_FP8_CAST, kernel_unsupported(t, cast.history),
+      [&] {
+        return cast.rowwise ? k::cast_axiswise(t, cast.fp8, transpose, column_sums)
+                            : k::cast(t, cast.fp8, cast.history, transpose, column_sums);
+      },
+      [&] {
+        return cast.rowwise ? quantize_rowwise_aten(t, cast.fp8, cast.fp8_max, transpose)
+                            : quantize_aten(t, cast.fp8, cast.fp8_max, cast.history, transpose);
+      });
 }
 
 // An inverse scale as _scaled_mm takes it for its first operand ([M, 1] row-wise) or its second
@@ -140,10 +117,11 @@ at::Tensor as_second_operand_scale(const at::Tensor& s) { return s.dim() == 0 ? 
 // "none" crosses as an empty tensor: no bias, or no history (dynamic scaling).
 at::Tensor none_like(const at::Tensor& x) { return at::empty({0}, x.options().dtype(at::kFloat)); }
 
-// What the caller decided for this call (sk_fp8_linear's `options` bits, and kBackward added here):
-// run the casts on the kernels; a backward will follow (so the casts also write the transposes the
-// backward GEMMs take); scale row-wise; cast the output gradient to e4m3 rather than e5m2.
-enum Options : int64_t { kKernels = 1, kBackward = 2, kRowwise = 4, kE4m3Gradients = 8 };
+// What the caller decided for this call (sk_fp8_linear's `options`, speedkit.h's SK_FP8_ROWWISE and
+// SK_FP8_E4M3_GRADIENTS, and kBackward added here): a backward will follow (so the casts also write
+// the transposes the backward GEMMs take); scale row-wise; cast the output gradient to e4m3 rather
+// than e5m2.
+constexpr int64_t kBackward = 2, kRowwise = SK_FP8_ROWWISE, kE4m3Gradients = SK_FP8_E4M3_GRADIENTS;
 
 struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
@@ -153,13 +131,11 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     // The GEMM dtypes are chosen here; autocast must not re-cast the FP8 operands.
     c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
     const auto out_type = static_cast<at::ScalarType>(out_dtype);
-    const bool kernels = options & kKernels, backward = options & kBackward, rowwise = options & kRowwise;
+    const bool backward = options & kBackward, rowwise = options & kRowwise;
     const int64_t in_features = weight.size(1);
     const at::Tensor x2 = x.reshape({-1, in_features}).contiguous();
-    Quantized xq = quantize(x2, e4m3(x_history, rowwise), backward, kernels);
-    const bool x_on_kernels = last_cast_on_kernels;
-    Quantized wq = quantize(weight.contiguous(), e4m3(w_history, rowwise), backward, kernels);
-    last_cast_on_kernels = last_cast_on_kernels && x_on_kernels;
+    Quantized xq = quantize(x2, e4m3(x_history, rowwise), backward);
+    Quantized wq = quantize(weight.contiguous(), e4m3(w_history, rowwise), backward);
     std::optional<at::Tensor> b;
     if (bias.numel() > 0) b = bias.to(out_type);
     // _scaled_mm wants its second operand column-major: wq (out, in) row-major is exactly Wᵀ so.
@@ -172,7 +148,6 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     // Not saved as tensors: the backward writes to it, which would trip autograd's version check.
     ctx->saved_data["g_history"] = g_history;
     ctx->saved_data["has_bias"] = bias.numel() > 0;
-    ctx->saved_data["kernels"] = kernels;
     ctx->saved_data["rowwise"] = rowwise;
     ctx->saved_data["e4m3_gradients"] = static_cast<bool>(options & kE4m3Gradients);
     ctx->saved_data["x_sizes"] = x.sizes().vec();
@@ -198,7 +173,7 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     const at::Tensor& g_history = ctx->saved_data["g_history"].toTensor();
     const bool rowwise = ctx->saved_data["rowwise"].toBool();
     const Cast cast = ctx->saved_data["e4m3_gradients"].toBool() ? e4m3(g_history, rowwise) : e5m2(g_history, rowwise);
-    Quantized gq = quantize(g, cast, /*transpose=*/true, ctx->saved_data["kernels"].toBool(), has_bias);
+    Quantized gq = quantize(g, cast, /*transpose=*/true, has_bias);
     // dX = G W: W as the column-major (out, in) operand is Wᵀ laid out row-major.
     at::Tensor dx;
     if (ctx->needs_input_grad(0)) {
@@ -220,53 +195,34 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
   }
 };
 
-at::Tensor or_none(at::Tensor* t, const at::Tensor& x) { return t == nullptr ? none_like(x) : *t; }
+at::Tensor or_none(sk_tensor t, const at::Tensor& x) { return t == nullptr ? none_like(x) : *t; }
 
 }  // namespace
+}  // namespace sk
 
 extern "C" {
 
-// `histories` are the delayed recipe's amax histories (fp32, 1-d) of x, W and the output gradient,
-// or all null for the dynamic and row-wise recipes. `bias` may be null. `options`: Options' bits
-// kKernels (cast on speedkit's kernels where they take the tensor; the caller has checked that they
-// run on this device), kRowwise (the histories are then null) and kE4m3Gradients. `*casts_on_kernels`
-// receives whether the forward's casts of x and W ran on the kernels.
-int sk_fp8_linear(at::Tensor* x, at::Tensor* weight, at::Tensor* bias, at::Tensor* x_history,
-                  at::Tensor* w_history, at::Tensor* g_history, int out_dtype, int options, at::Tensor** out,
-                  int* casts_on_kernels) {
+int sk_fp8_linear(sk_tensor x, sk_tensor weight, sk_tensor bias, sk_tensor x_history, sk_tensor w_history,
+                  sk_tensor g_history, int out_dtype, int options, sk_tensor* out) {
   SK_TRY({
     const bool backward = at::GradMode::is_enabled() && (x->requires_grad() || weight->requires_grad());
-    const int64_t all = (options & (kKernels | kRowwise | kE4m3Gradients)) | (backward ? kBackward : 0);
-    *out = new at::Tensor(Fp8LinearFunction::apply(*x, *weight, or_none(bias, *x), or_none(x_history, *x),
-                                                   or_none(w_history, *x), or_none(g_history, *x),
-                                                   static_cast<int64_t>(out_dtype), all));
-    *casts_on_kernels = last_cast_on_kernels ? 1 : 0;
+    const int64_t all = (options & (sk::kRowwise | sk::kE4m3Gradients)) | (backward ? sk::kBackward : 0);
+    *out = sk::give(sk::Fp8LinearFunction::apply(*x, *weight, sk::or_none(bias, *x), sk::or_none(x_history, *x),
+                                             sk::or_none(w_history, *x), sk::or_none(g_history, *x),
+                                             static_cast<int64_t>(out_dtype), all));
   })
 }
 
-// t (2-d) in FP8: `format` 0 = e4m3, 1 = e5m2; `history` the delayed recipe's (recording t's amax)
-// or null for dynamic scaling; `rowwise` scales each row (and each row of the transpose) on its own
-// (history then null); `*transposed` receives tᵀ in FP8 when `transpose`, else null, and
-// `*transposed_inverse_scale` its inverse scale(s). Through the kernels when `use_kernels` and they
-// take t, else through ATen's composite. `*reason` (may be null) receives why the kernels did not
-// run, empty when they did.
-int sk_fp8_quantize(at::Tensor* t, int format, at::Tensor* history, int rowwise, int transpose, int use_kernels,
-                    at::Tensor** data, at::Tensor** transposed, at::Tensor** inverse_scale,
-                    at::Tensor** transposed_inverse_scale, char* reason, int capacity) {
+int sk_fp8_quantize(sk_tensor t, int format, sk_tensor history, int rowwise, int transpose, sk_tensor* data,
+                    sk_tensor* transposed, sk_tensor* inverse_scale, sk_tensor* transposed_inverse_scale) {
   SK_TRY({
-    const at::Tensor h = history == nullptr ? none_like(*t) : *history;
-    std::string why = use_kernels ? kernel_unsupported(*t, h) : "not asked to";
-    const Cast cast = format == 1 ? e5m2(h, rowwise != 0) : e4m3(h, rowwise != 0);
-    Quantized q = quantize(*t, cast, transpose != 0, use_kernels != 0);
-    if (reason != nullptr && capacity > 0) {
-      std::strncpy(reason, why.c_str(), static_cast<size_t>(capacity) - 1);
-      reason[capacity - 1] = '\0';
-    }
-    *data = new at::Tensor(q.data);
-    *transposed = q.transpose.defined() ? new at::Tensor(q.transpose) : nullptr;
-    *inverse_scale = new at::Tensor(q.inverse_scale);
-    *transposed_inverse_scale =
-        q.transpose_inverse_scale.defined() ? new at::Tensor(q.transpose_inverse_scale) : nullptr;
+    const at::Tensor h = history == nullptr ? sk::none_like(*t) : *history;
+    const sk::Cast cast = format == SK_FP8_E5M2 ? sk::e5m2(h, rowwise != 0) : sk::e4m3(h, rowwise != 0);
+    sk::Quantized q = sk::quantize(*t, cast, transpose != 0);
+    *data = sk::give(q.data);
+    *transposed = sk::give_or_null(q.transpose);
+    *inverse_scale = sk::give(q.inverse_scale);
+    *transposed_inverse_scale = sk::give_or_null(q.transpose_inverse_scale);
   })
 }
 

@@ -1,28 +1,24 @@
 // LayerNorm on speedkit's kernels (kernels/layernorm.cuh) as a C++ autograd function, so that the
 // backward is the fused kernel too: y = LN(x); with a residual, (y, s) = (LN(x + r), x + r); and
 // (y, x) when the input is also used later, so that its gradient from there joins dx in the kernel.
-// The Rust side (nn/layer_norm.rs) decides when this path applies and otherwise runs ATen's.
-#include "shim.h"
-
-#include <torch/csrc/autograd/custom_function.h>
-
-#if SK_WITH_CUDA
+// Inputs the kernels do not take run ATen's layer_norm instead (sk::ops::run_or_fall_back).
+#include "fused_op.h"
 #include "layernorm.cuh"
-#endif
 
+#include <ATen/ops/add.h>
+#include <ATen/ops/layer_norm.h>
+
+namespace sk {
 namespace {
 
-#if SK_WITH_CUDA
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-namespace ln = sk::kernels::layernorm;
+namespace ln = kernels::layernorm;
 
 // Which optional inputs are present; an absent one is passed as sk::placeholder_unless's placeholder.
 // kKeepInput (without a residual) asks for x back as a second output.
-enum Present : int64_t { kResidual = 1, kWeight = 2, kBias = 4, kKeepInput = 8 };
+constexpr int64_t kResidual = 1, kWeight = 2, kBias = 4, kKeepInput = 8;
 
-// Inputs are [rows, width] contiguous (the caller flattens); residual, weight, bias are used as
-// `present` says. Outputs: y, and s = x + r when there is a residual, or x itself with kKeepInput.
+// Inputs are [rows, width] contiguous; residual, weight, bias are used as `present` says. Outputs: y,
+// and s = x + r when there is a residual, or x itself with kKeepInput.
 struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& residual_in,
                                const at::Tensor& weight_in, const at::Tensor& bias_in, double eps,
@@ -30,7 +26,7 @@ struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {
     const at::Tensor residual = (present & kResidual) ? residual_in : at::Tensor();
     const at::Tensor weight = (present & kWeight) ? weight_in : at::Tensor();
     const at::Tensor bias = (present & kBias) ? bias_in : at::Tensor();
-    ln::Forward out = ln::forward(x, residual, weight, bias, eps, static_cast<at::ScalarType>(out_type));
+    ln::Normalised out = ln::forward(x, residual, weight, bias, eps, static_cast<at::ScalarType>(out_type));
     const bool with_residual = residual.defined();
     const bool keep_input = !with_residual && (present & kKeepInput);
     ctx->saved_data["has_bias"] = bias.defined();
@@ -68,54 +64,103 @@ struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {
     const auto residual_type = static_cast<at::ScalarType>(ctx->saved_data["residual_type"].toInt());
     const bool branch_in_dy_type =
         with_residual && residual_type == dy.scalar_type() && residual_type != x.scalar_type();
-    ln::Backward out =
+    ln::Gradients out =
         ln::backward(dy.contiguous(), x, weight, has_bias, saved[2], saved[3], dsum, branch_in_dy_type);
     at::Tensor dresidual = with_residual ? (branch_in_dy_type ? out.dx_branch : out.dx) : at::Tensor();
     return {out.dx, dresidual, out.dweight, out.dbias, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
-#endif
+
+struct Inputs {
+  at::Tensor x, residual, weight, bias;
+  double eps;
+  bool keep_input;
+};
+
+struct Outputs {
+  at::Tensor y, second;  // second: the sum with a residual, x with keep_input, else undefined
+};
+
+// Why the kernels cannot take these inputs, or empty.
+std::string unsupported(const Inputs& in) {
+  const at::Tensor& x = in.x;
+  const c10::Device device = x.device();
+  if (auto why = sk::ops::unusable(SK_OP_LAYER_NORM, device); !why.empty()) return why;
+  if (auto why = sk::ops::floating("input", x); !why.empty()) return why;
+  if (x.dim() == 0) return "a 0-d input has no last dimension to normalise";
+  const int64_t width = x.size(-1);
+  if (in.residual.defined()) {
+    // An fp32 residual stream may take a bf16/fp16 branch output (autocast's mix).
+    const auto r = in.residual.scalar_type();
+    const bool types_fit = r == x.scalar_type() || (x.scalar_type() == at::kFloat && (r == at::kBFloat16 || r == at::kHalf));
+    if (!types_fit || in.residual.sizes() != x.sizes() || in.residual.device() != device)
+      return std::string("residual ") + c10::toString(r) + " " + c10::str(in.residual.sizes()) +
+             " differs from the input " + c10::toString(x.scalar_type()) + " " + c10::str(x.sizes());
+  }
+  for (const at::Tensor* p : {&in.weight, &in.bias}) {
+    if (!p->defined()) continue;
+    if (auto why = sk::ops::first_of({sk::ops::floating("parameter", *p), sk::ops::on_device("parameter", *p, device)});
+        !why.empty())
+      return why;
+    if (p->dim() != 1 || p->size(0) != width) return "parameters of shape " + c10::str(p->sizes()) + " for width " + std::to_string(width);
+  }
+  if (in.weight.defined() && in.bias.defined() && in.weight.scalar_type() != in.bias.scalar_type())
+    return "weight and bias differ in type";
+  if (auto why = sk::ops::fits_int32(x.numel() / std::max<int64_t>(width, 1), width); !why.empty()) return why;
+  if (ln::backward_warps(width, device) == 0)
+    return "width " + std::to_string(width) + " exceeds the shared memory of the backward kernel";
+  return {};
+}
+
+Outputs on_kernels(const Inputs& in) {
+  const int64_t width = in.x.size(-1);
+  at::Tensor x2d = sk::rows_of(in.x, width);
+  const int64_t present = (in.residual.defined() ? kResidual : 0) | (in.weight.defined() ? kWeight : 0) |
+                          (in.bias.defined() ? kBias : 0) | (in.keep_input ? kKeepInput : 0);
+  const auto optional_input = [&](const at::Tensor& t, bool rows) {
+    return sk::placeholder_unless(t.defined(), t.defined() ? (rows ? sk::rows_of(t, width) : t.contiguous()) : t, x2d);
+  };
+  auto outputs = LayerNormFunction::apply(x2d, optional_input(in.residual, true), optional_input(in.weight, false),
+                                          optional_input(in.bias, false), in.eps,
+                                          static_cast<int64_t>(sk::autocast_type_for(in.x)), present);
+  const bool second_output = in.residual.defined() || in.keep_input;
+  return {outputs[0].view(in.x.sizes()), second_output ? outputs[1].view(in.x.sizes()) : at::Tensor()};
+}
+
+Outputs on_aten(const Inputs& in) {
+  const auto normalise = [&](const at::Tensor& t) {
+    return at::layer_norm(t, {t.size(-1)}, in.weight, in.bias, in.eps);
+  };
+  if (in.residual.defined()) {
+    at::Tensor sum = at::add(in.x, in.residual);
+    return {normalise(sum), sum};
+  }
+  return {normalise(in.x), in.keep_input ? in.x : at::Tensor()};
+}
+
+Inputs inputs(sk_tensor x, sk_tensor residual, sk_tensor weight, sk_tensor bias, double eps, int keep_input) {
+  return {*x, sk::optional_tensor(residual), sk::optional_tensor(weight), sk::optional_tensor(bias), eps,
+          keep_input != 0};
+}
 
 }  // namespace
+}  // namespace sk
 
 extern "C" {
 
-// Whether the fused backward fits a row of `width` on CUDA device `index` (its per-warp shared
-// memory accumulators); wider rows take the ATen path.
-int sk_layer_norm_width_supported(int index, int64_t width, int* out) {
-#if SK_WITH_CUDA
-  SK_TRY(*out = ln::backward_warps(width, c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index))) > 0)
-#else
-  (void)index; (void)width; (void)out;
-  SK_NO_CUDA();
-#endif
+int sk_layer_norm(sk_tensor x, sk_tensor residual, sk_tensor weight, sk_tensor bias, double eps, int keep_input,
+                  sk_tensor* y, sk_tensor* sum) {
+  SK_TRY({
+    const sk::Inputs in = sk::inputs(x, residual, weight, bias, eps, keep_input);
+    sk::Outputs out = sk::ops::run_or_fall_back(
+        SK_OP_LAYER_NORM, sk::unsupported(in), [&] { return sk::on_kernels(in); }, [&] { return sk::on_aten(in); });
+    *y = sk::give(out.y);
+    *sum = sk::give_or_null(out.second);
+  })
 }
 
-// y = LN(x [+ residual]) over the last dimension in `out_type` (a c10::ScalarType code); with a
-// residual also *sum = x + residual; without one and with `keep_input`, *sum = x, passed through. x and residual: CUDA, the same shape and floating type;
-// weight, bias: [width] or null. Differentiable through LayerNormFunction.
-int sk_layer_norm(at::Tensor* x, at::Tensor* residual, at::Tensor* weight, at::Tensor* bias, double eps,
-                  int out_type, int keep_input, at::Tensor** y, at::Tensor** sum) {
-#if SK_WITH_CUDA
-  SK_TRY({
-    const int64_t width = x->size(-1);
-    const auto rows2d = [width](const at::Tensor& t) { return t.reshape({-1, width}).contiguous(); };
-    at::Tensor x2d = rows2d(*x);
-    const bool second_output = residual != nullptr || keep_input != 0;
-    const int64_t present = (residual != nullptr ? kResidual : 0) | (weight != nullptr ? kWeight : 0) |
-                            (bias != nullptr ? kBias : 0) | (keep_input != 0 ? kKeepInput : 0);
-    at::Tensor r = sk::placeholder_unless(residual != nullptr, residual ? rows2d(*residual) : at::Tensor(), x2d);
-    at::Tensor w = sk::placeholder_unless(weight != nullptr, weight ? weight->contiguous() : at::Tensor(), x2d);
-    at::Tensor b = sk::placeholder_unless(bias != nullptr, bias ? bias->contiguous() : at::Tensor(), x2d);
-    auto outputs = LayerNormFunction::apply(x2d, r, w, b, eps, static_cast<int64_t>(out_type), present);
-    *y = new at::Tensor(outputs[0].view(x->sizes()));
-    *sum = second_output ? new at::Tensor(outputs[1].view(x->sizes())) : nullptr;
-  })
-#else
-  (void)x; (void)residual; (void)weight; (void)bias; (void)eps; (void)out_type; (void)keep_input; (void)y;
-  (void)sum;
-  SK_NO_CUDA();
-#endif
+int sk_layer_norm_unsupported(sk_tensor x, sk_tensor residual, sk_tensor weight, sk_tensor bias, const char** reason) {
+  SK_TRY(sk::hand_out(sk::unsupported(sk::inputs(x, residual, weight, bias, 0.0, 0)), reason))
 }
 
 }  // extern "C"

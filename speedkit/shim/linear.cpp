@@ -12,31 +12,23 @@
 // The forward runs the GEMMs ATen's linear runs (addmm with its bias epilogue), on the same operands
 // autocast would give it: x, W and b in the autocast type where autocast is on for CUDA. W's and b's
 // copies in that type come from weight_casts.cpp, which keeps them across steps (speedkit's AdamW
-// writes them in its update pass) instead of casting each weight in every forward. The
-// Rust side (nn/linear.rs) decides when this path applies and otherwise runs ATen's `linear`.
+// writes them in its update pass) instead of casting each weight in every forward. Inputs the
+// kernels do not take run ATen's `linear` instead (sk::ops::run_or_fall_back).
 //
 // Differentiable once: the backward is not itself recorded for a second derivative.
-#include "shim.h"
-
-#include <ATen/autocast_mode.h>
-#include <torch/csrc/autograd/custom_function.h>
-
-#if SK_WITH_CUDA
 #include "bias_grad.cuh"
+#include "fused_op.h"
 
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
 
 #include <utility>
 #include <vector>
-#endif
 
+namespace sk {
 namespace {
-
-#if SK_WITH_CUDA
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
 
 // The type the GEMMs run in: autocast's where it is on for CUDA, else the input's.
 at::ScalarType compute_type(const at::Tensor& x) {
@@ -104,64 +96,69 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
   }
 };
 
-void check_linear_arguments(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias) {
+void check_linear_arguments(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   TORCH_CHECK(weight.dim() == 2, "linear: the weight must be [out, in], got ", weight.sizes());
   const int64_t in = weight.size(1);
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in, "linear: the input's last dimension must be ", in,
               " (the weight is ", weight.sizes(), "), got an input of ", x.sizes());
-  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == weight.size(0)), "linear: the bias must be [",
-              weight.size(0), "], got ", bias->sizes());
+  TORCH_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)), "linear: the bias must be [",
+              weight.size(0), "], got ", bias.sizes());
 }
 
-// x Wᵀ + b over x's last dimension through LinearFunction, each of the `chunks` outputs shaped as x
-// with its last dimension out / chunks.
-variable_list apply_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor* bias, int64_t chunks) {
-  const int64_t in = weight.size(1);
-  at::Tensor rows2d = x.reshape({-1, in});
-  variable_list outputs = LinearFunction::apply(
-      rows2d, weight, sk::placeholder_unless(bias != nullptr, bias ? *bias : at::Tensor(), weight), bias != nullptr,
-      chunks);
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = weight.size(0) / chunks;
-  for (at::Tensor& output : outputs) output = output.view(shape);
-  return outputs;
+std::string unsupported(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  if (auto why = sk::ops::unusable(SK_OP_LINEAR, x.device()); !why.empty()) return why;
+  if (auto why = sk::ops::first_of({sk::ops::floating("input", x), sk::ops::floating("weight", weight),
+                                    bias.defined() ? sk::ops::floating("bias", bias) : std::string()});
+      !why.empty())
+    return why;
+  if (auto why = sk::ops::first_of({sk::ops::on_device("weight", weight, x.device()),
+                                    sk::ops::on_device("bias", bias, x.device())});
+      !why.empty())
+    return why;
+  return sk::ops::fits_int32(x.numel() / std::max<int64_t>(weight.size(1), 1), weight.size(0));
 }
-#endif
+
+// x Wᵀ + b over x's last dimension as `chunks` column blocks, each shaped as x with its last
+// dimension out / chunks: through LinearFunction, else ATen's linear and a split.
+variable_list linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t chunks) {
+  const int64_t in = weight.size(1), out = weight.size(0);
+  return sk::ops::run_or_fall_back(
+      SK_OP_LINEAR, unsupported(x, weight, bias),
+      [&] {
+        variable_list outputs = LinearFunction::apply(x.reshape({-1, in}), weight,
+                                                      sk::placeholder_unless(bias.defined(), bias, weight),
+                                                      bias.defined(), chunks);
+        for (at::Tensor& output : outputs) output = sk::shaped_like(output, x, out / chunks);
+        return outputs;
+      },
+      [&] {
+        at::Tensor y = at::linear(x, weight, bias);
+        return chunks == 1 ? variable_list{y} : y.split(out / chunks, -1);
+      });
+}
 
 }  // namespace
+}  // namespace sk
 
 extern "C" {
 
-// *y = x Wᵀ + b over x's last dimension, in the autocast type where autocast is on for CUDA (else
-// in x's type). x: CUDA, fp32/bf16/fp16, [..., in]; weight: [out, in]; bias: [out] or null.
-// Differentiable through LinearFunction.
-int sk_linear(at::Tensor* x, at::Tensor* weight, at::Tensor* bias, at::Tensor** y) {
-#if SK_WITH_CUDA
+int sk_linear(sk_tensor x, sk_tensor weight, sk_tensor bias, sk_tensor* y) {
   SK_TRY({
-    check_linear_arguments(*x, *weight, bias);
-    *y = new at::Tensor(apply_linear(*x, *weight, bias, 1)[0]);
+    const at::Tensor b = sk::optional_tensor(bias);
+    sk::check_linear_arguments(*x, *weight, b);
+    *y = sk::give(sk::linear(*x, *weight, b, 1)[0]);
   })
-#else
-  (void)x; (void)weight; (void)bias; (void)y;
-  SK_NO_CUDA();
-#endif
 }
 
-// As sk_linear, returning the output as `chunks` equal blocks of its last dimension (views into one
-// tensor, as `chunk` gives), y[0], ..., y[chunks - 1]; out features must be a multiple of `chunks`.
-int sk_linear_chunks(at::Tensor* x, at::Tensor* weight, at::Tensor* bias, int64_t chunks, at::Tensor** y) {
-#if SK_WITH_CUDA
+int sk_linear_chunks(sk_tensor x, sk_tensor weight, sk_tensor bias, int64_t chunks, sk_tensor* y) {
   SK_TRY({
-    check_linear_arguments(*x, *weight, bias);
+    const at::Tensor b = sk::optional_tensor(bias);
+    sk::check_linear_arguments(*x, *weight, b);
     TORCH_CHECK(chunks >= 1 && weight->size(0) % chunks == 0, "linear: ", weight->size(0),
                 " output features do not split into ", chunks, " equal chunks");
-    variable_list parts = apply_linear(*x, *weight, bias, chunks);
-    for (int64_t i = 0; i < chunks; ++i) y[i] = new at::Tensor(parts[i]);
+    sk::variable_list parts = sk::linear(*x, *weight, b, chunks);
+    for (int64_t i = 0; i < chunks; ++i) y[i] = sk::give(parts[static_cast<size_t>(i)]);
   })
-#else
-  (void)x; (void)weight; (void)bias; (void)chunks; (void)y;
-  SK_NO_CUDA();
-#endif
 }
 
 }  // extern "C"

@@ -1,17 +1,13 @@
-// NVRTC, loaded with dlopen: compiles speedkit's kernel files to cubins for one GPU architecture.
+// NVRTC, loaded at run time (loader.h): compiles kernel sources to cubins for one GPU architecture.
 //
-// dlopen rather than linking, because NVRTC ships in the torch wheel's nvidia/cu13 tree (or a CUDA
-// toolkit) that a host's loader path need not contain, and because compiling needs no GPU and no
-// libcuda: CI compiles every kernel this way. ATen's own lazy NVRTC stub (ATenNVRTC.h) is not
-// shipped in the wheel, and libcaffe2_nvrtc.so needs libcuda, so neither serves.
+// Compiling needs no GPU and no libcuda: CI compiles every kernel this way. ATen's own lazy NVRTC
+// stub (ATenNVRTC.h) is not shipped in the wheel, and libcaffe2_nvrtc.so needs libcuda, so neither
+// serves.
 #include "kernels.h"
-
-#include <c10/core/Allocator.h>  // c10::GetAllocator: a symbol of libc10, to locate the wheel
-#include <dlfcn.h>
+#include "loader.h"
 
 #include <cstdlib>
 #include <filesystem>
-#include <mutex>
 #include <stdexcept>
 
 namespace fs = std::filesystem;
@@ -46,22 +42,15 @@ std::string nvrtc_library(const fs::path& root) {
   return {};
 }
 
-// The site-packages/nvidia/cu* trees next to the libtorch this process loaded (found from the
-// address of one of libc10's functions), newest CUDA first.
-std::vector<fs::path> wheel_roots() {
-  std::vector<fs::path> roots;
-  Dl_info info{};
-  if (dladdr(reinterpret_cast<void*>(&c10::GetAllocator), &info) == 0 || info.dli_fname == nullptr)
-    return roots;
-  std::error_code ignored;
-  fs::path lib = fs::canonical(fs::path(info.dli_fname), ignored).parent_path();  // <torch>/lib
-  fs::path site_packages = lib.parent_path().parent_path();
-  for (const char* cu : {"cu13", "cu12"}) roots.push_back(site_packages / "nvidia" / cu);
-  return roots;
-}
-
+// The wheel's nvidia/cu* trees next to the libtorch this process loaded (newest CUDA first), then
+// CUDA_HOME, CUDA_PATH, the toolkit speedkit was built against and /usr/local/cuda.
 std::vector<fs::path> candidate_roots() {
-  std::vector<fs::path> roots = wheel_roots();
+  std::vector<fs::path> roots;
+  const fs::path torch_lib = loader::torch_lib_dir();
+  if (!torch_lib.empty()) {
+    const fs::path site_packages = torch_lib.parent_path().parent_path();
+    for (const char* cu : {"cu13", "cu12"}) roots.push_back(site_packages / "nvidia" / cu);
+  }
   for (const char* var : {"CUDA_HOME", "CUDA_PATH"}) {
     if (const char* home = std::getenv(var)) roots.emplace_back(home);
   }
@@ -88,7 +77,7 @@ Toolkit find_toolkit() {
 
 // NVRTC loads libnvrtc-builtins by soname; the wheel's directory is not on the loader path, so the
 // builtins are loaded first, by full path, and NVRTC finds them already in the process.
-void preload_builtins(const std::string& lib_dir) {
+void preload_builtins(const fs::path& lib_dir) {
   std::error_code ignored;
   for (const auto& entry : fs::directory_iterator(lib_dir, ignored)) {
     const std::string name = entry.path().filename().string();
@@ -96,39 +85,24 @@ void preload_builtins(const std::string& lib_dir) {
   }
 }
 
-template <typename F>
-void bind(void* library, F*& slot, const char* name) {
-  slot = reinterpret_cast<F*>(dlsym(library, name));
-  if (slot == nullptr) throw std::runtime_error(std::string("NVRTC lacks ") + name);
-}
-
 const Api& api() {
-  static std::once_flag once;
-  static Api loaded{};
-  static std::string failure;
-  std::call_once(once, [] {
-    try {
-      const Toolkit& kit = toolkit();
-      preload_builtins(fs::path(kit.nvrtc_library).parent_path().string());
-      void* library = dlopen(kit.nvrtc_library.c_str(), RTLD_NOW | RTLD_LOCAL);
-      if (library == nullptr) throw std::runtime_error("cannot load " + kit.nvrtc_library + ": " + dlerror());
-      bind(library, loaded.GetErrorString, "nvrtcGetErrorString");
-      bind(library, loaded.Version, "nvrtcVersion");
-      bind(library, loaded.CreateProgram, "nvrtcCreateProgram");
-      bind(library, loaded.DestroyProgram, "nvrtcDestroyProgram");
-      bind(library, loaded.CompileProgram, "nvrtcCompileProgram");
-      bind(library, loaded.GetProgramLogSize, "nvrtcGetProgramLogSize");
-      bind(library, loaded.GetProgramLog, "nvrtcGetProgramLog");
-      bind(library, loaded.GetCUBINSize, "nvrtcGetCUBINSize");
-      bind(library, loaded.GetCUBIN, "nvrtcGetCUBIN");
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
+  return loader::once<Api>([] {
+    const Toolkit& kit = toolkit();
+    preload_builtins(fs::path(kit.nvrtc_library).parent_path());
+    const auto library = loader::Library::open("NVRTC", {kit.nvrtc_library});
+    Api api{};
+    library.bind(api.GetErrorString, "nvrtcGetErrorString");
+    library.bind(api.Version, "nvrtcVersion");
+    library.bind(api.CreateProgram, "nvrtcCreateProgram");
+    library.bind(api.DestroyProgram, "nvrtcDestroyProgram");
+    library.bind(api.CompileProgram, "nvrtcCompileProgram");
+    library.bind(api.GetProgramLogSize, "nvrtcGetProgramLogSize");
+    library.bind(api.GetProgramLog, "nvrtcGetProgramLog");
+    library.bind(api.GetCUBINSize, "nvrtcGetCUBINSize");
+    library.bind(api.GetCUBIN, "nvrtcGetCUBIN");
+    return api;
   });
-  if (!failure.empty()) throw std::runtime_error(failure);
-  return loaded;
 }
-
 void check(Result result, const char* what) {
   if (result != 0) throw std::runtime_error(std::string(what) + ": " + api().GetErrorString(result));
 }
@@ -153,18 +127,7 @@ std::string program_log(Program program) {
 }  // namespace
 
 const Toolkit& toolkit() {
-  static std::once_flag once;
-  static Toolkit found;
-  static std::string failure;
-  std::call_once(once, [] {
-    try {
-      found = find_toolkit();
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
-  });
-  if (!failure.empty()) throw std::runtime_error(failure);
-  return found;
+  return loader::once<Toolkit>([] { return find_toolkit(); });
 }
 
 int version() {
@@ -175,21 +138,22 @@ int version() {
 
 std::vector<char> compile(const Source& file, int major, int minor) {
   std::vector<const char*> header_texts, header_names;
-  for (const Source& other : sources()) {
-    if (std::string(other.name) == file.name) continue;
-    header_texts.push_back(other.text);
-    header_names.push_back(other.name);
+  for (int i = 0; i < source_count(); ++i) {
+    const Source& other = source(i);
+    if (other.index == file.index) continue;
+    header_texts.push_back(other.text.c_str());
+    header_names.push_back(other.name.c_str());
   }
   ProgramHandle handle;
-  check(api().CreateProgram(&handle.program, file.text, file.name, static_cast<int>(header_texts.size()),
-                            header_texts.data(), header_names.data()),
+  check(api().CreateProgram(&handle.program, file.text.c_str(), file.name.c_str(),
+                            static_cast<int>(header_texts.size()), header_texts.data(), header_names.data()),
         "nvrtcCreateProgram");
   const std::string arch = "--gpu-architecture=sm_" + std::to_string(major) + std::to_string(minor);
   const std::string include = "--include-path=" + toolkit().include_dir;
   const char* options[] = {arch.c_str(), include.c_str(), "--std=c++17"};
   Result compiled = api().CompileProgram(handle.program, 3, options);
   if (compiled != 0) {
-    throw std::runtime_error(std::string("speedkit kernel ") + file.name + " does not compile for sm_" +
+    throw std::runtime_error("kernel source " + file.name + " does not compile for sm_" +
                              std::to_string(major) + std::to_string(minor) + " (" +
                              api().GetErrorString(compiled) + "):\n" + program_log(handle.program));
   }

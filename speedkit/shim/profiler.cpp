@@ -30,18 +30,6 @@ struct Range {
 
 extern "C" {
 
-// One profiler event, as Rust reads it. `name` points into the profile and lives as long as it.
-struct sk_profiler_event {
-  const char* name;
-  int32_t device_type;    // c10::DeviceType: 0 = CPU, 1 = CUDA
-  int32_t activity_type;  // libkineto::ActivityType: 0 = CPU op, 3 = memcpy, 4 = memset, 5 = kernel
-  uint64_t start_ns;
-  uint64_t duration_ns;
-  uint64_t correlation_id;
-  uint64_t thread_id;
-  int64_t device_resource_id;  // the CUDA stream of a kernel
-};
-
 // Starts recording CPU ops on this thread (and the threads autograd hands work to), plus CUDA
 // kernels, copies and runtime calls when `with_cuda` is set.
 int sk_profiler_start(int with_cuda) {

@@ -1,22 +1,15 @@
-// speedkit's C ABI over the parts of libtorch that tch does not expose. One file per concept:
-// flags.cpp (PyTorch's global speed flags), amp.cpp (autocast state, the GradScaler's unscale),
-// device.cpp (versions, device properties, allocator statistics, events, streams), graphs.cpp (CUDA
-// graphs), optim.cpp (fused/multi-tensor AdamW and the parameter-list helpers), profiler.cpp (the
-// Kineto step profiler), nvtx.cpp (NVTX ranges), autograd.cpp (the backward graph), weight_casts.cpp
-// (weights' autocast-type copies kept across steps); kernels.h lists the kernel layer's files. This
-// header holds what they share: the error contract and the tensor-list helpers.
-//
-// Contract, for every `sk_*` function that returns `int`: 0 on success; otherwise non-zero, and
-// `sk_last_error()` holds the message (per thread) until the next failing call. No C++ exception ever
-// crosses into Rust: each entry point runs its body inside SK_TRY. Tensors cross as tch's handles
-// (`at::Tensor*`, owned by Rust); tensors returned to Rust are heap-allocated and owned by the caller.
+// What the shim files share: the C ABI they implement (speedkit.h, declared once), its error contract
+// as C++ macros, the tensor-list helpers, and the weight-copy cache that several ops use.
 //
 // The CUDA parts compile only when libtorch was built with CUDA and the CUDA headers are present
-// (SK_WITH_CUDA, decided by build.rs); without them the CUDA entry points fail with a clear message.
-// The CUDA parts only call functions exported by libtorch_cuda/libc10_cuda (events through c10's
-// device-generic c10::Event), never the CUDA runtime directly: c10's header-inline helpers would make
-// every executable depend on libcudart, which a host's loader path need not contain.
+// (SK_WITH_CUDA, decided by build.rs); without them every CUDA entry point fails with one clear
+// message (SK_CUDA_TRY) and every fused op takes ATen's path. The CUDA parts only call functions
+// exported by libtorch_cuda/libc10_cuda (events through c10's device-generic c10::Event), never the
+// CUDA runtime directly: c10's header-inline helpers would make every executable depend on
+// libcudart, which a host's loader path need not contain.
 #pragma once
+
+#include "speedkit.h"
 
 #include <ATen/core/Tensor.h>
 
@@ -34,29 +27,53 @@ std::string& last_error();
 inline void set_error(const char* message) { last_error() = message ? message : "unknown error"; }
 
 // ATen's messages end with a C++ backtrace; the first line is what a user needs.
-inline void set_error_from(const std::exception& e) {
+inline std::string first_line_of(const std::exception& e) {
   std::string what = e.what();
   auto cut = what.find("\nException raised from");
   if (cut != std::string::npos) what.resize(cut);
-  last_error() = what;
+  return what;
 }
 
-inline std::vector<at::Tensor> tensor_list(at::Tensor** tensors, int64_t n) {
+inline void set_error_from(const std::exception& e) { last_error() = first_line_of(e); }
+
+// Counts one write of a process-wide flag (PyTorch's, or speedkit's kernel switch); throws when a
+// test asked this write to fail (sk_test_fail_nth_flag_write). Defined in flags.cpp.
+void count_flag_write();
+
+// Hands `text` out through a `const char**` out-parameter: a per-thread copy, valid until the
+// thread's next call that hands out text, as speedkit.h promises.
+inline void hand_out(const std::string& text, const char** out) {
+  thread_local std::string kept;
+  kept = text;
+  *out = kept.c_str();
+}
+
+inline std::vector<at::Tensor> tensor_list(const sk_tensor* tensors, int64_t n) {
   std::vector<at::Tensor> out;
   out.reserve(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) out.push_back(*tensors[i]);
   return out;
 }
 
-inline std::optional<at::Tensor> optional_tensor(at::Tensor* t) {
-  if (t == nullptr) return std::nullopt;
-  return *t;
+// A nullable handle as a tensor: undefined where the caller passed NULL.
+inline at::Tensor optional_tensor(sk_tensor t) { return t == nullptr ? at::Tensor() : *t; }
+
+// An optional argument of an ATen op: nullopt for an undefined tensor (some ops refuse a present
+// but undefined one).
+inline std::optional<at::Tensor> present(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
+
+// A tensor handed to Rust through an out-parameter (Rust owns it from here).
+inline sk_tensor give(at::Tensor t) { return new at::Tensor(std::move(t)); }
+
+// As give(), NULL for an undefined tensor.
+inline sk_tensor give_or_null(at::Tensor t) { return t.defined() ? give(std::move(t)) : nullptr; }
 
 // weight_casts.cpp: fp32 weights' copies in the autocast type, kept across steps.
 namespace weight_casts {
-// `weight` in `type`: its kept copy where that is current (same version counter and data), else a fresh cast,
-// kept when `weight` is a CUDA parameter (a leaf that requires grad).
+// `weight` in `type`: its kept copy where that is current (same version counter and data), else a
+// fresh cast, kept when `weight` is a CUDA parameter (a leaf that requires grad).
 at::Tensor get(const at::Tensor& weight, at::ScalarType type);
 // Re-casts the kept copies of `params` in one multi-tensor copy; the optimizers call it right after
 // their in-place update.
@@ -74,6 +91,8 @@ at::Tensor placeholder_unless(bool present, const at::Tensor& t, const at::Tenso
 
 }  // namespace sk
 
+// The body of an `int` entry point of speedkit.h: 0 when it completes, else 1 with the message in
+// sk_last_error(). No exception leaves it.
 #define SK_TRY(...)                                      \
   try {                                                  \
     __VA_ARGS__;                                         \
@@ -86,7 +105,13 @@ at::Tensor placeholder_unless(bool present, const at::Tensor& t, const at::Tenso
     return 1;                                            \
   }
 
-#define SK_NO_CUDA()                                                                                \
+// SK_TRY for an entry point that needs CUDA: without it the body is not compiled at all, and the
+// call fails with status 2 and the reason.
+#if SK_WITH_CUDA
+#define SK_CUDA_TRY(...) SK_TRY(__VA_ARGS__)
+#else
+#define SK_CUDA_TRY(...)                                                                              \
   sk::set_error("speedkit was built against a libtorch without CUDA support (or without the CUDA " \
-                "headers), so this CUDA operation is unavailable");                                 \
-  return 2
+                "headers), so this CUDA operation is unavailable");                                   \
+  return 2;
+#endif

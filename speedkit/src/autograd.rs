@@ -93,7 +93,7 @@ pub struct AutogradSummary {
 /// Walks the backward graph of `loss` (see the [module docs](self)). Fails when `loss` has no
 /// graph (it does not require grad, or it is a leaf).
 pub fn summary(loss: &Tensor) -> Result<AutogradSummary> {
-    let (names, leaf_ids) = ffi::autograd_graph(loss)?;
+    let (names, leaf_ids) = ffi::autograd::graph(loss)?;
     let mut node_types: BTreeMap<String, usize> = BTreeMap::new();
     for name in &names {
         // C++ node classes come namespaced (`torch::autograd::AccumulateGrad`).
@@ -128,7 +128,11 @@ impl AutogradSummary {
     pub fn with_parameters(mut self, vs: &VarStore) -> Result<Self> {
         let mut missing = Vec::new();
         for (name, tensor) in vs.variables() {
-            if tensor.requires_grad() && !self.leaf_ids.contains(&ffi::tensor_identity(&tensor)?) {
+            if tensor.requires_grad()
+                && !self
+                    .leaf_ids
+                    .contains(&ffi::autograd::tensor_identity(&tensor)?)
+            {
                 missing.push(name);
             }
         }

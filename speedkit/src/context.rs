@@ -55,7 +55,8 @@ pub struct SpeedContext {
     // Dropped before the group it reduces over.
     data_parallel: RefCell<Option<DataParallel>>,
     group: Option<Rc<ProcessGroup>>,
-    _kernels: kernels::EnabledGuard,
+    /// The kernel layer's notes when the context began: the audit shows what came after.
+    kernel_notes: kernels::NoteMark,
     // Declared last so it drops last: everything above may still use the flags while dropping.
     guard: FlagGuard,
 }
@@ -84,7 +85,6 @@ impl SpeedContext {
             }
         };
         let guard = FlagGuard::apply(&plan.flag_settings())?;
-        let kernels = kernels::EnabledGuard::set(plan.kernels);
         let mut scaler = GradScaler::new(plan.grad_scaler.clone(), plan.device)?;
         if let Some(group) = &group {
             scaler.agree_across(Rc::clone(group));
@@ -97,7 +97,7 @@ impl SpeedContext {
             notes: RefCell::default(),
             data_parallel: RefCell::default(),
             group,
-            _kernels: kernels,
+            kernel_notes: kernels::NoteMark::now(),
             guard,
         })
     }
@@ -118,7 +118,7 @@ impl SpeedContext {
                 .filter(|t| t.dim() == 4)
                 .collect();
             for w in &conv_weights {
-                ffi::to_channels_last_(w)?;
+                ffi::optim::to_channels_last_(w)?;
             }
             if !conv_weights.is_empty() {
                 self.note(format!(
@@ -326,12 +326,13 @@ impl SpeedContext {
                 .borrow()
                 .iter()
                 .cloned()
-                // With the kernels off by the plan, every op's fallback says only that.
+                // With the kernels off by the plan, no op is noted: the plan says why.
                 .chain(
-                    kernels::fallbacks()
+                    self.kernel_notes
+                        .since()
                         .into_iter()
-                        .filter(|_| self.plan.kernels)
-                        .map(|f| format!("kernels: {f}: ran ATen's composite instead")),
+                        .filter(|n| matches!(n.outcome, kernels::Outcome::FellBack(_)))
+                        .map(|n| format!("kernels: {n}")),
                 )
                 .collect(),
         }

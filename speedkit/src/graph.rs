@@ -34,7 +34,11 @@ use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
 use crate::error::Result;
-use crate::ffi::{self, CudaGraph, GraphPool, SideStream};
+use crate::ffi::{
+    self,
+    device::SideStream,
+    graphs::{CudaGraph, GraphPool},
+};
 use crate::nvtx::NvtxRange;
 use crate::SpeedContext;
 
@@ -238,7 +242,7 @@ where
                 dst.f_copy_(src)?;
             }
             // Another graph or an eager step may have given the parameters other gradients.
-            ffi::set_grads(&entry.gradients.0, &entry.gradients.1)?;
+            ffi::optim::set_grads(&entry.gradients.0, &entry.gradients.1)?;
             graph.replay()?;
             return Ok(entry.output.as_ref().map(Tensor::shallow_clone));
         }
@@ -297,11 +301,11 @@ where
         };
         // Static buffers are allocated outside the capture, so they outlive every replay.
         let static_inputs: Vec<Tensor> = inputs.iter().map(|t| t.copy()).collect();
-        ffi::cuda_synchronize(device_index)?;
+        ffi::device::cuda_synchronize(device_index)?;
         // The warm-up ran on a side stream, whose freed blocks the allocator keeps for that stream
         // alone; the capture allocates into the graph's private pool. Handing those blocks back to
         // the driver first (as torch.cuda.graph does) keeps the process from holding both.
-        ffi::cuda_empty_cache()?;
+        ffi::device::cuda_empty_cache()?;
         let mut graph = CudaGraph::new()?;
         let side = SideStream::enter(device_index)?;
         let mut gradients = (Vec::new(), Vec::new());
@@ -337,7 +341,7 @@ where
             Err(e) => {
                 drop(graph);
                 // Whatever the partial capture recorded never ran; the step runs eagerly instead.
-                ffi::cuda_synchronize(device_index)?;
+                ffi::device::cuda_synchronize(device_index)?;
                 self.ctx.grad_scaler().reset_step_state();
                 let reason =
                     format!("the step cannot be captured ({e}); running eagerly from now on");

@@ -130,15 +130,15 @@ pub struct Hardware {
 impl Hardware {
     /// Reads the machine through libtorch. Never fails for lack of a GPU: that is `kind() == Cpu`.
     pub fn detect() -> Result<Self> {
-        let versions = ffi::versions()?;
+        let versions = ffi::device::versions()?;
         let count = if versions.built_with_cuda != 0 {
-            ffi::cuda_device_count()?
+            ffi::device::cuda_device_count()?
         } else {
             0
         };
         let mut gpus = Vec::with_capacity(count);
         for index in 0..count {
-            let raw = ffi::cuda_device_props(index)?;
+            let raw = ffi::device::cuda_device_props(index)?;
             // SAFETY-free: the shim NUL-terminates name within its 256 bytes.
             let bytes: Vec<u8> = raw
                 .name

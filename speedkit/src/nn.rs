@@ -129,5 +129,5 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Ten
 /// # Ok::<(), speedkit::SpeedkitError>(())
 /// ```
 pub fn is_channels_last(tensor: &Tensor) -> Result<bool> {
-    crate::ffi::is_channels_last(tensor)
+    crate::ffi::optim::is_channels_last(tensor)
 }

@@ -18,7 +18,7 @@ impl NvtxRange {
     /// Opens a range named `name` when `enabled`.
     pub(crate) fn push(enabled: bool, name: &'static CStr) -> Self {
         if enabled {
-            ffi::nvtx_range_push(name);
+            ffi::nvtx::range_push(name);
         }
         Self { open: enabled }
     }
@@ -32,7 +32,7 @@ impl NvtxRange {
 impl Drop for NvtxRange {
     fn drop(&mut self) {
         if self.open {
-            ffi::nvtx_range_pop();
+            ffi::nvtx::range_pop();
         }
     }
 }

@@ -29,7 +29,10 @@ use tch::{nn::VarStore, Device, Kind, Tensor};
 
 use crate::amp::ScaledOptimizer;
 use crate::error::{Result, SpeedkitError};
-use crate::ffi::{self, AdamWHyper, AdamWLists};
+use crate::ffi::{
+    self,
+    optim::{AdamWHyper, AdamWLists},
+};
 
 /// AdamW hyper-parameters (PyTorch's defaults). Pass to [`crate::SpeedContext::adamw`] or
 /// [`AdamWOptimizer::new`].
@@ -213,11 +216,11 @@ impl AdamWOptimizer {
                 .filter(|p| p.grad().defined())
                 .map(Tensor::shallow_clone)
                 .collect();
-            return ffi::clear_grads(&with_grads);
+            return ffi::optim::clear_grads(&with_grads);
         }
         let grads = self.gradients();
         if !grads.is_empty() {
-            ffi::foreach_zero_(&grads)?;
+            ffi::optim::foreach_zero_(&grads)?;
         }
         Ok(())
     }
@@ -260,7 +263,7 @@ impl AdamWOptimizer {
         if grads.is_empty() {
             return Ok(Tensor::from(0.0f32));
         }
-        let total = ffi::foreach_total_norm(&grads, 2.0)?;
+        let total = ffi::optim::foreach_total_norm(&grads, 2.0)?;
         let coef = (total.f_add_scalar(1e-6)?.f_reciprocal()? * max_norm).f_clamp_max(1.0)?;
         let mut by_device: Vec<(Device, Vec<Tensor>)> = Vec::new();
         for g in grads {
@@ -270,7 +273,7 @@ impl AdamWOptimizer {
             }
         }
         for (device, list) in by_device {
-            ffi::foreach_mul_(&list, &coef.f_to_device(device)?)?;
+            ffi::optim::foreach_mul_(&list, &coef.f_to_device(device)?)?;
         }
         Ok(total)
     }
@@ -348,18 +351,10 @@ impl AdamWOptimizer {
                         .map(|t| t.f_to_device(b.lr.device()))
                         .transpose()?;
                     // With speedkit's kernels on, its AdamW kernel updates every parameter in one
-                    // launch; with them off, only those whose copies it must write (none then).
-                    let every_param_on_kernel =
-                        crate::kernels::unusable_on(b.lr.device()).is_none();
-                    ffi::fused_adamw_(
-                        &lists,
-                        &hyper,
-                        scale.as_ref(),
-                        inf.as_ref(),
-                        every_param_on_kernel,
-                    )?;
+                    // launch (the shim decides); with them off, ATen's fused AdamW.
+                    ffi::optim::fused_adamw_(&lists, &hyper, scale.as_ref(), inf.as_ref())?;
                 } else {
-                    ffi::foreach_adamw_(&lists, &hyper)?;
+                    ffi::optim::foreach_adamw_(&lists, &hyper)?;
                 }
             }
         }

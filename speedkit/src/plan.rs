@@ -587,6 +587,13 @@ impl Plan {
                 reason("tf32_matmul_precision"),
             ));
         }
+        // Always set, also to its default: a context on another thread that runs the other setting
+        // is then refused by the thread rule instead of switching the kernels under this one.
+        out.push(FlagSetting::new(
+            Flag::SpeedkitKernels,
+            FlagValue::Bool(self.kernels),
+            reason("kernels"),
+        ));
         out
     }
 

@@ -36,22 +36,17 @@ fn device_type(device: Device) -> Result<i32> {
 /// c10::ScalarType codes of the dtypes autocast takes.
 fn scalar_type(kind: Kind) -> Result<i32> {
     match kind {
-        Kind::Half => Ok(5),
-        Kind::Float => Ok(6),
-        Kind::BFloat16 => Ok(15),
+        Kind::Half | Kind::Float | Kind::BFloat16 => ffi::scalar_type_code(kind),
         other => Err(SpeedkitError::Unsupported(format!(
             "autocast dtype must be bf16 or fp16, not {other:?}"
         ))),
     }
 }
 
+/// The dtype libtorch reports; anything speedkit does not name reads as fp32 (autocast's own
+/// default).
 fn kind_of(code: i32) -> Kind {
-    match code {
-        5 => Kind::Half,
-        15 => Kind::BFloat16,
-        7 => Kind::Double,
-        _ => Kind::Float,
-    }
+    ffi::kind_of_code(code).unwrap_or(Kind::Float)
 }
 
 /// Autocast state of one device type: whether it is on and its dtype.
@@ -66,7 +61,7 @@ pub struct AutocastState {
 impl AutocastState {
     /// Reads the state for `device`'s type (CPU or CUDA).
     pub fn current(device: Device) -> Result<Self> {
-        let (enabled, dtype) = ffi::autocast_get(device_type(device)?)?;
+        let (enabled, dtype) = ffi::amp::autocast_get(device_type(device)?)?;
         Ok(Self {
             enabled,
             dtype: kind_of(dtype),
@@ -94,9 +89,9 @@ impl AutocastGuard {
     pub fn enter(device: Device, dtype: Kind) -> Result<Self> {
         let dt = device_type(device)?;
         let st = scalar_type(dtype)?;
-        let previous = ffi::autocast_get(dt)?;
-        ffi::autocast_set(dt, true, st)?;
-        ffi::autocast_increment_nesting()?;
+        let previous = ffi::amp::autocast_get(dt)?;
+        ffi::amp::autocast_set(dt, true, st)?;
+        ffi::amp::autocast_increment_nesting()?;
         Ok(Self {
             device_type: dt,
             previous: Some(previous),
@@ -133,10 +128,10 @@ impl Drop for AutocastGuard {
             return;
         };
         // Errors cannot propagate from drop; these calls only fail on a broken libtorch.
-        if let Ok(0) = ffi::autocast_decrement_nesting() {
-            let _ = ffi::autocast_clear_cache();
+        if let Ok(0) = ffi::amp::autocast_decrement_nesting() {
+            let _ = ffi::amp::autocast_clear_cache();
         }
-        if let Err(e) = ffi::autocast_set(self.device_type, enabled, dtype) {
+        if let Err(e) = ffi::amp::autocast_set(self.device_type, enabled, dtype) {
             eprintln!("speedkit: WARNING: autocast state not restored: {e}");
         }
     }

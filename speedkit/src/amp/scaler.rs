@@ -220,10 +220,10 @@ impl GradScaler {
         }
         for ((device, _), list) in &groups {
             if *device == self.device {
-                ffi::amp_unscale_(list, &found_inf, inv_scale)?;
+                ffi::amp::unscale_(list, &found_inf, inv_scale)?;
             } else {
                 let local = Tensor::f_zeros([] as [i64; 0], (Kind::Float, *device))?;
-                ffi::amp_unscale_(list, &local, &inv_scale.f_to_device(*device)?)?;
+                ffi::amp::unscale_(list, &local, &inv_scale.f_to_device(*device)?)?;
                 let _ = found_inf.f_add_(&local.f_to_device(self.device)?)?;
             }
         }

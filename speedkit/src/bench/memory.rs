@@ -54,9 +54,9 @@ impl MemoryProbe {
     /// Starts a run: waits for the device, gives cached blocks back to the driver (so the reserved
     /// figure is this run's, not an earlier one's) and resets the peaks.
     pub(crate) fn start(device: usize) -> Result<Self> {
-        ffi::cuda_synchronize(device)?;
-        ffi::cuda_empty_cache()?;
-        ffi::cuda_reset_peak_memory(device)?;
+        ffi::device::cuda_synchronize(device)?;
+        ffi::device::cuda_empty_cache()?;
+        ffi::device::cuda_reset_peak_memory(device)?;
         Ok(Self { device })
     }
 
@@ -64,7 +64,7 @@ impl MemoryProbe {
     /// steps.
     pub(crate) fn end_warmup(&self) -> Result<(u64, u64)> {
         let peaks = self.peaks()?;
-        ffi::cuda_reset_peak_memory(self.device)?;
+        ffi::device::cuda_reset_peak_memory(self.device)?;
         Ok(peaks)
     }
 
@@ -79,8 +79,11 @@ impl MemoryProbe {
     }
 
     fn peaks(&self) -> Result<(u64, u64)> {
-        ffi::cuda_synchronize(self.device)?;
-        let (_, allocated, _) = ffi::cuda_memory_stats(self.device)?;
-        Ok((allocated, ffi::cuda_peak_reserved_memory(self.device)?))
+        ffi::device::cuda_synchronize(self.device)?;
+        let (_, allocated, _) = ffi::device::cuda_memory_stats(self.device)?;
+        Ok((
+            allocated,
+            ffi::device::cuda_peak_reserved_memory(self.device)?,
+        ))
     }
 }

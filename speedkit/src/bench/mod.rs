@@ -409,12 +409,15 @@ impl<'a> Bencher<'a> {
             Some(i) => {
                 let mut pending = Vec::with_capacity(self.protocol.steps);
                 for _ in 0..self.protocol.steps {
-                    let (start, end) = (ffi::CudaEvent::new()?, ffi::CudaEvent::new()?);
+                    let (start, end) = (
+                        ffi::device::CudaEvent::new()?,
+                        ffi::device::CudaEvent::new()?,
+                    );
                     start.record()?;
                     last = step()?;
                     end.record()?;
                     if self.protocol.paranoid_sync {
-                        ffi::cuda_synchronize(i)?;
+                        ffi::device::cuda_synchronize(i)?;
                         times.push(start.elapsed_ms(&end)?);
                     } else {
                         pending.push((start, end));

@@ -261,11 +261,14 @@ pub fn measure_matmul_peak(device: Device) -> Result<f64> {
     let b = Tensor::f_randn([n, n], (Kind::BFloat16, device))?;
     let mut times = Vec::new();
     for i in 0..25 {
-        let (start, end) = (ffi::CudaEvent::new()?, ffi::CudaEvent::new()?);
+        let (start, end) = (
+            ffi::device::CudaEvent::new()?,
+            ffi::device::CudaEvent::new()?,
+        );
         start.record()?;
         let _c = a.f_matmul(&b)?;
         end.record()?;
-        ffi::cuda_synchronize(index)?;
+        ffi::device::cuda_synchronize(index)?;
         if i >= 5 {
             times.push(start.elapsed_ms(&end)?);
         }

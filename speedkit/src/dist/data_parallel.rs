@@ -10,7 +10,7 @@ use tch::{nn::VarStore, Tensor};
 use super::ProcessGroup;
 use crate::config::SpeedConfig;
 use crate::error::{Result, SpeedkitError};
-use crate::ffi::RawReducer;
+use crate::ffi::distributed::RawReducer;
 
 /// The gradient-averaging state of one model (see the module docs). Made by
 /// [`SpeedContext::prepare`](crate::SpeedContext::prepare) under a launcher.

@@ -8,7 +8,7 @@ use tch::{Kind, Tensor};
 
 use super::LaunchEnv;
 use crate::error::{Result, SpeedkitError};
-use crate::ffi::{RawBackend, RawProcessGroup, RawReduceOp, Rendezvous};
+use crate::ffi::distributed::{RawBackend, RawProcessGroup, RawReduceOp, Rendezvous};
 
 /// The transport of the collectives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

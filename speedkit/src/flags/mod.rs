@@ -48,7 +48,8 @@ use std::fmt;
 
 use crate::config::MatmulPrecision;
 use crate::error::{Result, SpeedkitError};
-use crate::ffi;
+use crate::ffi::{self, raw};
+use crate::kernels::KernelOp;
 
 /// Every global flag speedkit may touch, named as PyTorch names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -88,6 +89,11 @@ pub enum Flag {
     SdpCudnn,
     /// `torch.are_deterministic_algorithms_enabled()` (`torch.use_deterministic_algorithms`)
     DeterministicAlgorithms,
+    /// speedkit's own kernels, every op at once (the config's `kernels`;
+    /// [`crate::kernels::set_enabled`] is its raw setter).
+    SpeedkitKernels,
+    /// One op's kernels, within [`Flag::SpeedkitKernels`].
+    SpeedkitKernel(KernelOp),
 }
 
 /// The kind of value a flag holds.
@@ -103,7 +109,7 @@ pub enum FlagKind {
 
 impl Flag {
     /// Every flag, in the order reports list them.
-    pub const ALL: [Flag; 17] = [
+    pub const ALL: [Flag; 26] = [
         Flag::CudaMatmulAllowTf32,
         Flag::Float32MatmulPrecision,
         Flag::CudaMatmulFp32Precision,
@@ -121,6 +127,15 @@ impl Flag {
         Flag::SdpMath,
         Flag::SdpCudnn,
         Flag::DeterministicAlgorithms,
+        Flag::SpeedkitKernels,
+        Flag::SpeedkitKernel(KernelOp::LayerNorm),
+        Flag::SpeedkitKernel(KernelOp::CrossEntropy),
+        Flag::SpeedkitKernel(KernelOp::BiasGelu),
+        Flag::SpeedkitKernel(KernelOp::Embedding),
+        Flag::SpeedkitKernel(KernelOp::Linear),
+        Flag::SpeedkitKernel(KernelOp::Mlp),
+        Flag::SpeedkitKernel(KernelOp::AdamW),
+        Flag::SpeedkitKernel(KernelOp::Fp8Cast),
     ];
 
     /// PyTorch's spelling of the flag.
@@ -151,6 +166,17 @@ impl Flag {
             Flag::SdpMath => "torch.backends.cuda.math_sdp_enabled()",
             Flag::SdpCudnn => "torch.backends.cuda.cudnn_sdp_enabled()",
             Flag::DeterministicAlgorithms => "torch.are_deterministic_algorithms_enabled()",
+            Flag::SpeedkitKernels => "speedkit.kernels",
+            Flag::SpeedkitKernel(op) => match op {
+                KernelOp::LayerNorm => "speedkit.kernels.layer_norm",
+                KernelOp::CrossEntropy => "speedkit.kernels.cross_entropy",
+                KernelOp::BiasGelu => "speedkit.kernels.bias_gelu",
+                KernelOp::Embedding => "speedkit.kernels.embedding",
+                KernelOp::Linear => "speedkit.kernels.linear",
+                KernelOp::Mlp => "speedkit.kernels.mlp",
+                KernelOp::AdamW => "speedkit.kernels.adamw",
+                KernelOp::Fp8Cast => "speedkit.kernels.fp8_cast",
+            },
         }
     }
 
@@ -170,48 +196,65 @@ impl Flag {
         matches!(self, Flag::CudaMatmulAllowTf32)
     }
 
-    /// The shim's id for boolean flags (mirrors `BoolFlag` in shim/flags.cpp).
+    /// The shim's id for PyTorch's boolean flags (speedkit.h's `sk_bool_flag`).
     const fn bool_id(self) -> Option<i32> {
         Some(match self {
-            Flag::CudaMatmulAllowTf32 => 0,
-            Flag::CudaMatmulAllowBf16ReducedPrecisionReduction => 1,
-            Flag::CudaMatmulAllowFp16ReducedPrecisionReduction => 2,
-            Flag::CudnnAllowTf32 => 3,
-            Flag::CudnnBenchmark => 4,
-            Flag::CudnnDeterministic => 5,
-            Flag::CudnnEnabled => 6,
-            Flag::SdpFlash => 7,
-            Flag::SdpMemEfficient => 8,
-            Flag::SdpMath => 9,
-            Flag::SdpCudnn => 10,
-            Flag::DeterministicAlgorithms => 11,
+            Flag::CudaMatmulAllowTf32 => raw::SK_FLAG_CUDA_MATMUL_ALLOW_TF32,
+            Flag::CudaMatmulAllowBf16ReducedPrecisionReduction => {
+                raw::SK_FLAG_CUDA_MATMUL_ALLOW_BF16_REDUCED_PRECISION_REDUCTION
+            }
+            Flag::CudaMatmulAllowFp16ReducedPrecisionReduction => {
+                raw::SK_FLAG_CUDA_MATMUL_ALLOW_FP16_REDUCED_PRECISION_REDUCTION
+            }
+            Flag::CudnnAllowTf32 => raw::SK_FLAG_CUDNN_ALLOW_TF32,
+            Flag::CudnnBenchmark => raw::SK_FLAG_CUDNN_BENCHMARK,
+            Flag::CudnnDeterministic => raw::SK_FLAG_CUDNN_DETERMINISTIC,
+            Flag::CudnnEnabled => raw::SK_FLAG_CUDNN_ENABLED,
+            Flag::SdpFlash => raw::SK_FLAG_SDP_FLASH,
+            Flag::SdpMemEfficient => raw::SK_FLAG_SDP_MEM_EFFICIENT,
+            Flag::SdpMath => raw::SK_FLAG_SDP_MATH,
+            Flag::SdpCudnn => raw::SK_FLAG_SDP_CUDNN,
+            Flag::DeterministicAlgorithms => raw::SK_FLAG_USE_DETERMINISTIC_ALGORITHMS,
             _ => return None,
         })
     }
 
-    /// The shim's id for entries of the per-backend precision table (mirrors `precision_key`).
+    /// The shim's id for entries of the per-backend precision table (speedkit.h's
+    /// `sk_fp32_precision_entry`).
     const fn fp32_precision_id(self) -> Option<i32> {
         Some(match self {
-            Flag::CudaMatmulFp32Precision => 0,
-            Flag::MkldnnMatmulFp32Precision => 1,
-            Flag::CudnnConvFp32Precision => 2,
-            Flag::CudnnRnnFp32Precision => 3,
+            Flag::CudaMatmulFp32Precision => raw::SK_FP32_CUDA_MATMUL,
+            Flag::MkldnnMatmulFp32Precision => raw::SK_FP32_MKLDNN_MATMUL,
+            Flag::CudnnConvFp32Precision => raw::SK_FP32_CUDNN_CONV,
+            Flag::CudnnRnnFp32Precision => raw::SK_FP32_CUDNN_RNN,
             _ => return None,
         })
+    }
+
+    /// The shim's op id of speedkit's kernel switches (speedkit.h's `sk_op`).
+    const fn kernel_op_id(self) -> Option<i32> {
+        match self {
+            Flag::SpeedkitKernels => Some(raw::SK_OP_ALL),
+            Flag::SpeedkitKernel(op) => Some(op.code()),
+            _ => None,
+        }
     }
 
     /// Reads the flag's current value from libtorch, as stored: never refused, whatever mix of
     /// PyTorch's legacy and new precision APIs set it.
     pub fn get(self) -> Result<FlagValue> {
         if let Some(id) = self.bool_id() {
-            return Ok(FlagValue::Bool(ffi::flag_get_bool(id)?));
+            return Ok(FlagValue::Bool(ffi::flags::get_bool(id)?));
+        }
+        if let Some(op) = self.kernel_op_id() {
+            return Ok(FlagValue::Bool(ffi::kernels::setting_get(op)?));
         }
         if let Some(id) = self.fp32_precision_id() {
-            return Fp32Precision::from_code(ffi::fp32_precision_get(id)?)
+            return Fp32Precision::from_code(ffi::flags::fp32_precision_get(id)?)
                 .map(FlagValue::Fp32Precision);
         }
         Ok(FlagValue::MatmulPrecision(matmul_precision_from_code(
-            ffi::matmul_precision_get()?,
+            ffi::flags::matmul_precision_get()?,
         )))
     }
 
@@ -219,11 +262,19 @@ impl Flag {
     /// moves the per-backend matmul entries, so the two APIs stay consistent). Prefer [`FlagGuard`],
     /// which records and restores; this is the raw setter.
     pub fn set(self, value: FlagValue) -> Result<()> {
-        match (value, self.bool_id(), self.fp32_precision_id()) {
-            (FlagValue::Bool(b), Some(id), _) => ffi::flag_set_bool(id, b),
-            (FlagValue::Fp32Precision(p), _, Some(id)) => ffi::fp32_precision_set(id, p as i32),
-            (FlagValue::MatmulPrecision(p), None, None) => {
-                ffi::matmul_precision_set(matmul_precision_code(p))
+        match (
+            value,
+            self.bool_id(),
+            self.fp32_precision_id(),
+            self.kernel_op_id(),
+        ) {
+            (FlagValue::Bool(b), Some(id), _, _) => ffi::flags::set_bool(id, b),
+            (FlagValue::Bool(b), _, _, Some(op)) => ffi::kernels::setting_set(op, b),
+            (FlagValue::Fp32Precision(p), _, Some(id), _) => {
+                ffi::flags::fp32_precision_set(id, p as i32)
+            }
+            (FlagValue::MatmulPrecision(p), None, None, None) => {
+                ffi::flags::matmul_precision_set(matmul_precision_code(p))
             }
             _ => Err(self.wrong_kind(value)),
         }
@@ -233,12 +284,20 @@ impl Flag {
     /// field alone, one table entry alone), so that a captured state, consistent or not, comes
     /// back exactly. A view has nothing of its own to write.
     pub(crate) fn restore(self, value: FlagValue) -> Result<()> {
-        match (value, self.bool_id(), self.fp32_precision_id()) {
+        match (
+            value,
+            self.bool_id(),
+            self.fp32_precision_id(),
+            self.kernel_op_id(),
+        ) {
             _ if self.is_view() => Ok(()),
-            (FlagValue::Bool(b), Some(id), _) => ffi::flag_restore_bool(id, b),
-            (FlagValue::Fp32Precision(p), _, Some(id)) => ffi::fp32_precision_set(id, p as i32),
-            (FlagValue::MatmulPrecision(p), None, None) => {
-                ffi::matmul_precision_restore(matmul_precision_code(p))
+            (FlagValue::Bool(b), Some(id), _, _) => ffi::flags::restore_bool(id, b),
+            (FlagValue::Bool(b), _, _, Some(op)) => ffi::kernels::setting_set(op, b),
+            (FlagValue::Fp32Precision(p), _, Some(id), _) => {
+                ffi::flags::fp32_precision_set(id, p as i32)
+            }
+            (FlagValue::MatmulPrecision(p), None, None, None) => {
+                ffi::flags::matmul_precision_restore(matmul_precision_code(p))
             }
             _ => Err(self.wrong_kind(value)),
         }
@@ -425,7 +484,7 @@ impl FlagState {
 /// back when one write fails.
 #[doc(hidden)]
 pub fn inject_write_fault(n: u32) {
-    ffi::fail_nth_flag_write(n);
+    ffi::flags::fail_nth_write(n);
 }
 
 /// One requested change: set `flag` to `value`, because `reason`.

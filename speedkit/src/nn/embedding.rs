@@ -5,9 +5,7 @@
 use tch::{Kind, Tensor};
 
 use crate::error::{Result, SpeedkitError};
-use crate::{ffi, kernels};
-
-const OP: &str = "embedding";
+use crate::ffi;
 
 /// `table[tokens]`, plus `positions[t]` at every position `t` when a position table is given: a
 /// GPT's input layer, a drop-in for `Tensor::embedding(table, tokens, ..)` followed by adding the
@@ -24,7 +22,7 @@ const OP: &str = "embedding";
 /// token's gradient rows in position order. Another kernel sums the position gradient over the
 /// batch in batch order. It replaces ATen's gather and broadcast add, its sort-and-segment
 /// embedding backward and a column reduction. Anywhere else (the CPU, kernels off, fp64 tables) it
-/// runs ATen's ops and [`crate::kernels::fallbacks`] says why, once.
+/// runs ATen's ops, and [`crate::kernels::notes`] say why.
 ///
 /// A token outside the table is an error on the CPU. On the GPU it is a device-side assert, as with
 /// ATen's embedding.
@@ -46,17 +44,7 @@ const OP: &str = "embedding";
 /// ```
 pub fn embedding(tokens: &Tensor, table: &Tensor, positions: Option<&Tensor>) -> Result<Tensor> {
     check_shapes(tokens, table, positions)?;
-    match unsupported(tokens, table, positions) {
-        None => match ffi::embedding(tokens, table, positions) {
-            Ok(out) => {
-                kernels::note_run(OP);
-                return Ok(out);
-            }
-            Err(e) => kernels::note_fallback(OP, &format!("the kernel failed ({e})")),
-        },
-        Some(reason) => kernels::note_fallback(OP, &reason),
-    }
-    aten(tokens, table, positions)
+    ffi::embedding::embedding(tokens, table, positions)
 }
 
 /// Why [`embedding`] would run ATen's ops for these inputs, or `None` when it runs speedkit's
@@ -73,15 +61,7 @@ pub fn embedding_fallback_reason(
     table: &Tensor,
     positions: Option<&Tensor>,
 ) -> Option<String> {
-    unsupported(tokens, table, positions)
-}
-
-fn aten(tokens: &Tensor, table: &Tensor, positions: Option<&Tensor>) -> Result<Tensor> {
-    let out = Tensor::f_embedding(table, tokens, -1, false, false)?;
-    match positions {
-        Some(positions) => Ok(out.f_add(&positions.f_narrow(0, 0, tokens.size()[1])?)?),
-        None => Ok(out),
-    }
+    ffi::embedding::unsupported(tokens, table, positions).unwrap_or_else(|e| Some(e.to_string()))
 }
 
 /// The misuse errors, the same on every path.
@@ -123,29 +103,4 @@ fn check_shapes(tokens: &Tensor, table: &Tensor, positions: Option<&Tensor>) -> 
         ));
     }
     Ok(())
-}
-
-fn unsupported(tokens: &Tensor, table: &Tensor, positions: Option<&Tensor>) -> Option<String> {
-    if let Some(reason) = kernels::unusable_on(table.device()) {
-        return Some(reason);
-    }
-    if !matches!(table.kind(), Kind::Float | Kind::BFloat16 | Kind::Half) {
-        return Some(format!(
-            "a table of type {:?} (the kernel takes fp32, bf16, fp16)",
-            table.kind()
-        ));
-    }
-    let on_table = |t: &Tensor| t.device() == table.device();
-    if !on_table(tokens) || !positions.is_none_or(on_table) {
-        return Some(format!(
-            "tokens or positions on another device than the table ({:?})",
-            table.device()
-        ));
-    }
-    let limit = i64::from(i32::MAX);
-    let (rows, size) = (tokens.numel() as i64, table.size());
-    if rows > limit || size[0] > limit || size[1] > limit {
-        return Some(format!("{rows} tokens over a table of {size:?}"));
-    }
-    None
 }

@@ -18,13 +18,10 @@
 //! # Ok::<(), speedkit::SpeedkitError>(())
 //! ```
 
-use tch::{Device, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 use crate::error::{Result, SpeedkitError};
-use crate::{ffi, kernels};
-
-/// What the kernel layer's notes call this op.
-pub(crate) const OP: &str = "fp8 cast";
+use crate::ffi;
 
 /// Longest amax history the fused cast takes (one thread block rolls it).
 ///
@@ -151,18 +148,11 @@ fn cast(
     rowwise: bool,
     transpose: bool,
 ) -> Result<Fp8Tensor> {
-    let use_kernels = kernels_run_on(t.device());
-    let code = match format {
-        Fp8Format::E4m3 => 0,
-        Fp8Format::E5m2 => 1,
+    let format = match format {
+        Fp8Format::E4m3 => ffi::fp8::Format::E4m3,
+        Fp8Format::E5m2 => ffi::fp8::Format::E5m2,
     };
-    let out = ffi::fp8_quantize(t, code, history, rowwise, transpose, use_kernels)?;
-    if use_kernels {
-        match out.why_not_kernels.as_str() {
-            "" => kernels::note_run(OP),
-            why => kernels::note_fallback(OP, why),
-        }
-    }
+    let out = ffi::fp8::quantize(t, format, history, rowwise, transpose)?;
     Ok(Fp8Tensor {
         data: out.data,
         transpose: out.transpose,
@@ -193,18 +183,4 @@ fn check_input(t: &Tensor, history: Option<&Tensor>) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// Whether the FP8 casts of a tensor on `device` may run on speedkit's kernels (switched on, and a
-/// device they run on); records the reason in the fallback notes when not.
-pub(crate) fn kernels_run_on(device: Device) -> bool {
-    match kernels::unusable_on(device) {
-        None => true,
-        Some(reason) => {
-            if matches!(device, Device::Cuda(_)) {
-                kernels::note_fallback(OP, &reason);
-            }
-            false
-        }
-    }
 }

@@ -4,12 +4,9 @@
 use std::borrow::Borrow;
 
 use tch::nn::{LayerNormConfig, Module, Path};
-use tch::{Device, Kind, Tensor};
+use tch::Tensor;
 
-use crate::amp::AutocastState;
-use crate::{ffi, kernels};
-
-const OP: &str = "layer_norm";
+use crate::ffi;
 
 /// LayerNorm over the last dimension, `y = (x − mean) / √(var + eps) · weight + bias`, a drop-in for
 /// `tch::nn::layer_norm` (same parameter names, `weight` and `bias`, so checkpoints load either way).
@@ -18,8 +15,7 @@ const OP: &str = "layer_norm";
 /// its output directly in the autocast type (bf16 under bf16 autocast, instead of ATen's fp32 and a
 /// cast) and keeps mean and 1/std for the backward, which gives dx, dweight and dbias in one pass
 /// over the rows plus a small column reduction. Anywhere else — the CPU, kernels off, fp64, a row
-/// too wide for the kernel — it runs `Tensor::layer_norm`, and [`crate::kernels::fallbacks`] says
-/// why, once.
+/// too wide for the kernel — it runs `Tensor::layer_norm`, and [`crate::kernels::notes`] say why.
 ///
 /// ```
 /// use tch::{nn, nn::Module, Device, Kind, Tensor};
@@ -96,11 +92,8 @@ impl LayerNorm {
     /// assert_eq!(y.size(), [3, 16]);
     /// ```
     pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> (Tensor, Tensor) {
-        if let Some((y, Some(sum))) = self.on_kernels(x, Some(residual), false) {
-            return (y, sum);
-        }
-        let sum = x + residual;
-        (self.aten(&sum), sum)
+        let (y, sum) = self.run(x, Some(residual), false);
+        (y, sum.unwrap_or_else(|| x + residual))
     }
 
     /// `(LN(x), x)`, for an input that is used again later, as a pre-LN block's residual stream is:
@@ -119,10 +112,8 @@ impl LayerNorm {
     /// assert!(y.allclose(&x.layer_norm([16], None::<Tensor>, None::<Tensor>, 1e-5, false), 1e-5, 1e-5, false));
     /// ```
     pub fn forward_keeping_input(&self, x: &Tensor) -> (Tensor, Tensor) {
-        if let Some((y, Some(same))) = self.on_kernels(x, None, true) {
-            return (y, same);
-        }
-        (self.aten(x), x.shallow_clone())
+        let (y, same) = self.run(x, None, true);
+        (y, same.unwrap_or_else(|| x.shallow_clone()))
     }
 
     /// Why a forward of `x` would run ATen's composite instead of speedkit's kernels, or `None`
@@ -136,134 +127,56 @@ impl LayerNorm {
     /// assert!(why.is_some_and(|w| w.contains("CUDA")));
     /// ```
     pub fn fallback_reason(&self, x: &Tensor) -> Option<String> {
-        self.unsupported(x, None)
+        if let Err(e) = self.check_width(x) {
+            return Some(e);
+        }
+        ffi::layernorm::unsupported(x, None, self.weight.as_ref(), self.bias.as_ref())
+            .unwrap_or_else(|e| Some(e.to_string()))
     }
 
-    fn aten(&self, x: &Tensor) -> Tensor {
-        x.layer_norm(
-            [self.width],
-            self.weight.as_ref(),
-            self.bias.as_ref(),
-            self.eps,
-            true,
-        )
-    }
-
-    /// The kernels' result, or `None` (after noting why) when this call takes the ATen path.
-    fn on_kernels(
+    /// The forward on speedkit's kernels where they take the input, else ATen's; panics on a
+    /// libtorch error, as tch's own modules do.
+    fn run(
         &self,
         x: &Tensor,
         residual: Option<&Tensor>,
         keep_input: bool,
-    ) -> Option<(Tensor, Option<Tensor>)> {
-        if let Some(reason) = self.unsupported(x, residual) {
-            kernels::note_fallback(OP, &reason);
-            return None;
-        }
-        let out_kind = output_kind(x);
-        match ffi::layer_norm(
-            x,
-            residual,
-            self.weight.as_ref(),
-            self.bias.as_ref(),
-            self.eps,
-            out_kind,
-            keep_input,
-        ) {
-            Ok(result) => {
-                kernels::note_run(OP);
-                Some(result)
-            }
-            Err(e) => {
-                kernels::note_fallback(OP, &format!("the kernel failed ({e})"));
-                None
-            }
+    ) -> (Tensor, Option<Tensor>) {
+        let result = self
+            .check_width(x)
+            .map_err(crate::SpeedkitError::Misuse)
+            .and_then(|()| {
+                ffi::layernorm::layer_norm(
+                    x,
+                    residual,
+                    self.weight.as_ref(),
+                    self.bias.as_ref(),
+                    self.eps,
+                    keep_input,
+                )
+            });
+        match result {
+            Ok(out) => out,
+            Err(e) => panic!("speedkit::nn::LayerNorm: {e}"),
         }
     }
 
-    /// Why the kernels cannot take this input, or `None` when they can.
-    fn unsupported(&self, x: &Tensor, residual: Option<&Tensor>) -> Option<String> {
-        if let Some(reason) = kernels::unusable_on(x.device()) {
-            return Some(reason);
-        }
-        if !matches!(x.kind(), Kind::Float | Kind::BFloat16 | Kind::Half) {
-            return Some(format!(
-                "input type {:?} (the kernels take fp32, bf16, fp16)",
-                x.kind()
-            ));
-        }
+    /// An input whose last dimension is not the normalised width is the caller's mistake.
+    fn check_width(&self, x: &Tensor) -> Result<(), String> {
         let size = x.size();
-        if size.last() != Some(&self.width) {
-            return Some(format!(
-                "input shape {size:?} does not end in the width {}",
-                self.width
-            ));
+        if size.last() == Some(&self.width) {
+            return Ok(());
         }
-        if let Some(r) = residual {
-            // An fp32 residual stream may take a bf16/fp16 branch output (autocast's mix).
-            let kinds_fit = r.kind() == x.kind()
-                || (x.kind() == Kind::Float && matches!(r.kind(), Kind::BFloat16 | Kind::Half));
-            if !kinds_fit || r.size() != size || r.device() != x.device() {
-                return Some(format!(
-                    "residual {:?} {:?} differs from the input {:?} {size:?}",
-                    r.kind(),
-                    r.size(),
-                    x.kind()
-                ));
-            }
-        }
-        for p in self.weight.iter().chain(self.bias.iter()) {
-            if !matches!(p.kind(), Kind::Float | Kind::BFloat16 | Kind::Half)
-                || p.device() != x.device()
-            {
-                return Some(format!(
-                    "parameter of type {:?} on {:?}",
-                    p.kind(),
-                    p.device()
-                ));
-            }
-        }
-        if let (Some(w), Some(b)) = (&self.weight, &self.bias) {
-            if w.kind() != b.kind() {
-                return Some(format!(
-                    "weight {:?} and bias {:?} differ in type",
-                    w.kind(),
-                    b.kind()
-                ));
-            }
-        }
-        let rows = size.iter().rev().skip(1).product::<i64>();
-        if self.width > i64::from(i32::MAX) || rows > i64::from(i32::MAX) {
-            return Some(format!("shape {size:?} has more than 2³¹ rows or columns"));
-        }
-        let Device::Cuda(index) = x.device() else {
-            return Some("not a CUDA tensor".into());
-        };
-        match ffi::layer_norm_width_supported(index, self.width) {
-            Ok(true) => None,
-            Ok(false) => Some(format!(
-                "width {} exceeds the shared memory of the backward kernel",
-                self.width
-            )),
-            Err(e) => Some(e.to_string()),
-        }
+        Err(format!(
+            "input shape {size:?} does not end in the width {}",
+            self.width
+        ))
     }
 }
 
 impl Module for LayerNorm {
+    /// Panics on a libtorch error, as tch's own modules do.
     fn forward(&self, x: &Tensor) -> Tensor {
-        match self.on_kernels(x, None, false) {
-            Some((y, _)) => y,
-            None => self.aten(x),
-        }
-    }
-}
-
-/// The type a LayerNorm output is written in: the autocast type when autocast is on for the input's
-/// device (the next op would cast to it anyway), else the input's own.
-fn output_kind(x: &Tensor) -> Kind {
-    match AutocastState::current(x.device()) {
-        Ok(state) if state.enabled => state.dtype,
-        _ => x.kind(),
+        self.run(x, None, false).0
     }
 }

@@ -30,8 +30,8 @@ use std::marker::PhantomData;
 use tch::{nn, Device, Kind, Tensor};
 
 use crate::config::{Fp8GradientFormat, Fp8Recipe};
+use crate::ffi;
 use crate::plan::Fp8Plan;
-use crate::{ffi, kernels};
 
 /// Longest amax history a layer keeps (the `fp8.amax_history` limit); the plan uses its first N.
 const HISTORY_CAPACITY: i64 = 1024;
@@ -115,25 +115,17 @@ impl Linear {
         }
         self.check_input(x)?;
         let bias = self.bs.as_ref();
-        let split = |y: Tensor| Ok(y.f_split(out_features / chunks as i64, -1)?);
         if let Some((plan, _)) = Fp8Scope::active() {
             match self.fp8_gemm(x, &plan) {
-                Ok(_) => return split(self.project(x, bias)?),
+                Ok(_) => {
+                    return Ok(self
+                        .project(x, bias)?
+                        .f_split(out_features / chunks as i64, -1)?)
+                }
                 Err(reason) => Fp8Scope::record(&self.name, false, &reason),
             }
         }
-        if kernels::unusable_on(x.device()).is_none()
-            && linear_unsupported(x, &self.ws, bias).is_none()
-        {
-            match ffi::linear_chunks(x, &self.ws, bias, chunks) {
-                Ok(parts) => {
-                    kernels::note_run(LINEAR);
-                    return Ok(parts);
-                }
-                Err(e) => kernels::note_fallback(LINEAR, &format!("the kernel failed ({e})")),
-            }
-        }
-        split(self.project_in_autocast_type(x, bias)?)
+        ffi::linear::linear_chunks(x, &self.ws, bias, chunks)
     }
 
     /// `gelu_tanh(x Wᵀ + b)`: the first half of a transformer MLP.
@@ -141,8 +133,8 @@ impl Linear {
     /// Where speedkit's kernels run (see [`crate::kernels`]), the GEMM runs without its bias and one
     /// kernel adds the bias and applies GELU; its backward yields the bias gradient from the
     /// GELU-backward pass, instead of a separate column reduction over the layer's whole output.
-    /// Anywhere else (no bias, not CUDA, kernels off) it is ATen's `gelu(x Wᵀ + b)`, and
-    /// [`crate::kernels::fallbacks`] says why, once.
+    /// Anywhere else (not CUDA, kernels off) it is ATen's `gelu(h + b)` after the same GEMM, and
+    /// [`crate::kernels::notes`] say why.
     ///
     /// ```
     /// use speedkit::nn::Linear;
@@ -158,23 +150,7 @@ impl Linear {
         let Some(bias) = &self.bs else {
             return Ok(self.forward_t(x)?.f_gelu("tanh")?);
         };
-        if let Some(reason) = kernels::unusable_on(x.device()) {
-            kernels::note_fallback(BIAS_GELU, &reason);
-            return Ok(self.forward_t(x)?.f_gelu("tanh")?);
-        }
-        let h = self.project(x, None)?;
-        let reason = match bias_gelu_unsupported(&h, bias) {
-            None => match ffi::bias_gelu(&h, bias) {
-                Ok(y) => {
-                    kernels::note_run(BIAS_GELU);
-                    return Ok(y);
-                }
-                Err(e) => format!("the kernel failed ({e})"),
-            },
-            Some(reason) => reason,
-        };
-        kernels::note_fallback(BIAS_GELU, &reason);
-        Ok(h.f_add(&bias.f_to_kind(h.kind())?)?.f_gelu("tanh")?)
+        ffi::bias_gelu::bias_gelu(&self.project(x, None)?, bias)
     }
 
     /// `x Wᵀ (+ bias)`, in FP8 where the active plan allows it for this call's shapes.
@@ -188,17 +164,11 @@ impl Linear {
                 Fp8Scope::record(&self.name, true, &gemm);
                 let histories = self.histories(&plan);
                 let h = histories.as_ref().map(|[a, b, c]| [a, b, c]);
-                let options = ffi::Fp8LinearOptions {
-                    use_kernels: super::fp8::kernels_run_on(x.device()),
+                let options = ffi::fp8::Fp8LinearOptions {
                     rowwise: plan.recipe == Fp8Recipe::Rowwise,
                     e4m3_gradients: plan.gradient_format == Fp8GradientFormat::E4m3,
                 };
-                let (y, on_kernels) =
-                    ffi::fp8_linear(x, &self.ws, bias, h, kind_code(out), options)?;
-                if on_kernels {
-                    kernels::note_run(super::fp8::OP);
-                }
-                Ok(y)
+                ffi::fp8::linear(x, &self.ws, bias, h, ffi::scalar_type_code(out)?, options)
             }
             Err(reason) => {
                 Fp8Scope::record(&self.name, false, &reason);
@@ -209,23 +179,9 @@ impl Linear {
 
     /// `x Wᵀ (+ bias)` in the autocast type: on speedkit's kernels where they run (the weight
     /// gradient straight from its GEMM in fp32, the bias gradient from `bias_grad`), else ATen's
-    /// `linear`, with the reason noted once.
+    /// `linear`, with the reason in the notes.
     fn project_in_autocast_type(&self, x: &Tensor, bias: Option<&Tensor>) -> crate::Result<Tensor> {
-        let reason = match kernels::unusable_on(x.device()) {
-            Some(reason) => reason,
-            None => match linear_unsupported(x, &self.ws, bias) {
-                Some(reason) => reason,
-                None => match ffi::linear(x, &self.ws, bias) {
-                    Ok(y) => {
-                        kernels::note_run(LINEAR);
-                        return Ok(y);
-                    }
-                    Err(e) => format!("the kernel failed ({e})"),
-                },
-            },
-        };
-        kernels::note_fallback(LINEAR, &reason);
-        Ok(x.f_linear(&self.ws, bias)?)
+        ffi::linear::linear(x, &self.ws, bias)
     }
 
     /// An input whose last dimension is not the layer's input width is the caller's mistake, on
@@ -290,67 +246,6 @@ impl nn::Module for Linear {
             Ok(y) => y,
             Err(e) => panic!("speedkit::nn::Linear {}: {e}", self.name),
         }
-    }
-}
-
-/// The op name [`Linear::forward_gelu`]'s kernel is listed under in the audit and the runner.
-const BIAS_GELU: &str = "bias_gelu";
-
-/// The op name [`Linear`]'s fused-backward path is listed under in the audit and the runner.
-const LINEAR: &str = "linear";
-
-/// Why `x Wᵀ + b` would not run on speedkit's path, or `None` when it does.
-fn linear_unsupported(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Option<String> {
-    let floating = |k: Kind| matches!(k, Kind::Float | Kind::BFloat16 | Kind::Half);
-    let kinds_ok =
-        floating(x.kind()) && floating(weight.kind()) && bias.is_none_or(|b| floating(b.kind()));
-    if !kinds_ok {
-        return Some(format!(
-            "input {:?}, weight {:?} (the kernels take fp32, bf16, fp16)",
-            x.kind(),
-            weight.kind()
-        ));
-    }
-    let [out_features, in_features] = weight.size()[..] else {
-        return Some(format!("weight of shape {:?} is not 2-d", weight.size()));
-    };
-    let rows = x.numel() as i64 / in_features.max(1);
-    if rows > i64::from(i32::MAX) || out_features > i64::from(i32::MAX) {
-        return Some(format!("output of {rows} rows × {out_features}"));
-    }
-    None
-}
-
-/// Why `gelu(h + bias)` would not run on the kernel, or `None` when it does.
-fn bias_gelu_unsupported(h: &Tensor, bias: &Tensor) -> Option<String> {
-    let floating = |k: Kind| matches!(k, Kind::Float | Kind::BFloat16 | Kind::Half);
-    if !floating(h.kind()) || !floating(bias.kind()) {
-        return Some(format!(
-            "input {:?} and bias {:?} (the kernel takes fp32, bf16, fp16)",
-            h.kind(),
-            bias.kind()
-        ));
-    }
-    let width = h.size().last().copied().unwrap_or(0);
-    let rows = h.numel() as i64 / width.max(1);
-    if bias.size() != [width] || bias.device() != h.device() {
-        return Some(format!(
-            "bias {:?} on {:?} does not match the output width {width}",
-            bias.size(),
-            bias.device()
-        ));
-    }
-    if rows > i64::from(i32::MAX) || width > i64::from(i32::MAX) {
-        return Some(format!("output of {rows} rows × {width}"));
-    }
-    None
-}
-
-fn kind_code(kind: Kind) -> i32 {
-    match kind {
-        Kind::Half => 5,
-        Kind::BFloat16 => 15,
-        _ => 6,
     }
 }
 

@@ -3,17 +3,10 @@
 //! composite anywhere else.
 
 use tch::nn::{self, Module};
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
-use crate::amp::AutocastState;
-use crate::error::{Result, SpeedkitError};
-use crate::{ffi, kernels};
-
-const OP: &str = "mlp";
-
-/// cuBLASLt's epilogues want 16-byte rows of bf16/fp16 and a GELU buffer whose leading dimension is
-/// a multiple of 8: every width must be a multiple of this.
-const WIDTH_MULTIPLE: i64 = 8;
+use crate::error::Result;
+use crate::ffi;
 
 /// The pre-LN transformer's MLP, `fc2(gelu_tanh(fc1(x)))`, a drop-in for two `tch::nn::Linear`
 /// layers around a GELU, with tch's parameter names (`fc1.weight`, `fc1.bias`, `fc2.weight`,
@@ -27,7 +20,7 @@ const WIDTH_MULTIPLE: i64 = 8;
 /// its input-gradient GEMM. The fp32 master
 /// weights are cast to the autocast type once per call (as autocast does) and their gradients come
 /// back in fp32. Anywhere else it runs `x.linear(w1, b1).gelu("tanh").linear(w2, b2)`, and
-/// [`crate::kernels::fallbacks`] says why, once.
+/// [`crate::kernels::notes`] say why.
 ///
 /// ```
 /// use tch::{nn, Device, Kind, Tensor};
@@ -75,30 +68,7 @@ impl Mlp {
     /// # Ok::<(), speedkit::SpeedkitError>(())
     /// ```
     pub fn forward_t(&self, x: &Tensor) -> Result<Tensor> {
-        let result = match self.unsupported(x) {
-            Ok(compute) => match self.fused(x, compute) {
-                Ok(y) => {
-                    kernels::note_run(OP);
-                    Some(y)
-                }
-                Err(e) => {
-                    kernels::note_fallback(OP, &format!("the fused MLP failed ({e})"));
-                    None
-                }
-            },
-            Err(reason) => {
-                kernels::note_fallback(OP, &reason);
-                None
-            }
-        };
-        // GEMMs the fused path ran on ATen (cuBLASLt had no algorithm): the audit says which.
-        for line in ffi::mlp_take_notes() {
-            kernels::note_fallback(OP, &line);
-        }
-        match result {
-            Some(y) => Ok(y),
-            None => self.aten(x),
-        }
+        ffi::mlp::mlp(x, self.fc1_parts(), self.fc2_parts())
     }
 
     /// Why a forward of `x` would run ATen's composite instead of the fused GEMMs, or `None` when
@@ -112,80 +82,16 @@ impl Mlp {
     /// assert!(why.is_some_and(|w| w.contains("CUDA")));
     /// ```
     pub fn fallback_reason(&self, x: &Tensor) -> Option<String> {
-        self.unsupported(x).err()
+        ffi::mlp::unsupported(x, self.fc1_parts(), self.fc2_parts())
+            .unwrap_or_else(|e| Some(e.to_string()))
     }
 
-    /// ATen's composite: what the fused path computes, anywhere.
-    fn aten(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.f_linear(&self.fc1.ws, self.fc1.bs.as_ref())?
-            .f_gelu("tanh")?
-            .f_linear(&self.fc2.ws, self.fc2.bs.as_ref())?)
+    fn fc1_parts(&self) -> (&Tensor, Option<&Tensor>) {
+        (&self.fc1.ws, self.fc1.bs.as_ref())
     }
 
-    fn fused(&self, x: &Tensor, compute: Kind) -> Result<Tensor> {
-        let (Some(b1), Some(b2)) = (&self.fc1.bs, &self.fc2.bs) else {
-            return Err(SpeedkitError::Unsupported(
-                "the fused MLP needs both biases".into(),
-            ));
-        };
-        ffi::mlp(x, (&self.fc1.ws, b1), (&self.fc2.ws, b2), compute)
-    }
-
-    /// The compute type (the autocast type) when the fused path can take `x`, else why not.
-    fn unsupported(&self, x: &Tensor) -> std::result::Result<Kind, String> {
-        if let Some(reason) = kernels::unusable_on(x.device()) {
-            return Err(reason);
-        }
-        let compute = match AutocastState::current(x.device()) {
-            Ok(state) if state.enabled && matches!(state.dtype, Kind::BFloat16 | Kind::Half) => {
-                state.dtype
-            }
-            Ok(_) => return Err("not inside a bf16 or fp16 autocast".into()),
-            Err(e) => return Err(e.to_string()),
-        };
-        let floating = |k: Kind| matches!(k, Kind::Float | Kind::BFloat16 | Kind::Half);
-        if !floating(x.kind()) {
-            return Err(format!(
-                "input type {:?} (the fused MLP takes fp32, bf16, fp16)",
-                x.kind()
-            ));
-        }
-        let (Some(b1), Some(b2)) = (&self.fc1.bs, &self.fc2.bs) else {
-            return Err("a layer has no bias".into());
-        };
-        for p in [&self.fc1.ws, b1, &self.fc2.ws, b2] {
-            if !floating(p.kind()) || p.device() != x.device() {
-                return Err(format!(
-                    "parameter of type {:?} on {:?}",
-                    p.kind(),
-                    p.device()
-                ));
-            }
-        }
-        self.shape_supported(&x.size())?;
-        Ok(compute)
-    }
-
-    fn shape_supported(&self, size: &[i64]) -> std::result::Result<(), String> {
-        let (w1, w2) = (self.fc1.ws.size(), self.fc2.ws.size());
-        let (&[hidden, in_features], &[out_features, hidden2]) = (&w1[..], &w2[..]) else {
-            return Err(format!("weights {w1:?} and {w2:?} are not 2-d"));
-        };
-        if hidden != hidden2 || size.last() != Some(&in_features) {
-            return Err(format!(
-                "input {size:?}, fc1 {w1:?} and fc2 {w2:?} do not chain"
-            ));
-        }
-        if [in_features, hidden, out_features]
-            .iter()
-            .any(|&w| w <= 0 || w % WIDTH_MULTIPLE != 0)
-        {
-            return Err(format!(
-                "widths {in_features} → {hidden} → {out_features}: cuBLASLt's epilogues need \
-                 positive multiples of {WIDTH_MULTIPLE}"
-            ));
-        }
-        Ok(())
+    fn fc2_parts(&self) -> (&Tensor, Option<&Tensor>) {
+        (&self.fc2.ws, self.fc2.bs.as_ref())
     }
 }
 
@@ -274,7 +180,7 @@ impl MlpBackwardFusion {
 /// # Ok::<(), speedkit::SpeedkitError>(())
 /// ```
 pub fn set_mlp_backward_fusion(fusion: MlpBackwardFusion) -> Result<MlpBackwardFusion> {
-    Ok(MlpBackwardFusion::from_mask(ffi::mlp_set_backward_fusion(
+    Ok(MlpBackwardFusion::from_mask(ffi::mlp::set_backward_fusion(
         fusion.mask(),
     )?))
 }

@@ -36,7 +36,11 @@ use std::path::Path;
 use std::time::Instant;
 
 use crate::error::{Result, SpeedkitError};
-use crate::ffi::{self, CudaEvent, ProfilerEvent, ProfilerResult, RecordRange};
+use crate::ffi::{
+    self,
+    device::CudaEvent,
+    profiler::{ProfilerEvent, ProfilerResult, RecordRange},
+};
 use crate::graph::{self, StepKind};
 use crate::report::table;
 use crate::SpeedContext;
@@ -254,7 +258,7 @@ struct Recording {
 
 impl Recording {
     fn start(with_cuda: bool) -> Result<Self> {
-        ffi::profiler_start(with_cuda)?;
+        ffi::profiler::start(with_cuda)?;
         Ok(Self { active: true })
     }
 
@@ -292,8 +296,8 @@ fn record_step<T>(
     step: &mut impl FnMut() -> Result<T>,
 ) -> Result<StepTiming> {
     if let Some(device) = cuda {
-        ffi::cuda_synchronize(device)?;
-        ffi::cuda_reset_peak_memory(device)?;
+        ffi::device::cuda_synchronize(device)?;
+        ffi::device::cuda_reset_peak_memory(device)?;
     }
     let events = match cuda {
         Some(_) => Some((CudaEvent::new()?, CudaEvent::new()?)),
@@ -312,7 +316,7 @@ fn record_step<T>(
     }
     if let Some(device) = cuda {
         // Inside the range: every kernel of this step ends before the range does.
-        ffi::cuda_synchronize(device)?;
+        ffi::device::cuda_synchronize(device)?;
     }
     range.close()?;
     let cuda_event_ms = match &events {
@@ -320,7 +324,7 @@ fn record_step<T>(
         None => None,
     };
     let peak_memory_bytes = match cuda {
-        Some(device) => Some(ffi::cuda_memory_stats(device)?.1),
+        Some(device) => Some(ffi::device::cuda_memory_stats(device)?.1),
         None => None,
     };
     Ok(StepTiming {

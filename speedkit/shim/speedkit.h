@@ -1,0 +1,379 @@
+// speedkit's C ABI: every function of the shim (speedkit/shim/*.cpp) that Rust calls, declared once.
+//
+// Every shim file includes this header (through shim.h), so the C++ compiler refuses a definition
+// whose signature differs from its declaration here; speedkit's build script generates the Rust
+// declarations from this same file (speedkit-build's `abi` module), one Rust module per
+// `// @module` section, each mirroring one shim file. The header is plain C in the small shape that
+// generator reads: see speedkit-build/src/abi.rs.
+//
+// The error contract, for every function returning `int`: 0 on success; otherwise non-zero, and
+// sk_last_error() holds the message (per thread) until the next failing call. No C++ exception
+// crosses into Rust. Tensors cross as tch's handles (sk_tensor, an `at::Tensor*` owned by Rust);
+// a tensor handed back through an `sk_tensor*` out-parameter is heap-allocated and owned by the
+// caller. A `const char**` out-parameter points at a per-thread string of the shim, valid until the
+// calling thread's next call that hands out a string.
+#ifndef SPEEDKIT_SHIM_SPEEDKIT_H
+#define SPEEDKIT_SHIM_SPEEDKIT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+namespace at {
+class Tensor;
+}
+typedef at::Tensor* sk_tensor;
+extern "C" {
+#else
+typedef struct sk_tensor_opaque* sk_tensor;
+#endif
+
+// @module errors: the error contract's message (flags.cpp)
+
+/// The calling thread's last error message.
+const char* sk_last_error(void);
+
+// @module scalar_types: c10's ScalarType codes of the tensor types speedkit passes (checked against c10 in flags.cpp)
+
+/// c10::ScalarType's numbering.
+enum sk_scalar_type {
+  SK_INT64 = 4,
+  SK_FLOAT16 = 5,
+  SK_FLOAT32 = 6,
+  SK_FLOAT64 = 7,
+  SK_BFLOAT16 = 15,
+  SK_FLOAT8_E5M2 = 23,
+  SK_FLOAT8_E4M3FN = 24
+};
+
+// @module flags: PyTorch's global speed flags, read and restored raw (flags.cpp)
+
+/// The boolean flags, by speedkit's id.
+enum sk_bool_flag {
+  SK_FLAG_CUDA_MATMUL_ALLOW_TF32 = 0,
+  SK_FLAG_CUDA_MATMUL_ALLOW_BF16_REDUCED_PRECISION_REDUCTION = 1,
+  SK_FLAG_CUDA_MATMUL_ALLOW_FP16_REDUCED_PRECISION_REDUCTION = 2,
+  SK_FLAG_CUDNN_ALLOW_TF32 = 3,
+  SK_FLAG_CUDNN_BENCHMARK = 4,
+  SK_FLAG_CUDNN_DETERMINISTIC = 5,
+  SK_FLAG_CUDNN_ENABLED = 6,
+  SK_FLAG_SDP_FLASH = 7,
+  SK_FLAG_SDP_MEM_EFFICIENT = 8,
+  SK_FLAG_SDP_MATH = 9,
+  SK_FLAG_SDP_CUDNN = 10,
+  SK_FLAG_USE_DETERMINISTIC_ALGORITHMS = 11
+};
+
+/// The entries of the per-backend fp32 precision table speedkit moves.
+enum sk_fp32_precision_entry {
+  SK_FP32_CUDA_MATMUL = 0,
+  SK_FP32_MKLDNN_MATMUL = 1,
+  SK_FP32_CUDNN_CONV = 2,
+  SK_FP32_CUDNN_RNN = 3
+};
+
+/// Makes the n-th flag write from now fail once (0: never); test-only fault injection.
+void sk_test_fail_nth_flag_write(int n);
+int sk_flag_get_bool(int flag, int* out);
+/// Sets a boolean flag through PyTorch's own setter.
+int sk_flag_set_bool(int flag, int value);
+/// Writes only the flag's own field (restoring a captured state).
+int sk_flag_restore_bool(int flag, int value);
+/// 0 = highest, 1 = high, 2 = medium.
+int sk_matmul_precision_get(int* out);
+int sk_matmul_precision_set(int value);
+/// Writes only the legacy matmul-precision field.
+int sk_matmul_precision_restore(int value);
+/// 0 = none, 1 = ieee, 2 = tf32, 3 = bf16.
+int sk_fp32_precision_get(int which, int* out);
+int sk_fp32_precision_set(int which, int value);
+
+// @module amp: autocast state and the GradScaler's unscale (amp.cpp)
+
+/// Autocast's enabled flag and dtype (a ScalarType code) for a c10::DeviceType code.
+int sk_autocast_get(int device_type, int* enabled, int* dtype);
+int sk_autocast_set(int device_type, int enabled, int dtype);
+int sk_autocast_increment_nesting(int* depth);
+int sk_autocast_decrement_nesting(int* depth);
+int sk_autocast_clear_cache(void);
+/// grads *= inv_scale; found_inf = 1 where any gradient is not finite.
+int sk_amp_unscale_(const sk_tensor* grads, int64_t n, sk_tensor found_inf, sk_tensor inv_scale);
+
+// @module device: versions, device properties, the caching allocator, events and streams (device.cpp)
+
+/// libtorch's and CUDA's versions.
+typedef struct sk_versions {
+  int torch_major;
+  int torch_minor;
+  int torch_patch;
+  int built_with_cuda;
+  int64_t cuda_runtime;
+  int64_t cudnn;
+} sk_versions;
+
+/// One CUDA device's properties.
+typedef struct sk_device_props {
+  char name[256];
+  int major;
+  int minor;
+  int multiprocessors;
+  int64_t total_memory;
+  int64_t l2_cache_bytes;
+} sk_device_props;
+
+int sk_versions_get(sk_versions* out);
+int sk_cuda_device_count(int* out);
+int sk_cuda_device_props(int index, sk_device_props* out);
+/// Bytes allocated now, peak allocated since the last reset, and reserved, by the caching allocator.
+int sk_cuda_memory_stats(int index, int64_t* allocated, int64_t* peak, int64_t* reserved);
+int sk_cuda_reset_peak_memory(int index);
+/// Peak bytes reserved since the last reset.
+int sk_cuda_peak_reserved_memory(int index, int64_t* out);
+/// Gives the caching allocator's unused blocks back to the driver.
+int sk_cuda_empty_cache(void);
+/// A CUDA event with timing, freed by sk_cuda_event_free.
+int sk_cuda_event_new(void** out);
+/// Records the event on the current stream.
+int sk_cuda_event_record(void* event);
+/// Milliseconds from `start` to `end`, waiting for `end`.
+int sk_cuda_event_elapsed_ms(void* start, void* end, double* out);
+void sk_cuda_event_free(void* event);
+int sk_cuda_synchronize(int index);
+/// Makes a pool stream current, ordered after the work queued so far; sk_cuda_side_stream_exit
+/// orders the previous stream after it and frees the handle.
+int sk_cuda_side_stream_enter(int index, void** out);
+int sk_cuda_side_stream_exit(void* handle);
+
+// @module graphs: CUDA graphs in the caching allocator's graph pools (graphs.cpp)
+
+int sk_cuda_graph_pool_handle(uint64_t* first, uint64_t* second);
+int sk_cuda_graph_new(void** out);
+/// Begins capture on the current stream (not the default stream).
+int sk_cuda_graph_capture_begin(void* graph, uint64_t pool_first, uint64_t pool_second);
+int sk_cuda_graph_capture_end(void* graph);
+int sk_cuda_graph_replay(void* graph);
+void sk_cuda_graph_free(void* graph);
+
+// @module optim: AdamW and the parameter-list helpers (optim.cpp)
+
+/// One AdamW bucket's tensor lists (same device and dtype), n tensors each.
+typedef struct sk_adamw_lists {
+  const sk_tensor* params;
+  const sk_tensor* grads;
+  const sk_tensor* exp_avgs;
+  const sk_tensor* exp_avg_sqs;
+  const sk_tensor* steps;
+  int64_t n;
+} sk_adamw_lists;
+
+/// One AdamW update's hyper-parameters; lr is a tensor on the device (capturable).
+typedef struct sk_adamw_hyper {
+  sk_tensor lr;
+  double beta1;
+  double beta2;
+  double weight_decay;
+  double eps;
+} sk_adamw_hyper;
+
+/// torch._fused_adamw_; speedkit's AdamW kernel takes every parameter it can (writing kept weight
+/// copies in the same pass) where the kernel switch allows it. grad_scale, found_inf: NULL without
+/// a GradScaler.
+int sk_fused_adamw_(const sk_adamw_lists* lists, const sk_adamw_hyper* hyper, sk_tensor grad_scale,
+                    sk_tensor found_inf);
+/// The multi-tensor (foreach) AdamW, capturable.
+int sk_foreach_adamw_(const sk_adamw_lists* lists, const sk_adamw_hyper* hyper);
+/// Lays a 4-d parameter out channels-last in place (the same parameter object).
+int sk_to_channels_last_(sk_tensor tensor);
+int sk_is_channels_last(sk_tensor tensor, int* out);
+/// Drops every tensor's gradient (`grad = None`).
+int sk_clear_grads(const sk_tensor* tensors, int64_t n);
+/// params[i].grad = grads[i].
+int sk_set_grads(const sk_tensor* params, const sk_tensor* grads, int64_t n);
+int sk_foreach_zero_(const sk_tensor* tensors, int64_t n);
+/// The `ord`-norm of all tensors together.
+int sk_foreach_norm(const sk_tensor* tensors, int64_t n, double ord, sk_tensor* out);
+int sk_foreach_mul_scalar_tensor_(const sk_tensor* tensors, int64_t n, sk_tensor factor);
+
+// @module profiler: the Kineto step profiler and user-scope ranges (profiler.cpp)
+
+/// One profiler event; `name` lives as long as its profile.
+typedef struct sk_profiler_event {
+  const char* name;
+  int32_t device_type;
+  int32_t activity_type;
+  uint64_t start_ns;
+  uint64_t duration_ns;
+  uint64_t correlation_id;
+  uint64_t thread_id;
+  int64_t device_resource_id;
+} sk_profiler_event;
+
+/// Starts recording CPU ops on this thread, and CUDA activity with `with_cuda`.
+int sk_profiler_start(int with_cuda);
+/// Stops the profiler; *out receives the profile (sk_profiler_free).
+int sk_profiler_stop(void** out);
+int sk_profiler_event_count(void* profile, int64_t* out);
+int sk_profiler_event_get(void* profile, int64_t index, sk_profiler_event* out);
+/// Writes the Chrome trace.
+int sk_profiler_save(void* profile, const char* path);
+void sk_profiler_free(void* profile);
+/// Opens a user-scope range an active profiler records (closed by sk_record_range_close).
+int sk_record_range_open(const char* name, void** out);
+int sk_record_range_close(void* range);
+
+// @module nvtx: NVTX ranges for timeline tools (nvtx.cpp)
+
+void sk_nvtx_range_push(const char* name);
+void sk_nvtx_range_pop(void);
+
+// @module autograd: the backward graph behind a tensor (autograd.cpp)
+
+/// Every node reachable from root's grad_fn and the leaves it writes; *out freed by
+/// sk_autograd_graph_free.
+int sk_autograd_graph(sk_tensor root, void** out);
+int sk_autograd_graph_sizes(void* graph, int64_t* nodes, int64_t* leaves);
+/// Node `index`'s name, alive as long as the graph.
+int sk_autograd_graph_node(void* graph, int64_t index, const char** name);
+int sk_autograd_graph_leaf(void* graph, int64_t index, uint64_t* id);
+void sk_autograd_graph_free(void* graph);
+/// The identity autograd keys a variable by (its TensorImpl).
+int sk_tensor_identity(sk_tensor tensor, uint64_t* id);
+
+// @module distributed: c10d process groups and DDP's Reducer (distributed.cpp)
+
+/// Which c10d backend carries the collectives.
+enum sk_dist_backend { SK_DIST_GLOO = 0, SK_DIST_NCCL = 1 };
+
+/// The reductions of sk_dist_all_reduce_.
+enum sk_reduce_op { SK_REDUCE_SUM = 0, SK_REDUCE_MAX = 1 };
+
+/// Joins a process group over a TCPStore at master_addr:port; *out freed by sk_dist_free.
+int sk_dist_init(int backend, const char* master_addr, int port, int rank, int world, int local_rank,
+                 int64_t timeout_ms, void** out);
+void sk_dist_free(void* group);
+int sk_dist_broadcast_(void* group, const sk_tensor* tensors, int64_t n, int root);
+int sk_dist_all_reduce_(void* group, sk_tensor tensor, int op);
+int sk_dist_all_gather(void* group, sk_tensor tensor, sk_tensor* out);
+int sk_dist_barrier(void* group);
+/// c10d's Reducer over `params`: bucketed gradient all-reduce from autograd hooks, averaged.
+int sk_reducer_new(void* group, const sk_tensor* params, int64_t n, int64_t bucket_bytes,
+                   int64_t first_bucket_bytes, void** out);
+/// Arms the hooks for the next backward pass.
+int sk_reducer_prepare(void* reducer);
+void sk_reducer_free(void* reducer);
+
+// @module kernels: speedkit's kernel layer: sources, compilation, the kernel switch and its notes (kernels.cpp)
+
+/// speedkit's fused ops, as the kernel switch and the notes name them; SK_OP_ALL is the switch of
+/// every op at once.
+enum sk_op {
+  SK_OP_ALL = 0,
+  SK_OP_LAYER_NORM = 1,
+  SK_OP_CROSS_ENTROPY = 2,
+  SK_OP_BIAS_GELU = 3,
+  SK_OP_EMBEDDING = 4,
+  SK_OP_LINEAR = 5,
+  SK_OP_MLP = 6,
+  SK_OP_ADAMW = 7,
+  SK_OP_FP8_CAST = 8,
+  SK_OP_COUNT = 9
+};
+
+/// What happened to one op so far in the process: it ran on the kernel (`reason` empty) or took
+/// ATen's path for `reason`, `count` times. `reason` lives as long as the process.
+typedef struct sk_kernel_note {
+  int op;
+  const char* reason;
+  int64_t count;
+} sk_kernel_note;
+
+/// Whether the kernels of `op` (SK_OP_ALL: of every op) are switched on.
+int sk_kernels_setting_get(int op, int* on);
+int sk_kernels_setting_set(int op, int on);
+/// Why speedkit's kernels cannot run on CUDA device `index`, or "" when they can.
+int sk_kernels_unavailable_reason(int index, const char** reason);
+/// How many distinct notes there are; sk_kernel_note_get reads them in order of first occurrence.
+int sk_kernel_note_count(int64_t* out);
+int sk_kernel_note_get(int64_t index, sk_kernel_note* out);
+/// How many kernel sources are registered (speedkit's own first, then those registered at run time).
+int sk_kernel_source_count(int* out);
+/// Source `index`'s name, alive as long as the process.
+int sk_kernel_source_name(int index, const char** out);
+/// Registers CUDA C++ source `text` under `name` (both copied), compiled on first use with its
+/// own cache key; *index receives its index. A name already registered with other text is an error.
+int sk_kernel_source_register(const char* name, const char* text, int* index);
+/// Compiles source `index` for sm_<major><minor>, bypassing the cache; the cubin's size.
+int sk_kernel_compile(int index, int major, int minor, int64_t* cubin_bytes);
+/// NVRTC's version as major * 1000 + minor * 10.
+int sk_nvrtc_version(int* out);
+
+// @module layernorm: LayerNorm on speedkit's kernel, else ATen's (layernorm.cpp)
+
+/// y = LN(x [+ residual]) over the last dimension, written in the autocast type where autocast is
+/// on for x's device (else x's); with a residual also *sum = x + residual; without one and with
+/// `keep_input`, *sum = x passed through (its later gradient joins dx in the kernel); otherwise
+/// *sum = NULL. weight, bias: [width] or NULL. Differentiable.
+int sk_layer_norm(sk_tensor x, sk_tensor residual, sk_tensor weight, sk_tensor bias, double eps, int keep_input,
+                  sk_tensor* y, sk_tensor* sum);
+/// Why sk_layer_norm would take ATen's path for these inputs, or "".
+int sk_layer_norm_unsupported(sk_tensor x, sk_tensor residual, sk_tensor weight, sk_tensor bias,
+                              const char** reason);
+
+// @module classifier: the fused softmax cross-entropy, else ATen's (classifier.cpp)
+
+/// The mean cross-entropy of logits [rows, classes] against int64 targets [rows], rows whose
+/// target is ignore_index left out; *loss is an fp32 scalar. Differentiable in the logits.
+int sk_cross_entropy(sk_tensor logits, sk_tensor targets, int64_t ignore_index, sk_tensor* loss);
+int sk_cross_entropy_unsupported(sk_tensor logits, sk_tensor targets, const char** reason);
+
+// @module bias_gelu: bias + tanh-GELU in one kernel, else ATen's (bias_gelu.cpp)
+
+/// *y = gelu_tanh(h + bias) over the last dimension, in h's type. Differentiable.
+int sk_bias_gelu(sk_tensor h, sk_tensor bias, sk_tensor* y);
+
+// @module embedding: token + position embedding in one kernel, else ATen's (embedding.cpp)
+
+/// *out = table[tokens] (+ positions[t] for tokens [batch, seq]), in the table's type.
+/// Differentiable in the table and the positions.
+int sk_embedding(sk_tensor tokens, sk_tensor table, sk_tensor positions, sk_tensor* out);
+int sk_embedding_unsupported(sk_tensor tokens, sk_tensor table, sk_tensor positions, const char** reason);
+
+// @module linear: Linear with speedkit's cheaper backward, else ATen's (linear.cpp)
+
+/// *y = x Wᵀ + b over x's last dimension, in the autocast type where autocast is on for x's
+/// device. bias may be NULL. Differentiable once on the kernel path.
+int sk_linear(sk_tensor x, sk_tensor weight, sk_tensor bias, sk_tensor* y);
+/// As sk_linear, the output as `chunks` equal blocks of its last dimension, y[0..chunks).
+int sk_linear_chunks(sk_tensor x, sk_tensor weight, sk_tensor bias, int64_t chunks, sk_tensor* y);
+
+// @module mlp: the transformer MLP on cuBLASLt epilogues, else ATen's (cublaslt.cpp)
+
+/// *y = fc2(gelu_tanh(fc1(x))) with the GEMMs in the autocast type; differentiable.
+int sk_mlp(sk_tensor x, sk_tensor w1, sk_tensor b1, sk_tensor w2, sk_tensor b2, sk_tensor* y);
+int sk_mlp_unsupported(sk_tensor x, sk_tensor w1, sk_tensor b1, sk_tensor w2, sk_tensor b2, const char** reason);
+/// Sets the mask of the backward's epilogues (cublaslt.cpp's Fusion bits); *previous the old one.
+int sk_mlp_set_backward_fusion(int mask, int* previous);
+
+// @module fp8: FP8 GEMMs through _scaled_mm and the fused casts (fp8.cpp)
+
+/// The options of sk_fp8_linear.
+enum sk_fp8_option { SK_FP8_ROWWISE = 4, SK_FP8_E4M3_GRADIENTS = 8 };
+
+/// The FP8 formats of sk_fp8_quantize.
+enum sk_fp8_format { SK_FP8_E4M3 = 0, SK_FP8_E5M2 = 1 };
+
+/// x Wᵀ + b with FP8 GEMMs, the output in `out_dtype` (a ScalarType code). The histories (fp32,
+/// 1-d) of x, W and the output gradient for the delayed recipe, else all NULL. Differentiable.
+int sk_fp8_linear(sk_tensor x, sk_tensor weight, sk_tensor bias, sk_tensor x_history, sk_tensor w_history,
+                  sk_tensor g_history, int out_dtype, int options, sk_tensor* out);
+/// t (2-d) in FP8 `format`, scaled per tensor (from `history` when given) or, with `rowwise`, per
+/// row; with `transpose` also tᵀ in FP8 (else *transposed = NULL). On the kernels where the kernel
+/// switch allows and they take t, else on ATen's ops (the same bytes).
+int sk_fp8_quantize(sk_tensor t, int format, sk_tensor history, int rowwise, int transpose, sk_tensor* data,
+                    sk_tensor* transposed, sk_tensor* inverse_scale, sk_tensor* transposed_inverse_scale);
+
+#ifdef __cplusplus
+}  // extern "C"
+#endif
+
+#endif  // SPEEDKIT_SHIM_SPEEDKIT_H

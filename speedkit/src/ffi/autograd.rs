@@ -1,0 +1,53 @@
+//! The backward graph behind a tensor (`shim/autograd.cpp`).
+
+use std::ffi::CStr;
+use std::ptr;
+
+use tch::Tensor;
+
+use super::{check, handle, raw::autograd as abi, Result};
+
+/// The backward graph of a tensor: every node's name (each node once), and the identities of the
+/// leaf variables that receive gradients.
+pub(crate) fn graph(root: &Tensor) -> Result<(Vec<String>, Vec<u64>)> {
+    let mut raw = ptr::null_mut();
+    // SAFETY: live handle for the call; `raw` receives a heap object freed below.
+    check(unsafe { abi::sk_autograd_graph(handle(root), &mut raw) })?;
+    let read = || -> Result<(Vec<String>, Vec<u64>)> {
+        let (mut nodes, mut leaves) = (0i64, 0i64);
+        // SAFETY: live graph, valid out-pointers.
+        check(unsafe { abi::sk_autograd_graph_sizes(raw, &mut nodes, &mut leaves) })?;
+        let mut names = Vec::with_capacity(nodes as usize);
+        for i in 0..nodes {
+            let mut name = ptr::null();
+            // SAFETY: live graph, index in range, `name` receives a pointer owned by the graph.
+            check(unsafe { abi::sk_autograd_graph_node(raw, i, &mut name) })?;
+            // SAFETY: NUL-terminated, alive until the graph is freed below.
+            names.push(
+                unsafe { CStr::from_ptr(name) }
+                    .to_string_lossy()
+                    .into_owned(),
+            );
+        }
+        let mut ids = Vec::with_capacity(leaves as usize);
+        for i in 0..leaves {
+            let mut id = 0u64;
+            // SAFETY: live graph, index in range, valid out-pointer.
+            check(unsafe { abi::sk_autograd_graph_leaf(raw, i, &mut id) })?;
+            ids.push(id);
+        }
+        Ok((names, ids))
+    };
+    let out = read();
+    // SAFETY: created by sk_autograd_graph, freed exactly once.
+    unsafe { abi::sk_autograd_graph_free(raw) };
+    out
+}
+
+/// The identity autograd keys a variable by (comparable with [`graph`]'s leaves).
+pub(crate) fn tensor_identity(tensor: &Tensor) -> Result<u64> {
+    let mut id = 0u64;
+    // SAFETY: live handle, valid out-pointer.
+    check(unsafe { abi::sk_tensor_identity(handle(tensor), &mut id) })?;
+    Ok(id)
+}

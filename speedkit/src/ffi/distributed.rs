@@ -1,0 +1,137 @@
+//! c10d process groups and DDP's Reducer (`shim/distributed.cpp`).
+
+use std::ffi::{c_int, c_void};
+use std::ptr;
+
+use tch::Tensor;
+
+use super::{c_string, check, handle, handles, owned, raw, raw::distributed as abi, Result};
+
+/// Which c10d backend carries the collectives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RawBackend {
+    Gloo,
+    Nccl,
+}
+
+/// Reduction of [`RawProcessGroup::all_reduce_`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum RawReduceOp {
+    Sum,
+    Max,
+}
+
+/// Where and how to rendezvous (see `sk_dist_init`).
+pub(crate) struct Rendezvous<'a> {
+    pub backend: RawBackend,
+    pub master_addr: &'a str,
+    pub port: u16,
+    pub rank: usize,
+    pub world_size: usize,
+    pub local_rank: usize,
+    pub timeout_ms: i64,
+}
+
+/// A c10d `ProcessGroup` with its `TCPStore`; shut down and freed on drop.
+pub(crate) struct RawProcessGroup(*mut c_void);
+
+impl RawProcessGroup {
+    pub(crate) fn init(r: &Rendezvous<'_>) -> Result<Self> {
+        let addr = c_string(r.master_addr)?;
+        let backend = match r.backend {
+            RawBackend::Gloo => raw::SK_DIST_GLOO,
+            RawBackend::Nccl => raw::SK_DIST_NCCL,
+        };
+        let mut group = ptr::null_mut();
+        // SAFETY: valid C string and out-pointer for the call; `group` receives a Group we own.
+        check(unsafe {
+            abi::sk_dist_init(
+                backend,
+                addr.as_ptr(),
+                c_int::from(r.port),
+                r.rank as c_int,
+                r.world_size as c_int,
+                r.local_rank as c_int,
+                r.timeout_ms,
+                &mut group,
+            )
+        })?;
+        Ok(Self(group))
+    }
+
+    pub(crate) fn broadcast_(&self, tensors: &[Tensor], root: usize) -> Result<()> {
+        let t = handles(tensors);
+        // SAFETY: live group and handles for the call.
+        check(unsafe { abi::sk_dist_broadcast_(self.0, t.as_ptr(), t.len() as i64, root as c_int) })
+    }
+
+    pub(crate) fn all_reduce_(&self, tensor: &Tensor, op: RawReduceOp) -> Result<()> {
+        let op = match op {
+            RawReduceOp::Sum => raw::SK_REDUCE_SUM,
+            RawReduceOp::Max => raw::SK_REDUCE_MAX,
+        };
+        // SAFETY: live group and handle for the call.
+        check(unsafe { abi::sk_dist_all_reduce_(self.0, handle(tensor), op) })
+    }
+
+    pub(crate) fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
+        let mut out = ptr::null_mut();
+        // SAFETY: live group and handle; `out` receives a fresh tensor that we wrap and own.
+        check(unsafe { abi::sk_dist_all_gather(self.0, handle(tensor), &mut out) })?;
+        // SAFETY: a fresh tensor from the shim.
+        Ok(unsafe { owned(out) })
+    }
+
+    pub(crate) fn barrier(&self) -> Result<()> {
+        // SAFETY: live group.
+        check(unsafe { abi::sk_dist_barrier(self.0) })
+    }
+}
+
+impl Drop for RawProcessGroup {
+    fn drop(&mut self) {
+        // SAFETY: created by sk_dist_init, freed exactly once.
+        unsafe { abi::sk_dist_free(self.0) }
+    }
+}
+
+/// c10d's `Reducer`: bucketed gradient all-reduce from autograd hooks, averaged by the world size.
+/// Holds its own reference to the process group, so it may outlive a [`RawProcessGroup`] handle.
+pub(crate) struct RawReducer(*mut c_void);
+
+impl RawReducer {
+    pub(crate) fn new(
+        group: &RawProcessGroup,
+        params: &[Tensor],
+        bucket_bytes: i64,
+        first_bucket_bytes: i64,
+    ) -> Result<Self> {
+        let p = handles(params);
+        let mut reducer = ptr::null_mut();
+        // SAFETY: live group and handles; `reducer` receives a Reducer we own.
+        check(unsafe {
+            abi::sk_reducer_new(
+                group.0,
+                p.as_ptr(),
+                p.len() as i64,
+                bucket_bytes,
+                first_bucket_bytes,
+                &mut reducer,
+            )
+        })?;
+        Ok(Self(reducer))
+    }
+
+    /// Arms the hooks for the next backward pass.
+    pub(crate) fn prepare(&self) -> Result<()> {
+        // SAFETY: live reducer.
+        check(unsafe { abi::sk_reducer_prepare(self.0) })
+    }
+}
+
+impl Drop for RawReducer {
+    fn drop(&mut self) {
+        // SAFETY: created by sk_reducer_new, freed exactly once.
+        unsafe { abi::sk_reducer_free(self.0) }
+    }
+}

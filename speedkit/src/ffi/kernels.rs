@@ -1,0 +1,117 @@
+//! speedkit's kernel layer: the kernel sources, their compilation, the kernel switch and the notes
+//! of which ops ran on the kernels (`shim/kernels.cpp`).
+
+use std::ffi::{c_char, c_int, CStr};
+use std::ptr;
+
+use super::{c_string, check, device_index, raw, raw::kernels as abi, text, Result};
+use crate::error::SpeedkitError;
+
+/// One distinct note of the kernel layer: `op` ran on its kernel (`reason` `None`) or took ATen's
+/// path for `reason`, `count` times so far in the process.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Note {
+    pub op: c_int,
+    pub reason: Option<String>,
+    pub count: u64,
+}
+
+/// Whether `op`'s kernels (`SK_OP_ALL`: every op's) are switched on.
+pub(crate) fn setting_get(op: c_int) -> Result<bool> {
+    let mut on = 0;
+    // SAFETY: valid out-pointer; the shim range-checks `op`.
+    check(unsafe { abi::sk_kernels_setting_get(op, &mut on) })?;
+    Ok(on != 0)
+}
+
+pub(crate) fn setting_set(op: c_int, on: bool) -> Result<()> {
+    // SAFETY: plain values; the shim range-checks `op`.
+    check(unsafe { abi::sk_kernels_setting_set(op, c_int::from(on)) })
+}
+
+/// Why speedkit's kernels cannot run on CUDA device `index`, or `None` when they can.
+pub(crate) fn unavailable_reason(index: usize) -> Result<Option<String>> {
+    let mut reason: *const c_char = ptr::null();
+    // SAFETY: valid out-pointer to the shim's per-thread string, copied at once.
+    check(unsafe { abi::sk_kernels_unavailable_reason(device_index(index)?, &mut reason) })?;
+    // SAFETY: NUL-terminated, alive until this thread's next call.
+    Ok(unsafe { text(reason) })
+}
+
+/// Every distinct note so far, in order of first occurrence.
+pub(crate) fn notes() -> Result<Vec<Note>> {
+    let mut n = 0i64;
+    // SAFETY: valid out-pointer.
+    check(unsafe { abi::sk_kernel_note_count(&mut n) })?;
+    (0..n)
+        .map(|index| {
+            let mut note = raw::sk_kernel_note {
+                op: 0,
+                reason: ptr::null(),
+                count: 0,
+            };
+            // SAFETY: index below the count just read (notes are only ever added); `note` is the
+            // header's struct.
+            check(unsafe { abi::sk_kernel_note_get(index, &mut note) })?;
+            Ok(Note {
+                op: note.op,
+                // SAFETY: reasons live as long as the process.
+                reason: unsafe { text(note.reason) },
+                count: note.count.max(0) as u64,
+            })
+        })
+        .collect()
+}
+
+/// The names of the registered kernel sources, in the shim's order (speedkit's own first).
+pub(crate) fn source_names() -> Result<Vec<String>> {
+    let mut count = 0;
+    // SAFETY: valid out-pointer.
+    check(unsafe { abi::sk_kernel_source_count(&mut count) })?;
+    (0..count)
+        .map(|index| {
+            let mut name: *const c_char = ptr::null();
+            // SAFETY: index in range; the shim returns a pointer to a string it never frees.
+            check(unsafe { abi::sk_kernel_source_name(index, &mut name) })?;
+            // SAFETY: NUL-terminated, alive for the life of the process.
+            Ok(unsafe { CStr::from_ptr(name) }
+                .to_string_lossy()
+                .into_owned())
+        })
+        .collect()
+}
+
+/// Registers CUDA C++ `source` under `name`; its index in [`source_names`].
+pub(crate) fn register_source(name: &str, source: &str) -> Result<usize> {
+    let (name, source) = (c_string(name)?, c_string(source)?);
+    let mut index = 0;
+    // SAFETY: NUL-terminated strings for the call (the shim copies them), valid out-pointer.
+    check(unsafe { abi::sk_kernel_source_register(name.as_ptr(), source.as_ptr(), &mut index) })?;
+    Ok(usize::try_from(index).unwrap_or(0))
+}
+
+/// Compiles source `index` with NVRTC for sm_<major><minor>; the cubin's size in bytes.
+pub(crate) fn compile(index: usize, major: u32, minor: u32) -> Result<usize> {
+    let to_int = |v: u64| {
+        c_int::try_from(v).map_err(|_| SpeedkitError::Misuse(format!("{v} is out of range")))
+    };
+    let mut bytes = 0i64;
+    // SAFETY: plain integers and a valid out-pointer.
+    check(unsafe {
+        abi::sk_kernel_compile(
+            to_int(index as u64)?,
+            to_int(u64::from(major))?,
+            to_int(u64::from(minor))?,
+            &mut bytes,
+        )
+    })?;
+    Ok(usize::try_from(bytes).unwrap_or(0))
+}
+
+/// NVRTC's version as major * 1000 + minor * 10.
+pub(crate) fn nvrtc_version() -> Result<u32> {
+    let mut version = 0;
+    // SAFETY: valid out-pointer.
+    check(unsafe { abi::sk_nvrtc_version(&mut version) })?;
+    Ok(u32::try_from(version).unwrap_or(0))
+}
