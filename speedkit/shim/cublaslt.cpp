@@ -248,7 +248,7 @@ using sk::variable_list;
 // (speedkit::nn::set_mlp_backward_fusion), because an epilogue is not always faster than the
 // separate pass it replaces. The default leaves db1 to ATen's column sum: on an H200 at the
 // transformer's shape DGELU_BGRAD cost ~0.15 ms more per MLP than DGELU plus that sum
-// (docs/benchmarks/2026-11-23-h200/mlp-timings.log).
+// (docs/benchmarks/data/2026-11-23-h200-mlp-timings.log).
 enum Fusion : int {
   kFp32WeightGrads = 1,  // weight-gradient GEMMs write fp32 (else the compute type, then a cast)
   kFc2BiasGrad = 2,      // db2 in fc2's weight-gradient GEMM (BGRADB)

@@ -137,7 +137,7 @@ impl MlpBackwardFusion {
     };
     /// The setting in force until changed: every epilogue but fc1's bias gradient, which ATen's
     /// column sum computes faster than cuBLASLt's DGELU_BGRAD on an H200 at the `transformer`
-    /// workload's shape (docs/benchmarks/2026-11-23-h200/mlp-timings.log).
+    /// workload's shape (docs/benchmarks/data/2026-11-23-h200-mlp-timings.log).
     pub const DEFAULT: Self = Self {
         fp32_weight_grads: true,
         fc2_bias_grad: true,
