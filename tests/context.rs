@@ -170,3 +170,38 @@ fn the_kernels_setting_comes_back_when_the_training_code_panics() {
     assert!(speedkit::kernels::enabled());
     speedkit::kernels::set_enabled(before);
 }
+
+#[test]
+fn one_op_switched_off_by_a_guard_runs_aten_and_comes_back_after() {
+    use speedkit::flags::{Flag, FlagGuard, FlagSetting, FlagValue};
+    use speedkit::kernels::KernelOp;
+    let _lock = common::serial();
+    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    let norm = speedkit::nn::layer_norm(vs.root(), 8, Default::default());
+    let x = tch::Tensor::randn([2, 8], (tch::Kind::Float, tch::Device::Cpu));
+    let op = Flag::SpeedkitKernel(KernelOp::LayerNorm);
+    let before = op.get().unwrap();
+    {
+        let _guard =
+            FlagGuard::apply(&[FlagSetting::new(op, FlagValue::Bool(false), "test")]).unwrap();
+        let why = norm.fallback_reason(&x).unwrap_or_default();
+        assert!(why.contains("kernels: false"), "{why}");
+        assert!(speedkit::kernels::enabled(), "only the one op is off");
+    }
+    assert_eq!(op.get().unwrap(), before);
+}
+
+#[test]
+fn the_audit_counts_the_calls_that_fell_back_in_this_context() {
+    let _lock = common::serial();
+    let config = SpeedConfig::from_yaml_str("device: cpu\nkernels: false\n").unwrap();
+    // kernels: false on the CPU: nothing is noted (the plan says why), so the audit lists nothing.
+    let ctx = SpeedContext::new(&config).unwrap();
+    let x = tch::Tensor::randn([2, 8], (tch::Kind::Float, tch::Device::Cpu));
+    let _ = speedkit::nn::cross_entropy(
+        &x,
+        &tch::Tensor::zeros([2], (tch::Kind::Int64, tch::Device::Cpu)),
+    );
+    let audit = ctx.audit().to_string();
+    assert!(!audit.contains("cross_entropy:"), "{audit}");
+}

@@ -62,3 +62,64 @@ fn kernel_files_include_the_bias_gelu() {
     let files = kernels::files().expect("the kernel table is embedded");
     assert!(files.iter().any(|f| f == "bias_gelu.cuh"), "{files:?}");
 }
+
+const SCALE: &str = r#"extern "C" __global__ void scale(float* x, float k, int n) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) x[i] *= k;
+}
+"#;
+
+#[test]
+fn a_source_registered_at_run_time_is_listed_and_compiles() {
+    kernels::register_source("test_scale.cu", SCALE).expect("a new source registers");
+    assert!(kernels::registered()
+        .unwrap()
+        .contains(&"test_scale.cu".to_string()));
+    assert!(!kernels::files()
+        .unwrap()
+        .contains(&"test_scale.cu".to_string()));
+    let bytes = kernels::compile("test_scale.cu", HOPPER).expect("it compiles");
+    assert!(bytes > 0);
+}
+
+#[test]
+fn registering_the_same_source_again_is_the_same_source() {
+    kernels::register_source("test_twice.cu", SCALE).unwrap();
+    kernels::register_source("test_twice.cu", SCALE).expect("the same text again is allowed");
+    let count = kernels::registered()
+        .unwrap()
+        .iter()
+        .filter(|f| *f == "test_twice.cu")
+        .count();
+    assert_eq!(count, 1);
+}
+
+#[test]
+fn a_name_taken_by_other_text_is_refused() {
+    kernels::register_source("test_taken.cu", SCALE).unwrap();
+    let err = kernels::register_source("test_taken.cu", "// other text\n").unwrap_err();
+    assert!(err.to_string().contains("another name"), "{err}");
+}
+
+#[test]
+fn a_registered_source_can_include_speedkits_own_headers() {
+    let source = "#include \"common.cuh\"\nextern \"C\" __global__ void warp_total(float* x) { x[threadIdx.x] = sk::warp_sum(x[threadIdx.x]); }\n";
+    kernels::register_source("test_includes.cu", source).unwrap();
+    assert!(kernels::compile("test_includes.cu", AMPERE).expect("common.cuh is a header") > 0);
+}
+
+#[test]
+fn a_source_that_does_not_compile_reports_nvrtcs_log() {
+    kernels::register_source(
+        "test_broken.cu",
+        "extern \"C\" __global__ void broken() { undeclared(); }\n",
+    )
+    .unwrap();
+    let err = kernels::compile("test_broken.cu", HOPPER)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("test_broken.cu") && err.contains("undeclared"),
+        "{err}"
+    );
+}

@@ -126,3 +126,24 @@ fn hold_guard_on_thread(
         .unwrap();
     (held_rx, release_tx, handle)
 }
+
+#[test]
+fn a_context_with_the_other_kernels_setting_on_another_thread_is_refused() {
+    let _lock = common::serial();
+    // On the CPU a plan can only turn the kernels off, so the other thread turns them on.
+    let kernels_before = speedkit::kernels::set_enabled(false);
+    let before = FlagState::capture().unwrap();
+    let kernels_on = FlagSetting::new(Flag::SpeedkitKernels, FlagValue::Bool(true), "thread rule test");
+    let (held, release, done) = hold_guard_on_thread("trainer", vec![kernels_on]);
+    held.recv().unwrap();
+
+    let config = SpeedConfig::from_yaml_str("device: cpu\nkernels: false\n").unwrap();
+    let err = SpeedContext::new(&config).unwrap_err();
+
+    release.send(()).unwrap();
+    done.join().unwrap();
+    assert_eq!(FlagState::capture().unwrap(), before);
+    speedkit::kernels::set_enabled(kernels_before);
+    assert!(matches!(err, SpeedkitError::ThreadConflict(_)), "{err}");
+    assert!(err.to_string().contains("speedkit.kernels"), "{err}");
+}

@@ -36,6 +36,7 @@ struct Sources {
   std::mutex mutex;
   // A deque: references handed out stay valid as sources are added.
   std::deque<Source> all;
+  int builtin = 0;
 };
 
 Sources& sources() {
@@ -46,6 +47,7 @@ Sources& sources() {
 #include "kernel_sources.inc"
     };
     for (const auto& [name, text] : embedded) r->all.push_back(Source{static_cast<int>(r->all.size()), name, text});
+    r->builtin = static_cast<int>(r->all.size());
     return r;
   }();
   return *registry;
@@ -166,6 +168,8 @@ int source_count() {
   std::lock_guard<std::mutex> lock(s.mutex);
   return static_cast<int>(s.all.size());
 }
+
+int builtin_source_count() { return sources().builtin; }
 
 const Source& source(int index) {
   Sources& s = sources();
@@ -483,7 +487,12 @@ int sk_kernel_note_get(int64_t index, sk_kernel_note* out) {
   })
 }
 
-int sk_kernel_source_count(int* out) { SK_TRY(*out = sk::kernels::source_count()) }
+int sk_kernel_source_count(int* out, int* builtin) {
+  SK_TRY({
+    *out = sk::kernels::source_count();
+    *builtin = sk::kernels::builtin_source_count();
+  })
+}
 
 int sk_kernel_source_name(int index, const char** out) { SK_TRY(*out = sk::kernels::source(index).name.c_str()) }
 

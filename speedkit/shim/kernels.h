@@ -40,6 +40,9 @@ struct Source {
 // How many sources are registered: speedkit's own (sorted by name) first, then the run-time ones.
 int source_count();
 
+// How many of them are speedkit's own.
+int builtin_source_count();
+
 // Source `index`; throws when there is none. The reference stays valid for the life of the process.
 const Source& source(int index);
 

@@ -295,8 +295,9 @@ int sk_kernels_unavailable_reason(int index, const char** reason);
 /// How many distinct notes there are; sk_kernel_note_get reads them in order of first occurrence.
 int sk_kernel_note_count(int64_t* out);
 int sk_kernel_note_get(int64_t index, sk_kernel_note* out);
-/// How many kernel sources are registered (speedkit's own first, then those registered at run time).
-int sk_kernel_source_count(int* out);
+/// How many kernel sources are registered: speedkit's own (the first *builtin of them), then those
+/// registered at run time.
+int sk_kernel_source_count(int* out, int* builtin);
 /// Source `index`'s name, alive as long as the process.
 int sk_kernel_source_name(int index, const char** out);
 /// Registers CUDA C++ source `text` under `name` (both copied), compiled on first use with its

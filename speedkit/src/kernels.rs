@@ -138,15 +138,28 @@ impl fmt::Display for KernelOp {
     }
 }
 
-/// The registered kernel sources by name: speedkit's own (`speedkit/kernels/*.cuh`, sorted), then
-/// those registered at run time.
+/// speedkit's own kernel files (`speedkit/kernels/*.cuh`), by file name, sorted.
 ///
 /// ```
 /// assert!(speedkit::kernels::files()?.contains(&"layernorm.cuh".to_string()));
 /// # Ok::<(), speedkit::SpeedkitError>(())
 /// ```
 pub fn files() -> Result<Vec<String>> {
-    ffi::kernels::source_names()
+    let (mut names, builtin) = ffi::kernels::source_names()?;
+    names.truncate(builtin);
+    Ok(names)
+}
+
+/// The sources registered at run time ([`register_source`]), in order of registration.
+///
+/// ```
+/// speedkit::kernels::register_source("doc_empty.cu", "// nothing yet\n")?;
+/// assert!(speedkit::kernels::registered()?.contains(&"doc_empty.cu".to_string()));
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn registered() -> Result<Vec<String>> {
+    let (names, builtin) = ffi::kernels::source_names()?;
+    Ok(names.into_iter().skip(builtin).collect())
 }
 
 /// Registers CUDA C++ `source` under the file name `name`, to be compiled with NVRTC on first use
@@ -163,15 +176,15 @@ pub fn files() -> Result<Vec<String>> {
 ///            if (i < n) x[i] *= k;
 ///        }"#,
 /// )?;
-/// assert!(speedkit::kernels::files()?.contains(&name.to_string()));
+/// assert!(speedkit::kernels::registered()?.contains(&name.to_string()));
 /// # Ok::<(), speedkit::SpeedkitError>(())
 /// ```
 pub fn register_source(name: &str, source: &str) -> Result<()> {
     ffi::kernels::register_source(name, source).map(|_| ())
 }
 
-/// Compiles the registered source `file` with NVRTC for `arch`, bypassing the cache, and returns
-/// the size of the cubin in bytes. Needs NVRTC and the CUDA headers, not a GPU. The error carries
+/// Compiles the kernel source `file` (one of [`files`] or [`registered`]) with NVRTC for `arch`,
+/// bypassing the cache, and returns the size of the cubin in bytes. Needs NVRTC and the CUDA headers, not a GPU. The error carries
 /// NVRTC's log when the file does not compile.
 ///
 /// ```no_run
@@ -181,7 +194,8 @@ pub fn register_source(name: &str, source: &str) -> Result<()> {
 /// # Ok::<(), speedkit::SpeedkitError>(())
 /// ```
 pub fn compile(file: &str, arch: Arch) -> Result<usize> {
-    let index = files()?
+    let index = ffi::kernels::source_names()?
+        .0
         .iter()
         .position(|name| name == file)
         .ok_or_else(|| SpeedkitError::Misuse(format!("speedkit has no kernel file {file}")))?;

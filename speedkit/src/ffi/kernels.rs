@@ -63,11 +63,12 @@ pub(crate) fn notes() -> Result<Vec<Note>> {
         .collect()
 }
 
-/// The names of the registered kernel sources, in the shim's order (speedkit's own first).
-pub(crate) fn source_names() -> Result<Vec<String>> {
-    let mut count = 0;
-    // SAFETY: valid out-pointer.
-    check(unsafe { abi::sk_kernel_source_count(&mut count) })?;
+/// The names of the registered kernel sources, in the shim's order, and how many of the first are
+/// speedkit's own.
+pub(crate) fn source_names() -> Result<(Vec<String>, usize)> {
+    let (mut count, mut builtin) = (0, 0);
+    // SAFETY: valid out-pointers.
+    check(unsafe { abi::sk_kernel_source_count(&mut count, &mut builtin) })?;
     (0..count)
         .map(|index| {
             let mut name: *const c_char = ptr::null();
@@ -78,7 +79,8 @@ pub(crate) fn source_names() -> Result<Vec<String>> {
                 .to_string_lossy()
                 .into_owned())
         })
-        .collect()
+        .collect::<Result<Vec<_>>>()
+        .map(|names| (names, usize::try_from(builtin).unwrap_or(0)))
 }
 
 /// Registers CUDA C++ `source` under `name`; its index in [`source_names`].
