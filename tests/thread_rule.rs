@@ -133,7 +133,11 @@ fn a_context_with_the_other_kernels_setting_on_another_thread_is_refused() {
     // On the CPU a plan can only turn the kernels off, so the other thread turns them on.
     let kernels_before = speedkit::kernels::set_enabled(false);
     let before = FlagState::capture().unwrap();
-    let kernels_on = FlagSetting::new(Flag::SpeedkitKernels, FlagValue::Bool(true), "thread rule test");
+    let kernels_on = FlagSetting::new(
+        Flag::SpeedkitKernels,
+        FlagValue::Bool(true),
+        "thread rule test",
+    );
     let (held, release, done) = hold_guard_on_thread("trainer", vec![kernels_on]);
     held.recv().unwrap();
 

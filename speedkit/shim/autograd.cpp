@@ -2,6 +2,7 @@
 // the leaf variables its AccumulateGrad nodes write gradients to.
 #include "shim.h"
 
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
@@ -75,6 +76,20 @@ void sk_autograd_graph_free(void* graph) { delete static_cast<Graph*>(graph); }
 // The identity autograd keys a variable by (its TensorImpl), comparable with sk_autograd_graph_leaf.
 int sk_tensor_identity(sk_tensor tensor, uint64_t* id) {
   SK_TRY(*id = reinterpret_cast<uint64_t>(tensor->unsafeGetTensorImpl()))
+}
+
+int sk_autograd_backward(const sk_tensor* outputs, const sk_tensor* grad_outputs, int64_t n) {
+  SK_TRY(torch::autograd::backward(sk::tensor_list(outputs, n), sk::tensor_list(grad_outputs, n)))
+}
+
+int sk_autograd_grad(const sk_tensor* outputs, const sk_tensor* grad_outputs, int64_t n, const sk_tensor* inputs,
+                     int64_t m, sk_tensor* out) {
+  SK_TRY({
+    const auto grads = torch::autograd::grad(sk::tensor_list(outputs, n), sk::tensor_list(inputs, m),
+                                             sk::tensor_list(grad_outputs, n), /*retain_graph=*/std::nullopt,
+                                             /*create_graph=*/false, /*allow_unused=*/true);
+    for (int64_t i = 0; i < m; ++i) out[i] = sk::give_or_null(grads[static_cast<size_t>(i)]);
+  })
 }
 
 }  // extern "C"

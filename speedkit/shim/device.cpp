@@ -5,7 +5,10 @@
 #include <torch/headeronly/version.h>
 
 #include <cstring>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <tuple>
 
 #if SK_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -60,6 +63,7 @@ int sk_cuda_device_props(int index, sk_device_props* out) {
 // Bytes currently allocated, peak allocated since the last reset, and reserved by the caching allocator.
 int sk_cuda_memory_stats(int index, int64_t* allocated, int64_t* peak, int64_t* reserved) {
   SK_CUDA_TRY({
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
     using Stat = c10::CachingDeviceAllocator::StatType;
     auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
     const auto all = static_cast<size_t>(Stat::AGGREGATE);
@@ -80,6 +84,50 @@ int sk_cuda_peak_reserved_memory(int index, int64_t* out) {
     using Stat = c10::CachingDeviceAllocator::StatType;
     auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
     *out = stats.reserved_bytes[static_cast<size_t>(Stat::AGGREGATE)].peak;
+  })
+}
+
+// The totals from the allocator's counters; the groups from its snapshot (segments without their
+// trace history), summed by (pool, stream).
+int sk_cuda_memory_snapshot(int index, sk_memory_totals* totals, sk_memory_pool* pools, int64_t capacity,
+                            int64_t* count) {
+  SK_CUDA_TRY({
+    using Stat = c10::CachingDeviceAllocator::StatType;
+    namespace allocator = c10::cuda::CUDACachingAllocator;
+    // The allocator exists only once CUDA is initialised; before the first CUDA tensor its counters
+    // would be read from nothing.
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
+    const auto device = static_cast<c10::DeviceIndex>(index);
+    const auto stats = allocator::getDeviceStats(device);
+    const auto all = static_cast<size_t>(Stat::AGGREGATE);
+    *totals = sk_memory_totals{stats.allocated_bytes[all].current,
+                               stats.reserved_bytes[all].current,
+                               stats.active_bytes[all].current,
+                               stats.inactive_split_bytes[all].current,
+                               stats.allocated_bytes[all].peak,
+                               stats.reserved_bytes[all].peak,
+                               stats.num_alloc_retries,
+                               stats.num_ooms,
+                               stats.segment[all].current};
+    std::map<std::tuple<uint64_t, uint64_t, uint64_t>, sk_memory_pool> groups;
+    for (const auto& segment : allocator::snapshot({0, 0}, /*include_traces=*/false).segments) {
+      if (segment.device != device) continue;
+      const auto key = std::make_tuple(segment.owner_private_pool_id.first, segment.owner_private_pool_id.second,
+                                       reinterpret_cast<uint64_t>(segment.stream));
+      sk_memory_pool& group = groups[key];
+      group.pool_first = std::get<0>(key);
+      group.pool_second = std::get<1>(key);
+      group.stream = std::get<2>(key);
+      group.segments += 1;
+      group.reserved += static_cast<int64_t>(segment.total_size);
+      group.allocated += static_cast<int64_t>(segment.allocated_size);
+    }
+    *count = static_cast<int64_t>(groups.size());
+    int64_t written = 0;
+    for (const auto& [key, group] : groups) {
+      if (written == capacity) break;
+      pools[written++] = group;
+    }
   })
 }
 
@@ -124,14 +172,28 @@ int sk_cuda_synchronize(int index) {
 
 #if SK_WITH_CUDA
 namespace {
-// A side stream made current for a scope: it first waits for the work already queued on the stream
-// it replaces, and on exit that stream waits for everything queued on the side stream, so the two
-// stay ordered without a host synchronisation (what torch.cuda.stream() + wait_stream do).
+// The side stream of `device`: one for the process, taken from PyTorch's pool on first use. One,
+// because the caching allocator keeps the blocks freed on a stream for that stream alone, and cuBLAS
+// keeps a workspace per stream: warm-up steps on a new pool stream each would each reserve the
+// step's memory again (+3 GiB per warm-up step of `transformer` on an H100) and leave workspaces
+// behind (what torch.cuda.graph avoids with its one default capture stream).
+c10::cuda::CUDAStream side_stream_of(c10::DeviceIndex device) {
+  static std::mutex mutex;
+  static auto* streams = new std::map<c10::DeviceIndex, c10::cuda::CUDAStream>();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = streams->find(device);
+  if (it == streams->end()) it = streams->emplace(device, c10::cuda::getStreamFromPool(false, device)).first;
+  return it->second;
+}
+
+// The side stream made current for a scope: it first waits for the work already queued on the
+// stream it replaces, and on exit that stream waits for everything queued on the side stream, so the
+// two stay ordered without a host synchronisation (what torch.cuda.stream() + wait_stream do).
 struct SideStream {
   c10::cuda::CUDAStream previous;
   c10::cuda::CUDAStream side;
   explicit SideStream(c10::DeviceIndex device)
-      : previous(c10::cuda::getCurrentCUDAStream(device)), side(c10::cuda::getStreamFromPool(false, device)) {
+      : previous(c10::cuda::getCurrentCUDAStream(device)), side(side_stream_of(device)) {
     c10::Event ready(c10::DeviceType::CUDA);
     ready.record(previous);
     ready.block(side);

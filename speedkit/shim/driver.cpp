@@ -132,6 +132,8 @@ bool available(std::string* why_not) {
   return false;
 }
 
+std::vector<size_t> parameter_sizes(void*) { return {}; }
+
 #endif
 
 }  // namespace sk::kernels::driver

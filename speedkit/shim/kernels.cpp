@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -505,5 +506,25 @@ int sk_kernel_compile(int index, int major, int minor, int64_t* cubin_bytes) {
 }
 
 int sk_nvrtc_version(int* out) { SK_TRY(*out = sk::kernels::nvrtc::version()) }
+
+int sk_kernel_load(int index, const char* name, int device, void** kernel, int64_t* param_sizes, int64_t capacity,
+                   int64_t* param_count) {
+  SK_TRY({
+    const c10::Device on(c10::kCUDA, static_cast<c10::DeviceIndex>(device));
+    auto loaded = std::make_unique<sk::kernels::Kernel>(sk::kernels::load(sk::kernels::source(index), name, on));
+    const std::vector<size_t> sizes = sk::kernels::driver::parameter_sizes(loaded->function);
+    *param_count = sizes.empty() ? -1 : static_cast<int64_t>(sizes.size());
+    for (size_t i = 0; i < sizes.size() && static_cast<int64_t>(i) < capacity; ++i)
+      param_sizes[i] = static_cast<int64_t>(sizes[i]);
+    *kernel = loaded.release();
+  })
+}
+
+int sk_kernel_launch(void* kernel, const uint32_t* grid, const uint32_t* block, int shared_bytes, void** args) {
+  SK_TRY(sk::kernels::launch_raw(*static_cast<sk::kernels::Kernel*>(kernel), {grid[0], grid[1], grid[2]},
+                                 {block[0], block[1], block[2]}, shared_bytes, args))
+}
+
+void sk_kernel_free(void* kernel) { delete static_cast<sk::kernels::Kernel*>(kernel); }
 
 }  // extern "C"

@@ -8,6 +8,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <sstream>
 #include <stdexcept>
 
 namespace fs = std::filesystem;
@@ -124,6 +125,28 @@ std::string program_log(Program program) {
   return log;
 }
 
+// NVRTC's log with the source line of each message under it: `file(12): error: ...` gains
+// `   12 | <line 12 of file>`.
+std::string with_source_lines(const std::string& log, const Source& file) {
+  std::vector<std::string> lines;
+  std::istringstream text(file.text);
+  for (std::string line; std::getline(text, line);) lines.push_back(line);
+  std::ostringstream out;
+  std::istringstream messages(log);
+  const std::string prefix = file.name + "(";
+  for (std::string message; std::getline(messages, message);) {
+    out << message << "\n";
+    if (message.rfind(prefix, 0) != 0) continue;
+    const size_t close = message.find(')', prefix.size());
+    if (close == std::string::npos) continue;
+    const std::string number = message.substr(prefix.size(), close - prefix.size());
+    if (number.empty() || number.find_first_not_of("0123456789") != std::string::npos) continue;
+    const size_t at = std::stoul(number);
+    if (at >= 1 && at <= lines.size()) out << "  " << number << " | " << lines[at - 1] << "\n";
+  }
+  return out.str();
+}
+
 }  // namespace
 
 const Toolkit& toolkit() {
@@ -155,7 +178,8 @@ std::vector<char> compile(const Source& file, int major, int minor) {
   if (compiled != 0) {
     throw std::runtime_error("kernel source " + file.name + " does not compile for sm_" +
                              std::to_string(major) + std::to_string(minor) + " (" +
-                             api().GetErrorString(compiled) + "):\n" + program_log(handle.program));
+                             api().GetErrorString(compiled) + "):\n" +
+                             with_source_lines(program_log(handle.program), file));
   }
   size_t size = 0;
   check(api().GetCUBINSize(handle.program, &size), "nvrtcGetCUBINSize");

@@ -131,6 +131,35 @@ int sk_cuda_reset_peak_memory(int index);
 int sk_cuda_peak_reserved_memory(int index, int64_t* out);
 /// Gives the caching allocator's unused blocks back to the driver.
 int sk_cuda_empty_cache(void);
+
+/// The caching allocator's counters for one device, in bytes where not a count.
+typedef struct sk_memory_totals {
+  int64_t allocated;
+  int64_t reserved;
+  int64_t active;
+  int64_t inactive_split;
+  int64_t peak_allocated;
+  int64_t peak_reserved;
+  int64_t alloc_retries;
+  int64_t ooms;
+  int64_t segments;
+} sk_memory_totals;
+
+/// The allocator's segments of one pool on one stream: the default pool is (0, 0), a CUDA graph's
+/// private pool any other id.
+typedef struct sk_memory_pool {
+  uint64_t pool_first;
+  uint64_t pool_second;
+  uint64_t stream;
+  int64_t segments;
+  int64_t reserved;
+  int64_t allocated;
+} sk_memory_pool;
+
+/// Device `index`'s memory now: its totals, and up to `capacity` pool groups written to `pools`
+/// (*count receives how many there are, which may exceed `capacity`).
+int sk_cuda_memory_snapshot(int index, sk_memory_totals* totals, sk_memory_pool* pools, int64_t capacity,
+                            int64_t* count);
 /// A CUDA event with timing, freed by sk_cuda_event_free.
 int sk_cuda_event_new(void** out);
 /// Records the event on the current stream.
@@ -139,10 +168,19 @@ int sk_cuda_event_record(void* event);
 int sk_cuda_event_elapsed_ms(void* start, void* end, double* out);
 void sk_cuda_event_free(void* event);
 int sk_cuda_synchronize(int index);
-/// Makes a pool stream current, ordered after the work queued so far; sk_cuda_side_stream_exit
-/// orders the previous stream after it and frees the handle.
+/// Makes the device's side stream (one for the process) current, ordered after the work queued so
+/// far; sk_cuda_side_stream_exit orders the previous stream after it and frees the handle.
 int sk_cuda_side_stream_enter(int index, void** out);
 int sk_cuda_side_stream_exit(void* handle);
+
+// @module weight_casts: fp32 weights' copies in the autocast type, kept across steps (weight_casts.cpp)
+
+/// The bytes and number of the kept copies whose weights are alive, on every device.
+int sk_weight_copies_size(int64_t* bytes, int64_t* count);
+/// Frees the copies of weights that no longer exist; *freed receives their bytes.
+int sk_weight_copies_release_expired(int64_t* freed);
+/// Frees every kept copy (the next forward casts again); *freed receives their bytes.
+int sk_weight_copies_clear(int64_t* freed);
 
 // @module graphs: CUDA graphs in the caching allocator's graph pools (graphs.cpp)
 
@@ -238,6 +276,13 @@ int sk_autograd_graph_leaf(void* graph, int64_t index, uint64_t* id);
 void sk_autograd_graph_free(void* graph);
 /// The identity autograd keys a variable by (its TensorImpl).
 int sk_tensor_identity(sk_tensor tensor, uint64_t* id);
+/// Back-propagates from `outputs` with `grad_outputs` as their gradients (torch.autograd.backward),
+/// adding to the leaves' gradients.
+int sk_autograd_backward(const sk_tensor* outputs, const sk_tensor* grad_outputs, int64_t n);
+/// The gradients of `inputs` (m of them, written to `out`; NULL where an input gets none) from
+/// `outputs` with `grad_outputs` as their gradients, accumulated into nothing (torch.autograd.grad).
+int sk_autograd_grad(const sk_tensor* outputs, const sk_tensor* grad_outputs, int64_t n, const sk_tensor* inputs,
+                     int64_t m, sk_tensor* out);
 
 // @module distributed: c10d process groups and DDP's Reducer (distributed.cpp)
 
@@ -261,6 +306,54 @@ int sk_reducer_new(void* group, const sk_tensor* params, int64_t n, int64_t buck
 /// Arms the hooks for the next backward pass.
 int sk_reducer_prepare(void* reducer);
 void sk_reducer_free(void* reducer);
+
+// @module function: autograd functions written in Rust, and activation checkpointing (function.cpp)
+
+/// A Rust function's forward (or, for a checkpoint, its recomputation): the outputs of `inputs`,
+/// handed back through sk_function_call_set_results; 0 on success, else non-zero after
+/// sk_function_call_fail. `call` is valid for this call only.
+typedef int (*sk_function_forward_fn)(void* state, void* call, const sk_tensor* inputs, int64_t n);
+/// A Rust function's backward: the inputs' gradients from the outputs' (NULL where an output got
+/// none), handed back through sk_function_call_set_results (NULL for no gradient).
+typedef int (*sk_function_backward_fn)(void* state, void* call, const sk_tensor* grad_outputs, int64_t n);
+/// Frees the Rust state when the node that holds it is destroyed.
+typedef void (*sk_function_drop_fn)(void* state);
+
+/// A Rust function's callbacks.
+typedef struct sk_function_vtable {
+  sk_function_forward_fn forward;
+  sk_function_backward_fn backward;
+  sk_function_drop_fn drop;
+} sk_function_vtable;
+
+/// Applies a Rust function to `inputs` as one node of the autograd graph; its outputs (at most
+/// `capacity`) in `outputs`, their count in *n_outputs. `state` belongs to the node from here on,
+/// also when this fails. `cast_inputs`: a ScalarType code to cast floating CUDA inputs to under
+/// autocast (the forward then runs with autocast off), or -1 to pass them as they are.
+int sk_function_apply(const sk_function_vtable* vtable, void* state, int cast_inputs, const sk_tensor* inputs,
+                      int64_t n_inputs, sk_tensor* outputs, int64_t capacity, int64_t* n_outputs);
+/// Runs `vtable`'s forward on `inputs` without keeping its graph, and again in the backward pass to
+/// back-propagate through it (activation checkpointing), the random generators rewound for it
+/// unless `capturing` (a CUDA graph capture is recording the step). As sk_function_apply otherwise.
+int sk_checkpoint_apply(const sk_function_vtable* vtable, void* state, int capturing, const sk_tensor* inputs,
+                        int64_t n_inputs, sk_tensor* outputs, int64_t capacity, int64_t* n_outputs);
+/// y = x · k through a C++ autograd function of the same shape as a one-line Rust Function: the
+/// twin a Rust node's host cost is measured against.
+int sk_function_reference_scale(sk_tensor x, double k, sk_tensor* y);
+/// In a callback: what it hands back (NULL entries: undefined tensors).
+int sk_function_call_set_results(void* call, const sk_tensor* results, int64_t n);
+/// In a callback: why it failed.
+int sk_function_call_fail(void* call, const char* message);
+/// In a forward: tensors the backward reads (checked against in-place changes).
+int sk_function_call_save_for_backward(void* call, const sk_tensor* tensors, int64_t n);
+/// In a forward: outputs that have no gradient.
+int sk_function_call_mark_non_differentiable(void* call, const sk_tensor* tensors, int64_t n);
+/// In a forward: whether the backward gets zeros (1) or NULL (0) for outputs without a gradient.
+int sk_function_call_set_materialize_grads(void* call, int value);
+/// In a backward: the saved tensors (at most `capacity`), their count in *count.
+int sk_function_call_saved(void* call, sk_tensor* out, int64_t capacity, int64_t* count);
+/// In a backward: whether input `index` needs a gradient.
+int sk_function_call_needs_input_grad(void* call, int64_t index, int* out);
 
 // @module kernels: speedkit's kernel layer: sources, compilation, the kernel switch and its notes (kernels.cpp)
 
@@ -307,6 +400,16 @@ int sk_kernel_source_register(const char* name, const char* text, int* index);
 int sk_kernel_compile(int index, int major, int minor, int64_t* cubin_bytes);
 /// NVRTC's version as major * 1000 + minor * 10.
 int sk_nvrtc_version(int* out);
+/// Compiles (or reads from the cache) source `index` for CUDA device `device` and loads kernel
+/// `name` of it; *kernel receives a handle (sk_kernel_free). *param_count receives how many
+/// parameters the kernel takes and param_sizes (up to `capacity`) their byte sizes, or -1 when the
+/// driver cannot tell (before CUDA 12.4).
+int sk_kernel_load(int index, const char* name, int device, void** kernel, int64_t* param_sizes, int64_t capacity,
+                   int64_t* param_count);
+/// Launches a loaded kernel on the current stream of its device with `args` (one pointer to each
+/// argument's bytes, as cuLaunchKernel takes them).
+int sk_kernel_launch(void* kernel, const uint32_t* grid, const uint32_t* block, int shared_bytes, void** args);
+void sk_kernel_free(void* kernel);
 
 // @module layernorm: LayerNorm on speedkit's kernel, else ATen's (layernorm.cpp)
 

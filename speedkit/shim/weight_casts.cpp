@@ -12,8 +12,10 @@
 // next use casts it again. Autocast's own cache makes the same bargain within one forward; this one
 // spans steps. The copies live as long as their weights: the model's size again in 16 bits.
 //
-// Entries hold the weight weakly (as autocast's cache does), so dropping a model frees its copies
-// at the next insertion. Only CUDA leaf tensors that require grad (parameters) are cached.
+// Entries hold the weight weakly (as autocast's cache does): a dropped model's copies are freed at
+// the next insertion, when a context ends, between the runner's workloads, and on request
+// (sk_weight_copies_release_expired; speedkit::memory). Only CUDA leaf tensors that require grad
+// (parameters) are cached.
 #include "shim.h"
 
 #include <ATen/Functions.h>
@@ -57,10 +59,20 @@ bool cacheable(const at::Tensor& weight, at::ScalarType type) {
   return weight.is_cuda() && weight.scalar_type() != type && weight.is_leaf() && weight.requires_grad();
 }
 
-void drop_expired() {
+int64_t bytes_of(const Entry& e) { return static_cast<int64_t>(e.copy.nbytes()); }
+
+// Frees the copies whose weights are gone (or, with `all`, every copy); the bytes freed.
+int64_t drop(bool all) {
+  int64_t freed = 0;
   for (auto it = entries().begin(); it != entries().end();) {
-    it = it->second.weight.expired() ? entries().erase(it) : std::next(it);
+    if (all || it->second.weight.expired()) {
+      freed += bytes_of(it->second);
+      it = entries().erase(it);
+    } else {
+      ++it;
+    }
   }
+  return freed;
 }
 
 }  // namespace
@@ -80,7 +92,7 @@ at::Tensor get(const at::Tensor& weight, at::ScalarType type) {
     it->second.source = source_of(weight);
     return it->second.copy;
   }
-  drop_expired();
+  drop(/*all=*/false);
   at::Tensor copy = weight.detach().to(type).contiguous();
   entries().insert_or_assign(key, Entry{WeakWeight(weight.getIntrusivePtr()), source_of(weight), copy});
   return copy;
@@ -124,3 +136,34 @@ void refresh(const std::vector<at::Tensor>& params) {
 }
 
 }  // namespace sk::weight_casts
+
+extern "C" {
+
+int sk_weight_copies_size(int64_t* bytes, int64_t* count) {
+  SK_TRY({
+    std::lock_guard<std::mutex> lock(sk::weight_casts::mutex);
+    *bytes = 0;
+    *count = 0;
+    for (const auto& [key, entry] : sk::weight_casts::entries()) {
+      if (entry.weight.expired()) continue;
+      *bytes += sk::weight_casts::bytes_of(entry);
+      *count += 1;
+    }
+  })
+}
+
+int sk_weight_copies_release_expired(int64_t* freed) {
+  SK_TRY({
+    std::lock_guard<std::mutex> lock(sk::weight_casts::mutex);
+    *freed = sk::weight_casts::drop(/*all=*/false);
+  })
+}
+
+int sk_weight_copies_clear(int64_t* freed) {
+  SK_TRY({
+    std::lock_guard<std::mutex> lock(sk::weight_casts::mutex);
+    *freed = sk::weight_casts::drop(/*all=*/true);
+  })
+}
+
+}  // extern "C"

@@ -23,7 +23,7 @@ use std::fmt;
 use tch::nn::VarStore;
 use tch::Tensor;
 
-use crate::error::Result;
+use crate::error::{Result, SpeedkitError};
 use crate::ffi;
 use crate::report::table;
 
@@ -179,4 +179,55 @@ impl fmt::Display for AutogradSummary {
             .collect();
         f.write_str(&table(&["node type", "count"], &rows))
     }
+}
+
+/// Back-propagates from `outputs` with `grad_outputs` as their gradients, adding to the gradients
+/// of the leaves they depend on: `torch.autograd.backward(outputs, grad_outputs)`, which tch's
+/// `backward` (scalar losses only) does not offer.
+///
+/// ```
+/// use tch::{Device, Kind, Tensor};
+/// let x = Tensor::ones([3], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+/// let y = &x * 3.0;
+/// speedkit::autograd::backward(&[y], &[Tensor::from_slice(&[1.0f32, 2.0, 3.0])])?;
+/// assert_eq!(Vec::<f32>::try_from(x.grad())?, [3.0, 6.0, 9.0]);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn backward(outputs: &[Tensor], grad_outputs: &[Tensor]) -> Result<()> {
+    if outputs.len() != grad_outputs.len() {
+        return Err(SpeedkitError::Misuse(format!(
+            "backward: {} outputs but {} gradients",
+            outputs.len(),
+            grad_outputs.len()
+        )));
+    }
+    ffi::autograd::backward(outputs, grad_outputs)
+}
+
+/// The gradients of `inputs` from `outputs` with `grad_outputs` as their gradients, added to no
+/// tensor's `grad` (`torch.autograd.grad`); `None` for an input the outputs do not depend on.
+///
+/// ```
+/// use tch::{Device, Kind, Tensor};
+/// let x = Tensor::ones([2], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+/// let y = &x * &x;
+/// let dx = speedkit::autograd::grad(&[y], &[Tensor::ones([2], (Kind::Float, Device::Cpu))], &[&x])?;
+/// assert_eq!(Vec::<f32>::try_from(dx[0].as_ref().unwrap())?, [2.0, 2.0]);
+/// assert!(!x.grad().defined());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub fn grad(
+    outputs: &[Tensor],
+    grad_outputs: &[Tensor],
+    inputs: &[&Tensor],
+) -> Result<Vec<Option<Tensor>>> {
+    if outputs.len() != grad_outputs.len() {
+        return Err(SpeedkitError::Misuse(format!(
+            "grad: {} outputs but {} gradients",
+            outputs.len(),
+            grad_outputs.len()
+        )));
+    }
+    let inputs: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
+    ffi::autograd::grad(outputs, grad_outputs, &inputs)
 }

@@ -57,6 +57,7 @@ pub struct SpeedContext {
     group: Option<Rc<ProcessGroup>>,
     /// The kernel layer's notes when the context began: the audit shows what came after.
     kernel_notes: kernels::NoteMark,
+    _release: ReleaseOnDrop,
     // Declared last so it drops last: everything above may still use the flags while dropping.
     guard: FlagGuard,
 }
@@ -98,6 +99,7 @@ impl SpeedContext {
             data_parallel: RefCell::default(),
             group,
             kernel_notes: kernels::NoteMark::now(),
+            _release: ReleaseOnDrop,
             guard,
         })
     }
@@ -352,6 +354,17 @@ impl SpeedContext {
     pub fn restore(self) -> Result<FlagState> {
         let SpeedContext { guard, .. } = self;
         guard.restore()
+    }
+}
+
+/// Frees, when the context drops, what its training left that nothing uses any more: the weight
+/// copies of models dropped meanwhile.
+struct ReleaseOnDrop;
+
+impl Drop for ReleaseOnDrop {
+    fn drop(&mut self) {
+        // Best effort: a failure here only keeps memory cached until the next insertion.
+        let _ = ffi::weight_casts::release_expired();
     }
 }
 

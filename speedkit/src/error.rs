@@ -39,6 +39,11 @@ pub enum SpeedkitError {
     /// A graph could not be captured or replayed.
     #[error("graph capture: {0}")]
     Graph(String),
+    /// The device ran out of memory: the phase of the step it happened in, what was allocated, and
+    /// what to try. Nothing of the failed step stays allocated and every flag is restored when the
+    /// context drops, so the same process can go on with a smaller model or batch.
+    #[error("out of memory: {0}")]
+    OutOfMemory(String),
     /// Reading or writing a file failed.
     #[error("{path}: {source}")]
     Io {

@@ -33,12 +33,13 @@
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
-use crate::error::Result;
+use crate::error::{Result, SpeedkitError};
 use crate::ffi::{
     self,
     device::SideStream,
     graphs::{CudaGraph, GraphPool},
 };
+use crate::memory::{self, MemoryUse};
 use crate::nvtx::NvtxRange;
 use crate::SpeedContext;
 
@@ -153,6 +154,16 @@ struct Entry {
     last_used: u64,
 }
 
+/// The device's memory at the end of one phase of a [`GraphedStep`] (the last eager warm-up step,
+/// the capture with its first replay): where a graph's memory goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct PhaseMemory {
+    /// The phase.
+    pub phase: StepKind,
+    /// The device's memory right after it (peaks since the allocator's last reset).
+    pub memory: MemoryUse,
+}
+
 /// A training step run as a replayed CUDA graph when the plan enables graphs (see the
 /// [module docs](self)); a plain call otherwise.
 pub struct GraphedStep<'c, F> {
@@ -163,6 +174,7 @@ pub struct GraphedStep<'c, F> {
     entries: Vec<Entry>,
     clock: u64,
     fallback: Option<String>,
+    phases: Vec<PhaseMemory>,
 }
 
 impl<'c, F> GraphedStep<'c, F>
@@ -180,6 +192,20 @@ where
             entries: Vec::new(),
             clock: 0,
             fallback: None,
+            phases: Vec::new(),
+        }
+    }
+
+    /// The device's memory after each phase so far: the last eager warm-up step and the capture
+    /// (with its first replay) of each input signature.
+    pub fn memory_phases(&self) -> &[PhaseMemory] {
+        &self.phases
+    }
+
+    fn note_phase(&mut self, phase: StepKind, device_index: usize) {
+        // Where memory goes is a diagnosis, never a reason to fail a step.
+        if let Ok(memory) = MemoryUse::now(Device::Cuda(device_index)) {
+            self.phases.push(PhaseMemory { phase, memory });
         }
     }
 
@@ -243,22 +269,65 @@ where
             }
             // Another graph or an eager step may have given the parameters other gradients.
             ffi::optim::set_grads(&entry.gradients.0, &entry.gradients.1)?;
-            graph.replay()?;
-            return Ok(entry.output.as_ref().map(Tensor::shallow_clone));
+            let output = entry.output.as_ref().map(Tensor::shallow_clone);
+            graph
+                .replay()
+                .map_err(|e| self.out_of_memory(StepKind::GraphReplay, device_index, e))?;
+            return Ok(output);
         }
         if entry.eager_runs < warmup {
             note_step_kind(StepKind::GraphWarmup);
             let _range = NvtxRange::push(nvtx, c"speedkit/graph warm-up (eager)");
             entry.eager_runs += 1;
+            let last_warmup = entry.eager_runs == warmup;
             let side = SideStream::enter(device_index)?;
             let owned: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
             let out = (self.step)(&owned);
             side.exit()?;
-            return out;
+            let out =
+                out.map_err(|e| self.out_of_memory(StepKind::GraphWarmup, device_index, e))?;
+            if last_warmup {
+                self.note_phase(StepKind::GraphWarmup, device_index);
+            }
+            return Ok(out);
         }
         note_step_kind(StepKind::GraphCapture);
         let _range = NvtxRange::push(nvtx, c"speedkit/graph capture");
-        self.capture(index, device_index, inputs)
+        let out = self.capture(index, device_index, inputs)?;
+        self.note_phase(StepKind::GraphCapture, device_index);
+        Ok(out)
+    }
+
+    /// An out-of-memory error of `phase` as [`SpeedkitError::OutOfMemory`], naming the phase, the
+    /// device's memory and what to try, after giving back what the failed step left cached; any
+    /// other error as it is.
+    fn out_of_memory(
+        &self,
+        phase: StepKind,
+        device_index: usize,
+        error: SpeedkitError,
+    ) -> SpeedkitError {
+        if !memory::is_out_of_memory(&error) {
+            return error;
+        }
+        let advice = match phase {
+            StepKind::GraphCapture => {
+                "the capture holds the step's activations in the graph's own pool beside what the \
+                 warm-up cached: `compile: false` runs the step without a graph; or a smaller \
+                 batch, or activation checkpointing of the model's blocks (SpeedContext::checkpoint)"
+            }
+            _ => {
+                "a smaller batch; activation checkpointing of the model's blocks \
+                 (SpeedContext::checkpoint); `compile: false` if the graph's pool is what fills \
+                 the device"
+            }
+        };
+        memory::out_of_memory(
+            Device::Cuda(device_index),
+            &phase.to_string(),
+            &error,
+            advice,
+        )
     }
 
     fn insert(&mut self, signature: Signature) -> usize {
@@ -340,9 +409,14 @@ where
             }
             Err(e) => {
                 drop(graph);
-                // Whatever the partial capture recorded never ran; the step runs eagerly instead.
+                // Whatever the partial capture recorded never ran.
                 ffi::device::cuda_synchronize(device_index)?;
                 self.ctx.grad_scaler().reset_step_state();
+                if memory::is_out_of_memory(&e) {
+                    // Eager would need the same activations again: say so instead of retrying.
+                    self.entries.remove(index);
+                    return Err(self.out_of_memory(StepKind::GraphCapture, device_index, e));
+                }
                 let reason =
                     format!("the step cannot be captured ({e}); running eagerly from now on");
                 self.fall_back(reason, inputs)
@@ -393,6 +467,11 @@ impl<'c> CompiledStep<'c> {
     /// Why graphs fell back, if they did.
     pub fn fallback_reason(&self) -> Option<&str> {
         self.inner.fallback_reason()
+    }
+
+    /// The device's memory after each phase so far (see [`GraphedStep::memory_phases`]).
+    pub fn memory_phases(&self) -> &[PhaseMemory] {
+        self.inner.memory_phases()
     }
 }
 

@@ -28,7 +28,9 @@
 //! [`graph`] (CUDA graph capture of a whole step), [`dist`] (data parallelism over several
 //! processes), [`kernels`] (speedkit's own fused CUDA kernels), [`bench`](mod@bench) (workloads
 //! and the runner), [`report`] (audit and report), [`profile`] (where a step's time goes),
-//! [`autograd`] (the backward graph).
+//! [`memory`] (where device memory goes), [`autograd`] (the backward graph), [`function`]
+//! (autograd functions written in Rust), [`cuda`] (your own CUDA kernels on tensors),
+//! [`checkpoint`] (activation checkpointing).
 
 #![warn(missing_docs)]
 
@@ -36,15 +38,19 @@ mod advice;
 pub mod amp;
 pub mod autograd;
 pub mod bench;
+pub mod checkpoint;
 mod context;
+pub mod cuda;
 pub mod dist;
 pub mod error;
 mod ffi;
 pub mod flags;
+pub mod function;
 pub mod graph;
 pub mod hardware;
 pub mod kernels;
 pub mod launch;
+pub mod memory;
 pub mod nn;
 mod nvtx;
 pub mod optim;

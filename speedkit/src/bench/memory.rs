@@ -51,11 +51,11 @@ pub(crate) struct MemoryProbe {
 }
 
 impl MemoryProbe {
-    /// Starts a run: waits for the device, gives cached blocks back to the driver (so the reserved
-    /// figure is this run's, not an earlier one's) and resets the peaks.
+    /// Starts a run: waits for the device, gives back what nothing uses (the weight copies of
+    /// earlier workloads' models, cached blocks), so the reserved figure is this run's and not an
+    /// earlier one's, and resets the peaks.
     pub(crate) fn start(device: usize) -> Result<Self> {
-        ffi::device::cuda_synchronize(device)?;
-        ffi::device::cuda_empty_cache()?;
+        crate::memory::release_cached(tch::Device::Cuda(device))?;
         ffi::device::cuda_reset_peak_memory(device)?;
         Ok(Self { device })
     }

@@ -5,7 +5,7 @@ use std::ptr;
 
 use tch::Tensor;
 
-use super::{check, handle, raw::autograd as abi, Result};
+use super::{check, handle, handles, owned_or_none, raw::autograd as abi, Result};
 
 /// The backward graph of a tensor: every node's name (each node once), and the identities of the
 /// leaf variables that receive gradients.
@@ -50,4 +50,38 @@ pub(crate) fn tensor_identity(tensor: &Tensor) -> Result<u64> {
     // SAFETY: live handle, valid out-pointer.
     check(unsafe { abi::sk_tensor_identity(handle(tensor), &mut id) })?;
     Ok(id)
+}
+
+/// Back-propagates from `outputs` with `grad_outputs` as their gradients.
+pub(crate) fn backward(outputs: &[Tensor], grad_outputs: &[Tensor]) -> Result<()> {
+    let (o, g) = (handles(outputs), handles(grad_outputs));
+    // SAFETY: live handles of equal length for the call (the caller checked the lengths).
+    check(unsafe { abi::sk_autograd_backward(o.as_ptr(), g.as_ptr(), o.len() as i64) })
+}
+
+/// The gradients of `inputs` from `outputs` with `grad_outputs`, accumulated into nothing.
+pub(crate) fn grad(
+    outputs: &[Tensor],
+    grad_outputs: &[Tensor],
+    inputs: &[Tensor],
+) -> Result<Vec<Option<Tensor>>> {
+    let (o, g, i) = (handles(outputs), handles(grad_outputs), handles(inputs));
+    let mut out = vec![ptr::null_mut(); i.len()];
+    // SAFETY: live handles for the call (`o` and `g` of equal length, checked by the caller); `out`
+    // has room for one handle per input, filled with fresh tensors or null.
+    check(unsafe {
+        abi::sk_autograd_grad(
+            o.as_ptr(),
+            g.as_ptr(),
+            o.len() as i64,
+            i.as_ptr(),
+            i.len() as i64,
+            out.as_mut_ptr(),
+        )
+    })?;
+    // SAFETY: fresh tensors from the shim, or null.
+    Ok(out
+        .into_iter()
+        .map(|t| unsafe { owned_or_none(t) })
+        .collect())
 }

@@ -74,6 +74,51 @@ pub(crate) fn cuda_peak_reserved_memory(index: usize) -> Result<u64> {
     Ok(peak.max(0) as u64)
 }
 
+/// The allocator's totals and its segments grouped by (pool, stream).
+pub(crate) fn cuda_memory_snapshot(
+    index: usize,
+) -> Result<(raw::sk_memory_totals, Vec<raw::sk_memory_pool>)> {
+    let mut totals = raw::sk_memory_totals {
+        allocated: 0,
+        reserved: 0,
+        active: 0,
+        inactive_split: 0,
+        peak_allocated: 0,
+        peak_reserved: 0,
+        alloc_retries: 0,
+        ooms: 0,
+        segments: 0,
+    };
+    let empty = raw::sk_memory_pool {
+        pool_first: 0,
+        pool_second: 0,
+        stream: 0,
+        segments: 0,
+        reserved: 0,
+        allocated: 0,
+    };
+    let mut pools = vec![empty; 64];
+    loop {
+        let mut count = 0i64;
+        // SAFETY: `totals` and `pools` (with its capacity passed) are valid for the call.
+        check(unsafe {
+            abi::sk_cuda_memory_snapshot(
+                device_index(index)?,
+                &mut totals,
+                pools.as_mut_ptr(),
+                pools.len() as i64,
+                &mut count,
+            )
+        })?;
+        let count = usize::try_from(count).unwrap_or(0);
+        if count <= pools.len() {
+            pools.truncate(count);
+            return Ok((totals, pools));
+        }
+        pools = vec![empty; count];
+    }
+}
+
 /// Gives the caching allocator's unused blocks back to the driver.
 pub(crate) fn cuda_empty_cache() -> Result<()> {
     // SAFETY: no arguments.

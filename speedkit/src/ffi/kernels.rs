@@ -1,7 +1,7 @@
 //! speedkit's kernel layer: the kernel sources, their compilation, the kernel switch and the notes
 //! of which ops ran on the kernels (`shim/kernels.cpp`).
 
-use std::ffi::{c_char, c_int, CStr};
+use std::ffi::{c_char, c_int, c_void, CStr};
 use std::ptr;
 
 use super::{c_string, check, device_index, raw, raw::kernels as abi, text, Result};
@@ -116,4 +116,62 @@ pub(crate) fn nvrtc_version() -> Result<u32> {
     // SAFETY: valid out-pointer.
     check(unsafe { abi::sk_nvrtc_version(&mut version) })?;
     Ok(u32::try_from(version).unwrap_or(0))
+}
+
+/// Loads kernel `name` of source `index` on CUDA device `device`: its handle (freed by [`free`]) and
+/// its parameters' byte sizes, `None` when the driver cannot tell.
+pub(crate) fn load(
+    index: usize,
+    name: &str,
+    device: usize,
+) -> Result<(*mut c_void, Option<Vec<usize>>)> {
+    let name = c_string(name)?;
+    let mut sizes = vec![0i64; 256];
+    let (mut handle, mut count) = (ptr::null_mut(), 0i64);
+    // SAFETY: a NUL-terminated name, valid out-pointers, `sizes` of the capacity passed.
+    check(unsafe {
+        abi::sk_kernel_load(
+            c_int::try_from(index).unwrap_or(c_int::MAX),
+            name.as_ptr(),
+            device_index(device)?,
+            &mut handle,
+            sizes.as_mut_ptr(),
+            sizes.len() as i64,
+            &mut count,
+        )
+    })?;
+    let sizes = usize::try_from(count).ok().map(|n| {
+        sizes.truncate(n.min(sizes.len()));
+        sizes.into_iter().map(|s| s.max(0) as usize).collect()
+    });
+    Ok((handle, sizes))
+}
+
+/// Launches a loaded kernel; `args` holds one pointer to each argument's bytes.
+pub(crate) fn launch(
+    kernel: *mut c_void,
+    grid: [u32; 3],
+    block: [u32; 3],
+    shared_bytes: u32,
+    args: &mut [*mut c_void],
+) -> Result<()> {
+    let shared = c_int::try_from(shared_bytes)
+        .map_err(|_| SpeedkitError::Misuse(format!("{shared_bytes} bytes of shared memory")))?;
+    // SAFETY: a live kernel handle; `args` points at live argument bytes for the call, as many as
+    // the kernel takes (checked by the caller against its declaration).
+    check(unsafe {
+        abi::sk_kernel_launch(
+            kernel,
+            grid.as_ptr(),
+            block.as_ptr(),
+            shared,
+            args.as_mut_ptr(),
+        )
+    })
+}
+
+/// Frees a handle from [`load`].
+pub(crate) fn free(kernel: *mut c_void) {
+    // SAFETY: a handle from `load`, freed once (by its owner's Drop).
+    unsafe { abi::sk_kernel_free(kernel) }
 }

@@ -23,6 +23,7 @@ pub(crate) mod distributed;
 pub(crate) mod embedding;
 pub(crate) mod flags;
 pub(crate) mod fp8;
+pub(crate) mod function;
 pub(crate) mod graphs;
 pub(crate) mod kernels;
 pub(crate) mod layernorm;
@@ -31,6 +32,7 @@ pub(crate) mod mlp;
 pub(crate) mod nvtx;
 pub(crate) mod optim;
 pub(crate) mod profiler;
+pub(crate) mod weight_casts;
 
 /// The declarations generated from `speedkit/shim/speedkit.h` (speedkit-build's `abi` module): one
 /// module per `// @module` section of the header, its structs and constants at the top.

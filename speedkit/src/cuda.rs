@@ -1,0 +1,338 @@
+//! Your own CUDA kernels on tensors: CUDA C++ source compiled by speedkit's NVRTC layer for the GPU
+//! in use (cached on disk as speedkit's own kernels are), launched on PyTorch's current stream with
+//! tensors and scalars as arguments and a grid of your choosing. Launches allocate nothing and never
+//! synchronise, so they are captured in CUDA graphs like any other kernel.
+//!
+//! A kernel is declared with its parameters ([`Param`]); speedkit checks the declaration against the
+//! compiled kernel where the driver can tell (CUDA 12.4 and newer: count and sizes) and every launch
+//! against the declaration (count, tensor types, device, contiguity, scalar types), so a wrong
+//! argument is an error before the launch, never a kernel reading the wrong bytes. A source that
+//! does not compile is an error carrying NVRTC's log with the offending source lines. speedkit's own
+//! kernel files are available as headers (`#include "common.cuh"` gives `sk::load8`, `sk::warp_sum`,
+//! the bf16/fp16 conversions).
+//!
+//! With [`crate::function::Function`] around a forward and a backward kernel, a fused op trains like
+//! any other: `examples/custom_op.rs` walks through one.
+//!
+//! ```no_run
+//! use speedkit::cuda::{CudaModule, Param};
+//! use tch::{Device, Kind, Tensor};
+//!
+//! let module = CudaModule::new("scale.cu", r#"
+//!     extern "C" __global__ void scale(float* x, float k, int n) {
+//!         int i = blockIdx.x * blockDim.x + threadIdx.x;
+//!         if (i < n) x[i] *= k;
+//!     }"#)?;
+//! let scale = module.kernel("scale", &[Param::Tensor(Kind::Float), Param::F32, Param::I32], Device::Cuda(0))?;
+//! let x = Tensor::ones([1000], (Kind::Float, Device::Cuda(0)));
+//! scale.launch(4, 256, 0, &[(&x).into(), 2.0f32.into(), 1000i32.into()])?;
+//! assert_eq!(x.sum(Kind::Float).double_value(&[]), 2000.0);
+//! # Ok::<(), speedkit::SpeedkitError>(())
+//! ```
+
+use std::ffi::c_void;
+use std::fmt;
+use std::path::Path;
+
+use tch::{Device, Kind, Tensor};
+
+use crate::error::{Result, SpeedkitError};
+use crate::ffi;
+
+/// CUDA C++ source registered with speedkit's kernel layer, compiled on first use for each GPU.
+#[derive(Clone, Debug)]
+pub struct CudaModule {
+    name: String,
+}
+
+impl CudaModule {
+    /// Registers `source` under the file name `name` (what NVRTC's messages call it). The same name
+    /// with other text is an error; the same name and text is the same module.
+    pub fn new(name: &str, source: &str) -> Result<Self> {
+        crate::kernels::register_source(name, source)?;
+        Ok(Self {
+            name: name.to_owned(),
+        })
+    }
+
+    /// Registers the file at `path` under its file name.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let source = std::fs::read_to_string(path).map_err(|source| SpeedkitError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .ok_or_else(|| SpeedkitError::Misuse(format!("{} names no file", path.display())))?;
+        Self::new(&name, &source)
+    }
+
+    /// The module's file name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The kernel `name` (an `extern "C" __global__` function) with parameters `params`, compiled
+    /// for and loaded on `device`: a compile error carries NVRTC's log; a kernel whose compiled
+    /// parameters differ from `params` in count or size is refused.
+    pub fn kernel(&self, name: &str, params: &[Param], device: Device) -> Result<CudaKernel> {
+        let Device::Cuda(index) = device else {
+            return Err(SpeedkitError::Misuse(format!(
+                "kernel {name} of {}: CUDA kernels run on CUDA devices, not on {device:?}",
+                self.name
+            )));
+        };
+        let source = ffi::kernels::source_names()?
+            .0
+            .iter()
+            .position(|n| n == &self.name)
+            .ok_or_else(|| SpeedkitError::Misuse(format!("no kernel source {}", self.name)))?;
+        let (handle, sizes) = ffi::kernels::load(source, name, index)?;
+        let kernel = CudaKernel {
+            handle: KernelHandle(handle),
+            name: format!("{}::{name}", self.name),
+            params: params.to_vec(),
+            device,
+        };
+        if let Some(sizes) = sizes {
+            kernel.check_declaration(&sizes)?;
+        }
+        Ok(kernel)
+    }
+}
+
+/// A kernel parameter as declared: a tensor of a type (passed as a pointer to its data) or a scalar.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Param {
+    /// A contiguous tensor of this type on the kernel's device, passed as `T*`.
+    Tensor(Kind),
+    /// `int`.
+    I32,
+    /// `long long` / `int64_t`.
+    I64,
+    /// `unsigned int`.
+    U32,
+    /// `float`.
+    F32,
+    /// `double`.
+    F64,
+}
+
+impl Param {
+    /// The bytes it takes in the kernel's parameter list.
+    fn size(self) -> usize {
+        match self {
+            Param::Tensor(_) | Param::I64 | Param::F64 => 8,
+            Param::I32 | Param::U32 | Param::F32 => 4,
+        }
+    }
+}
+
+impl fmt::Display for Param {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Param::Tensor(kind) => write!(f, "a {kind:?} tensor"),
+            other => write!(f, "{other:?}"),
+        }
+    }
+}
+
+/// One launch argument.
+#[derive(Clone, Copy, Debug)]
+pub enum Arg<'a> {
+    /// A tensor, passed as a pointer to its data.
+    Tensor(&'a Tensor),
+    /// `int`.
+    I32(i32),
+    /// `long long`.
+    I64(i64),
+    /// `unsigned int`.
+    U32(u32),
+    /// `float`.
+    F32(f32),
+    /// `double`.
+    F64(f64),
+}
+
+impl<'a> From<&'a Tensor> for Arg<'a> {
+    fn from(t: &'a Tensor) -> Self {
+        Arg::Tensor(t)
+    }
+}
+
+macro_rules! scalar_args {
+    ($($t:ty => $variant:ident),*) => {
+        $(impl From<$t> for Arg<'_> {
+            fn from(v: $t) -> Self {
+                Arg::$variant(v)
+            }
+        })*
+    };
+}
+scalar_args!(i32 => I32, i64 => I64, u32 => U32, f32 => F32, f64 => F64);
+
+fn describe(arg: &Arg<'_>) -> String {
+    match arg {
+        Arg::Tensor(t) => format!("a {:?} tensor", t.kind()),
+        Arg::I32(v) => format!("an i32 ({v})"),
+        Arg::I64(v) => format!("an i64 ({v})"),
+        Arg::U32(v) => format!("a u32 ({v})"),
+        Arg::F32(v) => format!("an f32 ({v})"),
+        Arg::F64(v) => format!("an f64 ({v})"),
+    }
+}
+
+/// Grid or block dimensions; `4`, `(4, 2)` and `(4, 2, 1)` convert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dim3 {
+    /// x.
+    pub x: u32,
+    /// y.
+    pub y: u32,
+    /// z.
+    pub z: u32,
+}
+
+impl From<u32> for Dim3 {
+    fn from(x: u32) -> Self {
+        Self { x, y: 1, z: 1 }
+    }
+}
+
+impl From<(u32, u32)> for Dim3 {
+    fn from((x, y): (u32, u32)) -> Self {
+        Self { x, y, z: 1 }
+    }
+}
+
+impl From<(u32, u32, u32)> for Dim3 {
+    fn from((x, y, z): (u32, u32, u32)) -> Self {
+        Self { x, y, z }
+    }
+}
+
+/// A loaded kernel with its declared parameters (see [`CudaModule::kernel`]).
+pub struct CudaKernel {
+    handle: KernelHandle,
+    name: String,
+    params: Vec<Param>,
+    device: Device,
+}
+
+/// The shim's kernel handle, freed on drop.
+struct KernelHandle(*mut c_void);
+
+impl Drop for KernelHandle {
+    fn drop(&mut self) {
+        ffi::kernels::free(self.0);
+    }
+}
+
+// SAFETY: the handle names a loaded CUfunction, which any thread may launch; the shim's launch reads
+// it only.
+unsafe impl Send for KernelHandle {}
+// SAFETY: as above.
+unsafe impl Sync for KernelHandle {}
+
+impl CudaKernel {
+    /// The kernel's name, `file::function`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Launches the kernel on the current stream of its device with `grid` × `block` threads,
+    /// `shared_bytes` of dynamic shared memory and `args`, each checked against the declaration
+    /// first: an error names the argument and what was expected.
+    pub fn launch(
+        &self,
+        grid: impl Into<Dim3>,
+        block: impl Into<Dim3>,
+        shared_bytes: u32,
+        args: &[Arg<'_>],
+    ) -> Result<()> {
+        if args.len() != self.params.len() {
+            return Err(self.misuse(format!(
+                "takes {} arguments, got {}",
+                self.params.len(),
+                args.len()
+            )));
+        }
+        let mut words = Vec::with_capacity(args.len());
+        for (index, (arg, param)) in args.iter().zip(&self.params).enumerate() {
+            words.push(self.word(index, arg, *param)?);
+        }
+        let mut pointers: Vec<*mut c_void> = words
+            .iter_mut()
+            .map(|w| w as *mut u64 as *mut c_void)
+            .collect();
+        let (grid, block) = (grid.into(), block.into());
+        ffi::kernels::launch(
+            self.handle.0,
+            [grid.x, grid.y, grid.z],
+            [block.x, block.y, block.z],
+            shared_bytes,
+            &mut pointers,
+        )
+    }
+
+    /// One argument's bytes (in the low bytes of a u64, as the kernel's parameter of that size
+    /// reads them), or why it does not fit its parameter.
+    fn word(&self, index: usize, arg: &Arg<'_>, param: Param) -> Result<u64> {
+        let wrong =
+            |got: String| self.misuse(format!("argument {index} must be {param}, got {got}"));
+        Ok(match (arg, param) {
+            (Arg::Tensor(t), Param::Tensor(kind)) => {
+                if t.kind() != kind {
+                    return Err(wrong(format!("a {:?} tensor", t.kind())));
+                }
+                if t.device() != self.device {
+                    return Err(wrong(format!(
+                        "a tensor on {:?} (the kernel is on {:?})",
+                        t.device(),
+                        self.device
+                    )));
+                }
+                if !t.is_contiguous() {
+                    return Err(wrong(
+                        "a tensor that is not contiguous (call .contiguous())".into(),
+                    ));
+                }
+                t.data_ptr() as u64
+            }
+            (Arg::I32(v), Param::I32) => *v as u32 as u64,
+            (Arg::U32(v), Param::U32) => u64::from(*v),
+            (Arg::I64(v), Param::I64) => *v as u64,
+            (Arg::F32(v), Param::F32) => u64::from(v.to_bits()),
+            (Arg::F64(v), Param::F64) => v.to_bits(),
+            (other, _) => return Err(wrong(describe(other))),
+        })
+    }
+
+    /// The declaration against the compiled kernel's parameter sizes.
+    fn check_declaration(&self, sizes: &[usize]) -> Result<()> {
+        let declared: Vec<usize> = self.params.iter().map(|p| p.size()).collect();
+        if declared == sizes {
+            return Ok(());
+        }
+        Err(self.misuse(format!(
+            "was declared with parameters of {declared:?} bytes, but its compiled code takes \
+             {sizes:?} bytes: the declaration and the source differ"
+        )))
+    }
+
+    fn misuse(&self, what: String) -> SpeedkitError {
+        SpeedkitError::Misuse(format!("CUDA kernel {} {what}", self.name))
+    }
+}
+
+impl fmt::Debug for CudaKernel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaKernel")
+            .field("name", &self.name)
+            .field("params", &self.params)
+            .field("device", &self.device)
+            .finish()
+    }
+}

@@ -1,0 +1,227 @@
+//! Where a device's memory goes, for a user near the limit and for the runner's memory breakdown:
+//! the CUDA caching allocator's own counters and segments (allocated, reserved, the CUDA graphs'
+//! private pools, cached and fragmented blocks) and what speedkit itself holds (the weight copies of
+//! [`crate::nn::Linear`]), and [`release_cached`] to give back what nothing uses.
+//!
+//! ```no_run
+//! use speedkit::memory::MemoryUse;
+//! let now = MemoryUse::now(tch::Device::Cuda(0))?;
+//! println!("{now}");
+//! assert!(now.reserved >= now.allocated);
+//! # Ok::<(), speedkit::SpeedkitError>(())
+//! ```
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+use tch::Device;
+
+use crate::error::{Result, SpeedkitError};
+use crate::ffi;
+
+/// One pool's segments, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolUse {
+    /// Held from the driver.
+    pub reserved: u64,
+    /// In allocated blocks.
+    pub allocated: u64,
+    /// How many segments (device allocations) it holds.
+    pub segments: u64,
+}
+
+impl PoolUse {
+    fn add(&mut self, reserved: u64, allocated: u64, segments: u64) {
+        self.reserved += reserved;
+        self.allocated += allocated;
+        self.segments += segments;
+    }
+}
+
+/// One device's memory at one moment, in bytes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryUse {
+    /// In blocks handed out to tensors.
+    pub allocated: u64,
+    /// Held from the driver by the caching allocator (allocated, cached free blocks, graph pools).
+    pub reserved: u64,
+    /// The peak of `allocated` since the allocator's peaks were last reset.
+    pub peak_allocated: u64,
+    /// The peak of `reserved` since then.
+    pub peak_reserved: u64,
+    /// Free parts of split blocks: memory held but in pieces too small for the next request.
+    pub fragmented: u64,
+    /// The default pool: eager allocations, parameters, optimizer state.
+    pub default_pool: PoolUse,
+    /// The private pools of CUDA graphs: what a captured step allocates and replays reuse.
+    pub graph_pools: PoolUse,
+    /// speedkit's kept copies of fp32 weights in the autocast type (on every device).
+    pub weight_copies: u64,
+    /// Allocations that failed once and succeeded after the allocator freed its cache.
+    pub alloc_retries: u64,
+    /// Allocations that failed for good (out-of-memory errors).
+    pub ooms: u64,
+}
+
+impl MemoryUse {
+    /// `device`'s memory now; all zeros on the CPU (there is no caching allocator to read).
+    pub fn now(device: Device) -> Result<Self> {
+        let Device::Cuda(index) = device else {
+            return Ok(Self::default());
+        };
+        let (totals, pools) = ffi::device::cuda_memory_snapshot(index)?;
+        let bytes = |v: i64| v.max(0) as u64;
+        let mut use_ = Self {
+            allocated: bytes(totals.allocated),
+            reserved: bytes(totals.reserved),
+            peak_allocated: bytes(totals.peak_allocated),
+            peak_reserved: bytes(totals.peak_reserved),
+            fragmented: bytes(totals.inactive_split),
+            weight_copies: ffi::weight_casts::size()?.0,
+            alloc_retries: bytes(totals.alloc_retries),
+            ooms: bytes(totals.ooms),
+            ..Self::default()
+        };
+        for pool in pools {
+            let in_graph_pool = (pool.pool_first, pool.pool_second) != (0, 0);
+            let target = if in_graph_pool {
+                &mut use_.graph_pools
+            } else {
+                &mut use_.default_pool
+            };
+            target.add(
+                bytes(pool.reserved),
+                bytes(pool.allocated),
+                bytes(pool.segments),
+            );
+        }
+        Ok(use_)
+    }
+
+    /// Reserved but not allocated: cached blocks the allocator keeps for reuse.
+    pub fn cached(&self) -> u64 {
+        self.reserved.saturating_sub(self.allocated)
+    }
+}
+
+impl fmt::Display for MemoryUse {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "allocated {} (peak {}), reserved {} (peak {}); default pool {} of {} reserved, \
+             graph pools {} of {} reserved; fragmented {}; weight copies {}",
+            gib(self.allocated),
+            gib(self.peak_allocated),
+            gib(self.reserved),
+            gib(self.peak_reserved),
+            gib(self.default_pool.allocated),
+            gib(self.default_pool.reserved),
+            gib(self.graph_pools.allocated),
+            gib(self.graph_pools.reserved),
+            gib(self.fragmented),
+            gib(self.weight_copies),
+        )
+    }
+}
+
+/// `bytes` as GiB with two decimals, e.g. `"1.50 GiB"`.
+///
+/// ```
+/// assert_eq!(speedkit::memory::gib(3 << 29), "1.50 GiB");
+/// ```
+pub fn gib(bytes: u64) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+/// What speedkit holds on the device: the bytes and number of kept weight copies whose weights are
+/// alive.
+///
+/// ```
+/// let (bytes, copies) = speedkit::memory::weight_copies()?;
+/// assert!(copies > 0 || bytes == 0);
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn weight_copies() -> Result<(u64, u64)> {
+    ffi::weight_casts::size()
+}
+
+/// Gives back what nothing uses: the weight copies of weights that no longer exist, then every
+/// cached block of `device` (what `torch.cuda.empty_cache()` does). Returns the bytes of reserved
+/// memory given back. On the CPU only the copies are dropped.
+///
+/// ```no_run
+/// let freed = speedkit::memory::release_cached(tch::Device::Cuda(0))?;
+/// println!("gave back {}", speedkit::memory::gib(freed));
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn release_cached(device: Device) -> Result<u64> {
+    ffi::weight_casts::release_expired()?;
+    let Device::Cuda(index) = device else {
+        return Ok(0);
+    };
+    let before = MemoryUse::now(device)?.reserved;
+    ffi::device::cuda_synchronize(index)?;
+    ffi::device::cuda_empty_cache()?;
+    Ok(before.saturating_sub(MemoryUse::now(device)?.reserved))
+}
+
+/// Resets `device`'s peak counters ([`MemoryUse::peak_allocated`], [`MemoryUse::peak_reserved`]),
+/// so that the next reading's peaks are of what ran since. Nothing to do on the CPU.
+///
+/// ```no_run
+/// speedkit::memory::reset_peaks(tch::Device::Cuda(0))?;
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn reset_peaks(device: Device) -> Result<()> {
+    match device {
+        Device::Cuda(index) => ffi::device::cuda_reset_peak_memory(index),
+        _ => Ok(()),
+    }
+}
+
+/// Drops every kept weight copy, so that the next forward casts the weights again: what a caller
+/// near the limit does before a phase that needs the memory more than the copies save time
+/// (evaluation of another model, say). Returns their bytes.
+///
+/// ```
+/// let freed = speedkit::memory::drop_weight_copies()?;
+/// assert_eq!(speedkit::memory::weight_copies()?.0, 0);
+/// # let _ = freed;
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn drop_weight_copies() -> Result<u64> {
+    ffi::weight_casts::clear()
+}
+
+/// `cause`, an out-of-memory error during `phase` on `device`, as [`SpeedkitError::OutOfMemory`]:
+/// the phase, libtorch's message, the device's memory once what nothing uses is given back
+/// ([`release_cached`]), and `advice`.
+pub(crate) fn out_of_memory(
+    device: Device,
+    phase: &str,
+    cause: &SpeedkitError,
+    advice: &str,
+) -> SpeedkitError {
+    // Giving back is best effort: the error to report is the out-of-memory one.
+    let _ = release_cached(device);
+    let now = match MemoryUse::now(device) {
+        Ok(m) => format!(
+            "after it, {} stay allocated and {} reserved (peak {} allocated); ",
+            gib(m.allocated),
+            gib(m.reserved),
+            gib(m.peak_allocated)
+        ),
+        Err(_) => String::new(),
+    };
+    let cause = cause.to_string();
+    let cause = cause.strip_prefix("libtorch: ").unwrap_or(&cause);
+    SpeedkitError::OutOfMemory(format!(
+        "during the {phase} on {device:?} ({cause}); {now}try {advice}"
+    ))
+}
+
+/// An out-of-memory error of libtorch's, by its message (`c10::OutOfMemoryError`'s text).
+pub(crate) fn is_out_of_memory(error: &SpeedkitError) -> bool {
+    let text = error.to_string();
+    text.contains("out of memory") || text.contains("OutOfMemoryError")
+}

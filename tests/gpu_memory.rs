@@ -1,0 +1,257 @@
+//! Device memory on the GPU: a whole-step graph reserves about what the eager step does, a dropped
+//! model leaves nothing behind, an out-of-memory step names its phase and the process trains on
+//! with a smaller model, and checkpointed blocks give the plain gradients under autocast and inside
+//! a graphed step. Skipped, with the reason printed, without a GPU.
+
+mod common;
+
+use common::{cuda_or_skip, rel_err, run_steps};
+use speedkit::flags::FlagState;
+use speedkit::memory::{self, MemoryUse};
+use speedkit::optim::AdamW;
+use speedkit::{SpeedConfig, SpeedContext, SpeedkitError};
+use speedkit_suite::data;
+use speedkit_suite::models::{Transformer, TransformerConfig};
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+
+/// The transformer workload at a size that fills a GPU's memory a little: peak reserved of `steps`
+/// steps, graphed or eager, measured from an emptied cache.
+fn transformer_peak_reserved(device: Device, graphed: bool) -> u64 {
+    let mut config = SpeedConfig::auto();
+    if !graphed {
+        config.compile.enabled = speedkit::config::AutoBool::Off;
+    }
+    let ctx = SpeedContext::new(&config).unwrap();
+    let model_config = TransformerConfig {
+        batch: 8,
+        ..TransformerConfig::bench()
+    };
+    let vs = nn::VarStore::new(device);
+    let model = Transformer::new(&vs.root(), &model_config).unwrap();
+    let (tokens, targets) = data::tokens(
+        model_config.batch,
+        model_config.seq_len,
+        model_config.vocab,
+        device,
+    )
+    .unwrap();
+    let mut opt = ctx.adamw(&vs, AdamW::default()).unwrap();
+    memory::release_cached(device).unwrap();
+    tch::Cuda::synchronize(0);
+    speedkit::memory::reset_peaks(device).unwrap();
+    run_steps(
+        &ctx,
+        |_| {
+            let loss = ctx.autocast(|| model.loss(&tokens, &targets))?;
+            ctx.backward_step(&loss, &mut opt)?;
+            Ok(Some(loss))
+        },
+        graphed,
+        6,
+    );
+    MemoryUse::now(device).unwrap().peak_reserved
+}
+
+#[test]
+fn a_whole_step_graph_reserves_about_what_the_eager_step_does() {
+    let Some(device) = cuda_or_skip("a_whole_step_graph_reserves_about_what_the_eager_step_does")
+    else {
+        return;
+    };
+    let _serial = common::serial();
+    let eager = transformer_peak_reserved(device, false);
+    let graphed = transformer_peak_reserved(device, true);
+    println!(
+        "peak reserved: eager {}, graphed {}",
+        memory::gib(eager),
+        memory::gib(graphed)
+    );
+    assert!(
+        graphed as f64 <= 1.25 * eager as f64,
+        "eager {eager}, graphed {graphed}"
+    );
+}
+
+#[test]
+fn a_dropped_model_leaves_nothing_allocated() {
+    let Some(device) = cuda_or_skip("a_dropped_model_leaves_nothing_allocated") else {
+        return;
+    };
+    let _serial = common::serial();
+    memory::release_cached(device).unwrap();
+    let before = MemoryUse::now(device).unwrap().allocated;
+    {
+        let ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
+        let vs = nn::VarStore::new(device);
+        let layer = speedkit::nn::Linear::new(&(vs.root() / "fc"), 1024, 1024, true);
+        let mut opt = ctx.adamw(&vs, AdamW::default()).unwrap();
+        let x = Tensor::randn([512, 1024], (Kind::Float, device));
+        run_steps(
+            &ctx,
+            |_| {
+                let loss = ctx
+                    .autocast(|| layer.forward_t(&x))?
+                    .square()
+                    .mean(Kind::Float);
+                ctx.backward_step(&loss, &mut opt)?;
+                Ok(Some(loss))
+            },
+            true,
+            5,
+        );
+        assert!(
+            memory::weight_copies().unwrap().0 > 0,
+            "the layer's bf16 copy is kept while it lives"
+        );
+    }
+    memory::release_cached(device).unwrap();
+    let after = MemoryUse::now(device).unwrap();
+    assert_eq!(after.weight_copies, 0);
+    // cuBLAS keeps a workspace per stream it ran on (the side stream's included): a few MiB.
+    assert!(
+        after.allocated <= before + (64 << 20),
+        "before {before}, after {}",
+        after.allocated
+    );
+}
+
+#[test]
+fn out_of_memory_names_the_phase_and_the_process_trains_on() {
+    let Some(device) = cuda_or_skip("out_of_memory_names_the_phase_and_the_process_trains_on")
+    else {
+        return;
+    };
+    let _serial = common::serial();
+    let flags_before = FlagState::capture().unwrap();
+    let total = speedkit::hardware::Hardware::detect().unwrap().gpus[0].total_memory_bytes;
+    let err = {
+        let ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
+        let vs = nn::VarStore::new(device);
+        let layer = nn::linear(vs.root(), 4096, 4096, Default::default());
+        let mut opt = ctx.adamw(&vs, AdamW::default()).unwrap();
+        // A batch whose activations alone are larger than the device.
+        let rows = (total / (4096 * 4)) as i64 / 2;
+        let x = Tensor::randn([rows, 4096], (Kind::BFloat16, device));
+        let mut step = ctx.graphed(|_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
+            let h = ctx.autocast(|| -> speedkit::Result<Tensor> {
+                Ok(layer
+                    .forward(&x)
+                    .f_gelu("tanh")?
+                    .f_mul(&layer.forward(&x))?)
+            })?;
+            let loss = h.f_square()?.f_mean(Kind::Float)?;
+            ctx.backward_step(&loss, &mut opt)?;
+            Ok(Some(loss))
+        });
+        let err = (0..3)
+            .find_map(|_| step.run(&[]).err())
+            .expect("the step runs out of memory");
+        err
+    };
+    assert!(matches!(err, SpeedkitError::OutOfMemory(_)), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.contains("warm-up") && text.contains("smaller batch"),
+        "{text}"
+    );
+    assert_eq!(
+        FlagState::capture().unwrap(),
+        flags_before,
+        "every flag is back"
+    );
+
+    // The same process builds a smaller model and trains.
+    let ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
+    let vs = nn::VarStore::new(device);
+    let layer = nn::linear(vs.root(), 256, 256, Default::default());
+    let mut opt = ctx
+        .adamw(
+            &vs,
+            AdamW {
+                lr: 1e-2,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    let x = Tensor::randn([64, 256], (Kind::Float, device));
+    let losses = run_steps(
+        &ctx,
+        |_| {
+            let loss = ctx
+                .autocast(|| layer.forward(&x))
+                .square()
+                .mean(Kind::Float);
+            ctx.backward_step(&loss, &mut opt)?;
+            Ok(Some(loss))
+        },
+        true,
+        10,
+    );
+    assert!(losses.last() < losses.first(), "{losses:?}");
+}
+
+/// Gradients of two residual MLP blocks over a fixed input, checkpointed or not, under bf16
+/// autocast, graphed or eager.
+fn block_gradients(device: Device, checkpointed: bool, graphed: bool) -> Vec<Tensor> {
+    let ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(device);
+    let blocks: Vec<nn::Sequential> = (0..2)
+        .map(|i| {
+            let p = vs.root() / format!("block{i}");
+            nn::seq()
+                .add(nn::linear(&p / "fc1", 128, 512, Default::default()))
+                .add_fn(|x| x.gelu("tanh"))
+                .add(nn::linear(&p / "fc2", 512, 128, Default::default()))
+        })
+        .collect();
+    let params = vs.trainable_variables();
+    let x = Tensor::randn([256, 128], (Kind::Float, device));
+    run_steps(
+        &ctx,
+        |_| {
+            // Gradients only (no optimizer): they stay to compare.
+            for p in &params {
+                let _ = p.grad().f_zero_();
+            }
+            ctx.checkpointed(|ck| -> speedkit::Result<Option<Tensor>> {
+                let loss = ctx.autocast(|| -> speedkit::Result<Tensor> {
+                    let mut y = x.shallow_clone();
+                    for block in &blocks {
+                        y = if checkpointed {
+                            ck.checkpoint(&[&y], |i| Ok(vec![&i[0] + block.forward(&i[0])]))?
+                                .remove(0)
+                        } else {
+                            &y + block.forward(&y)
+                        };
+                    }
+                    Ok(y.square().mean(Kind::Float))
+                })?;
+                ctx.backward(&loss)?;
+                Ok(Some(loss))
+            })
+        },
+        graphed,
+        4,
+    );
+    params.iter().map(|p| p.grad().copy()).collect()
+}
+
+#[test]
+fn checkpointed_gradients_equal_the_plain_ones_under_autocast_and_in_a_graph() {
+    let Some(device) =
+        cuda_or_skip("checkpointed_gradients_equal_the_plain_ones_under_autocast_and_in_a_graph")
+    else {
+        return;
+    };
+    let _serial = common::serial();
+    for graphed in [false, true] {
+        let plain = block_gradients(device, false, graphed);
+        let checkpointed = block_gradients(device, true, graphed);
+        for (a, b) in plain.iter().zip(&checkpointed) {
+            let e = rel_err(b, a);
+            assert!(e < 1e-3, "graphed {graphed}: relative error {e:.2e}");
+        }
+    }
+}
