@@ -23,6 +23,7 @@
 //! (`run`: [`run_with`], [`main_with`], [`exit_status`]), what a run produces (`report`:
 //! [`RunReport`], [`Row`]) and its rendering (`output`: [`render_text`], [`render_csv`],
 //! [`render_svg`], the files of `--json`/`--csv`/`--svg`/`--save-baseline`, the progress bars).
+//! All of it comes with speedkit's `runner` feature.
 
 mod cli;
 mod output;
