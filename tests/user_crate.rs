@@ -9,7 +9,8 @@
 //! undeclared member) and is rewritten only where the README changed. It resolves its
 //! dependencies offline, from this workspace's `Cargo.lock` and the local registry cache, and
 //! builds in `<target>/tmp/user-crate`, kept between runs: the first build compiles torch-sys and
-//! speedkit once more (minutes on 2 cores), later ones only what changed.
+//! speedkit once more, and its bench and test speedkit again with the `runner` feature that the
+//! README's `[dev-dependencies]` turn on (minutes on 2 cores); later ones only what changed.
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};

@@ -31,8 +31,17 @@
 //! [`memory`] (where device memory goes), [`autograd`] (the backward graph), [`function`]
 //! (autograd functions written in Rust), [`cuda`] (your own CUDA kernels on tensors),
 //! [`checkpoint`] (activation checkpointing).
+//!
+//! Cargo feature `runner` (off by default): the benchmark runner, that is [`bench_main!`] and
+//! [`bench_tests!`], `bench::{runner, baseline, peer, testing}` and the `speedkit` binary
+//! (`report`, `launch`), with their dependencies clap, indicatif and libtest-mimic. Registering
+//! workloads with [`#[speedkit::bench]`](macro@bench) and training need no feature; this
+//! workspace's suite (examples, benches, tests) turns `runner` on.
 
 #![warn(missing_docs)]
+// The crate's docs link the runner's macros and modules; they resolve in docs built with `runner`
+// (`cargo doc --workspace`, `cargo doc -p speedkit --features runner`), which checks every link.
+#![cfg_attr(not(feature = "runner"), allow(rustdoc::broken_intra_doc_links))]
 
 mod advice;
 pub mod amp;

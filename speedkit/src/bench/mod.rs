@@ -10,6 +10,7 @@
 //! The runner ([`bench_main!`](crate::bench_main)) runs every workload under several configurations
 //! side by side; [`bench_tests!`](crate::bench_tests) turns every workload into a `cargo test` case
 //! (tiny size, CPU) that checks the step finishes, gives a finite loss, and leaves every flag as found.
+//! Both come with speedkit's `runner` feature; registering and measuring workloads needs none.
 //!
 //! ```
 //! use speedkit::bench::Bencher;
@@ -35,11 +36,17 @@
 //! # assert!(speedkit::bench::Workload::named("mlp").is_some());
 //! ```
 
+// The runner (feature `runner`): its command line, run loop and rendering, the saved baselines
+// and the PyTorch peer it compares with, and the `cargo test` harness.
+#[cfg(feature = "runner")]
 pub mod baseline;
 mod memory;
+#[cfg(feature = "runner")]
 pub mod peer;
+#[cfg(feature = "runner")]
 pub mod runner;
 pub mod stats;
+#[cfg(feature = "runner")]
 pub mod testing;
 
 pub use memory::DeviceMemory;
@@ -490,7 +497,8 @@ fn profile_eager<R: IntoStepResult>(
 }
 
 /// Generates `fn main()` for a benchmark runner over the `#[speedkit::bench]` workloads of the
-/// crates or modules it names, with the command line described in [`runner`].
+/// crates or modules it names, with the command line described in [`runner`]. It comes with
+/// speedkit's `runner` feature (clap, indicatif).
 ///
 /// Name where the workloads are, as a path: a crate (`my_crate`, your library, from a `[[bench]]`
 /// target of its package or of another), a module of the target itself (`workloads`, declared
@@ -513,6 +521,7 @@ fn profile_eager<R: IntoStepResult>(
 /// ```compile_fail
 /// speedkit::bench_main!();
 /// ```
+#[cfg(feature = "runner")]
 #[macro_export]
 macro_rules! bench_main {
     () => {
@@ -537,7 +546,7 @@ macro_rules! bench_main {
 
 /// Generates `fn main()` for a `harness = false` test target: one test per `#[speedkit::bench]`
 /// workload of the crates or modules it names (tiny size, CPU), each checking a finite loss and
-/// that every flag is restored.
+/// that every flag is restored. It comes with speedkit's `runner` feature (libtest-mimic).
 ///
 /// Workloads are named as for [`bench_main!`](crate::bench_main). In `tests/workloads.rs`, with
 /// `[[test]] name = "workloads"`, `harness = false` in `Cargo.toml`:
@@ -554,6 +563,7 @@ macro_rules! bench_main {
 /// ```compile_fail
 /// speedkit::bench_tests!();
 /// ```
+#[cfg(feature = "runner")]
 #[macro_export]
 macro_rules! bench_tests {
     () => {
