@@ -1,5 +1,6 @@
 //! Activation checkpointing (`speedkit::checkpoint`): gradients equal to the plain forward's, the
-//! same random numbers in the recomputation, and a backward after the scope refused.
+//! same random numbers in the recomputation, parameters reached when no input needs a gradient, and a
+//! backward after the scope refused.
 
 mod common;
 
@@ -26,8 +27,13 @@ fn blocks(vs: &nn::VarStore) -> Vec<nn::Sequential> {
         .collect()
 }
 
+/// The trainable variables' gradients, by name (buffers such as FP8 amax histories have none).
 fn gradients(vs: &nn::VarStore) -> Vec<Tensor> {
-    let mut named: Vec<_> = vs.variables().into_iter().collect();
+    let mut named: Vec<_> = vs
+        .variables()
+        .into_iter()
+        .filter(|(_, t)| t.requires_grad())
+        .collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
     named.into_iter().map(|(_, t)| t.grad().copy()).collect()
 }
@@ -117,4 +123,60 @@ fn a_checkpoint_without_grad_mode_just_runs_the_function() {
     .remove(0);
     assert!(!y.requires_grad());
     assert!(y.allclose(&layer.forward(&x), 1e-6, 1e-6, false));
+}
+
+#[test]
+fn parameters_get_their_gradients_when_no_input_requires_grad() {
+    let _serial = common::serial();
+    let ctx = cpu_context();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let layer = nn::linear(vs.root(), 4, 4, Default::default());
+    let x = Tensor::randn([2, 4], CPU);
+
+    layer.forward(&x).square().sum(Kind::Float).backward();
+    let plain = layer.ws.grad().copy();
+    let _ = layer.ws.grad().zero_();
+
+    ctx.checkpointed(|ck| -> speedkit::Result<()> {
+        let y = ck
+            .checkpoint(&[&x], |i| Ok(vec![layer.forward(&i[0])]))?
+            .remove(0);
+        assert!(y.requires_grad());
+        y.square().sum(Kind::Float).backward();
+        Ok(())
+    })
+    .unwrap();
+    assert!(plain.allclose(&layer.ws.grad(), 1e-6, 1e-6, false));
+    assert!(!x.grad().defined());
+}
+
+#[test]
+fn a_transformer_with_every_block_checkpointed_has_the_plain_loss_and_gradients() {
+    use speedkit_suite::models::{Transformer, TransformerConfig};
+    let _serial = common::serial();
+    let ctx = cpu_context();
+    let config = TransformerConfig::tiny();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let model = Transformer::new(&vs.root(), &config).unwrap();
+    let (tokens, targets) =
+        speedkit_suite::data::tokens(config.batch, config.seq_len, config.vocab, Device::Cpu)
+            .unwrap();
+
+    let plain_loss = model.loss(&tokens, &targets).unwrap();
+    plain_loss.backward();
+    let plain = gradients(&vs);
+    for p in vs.trainable_variables() {
+        let _ = p.grad().zero_();
+    }
+    let loss = ctx
+        .checkpointed(|ck| -> speedkit::Result<Tensor> {
+            let loss = model.loss_checkpointed(ck, &tokens, &targets)?;
+            loss.backward();
+            Ok(loss)
+        })
+        .unwrap();
+    assert!(loss.allclose(&plain_loss, 1e-6, 1e-6, false));
+    for (a, b) in plain.iter().zip(gradients(&vs)) {
+        assert!(a.allclose(&b, 1e-5, 1e-6, false));
+    }
 }

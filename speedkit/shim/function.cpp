@@ -14,12 +14,14 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <c10/util/SmallVector.h>
 
 #if SK_WITH_CUDA
 #include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
+#include <algorithm>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -76,8 +78,12 @@ struct RustState : torch::CustomClassHolder {
   // The autocast state the forward ran under, restored for the backward (torch.amp.custom_bwd).
   bool autocast_enabled = false;
   at::ScalarType autocast_type = at::kBFloat16;
-  // Checkpointing: the random generators' states before the forward.
+  // How many inputs the forward took (the backward returns a gradient for each).
+  int64_t inputs = 0;
+  // Checkpointing: the random generators' states before the forward, and whether the last input
+  // is the anchor (see sk_checkpoint_apply), not one of the function's.
   RandomState random;
+  bool anchored = false;
   RustState(const sk_function_vtable& v, void* s) : vtable(v), state(s) {}
   ~RustState() override {
     if (vtable.drop != nullptr) vtable.drop(state);
@@ -104,22 +110,33 @@ variable_list run(const char* what, Call& call, int status) {
   return std::move(call.results);
 }
 
-// Sets autocast for CUDA and the CPU to `enabled` in `type` for a scope.
+// Sets CUDA autocast to `enabled` in `type` for a scope, touching nothing when it already is: a
+// node's backward passes here on every step.
 struct AutocastAs {
-  std::pair<bool, at::ScalarType> cuda, cpu;
+  std::pair<bool, at::ScalarType> cuda;
+  bool changed;
   AutocastAs(bool enabled, at::ScalarType type)
       : cuda(at::autocast::is_autocast_enabled(at::kCUDA), at::autocast::get_autocast_dtype(at::kCUDA)),
-        cpu(at::autocast::is_autocast_enabled(at::kCPU), at::autocast::get_autocast_dtype(at::kCPU)) {
+        changed(cuda.first != enabled || (enabled && cuda.second != type)) {
+    if (!changed) return;
     at::autocast::set_autocast_enabled(at::kCUDA, enabled);
     if (enabled) at::autocast::set_autocast_dtype(at::kCUDA, type);
   }
   ~AutocastAs() {
+    if (!changed) return;
     at::autocast::set_autocast_enabled(at::kCUDA, cuda.first);
     at::autocast::set_autocast_dtype(at::kCUDA, cuda.second);
-    at::autocast::set_autocast_enabled(at::kCPU, cpu.first);
-    at::autocast::set_autocast_dtype(at::kCPU, cpu.second);
   }
 };
+
+// The handles of `tensors` for a callback, on the stack for the usual few.
+using Handles = c10::SmallVector<sk_tensor, 8>;
+template <typename List>
+Handles handles_of(List& tensors) {
+  Handles handles;
+  for (auto& t : tensors) handles.push_back(t.defined() ? const_cast<at::Tensor*>(&t) : nullptr);
+  return handles;
+}
 
 const variable_list& check_count(const variable_list& outputs, int64_t capacity) {
   TORCH_CHECK(static_cast<int64_t>(outputs.size()) <= capacity, "a speedkit Function returns at most ", capacity,
@@ -131,10 +148,8 @@ const variable_list& check_count(const variable_list& outputs, int64_t capacity)
 // autocast on for CUDA (torch.amp.custom_fwd(cast_inputs=...)).
 bool casts_inputs(int64_t cast_to) { return cast_to >= 0 && at::autocast::is_autocast_enabled(at::kCUDA); }
 
-// The inputs as the forward sees them: floating CUDA inputs in the cast type where casts_inputs(),
-// otherwise as given.
-variable_list cast_inputs(const variable_list& inputs, int64_t cast_to) {
-  if (!casts_inputs(cast_to)) return inputs;
+// The inputs as the forward sees them: floating CUDA inputs in the cast type.
+variable_list cast_inputs(at::TensorList inputs, int64_t cast_to) {
   variable_list cast;
   for (const at::Tensor& t : inputs)
     cast.push_back(t.is_cuda() && t.is_floating_point() ? t.to(static_cast<at::ScalarType>(cast_to)) : t);
@@ -146,16 +161,16 @@ struct RustFunction : torch::autograd::Function<RustFunction> {
   static variable_list forward(AutogradContext* ctx, at::TensorList inputs, c10::intrusive_ptr<RustState> state,
                                int64_t cast_to) {
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
-    ctx->saved_data["inputs"] = static_cast<int64_t>(inputs.size());
-    const variable_list given = cast_inputs(inputs.vec(), cast_to);
+    state->inputs = static_cast<int64_t>(inputs.size());
     state->autocast_enabled = at::autocast::is_autocast_enabled(at::kCUDA);
     state->autocast_type = at::autocast::get_autocast_dtype(at::kCUDA);
     // With its inputs cast, the forward runs with autocast off, as custom_fwd does.
+    const bool cast = casts_inputs(cast_to);
+    const variable_list given = cast ? cast_inputs(inputs, cast_to) : variable_list();
     std::optional<AutocastAs> off;
-    if (casts_inputs(cast_to)) off.emplace(false, state->autocast_type);
+    if (cast) off.emplace(false, state->autocast_type);
+    Handles handles = cast ? handles_of(given) : handles_of(inputs);
     Call call(ctx);
-    std::vector<sk_tensor> handles;
-    for (const at::Tensor& t : given) handles.push_back(const_cast<at::Tensor*>(&t));
     return run("the Function's forward", call,
                state->vtable.forward(state->state, &call, handles.data(), static_cast<int64_t>(handles.size())));
   }
@@ -163,15 +178,14 @@ struct RustFunction : torch::autograd::Function<RustFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto state = state_of(ctx);
     AutocastAs autocast(state->autocast_enabled, state->autocast_type);
+    Handles handles = handles_of(grads);
     Call call(ctx);
-    std::vector<sk_tensor> handles;
-    for (at::Tensor& g : grads) handles.push_back(g.defined() ? &g : nullptr);
     variable_list input_grads = run("the Function's backward", call,
                                     state->vtable.backward(state->state, &call, handles.data(),
                                                            static_cast<int64_t>(handles.size())));
-    const int64_t inputs = ctx->saved_data["inputs"].toInt();
-    TORCH_CHECK(static_cast<int64_t>(input_grads.size()) == inputs, "the Function's backward returned an incorrect number of gradients (",
-                input_grads.size(), " for ", inputs, " inputs): one per input, None for an input without one");
+    TORCH_CHECK(static_cast<int64_t>(input_grads.size()) == state->inputs,
+                "the Function's backward returned an incorrect number of gradients (", input_grads.size(), " for ",
+                state->inputs, " inputs): one per input, None for an input without one");
     input_grads.emplace_back();  // the state argument
     input_grads.emplace_back();  // the cast type
     return input_grads;
@@ -189,8 +203,9 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     state->autocast_enabled = at::autocast::is_autocast_enabled(at::kCUDA);
     state->autocast_type = at::autocast::get_autocast_dtype(at::kCUDA);
     state->random = RandomState::now(capturing);
-    ctx->save_for_backward(inputs.vec());
-    return recompute(ctx, *state, inputs.vec());
+    const at::TensorList own = state->anchored ? inputs.slice(0, inputs.size() - 1) : inputs;
+    ctx->save_for_backward(own.vec());
+    return recompute(ctx, *state, own.vec());
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -219,22 +234,22 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     if (!differentiable.empty()) torch::autograd::backward(differentiable, their_grads);
     variable_list input_grads;
     for (const at::Tensor& input : inputs) input_grads.push_back(input.grad());
+    if (state->anchored) input_grads.emplace_back();
     input_grads.emplace_back();  // the state argument
     input_grads.emplace_back();  // whether the forward was captured
     return input_grads;
   }
 
   static variable_list recompute(AutogradContext* ctx, const RustState& state, const variable_list& inputs) {
+    Handles handles = handles_of(inputs);
     Call call(ctx);
-    std::vector<sk_tensor> handles;
-    for (const at::Tensor& t : inputs) handles.push_back(const_cast<at::Tensor*>(&t));
     return run("the checkpointed function", call,
                state.vtable.forward(state.state, &call, handles.data(), static_cast<int64_t>(handles.size())));
   }
 };
 
 // The C++ twin of a one-line Rust Function (y = x · k, saving nothing): what a Rust node's cost is
-// measured against (examples/custom_op.rs).
+// measured against (examples/custom_op/main.rs).
 struct ReferenceScale : torch::autograd::Function<ReferenceScale> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, double k) {
     ctx->saved_data["k"] = k;
@@ -270,9 +285,18 @@ int sk_function_apply(const sk_function_vtable* vtable, void* state, int cast_in
 int sk_checkpoint_apply(const sk_function_vtable* vtable, void* state, int capturing, const sk_tensor* inputs,
                         int64_t n_inputs, sk_tensor* outputs, int64_t capacity, int64_t* n_outputs) {
   auto holder = c10::make_intrusive<sk::RustState>(*vtable, state);
-  SK_TRY(sk::hand_back(sk::CheckpointFunction::apply(at::TensorList(sk::tensor_list(inputs, n_inputs)), holder,
-                                                     capturing != 0),
-                       outputs, capacity, n_outputs))
+  SK_TRY({
+    std::vector<at::Tensor> all = sk::tensor_list(inputs, n_inputs);
+    // The function may use parameters that need gradients while none of its inputs does (the first
+    // block, on token embeddings computed without grad): autograd only records a node one of whose
+    // inputs requires grad, so an empty anchor that does joins them and the backward reaches the
+    // recomputation (what torch.utils.checkpoint's non-reentrant variant achieves with hooks).
+    holder->anchored = at::GradMode::is_enabled() &&
+                       std::none_of(all.begin(), all.end(), [](const at::Tensor& t) { return t.defined() && t.requires_grad(); });
+    if (holder->anchored) all.push_back(at::empty({0}, at::kFloat).requires_grad_(true));
+    sk::hand_back(sk::CheckpointFunction::apply(at::TensorList(all), holder, capturing != 0), outputs, capacity,
+                  n_outputs);
+  })
 }
 
 int sk_function_reference_scale(sk_tensor x, double k, sk_tensor* y) {

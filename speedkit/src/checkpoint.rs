@@ -44,17 +44,45 @@ use crate::error::{Result, SpeedkitError};
 use crate::ffi::{self, function::Call};
 use crate::SpeedContext;
 
+/// A checkpointed function that borrows for `'env`.
+type Function<'env> = Box<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>> + 'env>;
+
 /// A checkpointed function, its borrows' lifetime erased while its scope lasts.
-type Recompute = Box<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>>>;
+struct Recompute(Function<'static>);
+
+// SAFETY: the function is called only while its scope lasts: in the forward, on the scope's
+// thread, and in a backward pass through the checkpoint, which autograd runs (on the calling
+// thread or a device thread of its own) while the thread that started it waits, the same footing
+// as tch's `Tensor: Send`. Every call holds the slot's mutex.
+unsafe impl Send for Recompute {}
 
 /// Where a checkpoint node finds its function: emptied when the scope ends.
 type Slot = Arc<Mutex<Option<Recompute>>>;
 
 /// The checkpoints of one [`SpeedContext::checkpointed`] scope; `'env` is the context's borrow,
 /// which every checkpointed function's borrows outlive.
+///
+/// `'env` is invariant (as `std::thread::Scope`'s): were it not, a scope could shrink it and
+/// checkpoint a function borrowing a model dropped before the backward, which then calls it. That
+/// does not compile:
+///
+/// ```compile_fail
+/// use speedkit::{SpeedConfig, SpeedContext};
+/// use tch::{nn, nn::Module, Device, Kind, Tensor};
+/// let ctx = SpeedContext::new(&SpeedConfig::from_yaml_str("device: cpu\n").unwrap()).unwrap();
+/// let x = Tensor::randn([4, 8], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+/// ctx.checkpointed(|ck| {
+///     let y = {
+///         let vs = nn::VarStore::new(Device::Cpu);
+///         let layer = nn::linear(vs.root(), 8, 8, Default::default());
+///         ck.checkpoint(&[&x], |i| Ok(vec![layer.forward(&i[0])])).unwrap().remove(0)
+///     }; // `layer` is dropped here: the backward below would call into it
+///     y.sum(Kind::Float).backward();
+/// });
+/// ```
 pub struct Checkpointer<'env> {
     slots: RefCell<Vec<Slot>>,
-    _env: PhantomData<&'env ()>,
+    _env: PhantomData<&'env mut &'env ()>,
 }
 
 impl<'env> Checkpointer<'env> {
@@ -66,11 +94,12 @@ impl<'env> Checkpointer<'env> {
     where
         F: Fn(&[Tensor]) -> Result<Vec<Tensor>> + 'env,
     {
-        let boxed: Box<dyn Fn(&[Tensor]) -> Result<Vec<Tensor>> + 'env> = Box::new(function);
+        let boxed: Function<'env> = Box::new(function);
         // SAFETY: only the lifetime changes. The slot is emptied (the box dropped) when this
         // checkpointer drops, which is before `'env` ends (it lives inside `checkpointed`, which
         // borrows the context for `'env`); a node that outlives the scope finds the slot empty.
-        let erased: Recompute = unsafe { std::mem::transmute(boxed) };
+        let erased =
+            Recompute(unsafe { std::mem::transmute::<Function<'env>, Function<'static>>(boxed) });
         let slot: Slot = Arc::new(Mutex::new(Some(erased)));
         self.slots.borrow_mut().push(Arc::clone(&slot));
         ffi::function::apply(
@@ -92,12 +121,6 @@ impl Drop for Checkpointer<'_> {
 /// A checkpoint's callbacks.
 struct CheckpointNode(Slot);
 
-// SAFETY: the function in the slot is called only while its scope lasts: in the forward, on the
-// scope's thread, and in a backward pass through the checkpoint, which autograd runs (on the
-// calling thread or a device thread of its own) while the thread that started it waits, the same
-// footing as tch's `Tensor: Send`.
-unsafe impl Send for CheckpointNode {}
-
 impl ffi::function::Callbacks for CheckpointNode {
     fn forward(&mut self, _call: &Call, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         let slot = self.0.lock().unwrap_or_else(PoisonError::into_inner);
@@ -108,7 +131,7 @@ impl ffi::function::Callbacks for CheckpointNode {
                     .into(),
             )
         })?;
-        function(inputs)
+        (function.0)(inputs)
     }
 
     fn backward(&mut self, _call: &Call, _grads: &[Option<Tensor>]) -> Result<Vec<Option<Tensor>>> {

@@ -12,7 +12,7 @@
 //! the bf16/fp16 conversions).
 //!
 //! With [`crate::function::Function`] around a forward and a backward kernel, a fused op trains like
-//! any other: `examples/custom_op.rs` walks through one.
+//! any other: `examples/custom_op/main.rs` walks through one.
 //!
 //! ```no_run
 //! use speedkit::cuda::{CudaModule, Param};

@@ -151,7 +151,7 @@ impl<F: Function> ffi::function::Callbacks for Node<F> {
 
 /// `x · k` through a C++ autograd function of the same shape as a one-line [`Function`] (forward
 /// `x · k`, backward `grad · k`, nothing saved): the twin that a Rust node's host cost is measured
-/// against (`examples/custom_op.rs`).
+/// against (`examples/custom_op/main.rs`).
 ///
 /// ```
 /// use tch::{Device, Kind, Tensor};

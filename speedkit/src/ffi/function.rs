@@ -83,12 +83,25 @@ impl Call {
         Ok(out != 0)
     }
 
-    fn hand_back(&self, results: &[Option<&Tensor>]) -> Result<()> {
-        let handles: Vec<raw::sk_tensor> = results.iter().map(|t| optional_handle(*t)).collect();
+    fn hand_back<'t>(
+        &self,
+        results: impl ExactSizeIterator<Item = Option<&'t Tensor>>,
+    ) -> Result<()> {
+        if results.len() > MAX_OUTPUTS {
+            return Err(SpeedkitError::Misuse(format!(
+                "a Function hands back at most {MAX_OUTPUTS} tensors, this one {}",
+                results.len()
+            )));
+        }
+        // On the stack: a node's every call passes through here.
+        let mut handles = [ptr::null_mut(); MAX_OUTPUTS];
+        let mut n = 0;
+        for (slot, result) in handles.iter_mut().zip(results) {
+            *slot = optional_handle(result);
+            n += 1;
+        }
         // SAFETY: a live call; the shim copies the tensors.
-        check(unsafe {
-            abi::sk_function_call_set_results(self.0, handles.as_ptr(), handles.len() as i64)
-        })
+        check(unsafe { abi::sk_function_call_set_results(self.0, handles.as_ptr(), n as i64) })
     }
 
     fn fail(&self, message: &str) {
@@ -99,19 +112,53 @@ impl Call {
     }
 }
 
-/// The tensors of a handle array the shim passed in (null: absent), as shallow clones.
+/// The shim's tensors for one callback, borrowed: the handles point at tensors the node holds for
+/// the callback's duration, so they are wrapped without a copy (no allocation, no reference count
+/// touched) and forgotten, never freed, when the callback returns.
+struct Borrowed<T>(Vec<T>);
+
+impl<T> Drop for Borrowed<T> {
+    fn drop(&mut self) {
+        // The node owns these tensors: forgetting the wrappers leaves them to it.
+        for tensor in self.0.drain(..) {
+            std::mem::forget(tensor);
+        }
+    }
+}
+
+/// The tensors of a handle array the shim passed in (null: absent), borrowed.
 ///
 /// # Safety
-/// `handles` must point at `n` handles, each null or a live tensor, for the call.
-unsafe fn tensors_in(handles: *const raw::sk_tensor, n: i64) -> Vec<Option<Tensor>> {
+/// `handles` must point at `n` handles, each null or a live tensor that outlives the result.
+unsafe fn tensors_in(handles: *const raw::sk_tensor, n: i64) -> Borrowed<Option<Tensor>> {
     let n = usize::try_from(n).unwrap_or(0);
     if n == 0 {
-        return Vec::new();
+        return Borrowed(Vec::new());
     }
-    std::slice::from_raw_parts(handles, n)
-        .iter()
-        .map(|&h| (!h.is_null()).then(|| Tensor::clone_from_ptr(h)))
-        .collect()
+    Borrowed(
+        std::slice::from_raw_parts(handles, n)
+            .iter()
+            .map(|&h| (!h.is_null()).then(|| Tensor::from_ptr(h)))
+            .collect(),
+    )
+}
+
+/// [`tensors_in`] without the absent ones (a forward's inputs).
+///
+/// # Safety
+/// As [`tensors_in`].
+unsafe fn defined_tensors_in(handles: *const raw::sk_tensor, n: i64) -> Borrowed<Tensor> {
+    let n = usize::try_from(n).unwrap_or(0);
+    if n == 0 {
+        return Borrowed(Vec::new());
+    }
+    Borrowed(
+        std::slice::from_raw_parts(handles, n)
+            .iter()
+            .filter(|h| !h.is_null())
+            .map(|&h| Tensor::from_ptr(h))
+            .collect(),
+    )
 }
 
 /// Runs `body`, reporting its error or panic through `call`; the callback's status.
@@ -144,11 +191,11 @@ unsafe extern "C" fn forward_trampoline<C: Callbacks>(
     // SAFETY: `state` is the Box<C> this module handed over, alive until `drop_trampoline`; calls
     // never overlap, so this is the only reference.
     let callbacks = &mut *(state as *mut C);
-    // SAFETY: the shim passes `n` live handles.
-    let inputs: Vec<Tensor> = tensors_in(inputs, n).into_iter().flatten().collect();
+    // SAFETY: the shim passes `n` handles, held for the callback.
+    let inputs = defined_tensors_in(inputs, n);
     report(&call, "forward", || {
-        let outputs = callbacks.forward(&call, &inputs)?;
-        call.hand_back(&outputs.iter().map(Some).collect::<Vec<_>>())
+        let outputs = callbacks.forward(&call, &inputs.0)?;
+        call.hand_back(outputs.iter().map(Some))
     })
 }
 
@@ -161,11 +208,12 @@ unsafe extern "C" fn backward_trampoline<C: Callbacks>(
     let call = Call(call);
     // SAFETY: as in `forward_trampoline`.
     let callbacks = &mut *(state as *mut C);
-    // SAFETY: the shim passes `n` handles, null where an output got no gradient.
+    // SAFETY: the shim passes `n` handles held for the callback, null where an output got no
+    // gradient.
     let grads = tensors_in(grad_outputs, n);
     report(&call, "backward", || {
-        let input_grads = callbacks.backward(&call, &grads)?;
-        call.hand_back(&input_grads.iter().map(Option::as_ref).collect::<Vec<_>>())
+        let input_grads = callbacks.backward(&call, &grads.0)?;
+        call.hand_back(input_grads.iter().map(Option::as_ref))
     })
 }
 
@@ -200,7 +248,7 @@ pub(crate) fn apply<C: Callbacks + 'static>(
     let handles: Vec<raw::sk_tensor> = inputs.iter().map(|t| handle(t)).collect();
     let state = Box::into_raw(Box::new(callbacks)) as *mut c_void;
     let table = vtable::<C>();
-    let mut outputs = vec![ptr::null_mut(); MAX_OUTPUTS];
+    let mut outputs = [ptr::null_mut(); MAX_OUTPUTS];
     let mut count = 0i64;
     // SAFETY: live handles for the call; `state` is handed over to the node, which frees it
     // through `drop_trampoline` (also when this fails); `outputs` has the capacity passed.
@@ -229,14 +277,16 @@ pub(crate) fn apply<C: Callbacks + 'static>(
         }
     };
     check(status)?;
-    outputs.truncate(usize::try_from(count).unwrap_or(0));
-    // SAFETY: fresh tensors from the shim; an undefined output is null.
-    outputs
+    let count = usize::try_from(count).unwrap_or(0).min(MAX_OUTPUTS);
+    // SAFETY: fresh tensors from the shim, each taken once; an undefined output is null.
+    let owned: Vec<Option<Tensor>> = outputs[..count]
+        .iter()
+        .map(|&t| unsafe { owned_or_none(t) })
+        .collect();
+    owned
         .into_iter()
         .map(|t| {
-            unsafe { owned_or_none(t) }.ok_or_else(|| {
-                SpeedkitError::Misuse("a Function returned an undefined output".into())
-            })
+            t.ok_or_else(|| SpeedkitError::Misuse("a Function returned an undefined output".into()))
         })
         .collect()
 }
