@@ -53,6 +53,21 @@ fn graph_memory_linear3(b: &mut Bencher) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The largest batch `batched` trains at: above it, its step fails as a GPU out of memory does.
+const BATCH_CAP: i64 = 300;
+
+/// A linear step at `Bencher::batch` (its own: 8) that runs out of memory above `BATCH_CAP`.
+#[speedkit::bench(tags = ["runner-test"])]
+fn batched(b: &mut Bencher) -> anyhow::Result<()> {
+    let batch = b.batch(8);
+    if batch > BATCH_CAP {
+        anyhow::bail!("CUDA out of memory (this test workload's cap is a batch of {BATCH_CAP})");
+    }
+    let x = Tensor::f_ones([batch, 4], (Kind::Float, b.device()))?;
+    b.run(|| -> anyhow::Result<Tensor> { Ok(x.f_sum(Kind::Float)?) })?;
+    Ok(())
+}
+
 fn sleepy_only() -> Vec<&'static Workload> {
     vec![Workload::named("sleepy").expect("sleepy is registered")]
 }
@@ -385,6 +400,56 @@ fn an_empty_test_harness_is_a_failure_naming_bench_tests() {
 }
 
 #[test]
+fn largest_batch_searches_the_workloads_that_take_a_batch_and_skips_the_others() {
+    let _lock = common::serial();
+    let workloads = [
+        Workload::named("batched").unwrap(),
+        Workload::named("sleepy").unwrap(),
+    ];
+    let args =
+        Args::try_parse_from(["bench", "--config", "fp32_strict", "--largest-batch"]).unwrap();
+    let found = runner::largest_batches(
+        &args,
+        &workloads,
+        speedkit::hardware::Hardware::detect().unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        found.rows.len(),
+        1,
+        "sleepy takes no batch: {:?}",
+        found.rows
+    );
+    let row = &found.rows[0];
+    assert_eq!(
+        (row.workload.as_str(), row.default_batch),
+        ("batched", Some(8))
+    );
+    assert!(row.largest_batch <= BATCH_CAP && row.largest_batch >= BATCH_CAP - BATCH_CAP / 8);
+    assert!(row.first_failing.is_some_and(|f| f > BATCH_CAP));
+    assert!(row
+        .tried
+        .iter()
+        .all(|t| t.trained == (t.batch <= BATCH_CAP)));
+    assert!(row.error.is_none());
+}
+
+#[test]
+fn largest_batch_and_a_fixed_batch_cannot_be_asked_together() {
+    let err = Args::try_parse_from(["bench", "--largest-batch", "--batch", "64"]).unwrap_err();
+    assert!(err.to_string().contains("cannot be used with"), "{err}");
+}
+
+#[test]
+fn batch_builds_the_workloads_that_take_one_at_that_batch() {
+    let _lock = common::serial();
+    let args = args(&["--batch", "301"]);
+    let report = runner::run_with(&args, &[Workload::named("batched").unwrap()]).unwrap();
+    let error = report.rows[0].error.as_deref().unwrap_or_default();
+    assert!(error.contains("out of memory"), "{error}");
+}
+
+#[test]
 fn the_text_tables_fit_100_columns() {
     let _lock = common::serial();
     let (report, _) = run_sleepy(2, &[]);
@@ -429,4 +494,32 @@ fn graph_mode_reports_at_least_the_peak_memory_of_eager_mode() {
     assert!(!eager_graphed && graphed);
     assert!(graph.peak_allocated_bytes >= eager.peak_allocated_bytes);
     assert!(graph.peak_reserved_bytes >= graph.peak_allocated_bytes);
+}
+
+#[test]
+fn the_memory_breakdown_names_the_optimizer_and_adds_up_to_the_peaks() {
+    let _lock = common::serial();
+    let test = "the_memory_breakdown_names_the_optimizer_and_adds_up_to_the_peaks";
+    if common::cuda_or_skip(test).is_none() {
+        return;
+    }
+    let args = Args::try_parse_from(["bench", "--config", "auto", "--warmup", "3", "--steps", "5"])
+        .unwrap();
+    let workload = Workload::named("graph_memory_linear3").unwrap();
+    let report = runner::run_with(&args, &[workload]).unwrap();
+    let memory = report.rows[0].measurement.as_ref().unwrap().memory.unwrap();
+    let b = memory.breakdown.expect("a GPU run has a breakdown");
+    eprintln!("{b:?}");
+    let config = Linear3Config::bench();
+    assert_eq!(
+        b.parameters,
+        3 * 4 * (config.width * config.width + config.width) as u64
+    );
+    assert_eq!(b.gradients, b.parameters);
+    assert!(b.optimizer_state >= 2 * b.parameters);
+    assert_eq!(b.held() + b.activations, memory.peak_allocated_bytes);
+    assert_eq!(
+        b.held() + b.activations + b.cached,
+        memory.peak_reserved_bytes
+    );
 }

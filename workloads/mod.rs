@@ -18,6 +18,7 @@ mod mlp_block;
 mod resnet;
 mod sync_points;
 mod transformer;
+mod transformer_checkpointed;
 
 use speedkit::bench::Bencher;
 use speedkit_suite::REFERENCE_ADAMW;

@@ -8,9 +8,10 @@ use tch::nn::VarStore;
 /// 6-layer, d 768 pre-LN decoder on 32 × 512 random tokens, cross-entropy over 8192 classes.
 #[speedkit::bench(tags = ["transformer", "attention"])]
 fn transformer(b: &mut Bencher) -> anyhow::Result<()> {
-    let config = b
+    let mut config = b
         .size()
         .pick(TransformerConfig::tiny(), TransformerConfig::bench());
+    config.batch = b.batch(config.batch);
     data::seed();
     let vs = VarStore::new(b.device());
     let model = Transformer::new(&vs.root(), &config)?;

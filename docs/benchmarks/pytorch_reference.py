@@ -42,6 +42,7 @@ the fields of speedkit's report). --size tiny (transformer, linear3, mlp) is for
 """
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -52,12 +53,13 @@ try:
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
+    import torch.utils.checkpoint
 except ImportError as error:
     print(f"cannot import torch: {error}; install it with "
           "`pip install -r requirements-torch.txt`", file=sys.stderr)
     sys.exit(4)
 
-WORKLOADS = ("transformer", "linear3", "mlp", "resnet", "mlp_block")
+WORKLOADS = ("transformer", "linear3", "mlp", "resnet", "mlp_block", "transformer_checkpointed")
 
 
 class Block(nn.Module):
@@ -78,8 +80,9 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, vocab=8192, d=768, heads=12, layers=6, seq=512):
+    def __init__(self, vocab=8192, d=768, heads=12, layers=6, seq=512, checkpoint=False):
         super().__init__()
+        self.checkpoint = checkpoint
         self.tok = nn.Parameter(torch.randn(vocab, d) * 0.02)
         self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
@@ -89,7 +92,10 @@ class Transformer(nn.Module):
     def forward(self, tokens, targets):
         x = F.embedding(tokens, self.tok) + self.pos[: tokens.shape[1]]
         for block in self.blocks:
-            x = block(x)
+            if self.checkpoint:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
 
@@ -195,13 +201,16 @@ def transformer_flops(batch, seq, vocab, d, layers, **_):
     return 6 * batch * seq * (layers * 12 * d * d + d * vocab) + 3 * layers * 2 * batch * seq**2 * d
 
 
-def workload(name, device, size="bench"):
-    """(model, batch, flops per step, (items per step, unit)) of a reference workload."""
+def workload(name, device, size="bench", batch=None):
+    """(model, batch, flops per step, (items per step, unit)) of a reference workload; `batch`
+    overrides the transformers' (--largest-batch)."""
     torch.manual_seed(0)
-    if name == "transformer":
-        c = TINY[name] if size == "tiny" else dict(vocab=8192, d=768, heads=12, layers=6, seq=512,
-                                                   batch=32)
-        model = Transformer(c["vocab"], c["d"], c["heads"], c["layers"], c["seq"])
+    if name in ("transformer", "transformer_checkpointed"):
+        c = TINY["transformer"] if size == "tiny" else dict(vocab=8192, d=768, heads=12, layers=6,
+                                                            seq=512, batch=32)
+        c = dict(c, batch=batch or c["batch"])
+        model = Transformer(c["vocab"], c["d"], c["heads"], c["layers"], c["seq"],
+                            checkpoint=name == "transformer_checkpointed")
         batch = (torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device=device),
                  torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device=device))
         flops = transformer_flops(**c)
@@ -282,7 +291,32 @@ def summary(times):
     return nearest_rank(ordered, 50), nearest_rank(ordered, 10), nearest_rank(ordered, 90)
 
 
+def tensor_bytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+
+def breakdown(model, opt, memory):
+    """Where the run's memory went, as speedkit's MemoryBreakdown (speedkit/src/memory.rs) says
+    it: what stays allocated after the last step, split by what holds it; the step's transient
+    peak above that; what the allocator reserved beyond the peak; the graphs' private pools."""
+    torch.cuda.synchronize()
+    params = list(model.parameters())
+    parameters = tensor_bytes(params)
+    gradients = tensor_bytes(p.grad for p in params)
+    state = tensor_bytes(t for s in opt.state.values() for t in s.values())
+    allocated = torch.cuda.memory_allocated()
+    graph_pools = sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+                      if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
+    return dict(parameters=parameters, gradients=gradients, optimizer_state=state, weight_copies=0,
+                other_held=max(0, allocated - parameters - gradients - state),
+                activations=max(0, memory["peak_allocated_bytes"] - allocated),
+                cached=max(0, memory["peak_reserved_bytes"] - memory["peak_allocated_bytes"]),
+                graph_pools=graph_pools,
+                fragmented=torch.cuda.memory_stats().get("inactive_split_bytes.all.current", 0))
+
+
 def train_step(model, batch, mode):
+    """(one training step, its optimizer) in `mode`: eager, graph, or a torch.compile mode."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1, fused=True,
                             capturable=mode == "graph")
     compiled = mode not in ("eager", "graph")
@@ -296,7 +330,7 @@ def train_step(model, batch, mode):
         opt.step()
 
     if mode != "graph":
-        return step
+        return step, opt
     # PyTorch's whole-network capture recipe: warm up on a side stream, capture one step, replay.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -307,12 +341,12 @@ def train_step(model, batch, mode):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    return graph.replay
+    return graph.replay, opt
 
 
 def profile_transformer(device):
     model, batch, _, _ = workload("transformer", device)
-    step = train_step(model, batch, "eager")
+    step, _ = train_step(model, batch, "eager")
     for _ in range(5):
         step()
     torch.cuda.synchronize()
@@ -357,7 +391,9 @@ def measure(name, mode, device, warmup, steps, sync_every_step=True):
         model, compile_mode = to_float8(model, "rowwise"), "default"
     # Before the optimizer exists: its state, compilation and graph capture count in the peaks.
     start_memory()
-    times, memory = time_steps(train_step(model, batch, compile_mode), warmup, steps, sync_every_step)
+    step, opt = train_step(model, batch, compile_mode)
+    times, memory = time_steps(step, warmup, steps, sync_every_step)
+    memory["breakdown"] = breakdown(model, opt, memory)
     median, p10, p90 = summary(times)
     return dict(workload=name, mode=mode, median_ms=median, p10_ms=p10, p90_ms=p90,
                 tflops=flops / median / 1e9, times_ms=times, memory=memory)
@@ -435,6 +471,59 @@ def measure_ddp(name, device, size, world, warmup, steps, sync_every_step=True):
                 median_ms_per_rank=medians, throughput=throughput)
 
 
+BATCHED = ("transformer", "transformer_checkpointed")
+
+
+def trains_at(name, mode, device, batch):
+    """The peak allocated when `name` trains at `batch` in `mode` (5 steps: warm-up, compilation
+    and capture included), None when it runs out of memory. Everything is given back after."""
+    model = data = step = opt = None
+    try:
+        model, data, _, _ = workload(name, device, batch=batch)
+        start_memory()
+        step, opt = train_step(model, data, mode)
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        del model, data, step, opt
+        gc.collect()
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+
+
+def largest_batch(name, mode, device, start):
+    """The largest batch `name` trains at in `mode`, searched as speedkit's runner searches
+    (speedkit/src/bench/runner/largest.rs): doubling from `start` until a batch runs out of memory
+    (at most 64x), then halving the interval until it is within an eighth of the answer."""
+    tried = []
+
+    def fits(batch):
+        peak = trains_at(name, mode, device, batch)
+        tried.append(dict(batch=batch, peak_allocated_bytes=peak))
+        return peak is not None
+
+    fitting, failing = 0, None
+    batch = start
+    while failing is None and batch <= 64 * start:
+        if fits(batch):
+            fitting, batch = batch, 2 * batch
+        else:
+            failing = batch
+    while failing is not None and fitting > 0 and failing - fitting > max(1, fitting // 8):
+        middle = (fitting + failing) // 2
+        if fits(middle):
+            fitting = middle
+        else:
+            failing = middle
+    peak = next((t["peak_allocated_bytes"] for t in tried if t["batch"] == fitting), None)
+    return dict(workload=name, mode=mode, largest_batch=fitting, first_failing=failing,
+                peak_allocated_bytes=peak, tried=tried)
+
+
 def describe(row):
     if row.get("error"):
         return f"{row['workload']:12} {row['mode']:16} failed: {row['error']}"
@@ -475,6 +564,9 @@ def main():
     parser.add_argument("--json-lines", action="store_true")
     parser.add_argument("--ddp", action="store_true",
                         help="data-parallel under torchrun (DistributedDataParallel, eager AMP)")
+    parser.add_argument("--largest-batch", metavar="MODE[,MODE]",
+                        help="instead of timing, find the largest batch the transformers train at "
+                             "in each MODE (eager, default, reduce-overhead)")
     args = parser.parse_args()
     if args.ddp:
         return main_ddp(args)
@@ -501,6 +593,8 @@ def main():
         print(json.dumps(dict(environment=env)), flush=True)
     if args.profile:
         profile_transformer(device)
+    if args.largest_batch:
+        return main_largest_batch(args, names, device, env, human)
     results = []
     modes = (["eager"] + (["graph"] if args.graph else [])
              + (["default", "reduce-overhead"] if args.compile else [])
@@ -527,6 +621,21 @@ def main():
                            f"steps, CUDA events, {sync}; memory over the whole run (warm-up, "
                            "compilation and capture included)",
                            results=results), f, indent=2)
+
+
+def main_largest_batch(args, names, device, env, human):
+    rows = []
+    for name in (n for n in names if n in BATCHED):
+        for mode in args.largest_batch.split(","):
+            row = largest_batch(name, mode, device, start=32)
+            rows.append(row)
+            print(f"{name:24} {mode:16} largest batch {row['largest_batch']} (first failing: "
+                  f"{row['first_failing']})", file=human, flush=True)
+            if args.json_lines:
+                print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(environment=env, largest_batch=rows), f, indent=1)
 
 
 def selected(args, known=WORKLOADS, quiet=False):

@@ -52,6 +52,8 @@ pub struct SpeedContext {
     plan: Plan,
     scaler: GradScaler,
     notes: RefCell<Vec<String>>,
+    /// The optimizers this context made, counted by [`SpeedContext::optimizer_memory`] while alive.
+    optimizers: RefCell<Vec<std::sync::Weak<crate::optim::Holdings>>>,
     // Dropped before the group it reduces over.
     data_parallel: RefCell<Option<DataParallel>>,
     group: Option<Rc<ProcessGroup>>,
@@ -97,6 +99,7 @@ impl SpeedContext {
             scaler,
             notes: RefCell::default(),
             data_parallel: RefCell::default(),
+            optimizers: RefCell::default(),
             group,
             kernel_notes: kernels::NoteMark::now(),
             _release: ReleaseOnDrop,
@@ -251,7 +254,35 @@ impl SpeedContext {
 
     /// AdamW over `vs`'s trainable variables, fused or multi-tensor as the plan says.
     pub fn adamw(&self, vs: &VarStore, config: AdamW) -> Result<AdamWOptimizer> {
-        AdamWOptimizer::new(vs, config, self.plan.fused_optimizer)
+        let optimizer = AdamWOptimizer::new(vs, config, self.plan.fused_optimizer)?;
+        let mut optimizers = self.optimizers.borrow_mut();
+        optimizers.retain(|o| o.strong_count() > 0);
+        optimizers.push(optimizer.holdings());
+        Ok(optimizer)
+    }
+
+    /// What the optimizers this context made ([`adamw`](Self::adamw)) and that are still alive
+    /// hold: parameters, allocated gradients and state, in bytes (the runner's memory breakdown).
+    ///
+    /// ```
+    /// use speedkit::{SpeedConfig, SpeedContext};
+    /// use tch::{nn, Device};
+    /// let ctx = SpeedContext::new(&SpeedConfig::from_yaml_str("device: cpu\n")?)?;
+    /// let vs = nn::VarStore::new(Device::Cpu);
+    /// let _layer = nn::linear(vs.root(), 8, 8, Default::default());
+    /// let opt = ctx.adamw(&vs, Default::default())?;
+    /// assert_eq!(ctx.optimizer_memory().parameters, 4 * (8 * 8 + 8));
+    /// drop(opt);
+    /// assert_eq!(ctx.optimizer_memory().parameters, 0);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn optimizer_memory(&self) -> crate::optim::OptimizerMemory {
+        self.optimizers
+            .borrow()
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .map(|h| h.memory())
+            .fold(Default::default(), |a, b| a + b)
     }
 
     /// `loss.backward()`, scaled by the GradScaler when the plan has one. Under data parallelism

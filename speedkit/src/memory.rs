@@ -18,6 +18,7 @@ use tch::Device;
 
 use crate::error::{Result, SpeedkitError};
 use crate::ffi;
+use crate::optim::OptimizerMemory;
 
 /// One pool's segments, in bytes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -121,6 +122,76 @@ impl fmt::Display for MemoryUse {
             gib(self.fragmented),
             gib(self.weight_copies),
         )
+    }
+}
+
+/// Where a run's device memory went, in bytes (the runner's breakdown table, a profile's memory
+/// line).
+///
+/// `parameters` + `gradients` + `optimizer_state` + `weight_copies` + `other_held` is what stays
+/// allocated after the last step; adding `activations` gives the whole-run peak allocated; adding
+/// `cached` gives the peak reserved. `graph_pools` and `fragmented` are parts of the reserved
+/// memory seen from another side (a graph pool's blocks are allocated or cached).
+///
+/// ```
+/// use speedkit::memory::{MemoryBreakdown, MemoryUse};
+/// use speedkit::optim::OptimizerMemory;
+/// let after_last_step = MemoryUse { allocated: 1000, reserved: 1600, ..Default::default() };
+/// let optimizer = OptimizerMemory { parameters: 200, gradients: 200, state: 400 };
+/// let b = MemoryBreakdown::of(after_last_step, optimizer, (1500, 1800));
+/// assert_eq!((b.other_held, b.activations, b.cached), (200, 500, 300));
+/// assert_eq!(b.held() + b.activations, 1500);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryBreakdown {
+    /// The parameters of the optimizers the context made.
+    pub parameters: u64,
+    /// Their allocated gradients.
+    pub gradients: u64,
+    /// Those optimizers' state (AdamW's moments).
+    pub optimizer_state: u64,
+    /// speedkit's kept copies of weights in the autocast type.
+    pub weight_copies: u64,
+    /// Everything else allocated between steps: inputs, data, buffers, the loss, parameters no
+    /// optimizer of the context holds.
+    pub other_held: u64,
+    /// The step's transient peak above what is held between steps: activations and temporaries
+    /// (for a graphed step, of the captured step and its warm-up).
+    pub activations: u64,
+    /// Reserved at the peak but not allocated: cached free blocks, fragmentation included.
+    pub cached: u64,
+    /// Reserved by CUDA graphs' private pools after the last step.
+    pub graph_pools: u64,
+    /// Free parts of split blocks after the last step (a part of what is cached).
+    pub fragmented: u64,
+}
+
+impl MemoryBreakdown {
+    /// The breakdown from the allocator's state after the last step, the context's optimizers, and
+    /// the whole run's `(peak allocated, peak reserved)`.
+    pub fn of(after: MemoryUse, optimizer: OptimizerMemory, peaks: (u64, u64)) -> Self {
+        let named =
+            optimizer.parameters + optimizer.gradients + optimizer.state + after.weight_copies;
+        Self {
+            parameters: optimizer.parameters,
+            gradients: optimizer.gradients,
+            optimizer_state: optimizer.state,
+            weight_copies: after.weight_copies,
+            other_held: after.allocated.saturating_sub(named),
+            activations: peaks.0.saturating_sub(after.allocated),
+            cached: peaks.1.saturating_sub(peaks.0),
+            graph_pools: after.graph_pools.reserved,
+            fragmented: after.fragmented,
+        }
+    }
+
+    /// Allocated between steps: the sum of the first five parts.
+    pub fn held(&self) -> u64 {
+        self.parameters
+            + self.gradients
+            + self.optimizer_state
+            + self.weight_copies
+            + self.other_held
     }
 }
 

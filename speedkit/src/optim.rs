@@ -25,6 +25,9 @@
 //! ```
 
 use std::path::Path;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+
+use serde::{Deserialize, Serialize};
 use tch::{nn::VarStore, Device, Kind, Tensor};
 
 use crate::amp::ScaledOptimizer;
@@ -92,8 +95,79 @@ struct Group {
     buckets: Vec<Bucket>,
 }
 
+/// What an optimizer holds, in bytes: its parameters, their gradients (those allocated now) and
+/// its state (AdamW's two moments, step counts and learning rates).
+///
+/// ```
+/// use speedkit::optim::{AdamW, AdamWOptimizer};
+/// use tch::{nn, Device};
+/// let vs = nn::VarStore::new(Device::Cpu);
+/// let _layer = nn::linear(vs.root(), 256, 256, Default::default());
+/// let opt = AdamWOptimizer::new(&vs, AdamW::default(), false)?;
+/// let held = opt.memory();
+/// assert_eq!(held.parameters, 4 * (256 * 256 + 256));
+/// assert_eq!(held.gradients, 0); // no backward yet
+/// assert!(held.state >= 2 * held.parameters);
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OptimizerMemory {
+    /// The parameters' bytes.
+    pub parameters: u64,
+    /// The bytes of the parameters' gradients that are allocated.
+    pub gradients: u64,
+    /// The optimizer state's bytes.
+    pub state: u64,
+}
+
+impl std::ops::Add for OptimizerMemory {
+    type Output = Self;
+    fn add(self, other: Self) -> Self {
+        Self {
+            parameters: self.parameters + other.parameters,
+            gradients: self.gradients + other.gradients,
+            state: self.state + other.state,
+        }
+    }
+}
+
+/// An optimizer's tensors (shallow handles to the same storage), shared with the context that made
+/// it: the context counts them for as long as the optimizer lives, through a [`Weak`], and not a
+/// moment longer. (In a mutex only so that the optimizer stays `Send`: a tensor is not `Sync`.)
+pub(crate) struct Holdings(Mutex<HeldTensors>);
+
+struct HeldTensors {
+    params: Vec<Tensor>,
+    state: Vec<Tensor>,
+}
+
+impl Holdings {
+    pub(crate) fn memory(&self) -> OptimizerMemory {
+        let held = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        held.memory()
+    }
+}
+
+impl HeldTensors {
+    fn memory(&self) -> OptimizerMemory {
+        let bytes = |t: &Tensor| t.numel() as u64 * t.kind().elt_size_in_bytes() as u64;
+        OptimizerMemory {
+            parameters: self.params.iter().map(bytes).sum(),
+            gradients: self
+                .params
+                .iter()
+                .map(Tensor::grad)
+                .filter(Tensor::defined)
+                .map(|g| bytes(&g))
+                .sum(),
+            state: self.state.iter().map(bytes).sum(),
+        }
+    }
+}
+
 /// The AdamW optimizer. See the [module docs](self).
 pub struct AdamWOptimizer {
+    holdings: Arc<Holdings>,
     groups: Vec<Group>,
     beta1: f64,
     beta2: f64,
@@ -154,6 +228,7 @@ impl AdamWOptimizer {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
+            holdings: Arc::new(holdings_of(&groups)),
             groups,
             beta1: config.beta1,
             beta2: config.beta2,
@@ -161,6 +236,16 @@ impl AdamWOptimizer {
             fused,
             grads_to_none: true,
         })
+    }
+
+    /// What this optimizer holds now: parameters, allocated gradients, state.
+    pub fn memory(&self) -> OptimizerMemory {
+        self.holdings.memory()
+    }
+
+    /// A handle to count this optimizer's memory by while it lives.
+    pub(crate) fn holdings(&self) -> Weak<Holdings> {
+        Arc::downgrade(&self.holdings)
     }
 
     /// Whether this optimizer runs the fused kernel.
@@ -416,6 +501,26 @@ impl AdamWOptimizer {
             Ok(())
         })
     }
+}
+
+fn holdings_of(groups: &[Group]) -> Holdings {
+    let buckets = || groups.iter().flat_map(|g| &g.buckets);
+    Holdings(Mutex::new(HeldTensors {
+        params: buckets()
+            .flat_map(|b| &b.params)
+            .map(Tensor::shallow_clone)
+            .collect(),
+        state: buckets()
+            .flat_map(|b| {
+                b.exp_avgs
+                    .iter()
+                    .chain(&b.exp_avg_sqs)
+                    .chain(&b.steps)
+                    .chain([&b.lr])
+            })
+            .map(Tensor::shallow_clone)
+            .collect(),
+    }))
 }
 
 fn make_buckets(params: Vec<Tensor>, lr: f64) -> Result<Vec<Bucket>> {

@@ -1,5 +1,6 @@
 //! `Transformer`: a GPT-style pre-LayerNorm decoder trained on next-token cross-entropy.
 
+use speedkit::checkpoint::Checkpointer;
 use speedkit::nn::{cross_entropy, layer_norm, LayerNorm, Linear};
 use speedkit::{Result, SpeedkitError};
 use tch::nn::Module;
@@ -216,6 +217,41 @@ impl Transformer {
 
     /// Logits `[B, T, vocab]` for token ids `[B, T]` (T at most `seq_len`).
     pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+        self.forward_with(tokens, None)
+    }
+
+    /// Mean cross-entropy over the vocabulary of every position against `targets` `[B, T]`.
+    pub fn loss(&self, tokens: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        self.loss_with(tokens, targets, None)
+    }
+
+    /// [`loss`](Self::loss) with every block checkpointed in `ck`: the same value and gradients,
+    /// with one block's activations alive at a time (each block runs again in the backward).
+    pub fn loss_checkpointed<'env>(
+        &'env self,
+        ck: &Checkpointer<'env>,
+        tokens: &Tensor,
+        targets: &Tensor,
+    ) -> Result<Tensor> {
+        self.loss_with(tokens, targets, Some(ck))
+    }
+
+    fn loss_with<'env>(
+        &'env self,
+        tokens: &Tensor,
+        targets: &Tensor,
+        ck: Option<&Checkpointer<'env>>,
+    ) -> Result<Tensor> {
+        let logits = self.forward_with(tokens, ck)?;
+        let flat = logits.f_view([-1, self.config.vocab])?;
+        Ok(cross_entropy(&flat, &targets.f_reshape([-1])?))
+    }
+
+    fn forward_with<'env>(
+        &'env self,
+        tokens: &Tensor,
+        ck: Option<&Checkpointer<'env>>,
+    ) -> Result<Tensor> {
         let (_, t) = tokens.size2()?;
         if t > self.config.seq_len {
             return Err(SpeedkitError::Misuse(format!(
@@ -225,8 +261,22 @@ impl Transformer {
         }
         let mut stream = speedkit::nn::embedding(tokens, &self.tok, Some(&self.pos))?;
         let mut pending: Option<Tensor> = None;
+        let heads = self.config.heads;
         for block in &self.blocks {
-            let (next, delta) = block.forward(&stream, pending.as_ref(), self.config.heads)?;
+            let (next, delta) = match ck {
+                None => block.forward(&stream, pending.as_ref(), heads)?,
+                Some(ck) => {
+                    let inputs: Vec<&Tensor> = std::iter::once(&stream).chain(&pending).collect();
+                    let out = ck.checkpoint(&inputs, move |i| {
+                        let (next, delta) = block.forward(&i[0], i.get(1), heads)?;
+                        Ok(vec![next, delta])
+                    })?;
+                    let [next, delta]: [Tensor; 2] = out.try_into().map_err(|_| {
+                        SpeedkitError::Misuse("a checkpointed block hands back two tensors".into())
+                    })?;
+                    (next, delta)
+                }
+            };
             (stream, pending) = (next, Some(delta));
         }
         let x = match &pending {
@@ -234,12 +284,5 @@ impl Transformer {
             None => self.ln_f.forward(&stream),
         };
         self.head.forward_t(&x)
-    }
-
-    /// Mean cross-entropy over the vocabulary of every position against `targets` `[B, T]`.
-    pub fn loss(&self, tokens: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        let logits = self.forward(tokens)?;
-        let flat = logits.f_view([-1, self.config.vocab])?;
-        Ok(cross_entropy(&flat, &targets.f_reshape([-1])?))
     }
 }

@@ -7,11 +7,18 @@
 //! and capture included) as the figure to compare, next to the reserved memory and, separately
 //! named, that steady-state peak. PyTorch's reference (`docs/benchmarks/pytorch_reference.py`)
 //! measures the same three the same way.
+//!
+//! [`MemoryBreakdown`](crate::memory::MemoryBreakdown) says where that memory went: what stays allocated between steps (parameters,
+//! gradients and optimizer state, from the optimizers the context made; speedkit's weight copies;
+//! the rest), the step's own transient peak (activations), and what the allocator reserves beyond
+//! (the CUDA graphs' pools, cached and fragmented blocks).
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::Result;
 use crate::ffi;
+use crate::memory::{MemoryBreakdown, MemoryUse};
+use crate::optim::OptimizerMemory;
 
 /// Device memory of one run, in bytes.
 ///
@@ -21,6 +28,7 @@ use crate::ffi;
 ///     peak_allocated_bytes: 3 << 30,
 ///     peak_reserved_bytes: 4 << 30,
 ///     steady_peak_allocated_bytes: 1 << 30,
+///     breakdown: None,
 /// };
 /// assert_eq!(m.gib(m.peak_allocated_bytes), 3.0);
 /// ```
@@ -36,6 +44,8 @@ pub struct DeviceMemory {
     /// Peak bytes allocated during the timed steps only. Under graph replay the step's activations
     /// sit in the graph's pool, allocated at capture, so this is far below the whole-run peak.
     pub steady_peak_allocated_bytes: u64,
+    /// Where it went (absent from figures recorded before breakdowns were).
+    pub breakdown: Option<MemoryBreakdown>,
 }
 
 impl DeviceMemory {
@@ -68,13 +78,24 @@ impl MemoryProbe {
         Ok(peaks)
     }
 
-    /// Ends the run, combining the warm-up's peaks with the timed steps'.
-    pub(crate) fn finish(&self, warmup: (u64, u64)) -> Result<DeviceMemory> {
+    /// Ends the run, combining the warm-up's peaks with the timed steps', and says where the
+    /// memory went (`optimizer`: what the context's optimizers hold now).
+    pub(crate) fn finish(
+        &self,
+        warmup: (u64, u64),
+        optimizer: OptimizerMemory,
+    ) -> Result<DeviceMemory> {
         let (steady_allocated, steady_reserved) = self.peaks()?;
+        let peaks = (
+            warmup.0.max(steady_allocated),
+            warmup.1.max(steady_reserved),
+        );
+        let after = MemoryUse::now(tch::Device::Cuda(self.device))?;
         Ok(DeviceMemory {
-            peak_allocated_bytes: warmup.0.max(steady_allocated),
-            peak_reserved_bytes: warmup.1.max(steady_reserved),
+            peak_allocated_bytes: peaks.0,
+            peak_reserved_bytes: peaks.1,
             steady_peak_allocated_bytes: steady_allocated,
+            breakdown: Some(MemoryBreakdown::of(after, optimizer, peaks)),
         })
     }
 

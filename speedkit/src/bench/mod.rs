@@ -290,6 +290,8 @@ pub struct Bencher<'a> {
     on_step: Option<&'a dyn Fn()>,
     profile_steps: Option<usize>,
     profile: Option<Profile>,
+    batch: Option<i64>,
+    default_batch: Option<i64>,
 }
 
 impl<'a> Bencher<'a> {
@@ -305,7 +307,39 @@ impl<'a> Bencher<'a> {
             on_step: None,
             profile_steps: None,
             profile: None,
+            batch: None,
+            default_batch: None,
         }
+    }
+
+    /// Build at batch `batch` instead of the workload's own (`--batch`, `--largest-batch`), for the
+    /// workloads that take their batch from [`batch`](Self::batch).
+    pub fn with_batch(mut self, batch: Option<i64>) -> Self {
+        self.batch = batch;
+        self
+    }
+
+    /// The batch to build: the one the runner asked for, else `default` (the workload's own at
+    /// this size). A workload that calls it can be run at any batch, and searched for its largest.
+    ///
+    /// ```
+    /// use speedkit::bench::{Bencher, Protocol, Size};
+    /// use speedkit::{SpeedConfig, SpeedContext};
+    /// let ctx = SpeedContext::new(&SpeedConfig::from_yaml_str("device: cpu\n")?)?;
+    /// let protocol = Protocol { warmup: 1, steps: 1, paranoid_sync: true };
+    /// let mut b = Bencher::new(Size::Tiny, &ctx, protocol).with_batch(Some(48));
+    /// assert_eq!(b.batch(8), 48);
+    /// assert_eq!(b.default_batch(), Some(8));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn batch(&mut self, default: i64) -> i64 {
+        self.default_batch = Some(default);
+        self.batch.unwrap_or(default)
+    }
+
+    /// The workload's own batch, once it asked for one with [`batch`](Self::batch).
+    pub fn default_batch(&self) -> Option<i64> {
+        self.default_batch
     }
 
     /// After the timed steps, profile `steps` more (see [`SpeedContext::profile`]); `None` turns
@@ -445,7 +479,7 @@ impl<'a> Bencher<'a> {
             }
         }
         let memory = match (&probe, warmup_peaks) {
-            (Some(probe), Some(warmup)) => Some(probe.finish(warmup)?),
+            (Some(probe), Some(warmup)) => Some(probe.finish(warmup, self.ctx.optimizer_memory())?),
             _ => None,
         };
         let final_loss = match last {

@@ -31,7 +31,14 @@ use crate::report::table;
 pub const REFERENCE_SCRIPT: &str = include_str!("../../../docs/benchmarks/pytorch_reference.py");
 
 /// The workloads the reference has a PyTorch version of (its `WORKLOADS`).
-pub const REFERENCE_WORKLOADS: [&str; 5] = ["transformer", "linear3", "mlp", "resnet", "mlp_block"];
+pub const REFERENCE_WORKLOADS: [&str; 6] = [
+    "transformer",
+    "linear3",
+    "mlp",
+    "resnet",
+    "mlp_block",
+    "transformer_checkpointed",
+];
 
 /// The reference's modes, in column order, with their column headers.
 pub const MODES: [(&str, &str); 4] = [
@@ -114,14 +121,81 @@ pub fn run_pytorch(
     size: &str,
     protocol: &Protocol,
 ) -> Result<PeerRun, String> {
+    let mut args: Vec<String> = ["--graph", "--compile", "--size", size, "--only"]
+        .map(String::from)
+        .into();
+    args.push(workloads.join(","));
+    args.extend(["--warmup".into(), protocol.warmup.to_string()]);
+    args.extend(["--steps".into(), protocol.steps.to_string()]);
+    if !protocol.paranoid_sync {
+        args.push("--no-paranoid-sync".into());
+    }
+    let mut rows = Vec::new();
+    let environment = run_reference(python, &args, |line| {
+        if let Some(Line::Row(row)) = parse_line(line) {
+            eprintln!("pytorch {}", describe(&row));
+            rows.push(*row);
+        }
+    })?;
+    Ok(PeerRun {
+        python: python.to_path_buf(),
+        environment,
+        rows,
+    })
+}
+
+/// The largest batch the reference found for one workload in one mode.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PeerLargestBatch {
+    /// Workload name (as the runner's).
+    pub workload: String,
+    /// `eager`, `default` or `reduce-overhead`.
+    pub mode: String,
+    /// The largest batch that trained (0: not even the first tried).
+    pub largest_batch: i64,
+    /// The smallest batch that ran out of memory, if one did.
+    pub first_failing: Option<i64>,
+    /// Peak allocated at the largest batch, bytes.
+    pub peak_allocated_bytes: Option<u64>,
+}
+
+/// Finds, in PyTorch, the largest batch each of `workloads` trains at in each of `modes`
+/// (`docs/benchmarks/pytorch_reference.py --largest-batch`): the environment and the rows.
+pub fn largest_batch_pytorch(
+    python: &Path,
+    workloads: &[String],
+    modes: &[&str],
+) -> Result<(serde_json::Value, Vec<PeerLargestBatch>), String> {
+    let args = [
+        "--only".to_string(),
+        workloads.join(","),
+        "--largest-batch".into(),
+        modes.join(","),
+    ];
+    let mut rows = Vec::new();
+    let environment = run_reference(python, &args, |line| {
+        if let Ok(row) = serde_json::from_str::<PeerLargestBatch>(line) {
+            eprintln!(
+                "pytorch {} {}: largest batch {}",
+                row.workload, row.mode, row.largest_batch
+            );
+            rows.push(row);
+        }
+    })?;
+    Ok((environment, rows))
+}
+
+/// Runs the reference script with `args` and `--json-lines`, handing every line of its stdout to
+/// `on_line`; the environment it reported, or one line saying why it could not run.
+fn run_reference(
+    python: &Path,
+    args: &[String],
+    mut on_line: impl FnMut(&str),
+) -> Result<serde_json::Value, String> {
     let fix = "pass --python PATH to a Python with torch (or make .venv, see README)";
     let mut child = Command::new(python)
-        .args(["-", "--json-lines", "--graph", "--compile", "--size", size])
-        .arg("--only")
-        .arg(workloads.join(","))
-        .args(["--warmup", &protocol.warmup.to_string()])
-        .args(["--steps", &protocol.steps.to_string()])
-        .args((!protocol.paranoid_sync).then_some("--no-paranoid-sync"))
+        .args(["-", "--json-lines"])
+        .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -141,16 +215,11 @@ pub fn run_pytorch(
         text
     });
     let mut environment = serde_json::Value::Null;
-    let mut rows = Vec::new();
     if let Some(stdout) = child.stdout.take() {
         for line in BufReader::new(stdout).lines().map_while(|l| l.ok()) {
             match parse_line(&line) {
                 Some(Line::Environment(env)) => environment = env,
-                Some(Line::Row(row)) => {
-                    eprintln!("pytorch {}", describe(&row));
-                    rows.push(*row);
-                }
-                None => {}
+                _ => on_line(&line),
             }
         }
     }
@@ -159,11 +228,7 @@ pub fn run_pytorch(
         .map_err(|e| format!("{} did not finish: {e}", python.display()))?;
     let errors = stderr_reader.join().unwrap_or_default();
     if status.success() {
-        return Ok(PeerRun {
-            python: python.to_path_buf(),
-            environment,
-            rows,
-        });
+        return Ok(environment);
     }
     let last = errors
         .lines()

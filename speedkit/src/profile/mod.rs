@@ -42,6 +42,7 @@ use crate::ffi::{
     profiler::{ProfilerEvent, ProfilerResult, RecordRange},
 };
 use crate::graph::{self, StepKind};
+use crate::memory::{MemoryBreakdown, MemoryUse};
 use crate::report::table;
 use crate::SpeedContext;
 
@@ -151,6 +152,8 @@ pub struct Profile {
     pub rows: Rows,
     /// One entry per step, in order.
     pub steps: Vec<StepProfile>,
+    /// Where the device memory went over the profiled steps (CUDA only).
+    pub memory: Option<MemoryBreakdown>,
     #[serde(skip)]
     trace: ProfilerResult,
 }
@@ -237,6 +240,10 @@ impl SpeedContext {
             .iter()
             .map(|t| analyse_step(t, &events, cuda.is_some()))
             .collect::<Result<Vec<_>>>()?;
+        let memory = match cuda {
+            Some(device) => Some(self.memory_over(device, &timings)?),
+            None => None,
+        };
         Ok(Profile {
             device: crate::plan::device_name(self.device()),
             rows: if cuda.is_some() {
@@ -245,8 +252,20 @@ impl SpeedContext {
                 Rows::CpuOps
             },
             steps,
+            memory,
             trace,
         })
+    }
+
+    /// The breakdown after the profiled steps; the peaks are the steps' (each step resets them).
+    fn memory_over(&self, device: usize, timings: &[StepTiming]) -> Result<MemoryBreakdown> {
+        let after = MemoryUse::now(tch::Device::Cuda(device))?;
+        let peak_allocated = timings.iter().filter_map(|t| t.peak_memory_bytes).max();
+        let peaks = (
+            peak_allocated.unwrap_or(after.allocated),
+            after.peak_reserved,
+        );
+        Ok(MemoryBreakdown::of(after, self.optimizer_memory(), peaks))
     }
 }
 
@@ -613,6 +632,22 @@ impl fmt::Display for Profile {
             Rows::CpuOps => "CPU ops",
         };
         writeln!(f, "{} step(s) on {}, {what}", self.steps.len(), self.device)?;
+        if let Some(m) = &self.memory {
+            writeln!(
+                f,
+                "memory: held between steps {} (parameters {}, gradients {}, optimizer state {}, \
+                 weight copies {}, other {}); the step's peak adds {}; cached {}; graph pools {}",
+                format_bytes(m.held()),
+                format_bytes(m.parameters),
+                format_bytes(m.gradients),
+                format_bytes(m.optimizer_state),
+                format_bytes(m.weight_copies),
+                format_bytes(m.other_held),
+                format_bytes(m.activations),
+                format_bytes(m.cached),
+                format_bytes(m.graph_pools),
+            )?;
+        }
         for step in &self.steps {
             writeln!(f)?;
             write!(f, "{step}")?;

@@ -19,6 +19,11 @@
 //! workload data-parallel, and rank 0 alone prints and writes files: each row then carries every
 //! rank's median ([`DataParallelRow`]) and the throughput per GPU and in total.
 //!
+//! `--batch N` builds the workloads that take a batch ([`Bencher::batch`](crate::bench::Bencher::batch))
+//! at N; `--largest-batch` instead searches the largest batch each of them trains at under each
+//! config, and with `--peer pytorch` PyTorch's in `reduce-overhead` mode (`largest`:
+//! [`LargestBatchReport`], [`search_largest`]).
+//!
 //! Its parts: the command line (`cli`: [`main`], [`Args`], [`resolve_config`]), the run loop
 //! (`run`: [`run_with`], [`main_with`], [`exit_status`]), what a run produces (`report`:
 //! [`RunReport`], [`Row`]) and its rendering (`output`: [`render_text`], [`render_csv`],
@@ -26,11 +31,13 @@
 //! All of it comes with speedkit's `runner` feature.
 
 mod cli;
+mod largest;
 mod output;
 mod report;
 mod run;
 
 pub use cli::{main, resolve_config, Args, NamedConfig};
+pub use largest::{largest_batches, search_largest, Attempt, LargestBatch, LargestBatchReport};
 pub use output::{render_csv, render_svg, render_text};
 pub use report::{DataParallelRow, Row, RunReport, REPORT_SCHEMA_VERSION};
 pub use run::{exit_status, main_with, measure_matmul_peak, run, run_with, select};

@@ -47,6 +47,7 @@ pub fn render_text(report: &RunReport) -> String {
          allocated in timed steps\n",
     );
     out.push_str(&memory_table(report));
+    out.push_str(&breakdown_table(report));
     if report.rows.iter().any(|r| r.data_parallel.is_some()) {
         out.push_str(&data_parallel_table(report));
     }
@@ -135,6 +136,49 @@ fn memory_table(report: &RunReport) -> String {
         ],
         &rows,
     )
+}
+
+/// Where each run's memory went ([`MemoryBreakdown`](crate::memory::MemoryBreakdown)); nothing
+/// when no run measured device memory.
+fn breakdown_table(report: &RunReport) -> String {
+    let rows: Vec<Vec<String>> = report
+        .rows
+        .iter()
+        .filter_map(|r| {
+            let b = r.measurement.as_ref()?.memory?.breakdown?;
+            let gib = |bytes: u64| format!("{:.2}", bytes as f64 / (1u64 << 30) as f64);
+            Some(vec![
+                r.workload.clone(),
+                r.config.clone(),
+                gib(b.parameters),
+                gib(b.gradients),
+                gib(b.optimizer_state),
+                gib(b.weight_copies),
+                gib(b.other_held),
+                gib(b.activations),
+                gib(b.cached),
+                gib(b.graph_pools),
+            ])
+        })
+        .collect();
+    if rows.is_empty() {
+        return String::new();
+    }
+    let mut out = String::from(
+        "
+where the memory went, GiB. held between steps: params, grads, optim (state), copies (weights
+         in the autocast type), other; + activ (the step's transient peak) = peak; + cached = resv.
+         graph: reserved by CUDA graph pools (allocated or cached)
+",
+    );
+    out.push_str(&table(
+        &[
+            "workload", "config", "params", "grads", "optim", "copies", "other", "activ", "cached",
+            "graph",
+        ],
+        &rows,
+    ));
+    out
 }
 
 /// Every rank's median and the throughput per GPU and in total, for data-parallel rows.
@@ -284,6 +328,16 @@ pub(super) fn print_list(workloads: &[&Workload]) {
 }
 
 /// Writes the files `args` asks for: `--json`, `--save-baseline`, `--csv`, `--svg`.
+/// `value` as pretty JSON into `path` (`--json` of `--largest-batch`).
+pub(super) fn write_json(path: &Path, value: &impl serde::Serialize) -> Result<()> {
+    let json = serde_json::to_string_pretty(value)
+        .map_err(|e| SpeedkitError::Misuse(format!("the report cannot be written as JSON: {e}")))?;
+    std::fs::write(path, json).map_err(|source| SpeedkitError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
 pub(super) fn write_outputs(args: &Args, report: &RunReport) -> Result<()> {
     let write = |path: &Path, text: String| {
         std::fs::write(path, text).map_err(|source| SpeedkitError::Io {

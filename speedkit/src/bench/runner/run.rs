@@ -4,6 +4,7 @@
 use tch::{Device, Kind, Tensor};
 
 use super::cli::{self, Args, NamedConfig};
+use super::largest;
 use super::output::{self, Progress};
 use super::report::{DataParallelRow, Row, RunReport, REPORT_SCHEMA_VERSION};
 use crate::bench::baseline::{self, Baseline};
@@ -91,6 +92,16 @@ pub fn run_with(args: &Args, workloads: &[&Workload]) -> Result<RunReport> {
         }
         return Ok(RunReport::empty(hardware));
     }
+    if args.largest_batch {
+        let found = largest::largest_batches(args, &selected, hardware.clone())?;
+        if main {
+            println!("{}", largest::render(&found));
+            if let Some(path) = &args.json {
+                output::write_json(path, &found)?;
+            }
+        }
+        return Ok(RunReport::empty(hardware));
+    }
     let report = measure_report(args, &selected, hardware, launch.as_ref())?;
     // Every rank has the same rows; one copy of the tables and files is enough.
     if main {
@@ -127,7 +138,7 @@ fn measure_report(
         &protocol,
         peak_tflops,
         on_gpu,
-        args.profile,
+        args,
     );
     let peer = args
         .peer
@@ -212,7 +223,7 @@ fn measure_all(
     protocol: &Protocol,
     peak_tflops: Option<f64>,
     on_gpu: bool,
-    profile: Option<usize>,
+    args: &Args,
 ) -> Vec<Row> {
     let mut rows = Vec::new();
     let main = crate::dist::is_main_process();
@@ -232,7 +243,7 @@ fn measure_all(
         }
         let mut first_median: Option<f64> = None;
         for nc in configs {
-            let row = run_one(w, nc, size, protocol, peak_tflops, profile);
+            let row = run_one(w, nc, size, protocol, peak_tflops, args);
             if let Some(m) = &row.measurement {
                 let base = *first_median.get_or_insert(m.median_ms);
                 rows.push(Row {
@@ -304,7 +315,7 @@ fn run_one(
     size: Size,
     protocol: &Protocol,
     peak: Option<f64>,
-    profile: Option<usize>,
+    args: &Args,
 ) -> Row {
     let mut row = Row::pending(w.name, &nc.name, size);
     let ctx = match SpeedContext::new(&nc.config) {
@@ -323,7 +334,8 @@ fn run_one(
     let tick = || bar.tick();
     let mut b = Bencher::new(size, &ctx, protocol.clone())
         .with_progress(&tick)
-        .with_profile(profile);
+        .with_profile(args.profile)
+        .with_batch(args.batch);
     let _ = crate::kernels::take_ops_run();
     let outcome = (w.run)(&mut b);
     row.kernels = crate::kernels::take_ops_run()
