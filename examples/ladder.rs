@@ -158,7 +158,10 @@ fn rungs() -> anyhow::Result<Vec<Rung>> {
 
 /// What one rung gave.
 enum Outcome {
-    Ran { m: Box<Measurement>, notes: Vec<String> },
+    Ran {
+        m: Box<Measurement>,
+        notes: Vec<String>,
+    },
     Skipped(String),
     Failed(String),
 }
@@ -197,7 +200,10 @@ fn main() -> anyhow::Result<()> {
             Outcome::Skipped(format!("{} needs a CUDA device", workload.name))
         } else {
             match run(workload, rung, size, &protocol, args.profile) {
-                Ok((m, notes)) => Outcome::Ran { m: Box::new(m), notes },
+                Ok((m, notes)) => Outcome::Ran {
+                    m: Box::new(m),
+                    notes,
+                },
                 Err(e) => Outcome::Failed(format!("{e:#}")),
             }
         };

@@ -11,6 +11,7 @@
 //! single effects and are skipped without a GPU.
 
 mod contiguity;
+mod gpt2_tch;
 mod linear3;
 mod matmul;
 mod mlp;
@@ -19,6 +20,7 @@ mod resnet;
 mod sync_points;
 mod transformer;
 mod transformer_checkpointed;
+mod transformer_tch;
 
 use speedkit::bench::Bencher;
 use speedkit_suite::REFERENCE_ADAMW;

@@ -7,7 +7,8 @@ machine, in the same session. This script trains `transformer`, `linear3`, `mlp`
 inside the compiled model, as the strongest PyTorch user would write it); with --graph also as
 one whole-step CUDA graph of the eager kernels (forward, backward and optimizer captured with
 torch.cuda.graph: what speedkit's graph mode does, so the two show the same kernels' cost).
-`resnet` runs channels-last. With --torchao-fp8 also torchao's FP8 training (`Float8Linear` on
+`resnet` runs channels-last. `transformer_tch` and `gpt2_tch` (speedkit's GPT written with tch's
+own modules alone) train this same plain-PyTorch `Transformer`, the second at GPT-2 small's size. With --torchao-fp8 also torchao's FP8 training (`Float8Linear` on
 every nn.Linear, tensorwise dynamic scaling, under torch.compile's default mode: the peer of
 speedkit's `fp8` config; torchao is not in requirements-torch.txt, install it beside torch), and
 with --torchao-fp8-rowwise the same with torchao's row-wise recipe (speedkit's `fp8.recipe:
@@ -59,7 +60,8 @@ except ImportError as error:
           "`pip install -r requirements-torch.txt`", file=sys.stderr)
     sys.exit(4)
 
-WORKLOADS = ("transformer", "linear3", "mlp", "resnet", "mlp_block", "transformer_checkpointed")
+# One line: speedkit/src/bench/peer.rs checks it against REFERENCE_WORKLOADS, joined by ", ".
+WORKLOADS = ("transformer", "linear3", "mlp", "resnet", "mlp_block", "transformer_checkpointed", "transformer_tch", "gpt2_tch")
 
 
 class Block(nn.Module):
@@ -205,9 +207,16 @@ def workload(name, device, size="bench", batch=None):
     """(model, batch, flops per step, (items per step, unit)) of a reference workload; `batch`
     overrides the transformers' (--largest-batch)."""
     torch.manual_seed(0)
-    if name in ("transformer", "transformer_checkpointed"):
-        c = TINY["transformer"] if size == "tiny" else dict(vocab=8192, d=768, heads=12, layers=6,
-                                                            seq=512, batch=32)
+    # transformer_tch and gpt2_tch are speedkit's model written with tch's own modules; this
+    # reference is plain PyTorch already, so their twin is this same Transformer (gpt2_tch at
+    # GPT-2 small's size: speedkit_suite::models::gpt2_small).
+    if name in ("transformer", "transformer_checkpointed", "transformer_tch", "gpt2_tch"):
+        if size == "tiny":
+            c = TINY["transformer"]
+        elif name == "gpt2_tch":
+            c = dict(vocab=50304, d=768, heads=12, layers=12, seq=1024, batch=8)
+        else:
+            c = dict(vocab=8192, d=768, heads=12, layers=6, seq=512, batch=32)
         c = dict(c, batch=batch or c["batch"])
         model = Transformer(c["vocab"], c["d"], c["heads"], c["layers"], c["seq"],
                             checkpoint=name == "transformer_checkpointed")
@@ -471,7 +480,7 @@ def measure_ddp(name, device, size, world, warmup, steps, sync_every_step=True):
                 median_ms_per_rank=medians, throughput=throughput)
 
 
-BATCHED = ("transformer", "transformer_checkpointed")
+BATCHED = ("transformer", "transformer_checkpointed", "transformer_tch", "gpt2_tch")
 
 
 def trains_at(name, mode, device, batch):

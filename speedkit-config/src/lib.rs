@@ -24,8 +24,8 @@
 //!     err.to_string(),
 //!     "unknown key `precison` at line 1, column 1; did you mean `precision`? (valid keys here: \
 //!      device, precision, tf32_matmul_precision, reduced_precision_reduction, channels_last, \
-//!      deterministic, cudnn, compile, optimizer, sdp_backend, grad_scaler, fp8, kernels, bench, \
-//!      profile, distributed)"
+//!      deterministic, cudnn, compile, optimizer, sdp_backend, grad_scaler, fp8, kernels, \
+//!      overrides, bench, profile, distributed)"
 //! );
 //! # Ok::<(), ConfigError>(())
 //! ```

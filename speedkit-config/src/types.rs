@@ -67,6 +67,11 @@ pub struct SpeedConfig {
     /// NVRTC and the CUDA driver library are found; `false` runs ATen's composite ops everywhere;
     /// `true` asks for them and is an error where they cannot run.
     pub kernels: AutoBool,
+    /// speedkit's kernels as the CUDA implementations of the ATen operators they beat (LayerNorm's
+    /// forward and backward), so that unchanged tch models run them too, registered with PyTorch's
+    /// dispatcher while the context lives: `auto` wherever `kernels` is on; `false` registers
+    /// nothing; `true` asks for them and is an error where the kernels cannot run.
+    pub overrides: AutoBool,
     /// Settings of the built-in benchmark runner.
     #[serde(deserialize_with = "section")]
     pub bench: BenchConfig,

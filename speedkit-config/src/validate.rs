@@ -69,6 +69,15 @@ pub(crate) fn problems(config: &SpeedConfig) -> Vec<Problem> {
         );
     }
 
+    if config.overrides == AutoBool::On && config.kernels == AutoBool::Off {
+        report(
+            "overrides",
+            "is true while `kernels` is false, but the overrides run speedkit's kernels; set \
+             `kernels: auto` (or true), or `overrides: auto` (or false)"
+                .to_owned(),
+        );
+    }
+
     let scaler = &config.grad_scaler;
     if scaler.enabled == AutoBool::On && config.precision == Precision::Fp32 {
         report(

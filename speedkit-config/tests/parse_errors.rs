@@ -18,7 +18,7 @@ fn json_err(text: &str) -> ConfigError {
 
 const TOP_LEVEL_KEYS: &str = "device, precision, tf32_matmul_precision, \
     reduced_precision_reduction, channels_last, deterministic, cudnn, compile, optimizer, \
-    sdp_backend, grad_scaler, fp8, kernels, bench, profile, distributed";
+    sdp_backend, grad_scaler, fp8, kernels, overrides, bench, profile, distributed";
 
 #[test]
 fn top_level_typo_names_key_place_and_suggestion() {

@@ -257,3 +257,18 @@ fn parsing_runs_validation() {
     let err = SpeedConfig::from_json_str(r#"{"compile": {"max_graphs": 0}}"#).unwrap_err();
     assert!(matches!(err, ConfigError::Invalid { .. }), "{err:?}");
 }
+
+#[test]
+fn overrides_without_kernels_is_an_error_naming_both_keys() {
+    let mut cfg = SpeedConfig::default();
+    cfg.kernels = AutoBool::Off;
+    cfg.overrides = AutoBool::On;
+    let found = problems(&cfg);
+    assert_eq!(found.len(), 1);
+    assert_eq!(found[0].path, "overrides");
+    assert!(
+        found[0].message.contains("`kernels`"),
+        "{}",
+        found[0].message
+    );
+}

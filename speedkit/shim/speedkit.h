@@ -430,6 +430,19 @@ int sk_layer_norm_unsupported(sk_tensor x, sk_tensor residual, sk_tensor weight,
 int sk_cross_entropy(sk_tensor logits, sk_tensor targets, int64_t ignore_index, sk_tensor* loss);
 int sk_cross_entropy_unsupported(sk_tensor logits, sk_tensor targets, const char** reason);
 
+// @module overrides: speedkit's kernels as the CUDA implementations of ATen operators (overrides.cpp)
+
+/// The groups of ATen operators speedkit can take over, each registered and removed as one.
+enum sk_override { SK_OVERRIDE_LAYER_NORM = 0, SK_OVERRIDE_COUNT = 1 };
+
+/// Whether `which` is registered with PyTorch's dispatcher now.
+int sk_override_get(int which, int* on);
+/// Registers (`on`) or removes `which`; removing brings back the kernels it replaced.
+int sk_override_set(int which, int on);
+/// The dispatcher's table of operator `name` (e.g. "aten::native_layer_norm", overload ""): which
+/// kernel each dispatch key runs and where it was registered.
+int sk_dispatcher_table(const char* name, const char* overload, const char** out);
+
 // @module bias_gelu: bias + tanh-GELU in one kernel, else ATen's (bias_gelu.cpp)
 
 /// *y = gelu_tanh(h + bias) over the last dimension, in h's type. Differentiable.

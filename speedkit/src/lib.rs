@@ -63,6 +63,7 @@ pub mod memory;
 pub mod nn;
 mod nvtx;
 pub mod optim;
+pub mod overrides;
 pub mod plan;
 pub mod profile;
 pub mod report;

@@ -31,6 +31,7 @@ use crate::dist::{Backend, LaunchEnv};
 use crate::error::{Result, SpeedkitError};
 use crate::flags::{Flag, FlagSetting, FlagValue};
 use crate::hardware::{GpuInfo, Hardware};
+use crate::overrides::Override;
 
 /// The precision training runs in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -180,6 +181,9 @@ pub struct Plan {
     pub fp8: Option<Fp8Plan>,
     /// speedkit's own fused kernels for [`crate::nn`]'s modules ([`crate::kernels`]).
     pub kernels: bool,
+    /// The ATen operators whose CUDA kernels speedkit's replace while the context lives
+    /// ([`crate::overrides`]); empty without the kernels.
+    pub overrides: Vec<Override>,
     /// Data-parallel training over several processes, when on.
     pub distributed: Option<DistributedSettings>,
     /// Every decision with its reason, in config-key order.
@@ -451,6 +455,7 @@ impl Plan {
 
         let fp8 = resolve_fp8(&config.fp8, gpu, precision, &mut d)?;
         let kernels = resolve_kernels(config.kernels, gpu, hardware, &mut d)?;
+        let overrides = resolve_overrides(config.overrides, kernels, &mut d)?;
 
         let channels_last = match (config.channels_last, gpu) {
             (AutoBool::Auto, Some(g)) if g.has_tensor_cores() => {
@@ -513,6 +518,7 @@ impl Plan {
             channels_last,
             fp8,
             kernels,
+            overrides,
             distributed,
             decisions: d.0,
         })
@@ -594,6 +600,14 @@ impl Plan {
             FlagValue::Bool(self.kernels),
             reason("kernels"),
         ));
+        // Always set too, for the same reason: off is a registration removed (or none made).
+        for o in Override::ALL {
+            out.push(FlagSetting::new(
+                Flag::AtenOverride(o),
+                FlagValue::Bool(self.overrides.contains(&o)),
+                reason("overrides"),
+            ));
+        }
         out
     }
 
@@ -897,6 +911,51 @@ fn resolve_kernels(
     };
     d.push("kernels", if on { "on" } else { "off" }, reason);
     Ok(on)
+}
+
+/// Which ATen operators speedkit's kernels take over: every group wherever the kernels run, unless
+/// the config says `overrides: false`.
+fn resolve_overrides(setting: AutoBool, kernels: bool, d: &mut Decisions) -> Result<Vec<Override>> {
+    let (on, reason) =
+        match (setting, kernels) {
+            (AutoBool::Off, _) => (
+                false,
+                "set in the config: tch's modules run ATen's kernels".to_owned(),
+            ),
+            (AutoBool::On, false) => {
+                return Err(SpeedkitError::Unsupported(
+                    "overrides: true registers speedkit's kernels, which this run does not have \
+                 (see the `kernels` decision); set overrides to auto or false"
+                        .into(),
+                ))
+            }
+            (AutoBool::Auto, false) => (
+                false,
+                "without speedkit's kernels there is nothing to register".to_owned(),
+            ),
+            (setting, true) => {
+                let names: Vec<String> = Override::ALL
+                    .iter()
+                    .flat_map(|o| o.operators())
+                    .map(|op| op.to_string())
+                    .collect();
+                (
+                    true,
+                    format!(
+                    "{}speedkit's kernels registered as the CUDA kernels of {} while the context \
+                     lives: unchanged tch models (nn::layer_norm) run them",
+                    if setting == AutoBool::On { "set in the config: " } else { "" },
+                    names.join(", ")
+                ),
+                )
+            }
+        };
+    d.push("overrides", if on { "on" } else { "off" }, reason);
+    Ok(if on {
+        Override::ALL.to_vec()
+    } else {
+        Vec::new()
+    })
 }
 
 fn explicit_only(

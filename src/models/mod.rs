@@ -10,12 +10,14 @@ mod linear3;
 mod mlp;
 mod mlp_block;
 pub mod resnet;
+pub mod tch_transformer;
 mod transformer;
 
 pub use linear3::{Linear3, Linear3Config};
 pub use mlp::{Mlp, MlpConfig};
 pub use mlp_block::{MlpBlock, MlpBlockConfig};
 pub use resnet::{ResNet, ResNetConfig};
+pub use tch_transformer::{gpt2_small, TchTransformer};
 pub use transformer::{Transformer, TransformerConfig};
 
 use speedkit::Result;

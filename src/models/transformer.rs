@@ -84,7 +84,7 @@ impl TransformerConfig {
         6.0 * b * t * self.matmul_params() as f64 + 3.0 * l * 2.0 * b * t * t * d
     }
 
-    fn check(&self) -> Result<()> {
+    pub(super) fn check(&self) -> Result<()> {
         let positive = [
             self.vocab,
             self.d_model,

@@ -31,13 +31,15 @@ use crate::report::table;
 pub const REFERENCE_SCRIPT: &str = include_str!("../../../docs/benchmarks/pytorch_reference.py");
 
 /// The workloads the reference has a PyTorch version of (its `WORKLOADS`).
-pub const REFERENCE_WORKLOADS: [&str; 6] = [
+pub const REFERENCE_WORKLOADS: [&str; 8] = [
     "transformer",
     "linear3",
     "mlp",
     "resnet",
     "mlp_block",
     "transformer_checkpointed",
+    "transformer_tch",
+    "gpt2_tch",
 ];
 
 /// The reference's modes, in column order, with their column headers.

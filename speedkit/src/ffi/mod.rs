@@ -31,6 +31,7 @@ pub(crate) mod linear;
 pub(crate) mod mlp;
 pub(crate) mod nvtx;
 pub(crate) mod optim;
+pub(crate) mod overrides;
 pub(crate) mod profiler;
 pub(crate) mod weight_casts;
 

@@ -50,6 +50,7 @@ use crate::config::MatmulPrecision;
 use crate::error::{Result, SpeedkitError};
 use crate::ffi::{self, raw};
 use crate::kernels::KernelOp;
+use crate::overrides::Override;
 
 /// Every global flag speedkit may touch, named as PyTorch names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -94,6 +95,9 @@ pub enum Flag {
     SpeedkitKernels,
     /// One op's kernels, within [`Flag::SpeedkitKernels`].
     SpeedkitKernel(KernelOp),
+    /// speedkit's kernels registered as the CUDA implementations of a group of ATen operators
+    /// ([`crate::overrides`]): `true` while registered.
+    AtenOverride(Override),
 }
 
 /// The kind of value a flag holds.
@@ -109,7 +113,7 @@ pub enum FlagKind {
 
 impl Flag {
     /// Every flag, in the order reports list them.
-    pub const ALL: [Flag; 26] = [
+    pub const ALL: [Flag; 27] = [
         Flag::CudaMatmulAllowTf32,
         Flag::Float32MatmulPrecision,
         Flag::CudaMatmulFp32Precision,
@@ -136,6 +140,7 @@ impl Flag {
         Flag::SpeedkitKernel(KernelOp::Mlp),
         Flag::SpeedkitKernel(KernelOp::AdamW),
         Flag::SpeedkitKernel(KernelOp::Fp8Cast),
+        Flag::AtenOverride(Override::LayerNorm),
     ];
 
     /// PyTorch's spelling of the flag.
@@ -176,6 +181,9 @@ impl Flag {
                 KernelOp::Mlp => "speedkit.kernels.mlp",
                 KernelOp::AdamW => "speedkit.kernels.adamw",
                 KernelOp::Fp8Cast => "speedkit.kernels.fp8_cast",
+            },
+            Flag::AtenOverride(o) => match o {
+                Override::LayerNorm => "speedkit.overrides.layer_norm",
             },
         }
     }
@@ -243,6 +251,9 @@ impl Flag {
     /// Reads the flag's current value from libtorch, as stored: never refused, whatever mix of
     /// PyTorch's legacy and new precision APIs set it.
     pub fn get(self) -> Result<FlagValue> {
+        if let Flag::AtenOverride(o) = self {
+            return Ok(FlagValue::Bool(o.is_registered()?));
+        }
         if let Some(id) = self.bool_id() {
             return Ok(FlagValue::Bool(ffi::flags::get_bool(id)?));
         }
@@ -262,6 +273,9 @@ impl Flag {
     /// moves the per-backend matmul entries, so the two APIs stay consistent). Prefer [`FlagGuard`],
     /// which records and restores; this is the raw setter.
     pub fn set(self, value: FlagValue) -> Result<()> {
+        if let (Flag::AtenOverride(o), FlagValue::Bool(on)) = (self, value) {
+            return ffi::overrides::set(o.code(), on);
+        }
         match (
             value,
             self.bool_id(),
@@ -284,6 +298,9 @@ impl Flag {
     /// field alone, one table entry alone), so that a captured state, consistent or not, comes
     /// back exactly. A view has nothing of its own to write.
     pub(crate) fn restore(self, value: FlagValue) -> Result<()> {
+        if let (Flag::AtenOverride(o), FlagValue::Bool(on)) = (self, value) {
+            return ffi::overrides::set(o.code(), on);
+        }
         match (
             value,
             self.bool_id(),

@@ -1,0 +1,174 @@
+//! `TchTransformer`: the GPT-style decoder of [`Transformer`](super::Transformer) written with
+//! tch's own modules and ops only, as a tch user who has never heard of speedkit writes it.
+//!
+//! It exists to measure what speedkit does for code it did not write: no `speedkit::nn` module,
+//! so none of speedkit's fused kernels or FP8 GEMMs run inside the model, only what the plan sets
+//! around it (precision flags, autocast, the optimizer, CUDA graphs, the SDPA backend flags).
+
+use super::transformer::TransformerConfig;
+use super::{layer_norm, linear};
+use speedkit::{Result, SpeedkitError};
+use tch::{nn, Tensor};
+
+/// GPT-2 small at a 1024-token context: vocab 50304 (50257 rounded up to a multiple of 64, as
+/// nanoGPT pads it for Tensor Core tiles), d 768, 12 heads of 64, 12 layers, batch 8.
+///
+/// A free function because [`TransformerConfig`]'s constructors are the `transformer` workload's;
+/// this size belongs to the `gpt2_tch` workload.
+pub const fn gpt2_small() -> TransformerConfig {
+    TransformerConfig {
+        vocab: 50304,
+        d_model: 768,
+        heads: 12,
+        layers: 12,
+        seq_len: 1024,
+        batch: 8,
+    }
+}
+
+/// One pre-LN decoder block: `x + proj(attn(LN(x)))`, then `x + fc2(gelu(fc1(LN(x))))`.
+#[derive(Debug)]
+struct Block {
+    ln1: nn::LayerNorm,
+    qkv: nn::Linear,
+    proj: nn::Linear,
+    ln2: nn::LayerNorm,
+    fc1: nn::Linear,
+    fc2: nn::Linear,
+}
+
+impl Block {
+    fn new(p: &nn::Path, d: i64) -> Self {
+        let ln = |name: &str| nn::layer_norm(p / name, vec![d], Default::default());
+        let lin = |name: &str, i: i64, o: i64| nn::linear(p / name, i, o, Default::default());
+        Self {
+            ln1: ln("ln1"),
+            qkv: lin("qkv", d, 3 * d),
+            proj: lin("proj", d, d),
+            ln2: ln("ln2"),
+            fc1: lin("fc1", d, 4 * d),
+            fc2: lin("fc2", 4 * d, d),
+        }
+    }
+
+    fn forward(&self, x: &Tensor, heads: i64) -> Result<Tensor> {
+        let (b, t, d) = x.size3()?;
+        let qkv = linear(&self.qkv, &layer_norm(&self.ln1, x)?)?;
+        let parts = qkv.f_split(d, -1)?;
+        // [B, T, d] → [B, heads, T, head_dim], the layout SDPA takes.
+        let split = |part: &Tensor| -> Result<Tensor> {
+            Ok(part.f_view([b, t, heads, d / heads])?.f_transpose(1, 2)?)
+        };
+        let (q, k, v) = (split(&parts[0])?, split(&parts[1])?, split(&parts[2])?);
+        let y = Tensor::f_scaled_dot_product_attention::<Tensor>(
+            &q, &k, &v, None, 0.0, true, None, false,
+        )?;
+        let y = y.f_transpose(1, 2)?.f_reshape([b, t, d])?;
+        let x = x.f_add(&linear(&self.proj, &y)?)?;
+        let h = linear(&self.fc1, &layer_norm(&self.ln2, &x)?)?.f_gelu("tanh")?;
+        Ok(x.f_add(&linear(&self.fc2, &h)?)?)
+    }
+}
+
+/// The decoder of `docs/workloads.md` built from tch's `nn::embedding`, `nn::layer_norm` and
+/// `nn::linear`, with causal `Tensor::scaled_dot_product_attention` and a loss from
+/// `Tensor::cross_entropy_for_logits`: the architecture, initialisation and FLOPs of
+/// [`Transformer`](super::Transformer), with every op ATen's stock one.
+///
+/// The modules are applied through the fallible forms of the ops their `Module::forward` calls
+/// (`f_embedding`, `f_linear`, `f_layer_norm` on their public weights), so a libtorch error comes
+/// back as a value, as from every model of this crate; the kernels that run are the same.
+#[derive(Debug)]
+pub struct TchTransformer {
+    config: TransformerConfig,
+    tok: nn::Embedding,
+    pos: Tensor,
+    blocks: Vec<Block>,
+    ln_f: nn::LayerNorm,
+    head: nn::Linear,
+}
+
+impl TchTransformer {
+    /// Builds the model under `p`; fails if a dimension is not positive or `d_model` is not a
+    /// multiple of `heads`.
+    pub fn new(p: &nn::Path, config: &TransformerConfig) -> Result<Self> {
+        config.check()?;
+        let d = config.d_model;
+        // GPT-2's initialisation of the embeddings (tch's default is N(0, 1)); the linears and
+        // LayerNorms keep tch's defaults, which are PyTorch's.
+        let init = nn::Init::Randn {
+            mean: 0.0,
+            stdev: 0.02,
+        };
+        let tok = nn::embedding(
+            p / "tok_emb",
+            config.vocab,
+            d,
+            nn::EmbeddingConfig {
+                ws_init: init,
+                ..Default::default()
+            },
+        );
+        // A plain variable sliced to the sequence, as the PyTorch reference adds its `pos`: no
+        // `arange` of positions to look up, and a slice's backward instead of a scatter.
+        let pos = p.f_var("pos_emb", &[config.seq_len, d], init)?;
+        let blocks = (0..config.layers)
+            .map(|i| Block::new(&(p / format!("block{i}")), d))
+            .collect();
+        let ln_f = nn::layer_norm(p / "ln_f", vec![d], Default::default());
+        let head = nn::linear(
+            p / "head",
+            d,
+            config.vocab,
+            nn::LinearConfig {
+                bias: false,
+                ..Default::default()
+            },
+        );
+        Ok(Self {
+            config: *config,
+            tok,
+            pos,
+            blocks,
+            ln_f,
+            head,
+        })
+    }
+
+    /// The config the model was built with.
+    pub fn config(&self) -> &TransformerConfig {
+        &self.config
+    }
+
+    /// Logits `[B, T, vocab]` for token ids `[B, T]` (T at most `seq_len`).
+    pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
+        let (_, t) = tokens.size2()?;
+        if t > self.config.seq_len {
+            return Err(SpeedkitError::Misuse(format!(
+                "sequence of {t} tokens is longer than the position embedding ({})",
+                self.config.seq_len
+            )));
+        }
+        let tok = Tensor::f_embedding(&self.tok.ws, tokens, -1, false, false)?;
+        let mut x = tok.f_add(&self.pos.f_narrow(0, 0, t)?)?;
+        for block in &self.blocks {
+            x = block.forward(&x, self.config.heads)?;
+        }
+        linear(&self.head, &layer_norm(&self.ln_f, &x)?)
+    }
+
+    /// Mean cross-entropy over the vocabulary of every position against `targets` `[B, T]`.
+    pub fn loss(&self, tokens: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        // `cross_entropy_for_logits` has no fallible form and panics on a mismatch: check first.
+        if targets.size() != tokens.size() {
+            return Err(SpeedkitError::Misuse(format!(
+                "targets {:?} do not match tokens {:?}",
+                targets.size(),
+                tokens.size()
+            )));
+        }
+        let logits = self.forward(tokens)?;
+        let flat = logits.f_view([-1, self.config.vocab])?;
+        Ok(flat.cross_entropy_for_logits(&targets.f_reshape([-1])?))
+    }
+}

@@ -1,0 +1,144 @@
+//! Operator overrides (`speedkit::overrides`): what the plan registers and why, the dispatcher's
+//! table while one is held and after (normally, by a panic, out of order), and nothing changed for
+//! CPU tensors. Registration needs no GPU, so this runs in CI; the kernels themselves are checked
+//! against ATen in `gpu_overrides.rs`.
+
+mod common;
+
+use speedkit::flags::{Flag, FlagGuard, FlagSetting, FlagValue};
+use speedkit::hardware::Hardware;
+use speedkit::overrides::{dispatcher_table, Override};
+use speedkit::plan::Plan;
+use speedkit::{SpeedConfig, SpeedContext};
+use tch::{Device, Kind, Tensor};
+
+/// Where speedkit's registrations say they come from in the dispatcher's table.
+const OURS: &str = "overrides.cpp";
+
+fn hold(on: bool) -> FlagGuard {
+    FlagGuard::apply(&[FlagSetting::new(
+        Flag::AtenOverride(Override::LayerNorm),
+        FlagValue::Bool(on),
+        "test",
+    )])
+    .expect("the override registers")
+}
+
+fn ours_in_every_table() -> Vec<bool> {
+    Override::LayerNorm
+        .operators()
+        .iter()
+        .map(|op| {
+            dispatcher_table(op)
+                .expect("an ATen operator")
+                .contains(OURS)
+        })
+        .collect()
+}
+
+#[test]
+fn a_gpu_plan_lists_the_operators_it_takes_over_and_why() {
+    let plan = Plan::resolve(
+        &SpeedConfig::auto(),
+        &Hardware::simulated_gpu("NVIDIA H100 80GB HBM3", 9, 0),
+    )
+    .unwrap();
+    assert_eq!(plan.overrides, [Override::LayerNorm]);
+    let decision = plan
+        .decision("overrides")
+        .expect("the plan decides `overrides`");
+    assert_eq!(decision.value, "on");
+    assert!(
+        decision.reason.contains("aten::native_layer_norm_backward"),
+        "{}",
+        decision.reason
+    );
+}
+
+#[test]
+fn a_cpu_plan_registers_nothing_and_says_why() {
+    let _serial = common::serial();
+    let ctx = SpeedContext::new(&SpeedConfig::from_yaml_str("device: cpu\n").unwrap()).unwrap();
+    assert!(ctx.plan().overrides.is_empty());
+    let decision = ctx.plan().decision("overrides").unwrap();
+    assert!(
+        decision.reason.contains("nothing to register"),
+        "{}",
+        decision.reason
+    );
+    assert!(!Override::LayerNorm.is_registered().unwrap());
+    assert_eq!(ours_in_every_table(), [false, false]);
+}
+
+#[test]
+fn overrides_false_registers_nothing_where_the_kernels_run() {
+    let config = SpeedConfig::from_yaml_str("overrides: false\n").unwrap();
+    let plan = Plan::resolve(&config, &Hardware::simulated_gpu("H100", 9, 0)).unwrap();
+    assert!(plan.kernels && plan.overrides.is_empty());
+}
+
+#[test]
+fn overrides_true_without_the_kernels_is_an_error_that_says_what_to_set() {
+    let config = SpeedConfig::from_yaml_str("overrides: true\n").unwrap();
+    let err = Plan::resolve(&config, &Hardware::simulated_gpu("T4", 7, 5)).unwrap_err();
+    assert!(
+        err.to_string().contains("set overrides to auto or false"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_held_override_is_in_the_dispatcher_table_and_gone_after_its_guard() {
+    let _serial = common::serial();
+    assert_eq!(ours_in_every_table(), [false, false]);
+    {
+        let guard = hold(true);
+        assert_eq!(ours_in_every_table(), [true, true]);
+        assert!(Override::LayerNorm.is_registered().unwrap());
+        let change = &guard.changes()[0];
+        assert!(change.changed(), "the audit records the registration");
+    }
+    assert_eq!(ours_in_every_table(), [false, false]);
+    assert!(!Override::LayerNorm.is_registered().unwrap());
+}
+
+#[test]
+fn a_panic_through_the_guard_removes_the_override() {
+    let _serial = common::serial();
+    let outcome = std::panic::catch_unwind(|| {
+        let _guard = hold(true);
+        panic!("a training step fails");
+    });
+    assert!(outcome.is_err());
+    assert_eq!(ours_in_every_table(), [false, false]);
+}
+
+#[test]
+fn guards_dropped_out_of_order_leave_the_newest_ones_registration() {
+    let _serial = common::serial();
+    let outer = hold(true);
+    let inner = hold(false);
+    assert_eq!(ours_in_every_table(), [false, false]);
+    drop(outer);
+    // The inner guard, still alive, keeps its setting: not registered.
+    assert_eq!(ours_in_every_table(), [false, false]);
+    drop(inner);
+    assert_eq!(ours_in_every_table(), [false, false]);
+    let outer = hold(true);
+    let inner = hold(true);
+    drop(outer);
+    assert_eq!(ours_in_every_table(), [true, true]);
+    drop(inner);
+    assert_eq!(ours_in_every_table(), [false, false]);
+}
+
+#[test]
+fn cpu_tensors_never_reach_an_override() {
+    let _serial = common::serial();
+    let x = Tensor::randn([5, 37], (Kind::Float, Device::Cpu));
+    let w = Tensor::randn([37], (Kind::Float, Device::Cpu));
+    let before = x.layer_norm([37], Some(&w), None::<&Tensor>, 1e-5, false);
+    let _guard = hold(true);
+    let after = x.layer_norm([37], Some(&w), None::<&Tensor>, 1e-5, false);
+    assert!(before.equal(&after));
+}
