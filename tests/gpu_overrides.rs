@@ -5,20 +5,14 @@
 
 mod common;
 
-use speedkit::flags::{Flag, FlagGuard, FlagSetting, FlagValue};
 use speedkit::kernels::{KernelOp, NoteMark, Outcome};
 use speedkit::overrides::Override;
 use speedkit::{SpeedConfig, SpeedContext};
 use tch::nn::{self, Module, OptimizerConfig};
 use tch::{Kind, Tensor};
 
-fn hold(on: bool) -> FlagGuard {
-    FlagGuard::apply(&[FlagSetting::new(
-        Flag::AtenOverride(Override::LayerNorm),
-        FlagValue::Bool(on),
-        "test",
-    )])
-    .expect("the override registers")
+fn hold(on: bool) -> speedkit::flags::FlagGuard {
+    common::hold_override(Override::LayerNorm, on)
 }
 
 /// y, dx, dweight, dbias of a LayerNorm over the last dimension, for a fixed upstream gradient.

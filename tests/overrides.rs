@@ -5,7 +5,6 @@
 
 mod common;
 
-use speedkit::flags::{Flag, FlagGuard, FlagSetting, FlagValue};
 use speedkit::hardware::Hardware;
 use speedkit::overrides::{dispatcher_table, Override};
 use speedkit::plan::Plan;
@@ -15,13 +14,8 @@ use tch::{Device, Kind, Tensor};
 /// Where speedkit's registrations say they come from in the dispatcher's table.
 const OURS: &str = "overrides.cpp";
 
-fn hold(on: bool) -> FlagGuard {
-    FlagGuard::apply(&[FlagSetting::new(
-        Flag::AtenOverride(Override::LayerNorm),
-        FlagValue::Bool(on),
-        "test",
-    )])
-    .expect("the override registers")
+fn hold(on: bool) -> speedkit::flags::FlagGuard {
+    common::hold_override(Override::LayerNorm, on)
 }
 
 fn ours_in_every_table() -> Vec<bool> {

@@ -53,6 +53,37 @@ fn train_step(
     Ok(())
 }
 
+/// A transformer workload's data, at `config` with the runner's batch (`Bencher::batch`): the
+/// config as built, a fresh VarStore on the bench device, fixed random tokens and targets (seed 0),
+/// and the step's FLOPs and tokens declared.
+struct TransformerData {
+    config: speedkit_suite::models::TransformerConfig,
+    vs: VarStore,
+    tokens: Tensor,
+    targets: Tensor,
+}
+
+fn transformer_data(
+    b: &mut Bencher<'_>,
+    mut config: speedkit_suite::models::TransformerConfig,
+) -> anyhow::Result<TransformerData> {
+    config.batch = b.batch(config.batch);
+    speedkit_suite::data::seed();
+    let vs = VarStore::new(b.device());
+    let (tokens, targets) =
+        speedkit_suite::data::tokens(config.batch, config.seq_len, config.vocab, b.device())?;
+    // The model's FLOPs (a checkpointed run's recomputation is not useful work: the TFLOP/s column
+    // reads as model FLOP utilisation, comparable between the variants).
+    b.set_flops_per_step(config.flops_per_step());
+    b.set_items_per_step(config.tokens_per_step() as f64, "tokens");
+    Ok(TransformerData {
+        config,
+        vs,
+        tokens,
+        targets,
+    })
+}
+
 /// The dtype a pure-matmul workload computes in: the autocast dtype of a bf16/fp16 plan, fp32
 /// otherwise (TF32 or not, as the plan's flags say). Inputs are cast to it once, up front, so the
 /// timed step is the kernel alone (what autocast would run, without its per-step casts).

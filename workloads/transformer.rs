@@ -1,22 +1,15 @@
 //! `transformer`: the GPT-style decoder, the main workload.
 
 use speedkit::bench::Bencher;
-use speedkit_suite::data;
 use speedkit_suite::models::{Transformer, TransformerConfig};
-use tch::nn::VarStore;
 
 /// 6-layer, d 768 pre-LN decoder on 32 × 512 random tokens, cross-entropy over 8192 classes.
 #[speedkit::bench(tags = ["transformer", "attention"])]
 fn transformer(b: &mut Bencher) -> anyhow::Result<()> {
-    let mut config = b
+    let config = b
         .size()
         .pick(TransformerConfig::tiny(), TransformerConfig::bench());
-    config.batch = b.batch(config.batch);
-    data::seed();
-    let vs = VarStore::new(b.device());
-    let model = Transformer::new(&vs.root(), &config)?;
-    let (tokens, targets) = data::tokens(config.batch, config.seq_len, config.vocab, b.device())?;
-    b.set_flops_per_step(config.flops_per_step());
-    b.set_items_per_step(config.tokens_per_step() as f64, "tokens");
-    super::train_step(b, &vs, || model.loss(&tokens, &targets))
+    let d = super::transformer_data(b, config)?;
+    let model = Transformer::new(&d.vs.root(), &d.config)?;
+    super::train_step(b, &d.vs, || model.loss(&d.tokens, &d.targets))
 }

@@ -142,13 +142,7 @@ impl TchTransformer {
 
     /// Logits `[B, T, vocab]` for token ids `[B, T]` (T at most `seq_len`).
     pub fn forward(&self, tokens: &Tensor) -> Result<Tensor> {
-        let (_, t) = tokens.size2()?;
-        if t > self.config.seq_len {
-            return Err(SpeedkitError::Misuse(format!(
-                "sequence of {t} tokens is longer than the position embedding ({})",
-                self.config.seq_len
-            )));
-        }
+        let t = self.config.check_tokens(tokens)?;
         let tok = Tensor::f_embedding(&self.tok.ws, tokens, -1, false, false)?;
         let mut x = tok.f_add(&self.pos.f_narrow(0, 0, t)?)?;
         for block in &self.blocks {

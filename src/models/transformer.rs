@@ -84,6 +84,18 @@ impl TransformerConfig {
         6.0 * b * t * self.matmul_params() as f64 + 3.0 * l * 2.0 * b * t * t * d
     }
 
+    /// Refuses token ids `[B, T]` longer than the position embedding.
+    pub(super) fn check_tokens(&self, tokens: &Tensor) -> Result<i64> {
+        let (_, t) = tokens.size2()?;
+        if t > self.seq_len {
+            return Err(SpeedkitError::Misuse(format!(
+                "sequence of {t} tokens is longer than the position embedding ({})",
+                self.seq_len
+            )));
+        }
+        Ok(t)
+    }
+
     pub(super) fn check(&self) -> Result<()> {
         let positive = [
             self.vocab,
@@ -252,13 +264,7 @@ impl Transformer {
         tokens: &Tensor,
         ck: Option<&Checkpointer<'env>>,
     ) -> Result<Tensor> {
-        let (_, t) = tokens.size2()?;
-        if t > self.config.seq_len {
-            return Err(SpeedkitError::Misuse(format!(
-                "sequence of {t} tokens is longer than the position embedding ({})",
-                self.config.seq_len
-            )));
-        }
+        self.config.check_tokens(tokens)?;
         let mut stream = speedkit::nn::embedding(tokens, &self.tok, Some(&self.pos))?;
         let mut pending: Option<Tensor> = None;
         let heads = self.config.heads;

@@ -63,3 +63,15 @@ pub fn trained_parameters(vs: &tch::nn::VarStore) -> Vec<tch::Tensor> {
         .map(|p| p.detach().copy())
         .collect()
 }
+
+/// Holds speedkit's override of `o` registered (`on`) or removed while the guard lives.
+#[allow(dead_code)] // not every test file uses it
+pub fn hold_override(o: speedkit::overrides::Override, on: bool) -> speedkit::flags::FlagGuard {
+    use speedkit::flags::{Flag, FlagGuard, FlagSetting, FlagValue};
+    FlagGuard::apply(&[FlagSetting::new(
+        Flag::AtenOverride(o),
+        FlagValue::Bool(on),
+        "test",
+    )])
+    .expect("the override registers")
+}
