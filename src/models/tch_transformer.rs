@@ -8,7 +8,7 @@
 use super::transformer::TransformerConfig;
 use super::{layer_norm, linear};
 use speedkit::{Result, SpeedkitError};
-use tch::{nn, Tensor};
+use tch::{nn, Kind, Tensor};
 
 /// GPT-2 small at a 1024-token context: vocab 50304 (50257 rounded up to a multiple of 64, as
 /// nanoGPT pads it for Tensor Core tiles), d 768, 12 heads of 64, 12 layers, batch 8.
@@ -72,7 +72,7 @@ impl Block {
 
 /// The decoder of `docs/workloads.md` built from tch's `nn::embedding`, `nn::layer_norm` and
 /// `nn::linear`, with causal `Tensor::scaled_dot_product_attention` and a loss from
-/// `Tensor::cross_entropy_for_logits`: the architecture, initialisation and FLOPs of
+/// `Tensor::cross_entropy_for_logits`'s ops: the architecture, initialisation and FLOPs of
 /// [`Transformer`](super::Transformer), with every op ATen's stock one.
 ///
 /// The modules are applied through the fallible forms of the ops their `Module::forward` calls
@@ -153,7 +153,6 @@ impl TchTransformer {
 
     /// Mean cross-entropy over the vocabulary of every position against `targets` `[B, T]`.
     pub fn loss(&self, tokens: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        // `cross_entropy_for_logits` has no fallible form and panics on a mismatch: check first.
         if targets.size() != tokens.size() {
             return Err(SpeedkitError::Misuse(format!(
                 "targets {:?} do not match tokens {:?}",
@@ -163,6 +162,13 @@ impl TchTransformer {
         }
         let logits = self.forward(tokens)?;
         let flat = logits.f_view([-1, self.config.vocab])?;
-        Ok(flat.cross_entropy_for_logits(&targets.f_reshape([-1])?))
+        // `cross_entropy_for_logits`, spelled out in its fallible ops (the panicking form would end
+        // the process on an out-of-memory, where a caller can recover from an error).
+        Ok(flat.f_log_softmax(-1, Kind::Float)?.f_nll_loss(
+            &targets.f_reshape([-1])?,
+            None::<&Tensor>,
+            tch::Reduction::Mean,
+            -100,
+        )?)
     }
 }

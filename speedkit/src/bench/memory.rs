@@ -55,6 +55,31 @@ impl DeviceMemory {
     }
 }
 
+/// Makes cuBLAS's and cuBLASLt's workspaces of `device` now, on the default stream and on the side
+/// stream graph warm-ups and captures run on, before any workload.
+///
+/// cuBLAS keeps a workspace per stream for the life of the process, allocated through the caching
+/// allocator where the first GEMM on that stream happens. Made in the middle of a workload, it can
+/// land in a large segment that workload freed, and then pins that whole segment: every later
+/// workload would count it as its own reserved memory. Made first, each sits in a small segment of
+/// its own.
+pub(crate) fn settle_library_workspaces(device: usize) -> Result<()> {
+    let gemms = || -> Result<()> {
+        let options = (tch::Kind::BFloat16, tch::Device::Cuda(device));
+        let a = tch::Tensor::f_ones([64, 64], options)?;
+        // A matmul takes cuBLAS; a linear with a bias, cuBLASLt's epilogue.
+        let _ = a.f_matmul(&a)?;
+        let _ = a.f_linear(&a, Some(&a.f_select(0, 0)?))?;
+        Ok(())
+    };
+    gemms()?;
+    let side = ffi::device::SideStream::enter(device)?;
+    let on_side = gemms();
+    side.exit()?;
+    on_side?;
+    ffi::device::cuda_synchronize(device)
+}
+
 /// Reads the allocator's peaks of one device across a run's two phases.
 pub(crate) struct MemoryProbe {
     device: usize,

@@ -49,6 +49,8 @@ pub mod stats;
 #[cfg(feature = "runner")]
 pub mod testing;
 
+#[cfg(feature = "runner")]
+pub(crate) use memory::settle_library_workspaces;
 pub use memory::DeviceMemory;
 
 use serde::{Deserialize, Serialize};

@@ -12,7 +12,7 @@ use serde::Serialize;
 
 use super::cli::{self, Args, NamedConfig};
 use crate::bench::peer::{self, PeerLargestBatch};
-use crate::bench::{Bencher, Protocol, Size, Workload};
+use crate::bench::{BenchError, Bencher, Protocol, Size, Workload};
 use crate::error::Result;
 use crate::hardware::Hardware;
 use crate::report::table;
@@ -118,6 +118,7 @@ pub fn largest_batches(
     let configs = cli::configs_of(args)?;
     let size = cli::size_of(args, !hardware.gpus.is_empty());
     let mut rows = Vec::new();
+    super::run::settle_workspaces(!hardware.gpus.is_empty());
     for w in selected {
         for nc in &configs {
             if let Some(row) = search(w, nc, size) {
@@ -209,7 +210,10 @@ fn attempt(
         paranoid_sync: true,
     };
     let mut b = Bencher::new(size, &ctx, protocol).with_batch(batch);
-    let outcome = (w.run)(&mut b);
+    // A workload may call tch's panicking ops (`Module::forward`), which panic where libtorch runs
+    // out of memory: that try is over, not the search (every guard has restored its flags).
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (w.run)(&mut b)))
+        .unwrap_or_else(|panic| Err(BenchError::new(panic_message(panic.as_ref()))));
     let default_batch = b.default_batch();
     match outcome {
         Ok(()) => {
@@ -219,6 +223,16 @@ fn attempt(
         Err(e) if e.to_string().contains("out of memory") => Ok((false, None, default_batch)),
         Err(e) => Err(format!("{} at batch {batch:?}: {e}", w.name)),
     }
+}
+
+/// A panic's message, where it carries one.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    let text = panic
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| panic.downcast_ref::<&str>().copied())
+        .unwrap_or("a panic without a message");
+    format!("panicked: {text}")
 }
 
 /// PyTorch's largest batches of the workloads speedkit searched.

@@ -227,6 +227,7 @@ fn measure_all(
 ) -> Vec<Row> {
     let mut rows = Vec::new();
     let main = crate::dist::is_main_process();
+    settle_workspaces(on_gpu);
     for w in workloads {
         let skip = if w.cuda_only && !on_gpu {
             Some("needs a CUDA device".to_string())
@@ -262,6 +263,21 @@ fn measure_all(
         }
     }
     rows
+}
+
+/// Before the first workload (see [`crate::bench::settle_library_workspaces`]); a failure only
+/// costs the figures their isolation, so it is said and the run goes on.
+pub(super) fn settle_workspaces(on_gpu: bool) {
+    if !on_gpu {
+        return;
+    }
+    let device = crate::dist::LaunchEnv::from_env()
+        .ok()
+        .flatten()
+        .map_or(0, |env| env.local_rank);
+    if let Err(e) = crate::bench::settle_library_workspaces(device) {
+        eprintln!("warning: cuBLAS's workspaces could not be made up front ({e}): later rows may count earlier ones' memory");
+    }
 }
 
 /// Runs the peer on the workloads that produced rows; when it cannot run, says why in one line.
