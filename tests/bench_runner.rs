@@ -465,9 +465,11 @@ fn the_text_tables_fit_100_columns() {
 }
 
 #[test]
-fn graph_mode_reports_at_least_the_peak_memory_of_eager_mode() {
+fn graph_mode_reports_the_peak_memory_of_the_same_step_as_eager_mode() {
     let _lock = common::serial();
-    if common::cuda_or_skip("graph_mode_reports_at_least_the_peak_memory_of_eager_mode").is_none() {
+    if common::cuda_or_skip("graph_mode_reports_the_peak_memory_of_the_same_step_as_eager_mode")
+        .is_none()
+    {
         return;
     }
     let args = Args::try_parse_from([
@@ -492,7 +494,11 @@ fn graph_mode_reports_at_least_the_peak_memory_of_eager_mode() {
     let ((eager_graphed, eager), (graphed, graph)) = (memory("auto_eager"), memory("auto"));
     eprintln!("eager {eager:?}\ngraph {graph:?}");
     assert!(!eager_graphed && graphed);
-    assert!(graph.peak_allocated_bytes >= eager.peak_allocated_bytes);
+    // The capture's allocations count: the graphed run's whole-run peak is the eager step's, give
+    // or take the allocator's rounding and a smaller transient on the side stream (-0.4% measured
+    // on an H100), never only what stays allocated between replays.
+    let ratio = graph.peak_allocated_bytes as f64 / eager.peak_allocated_bytes as f64;
+    assert!((0.95..=1.25).contains(&ratio), "graph / eager peak {ratio}");
     assert!(graph.peak_reserved_bytes >= graph.peak_allocated_bytes);
 }
 
