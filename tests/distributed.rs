@@ -239,6 +239,7 @@ fn run_bench_rank(out: &Path, peer: bool) -> Result<(), SpeedkitError> {
     let args = Args::try_parse_from(
         [
             "bench",
+            "--exact",
             "--filter",
             "transformer",
             "--filter",

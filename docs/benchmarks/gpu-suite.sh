@@ -22,7 +22,7 @@ tests)
   run speedkit report --apply --restore
   ;;
 suite)
-  run bench --filter linear3 --filter mlp --filter transformer --filter resnet \
+  run bench --exact --filter linear3 --filter mlp --filter transformer --filter resnet \
     --config fp32_strict --config tf32 --config examples/configs/auto_eager.yaml --config auto \
     --json "$out/training.json" --csv "$out/training.csv" --svg "$out/training.svg"
   run bench --filter matmul4 --filter matmul8192 --config fp32_strict --config tf32 --config fp16 \
@@ -41,7 +41,7 @@ reference)
     --json "$out/pytorch-reference.json"
   ;;
 peer)
-  run bench --filter transformer --filter linear3 --filter mlp --filter resnet \
+  run bench --exact --filter transformer --filter linear3 --filter mlp --filter resnet \
     --config examples/configs/auto_eager.yaml --config auto --peer pytorch \
     --json "$out/peer.json"
   ;;

@@ -37,7 +37,7 @@ cat "$out/environment.txt"
 # one CUDA graph per step on 1 GPU and eager under data parallelism (the Reducer's hooks cannot be
 # captured); auto_eager is the eager step on both, the like-for-like scaling.
 configs=(--config auto --config examples/configs/auto_eager.yaml)
-work=(--filter transformer --filter linear3 --size bench)
+work=(--exact --filter transformer --filter linear3 --size bench)
 part speedkit_1gpu 100 "${sk[@]}" bench "${work[@]}" "${configs[@]}" --json "$out/speedkit_1gpu.json"
 part speedkit_2gpu 130 "${sk[@]}" speedkit launch --nproc-per-node 2 -- \
   bash "$pack/run" bench "${work[@]}" "${configs[@]}" --json "$out/speedkit_2gpu.json"

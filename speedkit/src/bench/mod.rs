@@ -140,6 +140,20 @@ impl Workload {
     pub fn matches(&self, pattern: &str) -> bool {
         self.name.contains(pattern) || self.tags.contains(&pattern)
     }
+
+    /// Whether `pattern` is the whole name (`--exact`): `transformer` and not
+    /// `transformer_checkpointed` or the workloads tagged `transformer`.
+    ///
+    /// ```
+    /// # use speedkit::bench::Workload;
+    /// # #[speedkit::bench(tags = ["gpt"])]
+    /// # fn tiny_gpt(b: &mut speedkit::bench::Bencher) {}
+    /// let w = Workload::named("tiny_gpt").unwrap();
+    /// assert!(w.matches("gpt") && !w.matches_exactly("gpt") && w.matches_exactly("tiny_gpt"));
+    /// ```
+    pub fn matches_exactly(&self, pattern: &str) -> bool {
+        self.name == pattern
+    }
 }
 
 /// A workload's failure.

@@ -29,6 +29,9 @@ pub struct Args {
     /// Only workloads whose name contains PAT or that carry the tag PAT (repeatable).
     #[arg(long = "filter", value_name = "PAT")]
     pub filters: Vec<String>,
+    /// A filter matches a whole workload name only (as libtest's --exact).
+    #[arg(long)]
+    pub exact: bool,
     /// A configuration: preset name (fp32_strict, tf32, auto), bf16, fp16, or a YAML/JSON file (repeatable).
     #[arg(long = "config", value_name = "NAME|FILE")]
     pub configs: Vec<String>,

@@ -1,7 +1,7 @@
 //! The benchmark runner behind [`bench_main!`](crate::bench_main).
 //!
 //! ```text
-//! cargo bench --bench workloads -- [--list] [--filter PAT]... [--config NAME|FILE]... [--size tiny|bench]
+//! cargo bench --bench workloads -- [--list] [--filter PAT]... [--exact] [--config NAME|FILE]... [--size tiny|bench]
 //!     [--steps N] [--warmup N] [--paranoid-sync|--no-paranoid-sync] [--json FILE] [--csv FILE] [--svg FILE]
 //!     [--save-baseline NAME] [--baseline NAME|FILE [--noise-threshold PCT] [--fail-above PCT]]
 //!     [--peer pytorch [--python PATH]] [--profile [STEPS]]

@@ -82,7 +82,7 @@ pub fn run(args: &Args) -> Result<RunReport> {
 
 /// Runs those of `workloads` that `args` selects and prints/writes the results.
 pub fn run_with(args: &Args, workloads: &[&Workload]) -> Result<RunReport> {
-    let selected = select(workloads, &args.filters)?;
+    let selected = select(workloads, &args.filters, args.exact)?;
     let hardware = Hardware::detect()?;
     let launch = LaunchEnv::from_env()?;
     let main = launch.as_ref().is_none_or(LaunchEnv::is_main);
@@ -167,9 +167,13 @@ fn measure_report(
     })
 }
 
-/// The workloads matching any of `filters` (all when there is none); no workload at all, or none
-/// matching, is an error that says how to fix it.
-pub fn select<'w>(workloads: &[&'w Workload], filters: &[String]) -> Result<Vec<&'w Workload>> {
+/// The workloads matching any of `filters` (all when there is none; with `exact`, by whole name
+/// only); no workload at all, or none matching, is an error that says how to fix it.
+pub fn select<'w>(
+    workloads: &[&'w Workload],
+    filters: &[String],
+    exact: bool,
+) -> Result<Vec<&'w Workload>> {
     if workloads.is_empty() {
         return Err(SpeedkitError::Misuse(
             "no workloads are registered in this benchmark runner: it runs the \
@@ -182,7 +186,13 @@ pub fn select<'w>(workloads: &[&'w Workload], filters: &[String]) -> Result<Vec<
     let selected: Vec<&Workload> = workloads
         .iter()
         .copied()
-        .filter(|w| filters.is_empty() || filters.iter().any(|f| w.matches(f)))
+        .filter(|w| {
+            filters.is_empty()
+                || filters.iter().any(|f| match exact {
+                    true => w.matches_exactly(f),
+                    false => w.matches(f),
+                })
+        })
         .collect();
     if selected.is_empty() {
         let names: Vec<&str> = workloads.iter().map(|w| w.name).collect();
