@@ -144,6 +144,8 @@ bool is_registered(int which) {
 
 void set_registered(int which, bool on) {
   check_which(which);
+  // A write like any flag's, so the fault tests (sk_test_fail_nth_flag_write) reach it too.
+  count_flag_write();
   std::lock_guard<std::mutex> lock(registrations_mutex);
   if (on == (registrations[which] != nullptr)) return;
   if (!on) {
