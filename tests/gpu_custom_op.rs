@@ -30,6 +30,8 @@ fn run(op: impl Fn(&Tensor) -> Tensor, x: &Tensor, g: &Tensor) -> (Tensor, Tenso
 
 #[test]
 fn the_fused_swiglu_matches_the_composite_forward_and_backward() {
+    // One at a time: the graphed-and-eager test reseeds the generator the others draw from.
+    let _serial = common::serial();
     let Some(device) = cuda_or_skip("the_fused_swiglu_matches_the_composite_forward_and_backward")
     else {
         return;
@@ -65,12 +67,12 @@ fn the_fused_swiglu_matches_the_composite_forward_and_backward() {
 
 #[test]
 fn a_model_with_the_fused_swiglu_trains_the_same_graphed_and_eager() {
+    let _serial = common::serial();
     let Some(device) =
         cuda_or_skip("a_model_with_the_fused_swiglu_trains_the_same_graphed_and_eager")
     else {
         return;
     };
-    let _serial = common::serial();
     let losses = |graphed: bool| {
         let ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
         tch::manual_seed(0);
@@ -128,6 +130,8 @@ fn add_kernel(device: Device) -> speedkit::cuda::CudaKernel {
 
 #[test]
 fn a_users_kernel_runs_on_tensors() {
+    // One at a time: the graphed-and-eager test reseeds the generator the others draw from.
+    let _serial = common::serial();
     let Some(device) = cuda_or_skip("a_users_kernel_runs_on_tensors") else {
         return;
     };
@@ -149,6 +153,8 @@ fn a_users_kernel_runs_on_tensors() {
 
 #[test]
 fn a_launch_with_a_wrong_argument_is_refused_before_it_runs() {
+    // One at a time: the graphed-and-eager test reseeds the generator the others draw from.
+    let _serial = common::serial();
     let Some(device) = cuda_or_skip("a_launch_with_a_wrong_argument_is_refused_before_it_runs")
     else {
         return;
@@ -193,6 +199,8 @@ fn a_launch_with_a_wrong_argument_is_refused_before_it_runs() {
 
 #[test]
 fn a_declaration_that_differs_from_the_compiled_kernel_is_refused() {
+    // One at a time: the graphed-and-eager test reseeds the generator the others draw from.
+    let _serial = common::serial();
     let Some(device) =
         cuda_or_skip("a_declaration_that_differs_from_the_compiled_kernel_is_refused")
     else {
@@ -213,6 +221,8 @@ fn a_declaration_that_differs_from_the_compiled_kernel_is_refused() {
 
 #[test]
 fn autocast_inputs_reach_the_forward_in_the_cast_type_with_autocast_off() {
+    // One at a time: the graphed-and-eager test reseeds the generator the others draw from.
+    let _serial = common::serial();
     let Some(device) =
         cuda_or_skip("autocast_inputs_reach_the_forward_in_the_cast_type_with_autocast_off")
     else {

@@ -37,7 +37,7 @@ fn a_gpu_plan_lists_the_operators_it_takes_over_and_why() {
         &Hardware::simulated_gpu("NVIDIA H100 80GB HBM3", 9, 0),
     )
     .unwrap();
-    assert_eq!(plan.overrides, [Override::LayerNorm]);
+    assert_eq!(plan.overrides, Override::ALL);
     let decision = plan
         .decision("overrides")
         .expect("the plan decides `overrides`");
@@ -135,4 +135,31 @@ fn cpu_tensors_never_reach_an_override() {
     let _guard = hold(true);
     let after = x.layer_norm([37], Some(&w), None::<&Tensor>, 1e-5, false);
     assert!(before.equal(&after));
+}
+
+#[test]
+fn the_log_softmax_group_registers_a_rust_kernel_under_autocast_cuda_until_its_guard_drops() {
+    let _serial = common::serial();
+    let autocast_line = || {
+        dispatcher_table("aten::log_softmax.int")
+            .unwrap()
+            .lines()
+            .find(|l| l.starts_with("AutocastCUDA"))
+            .unwrap_or_default()
+            .to_owned()
+    };
+    assert!(!autocast_line().contains("log_softmax.rs"));
+    {
+        let _guard = common::hold_override(Override::LogSoftmax, true);
+        assert!(Override::LogSoftmax.is_registered().unwrap());
+        // Registered through the public OperatorOverride, where speedkit's Rust module made it.
+        assert!(
+            autocast_line().contains("overrides/log_softmax.rs"),
+            "{}",
+            autocast_line()
+        );
+        assert_eq!(Override::LogSoftmax.stats().unwrap().ran, 0);
+    }
+    assert!(!Override::LogSoftmax.is_registered().unwrap());
+    assert!(!autocast_line().contains("log_softmax.rs"));
 }

@@ -443,6 +443,71 @@ int sk_override_set(int which, int on);
 /// kernel each dispatch key runs and where it was registered.
 int sk_dispatcher_table(const char* name, const char* overload, const char** out);
 
+// @module custom_overrides: a user's Rust kernel as an ATen operator's implementation under one dispatch key (custom_overrides.cpp)
+
+/// The dispatch keys a Rust kernel may be registered under.
+enum sk_dispatch_key {
+  SK_DISPATCH_CPU = 0,
+  SK_DISPATCH_CUDA = 1,
+  SK_DISPATCH_AUTOCAST_CPU = 2,
+  SK_DISPATCH_AUTOCAST_CUDA = 3
+};
+
+/// The kinds of an operator call's argument, as a Rust kernel reads them.
+enum sk_value_kind {
+  SK_VALUE_NONE = 0,
+  SK_VALUE_TENSOR = 1,
+  SK_VALUE_INT = 2,
+  SK_VALUE_DOUBLE = 3,
+  SK_VALUE_BOOL = 4,
+  SK_VALUE_INTS = 5,
+  SK_VALUE_STRING = 6,
+  SK_VALUE_OTHER = 7
+};
+
+/// One argument of an operator call, borrowed for the callback: its schema name, and its value by
+/// `kind` (a tensor; an int, also a ScalarType's code; a double; a bool as 0/1; an int list; a
+/// string; for SK_VALUE_OTHER, `text` names the type).
+typedef struct sk_override_arg {
+  const char* name;
+  int kind;
+  sk_tensor tensor;
+  int64_t int_value;
+  double double_value;
+  const int64_t* ints;
+  int64_t n_ints;
+  const char* text;
+} sk_override_arg;
+
+/// A Rust kernel's call: hands back the operator's results through sk_override_call_set_results,
+/// or declines through sk_override_call_decline (the kernel it replaced runs); 0 on success, else
+/// non-zero after sk_override_call_fail. `call` is valid for this call only.
+typedef int (*sk_override_kernel_fn)(void* state, void* call, const sk_override_arg* args, int64_t n);
+/// Frees the Rust state when its registration is removed.
+typedef void (*sk_override_drop_fn)(void* state);
+
+/// A Rust kernel's callbacks.
+typedef struct sk_override_vtable {
+  sk_override_kernel_fn kernel;
+  sk_override_drop_fn drop;
+} sk_override_vtable;
+
+/// Registers `vtable`'s kernel as operator `name` (e.g. "aten::gelu", overload "") under `key`,
+/// recorded by the dispatcher as registered at `file`:`line`; *registration is its handle for
+/// sk_custom_override_remove. `state` belongs to the registration from here on, also when this
+/// fails. Refused for in-place and out= operators, operators returning anything but tensors, and
+/// composite operators under a backend key.
+int sk_custom_override_register(const char* name, const char* overload, int key, const char* file, int line,
+                                const sk_override_vtable* vtable, void* state, void** registration);
+/// Removes a registration, which brings back the kernel it replaced and frees its Rust state.
+int sk_custom_override_remove(void* registration);
+/// In a kernel: the operator's results, one per return of its schema.
+int sk_override_call_set_results(void* call, const sk_tensor* results, int64_t n);
+/// In a kernel: runs the kernel this one replaced instead.
+int sk_override_call_decline(void* call);
+/// In a kernel: why it failed.
+int sk_override_call_fail(void* call, const char* message);
+
 // @module bias_gelu: bias + tanh-GELU in one kernel, else ATen's (bias_gelu.cpp)
 
 /// *y = gelu_tanh(h + bias) over the last dimension, in h's type. Differentiable.

@@ -16,6 +16,7 @@ use crate::kernels;
 use crate::nn::Fp8Scope;
 use crate::nvtx::NvtxRange;
 use crate::optim::{AdamW, AdamWOptimizer};
+use crate::overrides::{OperatorOverride, Override, OverrideRegistration};
 use crate::plan::Plan;
 use crate::report::Audit;
 
@@ -59,6 +60,8 @@ pub struct SpeedContext {
     group: Option<Rc<ProcessGroup>>,
     /// The kernel layer's notes when the context began: the audit shows what came after.
     kernel_notes: kernels::NoteMark,
+    /// Operator overrides the user registered, with their reasons; removed before the flags.
+    operator_overrides: RefCell<Vec<(OverrideRegistration, String)>>,
     _release: ReleaseOnDrop,
     // Declared last so it drops last: everything above may still use the flags while dropping.
     guard: FlagGuard,
@@ -102,6 +105,7 @@ impl SpeedContext {
             optimizers: RefCell::default(),
             group,
             kernel_notes: kernels::NoteMark::now(),
+            operator_overrides: RefCell::default(),
             _release: ReleaseOnDrop,
             guard,
         })
@@ -348,12 +352,56 @@ impl SpeedContext {
         self.step(opt)
     }
 
+    /// Registers your kernel as an operator's implementation ([`OperatorOverride`]) while this
+    /// context lives: listed in the [`audit`](SpeedContext::audit) with `reason` and its calls,
+    /// removed when the context drops (panics included), which brings back the kernel it
+    /// replaced. A kernel that cannot be registered is an error, and nothing changes.
+    ///
+    /// ```
+    /// use speedkit::overrides::{DispatchKey, OperatorOverride, Outcome};
+    /// use speedkit::{SpeedConfig, SpeedContext};
+    /// use tch::Tensor;
+    ///
+    /// let ctx = SpeedContext::new(&SpeedConfig::from_yaml_str("device: cpu")?)?;
+    /// // tanh-GELU wherever the model asks for exact GELU on the CPU (a cheaper approximation).
+    /// ctx.override_operator(
+    ///     OperatorOverride::new("aten::gelu", DispatchKey::Cpu, |call| {
+    ///         if call.str("approximate")? != "none" {
+    ///             return Ok(Outcome::Declined("already approximate".into()));
+    ///         }
+    ///         Ok(Outcome::Ran(vec![call.tensor("self")?.gelu("tanh")]))
+    ///     }),
+    ///     "the tanh form is within 1e-3 of the exact one and cheaper",
+    /// )?;
+    /// let _ = Tensor::from_slice(&[0.5f32]).gelu("none");
+    /// assert_eq!(ctx.audit().operator_overrides[0].stats.ran, 1);
+    /// drop(ctx); // ATen's GELU again
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn override_operator(
+        &self,
+        kernel: OperatorOverride,
+        reason: impl Into<String>,
+    ) -> Result<()> {
+        let registration = kernel.register()?;
+        self.operator_overrides
+            .borrow_mut()
+            .push((registration, reason.into()));
+        Ok(())
+    }
+
     /// What speedkit decided and changed, with reasons.
     pub fn audit(&self) -> Audit {
         Audit {
             hardware: self.hardware.clone(),
             decisions: self.plan.decisions.clone(),
             flag_changes: self.guard.changes().to_vec(),
+            operator_overrides: self
+                .operator_overrides
+                .borrow()
+                .iter()
+                .map(|(registration, reason)| registration.record(reason))
+                .collect(),
             notes: self
                 .notes
                 .borrow()
@@ -367,6 +415,19 @@ impl SpeedContext {
                         .filter(|n| matches!(n.outcome, kernels::Outcome::FellBack(_)))
                         .map(|n| format!("kernels: {n}")),
                 )
+                .chain(Override::ALL.into_iter().filter_map(|o| {
+                    let stats = o.stats()?;
+                    let last = stats
+                        .last_declined
+                        .map(|why| format!(" (the latest for: {why})"))
+                        .unwrap_or_default();
+                    Some(format!(
+                        "overrides: {} ran {} calls on speedkit's kernels, handed {} to ATen{last}",
+                        o.name(),
+                        stats.ran,
+                        stats.declined
+                    ))
+                }))
                 .collect(),
         }
     }

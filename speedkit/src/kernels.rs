@@ -260,6 +260,11 @@ pub fn enabled() -> bool {
     ffi::kernels::setting_get(raw::SK_OP_ALL).unwrap_or(false)
 }
 
+/// Whether `op`'s kernels are switched on: the switch of every op, and the op's own.
+pub(crate) fn op_enabled(op: KernelOp) -> bool {
+    enabled() && ffi::kernels::setting_get(op.code()).unwrap_or(false)
+}
+
 // ----- the notes ---------------------------------------------------------------------------------
 
 /// What happened to one op: it ran on its kernel, or took ATen's path for a reason.

@@ -943,7 +943,8 @@ fn resolve_overrides(setting: AutoBool, kernels: bool, d: &mut Decisions) -> Res
                     true,
                     format!(
                     "{}speedkit's kernels registered as the CUDA kernels of {} while the context \
-                     lives: unchanged tch models (nn::layer_norm) run them",
+                     lives: unchanged tch models (nn::layer_norm, log_softmax under autocast) \
+                     run them",
                     if setting == AutoBool::On { "set in the config: " } else { "" },
                     names.join(", ")
                 ),

@@ -8,6 +8,7 @@ use crate::config::SpeedConfig;
 use crate::error::Result;
 use crate::flags::{Flag, FlagChange, FlagGuard, FlagState, FlagValue};
 use crate::hardware::Hardware;
+use crate::overrides::OverrideRecord;
 use crate::plan::{Decision, Plan};
 
 /// The audit trail: the hardware planned for, every decision with its reason, every flag changed
@@ -20,6 +21,9 @@ pub struct Audit {
     pub decisions: Vec<Decision>,
     /// Flags set, in the order applied.
     pub flag_changes: Vec<FlagChange>,
+    /// Operators whose implementation the context replaced with a kernel of yours
+    /// ([`SpeedContext::override_operator`](crate::SpeedContext::override_operator)).
+    pub operator_overrides: Vec<OverrideRecord>,
     /// Other actions (parameters moved, graphs captured, fall-backs).
     pub notes: Vec<String>,
 }
@@ -37,6 +41,10 @@ impl fmt::Display for Audit {
         f.write_str(&decisions_table(&self.decisions))?;
         writeln!(f, "\nflags changed (restored when the context drops)")?;
         f.write_str(&changes_table(&self.flag_changes))?;
+        if !self.operator_overrides.is_empty() {
+            writeln!(f, "\noperators overridden (removed when the context drops)")?;
+            f.write_str(&overrides_table(&self.operator_overrides))?;
+        }
         for note in &self.notes {
             writeln!(f, "note: {note}")?;
         }
@@ -93,6 +101,21 @@ fn changes_table(changes: &[FlagChange]) -> String {
         })
         .collect();
     table(&["flag", "before -> after", "reason"], &rows)
+}
+
+fn overrides_table(overrides: &[OverrideRecord]) -> String {
+    let rows: Vec<Vec<String>> = overrides
+        .iter()
+        .map(|o| {
+            vec![
+                format!("{} @ {}", o.operator, o.key),
+                o.location.clone(),
+                format!("{} ran, {} declined", o.stats.ran, o.stats.declined),
+                o.reason.clone(),
+            ]
+        })
+        .collect();
+    table(&["operator", "registered at", "calls", "reason"], &rows)
 }
 
 /// One flag across the report's three moments.

@@ -64,6 +64,7 @@ impl DeviceMemory {
 /// workload, it lands in a large segment that workload freed, and then pins that whole segment:
 /// every later workload counted it as its own reserved memory (1.5 GiB after `gpt2_tch`, measured
 /// on an H100). Made first, each sits in a small segment of its own.
+#[cfg(feature = "runner")]
 pub(crate) fn settle_library_workspaces(device: usize) -> Result<()> {
     let gemms = || -> Result<()> {
         let options = (tch::Kind::BFloat16, tch::Device::Cuda(device));

@@ -50,6 +50,7 @@ pub mod stats;
 pub mod testing;
 
 #[cfg(feature = "runner")]
+#[cfg(feature = "runner")]
 pub(crate) use memory::settle_library_workspaces;
 pub use memory::DeviceMemory;
 

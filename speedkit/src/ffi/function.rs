@@ -13,7 +13,8 @@ use std::ptr;
 use tch::Tensor;
 
 use super::{
-    c_string, check, handle, optional_handle, owned_or_none, raw, raw::function as abi, Result,
+    c_string, check, handle, optional_handle, owned_or_none, panic_text, raw, raw::function as abi,
+    Borrowed, Result,
 };
 use crate::error::SpeedkitError;
 
@@ -112,20 +113,6 @@ impl Call {
     }
 }
 
-/// The shim's tensors for one callback, borrowed: the handles point at tensors the node holds for
-/// the callback's duration, so they are wrapped without a copy (no allocation, no reference count
-/// touched) and forgotten, never freed, when the callback returns.
-struct Borrowed<T>(Vec<T>);
-
-impl<T> Drop for Borrowed<T> {
-    fn drop(&mut self) {
-        // The node owns these tensors: forgetting the wrappers leaves them to it.
-        for tensor in self.0.drain(..) {
-            std::mem::forget(tensor);
-        }
-    }
-}
-
 /// The tensors of a handle array the shim passed in (null: absent), borrowed.
 ///
 /// # Safety
@@ -170,12 +157,7 @@ fn report(call: &Call, what: &str, body: impl FnOnce() -> Result<()>) -> c_int {
             1
         }
         Err(panic) => {
-            let text = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic without a message".to_owned());
-            call.fail(&format!("{what} panicked: {text}"));
+            call.fail(&format!("{what} panicked: {}", panic_text(&*panic)));
             1
         }
     }

@@ -18,6 +18,7 @@ pub(crate) mod amp;
 pub(crate) mod autograd;
 pub(crate) mod bias_gelu;
 pub(crate) mod classifier;
+pub(crate) mod custom_overrides;
 pub(crate) mod device;
 pub(crate) mod distributed;
 pub(crate) mod embedding;
@@ -105,6 +106,29 @@ unsafe fn text(text: *const c_char) -> Option<String> {
     }
     let owned = CStr::from_ptr(text).to_string_lossy().into_owned();
     (!owned.is_empty()).then_some(owned)
+}
+
+/// Tensors the shim lends to a callback: the handles point at tensors C++ holds for the callback's
+/// duration, so they are wrapped without a copy (no allocation, no reference count touched) and
+/// forgotten, never freed, when the callback returns.
+pub(crate) struct Borrowed<T>(pub(crate) Vec<T>);
+
+impl<T> Drop for Borrowed<T> {
+    fn drop(&mut self) {
+        // C++ owns these tensors: forgetting the wrappers leaves them to it.
+        for tensor in self.0.drain(..) {
+            std::mem::forget(tensor);
+        }
+    }
+}
+
+/// A caught panic's message.
+pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".to_owned())
 }
 
 fn c_string(text: &str) -> Result<CString> {

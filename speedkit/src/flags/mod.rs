@@ -113,7 +113,7 @@ pub enum FlagKind {
 
 impl Flag {
     /// Every flag, in the order reports list them.
-    pub const ALL: [Flag; 27] = [
+    pub const ALL: [Flag; 28] = [
         Flag::CudaMatmulAllowTf32,
         Flag::Float32MatmulPrecision,
         Flag::CudaMatmulFp32Precision,
@@ -141,6 +141,7 @@ impl Flag {
         Flag::SpeedkitKernel(KernelOp::AdamW),
         Flag::SpeedkitKernel(KernelOp::Fp8Cast),
         Flag::AtenOverride(Override::LayerNorm),
+        Flag::AtenOverride(Override::LogSoftmax),
     ];
 
     /// PyTorch's spelling of the flag.
@@ -184,6 +185,7 @@ impl Flag {
             },
             Flag::AtenOverride(o) => match o {
                 Override::LayerNorm => "speedkit.overrides.layer_norm",
+                Override::LogSoftmax => "speedkit.overrides.log_softmax",
             },
         }
     }
@@ -274,7 +276,7 @@ impl Flag {
     /// which records and restores; this is the raw setter.
     pub fn set(self, value: FlagValue) -> Result<()> {
         if let (Flag::AtenOverride(o), FlagValue::Bool(on)) = (self, value) {
-            return ffi::overrides::set(o.code(), on);
+            return o.set_registered(on);
         }
         match (
             value,
@@ -299,7 +301,7 @@ impl Flag {
     /// back exactly. A view has nothing of its own to write.
     pub(crate) fn restore(self, value: FlagValue) -> Result<()> {
         if let (Flag::AtenOverride(o), FlagValue::Bool(on)) = (self, value) {
-            return ffi::overrides::set(o.code(), on);
+            return o.set_registered(on);
         }
         match (
             value,

@@ -1,0 +1,186 @@
+//! Operator overrides: speedkit's kernels registered as the CUDA implementations of the ATen
+//! operators they beat, so that a model written with tch's own modules (`nn::layer_norm`, ...) runs
+//! them with no change. PyTorch's dispatcher picks the kernel of every operator call; speedkit
+//! registers its own there (what `torch.library.Library("aten", "IMPL")` does) while a
+//! [`SpeedContext`](crate::SpeedContext) lives, and removes it when the context drops, which brings
+//! ATen's kernel back.
+//!
+//! An override is held like a flag ([`Flag::AtenOverride`](crate::flags::Flag::AtenOverride)): in
+//! the plan with its reason (the config's `overrides`), in the audit with its before and after,
+//! stacked and restored by the flag guard on every exit path, panics included, and under the same
+//! thread rule. A call whose inputs the kernel does not take (a dtype, a layout, a width) runs
+//! ATen's own CUDA kernel, and the kernel layer's notes count it ([`crate::kernels`]); CPU tensors
+//! never reach an override. `kernels: false` (or `overrides: false`) registers nothing.
+//!
+//! Your own kernels take the same path: [`OperatorOverride`] registers a Rust function as an
+//! operator's implementation under a dispatch key, held by a context
+//! ([`SpeedContext::override_operator`](crate::SpeedContext::override_operator)) or by its own
+//! registration.
+//!
+//! ```no_run
+//! use speedkit::overrides::{dispatcher_table, Override};
+//! use speedkit::{SpeedConfig, SpeedContext};
+//!
+//! let ctx = SpeedContext::new(&SpeedConfig::auto())?; // on a GPU: the overrides are registered
+//! assert!(Override::LayerNorm.is_registered()?);
+//! assert!(dispatcher_table("aten::native_layer_norm")?.contains("overrides.cpp"));
+//! drop(ctx); // ATen's kernels again
+//! assert!(!Override::LayerNorm.is_registered()?);
+//! # Ok::<(), speedkit::SpeedkitError>(())
+//! ```
+
+mod custom;
+mod log_softmax;
+
+pub use custom::{
+    DispatchKey, OperatorOverride, Outcome, OverrideCall, OverrideRecord, OverrideRegistration,
+    OverrideStats, Value,
+};
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use serde::Serialize;
+
+use crate::error::Result;
+use crate::ffi::{self, raw};
+use crate::kernels::KernelOp;
+
+/// A group of ATen operators speedkit takes over together.
+///
+/// ```
+/// use speedkit::overrides::Override;
+/// assert_eq!(Override::LayerNorm.operators(), ["aten::native_layer_norm", "aten::native_layer_norm_backward"]);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Override {
+    /// LayerNorm's forward and backward (`nn::layer_norm`, `Tensor::layer_norm`) on speedkit's
+    /// LayerNorm kernels: one pass each way, the parameters' gradients in the same pass.
+    LayerNorm,
+    /// `log_softmax` of bf16/fp16 logits under autocast (`log_softmax(-1, Kind::Float)`,
+    /// `cross_entropy_for_logits`) on speedkit's kernels: fp32 log-probabilities straight from the
+    /// logits and the gradient straight back in their type, where autocast makes an fp32 copy of
+    /// the logits and casts the gradient back. Built on the public layer ([`OperatorOverride`],
+    /// [`crate::function`], [`crate::cuda`]), as a user would build it.
+    LogSoftmax,
+}
+
+impl Override {
+    /// Every group, in the order the plan registers them.
+    pub const ALL: [Override; 2] = [Override::LayerNorm, Override::LogSoftmax];
+
+    /// The name the audit and the flags show.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Override::LayerNorm => "layer_norm",
+            Override::LogSoftmax => "log_softmax",
+        }
+    }
+
+    /// The ATen operators it registers a kernel for.
+    pub const fn operators(self) -> &'static [&'static str] {
+        match self {
+            Override::LayerNorm => &[
+                "aten::native_layer_norm",
+                "aten::native_layer_norm_backward",
+            ],
+            Override::LogSoftmax => &["aten::log_softmax.int"],
+        }
+    }
+
+    /// The kernels it runs, whose switch ([`crate::kernels`]) also turns it off.
+    pub const fn kernel_op(self) -> KernelOp {
+        match self {
+            Override::LayerNorm => KernelOp::LayerNorm,
+            Override::LogSoftmax => KernelOp::CrossEntropy,
+        }
+    }
+
+    /// Whether it is registered with the dispatcher now.
+    pub fn is_registered(self) -> Result<bool> {
+        match self.shim_code() {
+            Some(code) => ffi::overrides::get(code),
+            None => Ok(held().iter().any(|(o, _)| *o == self)),
+        }
+    }
+
+    /// Registers it (`on`) or removes it: the raw setter of
+    /// [`Flag::AtenOverride`](crate::flags::Flag::AtenOverride), which a context's flag guard
+    /// calls and restores.
+    pub(crate) fn set_registered(self, on: bool) -> Result<()> {
+        if let Some(code) = self.shim_code() {
+            return ffi::overrides::set(code, on);
+        }
+        let mut held = held();
+        let index = held.iter().position(|(o, _)| *o == self);
+        match (on, index) {
+            (true, None) => held.push((self, self.registered_in_rust()?)),
+            (false, Some(index)) => held.remove(index).1.remove()?,
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Registers the kernel sources it compiles at run time with the kernel layer, without
+    /// compiling them, and returns their names (for [`crate::kernels::compile`]). Groups whose
+    /// kernels are speedkit's built-in files ([`crate::kernels::files`]) have none.
+    ///
+    /// ```
+    /// use speedkit::overrides::Override;
+    /// assert_eq!(Override::LogSoftmax.register_sources()?, ["log_softmax.cu"]);
+    /// # Ok::<(), speedkit::SpeedkitError>(())
+    /// ```
+    pub fn register_sources(self) -> Result<Vec<&'static str>> {
+        match self {
+            Override::LayerNorm => Ok(Vec::new()),
+            Override::LogSoftmax => {
+                log_softmax::register_source()?;
+                Ok(vec![log_softmax::SOURCE_NAME])
+            }
+        }
+    }
+
+    /// The shim's id (speedkit.h's `sk_override`) of a group registered in C++; `None` for one
+    /// built in Rust on [`OperatorOverride`].
+    const fn shim_code(self) -> Option<i32> {
+        match self {
+            Override::LayerNorm => Some(raw::SK_OVERRIDE_LAYER_NORM),
+            Override::LogSoftmax => None,
+        }
+    }
+
+    fn registered_in_rust(self) -> Result<OverrideRegistration> {
+        match self {
+            Override::LogSoftmax => log_softmax::operator_override().register(),
+            Override::LayerNorm => unreachable!("registered by the shim"),
+        }
+    }
+
+    /// The calls of a group built in Rust so far, while it is registered.
+    pub fn stats(self) -> Option<OverrideStats> {
+        held()
+            .iter()
+            .find(|(o, _)| *o == self)
+            .map(|(_, registration)| registration.stats())
+    }
+}
+
+/// The groups built in Rust that are registered now, with their registrations.
+fn held() -> MutexGuard<'static, Vec<(Override, OverrideRegistration)>> {
+    static HELD: Mutex<Vec<(Override, OverrideRegistration)>> = Mutex::new(Vec::new());
+    HELD.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The dispatcher's table of an ATen operator (`"aten::native_layer_norm"`; an overload after a
+/// dot, `"aten::add.Tensor"`): which kernel each dispatch key runs and where it was registered. A
+/// speedkit override shows as registered at `speedkit/shim/overrides.cpp`.
+///
+/// ```
+/// let table = speedkit::overrides::dispatcher_table("aten::native_layer_norm")?;
+/// assert!(table.contains("CPU"));
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn dispatcher_table(operator: &str) -> Result<String> {
+    let (name, overload) = operator.split_once('.').unwrap_or((operator, ""));
+    ffi::overrides::dispatcher_table(name, overload)
+}
