@@ -16,6 +16,8 @@ use tch::{nn, Device, Kind, Tensor};
 
 #[test]
 fn cuda_detection_reads_the_device() {
+    // One at a time: others reseed the generator and switch attention backends off.
+    let _lock = common::serial();
     let Some(_) = common::cuda_or_skip("cuda_detection_reads_the_device") else {
         return;
     };
@@ -70,6 +72,8 @@ fn context_restores_flags_after_a_cuda_plan() {
 
 #[test]
 fn cuda_autocast_runs_matmul_in_bf16() {
+    // One at a time: others reseed the generator and switch attention backends off.
+    let _lock = common::serial();
     let Some(d) = common::cuda_or_skip("cuda_autocast_runs_matmul_in_bf16") else {
         return;
     };
@@ -86,6 +90,8 @@ fn cuda_autocast_runs_matmul_in_bf16() {
 
 #[test]
 fn cuda_fused_and_foreach_adamw_agree() {
+    // One at a time: others reseed the generator and switch attention backends off.
+    let _lock = common::serial();
     let Some(d) = common::cuda_or_skip("cuda_fused_and_foreach_adamw_agree") else {
         return;
     };
@@ -117,6 +123,8 @@ fn cuda_fused_and_foreach_adamw_agree() {
 
 #[test]
 fn cuda_fused_scaler_step_skips_inf_on_the_device() {
+    // One at a time: others reseed the generator and switch attention backends off.
+    let _lock = common::serial();
     let Some(d) = common::cuda_or_skip("cuda_fused_scaler_step_skips_inf_on_the_device") else {
         return;
     };
@@ -148,6 +156,8 @@ fn cuda_fused_scaler_step_skips_inf_on_the_device() {
 
 #[test]
 fn cuda_attention_uses_a_fused_backend_for_bf16_causal_on_sm80_plus() {
+    // One at a time: others reseed the generator and switch attention backends off.
+    let _lock = common::serial();
     let Some(d) =
         common::cuda_or_skip("cuda_attention_uses_a_fused_backend_for_bf16_causal_on_sm80_plus")
     else {

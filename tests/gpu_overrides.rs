@@ -197,7 +197,7 @@ fn log_softmax_under_autocast_matches_atens_forward_and_backward_on_odd_shapes()
             };
             let _on = common::hold_override(Override::LogSoftmax, true);
             let (y, dx) = log_softmax_pass(&x, &dy);
-            let stats = Override::LogSoftmax.stats().unwrap();
+            let stats = Override::LogSoftmax.stats("aten::log_softmax.int").unwrap();
             assert_eq!(
                 (stats.ran, stats.declined),
                 (1, 0),
@@ -251,7 +251,7 @@ fn log_softmax_calls_its_kernels_do_not_take_run_autocasts_path_and_are_counted(
         let _on = common::hold_override(Override::LogSoftmax, true);
         let got = under_autocast(&*call);
         assert!(got.equal(&expected), "{why}: autocast's own path ran");
-        let stats = Override::LogSoftmax.stats().unwrap();
+        let stats = Override::LogSoftmax.stats("aten::log_softmax.int").unwrap();
         assert_eq!((stats.ran, stats.declined), (0, 1), "{why}: {stats:?}");
         let last = stats.last_declined.unwrap_or_default();
         assert!(last.contains(why), "{why}: declined for {last}");
@@ -286,12 +286,129 @@ fn an_unchanged_tch_classifier_trains_on_the_log_softmax_override_in_a_graph() {
             losses.push(loss.double_value(&[]));
         }
     }
-    assert!(Override::LogSoftmax.stats().unwrap().ran > 0);
+    for op in Override::LogSoftmax.operators() {
+        assert!(Override::LogSoftmax.stats(op).unwrap().ran > 0, "{op}");
+    }
     let (first, last) = (losses[0], *losses.last().unwrap());
     assert!(last < first, "loss {first} -> {last}");
     let audit = ctx.audit().to_string();
-    assert!(audit.contains("overrides: log_softmax ran"), "{audit}");
+    assert!(audit.contains("overrides: aten::nll_loss ran"), "{audit}");
     drop(step);
     drop(ctx);
     assert!(!Override::LogSoftmax.is_registered().unwrap());
+}
+
+/// The loss `nll_loss(log_softmax(x))` under CUDA autocast, as tch's `cross_entropy_for_logits`
+/// computes it with `reduction` and `ignore_index`, and the logits' gradient; `also` adds a second
+/// use of the log-probabilities to the loss.
+fn cross_entropy_pass(
+    x: &Tensor,
+    target: &Tensor,
+    reduction: tch::Reduction,
+    also: bool,
+) -> (Tensor, Tensor) {
+    let x = x.detach().set_requires_grad(true);
+    let loss = speedkit::amp::autocast(x.device(), Kind::BFloat16, || {
+        let y = x.log_softmax(-1, Kind::Float);
+        let nll = y.g_nll_loss(target, None::<&Tensor>, reduction, -100);
+        if also {
+            nll + y.exp().square().mean(Kind::Float)
+        } else {
+            nll
+        }
+    })
+    .unwrap();
+    loss.backward();
+    (loss.detach(), x.grad())
+}
+
+#[test]
+fn nll_loss_after_log_softmax_is_fused_and_matches_aten_on_odd_shapes() {
+    let _serial = common::serial();
+    let Some(device) =
+        common::cuda_or_skip("nll_loss_after_log_softmax_is_fused_and_matches_aten_on_odd_shapes")
+    else {
+        return;
+    };
+    for kind in [Kind::BFloat16, Kind::Half] {
+        for (rows, classes) in [(7, 50257), (64, 8192), (5, 13), (3, 8)] {
+            for reduction in [tch::Reduction::Mean, tch::Reduction::Sum] {
+                let x = (Tensor::randn([rows, classes], (Kind::Float, device)) * 4.0).to_kind(kind);
+                // Every third row ignored (ATen's default ignore_index).
+                let target = Tensor::randint(classes, [rows], (Kind::Int64, device)).index_fill(
+                    0,
+                    &Tensor::arange_start_step(0, rows, 3, (Kind::Int64, device)),
+                    -100,
+                );
+                let case = format!("{kind:?} {rows}x{classes} {reduction:?}");
+                let (loss_aten, dx_aten) = {
+                    let _off = common::hold_override(Override::LogSoftmax, false);
+                    cross_entropy_pass(&x, &target, reduction, false)
+                };
+                let _on = common::hold_override(Override::LogSoftmax, true);
+                let (loss, dx) = cross_entropy_pass(&x, &target, reduction, false);
+                let stats = Override::LogSoftmax.stats("aten::nll_loss").unwrap();
+                assert_eq!((stats.ran, stats.declined), (1, 0), "{case}: {stats:?}");
+                let loss_err = common::rel_err(&loss, &loss_aten);
+                assert!(loss_err < 1e-5, "{case} loss: relative error {loss_err}");
+                let dx_err = common::rel_err(&dx, &dx_aten);
+                let tolerance = if kind == Kind::Half { 2e-3 } else { 1e-2 };
+                assert!(dx_err < tolerance, "{case} dx: relative error {dx_err}");
+            }
+        }
+    }
+}
+
+#[test]
+fn log_probabilities_used_beside_the_nll_get_both_gradients() {
+    let _serial = common::serial();
+    let Some(device) =
+        common::cuda_or_skip("log_probabilities_used_beside_the_nll_get_both_gradients")
+    else {
+        return;
+    };
+    let x = Tensor::randn([9, 1000], (Kind::BFloat16, device));
+    let target = Tensor::randint(1000, [9], (Kind::Int64, device));
+    let (loss_aten, dx_aten) = {
+        let _off = common::hold_override(Override::LogSoftmax, false);
+        cross_entropy_pass(&x, &target, tch::Reduction::Mean, true)
+    };
+    let _on = common::hold_override(Override::LogSoftmax, true);
+    let (loss, dx) = cross_entropy_pass(&x, &target, tch::Reduction::Mean, true);
+    assert_eq!(Override::LogSoftmax.stats("aten::nll_loss").unwrap().ran, 1);
+    assert!(common::rel_err(&loss, &loss_aten) < 1e-5);
+    let dx_err = common::rel_err(&dx, &dx_aten);
+    assert!(dx_err < 1e-2, "dx: relative error {dx_err}");
+}
+
+#[test]
+fn nll_loss_of_other_log_probabilities_runs_autocasts_path() {
+    let _serial = common::serial();
+    let Some(device) =
+        common::cuda_or_skip("nll_loss_of_other_log_probabilities_runs_autocasts_path")
+    else {
+        return;
+    };
+    let _on = common::hold_override(Override::LogSoftmax, true);
+    let x = Tensor::randn([4, 6, 10], (Kind::BFloat16, device)).set_requires_grad(true);
+    let target = Tensor::randint(10, [24], (Kind::Int64, device));
+    let loss = speedkit::amp::autocast(device, Kind::BFloat16, || {
+        // A view of speedkit's log-probabilities is not theirs: its node is the view's.
+        x.log_softmax(-1, Kind::Float)
+            .view([24, 10])
+            .nll_loss(&target)
+    })
+    .unwrap();
+    loss.backward();
+    let stats = Override::LogSoftmax.stats("aten::nll_loss").unwrap();
+    assert_eq!((stats.ran, stats.declined), (0, 1), "{stats:?}");
+    let expected = {
+        let x = x.detach().to_kind(Kind::Float).set_requires_grad(true);
+        x.log_softmax(-1, Kind::Float)
+            .view([24, 10])
+            .nll_loss(&target)
+            .backward();
+        x.grad()
+    };
+    assert!(common::rel_err(&x.grad(), &expected) < 1e-2);
 }

@@ -78,6 +78,10 @@ int sk_tensor_identity(sk_tensor tensor, uint64_t* id) {
   SK_TRY(*id = reinterpret_cast<uint64_t>(tensor->unsafeGetTensorImpl()))
 }
 
+int sk_tensor_grad_fn_identity(sk_tensor tensor, uint64_t* id) {
+  SK_TRY(*id = reinterpret_cast<uint64_t>(tensor->grad_fn().get()))
+}
+
 int sk_autograd_backward(const sk_tensor* outputs, const sk_tensor* grad_outputs, int64_t n) {
   SK_TRY(torch::autograd::backward(sk::tensor_list(outputs, n), sk::tensor_list(grad_outputs, n)))
 }

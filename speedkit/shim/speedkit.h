@@ -276,6 +276,9 @@ int sk_autograd_graph_leaf(void* graph, int64_t index, uint64_t* id);
 void sk_autograd_graph_free(void* graph);
 /// The identity autograd keys a variable by (its TensorImpl).
 int sk_tensor_identity(sk_tensor tensor, uint64_t* id);
+/// The identity of the node that made `tensor` (its grad_fn), 0 for none: unique while the node
+/// lives.
+int sk_tensor_grad_fn_identity(sk_tensor tensor, uint64_t* id);
 /// Back-propagates from `outputs` with `grad_outputs` as their gradients (torch.autograd.backward),
 /// adding to the leaves' gradients.
 int sk_autograd_backward(const sk_tensor* outputs, const sk_tensor* grad_outputs, int64_t n);

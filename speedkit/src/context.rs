@@ -415,18 +415,19 @@ impl SpeedContext {
                         .filter(|n| matches!(n.outcome, kernels::Outcome::FellBack(_)))
                         .map(|n| format!("kernels: {n}")),
                 )
-                .chain(Override::ALL.into_iter().filter_map(|o| {
-                    let stats = o.stats()?;
-                    let last = stats
-                        .last_declined
-                        .map(|why| format!(" (the latest for: {why})"))
-                        .unwrap_or_default();
-                    Some(format!(
-                        "overrides: {} ran {} calls on speedkit's kernels, handed {} to ATen{last}",
-                        o.name(),
-                        stats.ran,
-                        stats.declined
-                    ))
+                .chain(Override::ALL.into_iter().flat_map(|o| {
+                    o.operators().iter().filter_map(move |op| {
+                        let stats = o.stats(op)?;
+                        let last = stats
+                            .last_declined
+                            .map(|why| format!(" (the latest for: {why})"))
+                            .unwrap_or_default();
+                        Some(format!(
+                            "overrides: {op} ran {} calls on speedkit's kernels, handed {} to \
+                             ATen{last}",
+                            stats.ran, stats.declined
+                        ))
+                    })
                 }))
                 .collect(),
         }

@@ -53,6 +53,14 @@ pub(crate) fn tensor_identity(tensor: &Tensor) -> Result<u64> {
 }
 
 /// Back-propagates from `outputs` with `grad_outputs` as their gradients.
+/// The identity of the node that made `tensor` (0 for none): unique while that node lives.
+pub(crate) fn grad_fn_identity(tensor: &Tensor) -> Result<u64> {
+    let mut id = 0;
+    // SAFETY: a live handle, a valid out-pointer.
+    check(unsafe { abi::sk_tensor_grad_fn_identity(handle(tensor), &mut id) })?;
+    Ok(id)
+}
+
 pub(crate) fn backward(outputs: &[Tensor], grad_outputs: &[Tensor]) -> Result<()> {
     let (o, g) = (handles(outputs), handles(grad_outputs));
     // SAFETY: live handles of equal length for the call (the caller checked the lengths).

@@ -118,6 +118,32 @@ __device__ void backward(const float* dy, const float* y, T* dx, int width) {
   }
 }
 
+// The backward of nll_loss(log_softmax(x)) from the log-probabilities y alone, when the NLL's
+// gradient reached log_softmax only through speedkit's nll_loss (log_softmax.rs): with t the row's
+// target and k = grad / total_weight (mean) or grad (sum), dx = k · (exp(y) - [c == t]), 0 for a row
+// whose target is ignore_index. One pass: y read once, dx written once, and no dense gradient of
+// the NLL ([rows, width] fp32, all zeros but one per row) in between.
+template <typename T>
+__device__ void nll_backward(const float* y, const long long* targets, const float* grad,
+                             const float* total_weight, T* dx, int width, long long ignore_index, int mean) {
+  const long long row = blockIdx.x;
+  const float* yr = y + row * width;
+  T* dxr = dx + row * width;
+  const long long target = targets[row];
+  const float k = target == ignore_index ? 0.f : (mean ? *grad / *total_weight : *grad);
+  if (width % 8 == 0) {
+    for (int c = threadIdx.x * 8; c < width; c += blockDim.x * 8) {
+      float v[8];
+      sk::load8(yr + c, v);
+      for (int i = 0; i < 8; ++i) v[i] = k * (__expf(v[i]) - (c + i == target ? 1.f : 0.f));
+      sk::store8(dxr + c, v);
+    }
+  } else {
+    for (int c = threadIdx.x; c < width; c += blockDim.x)
+      dxr[c] = sk::from_float<T>(k * (__expf(yr[c]) - (c == target ? 1.f : 0.f)));
+  }
+}
+
 }  // namespace
 
 #define SK_LOG_SOFTMAX_ENTRIES(tag, T)                                                                     \
@@ -128,6 +154,11 @@ __device__ void backward(const float* dy, const float* y, T* dx, int width) {
   extern "C" __global__ void __launch_bounds__(1024)                                                     \
       log_softmax_backward_##tag(const float* dy, const float* y, T* dx, int width) {                     \
     backward<T>(dy, y, dx, width);                                                                     \
+  }                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(1024) log_softmax_nll_backward_##tag(                     \
+      const float* y, const long long* targets, const float* grad, const float* total_weight, T* dx,     \
+      int width, long long ignore_index, int mean) {                                                     \
+    nll_backward<T>(y, targets, grad, total_weight, dx, width, ignore_index, mean);                      \
   }
 SK_LOG_SOFTMAX_ENTRIES(bf16, sk::bf16)
 SK_LOG_SOFTMAX_ENTRIES(f16, sk::f16)

@@ -10,14 +10,23 @@
 //! write fp32 log-probabilities, and write the gradient in the logits' type: the same arithmetic
 //! (fp32 throughout), two kernels and two large tensors fewer. This is what tch's
 //! `cross_entropy_for_logits` and `log_softmax(-1, Kind::Float)` call.
+//!
+//! The `nll_loss` that follows a classifier's `log_softmax` is fused with it across the two
+//! overrides: `nll_loss` of log-probabilities this module wrote hands its gradient to their
+//! `log_softmax` node as the targets and a scale, not as the dense [rows, vocabulary] fp32 tensor
+//! (zeros but one entry a row) autograd would build, and that node's backward is one pass over the
+//! log-probabilities: dx = k · (exp(y) - onehot(target)). The gradient to pass along is an expanded
+//! zero (no memory), which marks it; where the log-probabilities also feed something else,
+//! autograd adds the gradients into a dense one and the node adds the NLL's part to it.
 
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 
 use tch::{Device, Kind, Tensor};
 
 use super::{DispatchKey, OperatorOverride, Outcome, OverrideCall};
 use crate::cuda::{Arg, CudaKernel, CudaModule, Param};
 use crate::error::Result;
+use crate::ffi;
 use crate::function::{apply, BackwardContext, ForwardContext, Function};
 use crate::kernels::KernelOp;
 
@@ -25,13 +34,16 @@ use crate::kernels::KernelOp;
 pub(crate) const SOURCE_NAME: &str = "log_softmax.cu";
 const SOURCE: &str = include_str!("log_softmax.cu");
 
-/// The override: ATen's `log_softmax.int` under autocast on CUDA.
-pub(crate) fn operator_override() -> OperatorOverride {
-    OperatorOverride::new(
-        "aten::log_softmax.int",
-        DispatchKey::AutocastCuda,
-        log_softmax,
-    )
+/// The overrides: ATen's `log_softmax.int` and `nll_loss` under autocast on CUDA.
+pub(crate) fn operator_overrides() -> [OperatorOverride; 2] {
+    [
+        OperatorOverride::new(
+            "aten::log_softmax.int",
+            DispatchKey::AutocastCuda,
+            log_softmax,
+        ),
+        OperatorOverride::new("aten::nll_loss", DispatchKey::AutocastCuda, nll_loss),
+    ]
 }
 
 /// Registers the kernels' source with the kernel layer (without compiling it).
@@ -46,12 +58,56 @@ fn log_softmax(call: &OverrideCall<'_>) -> Result<Outcome> {
         return Ok(Outcome::Declined(why));
     }
     let kernels = Kernels::get(x.device(), x.kind())?;
+    let link = Arc::new(Mutex::new(None));
     let function = LogSoftmax {
         kernels,
         logits: x.kind(),
+        link: Arc::clone(&link),
     };
     let y = apply(function, &[x])?.remove(0);
+    if y.requires_grad() {
+        links().push(&y, &link)?;
+    }
     Ok(Outcome::Ran(vec![y]))
+}
+
+/// `nll_loss` of log-probabilities the `log_softmax` above wrote, fused with it (see the module
+/// docs); any other call runs autocast's own path.
+fn nll_loss(call: &OverrideCall<'_>) -> Result<Outcome> {
+    let (y, target) = (call.tensor("self")?, call.tensor("target")?);
+    let reduction = call.int("reduction")?;
+    let link = match links().find(y) {
+        Some(link) if call.optional_tensor("weight")?.is_none() => link,
+        Some(_) => return Ok(Outcome::Declined("class weights".into())),
+        None => {
+            return Ok(Outcome::Declined(
+                "input not from speedkit's log_softmax".into(),
+            ))
+        }
+    };
+    let rows = y.size().first().copied().unwrap_or(0);
+    if y.dim() != 2 || target.dim() != 1 || target.size() != [rows] || target.kind() != Kind::Int64
+    {
+        return Ok(Outcome::Declined(format!(
+            "input {:?} and target {:?} {:?} (the fusion takes [rows, classes] and [rows] int64)",
+            y.size(),
+            target.size(),
+            target.kind()
+        )));
+    }
+    let reduction = match reduction {
+        1 => Reduction::Mean,
+        2 => Reduction::Sum,
+        _ => return Ok(Outcome::Declined("reduction none".into())),
+    };
+    let function = Nll {
+        link,
+        ignore_index: call.int("ignore_index")?,
+        reduction,
+        input: (Vec::new(), y.device()),
+    };
+    let loss = apply(function, &[y, target])?.remove(0);
+    Ok(Outcome::Ran(vec![loss]))
 }
 
 /// Why the kernels cannot take this call, or `None`.
@@ -89,6 +145,7 @@ fn unsupported(x: &Tensor, dim: i64, fp32_result: bool) -> Option<String> {
 struct Kernels {
     forward: CudaKernel,
     backward: CudaKernel,
+    nll_backward: CudaKernel,
 }
 
 impl Kernels {
@@ -118,6 +175,20 @@ impl Kernels {
                 &[fp32, fp32, x, Param::I32],
                 device,
             )?,
+            nll_backward: module.kernel(
+                &format!("log_softmax_nll_backward_{tag}"),
+                &[
+                    fp32,
+                    Param::Tensor(Kind::Int64),
+                    fp32,
+                    fp32,
+                    x,
+                    Param::I32,
+                    Param::I64,
+                    Param::I32,
+                ],
+                device,
+            )?,
         });
         loaded.push(((device, kind), Arc::clone(&kernels)));
         Ok(kernels)
@@ -143,6 +214,8 @@ struct LogSoftmax {
     kernels: Arc<Kernels>,
     /// The logits' type, which the backward writes.
     logits: Kind,
+    /// Where a fused `nll_loss` leaves its gradient for this node's backward.
+    link: Link,
 }
 
 impl Function for LogSoftmax {
@@ -167,24 +240,183 @@ impl Function for LogSoftmax {
         grads: &[Option<Tensor>],
     ) -> Result<Vec<Option<Tensor>>> {
         let y = ctx.saved()?.remove(0);
+        let nll = lock(&self.link).take();
         let Some(dy) = &grads[0] else {
             return Ok(vec![None]);
         };
-        let dy = dy.to_kind(Kind::Float).contiguous();
         let dx = Tensor::empty(y.size(), (self.logits, y.device()));
         let (rows, width) = rows_and_width(&y);
         let (grid, block) = launch_shape(rows, width);
-        self.kernels.backward.launch(
-            grid,
-            block,
-            0,
-            &[
-                (&dy).into(),
-                (&y).into(),
-                (&dx).into(),
-                Arg::I32(width as i32),
-            ],
-        )?;
+        match nll {
+            Some(nll) if is_marker(dy) => self.kernels.nll_backward.launch(
+                grid,
+                block,
+                0,
+                &[
+                    (&y).into(),
+                    (&nll.target).into(),
+                    (&nll.grad).into(),
+                    (&nll.total_weight).into(),
+                    (&dx).into(),
+                    Arg::I32(width as i32),
+                    Arg::I64(nll.ignore_index),
+                    Arg::I32(i32::from(nll.reduction == Reduction::Mean)),
+                ],
+            )?,
+            nll => {
+                let mut dy = dy.to_kind(Kind::Float).contiguous();
+                if let Some(nll) = nll {
+                    dy = dy.f_add(&nll.dense(&y)?)?;
+                }
+                self.kernels.backward.launch(
+                    grid,
+                    block,
+                    0,
+                    &[
+                        (&dy).into(),
+                        (&y).into(),
+                        (&dx).into(),
+                        Arg::I32(width as i32),
+                    ],
+                )?
+            }
+        }
         Ok(vec![Some(dx)])
+    }
+}
+
+/// How the NLL's loss is reduced over rows (ATen's codes 1 and 2; `none` is not fused).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reduction {
+    Mean,
+    Sum,
+}
+
+impl Reduction {
+    fn tch(self) -> tch::Reduction {
+        match self {
+            Reduction::Mean => tch::Reduction::Mean,
+            Reduction::Sum => tch::Reduction::Sum,
+        }
+    }
+}
+
+/// A fused `nll_loss`'s gradient, left for its `log_softmax` node: the loss's gradient `grad`
+/// (fp32, 0-d), the targets, the count of rows not ignored (for the mean).
+struct NllGradient {
+    target: Tensor,
+    grad: Tensor,
+    total_weight: Tensor,
+    ignore_index: i64,
+    reduction: Reduction,
+}
+
+impl NllGradient {
+    /// The gradient it stands for at the log-probabilities `y`, dense: -k at each row's target.
+    fn dense(&self, y: &Tensor) -> Result<Tensor> {
+        let k = match self.reduction {
+            Reduction::Mean => &self.grad / &self.total_weight,
+            Reduction::Sum => self.grad.shallow_clone(),
+        };
+        let kept = self.target.f_ne(self.ignore_index)?;
+        let values = (kept.to_kind(Kind::Float) * k.neg()).unsqueeze(1);
+        let columns = self.target.f_where_scalarother(&kept, 0)?.unsqueeze(1);
+        Ok(y.f_zeros_like()?.f_scatter_add(1, &columns, &values)?)
+    }
+}
+
+type Link = Arc<Mutex<Option<NllGradient>>>;
+
+fn lock(link: &Link) -> MutexGuard<'_, Option<NllGradient>> {
+    link.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The gradient a fused `nll_loss` passes to its `log_softmax`: zeros of the log-probabilities'
+/// shape, expanded from one element.
+fn marker((size, device): &(Vec<i64>, Device)) -> Result<Tensor> {
+    Ok(Tensor::f_zeros([1, 1], (Kind::Float, *device))?.f_expand(size.as_slice(), false)?)
+}
+
+fn is_marker(dy: &Tensor) -> bool {
+    dy.stride().iter().all(|&s| s == 0)
+}
+
+/// The `nll_loss` half of the fusion: the loss as ATen computes it (a gather), and in the backward
+/// the targets and scale handed to the `log_softmax` node in place of a dense gradient.
+struct Nll {
+    link: Link,
+    ignore_index: i64,
+    reduction: Reduction,
+    /// The log-probabilities' shape and device, for the gradient handed back.
+    input: (Vec<i64>, Device),
+}
+
+impl Function for Nll {
+    fn forward(&mut self, ctx: &mut ForwardContext<'_>, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let (y, target) = (&inputs[0], &inputs[1]);
+        // The operator itself, from inside its override: autocast's own path, with grad mode off.
+        let loss = y.f_nll_loss(
+            target,
+            None::<&Tensor>,
+            self.reduction.tch(),
+            self.ignore_index,
+        )?;
+        let total_weight = target.f_ne(self.ignore_index)?.f_sum(Kind::Float)?;
+        ctx.save_for_backward(&[target, &total_weight])?;
+        self.input = (y.size(), y.device());
+        Ok(vec![loss])
+    }
+
+    fn backward(
+        &mut self,
+        ctx: &mut BackwardContext<'_>,
+        grads: &[Option<Tensor>],
+    ) -> Result<Vec<Option<Tensor>>> {
+        let mut saved = ctx.saved()?;
+        let total_weight = saved.remove(1);
+        let target = saved.remove(0);
+        let Some(grad) = &grads[0] else {
+            return Ok(vec![None, None]);
+        };
+        *lock(&self.link) = Some(NllGradient {
+            target,
+            grad: grad.to_kind(Kind::Float).contiguous(),
+            total_weight,
+            ignore_index: self.ignore_index,
+            reduction: self.reduction,
+        });
+        Ok(vec![Some(marker(&self.input)?), None])
+    }
+}
+
+/// The nodes of this module's `log_softmax` that may still get a fused `nll_loss`, by the
+/// identity of the node (`grad_fn`) of the log-probabilities they wrote, with their links: how
+/// `nll_loss` knows its input is one of them. An entry counts only while its link lives, which the
+/// node keeps alive (and a fused `nll_loss` node, which keeps the node alive): a node's identity is
+/// not reused while it lives, and a view or an in-place change of the log-probabilities has another
+/// node, so nothing else matches.
+struct Links(Vec<(u64, Weak<Mutex<Option<NllGradient>>>)>);
+
+fn links() -> MutexGuard<'static, Links> {
+    static LINKS: Mutex<Links> = Mutex::new(Links(Vec::new()));
+    LINKS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Links {
+    /// Records the node that made `y`, forgetting the entries whose node is gone.
+    fn push(&mut self, y: &Tensor, link: &Link) -> Result<()> {
+        let node = ffi::autograd::grad_fn_identity(y)?;
+        self.0.retain(|(_, weak)| weak.strong_count() > 0);
+        self.0.push((node, Arc::downgrade(link)));
+        Ok(())
+    }
+
+    fn find(&self, y: &Tensor) -> Option<Link> {
+        let node = ffi::autograd::grad_fn_identity(y).ok()?;
+        self.0
+            .iter()
+            .rev()
+            .filter(|(n, _)| node != 0 && *n == node)
+            .find_map(|(_, weak)| weak.upgrade())
     }
 }

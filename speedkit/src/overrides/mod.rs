@@ -84,7 +84,7 @@ impl Override {
                 "aten::native_layer_norm",
                 "aten::native_layer_norm_backward",
             ],
-            Override::LogSoftmax => &["aten::log_softmax.int"],
+            Override::LogSoftmax => &["aten::log_softmax.int", "aten::nll_loss"],
         }
     }
 
@@ -114,8 +114,15 @@ impl Override {
         let mut held = held();
         let index = held.iter().position(|(o, _)| *o == self);
         match (on, index) {
-            (true, None) => held.push((self, self.registered_in_rust()?)),
-            (false, Some(index)) => held.remove(index).1.remove()?,
+            (true, None) => {
+                let registrations = self.registered_in_rust()?;
+                held.push((self, registrations));
+            }
+            (false, Some(index)) => {
+                for registration in held.remove(index).1 {
+                    registration.remove()?;
+                }
+            }
             _ => {}
         }
         Ok(())
@@ -149,25 +156,41 @@ impl Override {
         }
     }
 
-    fn registered_in_rust(self) -> Result<OverrideRegistration> {
-        match self {
-            Override::LogSoftmax => log_softmax::operator_override().register(),
+    /// Its registrations, made whole or not at all (one that fails drops, which removes, those
+    /// made before it).
+    fn registered_in_rust(self) -> Result<Vec<OverrideRegistration>> {
+        let overrides = match self {
+            Override::LogSoftmax => log_softmax::operator_overrides(),
             Override::LayerNorm => unreachable!("registered by the shim"),
-        }
+        };
+        overrides
+            .into_iter()
+            .map(OperatorOverride::register)
+            .collect()
     }
 
-    /// The calls of a group built in Rust so far, while it is registered.
-    pub fn stats(self) -> Option<OverrideStats> {
+    /// The calls of `operator` (one of [`operators`](Override::operators)) so far, while this
+    /// group, built in Rust, is registered.
+    ///
+    /// ```
+    /// use speedkit::overrides::Override;
+    /// assert_eq!(Override::LogSoftmax.stats("aten::nll_loss"), None); // not registered
+    /// ```
+    pub fn stats(self, operator: &str) -> Option<OverrideStats> {
         held()
             .iter()
-            .find(|(o, _)| *o == self)
-            .map(|(_, registration)| registration.stats())
+            .filter(|(o, _)| *o == self)
+            .flat_map(|(_, registrations)| registrations)
+            .find(|r| r.operator() == operator)
+            .map(OverrideRegistration::stats)
     }
 }
 
+type Held = Vec<(Override, Vec<OverrideRegistration>)>;
+
 /// The groups built in Rust that are registered now, with their registrations.
-fn held() -> MutexGuard<'static, Vec<(Override, OverrideRegistration)>> {
-    static HELD: Mutex<Vec<(Override, OverrideRegistration)>> = Mutex::new(Vec::new());
+fn held() -> MutexGuard<'static, Held> {
+    static HELD: Mutex<Held> = Mutex::new(Vec::new());
     HELD.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
