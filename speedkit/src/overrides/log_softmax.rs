@@ -17,7 +17,10 @@
 //! (zeros but one entry a row) autograd would build, and that node's backward is one pass over the
 //! log-probabilities: dx = k · (exp(y) - onehot(target)). The gradient to pass along is an expanded
 //! zero (no memory), which marks it; where the log-probabilities also feed something else,
-//! autograd adds the gradients into a dense one and the node adds the NLL's part to it.
+//! autograd adds the gradients into a dense one and the node adds the NLL's part to it. The one
+//! thing the fusion changes is the gradient of the log-probabilities themselves: asked for by
+//! `Tensor::run_backward(&[loss], &[y], ..)`, it reads as that zero marker. Ask for the logits'
+//! gradient (exact), or set `overrides: false`.
 
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 
@@ -77,8 +80,10 @@ fn nll_loss(call: &OverrideCall<'_>) -> Result<Outcome> {
     let (y, target) = (call.tensor("self")?, call.tensor("target")?);
     let reduction = call.int("reduction")?;
     let link = match links().find(y) {
-        Some(link) if call.optional_tensor("weight")?.is_none() => link,
-        Some(_) => return Ok(Outcome::Declined("class weights".into())),
+        Some(_) if call.optional_tensor("weight")?.is_some() => {
+            return Ok(Outcome::Declined("class weights".into()))
+        }
+        Some(link) => link,
         None => {
             return Ok(Outcome::Declined(
                 "input not from speedkit's log_softmax".into(),
