@@ -20,6 +20,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "quiet_warnings.h"
+
 #include <algorithm>
 #include <deque>
 #include <memory>
@@ -217,12 +219,7 @@ Registration* register_kernel(const char* name, const char* overload, int key_co
   TORCH_CHECK(why.empty(), "cannot override ", shown, ": ", why);
   kernel->replace(*op, key);
 
-  // A registration that replaces a kernel is the point here: the dispatcher's warning that it
-  // does is dropped, for this registration alone.
-  struct Quiet : c10::WarningHandler {
-    void process(const c10::Warning&) override {}
-  } quiet;
-  c10::WarningUtils::WarningHandlerGuard silenced(&quiet);
+  const QuietWarnings quiet;  // for this registration alone
   count_flag_write();
   auto registration = std::make_unique<Registration>();
   registration->file = file;

@@ -14,6 +14,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
+
+#include "quiet_warnings.h"
 #if SK_WITH_CUDA
 #include <ATen/ops/native_layer_norm_backward_cuda_dispatch.h>
 #include <ATen/ops/native_layer_norm_cuda_dispatch.h>
@@ -152,12 +154,7 @@ void set_registered(int which, bool on) {
     registrations[which].reset();
     return;
   }
-  // The dispatcher warns that a kernel replaces another, which is the point here: that warning is
-  // dropped, for this registration alone.
-  struct Quiet : c10::WarningHandler {
-    void process(const c10::Warning&) override {}
-  } quiet;
-  c10::WarningUtils::WarningHandlerGuard silenced(&quiet);
+  const QuietWarnings quiet;  // for this registration alone
   // Built whole before it is kept: a registration that fails part-way is destroyed, which removes
   // whatever part of it was registered.
   auto library = std::make_unique<torch::Library>(torch::Library::IMPL, "aten", c10::DispatchKey::CUDA, __FILE__,

@@ -288,15 +288,15 @@ impl OperatorOverride {
     /// operator that does not exist or cannot take a kernel (see the rules above) is an error,
     /// and nothing is registered.
     pub fn register(self) -> Result<OverrideRegistration> {
-        let (name, overload) = self
-            .operator
-            .split_once('.')
-            .unwrap_or((&self.operator, ""));
         let shared = Arc::new(Shared {
-            operator: self.operator.clone(),
+            operator: self.operator,
             kernel: self.kernel,
             stats: StatsCell::default(),
         });
+        let (name, overload) = shared
+            .operator
+            .split_once('.')
+            .unwrap_or((&shared.operator, ""));
         let handle = ffi::custom_overrides::register(
             name,
             overload,
@@ -305,7 +305,6 @@ impl OperatorOverride {
             Arc::clone(&shared) as Arc<dyn OverrideKernel>,
         )?;
         Ok(OverrideRegistration {
-            operator: self.operator,
             key: self.key,
             location: self.location,
             shared,
@@ -407,7 +406,6 @@ pub struct OverrideRecord {
 /// removes the kernel and brings back the one it replaced.
 #[must_use = "the kernel is removed when the registration drops; binding it to `_` removes it at once"]
 pub struct OverrideRegistration {
-    operator: String,
     key: DispatchKey,
     location: &'static Location<'static>,
     shared: Arc<Shared>,
@@ -417,7 +415,7 @@ pub struct OverrideRegistration {
 impl OverrideRegistration {
     /// The operator it implements.
     pub fn operator(&self) -> &str {
-        &self.operator
+        &self.shared.operator
     }
 
     /// The dispatch key it is registered under.
@@ -448,7 +446,7 @@ impl OverrideRegistration {
     /// The audit's record of it, with `reason`.
     pub fn record(&self, reason: &str) -> OverrideRecord {
         OverrideRecord {
-            operator: self.operator.clone(),
+            operator: self.operator().to_owned(),
             key: self.key,
             location: self.location(),
             reason: reason.to_owned(),
@@ -465,7 +463,7 @@ impl OverrideRegistration {
 impl fmt::Debug for OverrideRegistration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OverrideRegistration")
-            .field("operator", &self.operator)
+            .field("operator", &self.operator())
             .field("key", &self.key)
             .field("location", &self.location())
             .field("stats", &self.stats())
