@@ -6,6 +6,7 @@
 mod common;
 
 use speedkit::kernels::{KernelOp, NoteMark, Outcome};
+use speedkit::memory::MemoryUse;
 use speedkit::overrides::Override;
 use speedkit::{SpeedConfig, SpeedContext};
 use tch::nn::{self, Module, OptimizerConfig};
@@ -43,7 +44,12 @@ fn layer_norm_matches_aten_forward_and_backward_on_odd_shapes() {
     };
     for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
         let tolerance = if kind == Kind::Float { 1e-5 } else { 2e-2 };
-        for shape in [vec![3, 7, 129], vec![1000, 768], vec![5, 2, 3, 4096]] {
+        for shape in [
+            vec![3, 7, 129],
+            vec![1000, 768],
+            vec![5, 2, 3, 1000],
+            vec![64, 1024],
+        ] {
             let width = *shape.last().unwrap();
             let x = Tensor::randn(shape.as_slice(), (kind, device)) * 3.0 + 1.0;
             let dy = Tensor::randn(shape.as_slice(), (kind, device));
@@ -110,6 +116,46 @@ fn an_input_the_kernels_do_not_take_runs_atens_kernel_and_is_noted() {
 }
 
 #[test]
+fn layer_norm_where_atens_kernels_are_faster_runs_them_and_is_noted() {
+    let _serial = common::serial();
+    let Some(device) =
+        common::cuda_or_skip("layer_norm_where_atens_kernels_are_faster_runs_them_and_is_noted")
+    else {
+        return;
+    };
+    let _on = hold(true);
+    // Past 1024 columns.
+    let wide = Tensor::randn([16, 4096], (Kind::Float, device)).set_requires_grad(true);
+    let mark = NoteMark::now();
+    let y = wide.layer_norm([4096], None::<&Tensor>, None::<&Tensor>, 1e-5, false);
+    y.sum(Kind::Float).backward();
+    let fell_back: u64 = mark
+        .since()
+        .iter()
+        .filter(|n| matches!(&n.outcome, Outcome::FellBack(why) if why.contains("width 4096")))
+        .map(|n| n.count)
+        .sum();
+    assert_eq!(
+        fell_back,
+        2,
+        "forward and backward: {:?}",
+        mark.fallbacks_since()
+    );
+    // The parameters' gradients alone (the input needs none).
+    let x = Tensor::randn([16, 768], (Kind::Float, device));
+    let w = Tensor::ones([768], (Kind::Float, device)).set_requires_grad(true);
+    let mark = NoteMark::now();
+    let y = x.layer_norm([768], Some(&w), None::<&Tensor>, 1e-5, false);
+    (y * 2.0).sum(Kind::Float).backward();
+    let fallbacks = mark.fallbacks_since();
+    assert!(
+        fallbacks.iter().any(|f| f.contains("no input gradient")),
+        "{fallbacks:?}"
+    );
+    assert!(w.grad().defined());
+}
+
+#[test]
 fn an_unchanged_tch_model_trains_on_the_overrides_under_autocast_and_in_a_graph() {
     let _serial = common::serial();
     let Some(device) = common::cuda_or_skip(
@@ -154,6 +200,7 @@ fn an_unchanged_tch_model_trains_on_the_overrides_under_autocast_and_in_a_graph(
         }
     }
     assert!(speedkit::kernels::take_ops_run().contains(&"layer_norm"));
+    assert!(Override::Linear.stats("aten::linear").unwrap().ran > 0);
     let (first, last) = (losses[0], *losses.last().unwrap());
     assert!(last < first, "loss {first} -> {last}");
     drop(step);
@@ -411,4 +458,148 @@ fn nll_loss_of_other_log_probabilities_runs_autocasts_path() {
         x.grad()
     };
     assert!(common::rel_err(&x.grad(), &expected) < 1e-2);
+}
+
+#[test]
+fn the_fused_cross_entropy_keeps_no_fp32_log_probabilities_for_the_backward() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "the_fused_cross_entropy_keeps_no_fp32_log_probabilities_for_the_backward",
+    ) else {
+        return;
+    };
+    let _on = common::hold_override(Override::LogSoftmax, true);
+    let (rows, classes) = (512, 32768);
+    let x = Tensor::randn([rows, classes], (Kind::BFloat16, device)).set_requires_grad(true);
+    let target = Tensor::randint(classes, [rows], (Kind::Int64, device));
+    let allocated = || MemoryUse::now(device).unwrap().allocated;
+    let before = allocated();
+    let loss = speedkit::amp::autocast(device, Kind::BFloat16, || {
+        x.cross_entropy_for_logits(&target)
+    })
+    .unwrap();
+    let held = allocated() - before;
+    assert_eq!(Override::LogSoftmax.stats("aten::nll_loss").unwrap().ran, 1);
+    // The log-probabilities alone would be rows × classes × 4 bytes (64 MiB); what the loss keeps
+    // is per row (log-sum-exp, targets' count) and the loss itself.
+    let log_probs = (rows * classes * 4) as u64;
+    assert!(
+        held < log_probs / 16,
+        "the loss holds {held} bytes (the fp32 log-probabilities are {log_probs})"
+    );
+    loss.backward();
+    assert_eq!(x.grad().kind(), Kind::BFloat16);
+}
+
+#[test]
+fn under_the_fusion_the_log_probabilities_own_gradient_is_undefined_and_the_logits_exact() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "under_the_fusion_the_log_probabilities_own_gradient_is_undefined_and_the_logits_exact",
+    ) else {
+        return;
+    };
+    let x = Tensor::randn([9, 1000], (Kind::BFloat16, device));
+    let target = Tensor::randint(1000, [9], (Kind::Int64, device));
+    let (_, dx_aten) = {
+        let _off = common::hold_override(Override::LogSoftmax, false);
+        cross_entropy_pass(&x, &target, tch::Reduction::Mean, false)
+    };
+    let _on = common::hold_override(Override::LogSoftmax, true);
+    let x = x.set_requires_grad(true);
+    let (loss, y) = speedkit::amp::autocast(device, Kind::BFloat16, || {
+        let y = x.log_softmax(-1, Kind::Float);
+        (y.nll_loss(&target), y)
+    })
+    .unwrap();
+    let grads = Tensor::run_backward(&[&loss], &[&y, &x], false, false);
+    assert!(
+        !grads[0].defined(),
+        "the loss reaches the logits, not the log-probabilities, in autograd's graph"
+    );
+    let dx_err = common::rel_err(&grads[1], &dx_aten);
+    assert!(dx_err < 1e-2, "dx: relative error {dx_err}");
+}
+
+/// y, dx, dweight, dbias of `linear` under CUDA autocast (bf16) for a fixed upstream gradient.
+fn linear_pass(x: &Tensor, w: &Tensor, b: Option<&Tensor>, dy: &Tensor) -> Vec<Tensor> {
+    let x = x.detach().set_requires_grad(true);
+    let w = w.detach().set_requires_grad(true);
+    let b = b.map(|t| t.detach().set_requires_grad(true));
+    let y =
+        speedkit::amp::autocast(x.device(), Kind::BFloat16, || x.linear(&w, b.as_ref())).unwrap();
+    (y.to_kind(Kind::Float) * dy).sum(Kind::Float).backward();
+    let db = b.as_ref().map_or_else(
+        || Tensor::zeros([1], (Kind::Float, x.device())),
+        Tensor::grad,
+    );
+    vec![y.detach(), x.grad(), w.grad(), db]
+}
+
+#[test]
+fn linear_under_autocast_matches_atens_forward_and_backward_on_odd_shapes() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "linear_under_autocast_matches_atens_forward_and_backward_on_odd_shapes",
+    ) else {
+        return;
+    };
+    for x_kind in [Kind::Float, Kind::BFloat16] {
+        for (x_shape, out) in [
+            (vec![7, 33, 96], 50),
+            (vec![5, 13], 7),
+            (vec![256, 768], 2304),
+        ] {
+            for with_bias in [true, false] {
+                let case = format!("{x_kind:?} {x_shape:?} -> {out} bias {with_bias}");
+                let input = *x_shape.last().unwrap();
+                let x = Tensor::randn(x_shape.as_slice(), (Kind::Float, device)).to_kind(x_kind);
+                let w = Tensor::randn([out, input], (Kind::Float, device)) / (input as f64).sqrt();
+                let b = with_bias.then(|| Tensor::randn([out], (Kind::Float, device)));
+                let mut y_shape = x_shape.clone();
+                *y_shape.last_mut().unwrap() = out;
+                let dy = Tensor::randn(y_shape.as_slice(), (Kind::Float, device));
+                let expected = {
+                    let _off = common::hold_override(Override::Linear, false);
+                    linear_pass(&x, &w, b.as_ref(), &dy)
+                };
+                let _on = common::hold_override(Override::Linear, true);
+                let got = linear_pass(&x, &w, b.as_ref(), &dy);
+                let stats = Override::Linear.stats("aten::linear").unwrap();
+                assert_eq!((stats.ran, stats.declined), (1, 0), "{case}: {stats:?}");
+                let kinds: Vec<Kind> = got.iter().map(Tensor::kind).collect();
+                let expected_kinds: Vec<Kind> = expected.iter().map(Tensor::kind).collect();
+                assert_eq!(kinds, expected_kinds, "{case}: the types autocast gives");
+                // The same GEMMs on the same bf16 operands; the parameters' gradients are rounded
+                // once (to fp32) where autocast rounds them to bf16 first.
+                for (name, g, e) in [("y", 0, 0), ("dx", 1, 1), ("dw", 2, 2), ("db", 3, 3)] {
+                    let err = common::rel_err(&got[g], &expected[e]);
+                    assert!(err < 1e-2, "{case} {name}: relative error {err}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn linear_operands_autocast_leaves_alone_run_autocasts_path_and_are_counted() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "linear_operands_autocast_leaves_alone_run_autocasts_path_and_are_counted",
+    ) else {
+        return;
+    };
+    let x = Tensor::randn([6, 32], (Kind::Double, device));
+    let w = Tensor::randn([8, 32], (Kind::Double, device));
+    let expected =
+        speedkit::amp::autocast(device, Kind::BFloat16, || x.linear(&w, None::<&Tensor>)).unwrap();
+    let _on = common::hold_override(Override::Linear, true);
+    let got =
+        speedkit::amp::autocast(device, Kind::BFloat16, || x.linear(&w, None::<&Tensor>)).unwrap();
+    assert_eq!(got.kind(), Kind::Double);
+    assert!(got.equal(&expected), "autocast's own path ran");
+    let stats = Override::Linear.stats("aten::linear").unwrap();
+    assert_eq!((stats.ran, stats.declined), (0, 1), "{stats:?}");
+    let last = stats.last_declined.unwrap_or_default();
+    assert!(last.contains("Double operands"), "declined for {last}");
 }

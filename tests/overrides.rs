@@ -165,3 +165,29 @@ fn the_log_softmax_group_registers_rust_kernels_under_autocast_cuda_until_its_gu
     assert!(!Override::LogSoftmax.is_registered().unwrap());
     assert!(!autocast_line().contains("log_softmax.rs"));
 }
+
+#[test]
+fn the_linear_group_registers_a_rust_kernel_under_autocast_cuda_until_its_guard_drops() {
+    let _serial = common::serial();
+    let autocast_line = || {
+        dispatcher_table("aten::linear")
+            .unwrap()
+            .lines()
+            .find(|l| l.starts_with("AutocastCUDA"))
+            .unwrap_or_default()
+            .to_owned()
+    };
+    assert!(!autocast_line().contains("overrides/linear.rs"));
+    {
+        let _guard = common::hold_override(Override::Linear, true);
+        assert!(Override::Linear.is_registered().unwrap());
+        assert!(
+            autocast_line().contains("overrides/linear.rs"),
+            "{}",
+            autocast_line()
+        );
+        assert_eq!(Override::Linear.stats("aten::linear").unwrap().ran, 0);
+    }
+    assert!(!Override::Linear.is_registered().unwrap());
+    assert!(!autocast_line().contains("overrides/linear.rs"));
+}

@@ -51,7 +51,8 @@ int sk_cuda_device_props(int index, sk_device_props* out) {
   SK_CUDA_TRY({
     const cudaDeviceProp* p = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(index));
     std::memset(out, 0, sizeof(*out));
-    std::strncpy(out->name, p->name, sizeof(out->name) - 1);
+    // The name up to its NUL or the field's last byte, which the memset left NUL.
+    std::memcpy(out->name, p->name, strnlen(p->name, sizeof(out->name) - 1));
     out->major = p->major;
     out->minor = p->minor;
     out->multiprocessors = p->multiProcessorCount;

@@ -103,6 +103,8 @@ const char* sk_last_error(void) { return sk::last_error().c_str(); }
 
 void sk_test_fail_nth_flag_write(int n) { writes_until_fault.store(n > 0 ? n : 0); }
 
+int sk_flag_write(void) { SK_TRY(sk::count_flag_write()) }
+
 int sk_flag_get_bool(int flag, int* out) {
   SK_TRY({
     auto& ctx = at::globalContext();

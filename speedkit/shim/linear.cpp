@@ -30,8 +30,11 @@
 namespace sk {
 namespace {
 
-// The type the GEMMs run in: autocast's where it is on for CUDA, else the input's.
-at::ScalarType compute_type(const at::Tensor& x) {
+// The type the GEMMs run in: `requested` where it is one (kAutocastType: autocast's where it is
+// on for CUDA, else the input's).
+constexpr int64_t kAutocastType = -1;
+at::ScalarType compute_type(const at::Tensor& x, int64_t requested) {
+  if (requested != kAutocastType) return static_cast<at::ScalarType>(requested);
   if (x.is_cuda() && at::autocast::is_autocast_enabled(at::kCUDA)) return at::autocast::get_autocast_dtype(at::kCUDA);
   return x.scalar_type();
 }
@@ -64,12 +67,12 @@ std::pair<at::Tensor, at::Tensor> output_gradient(const variable_list& grads, at
 
 struct LinearFunction : torch::autograd::Function<LinearFunction> {
   // x: [rows, in]; weight: [out, in]; bias_in: [out] when has_bias, else sk::placeholder_unless's
-  // placeholder. Returns y
-  // [rows, out] as `chunks` equal column blocks (views of one tensor).
+  // placeholder; `requested` the GEMMs' type (compute_type). Returns y [rows, out] as `chunks`
+  // equal column blocks (views of one tensor).
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                               const at::Tensor& bias_in, bool has_bias, int64_t chunks) {
+                               const at::Tensor& bias_in, bool has_bias, int64_t chunks, int64_t requested) {
     const at::Tensor bias = has_bias ? bias_in : at::Tensor();
-    const at::ScalarType type = compute_type(x);
+    const at::ScalarType type = compute_type(x, requested);
     at::Tensor x_c = x.to(type);
     at::Tensor w_c = sk::weight_casts::get(weight, type);
     ctx->save_for_backward({x_c, w_c});
@@ -92,7 +95,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     at::Tensor dx, dw;
     if (ctx->needs_input_grad(0)) dx = at::mm(dy, w);
     if (ctx->needs_input_grad(1)) dw = weight_gradient(dy, x, weight_type);
-    return {dx, dw, db, at::Tensor(), at::Tensor()};
+    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -118,21 +121,28 @@ std::string unsupported(const at::Tensor& x, const at::Tensor& weight, const at:
   return sk::ops::fits_int32(x.numel() / std::max<int64_t>(weight.size(1), 1), weight.size(0));
 }
 
+// `t` in `type`, as autocast casts an operand (an undefined tensor stays undefined).
+at::Tensor cast_operand(const at::Tensor& t, int64_t type) {
+  return t.defined() && type != kAutocastType ? t.to(static_cast<at::ScalarType>(type)) : t;
+}
+
 // x Wᵀ + b over x's last dimension as `chunks` column blocks, each shaped as x with its last
-// dimension out / chunks: through LinearFunction, else ATen's linear and a split.
-variable_list linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t chunks) {
+// dimension out / chunks, the GEMMs in `type` (compute_type): through LinearFunction, else ATen's
+// linear of the operands cast to that type, and a split.
+variable_list linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, int64_t chunks,
+                     int64_t type = kAutocastType) {
   const int64_t in = weight.size(1), out = weight.size(0);
   return sk::ops::run_or_fall_back(
       SK_OP_LINEAR, unsupported(x, weight, bias),
       [&] {
         variable_list outputs = LinearFunction::apply(x.reshape({-1, in}), weight,
                                                       sk::placeholder_unless(bias.defined(), bias, weight),
-                                                      bias.defined(), chunks);
+                                                      bias.defined(), chunks, type);
         for (at::Tensor& output : outputs) output = sk::shaped_like(output, x, out / chunks);
         return outputs;
       },
       [&] {
-        at::Tensor y = at::linear(x, weight, bias);
+        at::Tensor y = at::linear(cast_operand(x, type), cast_operand(weight, type), cast_operand(bias, type));
         return chunks == 1 ? variable_list{y} : y.split(out / chunks, -1);
       });
 }
@@ -147,6 +157,14 @@ int sk_linear(sk_tensor x, sk_tensor weight, sk_tensor bias, sk_tensor* y) {
     const at::Tensor b = sk::optional_tensor(bias);
     sk::check_linear_arguments(*x, *weight, b);
     *y = sk::give(sk::linear(*x, *weight, b, 1)[0]);
+  })
+}
+
+int sk_linear_in(sk_tensor x, sk_tensor weight, sk_tensor bias, int gemm_type, sk_tensor* y) {
+  SK_TRY({
+    const at::Tensor b = sk::optional_tensor(bias);
+    sk::check_linear_arguments(*x, *weight, b);
+    *y = sk::give(sk::linear(*x, *weight, b, 1, gemm_type)[0]);
   })
 }
 

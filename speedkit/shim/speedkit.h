@@ -74,6 +74,9 @@ enum sk_fp32_precision_entry {
 
 /// Makes the n-th flag write from now fail once (0: never); test-only fault injection.
 void sk_test_fail_nth_flag_write(int n);
+/// Counts one write of speedkit's own global state that has no setter here (removing an override
+/// registered from Rust), failing where sk_test_fail_nth_flag_write says so; changes nothing.
+int sk_flag_write(void);
 int sk_flag_get_bool(int flag, int* out);
 /// Sets a boolean flag through PyTorch's own setter.
 int sk_flag_set_bool(int flag, int value);
@@ -528,6 +531,10 @@ int sk_embedding_unsupported(sk_tensor tokens, sk_tensor table, sk_tensor positi
 /// *y = x Wᵀ + b over x's last dimension, in the autocast type where autocast is on for x's
 /// device. bias may be NULL. Differentiable once on the kernel path.
 int sk_linear(sk_tensor x, sk_tensor weight, sk_tensor bias, sk_tensor* y);
+/// As sk_linear, the GEMMs in `gemm_type` (a ScalarType code) whatever autocast says, every operand
+/// cast to it as autocast casts them (the weight's and bias's copies kept across steps): what
+/// autocast's linear runs, from its override (Override::Linear), where autocast is off.
+int sk_linear_in(sk_tensor x, sk_tensor weight, sk_tensor bias, int gemm_type, sk_tensor* y);
 /// As sk_linear, the output as `chunks` equal blocks of its last dimension, y[0..chunks).
 int sk_linear_chunks(sk_tensor x, sk_tensor weight, sk_tensor bias, int64_t chunks, sk_tensor* y);
 

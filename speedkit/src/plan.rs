@@ -916,41 +916,40 @@ fn resolve_kernels(
 /// Which ATen operators speedkit's kernels take over: every group wherever the kernels run, unless
 /// the config says `overrides: false`.
 fn resolve_overrides(setting: AutoBool, kernels: bool, d: &mut Decisions) -> Result<Vec<Override>> {
-    let (on, reason) =
-        match (setting, kernels) {
-            (AutoBool::Off, _) => (
-                false,
-                "set in the config: tch's modules run ATen's kernels".to_owned(),
-            ),
-            (AutoBool::On, false) => {
-                return Err(SpeedkitError::Unsupported(
-                    "overrides: true registers speedkit's kernels, which this run does not have \
+    let (on, reason) = match (setting, kernels) {
+        (AutoBool::Off, _) => (
+            false,
+            "set in the config: tch's modules run ATen's kernels".to_owned(),
+        ),
+        (AutoBool::On, false) => {
+            return Err(SpeedkitError::Unsupported(
+                "overrides: true registers speedkit's kernels, which this run does not have \
                  (see the `kernels` decision); set overrides to auto or false"
-                        .into(),
-                ))
-            }
-            (AutoBool::Auto, false) => (
-                false,
-                "without speedkit's kernels there is nothing to register".to_owned(),
-            ),
-            (setting, true) => {
-                let names: Vec<String> = Override::ALL
-                    .iter()
-                    .flat_map(|o| o.operators())
-                    .map(|op| op.to_string())
-                    .collect();
-                (
+                    .into(),
+            ))
+        }
+        (AutoBool::Auto, false) => (
+            false,
+            "without speedkit's kernels there is nothing to register".to_owned(),
+        ),
+        (setting, true) => {
+            let names: Vec<String> = Override::ALL
+                .iter()
+                .flat_map(|o| o.operators())
+                .map(|op| op.to_string())
+                .collect();
+            (
                     true,
                     format!(
                     "{}speedkit's kernels registered as the CUDA kernels of {} while the context \
-                     lives: unchanged tch models (nn::layer_norm, log_softmax under autocast) \
+                     lives: unchanged tch models (nn::layer_norm, nn::linear and log_softmax under autocast) \
                      run them",
                     if setting == AutoBool::On { "set in the config: " } else { "" },
                     names.join(", ")
                 ),
                 )
-            }
-        };
+        }
+    };
     d.push("overrides", if on { "on" } else { "off" }, reason);
     Ok(if on {
         Override::ALL.to_vec()

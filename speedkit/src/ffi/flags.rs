@@ -54,6 +54,13 @@ pub(crate) fn fp32_precision_set(which: c_int, value: i32) -> Result<()> {
     check(unsafe { abi::sk_fp32_precision_set(which, value) })
 }
 
+/// Counts one write of speedkit's own state made in Rust (an override's removal), so that an
+/// injected fault (below) can strike it too; fails, changing nothing, where it does.
+pub(crate) fn count_write() -> Result<()> {
+    // SAFETY: no arguments.
+    check(unsafe { abi::sk_flag_write() })
+}
+
 /// Makes the `n`-th flag write from now fail once (0 turns the fault off). Test-only.
 pub(crate) fn fail_nth_write(n: u32) {
     let n = c_int::try_from(n).unwrap_or(c_int::MAX);

@@ -18,6 +18,32 @@ pub(crate) fn linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Resu
     Ok(unsafe { owned(y) })
 }
 
+/// As [`linear`], the GEMMs in `kind` whatever autocast says, each operand cast to it as
+/// autocast casts it (the weight's and bias's copies kept across steps): autocast's `linear`, for
+/// its override, which runs with autocast off.
+pub(crate) fn linear_in(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    kind: tch::Kind,
+) -> Result<Tensor> {
+    let code = super::scalar_type_code(kind)?;
+    let mut y = ptr::null_mut();
+    // SAFETY: live handles (or null for no bias) borrowed for the call; on success the shim hands
+    // over `y`.
+    check(unsafe {
+        abi::sk_linear_in(
+            handle(x),
+            handle(weight),
+            optional_handle(bias),
+            code,
+            &mut y,
+        )
+    })?;
+    // SAFETY: a fresh tensor from the shim.
+    Ok(unsafe { owned(y) })
+}
+
 /// As [`linear`], the output as `chunks` equal blocks of its last dimension, whose gradients the
 /// kernel path's backward puts side by side in the pass that sums the bias gradient.
 pub(crate) fn linear_chunks(

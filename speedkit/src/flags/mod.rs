@@ -113,7 +113,7 @@ pub enum FlagKind {
 
 impl Flag {
     /// Every flag, in the order reports list them.
-    pub const ALL: [Flag; 28] = [
+    pub const ALL: [Flag; 29] = [
         Flag::CudaMatmulAllowTf32,
         Flag::Float32MatmulPrecision,
         Flag::CudaMatmulFp32Precision,
@@ -142,6 +142,7 @@ impl Flag {
         Flag::SpeedkitKernel(KernelOp::Fp8Cast),
         Flag::AtenOverride(Override::LayerNorm),
         Flag::AtenOverride(Override::LogSoftmax),
+        Flag::AtenOverride(Override::Linear),
     ];
 
     /// PyTorch's spelling of the flag.
@@ -186,6 +187,7 @@ impl Flag {
             Flag::AtenOverride(o) => match o {
                 Override::LayerNorm => "speedkit.overrides.layer_norm",
                 Override::LogSoftmax => "speedkit.overrides.log_softmax",
+                Override::Linear => "speedkit.overrides.linear",
             },
         }
     }

@@ -3,9 +3,11 @@
 // first nor the fp32 gradient it casts back after.
 //
 // One block per row of [rows, width]. Forward: each thread keeps a running (max, sum of exp) over
-// its columns, merged across the block; a second pass writes x - max - log(sum). Backward:
-// dx = dy - exp(y) · Σ dy, the sum in a first pass. The second pass re-reads a row the first just
-// read (200 KB at most at a 50k vocabulary in fp32), mostly from L2. Columns go 8 at a time (one
+// its columns, merged across the block; a second pass writes y = x - lse, lse = max + log(sum),
+// and lse is kept per row. The backwards read the logits and lse, not y: exp(y) = exp(x - lse),
+// the same float operations, from half the bytes (and the fp32 y need not outlive the forward).
+// Backward: dx = dy - exp(y) · Σ dy, the sum in a first pass. The second pass re-reads a row the
+// first just read (200 KB at most at a 50k vocabulary in fp32), mostly from L2. Columns go 8 at a time (one
 // 16-byte load of bf16) when the width is a multiple of 8, one at a time otherwise. The host
 // launches `threads` a multiple of 32, at most 1024.
 #include "common.cuh"
@@ -49,7 +51,7 @@ __device__ float block_sum(float v) {
 }
 
 template <typename T>
-__device__ void forward(const T* x, float* y, int width) {
+__device__ void forward(const T* x, float* y, float* lse, int width) {
   const long long row = blockIdx.x;
   const T* xr = x + row * width;
   float* yr = y + row * width;
@@ -74,6 +76,7 @@ __device__ void forward(const T* x, float* y, int width) {
   }
   block_merge(m, s);
   const float shift = m + logf(s);
+  if (threadIdx.x == 0) lse[row] = shift;
   if (vector) {
     for (int c = threadIdx.x * 8; c < width; c += blockDim.x * 8) {
       float v[8];
@@ -87,10 +90,11 @@ __device__ void forward(const T* x, float* y, int width) {
 }
 
 template <typename T>
-__device__ void backward(const float* dy, const float* y, T* dx, int width) {
+__device__ void backward(const float* dy, const T* x, const float* lse, T* dx, int width) {
   const long long row = blockIdx.x;
   const float* dyr = dy + row * width;
-  const float* yr = y + row * width;
+  const T* xr = x + row * width;
+  const float shift = lse[row];
   T* dxr = dx + row * width;
   const bool vector = width % 8 == 0;
   float s = 0.f;
@@ -106,59 +110,60 @@ __device__ void backward(const float* dy, const float* y, T* dx, int width) {
   s = block_sum(s);
   if (vector) {
     for (int c = threadIdx.x * 8; c < width; c += blockDim.x * 8) {
-      float g[8], o[8];
+      float g[8], v[8];
       sk::load8(dyr + c, g);
-      sk::load8(yr + c, o);
-      for (int k = 0; k < 8; ++k) g[k] -= __expf(o[k]) * s;
+      sk::load8(xr + c, v);
+      for (int k = 0; k < 8; ++k) g[k] -= __expf(v[k] - shift) * s;
       sk::store8(dxr + c, g);
     }
   } else {
     for (int c = threadIdx.x; c < width; c += blockDim.x)
-      dxr[c] = sk::from_float<T>(dyr[c] - __expf(yr[c]) * s);
+      dxr[c] = sk::from_float<T>(dyr[c] - __expf(sk::to_float(xr[c]) - shift) * s);
   }
 }
 
-// The backward of nll_loss(log_softmax(x)) from the log-probabilities y alone, when the NLL's
-// gradient reached log_softmax only through speedkit's nll_loss (log_softmax.rs): with t the row's
-// target and k = grad / total_weight (mean) or grad (sum), dx = k · (exp(y) - [c == t]), 0 for a row
-// whose target is ignore_index. One pass: y read once, dx written once, and no dense gradient of
-// the NLL ([rows, width] fp32, all zeros but one per row) in between.
+// The backward of nll_loss(log_softmax(x)) from the logits and their lse alone (log_softmax.rs's
+// fused cross-entropy): with t the row's target and k = grad / total_weight (mean) or grad (sum),
+// dx = k · (exp(x - lse) - [c == t]), 0 for a row whose target is ignore_index. One pass: x read
+// once, dx written once, and neither the fp32 log-probabilities nor the NLL's dense gradient
+// ([rows, width] fp32, all zeros but one per row) in between.
 template <typename T>
-__device__ void nll_backward(const float* y, const long long* targets, const float* grad,
+__device__ void nll_backward(const T* x, const float* lse, const long long* targets, const float* grad,
                              const float* total_weight, T* dx, int width, long long ignore_index, int mean) {
   const long long row = blockIdx.x;
-  const float* yr = y + row * width;
+  const T* xr = x + row * width;
+  const float shift = lse[row];
   T* dxr = dx + row * width;
   const long long target = targets[row];
   const float k = target == ignore_index ? 0.f : (mean ? *grad / *total_weight : *grad);
   if (width % 8 == 0) {
     for (int c = threadIdx.x * 8; c < width; c += blockDim.x * 8) {
       float v[8];
-      sk::load8(yr + c, v);
-      for (int i = 0; i < 8; ++i) v[i] = k * (__expf(v[i]) - (c + i == target ? 1.f : 0.f));
+      sk::load8(xr + c, v);
+      for (int i = 0; i < 8; ++i) v[i] = k * (__expf(v[i] - shift) - (c + i == target ? 1.f : 0.f));
       sk::store8(dxr + c, v);
     }
   } else {
     for (int c = threadIdx.x; c < width; c += blockDim.x)
-      dxr[c] = sk::from_float<T>(k * (__expf(yr[c]) - (c == target ? 1.f : 0.f)));
+      dxr[c] = sk::from_float<T>(k * (__expf(sk::to_float(xr[c]) - shift) - (c == target ? 1.f : 0.f)));
   }
 }
 
 }  // namespace
 
 #define SK_LOG_SOFTMAX_ENTRIES(tag, T)                                                                     \
-  extern "C" __global__ void __launch_bounds__(1024) log_softmax_forward_##tag(const T* x, float* y,     \
-                                                                              int width) {              \
-    forward<T>(x, y, width);                                                                           \
+  extern "C" __global__ void __launch_bounds__(1024)                                                     \
+      log_softmax_forward_##tag(const T* x, float* y, float* lse, int width) {                           \
+    forward<T>(x, y, lse, width);                                                                      \
   }                                                                                                      \
   extern "C" __global__ void __launch_bounds__(1024)                                                     \
-      log_softmax_backward_##tag(const float* dy, const float* y, T* dx, int width) {                     \
-    backward<T>(dy, y, dx, width);                                                                     \
+      log_softmax_backward_##tag(const float* dy, const T* x, const float* lse, T* dx, int width) {       \
+    backward<T>(dy, x, lse, dx, width);                                                                \
   }                                                                                                      \
   extern "C" __global__ void __launch_bounds__(1024) log_softmax_nll_backward_##tag(                     \
-      const float* y, const long long* targets, const float* grad, const float* total_weight, T* dx,     \
-      int width, long long ignore_index, int mean) {                                                     \
-    nll_backward<T>(y, targets, grad, total_weight, dx, width, ignore_index, mean);                      \
+      const T* x, const float* lse, const long long* targets, const float* grad, const float* total_weight, \
+      T* dx, int width, long long ignore_index, int mean) {                                              \
+    nll_backward<T>(x, lse, targets, grad, total_weight, dx, width, ignore_index, mean);                 \
   }
 SK_LOG_SOFTMAX_ENTRIES(bf16, sk::bf16)
 SK_LOG_SOFTMAX_ENTRIES(f16, sk::f16)

@@ -11,16 +11,18 @@
 //! (fp32 throughout), two kernels and two large tensors fewer. This is what tch's
 //! `cross_entropy_for_logits` and `log_softmax(-1, Kind::Float)` call.
 //!
-//! The `nll_loss` that follows a classifier's `log_softmax` is fused with it across the two
-//! overrides: `nll_loss` of log-probabilities this module wrote hands its gradient to their
-//! `log_softmax` node as the targets and a scale, not as the dense [rows, vocabulary] fp32 tensor
-//! (zeros but one entry a row) autograd would build, and that node's backward is one pass over the
-//! log-probabilities: dx = k · (exp(y) - onehot(target)). The gradient to pass along is an expanded
-//! zero (no memory), which marks it; where the log-probabilities also feed something else,
-//! autograd adds the gradients into a dense one and the node adds the NLL's part to it. The one
-//! thing the fusion changes is the gradient of the log-probabilities themselves: asked for by
-//! `Tensor::run_backward(&[loss], &[y], ..)`, it reads as that zero marker. Ask for the logits'
-//! gradient (exact), or set `overrides: false`.
+//! The `nll_loss` that follows a classifier's `log_softmax` is fused with it into one
+//! cross-entropy node: `nll_loss` of log-probabilities this module wrote computes the loss from
+//! them, but its node takes the logits themselves as input, with the per-row log-sum-exp the
+//! forward kept, and its backward is one pass over the logits: dx = k · (exp(x - lse) -
+//! onehot(target)). Neither the fp32 log-probabilities (1.6 GB at GPT-2's size) nor the NLL's dense
+//! fp32 gradient is kept or built: the log-probabilities are freed as soon as the loss is computed,
+//! and the backward reads the bf16 logits. Where the log-probabilities also feed something else,
+//! that use reaches the logits through the `log_softmax` node as usual and autograd adds the two
+//! gradients. In autograd's graph the loss then does not depend on the log-probabilities, only on
+//! the logits: their own gradient, asked for by `Tensor::run_backward(&[loss], &[y], ..)`, is
+//! undefined (and a hook on them does not see the loss's part), while the logits' is exact. Set
+//! `overrides: false` where that matters.
 
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 
@@ -61,29 +63,33 @@ fn log_softmax(call: &OverrideCall<'_>) -> Result<Outcome> {
         return Ok(Outcome::Declined(why));
     }
     let kernels = Kernels::get(x.device(), x.kind())?;
-    let link = Arc::new(Mutex::new(None));
-    let function = LogSoftmax {
+    let (rows, _) = rows_and_width(x);
+    let lse = Tensor::f_empty([rows], (Kind::Float, x.device()))?;
+    let source = Arc::new(Source {
         kernels,
-        logits: x.kind(),
-        link: Arc::clone(&link),
+        tensors: Mutex::new((x.shallow_clone(), lse)),
+    });
+    let function = LogSoftmax {
+        source: Arc::clone(&source),
     };
     let y = apply(function, &[x])?.remove(0);
     if y.requires_grad() {
-        links().push(&y, &link)?;
+        links().push(&y, &source)?;
     }
     Ok(Outcome::Ran(vec![y]))
 }
 
-/// `nll_loss` of log-probabilities the `log_softmax` above wrote, fused with it (see the module
-/// docs); any other call runs autocast's own path.
+/// `nll_loss` of log-probabilities the `log_softmax` above wrote, fused with it into one
+/// cross-entropy node over the logits (see the module docs); any other call runs autocast's own
+/// path.
 fn nll_loss(call: &OverrideCall<'_>) -> Result<Outcome> {
     let (y, target) = (call.tensor("self")?, call.tensor("target")?);
     let reduction = call.int("reduction")?;
-    let link = match links().find(y) {
+    let source = match links().find(y) {
         Some(_) if call.optional_tensor("weight")?.is_some() => {
             return Ok(Outcome::Declined("class weights".into()))
         }
-        Some(link) => link,
+        Some(source) => source,
         None => {
             return Ok(Outcome::Declined(
                 "input not from speedkit's log_softmax".into(),
@@ -105,13 +111,15 @@ fn nll_loss(call: &OverrideCall<'_>) -> Result<Outcome> {
         2 => Reduction::Sum,
         _ => return Ok(Outcome::Declined("reduction none".into())),
     };
-    let function = Nll {
-        link,
+    let (logits, lse) = source.logits_and_lse();
+    let function = CrossEntropy {
+        log_probs: Some(y.shallow_clone()),
+        lse,
+        kernels: Arc::clone(&source.kernels),
         ignore_index: call.int("ignore_index")?,
         reduction,
-        input: (Vec::new(), y.device()),
     };
-    let loss = apply(function, &[y, target])?.remove(0);
+    let loss = apply(function, &[&logits, target])?.remove(0);
     Ok(Outcome::Ran(vec![loss]))
 }
 
@@ -172,17 +180,18 @@ impl Kernels {
         let kernels = Arc::new(Kernels {
             forward: module.kernel(
                 &format!("log_softmax_forward_{tag}"),
-                &[x, fp32, Param::I32],
+                &[x, fp32, fp32, Param::I32],
                 device,
             )?,
             backward: module.kernel(
                 &format!("log_softmax_backward_{tag}"),
-                &[fp32, fp32, x, Param::I32],
+                &[fp32, x, fp32, x, Param::I32],
                 device,
             )?,
             nll_backward: module.kernel(
                 &format!("log_softmax_nll_backward_{tag}"),
                 &[
+                    x,
                     fp32,
                     Param::Tensor(Kind::Int64),
                     fp32,
@@ -213,29 +222,42 @@ fn rows_and_width(t: &Tensor) -> (i64, i64) {
     (t.numel() as i64 / width, width)
 }
 
-/// The autograd function around the two kernels: logits in, fp32 log-probabilities out, saved for
-/// the backward (the logits are not).
-struct LogSoftmax {
+/// What a `log_softmax` call leaves for a fused `nll_loss` of its result: the logits, their
+/// per-row log-sum-exp (written by the forward), and the kernels.
+struct Source {
     kernels: Arc<Kernels>,
-    /// The logits' type, which the backward writes.
-    logits: Kind,
-    /// Where a fused `nll_loss` leaves its gradient for this node's backward.
-    link: Link,
+    /// The logits and their log-sum-exp (a `Mutex` only to share tensors, which are not `Sync`).
+    tensors: Mutex<(Tensor, Tensor)>,
+}
+
+impl Source {
+    fn logits_and_lse(&self) -> (Tensor, Tensor) {
+        let tensors = self.tensors.lock().unwrap_or_else(PoisonError::into_inner);
+        (tensors.0.shallow_clone(), tensors.1.shallow_clone())
+    }
+}
+
+/// The autograd function around the two kernels: logits in, fp32 log-probabilities out. The
+/// backward reads the logits and their log-sum-exp, saved in place of the fp32 result.
+struct LogSoftmax {
+    source: Arc<Source>,
 }
 
 impl Function for LogSoftmax {
     fn forward(&mut self, ctx: &mut ForwardContext<'_>, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         let x = &inputs[0];
+        let (_, lse) = self.source.logits_and_lse();
+        let lse = &lse;
         let (rows, width) = rows_and_width(x);
-        let y = Tensor::empty(x.size(), (Kind::Float, x.device()));
+        let y = Tensor::f_empty(x.size(), (Kind::Float, x.device()))?;
         let (grid, block) = launch_shape(rows, width);
-        self.kernels.forward.launch(
+        self.source.kernels.forward.launch(
             grid,
             block,
             0,
-            &[x.into(), (&y).into(), Arg::I32(width as i32)],
+            &[x.into(), (&y).into(), lse.into(), Arg::I32(width as i32)],
         )?;
-        ctx.save_for_backward(&[&y])?;
+        ctx.save_for_backward(&[x, lse])?;
         Ok(vec![y])
     }
 
@@ -244,48 +266,28 @@ impl Function for LogSoftmax {
         ctx: &mut BackwardContext<'_>,
         grads: &[Option<Tensor>],
     ) -> Result<Vec<Option<Tensor>>> {
-        let y = ctx.saved()?.remove(0);
-        let nll = lock(&self.link).take();
+        let mut saved = ctx.saved()?;
+        let lse = saved.remove(1);
+        let x = saved.remove(0);
         let Some(dy) = &grads[0] else {
             return Ok(vec![None]);
         };
-        let dx = Tensor::empty(y.size(), (self.logits, y.device()));
-        let (rows, width) = rows_and_width(&y);
+        let dy = dy.f_to_kind(Kind::Float)?.f_contiguous()?;
+        let dx = Tensor::f_empty(x.size(), (x.kind(), x.device()))?;
+        let (rows, width) = rows_and_width(&x);
         let (grid, block) = launch_shape(rows, width);
-        match nll {
-            Some(nll) if is_marker(dy) => self.kernels.nll_backward.launch(
-                grid,
-                block,
-                0,
-                &[
-                    (&y).into(),
-                    (&nll.target).into(),
-                    (&nll.grad).into(),
-                    (&nll.total_weight).into(),
-                    (&dx).into(),
-                    Arg::I32(width as i32),
-                    Arg::I64(nll.ignore_index),
-                    Arg::I32(i32::from(nll.reduction == Reduction::Mean)),
-                ],
-            )?,
-            nll => {
-                let mut dy = dy.to_kind(Kind::Float).contiguous();
-                if let Some(nll) = nll {
-                    dy = dy.f_add(&nll.dense(&y)?)?;
-                }
-                self.kernels.backward.launch(
-                    grid,
-                    block,
-                    0,
-                    &[
-                        (&dy).into(),
-                        (&y).into(),
-                        (&dx).into(),
-                        Arg::I32(width as i32),
-                    ],
-                )?
-            }
-        }
+        self.source.kernels.backward.launch(
+            grid,
+            block,
+            0,
+            &[
+                (&dy).into(),
+                (&x).into(),
+                (&lse).into(),
+                (&dx).into(),
+                Arg::I32(width as i32),
+            ],
+        )?;
         Ok(vec![Some(dx)])
     }
 }
@@ -306,59 +308,26 @@ impl Reduction {
     }
 }
 
-/// A fused `nll_loss`'s gradient, left for its `log_softmax` node: the loss's gradient `grad`
-/// (fp32, 0-d), the targets, the count of rows not ignored (for the mean).
-struct NllGradient {
-    target: Tensor,
-    grad: Tensor,
-    total_weight: Tensor,
+/// `nll_loss(log_softmax(x))` as one node over the logits `x`: the loss as ATen computes it from
+/// the log-probabilities (a gather), which are then let go; the backward from the logits and
+/// their log-sum-exp in one kernel.
+struct CrossEntropy {
+    /// The log-probabilities, read once by the forward.
+    log_probs: Option<Tensor>,
+    lse: Tensor,
+    kernels: Arc<Kernels>,
     ignore_index: i64,
     reduction: Reduction,
 }
 
-impl NllGradient {
-    /// The gradient it stands for at the log-probabilities `y`, dense: -k at each row's target.
-    fn dense(&self, y: &Tensor) -> Result<Tensor> {
-        let k = match self.reduction {
-            Reduction::Mean => &self.grad / &self.total_weight,
-            Reduction::Sum => self.grad.shallow_clone(),
-        };
-        let kept = self.target.f_ne(self.ignore_index)?;
-        let values = (kept.to_kind(Kind::Float) * k.neg()).unsqueeze(1);
-        let columns = self.target.f_where_scalarother(&kept, 0)?.unsqueeze(1);
-        Ok(y.f_zeros_like()?.f_scatter_add(1, &columns, &values)?)
-    }
-}
-
-type Link = Arc<Mutex<Option<NllGradient>>>;
-
-fn lock(link: &Link) -> MutexGuard<'_, Option<NllGradient>> {
-    link.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// The gradient a fused `nll_loss` passes to its `log_softmax`: zeros of the log-probabilities'
-/// shape, expanded from one element.
-fn marker((size, device): &(Vec<i64>, Device)) -> Result<Tensor> {
-    Ok(Tensor::f_zeros([1, 1], (Kind::Float, *device))?.f_expand(size.as_slice(), false)?)
-}
-
-fn is_marker(dy: &Tensor) -> bool {
-    dy.stride().iter().all(|&s| s == 0)
-}
-
-/// The `nll_loss` half of the fusion: the loss as ATen computes it (a gather), and in the backward
-/// the targets and scale handed to the `log_softmax` node in place of a dense gradient.
-struct Nll {
-    link: Link,
-    ignore_index: i64,
-    reduction: Reduction,
-    /// The log-probabilities' shape and device, for the gradient handed back.
-    input: (Vec<i64>, Device),
-}
-
-impl Function for Nll {
+impl Function for CrossEntropy {
     fn forward(&mut self, ctx: &mut ForwardContext<'_>, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
-        let (y, target) = (&inputs[0], &inputs[1]);
+        let (x, target) = (&inputs[0], &inputs[1]);
+        let Some(y) = self.log_probs.take() else {
+            return Err(crate::error::SpeedkitError::Misuse(
+                "the fused cross-entropy ran its forward twice".into(),
+            ));
+        };
         // The operator itself, from inside its override: autocast's own path, with grad mode off.
         let loss = y.f_nll_loss(
             target,
@@ -367,8 +336,7 @@ impl Function for Nll {
             self.ignore_index,
         )?;
         let total_weight = target.f_ne(self.ignore_index)?.f_sum(Kind::Float)?;
-        ctx.save_for_backward(&[target, &total_weight])?;
-        self.input = (y.size(), y.device());
+        ctx.save_for_backward(&[x, &self.lse, target, &total_weight])?;
         Ok(vec![loss])
     }
 
@@ -377,30 +345,45 @@ impl Function for Nll {
         ctx: &mut BackwardContext<'_>,
         grads: &[Option<Tensor>],
     ) -> Result<Vec<Option<Tensor>>> {
-        let mut saved = ctx.saved()?;
-        let total_weight = saved.remove(1);
-        let target = saved.remove(0);
         let Some(grad) = &grads[0] else {
             return Ok(vec![None, None]);
         };
-        *lock(&self.link) = Some(NllGradient {
-            target,
-            grad: grad.to_kind(Kind::Float).contiguous(),
-            total_weight,
-            ignore_index: self.ignore_index,
-            reduction: self.reduction,
-        });
-        Ok(vec![Some(marker(&self.input)?), None])
+        let [x, lse, target, total_weight]: [Tensor; 4] =
+            ctx.saved()?.try_into().map_err(|_| {
+                crate::error::SpeedkitError::Misuse(
+                    "the fused cross-entropy lost its saved tensors".into(),
+                )
+            })?;
+        let grad = grad.f_to_kind(Kind::Float)?.f_contiguous()?;
+        let dx = Tensor::f_empty(x.size(), (x.kind(), x.device()))?;
+        let (rows, width) = rows_and_width(&x);
+        let (grid, block) = launch_shape(rows, width);
+        self.kernels.nll_backward.launch(
+            grid,
+            block,
+            0,
+            &[
+                (&x).into(),
+                (&lse).into(),
+                (&target).into(),
+                (&grad).into(),
+                (&total_weight).into(),
+                (&dx).into(),
+                Arg::I32(width as i32),
+                Arg::I64(self.ignore_index),
+                Arg::I32(i32::from(self.reduction == Reduction::Mean)),
+            ],
+        )?;
+        Ok(vec![Some(dx), None])
     }
 }
 
-/// The nodes of this module's `log_softmax` that may still get a fused `nll_loss`, by the
-/// identity of the node (`grad_fn`) of the log-probabilities they wrote, with their links: how
-/// `nll_loss` knows its input is one of them. An entry counts only while its link lives, which the
-/// node keeps alive (and a fused `nll_loss` node, which keeps the node alive): a node's identity is
-/// not reused while it lives, and a view or an in-place change of the log-probabilities has another
-/// node, so nothing else matches.
-struct Links(Vec<(u64, Weak<Mutex<Option<NllGradient>>>)>);
+/// The `log_softmax` calls whose result may still meet a fused `nll_loss`, by the identity of
+/// the node (`grad_fn`) of the log-probabilities they wrote: how `nll_loss` knows its input is
+/// one of them. An entry counts only while its source lives, which the node keeps alive: a node's
+/// identity is not reused while it lives, and a view or an in-place change of the
+/// log-probabilities has another node, so nothing else matches.
+struct Links(Vec<(u64, Weak<Source>)>);
 
 fn links() -> MutexGuard<'static, Links> {
     static LINKS: Mutex<Links> = Mutex::new(Links(Vec::new()));
@@ -409,14 +392,14 @@ fn links() -> MutexGuard<'static, Links> {
 
 impl Links {
     /// Records the node that made `y`, forgetting the entries whose node is gone.
-    fn push(&mut self, y: &Tensor, link: &Link) -> Result<()> {
+    fn push(&mut self, y: &Tensor, source: &Arc<Source>) -> Result<()> {
         let node = ffi::autograd::grad_fn_identity(y)?;
         self.0.retain(|(_, weak)| weak.strong_count() > 0);
-        self.0.push((node, Arc::downgrade(link)));
+        self.0.push((node, Arc::downgrade(source)));
         Ok(())
     }
 
-    fn find(&self, y: &Tensor) -> Option<Link> {
+    fn find(&self, y: &Tensor) -> Option<Arc<Source>> {
         let node = ffi::autograd::grad_fn_identity(y).ok()?;
         self.0
             .iter()

@@ -30,6 +30,7 @@
 //! ```
 
 mod custom;
+mod linear;
 mod log_softmax;
 
 pub use custom::{
@@ -63,17 +64,24 @@ pub enum Override {
     /// the logits and casts the gradient back. Built on the public layer ([`OperatorOverride`],
     /// [`crate::function`], [`crate::cuda`]), as a user would build it.
     LogSoftmax,
+    /// `linear` under autocast (`nn::linear`, `Tensor::linear`) on speedkit's Linear, the one
+    /// behind `speedkit::nn::Linear`: the weight's and bias's copies in the autocast type kept
+    /// across steps (written by speedkit's AdamW) instead of a cast of every weight in every
+    /// forward, the weight gradient in fp32 straight from its GEMM, the bias gradient on
+    /// speedkit's column-sum kernel.
+    Linear,
 }
 
 impl Override {
     /// Every group, in the order the plan registers them.
-    pub const ALL: [Override; 2] = [Override::LayerNorm, Override::LogSoftmax];
+    pub const ALL: [Override; 3] = [Override::LayerNorm, Override::LogSoftmax, Override::Linear];
 
     /// The name the audit and the flags show.
     pub const fn name(self) -> &'static str {
         match self {
             Override::LayerNorm => "layer_norm",
             Override::LogSoftmax => "log_softmax",
+            Override::Linear => "linear",
         }
     }
 
@@ -85,6 +93,7 @@ impl Override {
                 "aten::native_layer_norm_backward",
             ],
             Override::LogSoftmax => &["aten::log_softmax.int", "aten::nll_loss"],
+            Override::Linear => &["aten::linear"],
         }
     }
 
@@ -93,6 +102,7 @@ impl Override {
         match self {
             Override::LayerNorm => KernelOp::LayerNorm,
             Override::LogSoftmax => KernelOp::CrossEntropy,
+            Override::Linear => KernelOp::Linear,
         }
     }
 
@@ -119,6 +129,8 @@ impl Override {
                 held.push((self, registrations));
             }
             (false, Some(index)) => {
+                // A write like a flag's, which a fault test can make fail before anything changes.
+                ffi::flags::count_write()?;
                 for registration in held.remove(index).1 {
                     registration.remove()?;
                 }
@@ -139,7 +151,7 @@ impl Override {
     /// ```
     pub fn register_sources(self) -> Result<Vec<&'static str>> {
         match self {
-            Override::LayerNorm => Ok(Vec::new()),
+            Override::LayerNorm | Override::Linear => Ok(Vec::new()),
             Override::LogSoftmax => {
                 log_softmax::register_source()?;
                 Ok(vec![log_softmax::SOURCE_NAME])
@@ -152,15 +164,16 @@ impl Override {
     const fn shim_code(self) -> Option<i32> {
         match self {
             Override::LayerNorm => Some(raw::SK_OVERRIDE_LAYER_NORM),
-            Override::LogSoftmax => None,
+            Override::LogSoftmax | Override::Linear => None,
         }
     }
 
     /// Its registrations, made whole or not at all (one that fails drops, which removes, those
     /// made before it).
     fn registered_in_rust(self) -> Result<Vec<OverrideRegistration>> {
-        let overrides = match self {
-            Override::LogSoftmax => log_softmax::operator_overrides(),
+        let overrides: Vec<OperatorOverride> = match self {
+            Override::LogSoftmax => log_softmax::operator_overrides().into(),
+            Override::Linear => linear::operator_overrides().into(),
             Override::LayerNorm => unreachable!("registered by the shim"),
         };
         overrides
