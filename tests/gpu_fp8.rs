@@ -567,3 +567,55 @@ fn assert_graphed_fp8_step_equals_eager(test: &str, recipe: &str) {
     }
     assert_no_cast_fallback();
 }
+
+#[test]
+fn tch_linear_layers_run_in_fp8_where_the_plan_says_and_match_bf16() {
+    let _lock = common::serial();
+    let test = "tch_linear_layers_run_in_fp8_where_the_plan_says_and_match_bf16";
+    let Some(ctx) = fp8_context(test, "delayed") else {
+        return;
+    };
+    let vs = nn::VarStore::new(Device::Cuda(0));
+    let wide = nn::linear(vs.root() / "wide", 768, 1040, Default::default());
+    let odd = nn::linear(vs.root() / "odd", 1040, 1000, Default::default());
+    let x = Tensor::randn([4, 96, 768], (Kind::Float, Device::Cuda(0)));
+    let dy = Tensor::randn([4, 96, 1000], (Kind::Float, Device::Cuda(0)));
+    let pass = |ctx: &SpeedContext| -> [Tensor; 3] {
+        for mut p in vs.trainable_variables() {
+            p.zero_grad();
+        }
+        let x = x.detach().set_requires_grad(true);
+        let y = ctx.autocast(|| x.apply(&wide).apply(&odd));
+        (y.to_kind(Kind::Float) * &dy).sum(Kind::Float).backward();
+        [
+            y.detach().to_kind(Kind::Float),
+            x.grad(),
+            wide.ws.grad().copy(),
+        ]
+    };
+    let fp8 = pass(&ctx);
+    let notes = ctx.audit().notes;
+    assert!(
+        notes.iter().any(
+            |n| n.contains("tch linear [1040, 768] runs in FP8") && n.contains("from the call")
+        ),
+        "{notes:?}"
+    );
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.contains("tch linear [1000, 1040] stays") && n.contains("multiple of 16")),
+        "{notes:?}"
+    );
+    drop(ctx);
+    let bf16 = pass(&bf16_context());
+    for (what, a, b, tol) in [
+        ("y", &fp8[0], &bf16[0], 0.08),
+        ("dX", &fp8[1], &bf16[1], 0.10),
+        ("dW", &fp8[2], &bf16[2], 0.10),
+    ] {
+        let err = common::rel_err(a, b);
+        assert!(err < tol, "{what}: relative error {err:.4} >= {tol}");
+        assert!(err > 0.0, "{what}: identical to bf16, so FP8 did not run");
+    }
+}

@@ -203,30 +203,7 @@ impl Linear {
 
     /// This call's GEMM, if it can run in FP8 under `plan`; otherwise why not.
     fn fp8_gemm(&self, x: &Tensor, plan: &Fp8Plan) -> Result<String, String> {
-        let [out_features, in_features] = self.ws.size()[..] else {
-            return Err("the weight is not 2-d".into());
-        };
-        if !matches!(x.device(), Device::Cuda(_)) {
-            return Err("the input is not on a CUDA device".into());
-        }
-        let tokens = x.numel() as i64 / in_features.max(1);
-        let gemm = format!("GEMM {tokens} × {in_features} × {out_features}");
-        if [tokens, in_features, out_features]
-            .iter()
-            .any(|d| d % 16 != 0)
-        {
-            return Err(format!(
-                "{gemm}: FP8 GEMMs need every dimension a multiple of 16"
-            ));
-        }
-        let size = (tokens as u64) * (in_features as u64) * (out_features as u64);
-        if size < plan.min_gemm_size {
-            return Err(format!(
-                "{gemm} = {size}, below fp8.min_gemm_size {}: the casts would cost more than FP8 gains",
-                plan.min_gemm_size
-            ));
-        }
-        Ok(gemm)
+        fp8_gemm(x, &self.ws, plan)
     }
 
     /// The delayed recipe's histories, each narrowed to the plan's length; none for the others.
@@ -237,6 +214,35 @@ impl Linear {
         let len = (plan.amax_history as i64).clamp(1, HISTORY_CAPACITY);
         Some([0, 1, 2].map(|row| self.amax_history.get(row).narrow(0, 0, len)))
     }
+}
+
+/// The GEMM of `x Wᵀ` for `weight`, if it can run in FP8 under `plan` (on CUDA, every dimension a
+/// multiple of 16, at least the plan's `min_gemm_size`); otherwise why not.
+pub(crate) fn fp8_gemm(x: &Tensor, weight: &Tensor, plan: &Fp8Plan) -> Result<String, String> {
+    let [out_features, in_features] = weight.size()[..] else {
+        return Err("the weight is not 2-d".into());
+    };
+    if !matches!(x.device(), Device::Cuda(_)) {
+        return Err("the input is not on a CUDA device".into());
+    }
+    let tokens = x.numel() as i64 / in_features.max(1);
+    let gemm = format!("GEMM {tokens} × {in_features} × {out_features}");
+    if [tokens, in_features, out_features]
+        .iter()
+        .any(|d| d % 16 != 0)
+    {
+        return Err(format!(
+            "{gemm}: FP8 GEMMs need every dimension a multiple of 16"
+        ));
+    }
+    let size = (tokens as u64) * (in_features as u64) * (out_features as u64);
+    if size < plan.min_gemm_size {
+        return Err(format!(
+            "{gemm} = {size}, below fp8.min_gemm_size {}: the casts would cost more than FP8 gains",
+            plan.min_gemm_size
+        ));
+    }
+    Ok(gemm)
 }
 
 impl nn::Module for Linear {
@@ -304,7 +310,7 @@ impl Fp8Scope {
         decisions.unwrap_or_default()
     }
 
-    fn active() -> Option<(Fp8Plan, Kind)> {
+    pub(crate) fn active() -> Option<(Fp8Plan, Kind)> {
         SCOPES.with(|s| {
             s.borrow()
                 .last()
@@ -312,7 +318,7 @@ impl Fp8Scope {
         })
     }
 
-    fn record(layer: &str, fp8: bool, reason: &str) {
+    pub(crate) fn record(layer: &str, fp8: bool, reason: &str) {
         SCOPES.with(|s| {
             if let Some(scope) = s.borrow_mut().last_mut() {
                 if !scope.decisions.iter().any(|d| d.layer == layer) {

@@ -7,14 +7,21 @@
 //! so no cast kernel runs at all), writes the weight gradient in fp32 straight from its GEMM, and
 //! sums the bias gradient on its own kernel. The GEMMs are the same cuBLAS calls on the same bf16
 //! operands; the weight gradient is rounded once (to fp32) where autocast rounds it to bf16 first.
+//!
+//! Where the context's plan puts GEMMs of this size in FP8 (`fp8`), the layer runs on speedkit's
+//! FP8 Linear as `speedkit::nn::Linear` does, with one difference: a tch layer has no module to
+//! keep the delayed recipe's amax histories in, so its scales come from the current call (the
+//! dynamic recipe; row-wise where the plan says row-wise). The audit lists each shape's decision.
 
-use tch::{Device, Kind};
+use tch::{Device, Kind, Tensor};
 
 use super::{DispatchKey, OperatorOverride, Outcome, OverrideCall};
 use crate::amp::AutocastState;
+use crate::config::{Fp8GradientFormat, Fp8Recipe};
 use crate::error::Result;
 use crate::ffi;
 use crate::kernels::KernelOp;
+use crate::nn::Fp8Scope;
 
 /// The override: ATen's `linear` under autocast on CUDA.
 pub(crate) fn operator_overrides() -> [OperatorOverride; 1] {
@@ -34,16 +41,45 @@ fn linear(call: &OverrideCall<'_>) -> Result<Outcome> {
     if let Some(why) = unsupported(operands.iter().flatten().copied(), x.device()) {
         return Ok(Outcome::Declined(why));
     }
+    if let Some(y) = fp8_linear(x, weight, bias)? {
+        return Ok(Outcome::Ran(vec![y]));
+    }
     let y = ffi::linear::linear_in(x, weight, bias, kind)?;
     Ok(Outcome::Ran(vec![y]))
 }
 
+/// `x Wᵀ + b` in FP8 where an FP8 plan is in force on this thread and allows this GEMM, recording
+/// the decision for the audit; `None` where the GEMM stays in the autocast type.
+fn fp8_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Option<Tensor>> {
+    let Some((plan, out)) = Fp8Scope::active() else {
+        return Ok(None);
+    };
+    let layer = format!("tch linear {:?}", weight.size());
+    let gemm = match crate::nn::fp8_gemm(x, weight, &plan) {
+        Ok(gemm) => gemm,
+        Err(reason) => {
+            Fp8Scope::record(&layer, false, &reason);
+            return Ok(None);
+        }
+    };
+    let rowwise = plan.recipe == Fp8Recipe::Rowwise;
+    let scaling = if rowwise {
+        "row-wise scales"
+    } else {
+        "scales from the call (a tch layer keeps no amax history)"
+    };
+    Fp8Scope::record(&layer, true, &format!("{gemm}, {scaling}"));
+    let options = ffi::fp8::Fp8LinearOptions {
+        rowwise,
+        e4m3_gradients: plan.gradient_format == Fp8GradientFormat::E4m3,
+    };
+    let out = ffi::scalar_type_code(out)?;
+    ffi::fp8::linear(x, weight, bias, None, out, options).map(Some)
+}
+
 /// Why speedkit's Linear cannot take these operands, or `None`. Autocast casts only fp32, fp16
 /// and bf16 CUDA tensors (fp64 stays fp64), so anything else runs autocast's own path.
-fn unsupported<'a>(
-    operands: impl Iterator<Item = &'a tch::Tensor>,
-    device: Device,
-) -> Option<String> {
+fn unsupported<'a>(operands: impl Iterator<Item = &'a Tensor>, device: Device) -> Option<String> {
     for t in operands {
         if !matches!(t.kind(), Kind::Float | Kind::Half | Kind::BFloat16) {
             return Some(format!(
