@@ -137,57 +137,48 @@ fn cpu_tensors_never_reach_an_override() {
     assert!(before.equal(&after));
 }
 
-#[test]
-fn the_log_softmax_group_registers_rust_kernels_under_autocast_cuda_until_its_guard_drops() {
+/// `group`, built in Rust, is registered under AutocastCUDA for each of its operators (where its
+/// module `file` made it) while its guard lives, with no calls counted yet, and gone after.
+fn assert_registered_under_autocast_cuda_while_held(group: Override, file: &str) {
     let _serial = common::serial();
-    let autocast_line = || {
-        dispatcher_table("aten::log_softmax.int")
-            .unwrap()
-            .lines()
-            .find(|l| l.starts_with("AutocastCUDA"))
-            .unwrap_or_default()
-            .to_owned()
+    let autocast_lines = || -> Vec<String> {
+        group
+            .operators()
+            .iter()
+            .map(|op| {
+                dispatcher_table(op)
+                    .unwrap()
+                    .lines()
+                    .find(|l| l.starts_with("AutocastCUDA"))
+                    .unwrap_or_default()
+                    .to_owned()
+            })
+            .collect()
     };
-    assert!(!autocast_line().contains("log_softmax.rs"));
+    assert!(autocast_lines().iter().all(|l| !l.contains(file)));
     {
-        let _guard = common::hold_override(Override::LogSoftmax, true);
-        assert!(Override::LogSoftmax.is_registered().unwrap());
+        let _guard = common::hold_override(group, true);
+        assert!(group.is_registered().unwrap());
         // Registered through the public OperatorOverride, where speedkit's Rust module made it.
-        assert!(
-            autocast_line().contains("overrides/log_softmax.rs"),
-            "{}",
-            autocast_line()
-        );
-        for op in Override::LogSoftmax.operators() {
-            assert_eq!(Override::LogSoftmax.stats(op).unwrap().ran, 0, "{op}");
+        let lines = autocast_lines();
+        assert!(lines.iter().all(|l| l.contains(file)), "{lines:?}");
+        for op in group.operators() {
+            assert_eq!(group.stats(op).unwrap().ran, 0, "{op}");
         }
     }
-    assert!(!Override::LogSoftmax.is_registered().unwrap());
-    assert!(!autocast_line().contains("log_softmax.rs"));
+    assert!(!group.is_registered().unwrap());
+    assert!(autocast_lines().iter().all(|l| !l.contains(file)));
+}
+
+#[test]
+fn the_log_softmax_group_registers_rust_kernels_under_autocast_cuda_until_its_guard_drops() {
+    assert_registered_under_autocast_cuda_while_held(
+        Override::LogSoftmax,
+        "overrides/log_softmax.rs",
+    );
 }
 
 #[test]
 fn the_linear_group_registers_a_rust_kernel_under_autocast_cuda_until_its_guard_drops() {
-    let _serial = common::serial();
-    let autocast_line = || {
-        dispatcher_table("aten::linear")
-            .unwrap()
-            .lines()
-            .find(|l| l.starts_with("AutocastCUDA"))
-            .unwrap_or_default()
-            .to_owned()
-    };
-    assert!(!autocast_line().contains("overrides/linear.rs"));
-    {
-        let _guard = common::hold_override(Override::Linear, true);
-        assert!(Override::Linear.is_registered().unwrap());
-        assert!(
-            autocast_line().contains("overrides/linear.rs"),
-            "{}",
-            autocast_line()
-        );
-        assert_eq!(Override::Linear.stats("aten::linear").unwrap().ran, 0);
-    }
-    assert!(!Override::Linear.is_registered().unwrap());
-    assert!(!autocast_line().contains("overrides/linear.rs"));
+    assert_registered_under_autocast_cuda_while_held(Override::Linear, "overrides/linear.rs");
 }
