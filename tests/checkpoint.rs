@@ -110,6 +110,30 @@ fn a_backward_after_the_scope_ended_is_an_error() {
 }
 
 #[test]
+fn a_second_derivative_through_a_checkpoint_is_an_error() {
+    let _serial = common::serial();
+    let ctx = cpu_context();
+    let vs = nn::VarStore::new(Device::Cpu);
+    let layer = nn::linear(vs.root(), 4, 4, Default::default());
+    let x = Tensor::randn([2, 4], CPU).set_requires_grad(true);
+    let err = ctx
+        .checkpointed(
+            |ck| -> speedkit::Result<Result<Vec<Tensor>, tch::TchError>> {
+                let y = ck.checkpoint(&[&x], |i| Ok(vec![layer.forward(&i[0]).tanh()]))?;
+                let loss = y[0].sum(Kind::Float);
+                Ok(Tensor::f_run_backward(&[loss], &[&x], true, true))
+            },
+        )
+        .unwrap()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("speedkit::checkpoint does not support a second derivative"),
+        "{err}"
+    );
+}
+
+#[test]
 fn a_checkpoint_without_grad_mode_just_runs_the_function() {
     let _serial = common::serial();
     let ctx = cpu_context();

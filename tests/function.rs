@@ -95,6 +95,78 @@ fn forward_and_gradients_equal_the_composite() {
     assert!(w.grad().allclose(&w2.grad(), 1e-12, 1e-12, false));
 }
 
+/// The gradient of `y`'s sum with respect to `x`, itself differentiable (create_graph).
+fn differentiable_gradient(y: &Tensor, x: &Tensor) -> Tensor {
+    Tensor::f_run_backward(&[y.sum(Kind::Double)], &[x], true, true)
+        .unwrap()
+        .remove(0)
+}
+
+#[test]
+fn a_second_derivative_goes_through_a_backward_written_with_tch_ops() {
+    let x = Tensor::randn([3, 5], F64).set_requires_grad(true);
+    let w = Tensor::randn([5], F64).set_requires_grad(true);
+    let (x2, w2) = (
+        x.detach().set_requires_grad(true),
+        w.detach().set_requires_grad(true),
+    );
+    let ours = differentiable_gradient(&apply(SinScale, &[&x, &w]).unwrap()[0], &x);
+    let theirs = differentiable_gradient(&composite(&x2, &w2), &x2);
+    ours.square().sum(Kind::Double).backward();
+    theirs.square().sum(Kind::Double).backward();
+    assert!(x.grad().allclose(&x2.grad(), 1e-12, 1e-12, false));
+    assert!(w.grad().allclose(&w2.grad(), 1e-12, 1e-12, false));
+}
+
+/// SinScale, declared differentiable once.
+struct OnceSinScale;
+
+impl Function for OnceSinScale {
+    fn once_differentiable(&self) -> bool {
+        true
+    }
+    fn forward(
+        &mut self,
+        ctx: &mut ForwardContext<'_>,
+        inputs: &[Tensor],
+    ) -> speedkit::Result<Vec<Tensor>> {
+        SinScale.forward(ctx, inputs)
+    }
+    fn backward(
+        &mut self,
+        ctx: &mut BackwardContext<'_>,
+        grads: &[Option<Tensor>],
+    ) -> speedkit::Result<Vec<Option<Tensor>>> {
+        SinScale.backward(ctx, grads)
+    }
+}
+
+#[test]
+fn a_second_derivative_through_a_once_differentiable_function_is_an_error_naming_it() {
+    let x = Tensor::randn([3, 5], F64).set_requires_grad(true);
+    let w = Tensor::randn([5], F64).set_requires_grad(true);
+    let gradient = differentiable_gradient(&apply(OnceSinScale, &[&x, &w]).unwrap()[0], &x);
+    let expected = w.detach().sin() + x.detach() * 2.0;
+    assert!(gradient.detach().allclose(&expected, 1e-12, 1e-12, false));
+    let err = gradient
+        .sum(Kind::Double)
+        .f_backward()
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("OnceSinScale is differentiable once"), "{err}");
+}
+
+#[test]
+fn a_once_differentiable_function_trains_as_any_other_without_create_graph() {
+    let x = Tensor::randn([3, 5], F64).set_requires_grad(true);
+    let w = Tensor::randn([5], F64).set_requires_grad(true);
+    let y = apply(OnceSinScale, &[&x, &w]).unwrap().remove(0);
+    y.sum(Kind::Double).backward();
+    let expected = w.detach().sin() + x.detach() * 2.0;
+    assert!(x.grad().allclose(&expected, 1e-12, 1e-12, false));
+    assert!(!x.grad().requires_grad());
+}
+
 #[test]
 fn an_input_changed_in_place_after_saving_is_an_error_at_backward() {
     let x = Tensor::randn([3], F64).set_requires_grad(true);

@@ -21,7 +21,7 @@ struct BiasGeluFunction : torch::autograd::Function<BiasGeluFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
     bg::Gradients out = bg::backward(grads[0].contiguous(), saved[0], saved[1]);
-    return {out.dh, out.dbias};
+    return fused_op_gradients({out.dh, out.dbias}, "bias + GELU");
   }
 };
 

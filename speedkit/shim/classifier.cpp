@@ -33,7 +33,7 @@ struct CrossEntropyFunction : torch::autograd::Function<CrossEntropyFunction> {
     const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
     at::Tensor dloss = grads[0].to(at::kFloat).contiguous();
     at::Tensor dlogits = ce::backward(saved[0], saved[1], saved[2], dloss, saved[3], ignore_index);
-    return {dlogits, at::Tensor(), at::Tensor()};
+    return fused_op_gradients({dlogits, at::Tensor(), at::Tensor()}, "cross-entropy");
   }
 };
 

@@ -375,7 +375,7 @@ struct MlpFunction : torch::autograd::Function<MlpFunction> {
       }
       dx = dx.to(static_cast<at::ScalarType>(ctx->saved_data["x_type"].toInt()));
     }
-    return {dx, as(dw1, 0), as(db1, 1), as(dw2, 2), as(db2, 3), at::Tensor()};
+    return sk::fused_op_gradients({dx, as(dw1, 0), as(db1, 1), as(dw2, 2), as(db2, 3), at::Tensor()}, "MLP");
   }
 };
 

@@ -34,7 +34,7 @@ struct EmbeddingFunction : torch::autograd::Function<EmbeddingFunction> {
     if (ctx->needs_input_grad(1)) dtable = emb::table_grad(dout, tokens, ctx->saved_data["vocab"].toInt());
     if (ctx->saved_data["has_positions"].toBool() && ctx->needs_input_grad(2))
       dpositions = emb::positions_grad(dout, ctx->saved_data["seq"].toInt(), ctx->saved_data["max_seq"].toInt());
-    return {at::Tensor(), dtable, dpositions, at::Tensor(), at::Tensor()};
+    return fused_op_gradients({at::Tensor(), dtable, dpositions, at::Tensor(), at::Tensor()}, "embedding");
   }
 };
 

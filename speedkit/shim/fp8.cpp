@@ -191,7 +191,8 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
     }
     at::Tensor db;
     if (has_bias) db = gq.column_sums.defined() ? gq.column_sums : g.sum(0, false, at::kFloat);
-    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return fused_op_gradients({dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()},
+                               "FP8 Linear");
   }
 };
 

@@ -7,6 +7,7 @@
 // A callback never throws across the boundary: the Rust side catches panics and reports failures
 // through sk_function_call_fail; the C++ side turns that into an exception, which the autograd
 // engine carries to the caller of backward() (and sk_function_apply's status for the forward).
+#include "fused_op.h"
 #include "shim.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -29,9 +30,6 @@
 
 namespace sk {
 namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
 
 // The random generators' states (the CPU's and the current CUDA device's) at one moment, to draw
 // the same numbers again in a recomputation. Not inside a CUDA graph capture (the caller says),
@@ -84,6 +82,9 @@ struct RustState : torch::CustomClassHolder {
   // is the anchor (see sk_checkpoint_apply), not one of the function's.
   RandomState random;
   bool anchored = false;
+  // The function's name when its backward is not differentiable again (speedkit::function's
+  // Function::once_differentiable), else empty.
+  std::string once_differentiable;
   RustState(const sk_function_vtable& v, void* s) : vtable(v), state(s) {}
   ~RustState() override {
     if (vtable.drop != nullptr) vtable.drop(state);
@@ -186,6 +187,8 @@ struct RustFunction : torch::autograd::Function<RustFunction> {
     TORCH_CHECK(static_cast<int64_t>(input_grads.size()) == state->inputs,
                 "the Function's backward returned an incorrect number of gradients (", input_grads.size(), " for ",
                 state->inputs, " inputs): one per input, None for an input without one");
+    if (!state->once_differentiable.empty())
+      input_grads = once_differentiable(std::move(input_grads), "the autograd Function " + state->once_differentiable);
     input_grads.emplace_back();  // the state argument
     input_grads.emplace_back();  // the cast type
     return input_grads;
@@ -209,6 +212,11 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    // The recomputation's own backward runs without create_graph and adds to the parameters'
+    // gradients as it goes, so a second derivative through it would be silently incomplete.
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "speedkit::checkpoint does not support a second derivative (a backward with create_graph): "
+                "run the function without checkpointing for such a step");
     const auto state = state_of(ctx);
     variable_list inputs;
     for (const at::Tensor& saved : ctx->get_saved_variables()) {
@@ -273,10 +281,12 @@ void hand_back(const variable_list& outputs, sk_tensor* out, int64_t capacity, i
 
 extern "C" {
 
-int sk_function_apply(const sk_function_vtable* vtable, void* state, int cast_inputs, const sk_tensor* inputs,
-                      int64_t n_inputs, sk_tensor* outputs, int64_t capacity, int64_t* n_outputs) {
+int sk_function_apply(const sk_function_vtable* vtable, void* state, int cast_inputs, const char* once_differentiable,
+                      const sk_tensor* inputs, int64_t n_inputs, sk_tensor* outputs, int64_t capacity,
+                      int64_t* n_outputs) {
   // The holder owns `state` from here on, also when the forward fails.
   auto holder = c10::make_intrusive<sk::RustState>(*vtable, state);
+  if (once_differentiable != nullptr) holder->once_differentiable = once_differentiable;
   SK_TRY(sk::hand_back(sk::RustFunction::apply(at::TensorList(sk::tensor_list(inputs, n_inputs)), holder,
                                                static_cast<int64_t>(cast_inputs)),
                        outputs, capacity, n_outputs))

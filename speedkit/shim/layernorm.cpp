@@ -67,7 +67,8 @@ struct LayerNormFunction : torch::autograd::Function<LayerNormFunction> {
     ln::Gradients out =
         ln::backward(dy.contiguous(), x, weight, has_bias, saved[2], saved[3], dsum, branch_in_dy_type);
     at::Tensor dresidual = with_residual ? (branch_in_dy_type ? out.dx_branch : out.dx) : at::Tensor();
-    return {out.dx, dresidual, out.dweight, out.dbias, at::Tensor(), at::Tensor(), at::Tensor()};
+    return fused_op_gradients({out.dx, dresidual, out.dweight, out.dbias, at::Tensor(), at::Tensor(), at::Tensor()},
+                               "LayerNorm");
   }
 };
 

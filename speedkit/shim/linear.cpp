@@ -15,7 +15,7 @@
 // writes them in its update pass) instead of casting each weight in every forward. Inputs the
 // kernels do not take run ATen's `linear` instead (sk::ops::run_or_fall_back).
 //
-// Differentiable once: the backward is not itself recorded for a second derivative.
+// Differentiable once: a second derivative through the backward is an error (fused_op_gradients).
 #include "bias_grad.cuh"
 #include "fused_op.h"
 
@@ -95,7 +95,7 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     at::Tensor dx, dw;
     if (ctx->needs_input_grad(0)) dx = at::mm(dy, w);
     if (ctx->needs_input_grad(1)) dw = weight_gradient(dy, x, weight_type);
-    return {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor()};
+    return fused_op_gradients({dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor()}, "Linear");
   }
 };
 

@@ -336,11 +336,15 @@ typedef struct sk_function_vtable {
 /// `capacity`) in `outputs`, their count in *n_outputs. `state` belongs to the node from here on,
 /// also when this fails. `cast_inputs`: a ScalarType code to cast floating CUDA inputs to under
 /// autocast (the forward then runs with autocast off), or -1 to pass them as they are.
-int sk_function_apply(const sk_function_vtable* vtable, void* state, int cast_inputs, const sk_tensor* inputs,
-                      int64_t n_inputs, sk_tensor* outputs, int64_t capacity, int64_t* n_outputs);
+/// `once_differentiable`: NULL for a backward autograd may differentiate again, else the function's
+/// name, which a second derivative reaching the node fails with.
+int sk_function_apply(const sk_function_vtable* vtable, void* state, int cast_inputs, const char* once_differentiable,
+                      const sk_tensor* inputs, int64_t n_inputs, sk_tensor* outputs, int64_t capacity,
+                      int64_t* n_outputs);
 /// Runs `vtable`'s forward on `inputs` without keeping its graph, and again in the backward pass to
 /// back-propagate through it (activation checkpointing), the random generators rewound for it
-/// unless `capturing` (a CUDA graph capture is recording the step). As sk_function_apply otherwise.
+/// unless `capturing` (a CUDA graph capture is recording the step); a backward with create_graph
+/// (a second derivative) is an error. As sk_function_apply otherwise.
 int sk_checkpoint_apply(const sk_function_vtable* vtable, void* state, int capturing, const sk_tensor* inputs,
                         int64_t n_inputs, sk_tensor* outputs, int64_t capacity, int64_t* n_outputs);
 /// y = x · k through a C++ autograd function of the same shape as a one-line Rust Function: the

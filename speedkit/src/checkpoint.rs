@@ -14,7 +14,9 @@
 //! current CUDA device's generators are rewound, so dropout draws the same mask), except inside a
 //! CUDA graph capture, where a generator's state cannot be read: do not checkpoint random ops in a
 //! graphed step. It works under autocast, inside `#[speedkit::forward]` and inside whole-step CUDA
-//! graphs (the recomputation is captured with the backward).
+//! graphs (the recomputation is captured with the backward). A second derivative through a
+//! checkpoint (a backward with `create_graph`) is an error: the recomputation back-propagates
+//! without one.
 //!
 //! ```
 //! use speedkit::{SpeedConfig, SpeedContext};

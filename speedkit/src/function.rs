@@ -21,6 +21,9 @@
 //! - **Errors and panics** in either direction come back as errors: from [`apply`] for the
 //!   forward, from `backward` (e.g. [`SpeedContext::backward_step`](crate::SpeedContext::backward_step))
 //!   for the backward. Nothing unwinds across the C++ boundary.
+//! - **Second derivatives** (a backward with `create_graph`) go through the backward's tch ops as
+//!   through any others; a backward that launches kernels is differentiable once
+//!   ([`Function::once_differentiable`]), and a second derivative that reaches it is an error.
 //! - **CUDA graphs**: a function whose forward and backward only launch work on the current stream
 //!   (no host reads) is captured with the rest of a [`GraphedStep`](crate::graph::GraphedStep); a
 //!   replay runs its kernels with no Rust code on the way.
@@ -50,6 +53,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+use std::ffi::CString;
+
 use tch::{Kind, Tensor};
 
 use crate::error::Result;
@@ -62,6 +67,16 @@ pub trait Function: Send + 'static {
     /// with autocast off; `None` (the default) passes inputs as given and keeps autocast on.
     fn autocast_inputs(&self) -> Option<Kind> {
         None
+    }
+
+    /// Whether the backward is differentiable once only (`torch.autograd.function.once_differentiable`):
+    /// `true` for a backward autograd cannot differentiate again (one that launches kernels, as
+    /// speedkit's fused ops do). A second derivative (a backward with `create_graph`) that reaches
+    /// the node then fails with an error naming the function, where it would otherwise silently
+    /// miss the node's part. `false` (the default) for a backward written with differentiable tch
+    /// ops, which a second derivative goes through.
+    fn once_differentiable(&self) -> bool {
+        false
     }
 
     /// The outputs of `inputs`. Grad mode is off here: the function is one node of the graph.
@@ -125,9 +140,16 @@ pub fn apply<F: Function>(function: F, inputs: &[&Tensor]) -> Result<Vec<Tensor>
         Some(kind) => ffi::scalar_type_code(kind)?,
         None => -1,
     };
+    let once_differentiable = function
+        .once_differentiable()
+        .then(|| CString::new(std::any::type_name::<F>()).ok())
+        .flatten();
     ffi::function::apply(
         Node(function),
-        ffi::function::Node::Function { cast_inputs },
+        ffi::function::Node::Function {
+            cast_inputs,
+            once_differentiable,
+        },
         inputs,
     )
 }

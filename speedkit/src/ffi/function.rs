@@ -6,7 +6,7 @@
 //! `sk_function_call_fail`, as an error is, and becomes a C++ exception there, which autograd carries
 //! to whoever started the pass.
 
-use std::ffi::{c_int, c_void};
+use std::ffi::{c_int, c_void, CString};
 use std::panic::{self, AssertUnwindSafe};
 use std::ptr;
 
@@ -213,10 +213,14 @@ fn vtable<C: Callbacks>() -> raw::sk_function_vtable {
 }
 
 /// How the shim applies the callbacks.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) enum Node {
-    /// A node whose backward is the callbacks' (`cast_inputs`: a ScalarType code, or -1).
-    Function { cast_inputs: c_int },
+    /// A node whose backward is the callbacks' (`cast_inputs`: a ScalarType code, or -1;
+    /// `once_differentiable`: the function's name where its backward is not differentiable again).
+    Function {
+        cast_inputs: c_int,
+        once_differentiable: Option<CString>,
+    },
     /// A checkpoint: the forward again in the backward pass, back-propagated through.
     Checkpoint,
 }
@@ -236,10 +240,16 @@ pub(crate) fn apply<C: Callbacks + 'static>(
     // through `drop_trampoline` (also when this fails); `outputs` has the capacity passed.
     let status = unsafe {
         match node {
-            Node::Function { cast_inputs } => abi::sk_function_apply(
+            Node::Function {
+                cast_inputs,
+                once_differentiable,
+            } => abi::sk_function_apply(
                 &table,
                 state,
                 cast_inputs,
+                once_differentiable
+                    .as_ref()
+                    .map_or(ptr::null(), |name| name.as_ptr()),
                 handles.as_ptr(),
                 handles.len() as i64,
                 outputs.as_mut_ptr(),

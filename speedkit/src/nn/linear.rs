@@ -13,7 +13,8 @@
 //! in fp32 (no cast kernel), the bias gradient from speedkit's column-sum kernel, and the weight's
 //! copy in the autocast type is kept from one step to the next (speedkit's AdamW writes it in its
 //! update pass; a weight changed in place anywhere else is cast again at its next use). This path is
-//! differentiable once (no double backward). Anywhere else it is ATen's `linear`.
+//! differentiable once: a second derivative through it is an error. Anywhere else it is ATen's
+//! `linear`.
 //!
 //! ```
 //! use speedkit::nn::Linear;

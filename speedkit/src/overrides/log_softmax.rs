@@ -244,6 +244,11 @@ struct LogSoftmax {
 }
 
 impl Function for LogSoftmax {
+    /// The backward launches speedkit's kernels: a second derivative through it is an error.
+    fn once_differentiable(&self) -> bool {
+        true
+    }
+
     fn forward(&mut self, ctx: &mut ForwardContext<'_>, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         let x = &inputs[0];
         let (_, lse) = self.source.logits_and_lse();
@@ -321,6 +326,11 @@ struct CrossEntropy {
 }
 
 impl Function for CrossEntropy {
+    /// The backward launches speedkit's kernels: a second derivative through it is an error.
+    fn once_differentiable(&self) -> bool {
+        true
+    }
+
     fn forward(&mut self, ctx: &mut ForwardContext<'_>, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         let (x, target) = (&inputs[0], &inputs[1]);
         let Some(y) = self.log_probs.take() else {
