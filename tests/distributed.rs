@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use speedkit::config::{DeviceChoice, DistributedBackend, SpeedConfig};
+use speedkit::config::{AllReduce, DeviceChoice, DistributedBackend, SpeedConfig};
 use speedkit::dist::LaunchEnv;
 use speedkit::flags::FlagState;
 use speedkit::optim::AdamW;
@@ -93,8 +93,8 @@ fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
     if scenario == "bench_runner" || scenario == "bench_runner_peer" {
         return run_bench_rank(out, scenario == "bench_runner_peer");
     }
-    if let Some(graphs) = scenario.strip_prefix("nccl_graphs_") {
-        return train_nccl_rank(rank, out, graphs == "auto");
+    if let Some(variant) = scenario.strip_prefix("nccl_") {
+        return train_nccl_rank(rank, out, variant);
     }
     let bucket_mb = if scenario == "mismatched_config" && rank == 1 {
         2
@@ -105,7 +105,14 @@ fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
     tch::manual_seed(100 + rank as i64);
     let mut vs = nn::VarStore::new(Device::Cpu);
     let net = model(&vs);
-    let ctx = apply_speedups(&mut vs, &config(bucket_mb))?;
+    let mut config = config(bucket_mb);
+    if let Some(all_reduce) = scenario.strip_prefix("train_") {
+        config.distributed.all_reduce = match all_reduce {
+            "in_backward" => AllReduce::InBackward,
+            _ => AllReduce::AfterBackward,
+        };
+    }
+    let ctx = apply_speedups(&mut vs, &config)?;
     ctx.print_main(ctx.audit());
     let mut opt = ctx.adamw(&vs, adamw())?;
     let steps = if scenario == "train_until_killed" {
@@ -128,18 +135,29 @@ fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
     Ok(())
 }
 
-/// The training of `train_rank` on this rank's GPU over NCCL in fp32, through the graph-mode API
-/// with `compile.enabled` off or auto (which the plan turns eager under data parallelism).
-fn train_nccl_rank(rank: usize, out: &Path, graphs: bool) -> Result<(), SpeedkitError> {
-    use speedkit::config::{AutoBool, MatmulPrecisionChoice, Precision};
+/// The training of `train_rank` on this rank's GPU over NCCL in fp32, through the graph-mode API,
+/// in one of the variants the NCCL test names: `graphs_off` (eager, the Reducer's all-reduce),
+/// `graphs_auto` (one CUDA graph with the all-reduce inside, started during the backward pass),
+/// `after_backward` (graphed, all-reduced after the backward pass), `reducer` (graphs on auto, the
+/// Reducer asked for: eager), `bf16` (graphed, gradients sent in bf16).
+fn train_nccl_rank(rank: usize, out: &Path, variant: &str) -> Result<(), SpeedkitError> {
+    use speedkit::config::{AutoBool, GradientCompression, MatmulPrecisionChoice, Precision};
     let mut config = SpeedConfig::auto();
     config.precision = Precision::Fp32;
     config.tf32_matmul_precision = MatmulPrecisionChoice::Highest;
-    config.compile.enabled = if graphs {
-        AutoBool::Auto
-    } else {
+    config.compile.enabled = if variant == "graphs_off" {
         AutoBool::Off
+    } else {
+        AutoBool::Auto
     };
+    config.distributed.all_reduce = match variant {
+        "reducer" => AllReduce::Reducer,
+        "after_backward" => AllReduce::AfterBackward,
+        _ => AllReduce::Auto,
+    };
+    if variant == "bf16" {
+        config.distributed.compress = GradientCompression::Bf16;
+    }
     config.distributed.backend = DistributedBackend::Nccl;
     config.distributed.timeout_s = 60;
     config.distributed.bucket_mb = 1;
@@ -436,17 +454,34 @@ fn accelerate_functions_train_data_parallel_with_no_code_change() {
 
 #[test]
 fn two_ranks_match_one_process_on_the_concatenated_batches() {
-    let out = scratch("reference");
-    let output = run_launcher("train", &out);
-    assert!(output.status.success(), "{}", text(&output));
-    let distributed = load(&out.join("rank0.ot"));
-
     let single = single_process_reference();
-    for ((name, d), (_, s)) in distributed.iter().zip(&single) {
-        let err = common::rel_err(d, s);
-        assert!(err < 1e-5, "{name}: relative difference {err:e}");
+    // The Reducer's all-reduce, and speedkit's during and after the backward pass.
+    for (scenario, all_reduce) in [
+        ("train", REDUCER),
+        ("train_in_backward", "speedkit's all-reduce (in_backward)"),
+        (
+            "train_after_backward",
+            "speedkit's all-reduce (after_backward)",
+        ),
+    ] {
+        let out = scratch(&format!("reference-{scenario}"));
+        let output = run_launcher(scenario, &out);
+        let log = text(&output);
+        assert!(output.status.success(), "{log}");
+        assert!(log.contains(all_reduce), "{log}");
+        let distributed = load(&out.join("rank0.ot"));
+        for ((name, d), (_, s)) in distributed.iter().zip(&single) {
+            let err = common::rel_err(d, s);
+            assert!(
+                err < 1e-5,
+                "{scenario}: {name}: relative difference {err:e}"
+            );
+        }
     }
 }
+
+/// The audit's note on the Reducer's all-reduce.
+const REDUCER: &str = "gradients averaged by c10d's Reducer";
 
 /// One process trained on the concatenated batches, from rank 0's initialisation.
 fn single_process_reference() -> Vec<(String, Tensor)> {
@@ -473,31 +508,48 @@ fn single_process_reference() -> Vec<(String, Tensor)> {
 }
 
 #[test]
-fn nccl_ranks_match_one_process_with_graphs_off_and_auto() {
+fn nccl_ranks_match_one_process_eager_on_the_reducer_and_graphed_on_speedkits_all_reduce() {
     if tch::Cuda::device_count() < 2 {
         eprintln!(
-            "skipped nccl_ranks_match_one_process_with_graphs_off_and_auto: needs 2 CUDA devices"
+            "skipped nccl_ranks_match_one_process_eager_on_the_reducer_and_graphed_on_speedkits_\
+             all_reduce: needs 2 CUDA devices"
         );
         return;
     }
     let single = single_process_reference();
-    for graphs in ["off", "auto"] {
-        let out = scratch(&format!("nccl-{graphs}"));
-        let output = run_launcher(&format!("nccl_graphs_{graphs}"), &out);
+    // (variant, graphed, the audit's note on the all-reduce, tolerance against one process)
+    for (variant, graphed, all_reduce, tolerance) in [
+        ("graphs_off", false, REDUCER, 1e-4),
+        ("reducer", false, REDUCER, 1e-4),
+        (
+            "graphs_auto",
+            true,
+            "speedkit's all-reduce (in_backward)",
+            1e-4,
+        ),
+        (
+            "after_backward",
+            true,
+            "speedkit's all-reduce (after_backward)",
+            1e-4,
+        ),
+        ("bf16", true, "in 1 MiB buckets sent in bf16", 2e-2),
+    ] {
+        let out = scratch(&format!("nccl-{variant}"));
+        let output = run_launcher(&format!("nccl_{variant}"), &out);
         let log = text(&output);
         assert!(output.status.success(), "{log}");
         assert!(log.contains("over nccl"), "{log}");
+        assert!(log.contains(all_reduce), "{variant}: {log}");
         // (libtest's own "test dist_worker ... " may precede the line: the ranks run --nocapture.)
         assert_eq!(
-            log.matches("graphed: false (no fallback)").count(),
+            log.matches(&format!("graphed: {graphed} (no fallback)"))
+                .count(),
             2,
-            "{log}"
+            "{variant}: {log}"
         );
-        if graphs == "auto" {
-            assert!(log.contains("the step runs eagerly"), "{log}");
-        }
         println!(
-            "graphs {graphs}: {}",
+            "{variant}: {}",
             log.lines()
                 .filter(|l| l.contains("graphed:"))
                 .collect::<Vec<_>>()
@@ -505,14 +557,11 @@ fn nccl_ranks_match_one_process_with_graphs_off_and_auto() {
         );
         let (a, b) = (load(&out.join("rank0.ot")), load(&out.join("rank1.ot")));
         for (((name, pa), (_, pb)), (_, ps)) in a.iter().zip(&b).zip(&single) {
-            assert!(
-                pa.equal(pb),
-                "graphs {graphs}: {name} differs between the ranks"
-            );
+            assert!(pa.equal(pb), "{variant}: {name} differs between the ranks");
             let err = common::rel_err(pa, ps);
             assert!(
-                err < 1e-4,
-                "graphs {graphs}: {name}: relative difference {err:e}"
+                err < tolerance,
+                "{variant}: {name}: relative difference {err:e}"
             );
         }
     }

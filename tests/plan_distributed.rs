@@ -1,7 +1,10 @@
 //! The `distributed` decision of the plan: `auto` on when WORLD_SIZE > 1, the backend by device,
-//! each rank on its own GPU, and impossible combinations refused with what to change.
+//! each rank on its own GPU, how gradients are all-reduced (speedkit's all-reduce inside the step's
+//! CUDA graph, or c10d's Reducer for an eager step), and impossible combinations refused with what to change.
 
-use speedkit::config::{DeviceChoice, DistributedBackend, SpeedConfig};
+use speedkit::config::{
+    AllReduce, DeviceChoice, DistributedBackend, GradientCompression, SpeedConfig,
+};
 use speedkit::dist::{Backend, LaunchEnv};
 use speedkit::hardware::{GpuInfo, Hardware};
 use speedkit::plan::Plan;
@@ -98,10 +101,51 @@ fn more_ranks_than_gpus_is_refused() {
     assert!(err.to_string().contains("only 2 CUDA device(s)"), "{err}");
 }
 
+fn all_reduce(plan: &Plan) -> String {
+    let d = plan
+        .decisions
+        .iter()
+        .find(|d| d.key == "all_reduce")
+        .unwrap();
+    format!("{}: {}", d.value, d.reason)
+}
+
 #[test]
-fn auto_graphs_turn_eager_under_data_parallelism_with_the_reason() {
+fn auto_keeps_the_graph_and_all_reduces_inside_it_during_the_backward_pass() {
     let plan =
         Plan::resolve_launched(&SpeedConfig::auto(), &two_h200(), Some(&rank(0, 2))).unwrap();
+    assert!(plan.compile_graphs);
+    let settings = plan.distributed.as_ref().unwrap();
+    assert_eq!(settings.all_reduce, AllReduce::InBackward);
+    assert!(!settings.bf16_gradients);
+    let why = all_reduce(&plan);
+    assert!(
+        why.starts_with("in_backward: the step runs as a CUDA graph"),
+        "{why}"
+    );
+}
+
+#[test]
+fn auto_takes_the_reducer_for_an_eager_step() {
+    let plan = Plan::resolve_launched(
+        &SpeedConfig::auto(),
+        &Hardware::cpu_only(),
+        Some(&rank(0, 2)),
+    )
+    .unwrap();
+    assert_eq!(
+        plan.distributed.as_ref().unwrap().all_reduce,
+        AllReduce::Reducer
+    );
+    let why = all_reduce(&plan);
+    assert!(why.starts_with("reducer: the step runs eagerly"), "{why}");
+}
+
+#[test]
+fn the_reducer_turns_auto_graphs_eager_with_the_reason() {
+    let mut config = SpeedConfig::auto();
+    config.distributed.all_reduce = AllReduce::Reducer;
+    let plan = Plan::resolve_launched(&config, &two_h200(), Some(&rank(0, 2))).unwrap();
     assert!(!plan.compile_graphs);
     assert!(plan
         .decisions
@@ -110,13 +154,41 @@ fn auto_graphs_turn_eager_under_data_parallelism_with_the_reason() {
 }
 
 #[test]
-fn explicit_graphs_under_data_parallelism_are_refused() {
+fn explicit_graphs_with_the_reducer_are_refused() {
     let mut config = SpeedConfig::auto();
     config.compile.enabled = speedkit::config::AutoBool::On;
+    config.distributed.all_reduce = AllReduce::Reducer;
     let err = Plan::resolve_launched(&config, &two_h200(), Some(&rank(0, 2))).unwrap_err();
     assert!(
-        err.to_string()
-            .contains("compile.enabled: true cannot be combined"),
+        err.to_string().contains(
+            "compile.enabled: true cannot be combined with distributed.all_reduce: reducer"
+        ),
         "{err}"
     );
+}
+
+#[test]
+fn explicit_graphs_with_speedkits_all_reduce_are_kept() {
+    for all_reduce in [AllReduce::InBackward, AllReduce::AfterBackward] {
+        let mut config = SpeedConfig::auto();
+        config.compile.enabled = speedkit::config::AutoBool::On;
+        config.distributed.all_reduce = all_reduce;
+        let plan = Plan::resolve_launched(&config, &two_h200(), Some(&rank(0, 2))).unwrap();
+        assert!(plan.compile_graphs);
+        assert_eq!(plan.distributed.unwrap().all_reduce, all_reduce);
+    }
+}
+
+#[test]
+fn bf16_gradients_take_speedkits_all_reduce_and_are_refused_with_the_reducer() {
+    let mut config = SpeedConfig::auto();
+    config.distributed.compress = GradientCompression::Bf16;
+    config.compile.enabled = speedkit::config::AutoBool::Off;
+    let plan = Plan::resolve_launched(&config, &two_h200(), Some(&rank(0, 2))).unwrap();
+    let settings = plan.distributed.as_ref().unwrap();
+    assert_eq!(settings.all_reduce, AllReduce::InBackward);
+    assert!(settings.bf16_gradients);
+    config.distributed.all_reduce = AllReduce::Reducer;
+    let err = Plan::resolve_launched(&config, &two_h200(), Some(&rank(0, 2))).unwrap_err();
+    assert!(err.to_string().contains("compress: bf16"), "{err}");
 }

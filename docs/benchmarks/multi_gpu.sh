@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
-# Data parallel on 2 GPUs of one host, in one device session (issue 12's figures): speedkit's runner
-# on `transformer` and `linear3` with 1 GPU and with 2 GPUs under `speedkit launch`, PyTorch DDP
-# (pytorch_reference.py --ddp under torchrun) with 1 and 2 processes, and the NCCL equality test
-# (graphs off and auto). Run from the project root on the CUDA host, after the executables were
-# packed (bench, speedkit, toy_transformer and the distributed test; see README, "Benchmarks"):
+# Data parallel on 2 GPUs of one host, in one device session: speedkit's runner on `transformer`
+# and `linear3` with 1 GPU and with 2 GPUs under `speedkit launch` (each all-reduce path), PyTorch
+# DDP (pytorch_reference.py --ddp under torchrun, eager AMP and torch.compile) with 1 and 2
+# processes, and the NCCL equality test. Run from the project root on the CUDA host, after the
+# executables were packed (bench, speedkit, toy_transformer and the distributed test; see README,
+# "Benchmarks"):
 #
-#   bash docs/benchmarks/multi_gpu.sh PACKDIR OUTDIR      e.g.  bash docs/benchmarks/multi_gpu.sh .gpu "$OUT"
+#   bash docs/benchmarks/multi_gpu.sh PACKDIR OUTDIR [PART...]
+#   e.g.  bash docs/benchmarks/multi_gpu.sh .gpu "$OUT"
+#
+# PARTs (all by default): speedkit ddp ddp_compile equality toy — two device commands can share
+# the parts where one would not fit in 600 s.
 #
 # Everything lands in OUTDIR: one log per part, the runners' and the reference's JSON, and
 # multi_gpu_summary.md (tokens/s per configuration and the scaling from 1 to 2 GPUs). Each part is
 # bounded by a timeout, 580 s in all, so that the whole fits one 600 s device command and one hang
 # cannot take the session's device time.
 set -uo pipefail
-pack=${1:?usage: multi_gpu.sh PACKDIR OUTDIR}
-out=${2:?usage: multi_gpu.sh PACKDIR OUTDIR}
+pack=${1:?usage: multi_gpu.sh PACKDIR OUTDIR [PART...]}
+out=${2:?usage: multi_gpu.sh PACKDIR OUTDIR [PART...]}
+shift 2
+parts=" ${*:-speedkit ddp ddp_compile equality toy} "
+wanted() { [[ $parts == *" $1 "* ]]; }
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 sk=(bash "$pack/run")
@@ -34,24 +42,33 @@ part() { # part NAME SECONDS COMMAND...: runs COMMAND into OUTDIR/NAME.log, says
 cat "$out/environment.txt"
 
 # Per-GPU batch unchanged from 1 to 2 GPUs (the workloads' bench size on every rank). `auto` is
-# one CUDA graph per step on 1 GPU and eager under data parallelism (the Reducer's hooks cannot be
-# captured); auto_eager is the eager step on both, the like-for-like scaling.
+# one CUDA graph per step, on 2 GPUs with speedkit's all-reduce inside it, started during the
+# backward pass; auto_eager is the eager step (on 2 GPUs, c10d's Reducer); dp_after_backward
+# all-reduces after the backward pass, dp_bf16 sends bf16 gradients. Every 2-GPU row is compared
+# with its own config on 1 GPU, or with `auto` where the config only matters on several.
 configs=(--config auto --config examples/configs/auto_eager.yaml)
+dp_configs=(--config examples/configs/dp_after_backward.yaml --config examples/configs/dp_bf16.yaml)
 work=(--exact --filter transformer --filter linear3 --size bench)
-part speedkit_1gpu 100 "${sk[@]}" bench "${work[@]}" "${configs[@]}" --json "$out/speedkit_1gpu.json"
-part speedkit_2gpu 130 "${sk[@]}" speedkit launch --nproc-per-node 2 -- \
-  bash "$pack/run" bench "${work[@]}" "${configs[@]}" --json "$out/speedkit_2gpu.json"
+if wanted speedkit; then
+  part speedkit_1gpu 90 "${sk[@]}" bench "${work[@]}" "${configs[@]}" --json "$out/speedkit_1gpu.json"
+  part speedkit_2gpu 200 "${sk[@]}" speedkit launch --nproc-per-node 2 -- \
+    bash "$pack/run" bench "${work[@]}" "${configs[@]}" "${dp_configs[@]}" --json "$out/speedkit_2gpu.json"
+fi
 
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 ref=(python3 -m torch.distributed.run --standalone)
 for n in 1 2; do
-  part "pytorch_ddp_${n}gpu" 90 "${ref[@]}" --nproc-per-node "$n" "$here/pytorch_reference.py" \
-    --ddp --only transformer,linear3 --json "$out/pytorch_ddp_${n}gpu.json"
+  wanted ddp && part "pytorch_ddp_${n}gpu" 80 "${ref[@]}" --nproc-per-node "$n" \
+    "$here/pytorch_reference.py" --ddp --only transformer,linear3 --json "$out/pytorch_ddp_${n}gpu.json"
+  wanted ddp_compile && part "pytorch_ddp_compile_${n}gpu" 200 "${ref[@]}" --nproc-per-node "$n" \
+    "$here/pytorch_reference.py" --ddp --compile --only transformer,linear3 \
+    --json "$out/pytorch_ddp_compile_${n}gpu.json"
 done
 
-part nccl_equality 120 "${sk[@]}" distributed.test --exact nccl_ranks_match_one_process_with_graphs_off_and_auto \
+wanted equality && part nccl_equality 150 "${sk[@]}" distributed.test --exact \
+  nccl_ranks_match_one_process_eager_on_the_reducer_and_graphed_on_speedkits_all_reduce \
   --nocapture --test-threads=1
-part toy_transformer_2gpu 50 "${sk[@]}" speedkit launch --nproc-per-node 2 -- \
+wanted toy && part toy_transformer_2gpu 50 "${sk[@]}" speedkit launch --nproc-per-node 2 -- \
   bash "$pack/run" toy_transformer --size bench --steps 100
 
 python3 - "$out" <<'PY' | tee "$out/multi_gpu_summary.md"
@@ -78,26 +95,29 @@ def speedkit_rates(report):
 one, two = speedkit_rates(load("speedkit_1gpu.json")), speedkit_rates(load("speedkit_2gpu.json"))
 print("| workload | config | 1 GPU | 2 GPUs, total | scaling | ms/step 1 → 2 |")
 print("|---|---|---|---|---|---|")
-for key in sorted(one):
-    r1 = one[key]
+for key in sorted(set(one) | set(two)):
+    # A config that only matters on several GPUs is compared with `auto` on one.
+    r1 = one.get(key) or one.get((key[0], "auto"))
     r2 = two.get(key)
-    if r2 is None:
-        print(f"| {key[0]} | speedkit {key[1]} | {r1[0]:.0f} {r1[1]}/s | - | - | {r1[2]:.3f} → - |")
+    if r1 is None or r2 is None:
+        print(f"| {key[0]} | speedkit {key[1]} | (missing: 1 GPU {r1 is not None}, 2 GPUs "
+              f"{r2 is not None}) | | | |")
         continue
     print(f"| {key[0]} | speedkit {key[1]} | {r1[0]:.0f} {r1[1]}/s | {r2[0]:.0f} {r2[1]}/s | "
           f"{r2[0] / r1[0]:.3f}x | {r1[2]:.3f} → {r2[2]:.3f} |")
-ddp = {n: load(f"pytorch_ddp_{n}gpu.json") for n in (1, 2)}
-rows = {n: {r["workload"]: r for r in (d or {}).get("results", []) if "throughput" in r}
-        for n, d in ddp.items()}
-for name in sorted(rows[1]):
-    a, b = rows[1][name], rows[2].get(name)
-    t1 = a["throughput"]
-    if b is None:
-        print(f"| {name} | PyTorch DDP AMP | {t1['total']:.0f} {t1['unit']}/s | - | - | - |")
-        continue
-    t2 = b["throughput"]
-    print(f"| {name} | PyTorch DDP AMP | {t1['total']:.0f} {t1['unit']}/s | {t2['total']:.0f} "
-          f"{t2['unit']}/s | {t2['total'] / t1['total']:.3f}x | {a['median_ms']:.3f} → "
-          f"{b['median_ms']:.3f} |")
+for label, stem in (("PyTorch DDP AMP", "pytorch_ddp"), ("PyTorch DDP + torch.compile", "pytorch_ddp_compile")):
+    ddp = {n: load(f"{stem}_{n}gpu.json") for n in (1, 2)}
+    rows = {n: {r["workload"]: r for r in (d or {}).get("results", []) if "throughput" in r}
+            for n, d in ddp.items()}
+    for name in sorted(rows[1]):
+        a, b = rows[1][name], rows[2].get(name)
+        t1 = a["throughput"]
+        if b is None:
+            print(f"| {name} | {label} | {t1['total']:.0f} {t1['unit']}/s | - | - | - |")
+            continue
+        t2 = b["throughput"]
+        print(f"| {name} | {label} | {t1['total']:.0f} {t1['unit']}/s | {t2['total']:.0f} "
+              f"{t2['unit']}/s | {t2['total'] / t1['total']:.3f}x | {a['median_ms']:.3f} → "
+              f"{b['median_ms']:.3f} |")
 PY
 grep -h "== .*: exit" "$out"/*.log

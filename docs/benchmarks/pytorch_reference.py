@@ -37,7 +37,8 @@ GPU is visible, which times by the host clock and reports no memory), AMP bf16 a
 above, on the same fixed batch on every rank (as speedkit's workloads under the launcher). Each
 rank times its own steps; rank 0 gathers every rank's median and prints and writes the rows, each
 with `world_size`, `median_ms_per_rank` and `throughput` (items/s per rank, `total` and `per_gpu`,
-the fields of speedkit's report). --size tiny (transformer, linear3, mlp) is for a CPU check.
+the fields of speedkit's report). With --compile the replica runs under torch.compile's default
+mode (DDP's recommended pairing). --size tiny (transformer, linear3, mlp) is for a CPU check.
 
     torchrun --nproc-per-node 2 docs/benchmarks/pytorch_reference.py --ddp --only transformer,linear3 --json ddp.json
 """
@@ -438,12 +439,16 @@ def time_steps_host(step, warmup, steps):
     return times, None
 
 
-def ddp_train_step(model, batch, device):
-    """The eager AMP step of train_step, on a DistributedDataParallel replica (gradients averaged
-    in 25 MiB buckets during backward, as speedkit's default)."""
+def ddp_train_step(model, batch, device, compiled=False):
+    """The AMP step of train_step, on a DistributedDataParallel replica (gradients averaged in
+    25 MiB buckets during backward, as speedkit's default): eager, or under torch.compile's default
+    mode where `compiled` (DDP's recommended pairing: its DDPOptimizer splits the graph at bucket
+    boundaries so the all-reduce still overlaps the backward pass)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
     ids = [device.index] if device.type == "cuda" else None
     replica = DDP(model, device_ids=ids, bucket_cap_mb=25)
+    if compiled:
+        replica = torch.compile(replica)
     opt = torch.optim.AdamW(replica.parameters(), lr=3e-4, weight_decay=0.1,
                             fused=device.type == "cuda", foreach=device.type != "cuda" or None)
 
@@ -457,16 +462,16 @@ def ddp_train_step(model, batch, device):
     return step
 
 
-def measure_ddp(name, device, size, world, warmup, steps, sync_every_step=True):
+def measure_ddp(name, device, size, world, warmup, steps, sync_every_step=True, compiled=False):
     """One rank's run of `name` under DDP; every rank returns the row with every rank's median."""
     import torch.distributed as dist
     model, batch, flops, (items, unit) = workload(name, device, size)
+    step = ddp_train_step(model, batch, device, compiled)
     if device.type == "cuda":
         start_memory()
-        times, memory = time_steps(ddp_train_step(model, batch, device), warmup, steps,
-                                   sync_every_step)
+        times, memory = time_steps(step, warmup, steps, sync_every_step)
     else:
-        times, memory = time_steps_host(ddp_train_step(model, batch, device), warmup, steps)
+        times, memory = time_steps_host(step, warmup, steps)
     median, p10, p90 = summary(times)
     # A tensor all-gather (all_gather_object needs NumPy), on the device the backend serves.
     gathered = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(world)]
@@ -475,7 +480,8 @@ def measure_ddp(name, device, size, world, warmup, steps, sync_every_step=True):
     rates = [items / (ms * 1e-3) for ms in medians]
     throughput = dict(unit=unit, world_size=world, per_rank=rates, total=sum(rates),
                       per_gpu=sum(rates) / world)
-    return dict(workload=name, mode="ddp", median_ms=median, p10_ms=p10, p90_ms=p90,
+    return dict(workload=name, mode="ddp_compile" if compiled else "ddp", median_ms=median,
+                p10_ms=p10, p90_ms=p90,
                 tflops=flops / median / 1e9, times_ms=times, memory=memory, world_size=world,
                 median_ms_per_rank=medians, throughput=throughput)
 
@@ -663,9 +669,9 @@ def selected(args, known=WORKLOADS, quiet=False):
 def main_ddp(args):
     """--ddp: every rank runs every workload; rank 0 prints and writes (see the module docs)."""
     import torch.distributed as dist
-    if args.compile or args.graph or args.profile or args.json_lines:
-        print("--ddp times eager AMP only: leave out --compile, --graph, --profile and "
-              "--json-lines", file=sys.stderr)
+    if args.graph or args.profile or args.json_lines:
+        print("--ddp times eager AMP (and with --compile, torch.compile's default mode): leave "
+              "out --graph, --profile and --json-lines", file=sys.stderr)
         sys.exit(2)
     if args.size not in ("bench", "tiny"):
         print(f"--size is bench or tiny, not {args.size}", file=sys.stderr)
@@ -686,7 +692,7 @@ def main_ddp(args):
     results = []
     for name in names:
         row = measure_ddp(name, device, args.size, world, args.warmup, args.steps,
-                          not args.no_paranoid_sync)
+                          not args.no_paranoid_sync, compiled=args.compile)
         results.append(row)
         if rank == 0:
             print(describe(row), flush=True)

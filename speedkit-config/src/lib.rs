@@ -46,10 +46,10 @@ use std::path::Path;
 pub use builder::SpeedConfigBuilder;
 pub use error::{closest, ConfigError, Format, Location, Problem};
 pub use types::{
-    AutoBool, BenchConfig, CompileConfig, CompileMode, CudnnConfig, DeviceChoice,
+    AllReduce, AutoBool, BenchConfig, CompileConfig, CompileMode, CudnnConfig, DeviceChoice,
     DistributedBackend, DistributedConfig, Fp8Config, Fp8GradientFormat, Fp8Recipe,
-    GradScalerConfig, MatmulPrecision, MatmulPrecisionChoice, OptimizerConfig, OptimizerName,
-    Precision, ProfileConfig, SdpBackendConfig, SpeedConfig,
+    GradScalerConfig, GradientCompression, MatmulPrecision, MatmulPrecisionChoice, OptimizerConfig,
+    OptimizerName, Precision, ProfileConfig, SdpBackendConfig, SpeedConfig,
 };
 
 impl SpeedConfig {

@@ -630,7 +630,47 @@ pub struct DistributedConfig {
     /// Seconds any rendezvous, store access or collective may take before every rank fails with an
     /// error (a dead or hung rank is reported, never waited on forever).
     pub timeout_s: u32,
+    /// How gradients are all-reduced: `auto` (`in_backward` where the step runs as a CUDA graph,
+    /// `reducer` otherwise), `reducer`, `in_backward` or `after_backward`.
+    pub all_reduce: AllReduce,
+    /// The type gradients travel in: `none` (their own) or `bf16` (half the bytes of fp32
+    /// gradients; each rank's gradient rounded to bf16 before the average).
+    pub compress: GradientCompression,
 }
+
+/// How gradients are all-reduced (`distributed.all_reduce`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum AllReduce {
+    /// `in_backward` where the step runs as a CUDA graph, `reducer` otherwise.
+    #[default]
+    Auto,
+    /// c10d's `Reducer`, as PyTorch's `DistributedDataParallel`: bucket by bucket during the
+    /// backward pass, from autograd hooks. A CUDA graph cannot capture it.
+    Reducer,
+    /// speedkit's: each bucket's all-reduce starts during the backward pass as soon as its
+    /// gradients are in, on NCCL's stream, overlapping the rest of the backward pass, and is joined
+    /// before the optimizer; a CUDA graph captures it with the step.
+    InBackward,
+    /// speedkit's, after the backward pass, bucket by bucket: no overlap; captured with the step.
+    AfterBackward,
+}
+
+spelled_enum!(AllReduce, "distributed.all_reduce", [
+    Auto => "auto", Reducer => "reducer", InBackward => "in_backward",
+    AfterBackward => "after_backward",
+]);
+
+/// The type gradients travel in (`distributed.compress`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum GradientCompression {
+    /// Their own type.
+    #[default]
+    None,
+    /// bf16 (PyTorch DDP's `bf16_compress_hook`).
+    Bf16,
+}
+
+spelled_enum!(GradientCompression, "distributed.compress", [None => "none", Bf16 => "bf16"]);
 
 impl Default for DistributedConfig {
     fn default() -> Self {
@@ -639,6 +679,8 @@ impl Default for DistributedConfig {
             bucket_mb: 25,
             first_bucket_mb: 1,
             timeout_s: 300,
+            all_reduce: AllReduce::Auto,
+            compress: GradientCompression::None,
         }
     }
 }

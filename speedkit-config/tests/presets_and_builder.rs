@@ -5,8 +5,8 @@
 #![allow(clippy::field_reassign_with_default)]
 
 use speedkit_config::{
-    AutoBool, ConfigError, DeviceChoice, MatmulPrecisionChoice, Precision, SpeedConfig,
-    SpeedConfigBuilder,
+    AllReduce, AutoBool, ConfigError, DeviceChoice, GradientCompression, MatmulPrecisionChoice,
+    Precision, SpeedConfig, SpeedConfigBuilder,
 };
 
 const SPEED_YAML: &str = concat!(
@@ -36,6 +36,34 @@ fn auto_speed_yaml_is_the_auto_preset() {
         SpeedConfig::from_yaml(AUTO_YAML).unwrap(),
         SpeedConfig::preset("auto").unwrap()
     );
+}
+
+#[test]
+fn every_shipped_example_config_loads() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/configs");
+    let mut loaded = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            SpeedConfig::from_yaml(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            loaded += 1;
+        }
+    }
+    assert!(loaded >= 6, "{loaded} configs in {dir}");
+}
+
+#[test]
+fn the_data_parallel_example_configs_change_only_the_all_reduce() {
+    let path = |name: &str| format!("{}/../examples/configs/{name}", env!("CARGO_MANIFEST_DIR"));
+    let mut after_backward = SpeedConfig::default();
+    after_backward.distributed.all_reduce = AllReduce::AfterBackward;
+    assert_eq!(
+        SpeedConfig::from_yaml(path("dp_after_backward.yaml")).unwrap(),
+        after_backward
+    );
+    let mut bf16 = SpeedConfig::default();
+    bf16.distributed.compress = GradientCompression::Bf16;
+    assert_eq!(SpeedConfig::from_yaml(path("dp_bf16.yaml")).unwrap(), bf16);
 }
 
 #[test]

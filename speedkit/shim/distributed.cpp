@@ -15,6 +15,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
 #if SK_WITH_CUDA && SK_WITH_NCCL
 #include <c10/cuda/CUDAFunctions.h>
@@ -26,8 +28,10 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -256,5 +260,225 @@ void sk_reducer_free(void* reducer) {
     // ~Reducer is noexcept(false) in c10d; nothing useful can be done with its complaint here.
   }
 }
+
+}  // extern "C"
+
+namespace {
+
+// The gradient all-reduce as work of the step (sk_grad_sync_*): only stream work, which a CUDA
+// graph captures with the step (ProcessGroupNCCL records a collective issued during a capture into
+// it and leaves it out of its watchdog). Each bucket holds parameters of one type; its gradients
+// are copied into a flat buffer in the wire type, all-reduced in place and averaged (NCCL's AVG; a
+// division for Gloo, which has none), cast back where the wire type differs, and the parameters'
+// gradients become views of the result, so the fp32 wire costs no copy back.
+//
+// Two schedules. Armed before a backward pass (sk_grad_sync_arm), a post-accumulate-grad hook on
+// each parameter copies its gradient into the bucket as autograd produces it and frees it, and a
+// bucket's all-reduce starts as soon as its last gradient arrives (buckets start in index order on
+// every rank, as NCCL requires), on ProcessGroupNCCL's own stream, so communication overlaps the
+// rest of the backward pass; the run after the backward pass starts what is left and joins them.
+// Unarmed, the run copies every gradient after the backward pass and all-reduces bucket by bucket.
+// Holding only the bucket, never the gradient beside it, the gradients cost no more memory than
+// PyTorch's DDP with gradient_as_bucket_view.
+struct GradientBucket {
+  std::vector<at::Tensor> params;
+  at::Tensor wire;                  // flat, in the wire type
+  at::Tensor grads;                 // flat, in the parameters' type (wire itself when they agree)
+  std::vector<at::Tensor> wire_views, grad_views;  // one per parameter, shaped like it
+  std::vector<bool> arrived;        // armed: whose gradient is in `wire` this backward pass
+  size_t pending = 0;               // armed: how many have not arrived
+  c10::intrusive_ptr<c10d::Work> work;  // its all-reduce, once started
+};
+
+struct GradientSync;
+
+// Where a parameter's gradient goes.
+struct Slot {
+  GradientSync* sync;
+  size_t bucket, index;
+};
+
+struct ArrivalHook : torch::autograd::PostAccumulateGradHook {
+  explicit ArrivalHook(Slot s) : slot(s) {}
+  void operator()(const torch::autograd::Variable& param) override;
+  Slot slot;
+};
+
+struct GradientSync {
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  int backend;
+  std::vector<GradientBucket> buckets;
+  std::mutex mutex;  // the hooks run on autograd's device threads
+  bool armed = false;
+  size_t next = 0;   // armed: the next bucket to start
+
+  ~GradientSync() {
+    for (GradientBucket& b : buckets)
+      for (at::Tensor& p : b.params) {
+        auto& hook = torch::autograd::impl::post_acc_grad_hooks(p);
+        if (dynamic_cast<ArrivalHook*>(hook.get()) != nullptr) hook.reset();
+      }
+  }
+};
+
+std::vector<at::Tensor> views_of(const at::Tensor& flat, const std::vector<at::Tensor>& like) {
+  std::vector<at::Tensor> views;
+  int64_t offset = 0;
+  for (const at::Tensor& p : like) {
+    views.push_back(flat.narrow(0, offset, p.numel()).view(p.sizes()));
+    offset += p.numel();
+  }
+  return views;
+}
+
+GradientBucket make_bucket(std::vector<at::Tensor> params, std::optional<at::ScalarType> wire_type) {
+  GradientBucket b;
+  int64_t numel = 0;
+  for (const at::Tensor& p : params) numel += p.numel();
+  const at::TensorOptions options = params[0].options().requires_grad(false);
+  const at::ScalarType wire = wire_type.value_or(params[0].scalar_type());
+  b.grads = at::empty({numel}, options);
+  b.wire = wire == params[0].scalar_type() ? b.grads : at::empty({numel}, options.dtype(wire));
+  b.grad_views = views_of(b.grads, params);
+  b.wire_views = views_of(b.wire, params);
+  b.arrived.assign(params.size(), false);
+  b.params = std::move(params);
+  return b;
+}
+
+void start(GradientSync& sync, GradientBucket& b) {
+  std::vector<at::Tensor> one{b.wire};
+  c10d::AllreduceOptions options;
+  options.reduceOp = sync.backend == kNccl ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+  b.work = sync.pg->allreduce(one, options);
+}
+
+// Joins a started all-reduce into the current stream and finishes the average.
+void finish(GradientSync& sync, GradientBucket& b) {
+  wait(b.work);
+  b.work.reset();
+  if (sync.backend != kNccl) b.wire.div_(sync.pg->getSize());
+  if (!b.wire.is_same(b.grads)) b.grads.copy_(b.wire);
+  for (size_t i = 0; i < b.params.size(); ++i) b.params[i].mutable_grad() = b.grad_views[i];
+}
+
+// Starts, in index order, every bucket from `next` on whose gradients have all arrived.
+void start_ready(GradientSync& sync) {
+  while (sync.next < sync.buckets.size() && sync.buckets[sync.next].pending == 0) start(sync, sync.buckets[sync.next++]);
+}
+
+void ArrivalHook::operator()(const torch::autograd::Variable& param) {
+  GradientSync& sync = *slot.sync;
+  std::lock_guard<std::mutex> lock(sync.mutex);
+  if (!sync.armed) return;
+  GradientBucket& b = sync.buckets[slot.bucket];
+  const at::Tensor& grad = param.grad();
+  if (!grad.defined() || b.arrived[slot.index]) return;
+  b.wire_views[slot.index].copy_(grad);
+  // The bucket holds it now; the step's averaged gradient will be a view of the bucket.
+  const_cast<torch::autograd::Variable&>(param).mutable_grad().reset();
+  b.arrived[slot.index] = true;
+  --b.pending;
+  start_ready(sync);
+}
+
+void arm(GradientSync& sync) {
+  std::lock_guard<std::mutex> lock(sync.mutex);
+  for (GradientBucket& b : sync.buckets) {
+    b.arrived.assign(b.params.size(), false);
+    b.pending = b.params.size();
+  }
+  sync.next = 0;
+  sync.armed = true;
+}
+
+// Armed: fills in what did not arrive (a parameter the loss does not reach: zeros, or a gradient
+// set by hand), starts the rest and joins everything. Unarmed: the same from the gradients as
+// they are.
+void run(GradientSync& sync) {
+  std::lock_guard<std::mutex> lock(sync.mutex);
+  if (!sync.armed) {
+    for (GradientBucket& b : sync.buckets) b.arrived.assign(b.params.size(), false);
+    sync.next = 0;
+  }
+  sync.armed = false;
+  for (size_t k = sync.next; k < sync.buckets.size(); ++k) {
+    GradientBucket& b = sync.buckets[k];
+    std::vector<at::Tensor> from, to;
+    for (size_t i = 0; i < b.params.size(); ++i) {
+      if (b.arrived[i]) continue;
+      const at::Tensor& grad = b.params[i].grad();
+      if (grad.defined()) {
+        from.push_back(grad);
+        to.push_back(b.wire_views[i]);
+      } else {
+        b.wire_views[i].zero_();
+      }
+    }
+    if (!from.empty()) at::_foreach_copy_(to, from);
+    start(sync, b);
+  }
+  sync.next = sync.buckets.size();
+  for (GradientBucket& b : sync.buckets) finish(sync, b);
+}
+
+}  // namespace
+
+extern "C" {
+
+int sk_grad_sync_new(void* group, const sk_tensor* params, int64_t n, int64_t bucket_bytes, int wire_type,
+                     void** out) {
+  SK_TRY({
+    auto* g = static_cast<Group*>(group);
+    auto sync = std::make_unique<GradientSync>();
+    sync->pg = g->pg;
+    sync->backend = g->backend;
+    std::optional<at::ScalarType> wire;
+    if (wire_type >= 0) wire = static_cast<at::ScalarType>(wire_type);
+    // Reverse registration order, as the Reducer's buckets: the last layers' gradients first.
+    std::vector<at::Tensor> list = sk::tensor_list(params, n);
+    std::vector<at::Tensor> pending;
+    int64_t bytes = 0;
+    const auto flush = [&] {
+      if (!pending.empty()) sync->buckets.push_back(make_bucket(std::move(pending), wire));
+      pending.clear();
+      bytes = 0;
+    };
+    for (auto it = list.rbegin(); it != list.rend(); ++it) {
+      // The parameter itself, not a detached alias: its gradient lives on it.
+      const at::Tensor& p = *it;
+      if (!pending.empty() && (pending[0].options().dtype() != p.options().dtype() || bytes >= bucket_bytes))
+        flush();
+      pending.push_back(p);
+      bytes += p.numel() * static_cast<int64_t>(p.element_size());
+    }
+    flush();
+    for (size_t k = 0; k < sync->buckets.size(); ++k)
+      for (size_t i = 0; i < sync->buckets[k].params.size(); ++i) {
+        const at::Tensor& p = sync->buckets[k].params[i];
+        auto& hook = torch::autograd::impl::post_acc_grad_hooks(p);
+        TORCH_CHECK(hook == nullptr,
+                    "a parameter already has a post-accumulate-grad hook (another gradient all-reduce, or "
+                    "torch's own): speedkit's in-step all-reduce needs it");
+        torch::autograd::impl::set_post_acc_grad_hooks(p, std::make_unique<ArrivalHook>(Slot{sync.get(), k, i}));
+      }
+    *out = sync.release();
+  })
+}
+
+int sk_grad_sync_arm(void* sync) { SK_TRY(arm(*static_cast<GradientSync*>(sync))) }
+
+int sk_grad_sync_run(void* sync) { SK_TRY(run(*static_cast<GradientSync*>(sync))) }
+
+int sk_grad_sync_shape(void* sync, int64_t* buckets, int64_t* wire_bytes) {
+  SK_TRY({
+    auto* s = static_cast<GradientSync*>(sync);
+    *buckets = static_cast<int64_t>(s->buckets.size());
+    *wire_bytes = 0;
+    for (const auto& b : s->buckets) *wire_bytes += b.wire.numel() * static_cast<int64_t>(b.wire.element_size());
+  })
+}
+
+void sk_grad_sync_free(void* sync) { delete static_cast<GradientSync*>(sync); }
 
 }  // extern "C"

@@ -312,6 +312,22 @@ int sk_reducer_new(void* group, const sk_tensor* params, int64_t n, int64_t buck
 /// Arms the hooks for the next backward pass.
 int sk_reducer_prepare(void* reducer);
 void sk_reducer_free(void* reducer);
+/// The gradient all-reduce as ordinary work on the current stream, run after the backward pass (so
+/// a CUDA graph can capture it with the step): buckets of at most `bucket_bytes` of `params`'
+/// gradients, each copied into one flat buffer in `wire_type` (a ScalarType code, or -1 for the
+/// parameters' own type), all-reduced and averaged. *out freed by sk_grad_sync_free.
+int sk_grad_sync_new(void* group, const sk_tensor* params, int64_t n, int64_t bucket_bytes, int wire_type,
+                     void** out);
+/// Before a backward pass: its gradients go into their buckets as autograd produces them, and each
+/// bucket's all-reduce starts when it is full, overlapping the rest of the backward pass.
+int sk_grad_sync_arm(void* sync);
+/// After the backward pass: starts the all-reduces not started and joins them into the current
+/// stream; afterwards each parameter's gradient is a view of its bucket, the average across the
+/// ranks (a parameter without one gets the average of the others').
+int sk_grad_sync_run(void* sync);
+/// How many buckets (all-reduces) a run makes, and the bytes they send in all.
+int sk_grad_sync_shape(void* sync, int64_t* buckets, int64_t* wire_bytes);
+void sk_grad_sync_free(void* sync);
 
 // @module function: autograd functions written in Rust, and activation checkpointing (function.cpp)
 

@@ -7,7 +7,7 @@ use tch::{nn::VarStore, Device, Tensor};
 
 use crate::amp::{AutocastGuard, GradScaler, ScaledOptimizer};
 use crate::config::SpeedConfig;
-use crate::dist::{DataParallel, LaunchEnv, ProcessGroup};
+use crate::dist::{AveragingSettings, DataParallel, LaunchEnv, ProcessGroup};
 use crate::error::{Result, SpeedkitError};
 use crate::ffi;
 use crate::flags::{FlagGuard, FlagState};
@@ -153,18 +153,38 @@ impl SpeedContext {
         let dp = DataParallel::attach(
             group,
             vs,
-            settings.bucket_bytes,
-            settings.first_bucket_bytes,
+            AveragingSettings {
+                bucket_bytes: settings.bucket_bytes,
+                first_bucket_bytes: settings.first_bucket_bytes,
+                all_reduce: settings.all_reduce,
+                bf16_gradients: settings.bf16_gradients,
+            },
         )?;
+        let how = if dp.in_step() {
+            format!(
+                "by speedkit's all-reduce ({}), as work of the step, in {} MiB buckets{}",
+                settings.all_reduce,
+                settings.bucket_bytes >> 20,
+                if settings.bf16_gradients {
+                    " sent in bf16"
+                } else {
+                    ""
+                }
+            )
+        } else {
+            format!(
+                "by c10d's Reducer in {} MiB buckets during backward",
+                settings.bucket_bytes >> 20
+            )
+        };
         self.note(format!(
             "data parallel: rank {} of {} over {}; {} parameter tensors ({:.1} MiB) broadcast \
-             from rank 0; gradients averaged by c10d's Reducer in {} MiB buckets during backward",
+             from rank 0; gradients averaged {how}",
             group.rank(),
             group.world_size(),
             group.backend(),
             dp.parameters(),
             dp.parameter_bytes() as f64 / (1 << 20) as f64,
-            settings.bucket_bytes >> 20
         ));
         *self.data_parallel.borrow_mut() = Some(dp);
         Ok(())
@@ -307,8 +327,12 @@ impl SpeedContext {
                 }
             }
         }
-        let result = self.scaler.scale(loss)?.f_backward();
-        result.map_err(|e| match &self.group {
+        let result = self.scaler.scale(loss)?.f_backward().map_err(Into::into);
+        let result = result.and_then(|()| match self.data_parallel.borrow().as_ref() {
+            Some(dp) => dp.after_backward(),
+            None => Ok(()),
+        });
+        result.map_err(|e: SpeedkitError| match &self.group {
             Some(g) => SpeedkitError::Distributed(format!(
                 "backward on rank {} of {} (gradients are all-reduced during it; a rank that died \
                  or hung past the {} s timeout fails it): {e}",
@@ -316,7 +340,7 @@ impl SpeedContext {
                 g.world_size(),
                 g.timeout().as_secs()
             )),
-            None => e.into(),
+            None => e,
         })
     }
 

@@ -24,8 +24,9 @@ use std::fmt;
 use tch::{Device, Kind};
 
 use crate::config::{
-    AutoBool, DeviceChoice, DistributedBackend, Fp8Config, Fp8GradientFormat, Fp8Recipe,
-    GradScalerConfig, MatmulPrecision, MatmulPrecisionChoice, Precision, SpeedConfig,
+    AllReduce, AutoBool, DeviceChoice, DistributedBackend, DistributedConfig, Fp8Config,
+    Fp8GradientFormat, Fp8Recipe, GradScalerConfig, GradientCompression, MatmulPrecision,
+    MatmulPrecisionChoice, Precision, SpeedConfig,
 };
 use crate::dist::{Backend, LaunchEnv};
 use crate::error::{Result, SpeedkitError};
@@ -203,6 +204,12 @@ pub struct DistributedSettings {
     pub first_bucket_bytes: i64,
     /// Bound on the rendezvous and every collective, in seconds.
     pub timeout_s: u64,
+    /// How gradients are all-reduced (never `Auto` here): speedkit's in-step all-reduce
+    /// (`InBackward`, `AfterBackward`), which a CUDA graph captures with the step, or c10d's
+    /// `Reducer`, which it cannot.
+    pub all_reduce: AllReduce,
+    /// Whether gradients travel in bf16 (half the bytes of fp32 gradients).
+    pub bf16_gradients: bool,
 }
 
 fn serialize_device<S: serde::Serializer>(d: &Device, s: S) -> Result<S::Ok, S::Error> {
@@ -476,14 +483,16 @@ impl Plan {
             }
         };
 
-        let distributed = resolve_distributed(config, device, launch, &mut d)?;
+        let distributed = resolve_distributed(config, device, launch, compile_graphs, &mut d)?;
         let compile_graphs = match (&distributed, compile_graphs) {
+            (Some(dp), graphs) if dp.all_reduce != AllReduce::Reducer => graphs,
             (Some(_), true) if config.compile.enabled == AutoBool::On => {
                 return Err(SpeedkitError::Unsupported(
-                    "compile.enabled: true cannot be combined with data-parallel training yet: \
-                     the gradient all-reduce hooks of c10d's Reducer cannot be captured into the \
-                     step's CUDA graph (CUDA: \"operation would make the legacy stream depend on \
-                     a capturing blocking stream\"); set compile.enabled to auto or false"
+                    "compile.enabled: true cannot be combined with distributed.all_reduce: \
+                     reducer: the gradient all-reduce hooks of c10d's Reducer cannot be captured \
+                     into the step's CUDA graph (CUDA: \"operation would make the legacy stream \
+                     depend on a capturing blocking stream\"); set distributed.all_reduce to \
+                     auto, in_backward or after_backward, or compile.enabled to auto or false"
                         .into(),
                 ))
             }
@@ -491,8 +500,9 @@ impl Plan {
                 d.push(
                     "compile",
                     "off",
-                    "data parallel: the step runs eagerly, because the gradient all-reduce hooks \
-                     of c10d's Reducer cannot be captured into a CUDA graph",
+                    "data parallel with distributed.all_reduce: reducer: the step runs eagerly, \
+                     because the gradient all-reduce hooks of c10d's Reducer cannot be captured \
+                     into a CUDA graph",
                 );
                 false
             }
@@ -707,6 +717,7 @@ fn resolve_distributed(
     config: &SpeedConfig,
     device: Device,
     launch: Option<&LaunchEnv>,
+    graphs: bool,
     d: &mut Decisions,
 ) -> Result<Option<DistributedSettings>> {
     let choice = config.distributed.backend;
@@ -755,11 +766,11 @@ fn resolve_distributed(
         "distributed",
         backend.to_string(),
         format!(
-            "rank {} of {} (WORLD_SIZE > 1): {why}; parameters broadcast from rank 0, gradients \
-             averaged in {} MiB buckets during the backward pass",
-            env.rank, env.world_size, cfg.bucket_mb
+            "rank {} of {} (WORLD_SIZE > 1): {why}; parameters broadcast from rank 0",
+            env.rank, env.world_size
         ),
     );
+    let all_reduce = resolve_all_reduce(cfg, graphs, d)?;
     const MIB: i64 = 1 << 20;
     Ok(Some(DistributedSettings {
         backend,
@@ -767,7 +778,65 @@ fn resolve_distributed(
         bucket_bytes: i64::from(cfg.bucket_mb) * MIB,
         first_bucket_bytes: i64::from(cfg.first_bucket_mb) * MIB,
         timeout_s: u64::from(cfg.timeout_s),
+        all_reduce,
+        bf16_gradients: cfg.compress == GradientCompression::Bf16,
     }))
+}
+
+/// How gradients are all-reduced, given whether the step is planned as a CUDA graph: speedkit's
+/// in-step all-reduce where the graph must capture it (or bf16 gradients ask for it), c10d's
+/// Reducer for an eager step.
+fn resolve_all_reduce(
+    cfg: &DistributedConfig,
+    graphs: bool,
+    d: &mut Decisions,
+) -> Result<AllReduce> {
+    let bf16 = cfg.compress == GradientCompression::Bf16;
+    let wire = if bf16 {
+        "sent in bf16"
+    } else {
+        "sent in their own type"
+    };
+    let buckets = cfg.bucket_mb;
+    let (path, reason) =
+        match cfg.all_reduce {
+            AllReduce::Reducer if bf16 => {
+                return Err(SpeedkitError::Unsupported(
+                    "distributed.compress: bf16 is done by speedkit's all-reduce, and \
+                 distributed.all_reduce is reducer; set all_reduce to auto, in_backward or \
+                 after_backward, or compress to none"
+                        .into(),
+                ))
+            }
+            AllReduce::Reducer => (
+                AllReduce::Reducer,
+                format!(
+                "set in the config: c10d's Reducer, {buckets} MiB buckets during the backward pass"
+            ),
+            ),
+            AllReduce::InBackward | AllReduce::AfterBackward => (
+                cfg.all_reduce,
+                format!("set in the config: {buckets} MiB buckets {wire}"),
+            ),
+            AllReduce::Auto if graphs || bf16 => (
+                AllReduce::InBackward,
+                format!(
+                "{}: each {buckets} MiB bucket, {wire}, is all-reduced as soon as its gradients \
+                 are in, on NCCL's stream beside the rest of the backward pass, and captured with \
+                 the step (c10d's Reducer hooks cannot be captured)",
+                if graphs { "the step runs as a CUDA graph" } else { "bf16 gradients" }
+            ),
+            ),
+            AllReduce::Auto => (
+                AllReduce::Reducer,
+                format!(
+                "the step runs eagerly: c10d's Reducer, {buckets} MiB buckets during the backward \
+                 pass"
+            ),
+            ),
+        };
+    d.push("all_reduce", path.as_str(), reason);
+    Ok(path)
 }
 
 fn resolve_precision(

@@ -1,33 +1,53 @@
 //! [`DataParallel`]: one model replica per process kept identical. At attach, every rank checks
 //! that all ranks run the same speed config and the same parameter shapes, and takes rank 0's
-//! parameter values; during each backward pass c10d's `Reducer` (the engine of PyTorch's
-//! `DistributedDataParallel`) all-reduces gradients bucket by bucket as they become ready, so
-//! communication overlaps the rest of the backward pass, and averages them by the world size
-//! before backward returns.
+//! parameter values. Gradients are then averaged across ranks by one of two engines, which the
+//! plan picks (`distributed.all_reduce`) and names:
+//! - **`reducer`**: during each backward pass, c10d's `Reducer` (the engine of PyTorch's
+//!   `DistributedDataParallel`) all-reduces gradients bucket by bucket as they become ready, from
+//!   autograd hooks, so communication overlaps the rest of the backward pass. A CUDA graph cannot
+//!   capture its hooks, so the step runs eagerly.
+//! - **speedkit's** ([`GradientSync`]): the all-reduce is stream work of the step, which a
+//!   whole-step CUDA graph captures with the forward, backward and optimizer, optionally in bf16:
+//!   `in_backward` starts each bucket as soon as its gradients are in, beside the rest of the
+//!   backward pass; `after_backward` runs them all after it.
 
-use tch::{nn::VarStore, Tensor};
+use tch::{nn::VarStore, Kind, Tensor};
 
 use super::ProcessGroup;
-use crate::config::SpeedConfig;
+use crate::config::{AllReduce, SpeedConfig};
 use crate::error::{Result, SpeedkitError};
-use crate::ffi::distributed::RawReducer;
+use crate::ffi::distributed::{RawGradientSync, RawReducer};
+
+/// How a [`DataParallel`] averages gradients.
+enum Averaging {
+    Reducer(RawReducer),
+    InStep { sync: GradientSync, overlap: bool },
+}
 
 /// The gradient-averaging state of one model (see the module docs). Made by
 /// [`SpeedContext::prepare`](crate::SpeedContext::prepare) under a launcher.
 pub struct DataParallel {
-    reducer: RawReducer,
+    averaging: Averaging,
     parameters: usize,
     parameter_bytes: i64,
 }
 
+/// Where and how a [`DataParallel`] averages gradients (the plan's `distributed` settings).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AveragingSettings {
+    pub bucket_bytes: i64,
+    pub first_bucket_bytes: i64,
+    pub all_reduce: AllReduce,
+    pub bf16_gradients: bool,
+}
+
 impl DataParallel {
-    /// Checks agreement, broadcasts rank 0's variables, and arms the Reducer over `vs`'s trainable
-    /// variables with the given bucket sizes.
+    /// Checks agreement, broadcasts rank 0's variables, and sets up the averaging of `vs`'s
+    /// trainable variables' gradients.
     pub(crate) fn attach(
         group: &ProcessGroup,
         vs: &VarStore,
-        bucket_bytes: i64,
-        first_bucket_bytes: i64,
+        settings: AveragingSettings,
     ) -> Result<Self> {
         let mut variables: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
         variables.sort_by(|a, b| a.0.cmp(&b.0));
@@ -43,10 +63,25 @@ impl DataParallel {
             .iter()
             .map(|t| t.numel() as i64 * t.kind().elt_size_in_bytes() as i64)
             .sum();
-        let reducer = RawReducer::new(group.raw(), &trainable, bucket_bytes, first_bucket_bytes)
-            .map_err(|e| SpeedkitError::Distributed(format!("gradient reducer: {e}")))?;
+        let averaging = if settings.all_reduce != AllReduce::Reducer {
+            let wire = settings.bf16_gradients.then_some(Kind::BFloat16);
+            Averaging::InStep {
+                sync: GradientSync::new(group, &trainable, settings.bucket_bytes, wire)?,
+                overlap: settings.all_reduce == AllReduce::InBackward,
+            }
+        } else {
+            Averaging::Reducer(
+                RawReducer::new(
+                    group.raw(),
+                    &trainable,
+                    settings.bucket_bytes,
+                    settings.first_bucket_bytes,
+                )
+                .map_err(|e| SpeedkitError::Distributed(format!("gradient reducer: {e}")))?,
+            )
+        };
         Ok(Self {
-            reducer,
+            averaging,
             parameters: trainable.len(),
             parameter_bytes,
         })
@@ -54,9 +89,30 @@ impl DataParallel {
 
     /// Arms the gradient hooks for the next backward pass; called right before it.
     pub(crate) fn before_backward(&self) -> Result<()> {
-        self.reducer
-            .prepare()
-            .map_err(|e| SpeedkitError::Distributed(format!("gradient reducer: {e}")))
+        match &self.averaging {
+            Averaging::Reducer(reducer) => reducer
+                .prepare()
+                .map_err(|e| SpeedkitError::Distributed(format!("gradient reducer: {e}"))),
+            Averaging::InStep {
+                sync,
+                overlap: true,
+            } => sync.overlap_next_backward(),
+            Averaging::InStep { overlap: false, .. } => Ok(()),
+        }
+    }
+
+    /// Finishes the averaging of speedkit's all-reduce; called right after the backward pass.
+    pub(crate) fn after_backward(&self) -> Result<()> {
+        match &self.averaging {
+            Averaging::Reducer(_) => Ok(()),
+            Averaging::InStep { sync, .. } => sync.run(),
+        }
+    }
+
+    /// Whether gradients are averaged by speedkit's all-reduce, as stream work of the step that a
+    /// CUDA graph captures, rather than by the Reducer's hooks.
+    pub fn in_step(&self) -> bool {
+        matches!(self.averaging, Averaging::InStep { .. })
     }
 
     /// Number of trainable tensors whose gradients are averaged.
@@ -73,8 +129,104 @@ impl DataParallel {
 impl std::fmt::Debug for DataParallel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DataParallel")
+            .field("in_step", &self.in_step())
             .field("parameters", &self.parameters)
             .field("parameter_bytes", &self.parameter_bytes)
+            .finish()
+    }
+}
+
+/// The gradient all-reduce as stream work of the step, which a CUDA graph captures with it
+/// ([`GraphedStep`](crate::graph::GraphedStep)): NCCL collectives replay with the graph. Each bucket
+/// of gradients (at most the bucket size, the last layers' first) lives in one flat buffer in the
+/// wire type; it is all-reduced and averaged in place, and the parameters' gradients become views
+/// of the result (cast back where the wire type differs), so the gradients take no memory beside
+/// their buckets.
+///
+/// - After [`overlap_next_backward`](Self::overlap_next_backward), the backward pass moves each
+///   gradient into its bucket as autograd produces it, and each bucket's all-reduce starts as soon
+///   as the bucket is full (in bucket order on every rank), on NCCL's stream beside the rest of the
+///   backward pass; [`run`](Self::run) starts what is left and joins them.
+/// - Otherwise [`run`](Self::run) copies every gradient into its bucket after the backward pass
+///   and all-reduces them bucket by bucket.
+///
+/// A parameter without a gradient on this rank gets the average of the others'. Each parameter
+/// carries a post-accumulate-grad hook while the `GradientSync` lives (one that already has such a
+/// hook is an error); dropping it removes them.
+///
+/// [`DataParallel`] uses it unless the plan says `all_reduce: reducer`; it can also be driven by
+/// hand over any [`ProcessGroup`]:
+///
+/// ```no_run
+/// use speedkit::dist::{Backend, GradientSync, LaunchEnv, ProcessGroup};
+/// use std::time::Duration;
+/// use tch::{nn, Device, Kind};
+/// let env = LaunchEnv::from_env()?.expect("run under `speedkit launch` or torchrun");
+/// let group = ProcessGroup::init(&env, Backend::Nccl, Duration::from_secs(60))?;
+/// let vs = nn::VarStore::new(Device::Cuda(env.local_rank));
+/// let layer = nn::linear(vs.root(), 64, 64, Default::default());
+/// let sync = GradientSync::new(&group, &vs.trainable_variables(), 25 << 20, Some(Kind::BFloat16))?;
+/// sync.overlap_next_backward()?;
+/// // ... loss.backward() ...
+/// sync.run()?;   // every rank now holds the average of the ranks' gradients
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub struct GradientSync {
+    raw: RawGradientSync,
+    buckets: i64,
+    wire_bytes: i64,
+}
+
+impl GradientSync {
+    /// Buckets of at most `bucket_bytes` over `params`, whose gradients travel in `wire` (`None`:
+    /// their own type; `Some(Kind::BFloat16)` halves the bytes of fp32 gradients).
+    pub fn new(
+        group: &ProcessGroup,
+        params: &[Tensor],
+        bucket_bytes: i64,
+        wire: Option<Kind>,
+    ) -> Result<Self> {
+        let raw = RawGradientSync::new(group.raw(), params, bucket_bytes.max(1), wire)
+            .map_err(|e| SpeedkitError::Distributed(format!("gradient all-reduce: {e}")))?;
+        let (buckets, wire_bytes) = raw.shape()?;
+        Ok(Self {
+            raw,
+            buckets,
+            wire_bytes,
+        })
+    }
+
+    /// Makes the next backward pass start each bucket's all-reduce as soon as the bucket is full;
+    /// [`run`](Self::run) after it finishes them.
+    pub fn overlap_next_backward(&self) -> Result<()> {
+        self.raw
+            .arm()
+            .map_err(|e| SpeedkitError::Distributed(format!("gradient all-reduce: {e}")))
+    }
+
+    /// Averages the parameters' gradients across the ranks (a collective: every rank calls it).
+    pub fn run(&self) -> Result<()> {
+        self.raw
+            .run()
+            .map_err(|e| SpeedkitError::Distributed(format!("gradient all-reduce: {e}")))
+    }
+
+    /// How many all-reduces a run makes.
+    pub fn buckets(&self) -> i64 {
+        self.buckets
+    }
+
+    /// The bytes a run sends from each rank (before the collective's own traffic).
+    pub fn wire_bytes(&self) -> i64 {
+        self.wire_bytes
+    }
+}
+
+impl std::fmt::Debug for GradientSync {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GradientSync")
+            .field("buckets", &self.buckets)
+            .field("wire_bytes", &self.wire_bytes)
             .finish()
     }
 }

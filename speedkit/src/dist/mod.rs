@@ -40,7 +40,8 @@ mod group;
 mod shard;
 mod throughput;
 
-pub use data_parallel::DataParallel;
+pub(crate) use data_parallel::AveragingSettings;
+pub use data_parallel::{DataParallel, GradientSync};
 pub use env::LaunchEnv;
 pub use group::{Backend, ProcessGroup};
 pub use shard::Shard;

@@ -3,7 +3,7 @@
 use std::ffi::{c_int, c_void};
 use std::ptr;
 
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use super::{c_string, check, handle, handles, owned, raw, raw::distributed as abi, Result};
 
@@ -133,5 +133,68 @@ impl Drop for RawReducer {
     fn drop(&mut self) {
         // SAFETY: created by sk_reducer_new, freed exactly once.
         unsafe { abi::sk_reducer_free(self.0) }
+    }
+}
+
+/// The gradient all-reduce as ordinary stream work (capturable in a CUDA graph): flat buckets in a
+/// wire type, filled during the backward pass where armed, averaged in place; afterwards the
+/// gradients are views of them. Holds its own reference to the process group and a hook on each
+/// parameter, removed when dropped.
+pub(crate) struct RawGradientSync(*mut c_void);
+
+impl RawGradientSync {
+    /// Buckets of at most `bucket_bytes` over `params` (the last ones first), sent in `wire`
+    /// (`None`: the parameters' own type).
+    pub(crate) fn new(
+        group: &RawProcessGroup,
+        params: &[Tensor],
+        bucket_bytes: i64,
+        wire: Option<Kind>,
+    ) -> Result<Self> {
+        let p = handles(params);
+        let wire = match wire {
+            Some(kind) => super::scalar_type_code(kind)?,
+            None => -1,
+        };
+        let mut sync = ptr::null_mut();
+        // SAFETY: live group and handles; `sync` receives an object we own.
+        check(unsafe {
+            abi::sk_grad_sync_new(
+                group.0,
+                p.as_ptr(),
+                p.len() as i64,
+                bucket_bytes,
+                wire,
+                &mut sync,
+            )
+        })?;
+        Ok(Self(sync))
+    }
+
+    /// Before a backward pass: bucket its gradients as they come and start each full bucket.
+    pub(crate) fn arm(&self) -> Result<()> {
+        // SAFETY: live object.
+        check(unsafe { abi::sk_grad_sync_arm(self.0) })
+    }
+
+    /// Averages the gradients across the ranks, on the current stream.
+    pub(crate) fn run(&self) -> Result<()> {
+        // SAFETY: live object.
+        check(unsafe { abi::sk_grad_sync_run(self.0) })
+    }
+
+    /// The number of buckets and the bytes a run sends.
+    pub(crate) fn shape(&self) -> Result<(i64, i64)> {
+        let (mut buckets, mut bytes) = (0, 0);
+        // SAFETY: live object; two out-parameters.
+        check(unsafe { abi::sk_grad_sync_shape(self.0, &mut buckets, &mut bytes) })?;
+        Ok((buckets, bytes))
+    }
+}
+
+impl Drop for RawGradientSync {
+    fn drop(&mut self) {
+        // SAFETY: created by sk_grad_sync_new, freed exactly once.
+        unsafe { abi::sk_grad_sync_free(self.0) }
     }
 }

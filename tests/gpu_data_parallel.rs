@@ -1,0 +1,109 @@
+//! speedkit's gradient all-reduce on one GPU, over a world-size-1 NCCL group: captured with the
+//! whole training step in a CUDA graph and replayed, after the backward pass or started during it,
+//! it gives what the same step gives eagerly.
+//! (Two ranks are proven in tests/distributed.rs, on two GPUs.) Skipped, with the reason printed,
+//! without a GPU.
+
+mod common;
+
+use std::time::Duration;
+
+use speedkit::dist::{Backend, GradientSync, LaunchEnv, ProcessGroup};
+use speedkit::optim::AdamW;
+use speedkit::{SpeedConfig, SpeedContext};
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+
+fn one_rank_nccl_group(device: Device) -> ProcessGroup {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port");
+    let env = LaunchEnv {
+        rank: 0,
+        world_size: 1,
+        local_rank: match device {
+            Device::Cuda(i) => i,
+            _ => 0,
+        },
+        master_addr: "127.0.0.1".into(),
+        master_port: port,
+    };
+    ProcessGroup::init(&env, Backend::Nccl, Duration::from_secs(60)).expect("the group forms")
+}
+
+/// Trains a small MLP for `steps` steps, its gradients averaged by `GradientSync` (bf16 on the
+/// wire, small buckets), started during the backward pass where `overlap`, with the step graphed
+/// or eager; the trained parameters and the last step's gradients.
+fn train(
+    group: &ProcessGroup,
+    device: Device,
+    graphed: bool,
+    overlap: bool,
+    steps: usize,
+) -> [Vec<Tensor>; 2] {
+    let ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
+    tch::manual_seed(0);
+    let vs = nn::VarStore::new(device);
+    let net = nn::seq()
+        .add(nn::linear(vs.root() / "a", 96, 160, Default::default()))
+        .add_fn(|x| x.gelu("tanh"))
+        .add(nn::linear(vs.root() / "b", 160, 24, Default::default()));
+    // 40 KiB buckets: the gradients travel in several all-reduces.
+    let sync = GradientSync::new(
+        group,
+        &vs.trainable_variables(),
+        40 << 10,
+        Some(Kind::BFloat16),
+    )
+    .unwrap();
+    assert!(sync.buckets() > 1, "{sync:?}");
+    let mut opt = ctx.adamw(&vs, AdamW::default()).unwrap();
+    let x = Tensor::randn([64, 96], (Kind::Float, device));
+    let y = Tensor::randn([64, 24], (Kind::Float, device));
+    let step = |_: &[Tensor]| {
+        let loss = ctx.autocast(|| net.forward(&x).mse_loss(&y, tch::Reduction::Mean));
+        opt.zero_grad()?;
+        if overlap {
+            sync.overlap_next_backward()?;
+        }
+        ctx.backward(&loss)?;
+        sync.run()?;
+        ctx.step(&mut opt)?;
+        Ok(Some(loss))
+    };
+    common::run_steps(&ctx, step, graphed, steps);
+    let gradients = vs.trainable_variables().iter().map(Tensor::grad).collect();
+    [common::trained_parameters(&vs), gradients]
+}
+
+#[test]
+fn speedkits_all_reduce_is_captured_with_the_step_over_a_world_size_one_nccl_group() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "speedkits_all_reduce_is_captured_with_the_step_over_a_world_size_one_nccl_group",
+    ) else {
+        return;
+    };
+    let group = one_rank_nccl_group(device);
+    let [eager, _] = train(&group, device, false, false, 12);
+    for overlap in [false, true] {
+        let [graphed, gradients] = train(&group, device, true, overlap, 12);
+        for (i, (g, e)) in graphed.iter().zip(&eager).enumerate() {
+            let err = common::rel_err(g, e);
+            assert!(
+                err < 1e-6,
+                "overlap {overlap}: parameter {i}: relative difference {err:e}"
+            );
+        }
+        // The replays ran the all-reduce: each gradient is its bucket's bf16 average, cast back.
+        for (i, g) in gradients.iter().enumerate() {
+            assert_eq!(g.kind(), Kind::Float);
+            let rounded = g.to_kind(Kind::BFloat16).to_kind(Kind::Float);
+            assert!(
+                g.equal(&rounded),
+                "overlap {overlap}: gradient {i} did not travel in bf16"
+            );
+        }
+    }
+}
