@@ -1,6 +1,7 @@
 //! speedkit's gradient all-reduce on one GPU, over a world-size-1 NCCL group: captured with the
 //! whole training step in a CUDA graph and replayed, after the backward pass or started during it,
-//! it gives what the same step gives eagerly.
+//! it gives what the same step gives eagerly. A replay that does not finish within the timeout ends
+//! the process with a message naming the rank, as c10d's watchdog does.
 //! (Two ranks are proven in tests/distributed.rs, on two GPUs.) Skipped, with the reason printed,
 //! without a GPU.
 
@@ -106,4 +107,61 @@ fn speedkits_all_reduce_is_captured_with_the_step_over_a_world_size_one_nccl_gro
             );
         }
     }
+}
+
+/// GPU work of a few seconds on the current stream: fp32 GEMMs, chained.
+fn seconds_of_gpu_work(device: Device) {
+    let mut a = Tensor::randn([8192, 8192], (Kind::Float, device)) / 90.0;
+    let b = Tensor::randn([8192, 8192], (Kind::Float, device)) / 90.0;
+    for _ in 0..200 {
+        a = a.matmul(&b);
+    }
+}
+
+/// The watchdog's process: a world-size-1 NCCL group, GPU work watched with the timeout of
+/// `SK_TEST_WATCHDOG_MS` (the parent test's child; it must not run on its own).
+#[test]
+#[ignore = "the child process of a_replay_past_the_timeout_ends_the_process_naming_the_rank"]
+fn watchdog_child() {
+    let Ok(ms) = std::env::var("SK_TEST_WATCHDOG_MS").map(|v| v.parse::<u64>().unwrap()) else {
+        return;
+    };
+    let device = Device::Cuda(0);
+    let group = one_rank_nccl_group(device);
+    let vs = nn::VarStore::new(device);
+    let _layer = nn::linear(vs.root(), 8, 8, Default::default());
+    let sync = GradientSync::new(&group, &vs.trainable_variables(), 1 << 20, None).unwrap();
+    seconds_of_gpu_work(device);
+    sync.watch_replay(Duration::from_millis(ms), "rank 0 of 1")
+        .unwrap();
+    tch::Cuda::synchronize(0);
+    println!("the watched work finished");
+}
+
+fn run_watchdog_child(timeout_ms: u64) -> std::process::Output {
+    std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "watchdog_child", "--ignored", "--nocapture"])
+        .env("SK_TEST_WATCHDOG_MS", timeout_ms.to_string())
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn a_replay_past_the_timeout_ends_the_process_naming_the_rank() {
+    let Some(_) =
+        common::cuda_or_skip("a_replay_past_the_timeout_ends_the_process_naming_the_rank")
+    else {
+        return;
+    };
+    let late = run_watchdog_child(100);
+    let stderr = String::from_utf8_lossy(&late.stderr);
+    assert_eq!(late.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("speedkit: rank 0 of 1: a replay of the training step's CUDA graph"),
+        "{stderr}"
+    );
+    let in_time = run_watchdog_child(600_000);
+    let stdout = String::from_utf8_lossy(&in_time.stdout);
+    assert!(in_time.status.success(), "{stdout}");
+    assert!(stdout.contains("the watched work finished"), "{stdout}");
 }

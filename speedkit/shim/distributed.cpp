@@ -19,17 +19,23 @@
 #include <torch/csrc/autograd/variable.h>
 
 #if SK_WITH_CUDA && SK_WITH_NCCL
+#include <c10/core/Event.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <deque>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -304,6 +310,80 @@ struct ArrivalHook : torch::autograd::PostAccumulateGradHook {
   Slot slot;
 };
 
+// Bounds the replays of a captured step on the collectives inside it: c10d's watchdog only
+// follows the collectives it launched itself, not those a CUDA graph replays, so a peer that died
+// or hangs would leave this rank waiting forever. After each replay an event is recorded on the
+// replay's stream; a thread checks the oldest one every 50 ms, and one not done by its deadline
+// ends the process as c10d's watchdog does after its timeout: a message naming the rank, NCCL's
+// communicators aborted (which also frees the peers' kernels), and exit status 1.
+struct ReplayWatchdog {
+#if SK_WITH_CUDA && SK_WITH_NCCL
+  // c10::Event, not at::cuda::CUDAEvent: it reaches CUDA through c10's device guard, so the shim
+  // needs no CUDA runtime of its own.
+  struct Pending {
+    c10::Event done;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  std::string who;
+  std::chrono::milliseconds timeout{0};
+  std::mutex mutex;
+  std::condition_variable wake;
+  std::deque<Pending> pending;
+  bool stopping = false;
+  std::thread thread;
+
+  void watch(const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::chrono::milliseconds limit,
+             const std::string& rank) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!thread.joinable()) {
+      pg = group;
+      who = rank;
+      timeout = limit;
+      thread = std::thread([this] { loop(); });
+    }
+    Pending p{c10::Event(c10::DeviceType::CUDA), std::chrono::steady_clock::now() + timeout};
+    p.done.record(c10::cuda::getCurrentCUDAStream().unwrap());
+    pending.push_back(std::move(p));
+    wake.notify_one();
+  }
+
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex);
+    while (!stopping) {
+      wake.wait_for(lock, std::chrono::milliseconds(50));
+      while (!pending.empty() && pending.front().done.query()) pending.pop_front();
+      if (pending.empty() || std::chrono::steady_clock::now() < pending.front().deadline) continue;
+      std::fprintf(stderr,
+                   "speedkit: %s: a replay of the training step's CUDA graph, whose gradient all-reduce "
+                   "waits on every rank, did not finish within the %lld s timeout (distributed.timeout_s): a "
+                   "peer died or hangs. Aborting NCCL's communicators and exiting.\n",
+                   who.c_str(), static_cast<long long>(timeout.count() / 1000));
+      std::fflush(stderr);
+      try {
+        pg->abort();
+      } catch (...) {
+        // Exiting either way.
+      }
+      std::_Exit(1);
+    }
+  }
+
+  ~ReplayWatchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      stopping = true;
+    }
+    wake.notify_one();
+    if (thread.joinable()) thread.join();
+  }
+#else
+  void watch(const c10::intrusive_ptr<c10d::ProcessGroup>&, std::chrono::milliseconds, const std::string&) {
+    TORCH_CHECK(false, "a CUDA graph replay needs speedkit built with CUDA and NCCL");
+  }
+#endif
+};
+
 struct GradientSync {
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
   int backend;
@@ -311,6 +391,7 @@ struct GradientSync {
   std::mutex mutex;  // the hooks run on autograd's device threads
   bool armed = false;
   size_t next = 0;   // armed: the next bucket to start
+  ReplayWatchdog watchdog;
 
   ~GradientSync() {
     for (GradientBucket& b : buckets)
@@ -469,6 +550,13 @@ int sk_grad_sync_new(void* group, const sk_tensor* params, int64_t n, int64_t bu
 int sk_grad_sync_arm(void* sync) { SK_TRY(arm(*static_cast<GradientSync*>(sync))) }
 
 int sk_grad_sync_run(void* sync) { SK_TRY(run(*static_cast<GradientSync*>(sync))) }
+
+int sk_grad_sync_watch_replay(void* sync, int64_t timeout_ms, const char* rank) {
+  SK_TRY({
+    auto* s = static_cast<GradientSync*>(sync);
+    s->watchdog.watch(s->pg, std::chrono::milliseconds(timeout_ms), rank);
+  })
+}
 
 int sk_grad_sync_shape(void* sync, int64_t* buckets, int64_t* wire_bytes) {
   SK_TRY({

@@ -325,6 +325,10 @@ int sk_grad_sync_arm(void* sync);
 /// stream; afterwards each parameter's gradient is a view of its bucket, the average across the
 /// ranks (a parameter without one gets the average of the others').
 int sk_grad_sync_run(void* sync);
+/// After a replay of a CUDA graph that captured the run: ends the process with a message naming
+/// `rank` (and NCCL's communicators aborted) if the replay's work on the current stream is not
+/// done within `timeout_ms`, as c10d's watchdog does for the collectives it launches itself.
+int sk_grad_sync_watch_replay(void* sync, int64_t timeout_ms, const char* rank);
 /// How many buckets (all-reduces) a run makes, and the bytes they send in all.
 int sk_grad_sync_shape(void* sync, int64_t* buckets, int64_t* wire_bytes);
 void sk_grad_sync_free(void* sync);

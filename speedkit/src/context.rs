@@ -190,6 +190,15 @@ impl SpeedContext {
         Ok(())
     }
 
+    /// After a replay of a CUDA graph of this context's step: under data parallelism, bounds the
+    /// replay's collectives by the group's timeout.
+    pub(crate) fn after_graph_replay(&self) -> Result<()> {
+        match (&self.group, self.data_parallel.borrow().as_ref()) {
+            (Some(group), Some(dp)) => dp.after_replay(group),
+            _ => Ok(()),
+        }
+    }
+
     /// The process group, under data parallelism.
     pub fn process_group(&self) -> Option<&ProcessGroup> {
         self.group.as_deref()

@@ -273,6 +273,7 @@ where
             graph
                 .replay()
                 .map_err(|e| self.out_of_memory(StepKind::GraphReplay, device_index, e))?;
+            self.ctx.after_graph_replay()?;
             return Ok(output);
         }
         if entry.eager_runs < warmup {

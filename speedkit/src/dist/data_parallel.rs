@@ -109,6 +109,18 @@ impl DataParallel {
         }
     }
 
+    /// After a replay of a CUDA graph that captured the step: bounds it by the group's timeout (see
+    /// [`GradientSync::watch_replay`]).
+    pub(crate) fn after_replay(&self, group: &ProcessGroup) -> Result<()> {
+        match &self.averaging {
+            Averaging::Reducer(_) => Ok(()),
+            Averaging::InStep { sync, .. } => sync.watch_replay(
+                group.timeout(),
+                &format!("rank {} of {}", group.rank(), group.world_size()),
+            ),
+        }
+    }
+
     /// Whether gradients are averaged by speedkit's all-reduce, as stream work of the step that a
     /// CUDA graph captures, rather than by the Reducer's hooks.
     pub fn in_step(&self) -> bool {
@@ -208,6 +220,19 @@ impl GradientSync {
     pub fn run(&self) -> Result<()> {
         self.raw
             .run()
+            .map_err(|e| SpeedkitError::Distributed(format!("gradient all-reduce: {e}")))
+    }
+
+    /// After each replay of a CUDA graph that captured [`run`](Self::run) (the caller's duty;
+    /// [`GraphedStep`](crate::graph::GraphedStep) does it under data parallelism): c10d's watchdog
+    /// follows only the collectives it launched, not those a graph replays, so this one does. If
+    /// the replay's work is not done within `timeout` (a peer died or hangs), the process prints
+    /// why, naming `rank`, aborts NCCL's communicators and exits with status 1, as c10d's watchdog
+    /// does for its own collectives.
+    pub fn watch_replay(&self, timeout: std::time::Duration, rank: &str) -> Result<()> {
+        let ms = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
+        self.raw
+            .watch_replay(ms, rank)
             .map_err(|e| SpeedkitError::Distributed(format!("gradient all-reduce: {e}")))
     }
 

@@ -183,6 +183,14 @@ impl RawGradientSync {
         check(unsafe { abi::sk_grad_sync_run(self.0) })
     }
 
+    /// After a graph replay: the process ends, naming `rank`, if the replay is not done within
+    /// `timeout_ms`.
+    pub(crate) fn watch_replay(&self, timeout_ms: i64, rank: &str) -> Result<()> {
+        let rank = c_string(rank)?;
+        // SAFETY: live object and string for the call (the shim copies the string).
+        check(unsafe { abi::sk_grad_sync_watch_replay(self.0, timeout_ms, rank.as_ptr()) })
+    }
+
     /// The number of buckets and the bytes a run sends.
     pub(crate) fn shape(&self) -> Result<(i64, i64)> {
         let (mut buckets, mut bytes) = (0, 0);
