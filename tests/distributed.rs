@@ -38,11 +38,15 @@ fn config(bucket_mb: u32) -> SpeedConfig {
     c
 }
 
+/// Hidden width: l1's weight is exactly 1 MiB, so with 1 MiB buckets it is a bucket of its own
+/// (all-reduced in place) and the other parameters share one.
+const HIDDEN: i64 = 32 * 1024;
+
 fn model(vs: &nn::VarStore) -> impl Module {
     nn::seq()
-        .add(nn::linear(vs.root() / "l1", 8, 32, Default::default()))
+        .add(nn::linear(vs.root() / "l1", 8, HIDDEN, Default::default()))
         .add_fn(|x| x.tanh())
-        .add(nn::linear(vs.root() / "l2", 32, 1, Default::default()))
+        .add(nn::linear(vs.root() / "l2", HIDDEN, 1, Default::default()))
 }
 
 /// The whole data set, the same in every process: STEPS global batches of WORLD × PER_RANK_BATCH.

@@ -33,14 +33,13 @@ fn one_rank_nccl_group(device: Device) -> ProcessGroup {
     ProcessGroup::init(&env, Backend::Nccl, Duration::from_secs(60)).expect("the group forms")
 }
 
-/// Trains a small MLP for `steps` steps, its gradients averaged by `GradientSync` (bf16 on the
-/// wire, small buckets), started during the backward pass where `overlap`, with the step graphed
-/// or eager; the trained parameters and the last step's gradients.
+/// Trains a small MLP for `steps` steps, its gradients averaged by `GradientSync` (sent in `wire`,
+/// small buckets), started during the backward pass where `overlap`, with the step graphed or
+/// eager; the trained parameters and the last step's gradients.
 fn train(
     group: &ProcessGroup,
     device: Device,
-    graphed: bool,
-    overlap: bool,
+    (graphed, overlap, wire): (bool, bool, Option<Kind>),
     steps: usize,
 ) -> [Vec<Tensor>; 2] {
     let ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
@@ -50,14 +49,9 @@ fn train(
         .add(nn::linear(vs.root() / "a", 96, 160, Default::default()))
         .add_fn(|x| x.gelu("tanh"))
         .add(nn::linear(vs.root() / "b", 160, 24, Default::default()));
-    // 40 KiB buckets: the gradients travel in several all-reduces.
-    let sync = GradientSync::new(
-        group,
-        &vs.trainable_variables(),
-        40 << 10,
-        Some(Kind::BFloat16),
-    )
-    .unwrap();
+    // 40 KiB buckets: the gradients travel in several all-reduces; in fp32, a's weight (60 KiB)
+    // alone, in place.
+    let sync = GradientSync::new(group, &vs.trainable_variables(), 40 << 10, wire).unwrap();
     assert!(sync.buckets() > 1, "{sync:?}");
     let mut opt = ctx.adamw(&vs, AdamW::default()).unwrap();
     let x = Tensor::randn([64, 96], (Kind::Float, device));
@@ -87,25 +81,33 @@ fn speedkits_all_reduce_is_captured_with_the_step_over_a_world_size_one_nccl_gro
         return;
     };
     let group = one_rank_nccl_group(device);
-    let [eager, _] = train(&group, device, false, false, 12);
-    for overlap in [false, true] {
-        let [graphed, gradients] = train(&group, device, true, overlap, 12);
-        for (i, (g, e)) in graphed.iter().zip(&eager).enumerate() {
-            let err = common::rel_err(g, e);
-            assert!(
-                err < 1e-6,
-                "overlap {overlap}: parameter {i}: relative difference {err:e}"
-            );
+    for wire in [Some(Kind::BFloat16), None] {
+        let [eager, _] = train(&group, device, (false, false, wire), 12);
+        for overlap in [false, true] {
+            let [graphed, gradients] = train(&group, device, (true, overlap, wire), 12);
+            for (i, (g, e)) in graphed.iter().zip(&eager).enumerate() {
+                let err = common::rel_err(g, e);
+                assert!(
+                    err < 1e-6,
+                    "{wire:?} overlap {overlap}: parameter {i}: relative difference {err:e}"
+                );
+            }
+            if wire.is_some() {
+                assert_bf16_averages(&gradients, overlap);
+            }
         }
-        // The replays ran the all-reduce: each gradient is its bucket's bf16 average, cast back.
-        for (i, g) in gradients.iter().enumerate() {
-            assert_eq!(g.kind(), Kind::Float);
-            let rounded = g.to_kind(Kind::BFloat16).to_kind(Kind::Float);
-            assert!(
-                g.equal(&rounded),
-                "overlap {overlap}: gradient {i} did not travel in bf16"
-            );
-        }
+    }
+}
+
+/// The replays ran the all-reduce: each gradient is its bucket's bf16 average, cast back.
+fn assert_bf16_averages(gradients: &[Tensor], overlap: bool) {
+    for (i, g) in gradients.iter().enumerate() {
+        assert_eq!(g.kind(), Kind::Float);
+        let rounded = g.to_kind(Kind::BFloat16).to_kind(Kind::Float);
+        assert!(
+            g.equal(&rounded),
+            "overlap {overlap}: gradient {i} did not travel in bf16"
+        );
     }
 }
 

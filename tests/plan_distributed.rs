@@ -69,6 +69,27 @@ fn auto_picks_gloo_on_the_cpu() {
 }
 
 #[test]
+fn a_launch_of_one_process_joins_a_group_of_one_only_where_the_backend_is_named() {
+    let auto =
+        Plan::resolve_launched(&SpeedConfig::auto(), &two_h200(), Some(&rank(0, 1))).unwrap();
+    assert!(auto.distributed.is_none());
+    let mut config = SpeedConfig::auto();
+    config.distributed.backend = DistributedBackend::Nccl;
+    let plan = Plan::resolve_launched(&config, &two_h200(), Some(&rank(0, 1))).unwrap();
+    let settings = plan.distributed.as_ref().unwrap();
+    assert_eq!(
+        (settings.backend, settings.env.world_size),
+        (Backend::Nccl, 1)
+    );
+    assert!(
+        decision(&plan).contains("rank 0 of 1"),
+        "{}",
+        decision(&plan)
+    );
+    assert!(plan.compile_graphs);
+}
+
+#[test]
 fn off_trains_each_process_alone() {
     let mut config = SpeedConfig::auto();
     config.distributed.backend = DistributedBackend::Off;

@@ -288,9 +288,17 @@ namespace {
 // PyTorch's DDP with gradient_as_bucket_view.
 struct GradientBucket {
   std::vector<at::Tensor> params;
-  at::Tensor wire;                  // flat, in the wire type
-  at::Tensor grads;                 // flat, in the parameters' type (wire itself when they agree)
-  std::vector<at::Tensor> wire_views, grad_views;  // one per parameter, shaped like it
+  // One parameter sent in its own type (a parameter at least the bucket size: an embedding, a big
+  // projection) needs no flat buffer: its gradient is all-reduced where autograd left it, without
+  // a copy in or out.
+  bool direct = false;
+  int64_t numel = 0;
+  at::ScalarType wire_type = at::kFloat;
+  // Made when the bucket's first gradient arrives (inside the backward pass, where a capture's
+  // pool reuses the memory activations free) and let go once averaged: from then on only the
+  // parameters hold their gradients, views of it, as they would hold autograd's own.
+  at::Tensor wire;                  // flat, in the wire type; direct: the gradient itself
+  std::vector<at::Tensor> wire_views;  // one per parameter, shaped like it
   std::vector<bool> arrived;        // armed: whose gradient is in `wire` this backward pass
   size_t pending = 0;               // armed: how many have not arrived
   c10::intrusive_ptr<c10d::Work> work;  // its all-reduce, once started
@@ -414,17 +422,19 @@ std::vector<at::Tensor> views_of(const at::Tensor& flat, const std::vector<at::T
 
 GradientBucket make_bucket(std::vector<at::Tensor> params, std::optional<at::ScalarType> wire_type) {
   GradientBucket b;
-  int64_t numel = 0;
-  for (const at::Tensor& p : params) numel += p.numel();
-  const at::TensorOptions options = params[0].options().requires_grad(false);
-  const at::ScalarType wire = wire_type.value_or(params[0].scalar_type());
-  b.grads = at::empty({numel}, options);
-  b.wire = wire == params[0].scalar_type() ? b.grads : at::empty({numel}, options.dtype(wire));
-  b.grad_views = views_of(b.grads, params);
-  b.wire_views = views_of(b.wire, params);
+  for (const at::Tensor& p : params) b.numel += p.numel();
+  b.wire_type = wire_type.value_or(params[0].scalar_type());
   b.arrived.assign(params.size(), false);
+  b.direct = params.size() == 1 && b.wire_type == params[0].scalar_type();
   b.params = std::move(params);
   return b;
+}
+
+// The bucket's flat buffer, made at first use in this backward pass.
+void make_wire(GradientBucket& b) {
+  if (b.wire.defined()) return;
+  b.wire = at::empty({b.numel}, b.params[0].options().requires_grad(false).dtype(b.wire_type));
+  b.wire_views = views_of(b.wire, b.params);
 }
 
 void start(GradientSync& sync, GradientBucket& b) {
@@ -439,8 +449,22 @@ void finish(GradientSync& sync, GradientBucket& b) {
   wait(b.work);
   b.work.reset();
   if (sync.backend != kNccl) b.wire.div_(sync.pg->getSize());
-  if (!b.wire.is_same(b.grads)) b.grads.copy_(b.wire);
-  for (size_t i = 0; i < b.params.size(); ++i) b.params[i].mutable_grad() = b.grad_views[i];
+  if (!b.direct) {  // (direct: the parameter's gradient is `wire` already)
+    const at::Tensor grads = b.wire.scalar_type() == b.params[0].scalar_type() ? b.wire : b.wire.to(b.params[0].scalar_type());
+    const std::vector<at::Tensor> views = views_of(grads, b.params);
+    for (size_t i = 0; i < b.params.size(); ++i) b.params[i].mutable_grad() = views[i];
+  }
+  b.wire = at::Tensor();
+  b.wire_views.clear();
+}
+
+// A direct bucket's gradient: the parameter's own, made contiguous where it is not, or zeros where
+// it has none; the parameter keeps it as its gradient.
+void take_direct(GradientBucket& b, const at::Tensor& param) {
+  const at::Tensor& grad = param.grad();
+  at::Tensor taken = grad.defined() ? grad.contiguous() : at::zeros_like(param);
+  if (!taken.is_same(grad)) const_cast<at::Tensor&>(param).mutable_grad() = taken;
+  b.wire = taken;
 }
 
 // Starts, in index order, every bucket from `next` on whose gradients have all arrived.
@@ -455,9 +479,14 @@ void ArrivalHook::operator()(const torch::autograd::Variable& param) {
   GradientBucket& b = sync.buckets[slot.bucket];
   const at::Tensor& grad = param.grad();
   if (!grad.defined() || b.arrived[slot.index]) return;
-  b.wire_views[slot.index].copy_(grad);
-  // The bucket holds it now; the step's averaged gradient will be a view of the bucket.
-  const_cast<torch::autograd::Variable&>(param).mutable_grad().reset();
+  if (b.direct) {
+    take_direct(b, param);
+  } else {
+    make_wire(b);
+    b.wire_views[slot.index].copy_(grad);
+    // The bucket holds it now; the step's averaged gradient will be a view of the bucket.
+    const_cast<torch::autograd::Variable&>(param).mutable_grad().reset();
+  }
   b.arrived[slot.index] = true;
   --b.pending;
   start_ready(sync);
@@ -485,6 +514,12 @@ void run(GradientSync& sync) {
   sync.armed = false;
   for (size_t k = sync.next; k < sync.buckets.size(); ++k) {
     GradientBucket& b = sync.buckets[k];
+    if (b.direct) {
+      if (!b.arrived[0]) take_direct(b, b.params[0]);
+      start(sync, b);
+      continue;
+    }
+    make_wire(b);
     std::vector<at::Tensor> from, to;
     for (size_t i = 0; i < b.params.size(); ++i) {
       if (b.arrived[i]) continue;
@@ -528,10 +563,14 @@ int sk_grad_sync_new(void* group, const sk_tensor* params, int64_t n, int64_t bu
     for (auto it = list.rbegin(); it != list.rend(); ++it) {
       // The parameter itself, not a detached alias: its gradient lives on it.
       const at::Tensor& p = *it;
-      if (!pending.empty() && (pending[0].options().dtype() != p.options().dtype() || bytes >= bucket_bytes))
+      const int64_t size = p.numel() * static_cast<int64_t>(p.element_size());
+      // A parameter of a bucket's size or more gets a bucket of its own (all-reduced in place).
+      const bool alone = size >= bucket_bytes;
+      if (!pending.empty() && (pending[0].options().dtype() != p.options().dtype() || bytes >= bucket_bytes || alone))
         flush();
       pending.push_back(p);
-      bytes += p.numel() * static_cast<int64_t>(p.element_size());
+      bytes += size;
+      if (alone) flush();
     }
     flush();
     for (size_t k = 0; k < sync->buckets.size(); ++k)
@@ -563,7 +602,8 @@ int sk_grad_sync_shape(void* sync, int64_t* buckets, int64_t* wire_bytes) {
     auto* s = static_cast<GradientSync*>(sync);
     *buckets = static_cast<int64_t>(s->buckets.size());
     *wire_bytes = 0;
-    for (const auto& b : s->buckets) *wire_bytes += b.wire.numel() * static_cast<int64_t>(b.wire.element_size());
+    for (const auto& b : s->buckets)
+      *wire_bytes += b.numel * static_cast<int64_t>(c10::elementSize(b.wire_type));
   })
 }
 

@@ -256,7 +256,13 @@ impl Plan {
         config.validate()?;
         let mut d = Decisions::default();
 
-        let launch = launch.filter(|env| env.world_size > 1);
+        // A launch of one process joins a group of one only where the backend is named: the
+        // data-parallel step on one device, its cost measured alone.
+        let named_backend = matches!(
+            config.distributed.backend,
+            DistributedBackend::Nccl | DistributedBackend::Gloo
+        );
+        let launch = launch.filter(|env| env.world_size > 1 || named_backend);
         let data_parallel =
             launch.is_some() && config.distributed.backend != DistributedBackend::Off;
         let (device, gpu) = match launch.filter(|_| data_parallel) {
@@ -766,7 +772,7 @@ fn resolve_distributed(
         "distributed",
         backend.to_string(),
         format!(
-            "rank {} of {} (WORLD_SIZE > 1): {why}; parameters broadcast from rank 0",
+            "rank {} of {}: {why}; parameters broadcast from rank 0",
             env.rank, env.world_size
         ),
     );
