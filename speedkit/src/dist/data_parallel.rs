@@ -77,7 +77,7 @@ impl DataParallel {
                     settings.bucket_bytes,
                     settings.first_bucket_bytes,
                 )
-                .map_err(|e| SpeedkitError::Distributed(format!("gradient reducer: {e}")))?,
+                .map_err(failed("gradient reducer"))?,
             )
         };
         Ok(Self {
@@ -90,9 +90,7 @@ impl DataParallel {
     /// Arms the gradient hooks for the next backward pass; called right before it.
     pub(crate) fn before_backward(&self) -> Result<()> {
         match &self.averaging {
-            Averaging::Reducer(reducer) => reducer
-                .prepare()
-                .map_err(|e| SpeedkitError::Distributed(format!("gradient reducer: {e}"))),
+            Averaging::Reducer(reducer) => reducer.prepare().map_err(failed("gradient reducer")),
             Averaging::InStep {
                 sync,
                 overlap: true,
@@ -199,7 +197,7 @@ impl GradientSync {
         wire: Option<Kind>,
     ) -> Result<Self> {
         let raw = RawGradientSync::new(group.raw(), params, bucket_bytes.max(1), wire)
-            .map_err(|e| SpeedkitError::Distributed(format!("gradient all-reduce: {e}")))?;
+            .map_err(failed("gradient all-reduce"))?;
         let (buckets, wire_bytes) = raw.shape()?;
         Ok(Self {
             raw,
@@ -211,16 +209,12 @@ impl GradientSync {
     /// Makes the next backward pass start each bucket's all-reduce as soon as the bucket is full;
     /// [`run`](Self::run) after it finishes them.
     pub fn overlap_next_backward(&self) -> Result<()> {
-        self.raw
-            .arm()
-            .map_err(|e| SpeedkitError::Distributed(format!("gradient all-reduce: {e}")))
+        self.raw.arm().map_err(failed("gradient all-reduce"))
     }
 
     /// Averages the parameters' gradients across the ranks (a collective: every rank calls it).
     pub fn run(&self) -> Result<()> {
-        self.raw
-            .run()
-            .map_err(|e| SpeedkitError::Distributed(format!("gradient all-reduce: {e}")))
+        self.raw.run().map_err(failed("gradient all-reduce"))
     }
 
     /// After each replay of a CUDA graph that captured [`run`](Self::run) (the caller's duty;
@@ -233,7 +227,7 @@ impl GradientSync {
         let ms = i64::try_from(timeout.as_millis()).unwrap_or(i64::MAX);
         self.raw
             .watch_replay(ms, rank)
-            .map_err(|e| SpeedkitError::Distributed(format!("gradient all-reduce: {e}")))
+            .map_err(failed("gradient all-reduce"))
     }
 
     /// How many all-reduces a run makes.
@@ -254,6 +248,11 @@ impl std::fmt::Debug for GradientSync {
             .field("wire_bytes", &self.wire_bytes)
             .finish()
     }
+}
+
+/// A shim error of `what` as a distributed-training error naming it.
+fn failed(what: &'static str) -> impl Fn(SpeedkitError) -> SpeedkitError {
+    move |e| SpeedkitError::Distributed(format!("{what}: {e}"))
 }
 
 /// Ranks whose fingerprint differs from rank 0's.
