@@ -35,6 +35,8 @@ fn config(bucket_mb: u32) -> SpeedConfig {
     c.distributed.timeout_s = 30;
     // Small buckets: the tiny model's gradients travel in several all-reduces.
     c.distributed.bucket_mb = bucket_mb;
+    // Replicas compared after every step: equal training must never trip the check.
+    c.distributed.check_replicas_every = 1;
     c
 }
 
@@ -129,6 +131,13 @@ fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
         let xb = x.narrow(0, start, PER_RANK_BATCH);
         let yb = y.narrow(0, start, PER_RANK_BATCH);
         let loss = ctx.autocast(|| net.forward(&xb).mse_loss(&yb, tch::Reduction::Mean));
+        if scenario == "drift" && rank == 1 && step == 3 {
+            // An edit outside the step, on one rank only: the next check must catch it.
+            let _no_grad = tch::no_grad_guard();
+            let _ = vs.variables()["l2.bias"]
+                .shallow_clone()
+                .f_add_scalar_(1e-3)?;
+        }
         ctx.backward_step(&loss, &mut opt)?;
         if step < STEPS {
             println!("step {step} done");
@@ -165,6 +174,8 @@ fn train_nccl_rank(rank: usize, out: &Path, variant: &str) -> Result<(), Speedki
     config.distributed.backend = DistributedBackend::Nccl;
     config.distributed.timeout_s = 60;
     config.distributed.bucket_mb = 1;
+    // Compared after every step, replays included.
+    config.distributed.check_replicas_every = 1;
     let (x, y) = data();
     tch::manual_seed(100 + rank as i64);
     let mut vs = nn::VarStore::new(Device::Cpu);
@@ -641,6 +652,27 @@ fn ranks_with_different_configs_are_refused_on_every_rank() {
             "{log}"
         );
         assert!(log.contains("flags restored"), "{log}");
+    }
+}
+
+#[test]
+fn a_replica_edited_outside_the_step_is_named_on_every_rank() {
+    let out = scratch("drift");
+    let port = free_port();
+    let ranks = [0, 1].map(|r| spawn_rank("drift", &out, &rank_env(r, port)));
+    for (rank, child) in ranks.into_iter().enumerate() {
+        let output = wait_bounded(child, Duration::from_secs(90));
+        let log = text(&output);
+        assert_eq!(output.status.code(), Some(1), "rank {rank}: {log}");
+        assert!(log.contains("step 2 done"), "rank {rank}: {log}");
+        assert!(
+            log.contains(
+                "replicas diverged after 4 optimizer step(s): rank(s) [1] hold other parameter \
+                 values than rank 0 (rank 1: 1 of 4 tensors, first `l2.bias`"
+            ),
+            "rank {rank}: {log}"
+        );
+        assert!(log.contains("flags restored"), "rank {rank}: {log}");
     }
 }
 

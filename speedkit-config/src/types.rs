@@ -636,6 +636,10 @@ pub struct DistributedConfig {
     /// The type gradients travel in: `none` (their own) or `bf16` (half the bytes of fp32
     /// gradients; each rank's gradient rounded to bf16 before the average).
     pub compress: GradientCompression,
+    /// Every this many optimizer steps, the ranks compare fingerprints of their parameters and
+    /// fail together, naming the ranks and the first parameter that differ, if a replica has
+    /// drifted from rank 0's (`0`: never). Costs one small all-gather and a host sync per check.
+    pub check_replicas_every: u32,
 }
 
 /// How gradients are all-reduced (`distributed.all_reduce`).
@@ -681,6 +685,7 @@ impl Default for DistributedConfig {
             timeout_s: 300,
             all_reduce: AllReduce::Auto,
             compress: GradientCompression::None,
+            check_replicas_every: 1000,
         }
     }
 }

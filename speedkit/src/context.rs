@@ -158,6 +158,7 @@ impl SpeedContext {
                 first_bucket_bytes: settings.first_bucket_bytes,
                 all_reduce: settings.all_reduce,
                 bf16_gradients: settings.bf16_gradients,
+                check_replicas_every: settings.check_replicas_every,
             },
         )?;
         let how = if dp.in_step() {
@@ -191,10 +192,33 @@ impl SpeedContext {
     }
 
     /// After a replay of a CUDA graph of this context's step: under data parallelism, bounds the
-    /// replay's collectives by the group's timeout.
+    /// replay's collectives by the group's timeout, and counts the step that the replay made
+    /// towards the next [replica check](Self::check_replicas).
     pub(crate) fn after_graph_replay(&self) -> Result<()> {
         match (&self.group, self.data_parallel.borrow().as_ref()) {
-            (Some(group), Some(dp)) => dp.after_replay(group),
+            (Some(group), Some(dp)) => {
+                dp.after_replay(group)?;
+                dp.after_optimizer_step(group)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Under data parallelism, compares every rank's trainable parameters with rank 0's and fails
+    /// on every rank, naming the ranks and the first parameter that differ, if a replica drifted
+    /// (a collective: every rank must call it). The context does it by itself every
+    /// `distributed.check_replicas_every` steps; call it before saving a checkpoint, for
+    /// instance. Does nothing in a single process.
+    ///
+    /// ```
+    /// use speedkit::{SpeedConfig, SpeedContext};
+    /// let ctx = SpeedContext::new(&SpeedConfig::from_yaml_str("device: cpu\n")?)?;
+    /// ctx.check_replicas()?;   // one process: nothing to compare
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn check_replicas(&self) -> Result<()> {
+        match (&self.group, self.data_parallel.borrow().as_ref()) {
+            (Some(group), Some(dp)) => dp.check_replicas(group),
             _ => Ok(()),
         }
     }
@@ -363,12 +387,21 @@ impl SpeedContext {
             });
             self.scaler.step(opt)?;
         }
-        let _range = if self.scaler.is_enabled() {
-            self.nvtx_range(c"speedkit/GradScaler update")
-        } else {
-            NvtxRange::none()
-        };
-        self.scaler.update()
+        {
+            let _range = if self.scaler.is_enabled() {
+                self.nvtx_range(c"speedkit/GradScaler update")
+            } else {
+                NvtxRange::none()
+            };
+            self.scaler.update()?;
+        }
+        // A captured step counts when its graph replays (`after_graph_replay`).
+        match (&self.group, self.data_parallel.borrow().as_ref()) {
+            (Some(group), Some(dp)) if !crate::graph::is_capturing() => {
+                dp.after_optimizer_step(group)
+            }
+            _ => Ok(()),
+        }
     }
 
     /// zero_grad → scale → backward → unscale/inf-check → step → update.

@@ -402,6 +402,7 @@ where
                 entry.gradients = gradients;
                 graph.replay()?;
                 entry.graph = Some(graph);
+                self.ctx.after_graph_replay()?;
                 self.ctx.note(format!(
                     "training step captured as a CUDA graph (input shapes {shapes:?}) after {} eager warm-up step(s)",
                     entry.eager_runs

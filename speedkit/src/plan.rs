@@ -210,6 +210,8 @@ pub struct DistributedSettings {
     pub all_reduce: AllReduce,
     /// Whether gradients travel in bf16 (half the bytes of fp32 gradients).
     pub bf16_gradients: bool,
+    /// Optimizer steps between two comparisons of the ranks' parameters (`0`: none).
+    pub check_replicas_every: u64,
 }
 
 fn serialize_device<S: serde::Serializer>(d: &Device, s: S) -> Result<S::Ok, S::Error> {
@@ -786,6 +788,7 @@ fn resolve_distributed(
         timeout_s: u64::from(cfg.timeout_s),
         all_reduce,
         bf16_gradients: cfg.compress == GradientCompression::Bf16,
+        check_replicas_every: u64::from(cfg.check_replicas_every),
     }))
 }
 

@@ -10,6 +10,12 @@
 //!   whole-step CUDA graph captures with the forward, backward and optimizer, optionally in bf16:
 //!   `in_backward` starts each bucket as soon as its gradients are in, beside the rest of the
 //!   backward pass; `after_backward` runs them all after it.
+//!
+//! Every `distributed.check_replicas_every` optimizer steps the ranks compare fingerprints of
+//! their parameters ([`DataParallel::check_replicas`]), so a replica that drifted from rank 0's is
+//! named rather than silently trained on.
+
+use std::cell::Cell;
 
 use tch::{nn::VarStore, Kind, Tensor};
 
@@ -28,8 +34,11 @@ enum Averaging {
 /// [`SpeedContext::prepare`](crate::SpeedContext::prepare) under a launcher.
 pub struct DataParallel {
     averaging: Averaging,
-    parameters: usize,
+    /// The trainable variables, by name (the order every rank shares).
+    trainable: Vec<(String, Tensor)>,
     parameter_bytes: i64,
+    check_replicas_every: u64,
+    steps: Cell<u64>,
 }
 
 /// Where and how a [`DataParallel`] averages gradients (the plan's `distributed` settings).
@@ -39,6 +48,7 @@ pub(crate) struct AveragingSettings {
     pub first_bucket_bytes: i64,
     pub all_reduce: AllReduce,
     pub bf16_gradients: bool,
+    pub check_replicas_every: u64,
 }
 
 impl DataParallel {
@@ -63,6 +73,10 @@ impl DataParallel {
             .iter()
             .map(|t| t.numel() as i64 * t.kind().elt_size_in_bytes() as i64)
             .sum();
+        let named_trainable = variables
+            .into_iter()
+            .filter(|(_, t)| t.requires_grad())
+            .collect();
         let averaging = if settings.all_reduce != AllReduce::Reducer {
             let wire = settings.bf16_gradients.then_some(Kind::BFloat16);
             Averaging::InStep {
@@ -82,9 +96,73 @@ impl DataParallel {
         };
         Ok(Self {
             averaging,
-            parameters: trainable.len(),
+            trainable: named_trainable,
             parameter_bytes,
+            check_replicas_every: settings.check_replicas_every,
+            steps: Cell::new(0),
         })
+    }
+
+    /// Counts an optimizer step that ran (eagerly or by a graph's replay) and, every
+    /// `check_replicas_every` of them, [checks the replicas](Self::check_replicas).
+    pub(crate) fn after_optimizer_step(&self, group: &ProcessGroup) -> Result<()> {
+        let steps = self.steps.get() + 1;
+        self.steps.set(steps);
+        if self.check_replicas_every == 0 || steps % self.check_replicas_every != 0 {
+            return Ok(());
+        }
+        self.check_replicas(group)
+    }
+
+    /// Compares every rank's trainable parameters with rank 0's (a collective: every rank calls
+    /// it), through a fingerprint of each tensor: its sum and its sum of squares in f64, compared
+    /// bit for bit. Averaged gradients and the same optimizer keep replicas equal to the bit, so
+    /// any difference means a rank changed its parameters outside the step (a load, an in-place
+    /// edit, a skipped step) or a device computed wrongly; every rank then gets the same error,
+    /// naming the ranks and the first parameter that differ.
+    pub fn check_replicas(&self, group: &ProcessGroup) -> Result<()> {
+        let mine = self.fingerprints(group.collective_device())?;
+        let all = group.all_gather(&mine)?.f_to_device(tch::Device::Cpu)?;
+        let world = group.world_size();
+        let rows: Vec<f64> = Vec::<f64>::try_from(all.f_flatten(0, -1)?)?;
+        let per_rank = rows.len() / world.max(1);
+        let differs =
+            |rank: usize, i: usize| rows[rank * per_rank + i].to_bits() != rows[i].to_bits();
+        let bad: Vec<usize> = (1..world)
+            .filter(|&r| (0..per_rank).any(|i| differs(r, i)))
+            .collect();
+        let Some(&first_bad) = bad.first() else {
+            return Ok(());
+        };
+        let drifted = (0..self.trainable.len())
+            .filter(|&p| differs(first_bad, 2 * p) || differs(first_bad, 2 * p + 1))
+            .collect::<Vec<_>>();
+        Err(SpeedkitError::Distributed(format!(
+            "replicas diverged after {} optimizer step(s): rank(s) {bad:?} hold other parameter \
+             values than rank 0 (rank {first_bad}: {} of {} tensors, first `{}`; this is rank {}). \
+             Data parallelism keeps replicas equal only while every rank changes its parameters \
+             through the step alone: look for a load, an in-place edit or a skipped step on those \
+             ranks, or a faulty device, and resume from a checkpoint",
+            self.steps.get(),
+            drifted.len(),
+            self.trainable.len(),
+            drifted
+                .first()
+                .map_or("?", |&p| self.trainable[p].0.as_str()),
+            group.rank(),
+        )))
+    }
+
+    /// `[sum, sum of squares]` of each trainable tensor, in f64, as one tensor on `device`.
+    fn fingerprints(&self, device: tch::Device) -> Result<Tensor> {
+        let _no_grad = tch::no_grad_guard();
+        let mut parts = Vec::with_capacity(self.trainable.len());
+        for (_, t) in &self.trainable {
+            let t = t.f_to_kind(Kind::Double)?;
+            parts.push(t.f_sum(Kind::Double)?);
+            parts.push(t.f_square()?.f_sum(Kind::Double)?);
+        }
+        Ok(Tensor::f_stack(&parts, 0)?.f_to_device(device)?)
     }
 
     /// Arms the gradient hooks for the next backward pass; called right before it.
@@ -127,7 +205,7 @@ impl DataParallel {
 
     /// Number of trainable tensors whose gradients are averaged.
     pub fn parameters(&self) -> usize {
-        self.parameters
+        self.trainable.len()
     }
 
     /// Their total size in bytes (what each step all-reduces).
@@ -140,7 +218,7 @@ impl std::fmt::Debug for DataParallel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DataParallel")
             .field("in_step", &self.in_step())
-            .field("parameters", &self.parameters)
+            .field("parameters", &self.trainable.len())
             .field("parameter_bytes", &self.parameter_bytes)
             .finish()
     }
