@@ -59,6 +59,9 @@ fn main() {
         .define("GLOG_USE_GLOG_EXPORT", None)
         .define("SK_WITH_CUDA", if with_cuda { "1" } else { "0" })
         .define("SK_WITH_NCCL", if with_nccl { "1" } else { "0" })
+        // As libtorch's release build: some of its classes (RecordFunction) have members only
+        // without NDEBUG, so the shim must agree with the library on their layout.
+        .define("NDEBUG", None)
         // Warnings on for speedkit's own code; libtorch's, gloo's and CUDA's headers are system
         // headers (-isystem), whose warnings are theirs.
         .warnings(true)

@@ -492,6 +492,79 @@ fn the_fused_cross_entropy_keeps_no_fp32_log_probabilities_for_the_backward() {
 }
 
 #[test]
+fn the_fused_cross_entropy_never_writes_the_fp32_log_probabilities() {
+    let _serial = common::serial();
+    let Some(device) =
+        common::cuda_or_skip("the_fused_cross_entropy_never_writes_the_fp32_log_probabilities")
+    else {
+        return;
+    };
+    let _on = common::hold_override(Override::LogSoftmax, true);
+    let (rows, classes) = (512, 32768);
+    let x = Tensor::randn([rows, classes], (Kind::BFloat16, device)).set_requires_grad(true);
+    let target = Tensor::randint(classes, [rows], (Kind::Int64, device));
+    let base = MemoryUse::now(device).unwrap().allocated;
+    speedkit::memory::reset_peaks(device).unwrap();
+    let loss = speedkit::amp::autocast(device, Kind::BFloat16, || {
+        x.cross_entropy_for_logits(&target)
+    })
+    .unwrap();
+    let peak = MemoryUse::now(device).unwrap().peak_allocated - base;
+    // Deferred, never read but by the fused loss: the 64 MiB of log-probabilities never existed.
+    let log_probs = (rows * classes * 4) as u64;
+    assert!(
+        peak < log_probs / 16,
+        "the forward peaked {peak} bytes above its inputs (the log-probabilities are {log_probs})"
+    );
+    assert_eq!(speedkit::deferred::pending().unwrap().0, 0);
+    loss.backward();
+    assert_eq!(x.grad().kind(), Kind::BFloat16);
+}
+
+#[test]
+fn log_probabilities_read_before_the_fused_loss_are_atens_at_that_read() {
+    let _serial = common::serial();
+    let Some(device) =
+        common::cuda_or_skip("log_probabilities_read_before_the_fused_loss_are_atens_at_that_read")
+    else {
+        return;
+    };
+    let x = Tensor::randn([37, 5003], (Kind::BFloat16, device)) * 3.0;
+    let target = Tensor::randint(5003, [37], (Kind::Int64, device));
+    let run = || {
+        let x = x.detach().set_requires_grad(true);
+        let (y, first_row, loss) = speedkit::amp::autocast(device, Kind::BFloat16, || {
+            let y = x.log_softmax(-1, Kind::Float);
+            // A view read before the loss: written at this read, whole.
+            let first_row = y.narrow(0, 0, 1).copy();
+            let loss = y.nll_loss(&target);
+            (y, first_row, loss)
+        })
+        .unwrap();
+        loss.backward();
+        (y.detach(), first_row, loss.detach(), x.grad())
+    };
+    let aten = {
+        let _off = common::hold_override(Override::LogSoftmax, false);
+        run()
+    };
+    let _on = common::hold_override(Override::LogSoftmax, true);
+    let ours = run();
+    assert_eq!(Override::LogSoftmax.stats("aten::nll_loss").unwrap().ran, 1);
+    assert!(!speedkit::deferred::is_pending(&ours.0).unwrap());
+    assert!(
+        common::rel_err(&ours.0, &aten.0) < 1e-5,
+        "log-probabilities"
+    );
+    assert!(
+        common::rel_err(&ours.1, &aten.1) < 1e-5,
+        "the row read first"
+    );
+    assert!(common::rel_err(&ours.2, &aten.2) < 1e-5, "loss");
+    assert!(common::rel_err(&ours.3, &aten.3) < 1e-2, "logits' gradient");
+}
+
+#[test]
 fn under_the_fusion_the_log_probabilities_own_gradient_is_undefined_and_the_logits_exact() {
     let _serial = common::serial();
     let Some(device) = common::cuda_or_skip(

@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 
 #include <unordered_set>
@@ -72,6 +73,8 @@ int sk_autograd_graph_leaf(void* graph, int64_t index, uint64_t* id) {
 }
 
 void sk_autograd_graph_free(void* graph) { delete static_cast<Graph*>(graph); }
+
+int sk_grad_mode_enabled(int* enabled) { SK_TRY(*enabled = at::GradMode::is_enabled() ? 1 : 0) }
 
 // The identity autograd keys a variable by (its TensorImpl), comparable with sk_autograd_graph_leaf.
 int sk_tensor_identity(sk_tensor tensor, uint64_t* id) {

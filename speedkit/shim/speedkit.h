@@ -277,6 +277,8 @@ int sk_autograd_graph_sizes(void* graph, int64_t* nodes, int64_t* leaves);
 int sk_autograd_graph_node(void* graph, int64_t index, const char** name);
 int sk_autograd_graph_leaf(void* graph, int64_t index, uint64_t* id);
 void sk_autograd_graph_free(void* graph);
+/// Whether grad mode is on for the calling thread (torch.is_grad_enabled()).
+int sk_grad_mode_enabled(int* enabled);
 /// The identity autograd keys a variable by (its TensorImpl).
 int sk_tensor_identity(sk_tensor tensor, uint64_t* id);
 /// The identity of the node that made `tensor` (its grad_fn), 0 for none: unique while the node
@@ -384,6 +386,39 @@ int sk_function_call_set_materialize_grads(void* call, int value);
 int sk_function_call_saved(void* call, sk_tensor* out, int64_t capacity, int64_t* count);
 /// In a backward: whether input `index` needs a gradient.
 int sk_function_call_needs_input_grad(void* call, int64_t index, int* out);
+
+// @module deferred: tensors whose memory and values come at their first read (deferred.cpp)
+
+/// Writes a deferred tensor's values, once it has its memory; 0 on success, else non-zero with the
+/// reason in `message` (NUL-terminated, at most `capacity` bytes), and the tensor is filled with NaN
+/// for the reading operator (with a warning).
+typedef int (*sk_deferred_materialize_fn)(void* state, sk_tensor tensor, char* message, int64_t capacity);
+/// Frees the state when the deferred tensor has been materialized or has died unread.
+typedef void (*sk_deferred_release_fn)(void* state);
+
+/// A deferred tensor's callbacks.
+typedef struct sk_deferred_vtable {
+  sk_deferred_materialize_fn materialize;
+  sk_deferred_release_fn release;
+} sk_deferred_vtable;
+
+/// A contiguous tensor of `sizes` (`ndim` of them), type `scalar_type` on `device` (-1: the CPU)
+/// that has no memory yet: the first operator that reads it or a view of it (every dispatcher call
+/// taking it, except an `exempt_op`, which must not read its data) first gives it its memory from
+/// the device's allocator and has `vtable`'s materialize write its values, on that operator's
+/// thread and current stream. `state` belongs to the tensor from here on, also when this fails.
+/// Operators are observed through a RecordFunction callback that exists only while a deferred
+/// tensor is pending. Fails where the thread has RecordFunction off.
+int sk_deferred_new(const int64_t* sizes, int64_t ndim, int scalar_type, int device, const char* exempt_op,
+                    const sk_deferred_vtable* vtable, void* state, sk_tensor* out);
+/// Materializes `tensor` now if it is deferred and pending (before a read that no operator does,
+/// such as a kernel's raw pointer); *materialized = whether it was pending.
+int sk_deferred_materialize(sk_tensor tensor, int* materialized);
+/// Whether `tensor` (or the tensor it is a view of) is deferred and not yet materialized.
+int sk_deferred_is_pending(sk_tensor tensor, int* pending);
+/// How many deferred tensors are pending in the process, and whether the operator observer is
+/// registered (it is exactly while some are).
+int sk_deferred_pending(int64_t* count, int* observing);
 
 // @module kernels: speedkit's kernel layer: sources, compilation, the kernel switch and its notes (kernels.cpp)
 

@@ -299,6 +299,8 @@ impl CudaKernel {
                         "a tensor that is not contiguous (call .contiguous())".into(),
                     ));
                 }
+                // A raw pointer is a read no operator sees: a deferred tensor gets its values first.
+                ffi::deferred::materialize(t)?;
                 t.data_ptr() as u64
             }
             (Arg::I32(v), Param::I32) => *v as u32 as u64,

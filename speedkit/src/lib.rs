@@ -50,6 +50,7 @@ pub mod bench;
 pub mod checkpoint;
 mod context;
 pub mod cuda;
+pub mod deferred;
 pub mod dist;
 pub mod error;
 mod ffi;

@@ -53,6 +53,14 @@ pub(crate) fn tensor_identity(tensor: &Tensor) -> Result<u64> {
 }
 
 /// Back-propagates from `outputs` with `grad_outputs` as their gradients.
+/// Whether grad mode is on for the calling thread.
+pub(crate) fn grad_mode_enabled() -> Result<bool> {
+    let mut enabled = 0;
+    // SAFETY: a valid out-pointer.
+    check(unsafe { abi::sk_grad_mode_enabled(&mut enabled) })?;
+    Ok(enabled != 0)
+}
+
 /// The identity of the node that made `tensor` (0 for none): unique while that node lives.
 pub(crate) fn grad_fn_identity(tensor: &Tensor) -> Result<u64> {
     let mut id = 0;

@@ -19,6 +19,7 @@ pub(crate) mod autograd;
 pub(crate) mod bias_gelu;
 pub(crate) mod classifier;
 pub(crate) mod custom_overrides;
+pub(crate) mod deferred;
 pub(crate) mod device;
 pub(crate) mod distributed;
 pub(crate) mod embedding;

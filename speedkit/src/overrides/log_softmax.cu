@@ -6,7 +6,9 @@
 // its columns, merged across the block; a second pass writes y = x - lse, lse = max + log(sum),
 // and lse is kept per row. The backwards read the logits and lse, not y: exp(y) = exp(x - lse),
 // the same float operations, from half the bytes (and the fp32 y need not outlive the forward).
-// Backward: dx = dy - exp(y) · Σ dy, the sum in a first pass. The second pass re-reads a row the
+// Where the result is deferred (log_softmax.rs), the forward is the first pass alone (the lse), and
+// the second runs only if something reads the result. Backward: dx = dy - exp(y) · Σ dy, the sum in
+// a first pass. The second pass re-reads a row the
 // first just read (200 KB at most at a 50k vocabulary in fp32), mostly from L2. Columns go 8 at a time (one
 // 16-byte load of bf16) when the width is a multiple of 8, one at a time otherwise. The host
 // launches `threads` a multiple of 32, at most 1024.
@@ -50,14 +52,11 @@ __device__ float block_sum(float v) {
   return sk::warp_sum(lane < warps ? partial[lane] : 0.f);
 }
 
+// The row's log-sum-exp, in every thread of the block.
 template <typename T>
-__device__ void forward(const T* x, float* y, float* lse, int width) {
-  const long long row = blockIdx.x;
-  const T* xr = x + row * width;
-  float* yr = y + row * width;
+__device__ float row_lse(const T* xr, int width) {
   float m = -sk::infinity(), s = 0.f;
-  const bool vector = width % 8 == 0;
-  if (vector) {
+  if (width % 8 == 0) {
     for (int c = threadIdx.x * 8; c < width; c += blockDim.x * 8) {
       float v[8];
       sk::load8(xr + c, v);
@@ -75,9 +74,13 @@ __device__ void forward(const T* x, float* y, float* lse, int width) {
     }
   }
   block_merge(m, s);
-  const float shift = m + logf(s);
-  if (threadIdx.x == 0) lse[row] = shift;
-  if (vector) {
+  return m + logf(s);
+}
+
+// y = x - shift over one row.
+template <typename T>
+__device__ void write_row(const T* xr, float shift, float* yr, int width) {
+  if (width % 8 == 0) {
     for (int c = threadIdx.x * 8; c < width; c += blockDim.x * 8) {
       float v[8];
       sk::load8(xr + c, v);
@@ -87,6 +90,30 @@ __device__ void forward(const T* x, float* y, float* lse, int width) {
   } else {
     for (int c = threadIdx.x; c < width; c += blockDim.x) yr[c] = sk::to_float(xr[c]) - shift;
   }
+}
+
+template <typename T>
+__device__ void forward(const T* x, float* y, float* lse, int width) {
+  const long long row = blockIdx.x;
+  const float shift = row_lse(x + row * width, width);
+  if (threadIdx.x == 0) lse[row] = shift;
+  write_row(x + row * width, shift, y + row * width, width);
+}
+
+// The forward's first pass alone: lse, and no y. The y of a fused cross-entropy is deferred
+// (log_softmax.rs), and written by `write` only if something besides the loss reads it.
+template <typename T>
+__device__ void forward_lse(const T* x, float* lse, int width) {
+  const long long row = blockIdx.x;
+  const float shift = row_lse(x + row * width, width);
+  if (threadIdx.x == 0) lse[row] = shift;
+}
+
+// The forward's second pass from a kept lse: the same y, bit for bit.
+template <typename T>
+__device__ void write(const T* x, const float* lse, float* y, int width) {
+  const long long row = blockIdx.x;
+  write_row(x + row * width, lse[row], y + row * width, width);
 }
 
 template <typename T>
@@ -155,6 +182,14 @@ __device__ void nll_backward(const T* x, const float* lse, const long long* targ
   extern "C" __global__ void __launch_bounds__(1024)                                                     \
       log_softmax_forward_##tag(const T* x, float* y, float* lse, int width) {                           \
     forward<T>(x, y, lse, width);                                                                      \
+  }                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(1024)                                                     \
+      log_softmax_lse_##tag(const T* x, float* lse, int width) {                                         \
+    forward_lse<T>(x, lse, width);                                                                     \
+  }                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(1024)                                                     \
+      log_softmax_write_##tag(const T* x, const float* lse, float* y, int width) {                       \
+    write<T>(x, lse, y, width);                                                                        \
   }                                                                                                      \
   extern "C" __global__ void __launch_bounds__(1024)                                                     \
       log_softmax_backward_##tag(const float* dy, const T* x, const float* lse, T* dx, int width) {       \

@@ -12,12 +12,15 @@
 //! `cross_entropy_for_logits` and `log_softmax(-1, Kind::Float)` call.
 //!
 //! The `nll_loss` that follows a classifier's `log_softmax` is fused with it into one
-//! cross-entropy node: `nll_loss` of log-probabilities this module wrote computes the loss from
-//! them, but its node takes the logits themselves as input, with the per-row log-sum-exp the
-//! forward kept, and its backward is one pass over the logits: dx = k · (exp(x - lse) -
-//! onehot(target)). Neither the fp32 log-probabilities (1.6 GB at GPT-2's size) nor the NLL's dense
-//! fp32 gradient is kept or built: the log-probabilities are freed as soon as the loss is computed,
-//! and the backward reads the bf16 logits. Where the log-probabilities also feed something else,
+//! cross-entropy node: `nll_loss` of log-probabilities this module made computes the loss from the
+//! logits and the per-row log-sum-exp the forward kept (loss = lse - x[target] per row), its node
+//! takes the logits themselves as input, and its backward is one pass over the logits:
+//! dx = k · (exp(x - lse) - onehot(target)). Neither the NLL's dense fp32 gradient nor, in the
+//! usual case, the fp32 log-probabilities (1.6 GB at GPT-2's size) are ever written: where the
+//! result will carry a gradient, the forward computes only the log-sum-exp and returns the
+//! log-probabilities *deferred* ([`crate::deferred`]): they get their memory and values only if an
+//! operator other than `nll_loss` reads them, at that read, so every other use sees exactly what
+//! ATen's kernel would have written. Where the log-probabilities also feed something else,
 //! that use reaches the logits through the `log_softmax` node as usual and autograd adds the two
 //! gradients. In autograd's graph the loss then does not depend on the log-probabilities, only on
 //! the logits: their own gradient, asked for by `Tensor::run_backward(&[loss], &[y], ..)`, is
@@ -69,8 +72,11 @@ fn log_softmax(call: &OverrideCall<'_>) -> Result<Outcome> {
         kernels,
         tensors: Mutex::new((x.shallow_clone(), lse)),
     });
+    // Deferred where the result will carry a gradient: then a fused nll_loss is its likely reader.
+    let defer = x.requires_grad() && ffi::autograd::grad_mode_enabled()?;
     let function = LogSoftmax {
         source: Arc::clone(&source),
+        defer,
     };
     let y = apply(function, &[x])?.remove(0);
     if y.requires_grad() {
@@ -113,7 +119,6 @@ fn nll_loss(call: &OverrideCall<'_>) -> Result<Outcome> {
     };
     let (logits, lse) = source.logits_and_lse();
     let function = CrossEntropy {
-        log_probs: Some(y.shallow_clone()),
         lse,
         kernels: Arc::clone(&source.kernels),
         ignore_index: call.int("ignore_index")?,
@@ -157,6 +162,10 @@ fn unsupported(x: &Tensor, dim: i64, fp32_result: bool) -> Option<String> {
 /// The forward and backward kernels for one logits type on one device.
 struct Kernels {
     forward: CudaKernel,
+    /// The forward's first pass alone: the log-sum-exp.
+    lse: CudaKernel,
+    /// The forward's second pass from a kept log-sum-exp: the log-probabilities.
+    write: CudaKernel,
     backward: CudaKernel,
     nll_backward: CudaKernel,
 }
@@ -180,6 +189,16 @@ impl Kernels {
         let kernels = Arc::new(Kernels {
             forward: module.kernel(
                 &format!("log_softmax_forward_{tag}"),
+                &[x, fp32, fp32, Param::I32],
+                device,
+            )?,
+            lse: module.kernel(
+                &format!("log_softmax_lse_{tag}"),
+                &[x, fp32, Param::I32],
+                device,
+            )?,
+            write: module.kernel(
+                &format!("log_softmax_write_{tag}"),
                 &[x, fp32, fp32, Param::I32],
                 device,
             )?,
@@ -235,12 +254,28 @@ impl Source {
         let tensors = self.tensors.lock().unwrap_or_else(PoisonError::into_inner);
         (tensors.0.shallow_clone(), tensors.1.shallow_clone())
     }
+
+    /// The log-probabilities into `y` from the logits and the kept log-sum-exp: what the one-pass
+    /// forward writes, bit for bit.
+    fn write_log_probs(&self, y: &Tensor) -> Result<()> {
+        let (x, lse) = self.logits_and_lse();
+        let (rows, width) = rows_and_width(&x);
+        let (grid, block) = launch_shape(rows, width);
+        self.kernels.write.launch(
+            grid,
+            block,
+            0,
+            &[(&x).into(), (&lse).into(), y.into(), Arg::I32(width as i32)],
+        )
+    }
 }
 
-/// The autograd function around the two kernels: logits in, fp32 log-probabilities out. The
-/// backward reads the logits and their log-sum-exp, saved in place of the fp32 result.
+/// The autograd function around the kernels: logits in, fp32 log-probabilities out (deferred
+/// where `defer`: only their log-sum-exp is computed now). The backward reads the logits and their
+/// log-sum-exp, saved in place of the fp32 result.
 struct LogSoftmax {
     source: Arc<Source>,
+    defer: bool,
 }
 
 impl Function for LogSoftmax {
@@ -254,14 +289,33 @@ impl Function for LogSoftmax {
         let (_, lse) = self.source.logits_and_lse();
         let lse = &lse;
         let (rows, width) = rows_and_width(x);
-        let y = Tensor::f_empty(x.size(), (Kind::Float, x.device()))?;
         let (grid, block) = launch_shape(rows, width);
-        self.source.kernels.forward.launch(
-            grid,
-            block,
-            0,
-            &[x.into(), (&y).into(), lse.into(), Arg::I32(width as i32)],
-        )?;
+        let kernels = &self.source.kernels;
+        let y = if self.defer {
+            kernels.lse.launch(
+                grid,
+                block,
+                0,
+                &[x.into(), lse.into(), Arg::I32(width as i32)],
+            )?;
+            let source = Arc::clone(&self.source);
+            crate::deferred::tensor(
+                &x.size(),
+                Kind::Float,
+                x.device(),
+                "aten::nll_loss",
+                move |y| source.write_log_probs(y),
+            )?
+        } else {
+            let y = Tensor::f_empty(x.size(), (Kind::Float, x.device()))?;
+            kernels.forward.launch(
+                grid,
+                block,
+                0,
+                &[x.into(), (&y).into(), lse.into(), Arg::I32(width as i32)],
+            )?;
+            y
+        };
         ctx.save_for_backward(&[x, lse])?;
         Ok(vec![y])
     }
@@ -304,21 +358,9 @@ enum Reduction {
     Sum,
 }
 
-impl Reduction {
-    fn tch(self) -> tch::Reduction {
-        match self {
-            Reduction::Mean => tch::Reduction::Mean,
-            Reduction::Sum => tch::Reduction::Sum,
-        }
-    }
-}
-
-/// `nll_loss(log_softmax(x))` as one node over the logits `x`: the loss as ATen computes it from
-/// the log-probabilities (a gather), which are then let go; the backward from the logits and
-/// their log-sum-exp in one kernel.
+/// `nll_loss(log_softmax(x))` as one node over the logits `x`: the loss from the logits and their
+/// log-sum-exp (never reading the log-probabilities); the backward from the same in one kernel.
 struct CrossEntropy {
-    /// The log-probabilities, read once by the forward.
-    log_probs: Option<Tensor>,
     lse: Tensor,
     kernels: Arc<Kernels>,
     ignore_index: i64,
@@ -333,19 +375,24 @@ impl Function for CrossEntropy {
 
     fn forward(&mut self, ctx: &mut ForwardContext<'_>, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         let (x, target) = (&inputs[0], &inputs[1]);
-        let Some(y) = self.log_probs.take() else {
-            return Err(crate::error::SpeedkitError::Misuse(
-                "the fused cross-entropy ran its forward twice".into(),
-            ));
+        // Per row -y[target] = lse - x[target]: ATen's operands, so the same float per row. An
+        // ignored row picks class 0 and counts 0 (by `where`, which a -inf logit cannot turn NaN).
+        let kept = target.f_ne(self.ignore_index)?;
+        let picked = x
+            .f_gather(
+                1,
+                &target.f_where_scalarother(&kept, 0)?.f_unsqueeze(1)?,
+                false,
+            )?
+            .f_squeeze_dim(1)?
+            .f_to_kind(Kind::Float)?;
+        let per_row = self.lse.f_sub(&picked)?.f_where_scalarother(&kept, 0.0)?;
+        let total = per_row.f_sum(Kind::Float)?;
+        let total_weight = kept.f_sum(Kind::Float)?;
+        let loss = match self.reduction {
+            Reduction::Mean => total.f_div(&total_weight)?,
+            Reduction::Sum => total,
         };
-        // The operator itself, from inside its override: autocast's own path, with grad mode off.
-        let loss = y.f_nll_loss(
-            target,
-            None::<&Tensor>,
-            self.reduction.tch(),
-            self.ignore_index,
-        )?;
-        let total_weight = target.f_ne(self.ignore_index)?.f_sum(Kind::Float)?;
         ctx.save_for_backward(&[x, &self.lse, target, &total_weight])?;
         Ok(vec![loss])
     }

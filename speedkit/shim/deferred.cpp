@@ -1,0 +1,189 @@
+// Deferred tensors: a tensor whose memory and values come at its first read. A fused op whose output
+// usually feeds one consumer it fuses with (the fp32 log-probabilities of a classifier's
+// log_softmax, read only by the nll_loss after it) returns one of these, and never writes the
+// output where nothing else reads it.
+//
+// The tensor is ordinary in every way but its storage: 0 bytes, whose DataPtr carries a Pending
+// context and the `released` deleter, which is how any view of it is recognised as pending. While
+// at least one is pending, a global RecordFunction callback sees every dispatcher call with its
+// inputs; one that takes a pending tensor (other than the exempt operator, the fused consumer)
+// first gives the storage memory from the device's allocator and has the Rust side write the values,
+// on the operator's own thread and current stream (so also inside a CUDA graph capture). A read
+// that bypasses the dispatcher (a raw data pointer) meets ATen's "data is not allocated yet" error,
+// never stale memory. The callback is removed when the last pending tensor is materialized or dies.
+#include "shim.h"
+
+#include <ATen/record_function.h>
+#include <c10/core/Allocator.h>
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/Storage.h>
+#include <c10/core/TensorImpl.h>
+
+#include <cmath>
+#include <limits>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace sk {
+namespace {
+
+struct Pending {
+  sk_deferred_vtable vtable;
+  void* state;
+  std::string exempt_op;
+  std::vector<int64_t> sizes;
+  at::TensorOptions options;
+  size_t nbytes;
+};
+
+// Guards the count of pending tensors and the observer's handle.
+std::mutex& registry_mutex() {
+  static std::mutex m;
+  return m;
+}
+int64_t pending_count = 0;
+std::optional<at::CallbackHandle> observer;
+
+// Serialises materializations; recursive, as a materializer may read another deferred tensor.
+std::recursive_mutex& materialize_mutex() {
+  static std::recursive_mutex m;
+  return m;
+}
+
+std::unique_ptr<at::ObserverContext> on_operator(const at::RecordFunction& fn);
+
+// The pending storage's deleter: runs when the tensor is materialized (its DataPtr replaced) or dies.
+void released(void* context) {
+  auto* pending = static_cast<Pending*>(context);
+  pending->vtable.release(pending->state);
+  delete pending;
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  if (--pending_count == 0 && observer) {
+    at::removeCallback(*observer);
+    observer.reset();
+  }
+}
+
+Pending* pending_of(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return nullptr;
+  const at::DataPtr& data = t.storage().data_ptr();
+  return data.get_deleter() == &released ? static_cast<Pending*>(data.get_context()) : nullptr;
+}
+
+// Gives `t`'s storage its memory and values; false when it was not pending (any more).
+bool materialize(const at::Tensor& t) {
+  std::lock_guard<std::recursive_mutex> lock(materialize_mutex());
+  Pending* pending = pending_of(t);
+  if (pending == nullptr) return false;
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  c10::DeviceGuard guard(pending->options.device());
+  at::DataPtr memory = c10::GetAllocator(pending->options.device().type())->allocate(pending->nbytes);
+  // The swap hands back the pending DataPtr; destroying it (at the end of this scope, after the
+  // values are written) releases `pending`.
+  at::DataPtr was_pending = storage->set_data_ptr(std::move(memory));
+  storage->set_nbytes(pending->nbytes);
+  at::Tensor whole = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage)),
+      c10::DispatchKeySet(pending->options.computeDispatchKey()), pending->options.dtype());
+  whole.unsafeGetTensorImpl()->set_sizes_contiguous(pending->sizes);
+  at::Tensor handle = whole;
+  char message[512] = {0};
+  if (pending->vtable.materialize(pending->state, &handle, message, sizeof message) != 0) {
+    TORCH_WARN("speedkit: a deferred tensor's values could not be written (", message, "); it reads as NaN");
+    whole.fill_(std::numeric_limits<double>::quiet_NaN());
+  }
+  return true;
+}
+
+void consider(const at::Tensor& t, const char* op) {
+  // Locked: another thread may be materializing the same storage, and its op must not start before
+  // the values are written.
+  std::lock_guard<std::recursive_mutex> lock(materialize_mutex());
+  Pending* pending = pending_of(t);
+  if (pending == nullptr || pending->exempt_op == op) return;
+  materialize(t);
+}
+
+std::unique_ptr<at::ObserverContext> on_operator(const at::RecordFunction& fn) {
+  for (const c10::IValue& v : fn.inputs()) {
+    if (v.isTensor()) {
+      consider(v.toTensor(), fn.name());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& t : v.toTensorVector()) consider(t, fn.name());
+    } else if (v.isList()) {
+      for (const c10::IValue& e : v.toListRef())
+        if (e.isTensor()) consider(e.toTensor(), fn.name());
+    }
+  }
+  return nullptr;
+}
+
+void count_one_more() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  if (pending_count++ == 0) {
+    observer = at::addGlobalCallback(at::RecordFunctionCallback(&on_operator)
+                                         .needsInputs(true)
+                                         .scopes({at::RecordScope::FUNCTION}));
+  }
+}
+
+at::Tensor deferred(std::vector<int64_t> sizes, at::TensorOptions options, const char* exempt_op,
+                    const sk_deferred_vtable& vtable, void* state) {
+  auto* pending = new Pending{vtable, state, exempt_op ? exempt_op : "", std::move(sizes), options, 0};
+  try {
+    TORCH_CHECK(at::isRecordFunctionEnabled(),
+                "a deferred tensor needs RecordFunction, which is switched off on this thread");
+    int64_t numel = 1;
+    for (int64_t s : pending->sizes) {
+      TORCH_CHECK(s >= 0, "a deferred tensor's size is negative");
+      numel *= s;
+    }
+    pending->nbytes = static_cast<size_t>(numel) * options.dtype().itemsize();
+  } catch (...) {
+    vtable.release(state);
+    delete pending;
+    throw;
+  }
+  count_one_more();
+  // From here the storage owns `pending`: its death runs `released`.
+  c10::Storage storage(c10::Storage::use_byte_size_t(), 0,
+                       at::DataPtr(nullptr, pending, &released, options.device()),
+                       c10::GetAllocator(options.device().type()), /*resizable=*/true);
+  at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
+      std::move(storage), c10::DispatchKeySet(options.computeDispatchKey()), options.dtype());
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(pending->sizes);
+  return t;
+}
+
+}  // namespace
+}  // namespace sk
+
+extern "C" {
+
+int sk_deferred_new(const int64_t* sizes, int64_t ndim, int scalar_type, int device, const char* exempt_op,
+                    const sk_deferred_vtable* vtable, void* state, sk_tensor* out) {
+  SK_TRY({
+    auto options = at::TensorOptions().dtype(static_cast<at::ScalarType>(scalar_type));
+    options = device < 0 ? options.device(at::kCPU)
+                         : options.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
+    *out = sk::give(sk::deferred(std::vector<int64_t>(sizes, sizes + ndim), options, exempt_op, *vtable, state));
+  })
+}
+
+int sk_deferred_materialize(sk_tensor tensor, int* materialized) {
+  SK_TRY(*materialized = sk::materialize(*tensor) ? 1 : 0)
+}
+
+int sk_deferred_is_pending(sk_tensor tensor, int* pending) { SK_TRY(*pending = sk::pending_of(*tensor) ? 1 : 0) }
+
+int sk_deferred_pending(int64_t* count, int* observing) {
+  SK_TRY({
+    std::lock_guard<std::mutex> lock(sk::registry_mutex());
+    *count = sk::pending_count;
+    *observing = sk::observer.has_value() ? 1 : 0;
+  })
+}
+
+}  // extern "C"

@@ -1,0 +1,92 @@
+//! Deferred tensors: an output whose memory and values come at its first read by an operator.
+//!
+//! A fused op often makes an intermediate that its usual consumer never needs written: a
+//! classifier's fp32 log-probabilities, which a fused cross-entropy recomputes from the logits
+//! and a log-sum-exp per row (speedkit's own `log_softmax` override does this, 1.6 GB unwritten at
+//! GPT-2's size). Returning it [deferred](tensor) keeps the op exact for every other caller: the
+//! tensor has its sizes, type and device from the start, and the first operator that reads it or
+//! any view of it — every dispatcher call that takes it, except the consumer named as exempt — first
+//! gives it memory from the device's allocator and runs your writer on it, on that operator's
+//! thread and current stream, so also inside a CUDA graph capture. The writer runs at most once; if
+//! the tensor dies unread, it never runs and nothing was allocated.
+//!
+//! While a deferred tensor is pending, every operator of the process is observed (a RecordFunction
+//! callback with its inputs, a few microseconds per call); the observer exists only then. A read
+//! that bypasses operators — a raw pointer handed to a kernel — needs [`materialize`] first
+//! (speedkit's [`CudaKernel::launch`](crate::cuda::CudaKernel::launch) does it for its arguments);
+//! without it the read fails with ATen's "data is not allocated yet", never reading stale memory.
+//!
+//! ```
+//! use speedkit::deferred;
+//! use tch::{Device, Kind, Tensor};
+//!
+//! // A [2, 3] tensor whose values (0, 1, ..., 5) are written only when something reads them.
+//! let t = deferred::tensor(&[2, 3], Kind::Float, Device::Cpu, "aten::nll_loss", |t| {
+//!     t.shallow_clone().f_copy_(&Tensor::arange(6, (Kind::Float, Device::Cpu)).view([2, 3]))?;
+//!     Ok(())
+//! })?;
+//! assert!(deferred::is_pending(&t)?);
+//! assert_eq!(t.sum(Kind::Float).double_value(&[]), 15.0);   // the read writes it first
+//! assert!(!deferred::is_pending(&t)?);
+//! # Ok::<(), speedkit::SpeedkitError>(())
+//! ```
+
+use tch::{Device, Kind, Tensor};
+
+use crate::error::Result;
+use crate::ffi;
+
+/// A contiguous tensor of `sizes`, `kind` and `device` with no memory yet (see the
+/// [module docs](self)). `write` gives it its values when the first operator other than
+/// `exempt_op` (a full operator name such as `"aten::nll_loss"`, or `""` for none) reads it; an
+/// exempt operator must not read its data (an override of that operator that recomputes what it
+/// needs). An error from `write` leaves the tensor filled with NaN, with a warning naming it.
+pub fn tensor(
+    sizes: &[i64],
+    kind: Kind,
+    device: Device,
+    exempt_op: &str,
+    write: impl FnMut(&Tensor) -> Result<()> + Send + 'static,
+) -> Result<Tensor> {
+    ffi::deferred::deferred(sizes, kind, device, exempt_op, write)
+}
+
+/// Whether `t` (or the tensor it is a view of) is deferred and not yet written.
+///
+/// ```
+/// # use tch::{Device, Kind, Tensor};
+/// assert!(!speedkit::deferred::is_pending(&Tensor::zeros([2], (Kind::Float, Device::Cpu)))?);
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn is_pending(t: &Tensor) -> Result<bool> {
+    ffi::deferred::is_pending(t)
+}
+
+/// Writes `t` now if it is deferred and pending, before a read that no operator makes (a raw
+/// pointer); whether it was pending.
+///
+/// ```
+/// # use tch::{Device, Kind, Tensor};
+/// let t = speedkit::deferred::tensor(&[4], Kind::Float, Device::Cpu, "", |t| {
+///     t.shallow_clone().f_fill_(1.0)?;
+///     Ok(())
+/// })?;
+/// assert!(speedkit::deferred::materialize(&t)?);
+/// assert!(!speedkit::deferred::materialize(&t)?);   // already written
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn materialize(t: &Tensor) -> Result<bool> {
+    ffi::deferred::materialize(t)
+}
+
+/// How many deferred tensors are pending in the process, and whether the operator observer is
+/// registered (exactly while some are).
+///
+/// ```
+/// let (pending, observing) = speedkit::deferred::pending()?;
+/// assert_eq!(observing, pending > 0);
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn pending() -> Result<(i64, bool)> {
+    ffi::deferred::pending()
+}

@@ -1,0 +1,146 @@
+//! Deferred tensors (`speedkit::deferred`): sizes, type and device from the start, memory and
+//! values at the first operator that reads them (or a view of them), written once, never written
+//! where they die unread; the operator observer lives exactly while one is pending. On the CPU, in
+//! CI; the GPU use (the log_softmax override's log-probabilities) is tested in gpu_overrides.rs.
+//! Every test holds the serial lock: the count of pending tensors is the process's.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use speedkit::deferred;
+use tch::{Device, Kind, Tensor};
+
+fn cpu() -> (Kind, Device) {
+    (Kind::Float, Device::Cpu)
+}
+
+/// A deferred [2, 3] tensor holding 0..6 once written, exempting `exempt`; the writer's count of
+/// runs.
+fn counted(exempt: &str) -> (Tensor, Arc<AtomicUsize>) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::clone(&runs);
+    let t = deferred::tensor(&[2, 3], Kind::Float, Device::Cpu, exempt, move |t| {
+        seen.fetch_add(1, Ordering::SeqCst);
+        t.shallow_clone()
+            .f_copy_(&Tensor::arange(6, cpu()).view([2, 3]))?;
+        Ok(())
+    })
+    .unwrap();
+    (t, runs)
+}
+
+#[test]
+fn a_deferred_tensor_has_its_shape_type_and_device_before_any_memory() {
+    let _serial = common::serial();
+    let (t, runs) = counted("");
+    assert_eq!(
+        (t.size(), t.kind(), t.device()),
+        (vec![2, 3], Kind::Float, Device::Cpu)
+    );
+    assert!(t.is_contiguous());
+    assert!(deferred::is_pending(&t).unwrap());
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn the_first_operator_that_reads_it_writes_it_once() {
+    let _serial = common::serial();
+    let (t, runs) = counted("");
+    assert_eq!(t.sum(Kind::Float).double_value(&[]), 15.0);
+    assert_eq!(t.max().double_value(&[]), 5.0);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert!(!deferred::is_pending(&t).unwrap());
+}
+
+#[test]
+fn a_view_is_pending_with_it_and_its_read_writes_the_whole_tensor() {
+    let _serial = common::serial();
+    let (t, runs) = counted("aten::view");
+    let row = t.view([6]);
+    assert!(deferred::is_pending(&row).unwrap());
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "the exempt view read nothing"
+    );
+    assert_eq!(row.narrow(0, 3, 3).sum(Kind::Float).double_value(&[]), 12.0);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert!(!deferred::is_pending(&t).unwrap());
+    assert!(t.equal(&Tensor::arange(6, cpu()).view([2, 3])));
+}
+
+#[test]
+fn a_read_on_another_thread_writes_it() {
+    let _serial = common::serial();
+    let (t, runs) = counted("");
+    let total = std::thread::spawn(move || t.sum(Kind::Float).double_value(&[]))
+        .join()
+        .unwrap();
+    assert_eq!(total, 15.0);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn a_tensor_that_dies_unread_is_never_written_and_its_writer_is_freed() {
+    let _serial = common::serial();
+    struct Flag(Arc<AtomicBool>);
+    impl Drop for Flag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+    let freed = Arc::new(AtomicBool::new(false));
+    let flag = Flag(Arc::clone(&freed));
+    let written = Arc::new(AtomicBool::new(false));
+    let wrote = Arc::clone(&written);
+    let t = deferred::tensor(&[1 << 20], Kind::Float, Device::Cpu, "", move |_| {
+        let _keep = &flag;
+        wrote.store(true, Ordering::SeqCst);
+        Ok(())
+    })
+    .unwrap();
+    drop(t);
+    assert!(freed.load(Ordering::SeqCst));
+    assert!(!written.load(Ordering::SeqCst));
+}
+
+#[test]
+fn the_operator_observer_lives_exactly_while_a_tensor_is_pending() {
+    let _serial = common::serial();
+    let (before, _) = deferred::pending().unwrap();
+    let (t, _) = counted("");
+    let (during, observing) = deferred::pending().unwrap();
+    assert_eq!(during, before + 1);
+    assert!(observing);
+    let _ = t.sum(Kind::Float);
+    assert_eq!(deferred::pending().unwrap().0, before);
+    let (u, _) = counted("");
+    drop(u);
+    assert_eq!(deferred::pending().unwrap().0, before);
+    if before == 0 {
+        assert_eq!(deferred::pending().unwrap(), (0, false));
+    }
+}
+
+#[test]
+fn a_writer_that_fails_leaves_nan_for_the_reader() {
+    let _serial = common::serial();
+    let t = deferred::tensor(&[4], Kind::Float, Device::Cpu, "", |_| {
+        Err(speedkit::SpeedkitError::Misuse("no values today".into()))
+    })
+    .unwrap();
+    assert!(t.sum(Kind::Float).double_value(&[]).is_nan());
+}
+
+#[test]
+fn materialize_writes_it_for_a_raw_read_and_only_once() {
+    let _serial = common::serial();
+    let (t, runs) = counted("");
+    assert!(deferred::materialize(&t).unwrap());
+    assert!(!deferred::materialize(&t).unwrap());
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let values = unsafe { std::slice::from_raw_parts(t.data_ptr() as *const f32, 6) };
+    assert_eq!(values, &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
+}
