@@ -565,6 +565,32 @@ fn log_probabilities_read_before_the_fused_loss_are_atens_at_that_read() {
 }
 
 #[test]
+fn log_probabilities_read_beside_the_loss_every_step_are_written_in_one_pass_after_the_first() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "log_probabilities_read_beside_the_loss_every_step_are_written_in_one_pass_after_the_first",
+    ) else {
+        return;
+    };
+    let _on = common::hold_override(Override::LogSoftmax, true);
+    // A shape no other test uses: the choice is remembered per shape.
+    let x = Tensor::randn([23, 4099], (Kind::BFloat16, device)).set_requires_grad(true);
+    let target = Tensor::randint(4099, [23], (Kind::Int64, device));
+    let mut deferred = Vec::new();
+    for _ in 0..3 {
+        let loss = speedkit::amp::autocast(device, Kind::BFloat16, || {
+            let y = x.log_softmax(-1, Kind::Float);
+            deferred.push(speedkit::deferred::is_pending(&y).unwrap());
+            // Label smoothing: the log-probabilities are read beside the loss.
+            y.nll_loss(&target) - y.mean(Kind::Float) * 0.1
+        })
+        .unwrap();
+        loss.backward();
+    }
+    assert_eq!(deferred, [true, false, false]);
+}
+
+#[test]
 fn under_the_fusion_the_log_probabilities_own_gradient_is_undefined_and_the_logits_exact() {
     let _serial = common::serial();
     let Some(device) = common::cuda_or_skip(

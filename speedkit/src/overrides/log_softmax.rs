@@ -20,13 +20,16 @@
 //! result will carry a gradient, the forward computes only the log-sum-exp and returns the
 //! log-probabilities *deferred* ([`crate::deferred`]): they get their memory and values only if an
 //! operator other than `nll_loss` reads them, at that read, so every other use sees exactly what
-//! ATen's kernel would have written. Where the log-probabilities also feed something else,
+//! ATen's kernel would have written. A shape whose deferred result was read is written in the
+//! one-pass forward from then on (`Deferrals`), so a step that reads its log-probabilities
+//! beside the loss pays no extra read of the logits. Where the log-probabilities also feed something else,
 //! that use reaches the logits through the `log_softmax` node as usual and autograd adds the two
 //! gradients. In autograd's graph the loss then does not depend on the log-probabilities, only on
 //! the logits: their own gradient, asked for by `Tensor::run_backward(&[loss], &[y], ..)`, is
 //! undefined (and a hook on them does not see the loss's part), while the logits' is exact. Set
 //! `overrides: false` where that matters.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 
 use tch::{Device, Kind, Tensor};
@@ -72,8 +75,13 @@ fn log_softmax(call: &OverrideCall<'_>) -> Result<Outcome> {
         kernels,
         tensors: Mutex::new((x.shallow_clone(), lse)),
     });
-    // Deferred where the result will carry a gradient: then a fused nll_loss is its likely reader.
-    let defer = x.requires_grad() && ffi::autograd::grad_mode_enabled()?;
+    // Deferred where the result will carry a gradient (then a fused nll_loss is its likely
+    // reader), unless the last deferred result of this shape was read by something else.
+    let defer = if x.requires_grad() && ffi::autograd::grad_mode_enabled()? {
+        deferrals().next(x.device(), &x.size())
+    } else {
+        None
+    };
     let function = LogSoftmax {
         source: Arc::clone(&source),
         defer,
@@ -271,11 +279,12 @@ impl Source {
 }
 
 /// The autograd function around the kernels: logits in, fp32 log-probabilities out (deferred
-/// where `defer`: only their log-sum-exp is computed now). The backward reads the logits and their
-/// log-sum-exp, saved in place of the fp32 result.
+/// where `defer` is given, which the writer sets if anything reads them: only their log-sum-exp is
+/// computed now). The backward reads the logits and their log-sum-exp, saved in place of the fp32
+/// result.
 struct LogSoftmax {
     source: Arc<Source>,
-    defer: bool,
+    defer: Option<Arc<AtomicBool>>,
 }
 
 impl Function for LogSoftmax {
@@ -291,20 +300,23 @@ impl Function for LogSoftmax {
         let (rows, width) = rows_and_width(x);
         let (grid, block) = launch_shape(rows, width);
         let kernels = &self.source.kernels;
-        let y = if self.defer {
+        let y = if let Some(read) = &self.defer {
             kernels.lse.launch(
                 grid,
                 block,
                 0,
                 &[x.into(), lse.into(), Arg::I32(width as i32)],
             )?;
-            let source = Arc::clone(&self.source);
+            let (source, read) = (Arc::clone(&self.source), Arc::clone(read));
             crate::deferred::tensor(
                 &x.size(),
                 Kind::Float,
                 x.device(),
                 "aten::nll_loss",
-                move |y| source.write_log_probs(y),
+                move |y| {
+                    read.store(true, Ordering::Relaxed);
+                    source.write_log_probs(y)
+                },
             )?
         } else {
             let y = Tensor::f_empty(x.size(), (Kind::Float, x.device()))?;
@@ -463,5 +475,65 @@ impl Links {
             .rev()
             .filter(|(n, _)| node != 0 && *n == node)
             .find_map(|(_, weak)| weak.upgrade())
+    }
+}
+
+/// Whether deferring pays, per logits shape: a deferred result that something besides the fused
+/// loss reads costs one more read of the logits than the one-pass forward (the log-sum-exp pass,
+/// then the write at the read). A training step reads the same way every step, so once a deferred
+/// result of a shape has been read, that shape's calls write in one pass, deferring again every
+/// `RETRY`-th call in case the step changed. In a CUDA graph, the warm-up steps decide what the
+/// capture records.
+struct Deferrals(Vec<Deferral>);
+
+struct Deferral {
+    device: Device,
+    shape: Vec<i64>,
+    /// Set by the last deferred result's writer, if it ran.
+    last_read: Arc<AtomicBool>,
+    one_pass_calls: u32,
+}
+
+fn deferrals() -> MutexGuard<'static, Deferrals> {
+    static DEFERRALS: Mutex<Deferrals> = Mutex::new(Deferrals(Vec::new()));
+    DEFERRALS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Deferrals {
+    /// Calls of a shape that was read between two tries of deferring it again.
+    const RETRY: u32 = 64;
+    /// Shapes remembered (the oldest forgotten first).
+    const SHAPES: usize = 16;
+
+    /// The flag for the next result of `shape` to defer, or `None` to write it in one pass.
+    fn next(&mut self, device: Device, shape: &[i64]) -> Option<Arc<AtomicBool>> {
+        let found = self
+            .0
+            .iter()
+            .position(|d| d.device == device && d.shape == shape);
+        let index = match found {
+            Some(i) => i,
+            None => {
+                if self.0.len() == Self::SHAPES {
+                    self.0.remove(0);
+                }
+                self.0.push(Deferral {
+                    device,
+                    shape: shape.to_vec(),
+                    last_read: Arc::new(AtomicBool::new(false)),
+                    one_pass_calls: 0,
+                });
+                self.0.len() - 1
+            }
+        };
+        let entry = &mut self.0[index];
+        if entry.last_read.load(Ordering::Relaxed) {
+            entry.one_pass_calls += 1;
+            if entry.one_pass_calls % Self::RETRY != 0 {
+                return None;
+            }
+        }
+        entry.last_read = Arc::new(AtomicBool::new(false));
+        Some(Arc::clone(&entry.last_read))
     }
 }
