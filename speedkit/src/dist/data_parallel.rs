@@ -115,7 +115,7 @@ impl DataParallel {
     }
 
     /// Compares every rank's trainable parameters with rank 0's (a collective: every rank calls
-    /// it), through a fingerprint of each tensor: its sum and its sum of squares in f64, compared
+    /// it), through a fingerprint of each tensor: its sum and its 2-norm, compared
     /// bit for bit. Averaged gradients and the same optimizer keep replicas equal to the bit, so
     /// any difference means a rank changed its parameters outside the step (a load, an in-place
     /// edit, a skipped step) or a device computed wrongly; every rank then gets the same error,
@@ -153,16 +153,20 @@ impl DataParallel {
         )))
     }
 
-    /// `[sum, sum of squares]` of each trainable tensor, in f64, as one tensor on `device`.
+    /// `[sum, 2-norm]` of each trainable tensor as one f64 tensor on `device`. Two reductions per
+    /// tensor, in fp32 accumulation, make no copy of a parameter (a cast to f64 would make one the
+    /// size of the largest, twice over); ATen's reductions are deterministic, so equal replicas
+    /// give equal bits.
     fn fingerprints(&self, device: tch::Device) -> Result<Tensor> {
         let _no_grad = tch::no_grad_guard();
         let mut parts = Vec::with_capacity(self.trainable.len());
         for (_, t) in &self.trainable {
-            let t = t.f_to_kind(Kind::Double)?;
-            parts.push(t.f_sum(Kind::Double)?);
-            parts.push(t.f_square()?.f_sum(Kind::Double)?);
+            parts.push(t.f_sum(Kind::Float)?);
+            parts.push(t.f_norm()?.f_to_kind(Kind::Float)?);
         }
-        Ok(Tensor::f_stack(&parts, 0)?.f_to_device(device)?)
+        Ok(Tensor::f_stack(&parts, 0)?
+            .f_to_kind(Kind::Double)?
+            .f_to_device(device)?)
     }
 
     /// Arms the gradient hooks for the next backward pass; called right before it.
