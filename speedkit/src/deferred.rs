@@ -5,9 +5,9 @@
 //! and a log-sum-exp per row (speedkit's own `log_softmax` override does this, 1.6 GB unwritten at
 //! GPT-2's size). Returning it [deferred](tensor) keeps the op exact for every other caller: the
 //! tensor has its sizes, type and device from the start, and the first operator that reads it or
-//! any view of it — every dispatcher call that takes it, except the consumer named as exempt — first
-//! gives it memory from the device's allocator and runs your writer on it, on that operator's
-//! thread and current stream, so also inside a CUDA graph capture. The writer runs at most once; if
+//! any view of it (every dispatcher call that takes it, except the consumer named as exempt)
+//! first gives it memory from the device's allocator and runs your writer on it, on that
+//! operator's thread and current stream, so also inside a CUDA graph capture. The writer runs at most once; if
 //! the tensor dies unread, it never runs and nothing was allocated.
 //!
 //! While a deferred tensor is pending, every operator of the process is observed (a RecordFunction

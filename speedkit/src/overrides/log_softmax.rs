@@ -21,10 +21,10 @@
 //! log-probabilities *deferred* ([`crate::deferred`]): they get their memory and values only if an
 //! operator other than `nll_loss` reads them, at that read, so every other use sees exactly what
 //! ATen's kernel would have written. A shape whose deferred result was read is written in the
-//! one-pass forward from then on (`Deferrals`), so a step that reads its log-probabilities
-//! beside the loss pays no extra read of the logits. Where the log-probabilities also feed something else,
-//! that use reaches the logits through the `log_softmax` node as usual and autograd adds the two
-//! gradients. In autograd's graph the loss then does not depend on the log-probabilities, only on
+//! one-pass forward from then on (`Deferrals`), so a step that reads its log-probabilities beside
+//! the loss pays no extra read of the logits. Where the log-probabilities also feed something
+//! else, that use reaches the logits through the `log_softmax` node as usual and autograd adds the
+//! two gradients. In autograd's graph the loss then does not depend on the log-probabilities, only on
 //! the logits: their own gradient, asked for by `Tensor::run_backward(&[loss], &[y], ..)`, is
 //! undefined (and a hook on them does not see the loss's part), while the logits' is exact. Set
 //! `overrides: false` where that matters.
