@@ -52,8 +52,6 @@ std::recursive_mutex& materialize_mutex() {
   return m;
 }
 
-std::unique_ptr<at::ObserverContext> on_operator(const at::RecordFunction& fn);
-
 // The pending storage's deleter: runs when the tensor is materialized (its DataPtr replaced) or dies.
 void released(void* context) {
   auto* pending = static_cast<Pending*>(context);

@@ -195,11 +195,20 @@ impl SpeedContext {
     /// replay's collectives by the group's timeout, and counts the step that the replay made
     /// towards the next [replica check](Self::check_replicas).
     pub(crate) fn after_graph_replay(&self) -> Result<()> {
+        self.with_data_parallel(|group, dp| {
+            dp.after_replay(group)?;
+            dp.after_optimizer_step(group)
+        })
+    }
+
+    /// `f` with the process group and the attached model, under data parallelism; nothing in a
+    /// single process.
+    fn with_data_parallel(
+        &self,
+        f: impl FnOnce(&ProcessGroup, &DataParallel) -> Result<()>,
+    ) -> Result<()> {
         match (&self.group, self.data_parallel.borrow().as_ref()) {
-            (Some(group), Some(dp)) => {
-                dp.after_replay(group)?;
-                dp.after_optimizer_step(group)
-            }
+            (Some(group), Some(dp)) => f(group, dp),
             _ => Ok(()),
         }
     }
@@ -217,10 +226,7 @@ impl SpeedContext {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn check_replicas(&self) -> Result<()> {
-        match (&self.group, self.data_parallel.borrow().as_ref()) {
-            (Some(group), Some(dp)) => dp.check_replicas(group),
-            _ => Ok(()),
-        }
+        self.with_data_parallel(|group, dp| dp.check_replicas(group))
     }
 
     /// The process group, under data parallelism.
@@ -396,12 +402,10 @@ impl SpeedContext {
             self.scaler.update()?;
         }
         // A captured step counts when its graph replays (`after_graph_replay`).
-        match (&self.group, self.data_parallel.borrow().as_ref()) {
-            (Some(group), Some(dp)) if !crate::graph::is_capturing() => {
-                dp.after_optimizer_step(group)
-            }
-            _ => Ok(()),
+        if crate::graph::is_capturing() {
+            return Ok(());
         }
+        self.with_data_parallel(|group, dp| dp.after_optimizer_step(group))
     }
 
     /// zero_grad → scale → backward → unscale/inf-check → step → update.
