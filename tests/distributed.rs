@@ -115,12 +115,23 @@ fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
     if let Some(all_reduce) = scenario.strip_prefix("train_") {
         config.distributed.all_reduce = match all_reduce {
             "in_backward" => AllReduce::InBackward,
+            "sharded" => AllReduce::Auto,
             _ => AllReduce::AfterBackward,
         };
     }
+    config.distributed.shard_optimizer = scenario == "train_sharded";
     let ctx = apply_speedups(&mut vs, &config)?;
     ctx.print_main(ctx.audit());
     let mut opt = ctx.adamw(&vs, adamw())?;
+    if config.distributed.shard_optimizer {
+        // A sharded optimizer covers the attached model only.
+        let other = nn::VarStore::new(Device::Cpu);
+        let _net = model(&other);
+        match ctx.adamw(&other, adamw()) {
+            Ok(_) => println!("an optimizer over another model was made"),
+            Err(e) => println!("another model: {e}"),
+        }
+    }
     let steps = if scenario == "train_until_killed" {
         100_000
     } else {
@@ -138,11 +149,26 @@ fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
                 .shallow_clone()
                 .f_add_scalar_(1e-3)?;
         }
-        ctx.backward_step(&loss, &mut opt)?;
+        if config.distributed.shard_optimizer {
+            // Clipping far above the norm multiplies by exactly 1: the same training, and the
+            // norm, which each rank must compute over the whole gradient, printed.
+            opt.zero_grad()?;
+            ctx.backward(&loss)?;
+            let norm = opt.clip_grad_norm(1e9)?.f_double_value(&[])?;
+            ctx.step(&mut opt)?;
+            println!("gradient norm {step}: {norm:e}");
+        } else {
+            ctx.backward_step(&loss, &mut opt)?;
+        }
         if step < STEPS {
             println!("step {step} done");
         }
     }
+    let held = opt.memory();
+    println!(
+        "optimizer holds {} parameter bytes, {} state bytes",
+        held.parameters, held.state
+    );
     vs.save(out.join(format!("rank{rank}.ot")))
         .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
     Ok(())
@@ -152,7 +178,8 @@ fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
 /// in one of the variants the NCCL test names: `graphs_off` (eager, the Reducer's all-reduce),
 /// `graphs_auto` (one CUDA graph with the all-reduce inside, started during the backward pass),
 /// `after_backward` (graphed, all-reduced after the backward pass), `reducer` (graphs on auto, the
-/// Reducer asked for: eager), `bf16` (graphed, gradients sent in bf16).
+/// Reducer asked for: eager), `bf16` (graphed, gradients sent in bf16), `sharded` (graphed, the
+/// optimizer state sharded: gradients reduce-scattered, parameters all-gathered).
 fn train_nccl_rank(rank: usize, out: &Path, variant: &str) -> Result<(), SpeedkitError> {
     use speedkit::config::{AutoBool, GradientCompression, MatmulPrecisionChoice, Precision};
     let mut config = SpeedConfig::auto();
@@ -171,6 +198,7 @@ fn train_nccl_rank(rank: usize, out: &Path, variant: &str) -> Result<(), Speedki
     if variant == "bf16" {
         config.distributed.compress = GradientCompression::Bf16;
     }
+    config.distributed.shard_optimizer = variant == "sharded";
     config.distributed.backend = DistributedBackend::Nccl;
     config.distributed.timeout_s = 60;
     config.distributed.bucket_mb = 1;
@@ -495,11 +523,85 @@ fn two_ranks_match_one_process_on_the_concatenated_batches() {
     }
 }
 
+#[test]
+fn a_sharded_optimizer_trains_as_one_process_with_half_the_state_on_each_rank() {
+    let (single, norms) = single_process_reference_and_norms();
+    let out = scratch("sharded");
+    let output = run_launcher("train_sharded", &out);
+    let log = text(&output);
+    assert!(output.status.success(), "{log}");
+    assert!(log.contains("optimizer state sharded (ZeRO-1)"), "{log}");
+    assert_eq!(
+        log.matches("another model: the optimizer state is sharded across the ranks")
+            .count(),
+        2,
+        "{log}"
+    );
+    // Every step's replica check passed; now both ranks' saved parameters against one process.
+    for rank in 0..WORLD {
+        let distributed = load(&out.join(format!("rank{rank}.ot")));
+        for ((name, d), (_, s)) in distributed.iter().zip(&single) {
+            let err = common::rel_err(d, s);
+            assert!(
+                err < 1e-5,
+                "rank {rank}: {name}: relative difference {err:e}"
+            );
+        }
+    }
+    for (step, reference) in norms.iter().enumerate() {
+        for rank in 0..WORLD {
+            let (prefix, line) = (format!("[rank {rank}] "), format!("gradient norm {step}: "));
+            let norm: f64 = log
+                .lines()
+                .filter(|l| l.starts_with(&prefix))
+                .find_map(|l| l.split_once(&line).map(|(_, norm)| norm))
+                .unwrap_or_else(|| panic!("no `{line}` of rank {rank} in {log}"))
+                .trim()
+                .parse()
+                .unwrap();
+            assert!(
+                (norm - reference).abs() <= 1e-5 * reference,
+                "rank {rank}, step {step}: norm {norm} against one process's {reference}"
+            );
+        }
+    }
+    // AdamW keeps two moments per parameter: each rank keeps them for its half.
+    let whole = single_process_state_bytes();
+    for rank in 0..WORLD {
+        let held = log
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("[rank {rank}] optimizer holds ")))
+            .unwrap_or_else(|| panic!("no memory line of rank {rank} in {log}"));
+        let numbers: Vec<u64> = held.split(' ').filter_map(|w| w.parse().ok()).collect();
+        let (parameters, state) = (numbers[0], numbers[1]);
+        assert_eq!(parameters, whole.parameters, "{held}");
+        let half = whole.state / WORLD as u64;
+        assert!(
+            state.abs_diff(half) < half / 50,
+            "rank {rank} keeps {state} state bytes, half the whole is {half}"
+        );
+    }
+}
+
 /// The audit's note on the Reducer's all-reduce.
 const REDUCER: &str = "gradients averaged by c10d's Reducer";
 
 /// One process trained on the concatenated batches, from rank 0's initialisation.
 fn single_process_reference() -> Vec<(String, Tensor)> {
+    single_process_reference_and_norms().0
+}
+
+/// What an unsharded AdamW over the model holds.
+fn single_process_state_bytes() -> speedkit::optim::OptimizerMemory {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _net = model(&vs);
+    speedkit::optim::AdamWOptimizer::new(&vs, adamw(), false)
+        .unwrap()
+        .memory()
+}
+
+/// [`single_process_reference`], with the gradient's norm at each step.
+fn single_process_reference_and_norms() -> (Vec<(String, Tensor)>, Vec<f64>) {
     let _lock = common::serial();
     let (x, y) = data();
     tch::manual_seed(100); // rank 0's initialisation, which the ranks broadcast
@@ -508,6 +610,7 @@ fn single_process_reference() -> Vec<(String, Tensor)> {
     let ctx = apply_speedups(&mut vs, &config(1)).unwrap();
     assert_eq!(ctx.world_size(), 1);
     let mut opt = ctx.adamw(&vs, adamw()).unwrap();
+    let mut norms = Vec::new();
     for step in 0..STEPS {
         let rows = WORLD * PER_RANK_BATCH;
         let (xb, yb) = (
@@ -515,11 +618,14 @@ fn single_process_reference() -> Vec<(String, Tensor)> {
             y.narrow(0, step * rows, rows),
         );
         let loss = ctx.autocast(|| net.forward(&xb).mse_loss(&yb, tch::Reduction::Mean));
-        ctx.backward_step(&loss, &mut opt).unwrap();
+        opt.zero_grad().unwrap();
+        ctx.backward(&loss).unwrap();
+        norms.push(opt.clip_grad_norm(1e9).unwrap().double_value(&[]));
+        ctx.step(&mut opt).unwrap();
     }
     let mut single: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     single.sort_by(|a, b| a.0.cmp(&b.0));
-    single
+    (single, norms)
 }
 
 #[test]
@@ -549,6 +655,7 @@ fn nccl_ranks_match_one_process_eager_on_the_reducer_and_graphed_on_speedkits_al
             1e-4,
         ),
         ("bf16", true, "in 1 MiB buckets sent in bf16", 2e-2),
+        ("sharded", true, "optimizer state sharded (ZeRO-1)", 1e-4),
     ] {
         let out = scratch(&format!("nccl-{variant}"));
         let output = run_launcher(&format!("nccl_{variant}"), &out);

@@ -1,16 +1,17 @@
 //! speedkit's gradient all-reduce on one GPU, over a world-size-1 NCCL group: captured with the
 //! whole training step in a CUDA graph and replayed, after the backward pass or started during it,
-//! it gives what the same step gives eagerly. A replay that does not finish within the timeout ends
-//! the process with a message naming the rank, as c10d's watchdog does.
-//! (Two ranks are proven in tests/distributed.rs, on two GPUs.) Skipped, with the reason printed,
-//! without a GPU.
+//! it gives what the same step gives eagerly, with the optimizer state whole or sharded (ZeRO-1:
+//! gradients reduce-scattered, parameters all-gathered, both inside the graph). A replay that does
+//! not finish within the timeout ends the process with a message naming the rank, as c10d's
+//! watchdog does. (Two ranks are proven in tests/distributed.rs, on two GPUs.) Skipped, with the
+//! reason printed, without a GPU.
 
 mod common;
 
 use std::time::Duration;
 
 use speedkit::dist::{Backend, GradientSync, LaunchEnv, ProcessGroup};
-use speedkit::optim::AdamW;
+use speedkit::optim::{AdamW, AdamWOptimizer};
 use speedkit::{SpeedConfig, SpeedContext};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
@@ -33,15 +34,25 @@ fn one_rank_nccl_group(device: Device) -> ProcessGroup {
     ProcessGroup::init(&env, Backend::Nccl, Duration::from_secs(60)).expect("the group forms")
 }
 
-/// Trains a small MLP for `steps` steps, its gradients averaged by `GradientSync` (sent in `wire`,
-/// small buckets), started during the backward pass where `overlap`, with the step graphed or
-/// eager; the trained parameters and the last step's gradients.
-fn train(
-    group: &ProcessGroup,
-    device: Device,
-    (graphed, overlap, wire): (bool, bool, Option<Kind>),
-    steps: usize,
-) -> [Vec<Tensor>; 2] {
+/// How [`train`] runs: the step graphed or eager, the all-reduce started during the backward pass
+/// (`overlap`), the wire type, and the optimizer state sharded (ZeRO-1) or whole.
+#[derive(Clone, Copy, Debug, Default)]
+struct Mode {
+    graphed: bool,
+    overlap: bool,
+    wire: Option<Kind>,
+    sharded: bool,
+}
+
+/// Trains a small MLP for `steps` steps, its gradients averaged by `GradientSync` (small buckets)
+/// as `mode` says; the trained parameters and the last step's gradients.
+fn train(group: &ProcessGroup, device: Device, mode: Mode, steps: usize) -> [Vec<Tensor>; 2] {
+    let Mode {
+        graphed,
+        overlap,
+        wire,
+        sharded,
+    } = mode;
     let ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
     tch::manual_seed(0);
     let vs = nn::VarStore::new(device);
@@ -51,9 +62,20 @@ fn train(
         .add(nn::linear(vs.root() / "b", 160, 24, Default::default()));
     // 40 KiB buckets: the gradients travel in several all-reduces; in fp32, a's weight (60 KiB)
     // alone, in place.
-    let sync = GradientSync::new(group, &vs.trainable_variables(), 40 << 10, wire).unwrap();
+    let params = vs.trainable_variables();
+    let (sync, mut opt) = if sharded {
+        let sync = GradientSync::sharded(group, &params, 40 << 10, wire).unwrap();
+        let shard = sync.optimizer_shard().unwrap();
+        let fused = ctx.plan().fused_optimizer;
+        (
+            sync,
+            AdamWOptimizer::sharded(shard, AdamW::default(), fused).unwrap(),
+        )
+    } else {
+        let sync = GradientSync::new(group, &params, 40 << 10, wire).unwrap();
+        (sync, ctx.adamw(&vs, AdamW::default()).unwrap())
+    };
     assert!(sync.buckets() > 1, "{sync:?}");
-    let mut opt = ctx.adamw(&vs, AdamW::default()).unwrap();
     let x = Tensor::randn([64, 96], (Kind::Float, device));
     let y = Tensor::randn([64, 24], (Kind::Float, device));
     let step = |_: &[Tensor]| {
@@ -82,9 +104,21 @@ fn speedkits_all_reduce_is_captured_with_the_step_over_a_world_size_one_nccl_gro
     };
     let group = one_rank_nccl_group(device);
     for wire in [Some(Kind::BFloat16), None] {
-        let [eager, _] = train(&group, device, (false, false, wire), 12);
+        let eager = Mode {
+            graphed: false,
+            overlap: false,
+            wire,
+            sharded: false,
+        };
+        let [eager, _] = train(&group, device, eager, 12);
         for overlap in [false, true] {
-            let [graphed, gradients] = train(&group, device, (true, overlap, wire), 12);
+            let mode = Mode {
+                graphed: true,
+                overlap,
+                wire,
+                sharded: false,
+            };
+            let [graphed, gradients] = train(&group, device, mode, 12);
             for (i, (g, e)) in graphed.iter().zip(&eager).enumerate() {
                 let err = common::rel_err(g, e);
                 assert!(
@@ -96,6 +130,36 @@ fn speedkits_all_reduce_is_captured_with_the_step_over_a_world_size_one_nccl_gro
                 assert_bf16_averages(&gradients, overlap);
             }
         }
+    }
+}
+
+#[test]
+fn a_sharded_optimizer_is_captured_with_the_step_over_a_world_size_one_nccl_group() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "a_sharded_optimizer_is_captured_with_the_step_over_a_world_size_one_nccl_group",
+    ) else {
+        return;
+    };
+    let group = one_rank_nccl_group(device);
+    let [whole, _] = train(&group, device, Mode::default(), 12);
+    for (graphed, overlap) in [(false, false), (true, false), (true, true)] {
+        let mode = Mode {
+            graphed,
+            overlap,
+            wire: None,
+            sharded: true,
+        };
+        let [sharded, gradients] = train(&group, device, mode, 12);
+        for (i, (s, w)) in sharded.iter().zip(&whole).enumerate() {
+            let err = common::rel_err(s, w);
+            assert!(
+                err < 1e-6,
+                "{mode:?}: parameter {i}: relative difference {err:e}"
+            );
+        }
+        // The whole gradients are gone: the sharded optimizer stepped from its pieces'.
+        assert!(gradients.iter().all(|g| !g.defined()), "{mode:?}");
     }
 }
 

@@ -213,3 +213,47 @@ fn bf16_gradients_take_speedkits_all_reduce_and_are_refused_with_the_reducer() {
     let err = Plan::resolve_launched(&config, &two_h200(), Some(&rank(0, 2))).unwrap_err();
     assert!(err.to_string().contains("compress: bf16"), "{err}");
 }
+
+#[test]
+fn a_sharded_optimizer_takes_speedkits_all_reduce_and_says_so_in_the_plan() {
+    let mut config = SpeedConfig::auto();
+    config.distributed.shard_optimizer = true;
+    config.compile.enabled = speedkit::config::AutoBool::Off;
+    let plan = Plan::resolve_launched(&config, &two_h200(), Some(&rank(1, 2))).unwrap();
+    let settings = plan.distributed.as_ref().unwrap();
+    assert!(settings.shard_optimizer);
+    assert_eq!(settings.all_reduce, AllReduce::InBackward);
+    let sharding = plan
+        .decisions
+        .iter()
+        .find(|d| d.key == "optimizer_state")
+        .unwrap();
+    assert_eq!(sharding.value, "sharded");
+    assert!(
+        sharding.reason.contains("1/2 of the parameters"),
+        "{}",
+        sharding.reason
+    );
+}
+
+#[test]
+fn a_sharded_optimizer_is_refused_with_the_reducer() {
+    let mut config = SpeedConfig::auto();
+    config.distributed.shard_optimizer = true;
+    config.distributed.all_reduce = AllReduce::Reducer;
+    let err = Plan::resolve_launched(&config, &two_h200(), Some(&rank(0, 2))).unwrap_err();
+    assert!(
+        err.to_string().contains(
+            "set all_reduce to auto, in_backward or after_backward, or shard_optimizer to false"
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_optimizer_state_is_whole_unless_the_config_shards_it() {
+    let plan =
+        Plan::resolve_launched(&SpeedConfig::auto(), &two_h200(), Some(&rank(0, 2))).unwrap();
+    assert!(!plan.distributed.as_ref().unwrap().shard_optimizer);
+    assert!(!plan.decisions.iter().any(|d| d.key == "optimizer_state"));
+}

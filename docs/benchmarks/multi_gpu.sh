@@ -44,10 +44,12 @@ cat "$out/environment.txt"
 # Per-GPU batch unchanged from 1 to 2 GPUs (the workloads' bench size on every rank). `auto` is
 # one CUDA graph per step, on 2 GPUs with speedkit's all-reduce inside it, started during the
 # backward pass; auto_eager is the eager step (on 2 GPUs, c10d's Reducer); dp_after_backward
-# all-reduces after the backward pass, dp_bf16 sends bf16 gradients. Every 2-GPU row is compared
-# with its own config on 1 GPU, or with `auto` where the config only matters on several.
+# all-reduces after the backward pass, dp_bf16 sends bf16 gradients, dp_sharded shards the
+# optimizer state (ZeRO-1). Every 2-GPU row is compared with its own config on 1 GPU, or with
+# `auto` where the config only matters on several.
 configs=(--config auto --config examples/configs/auto_eager.yaml)
-dp_configs=(--config examples/configs/dp_after_backward.yaml --config examples/configs/dp_bf16.yaml)
+dp_configs=(--config examples/configs/dp_after_backward.yaml --config examples/configs/dp_bf16.yaml
+  --config examples/configs/dp_sharded.yaml)
 work=(--exact --filter transformer --filter linear3 --size bench)
 if wanted speedkit; then
   part speedkit_1gpu 90 "${sk[@]}" bench "${work[@]}" "${configs[@]}" --json "$out/speedkit_1gpu.json"
@@ -90,21 +92,27 @@ def speedkit_rates(report):
         dp = r.get("data_parallel") or {}
         t = dp.get("throughput")
         total = t["total"] if t else items / (m["median_ms"] * 1e-3)
-        rates[(r["workload"], r["config"])] = (total, unit, m["median_ms"])
+        mem = m.get("memory") or {}
+        gib = lambda b: f"{b / 2**30:.2f}" if b is not None else "?"
+        memory = (gib(mem.get("peak_allocated_bytes")),
+                  gib((mem.get("breakdown") or {}).get("optimizer_state")))
+        rates[(r["workload"], r["config"])] = (total, unit, m["median_ms"], memory)
     return rates
 one, two = speedkit_rates(load("speedkit_1gpu.json")), speedkit_rates(load("speedkit_2gpu.json"))
-print("| workload | config | 1 GPU | 2 GPUs, total | scaling | ms/step 1 → 2 |")
-print("|---|---|---|---|---|---|")
+print("| workload | config | 1 GPU | 2 GPUs, total | scaling | ms/step 1 → 2 | "
+      "peak alloc GiB per GPU 1 → 2 | optimizer state GiB per GPU 1 → 2 |")
+print("|---|---|---|---|---|---|---|---|")
 for key in sorted(set(one) | set(two)):
     # A config that only matters on several GPUs is compared with `auto` on one.
     r1 = one.get(key) or one.get((key[0], "auto"))
     r2 = two.get(key)
     if r1 is None or r2 is None:
         print(f"| {key[0]} | speedkit {key[1]} | (missing: 1 GPU {r1 is not None}, 2 GPUs "
-              f"{r2 is not None}) | | | |")
+              f"{r2 is not None}) | | | | | |")
         continue
     print(f"| {key[0]} | speedkit {key[1]} | {r1[0]:.0f} {r1[1]}/s | {r2[0]:.0f} {r2[1]}/s | "
-          f"{r2[0] / r1[0]:.3f}x | {r1[2]:.3f} → {r2[2]:.3f} |")
+          f"{r2[0] / r1[0]:.3f}x | {r1[2]:.3f} → {r2[2]:.3f} | {r1[3][0]} → {r2[3][0]} | "
+          f"{r1[3][1]} → {r2[3][1]} |")
 for label, stem in (("PyTorch DDP AMP", "pytorch_ddp"), ("PyTorch DDP + torch.compile", "pytorch_ddp_compile")):
     ddp = {n: load(f"{stem}_{n}gpu.json") for n in (1, 2)}
     rows = {n: {r["workload"]: r for r in (d or {}).get("results", []) if "throughput" in r}
@@ -113,11 +121,11 @@ for label, stem in (("PyTorch DDP AMP", "pytorch_ddp"), ("PyTorch DDP + torch.co
         a, b = rows[1][name], rows[2].get(name)
         t1 = a["throughput"]
         if b is None:
-            print(f"| {name} | {label} | {t1['total']:.0f} {t1['unit']}/s | - | - | - |")
+            print(f"| {name} | {label} | {t1['total']:.0f} {t1['unit']}/s | - | - | - | | |")
             continue
         t2 = b["throughput"]
         print(f"| {name} | {label} | {t1['total']:.0f} {t1['unit']}/s | {t2['total']:.0f} "
               f"{t2['unit']}/s | {t2['total'] / t1['total']:.3f}x | {a['median_ms']:.3f} → "
-              f"{b['median_ms']:.3f} |")
+              f"{b['median_ms']:.3f} | | |")
 PY
 grep -h "== .*: exit" "$out"/*.log

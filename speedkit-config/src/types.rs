@@ -640,6 +640,11 @@ pub struct DistributedConfig {
     /// fail together, naming the ranks and the first parameter that differ, if a replica has
     /// drifted from rank 0's (`0`: never). Costs one small all-gather and a host sync per check.
     pub check_replicas_every: u32,
+    /// ZeRO-1: each rank keeps the AdamW state of its own 1/N of the parameters, not of all of
+    /// them. Gradients are reduce-scattered (each rank receives the average of its part only) and
+    /// the updated parameters all-gathered, which together send what one all-reduce sends. Needs
+    /// speedkit's all-reduce (`all_reduce` other than `reducer`).
+    pub shard_optimizer: bool,
 }
 
 /// How gradients are all-reduced (`distributed.all_reduce`).
@@ -686,6 +691,7 @@ impl Default for DistributedConfig {
             all_reduce: AllReduce::Auto,
             compress: GradientCompression::None,
             check_replicas_every: 1000,
+            shard_optimizer: false,
         }
     }
 }

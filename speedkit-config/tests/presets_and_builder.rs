@@ -53,7 +53,7 @@ fn every_shipped_example_config_loads() {
 }
 
 #[test]
-fn the_data_parallel_example_configs_change_only_the_all_reduce() {
+fn the_data_parallel_example_configs_change_only_their_distributed_setting() {
     let path = |name: &str| format!("{}/../examples/configs/{name}", env!("CARGO_MANIFEST_DIR"));
     let mut after_backward = SpeedConfig::default();
     after_backward.distributed.all_reduce = AllReduce::AfterBackward;
@@ -64,6 +64,12 @@ fn the_data_parallel_example_configs_change_only_the_all_reduce() {
     let mut bf16 = SpeedConfig::default();
     bf16.distributed.compress = GradientCompression::Bf16;
     assert_eq!(SpeedConfig::from_yaml(path("dp_bf16.yaml")).unwrap(), bf16);
+    let mut sharded = SpeedConfig::default();
+    sharded.distributed.shard_optimizer = true;
+    assert_eq!(
+        SpeedConfig::from_yaml(path("dp_sharded.yaml")).unwrap(),
+        sharded
+    );
 }
 
 #[test]

@@ -286,14 +286,34 @@ namespace {
 // Unarmed, the run copies every gradient after the backward pass and all-reduces bucket by bucket.
 // Holding only the bucket, never the gradient beside it, the gradients cost no more memory than
 // PyTorch's DDP with gradient_as_bucket_view.
+//
+// Sharded (ZeRO-1), a bucket is padded to a multiple of the world size and reduce-scattered
+// instead: rank r keeps the average of elements [r * chunk, (r + 1) * chunk) only, which become
+// the gradients of its pieces of the parameters (detached views, each a contiguous stretch of one
+// parameter), and the whole gradients are dropped: this rank's own, they are not the average. The
+// bucket's parameters move into one flat buffer laid out as the gradients' (set_data: values,
+// shapes and autograd identity kept), so that OptimizerShard all-gathers the pieces the optimizer
+// updated straight into the parameters, with no copy in or out.
+
+// A stretch of one parameter inside this rank's part of a sharded bucket.
+struct ShardPiece {
+  size_t param;     // its index in the bucket
+  int64_t begin;    // its offset in this rank's part
+  at::Tensor view;  // flat, detached: the optimizer's "parameter"
+};
+
 struct GradientBucket {
   std::vector<at::Tensor> params;
+  std::vector<size_t> index;  // each parameter's position in the list sk_grad_sync_new was given
   // One parameter sent in its own type (a parameter at least the bucket size: an embedding, a big
   // projection) needs no flat buffer: its gradient is all-reduced where autograd left it, without
   // a copy in or out.
   bool direct = false;
   int64_t numel = 0;
+  int64_t padded = 0;  // the flat buffer's length: `numel`, sharded rounded up to the world size
   at::ScalarType wire_type = at::kFloat;
+  std::vector<ShardPiece> shard;  // sharded: this rank's pieces
+  at::Tensor flat;                // sharded: the parameters' flat buffer, `padded` long
   // Made when the bucket's first gradient arrives (inside the backward pass, where a capture's
   // pool reuses the memory activations free) and let go once averaged: from then on only the
   // parameters hold their gradients, views of it, as they would hold autograd's own.
@@ -302,6 +322,7 @@ struct GradientBucket {
   std::vector<bool> arrived;        // armed: whose gradient is in `wire` this backward pass
   size_t pending = 0;               // armed: how many have not arrived
   c10::intrusive_ptr<c10d::Work> work;  // its all-reduce, once started
+  at::Tensor reduced;                   // sharded: this rank's averaged part, once started
 };
 
 struct GradientSync;
@@ -395,6 +416,7 @@ struct ReplayWatchdog {
 struct GradientSync {
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
   int backend;
+  bool sharded = false;
   std::vector<GradientBucket> buckets;
   std::mutex mutex;  // the hooks run on autograd's device threads
   bool armed = false;
@@ -420,9 +442,12 @@ std::vector<at::Tensor> views_of(const at::Tensor& flat, const std::vector<at::T
   return views;
 }
 
-GradientBucket make_bucket(std::vector<at::Tensor> params, std::optional<at::ScalarType> wire_type) {
+GradientBucket make_bucket(std::vector<at::Tensor> params, std::vector<size_t> index,
+                           std::optional<at::ScalarType> wire_type) {
   GradientBucket b;
   for (const at::Tensor& p : params) b.numel += p.numel();
+  b.padded = b.numel;
+  b.index = std::move(index);
   b.wire_type = wire_type.value_or(params[0].scalar_type());
   b.arrived.assign(params.size(), false);
   b.direct = params.size() == 1 && b.wire_type == params[0].scalar_type();
@@ -430,29 +455,90 @@ GradientBucket make_bucket(std::vector<at::Tensor> params, std::optional<at::Sca
   return b;
 }
 
-// The bucket's flat buffer, made at first use in this backward pass.
+// The parameters of a sharded bucket in one flat buffer: a lone parameter that needs no padding
+// is its own, the others move into a new one.
+void flatten_params(GradientBucket& b) {
+  if (b.params.size() == 1 && b.padded == b.numel && b.params[0].is_contiguous()) {
+    b.flat = b.params[0].detach().view({-1});
+    return;
+  }
+  at::NoGradGuard no_grad;
+  b.flat = at::empty({b.padded}, b.params[0].options().requires_grad(false));
+  if (b.padded > b.numel) b.flat.narrow(0, b.numel, b.padded - b.numel).zero_();
+  const std::vector<at::Tensor> views = views_of(b.flat, b.params);
+  for (size_t i = 0; i < b.params.size(); ++i) {
+    views[i].copy_(b.params[i]);
+    b.params[i].set_data(views[i]);
+  }
+}
+
+// Rank `rank`'s part of a bucket sharded over `world` ranks: the padding, the parameters' flat
+// buffer, and the pieces of the parameters that fall in this rank's part. A bucket needs a flat
+// gradient buffer unless it is one parameter that needs no padding.
+void shard_bucket(GradientBucket& b, int rank, int world) {
+  b.padded = (b.numel + world - 1) / world * world;
+  b.direct = b.direct && b.padded == b.numel;
+  flatten_params(b);
+  const int64_t chunk = b.padded / world, lo = rank * chunk, hi = lo + chunk;
+  int64_t offset = 0;
+  for (size_t i = 0; i < b.params.size(); ++i) {
+    const at::Tensor& p = b.params[i];
+    const int64_t begin = std::max(offset, lo), end = std::min(offset + p.numel(), hi);
+    if (begin < end) b.shard.push_back({i, begin - lo, b.flat.narrow(0, begin, end - begin)});
+    offset += p.numel();
+  }
+}
+
+// The bucket's flat buffer, made at first use in this backward pass (its padding zeroed).
 void make_wire(GradientBucket& b) {
   if (b.wire.defined()) return;
-  b.wire = at::empty({b.numel}, b.params[0].options().requires_grad(false).dtype(b.wire_type));
+  b.wire = at::empty({b.padded}, b.params[0].options().requires_grad(false).dtype(b.wire_type));
+  if (b.padded > b.numel) b.wire.narrow(0, b.numel, b.padded - b.numel).zero_();
   b.wire_views = views_of(b.wire, b.params);
 }
 
 void start(GradientSync& sync, GradientBucket& b) {
+  const c10d::ReduceOp op = sync.backend == kNccl ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+  if (sync.sharded) {
+    b.reduced = at::empty({b.padded / sync.pg->getSize()}, b.wire.options());
+    c10d::ReduceScatterOptions options;
+    options.reduceOp = op;
+    at::Tensor input = b.wire.view({-1});  // (direct: the gradient, in its parameter's shape)
+    b.work = sync.pg->_reduce_scatter_base(b.reduced, input, options);
+    return;
+  }
   std::vector<at::Tensor> one{b.wire};
   c10d::AllreduceOptions options;
-  options.reduceOp = sync.backend == kNccl ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+  options.reduceOp = op;
   b.work = sync.pg->allreduce(one, options);
 }
 
-// Joins a started all-reduce into the current stream and finishes the average.
+// Sharded: this rank's averaged part becomes its pieces' gradients; the whole gradients go.
+void finish_shard(GradientSync& sync, GradientBucket& b) {
+  if (sync.backend != kNccl) b.reduced.div_(sync.pg->getSize());
+  const at::Tensor grads = b.reduced.to(b.params[0].scalar_type());
+  for (ShardPiece& piece : b.shard) piece.view.mutable_grad() = grads.narrow(0, piece.begin, piece.view.numel());
+  for (at::Tensor& p : b.params) p.mutable_grad().reset();
+  b.reduced = at::Tensor();
+}
+
+// Whole: the averaged bucket becomes the parameters' gradients (views of it).
+void finish_whole(GradientSync& sync, GradientBucket& b) {
+  if (sync.backend != kNccl) b.wire.div_(sync.pg->getSize());
+  if (b.direct) return;  // the parameter's gradient is `wire` already
+  const at::Tensor grads = b.wire.to(b.params[0].scalar_type());
+  const std::vector<at::Tensor> views = views_of(grads, b.params);
+  for (size_t i = 0; i < b.params.size(); ++i) b.params[i].mutable_grad() = views[i];
+}
+
+// Joins a started all-reduce (or reduce-scatter) into the current stream and finishes the average.
 void finish(GradientSync& sync, GradientBucket& b) {
   wait(b.work);
   b.work.reset();
-  if (sync.backend != kNccl) b.wire.div_(sync.pg->getSize());
-  if (!b.direct) {  // (direct: the parameter's gradient is `wire` already)
-    const at::Tensor grads = b.wire.scalar_type() == b.params[0].scalar_type() ? b.wire : b.wire.to(b.params[0].scalar_type());
-    const std::vector<at::Tensor> views = views_of(grads, b.params);
-    for (size_t i = 0; i < b.params.size(); ++i) b.params[i].mutable_grad() = views[i];
+  if (sync.sharded) {
+    finish_shard(sync, b);
+  } else {
+    finish_whole(sync, b);
   }
   b.wire = at::Tensor();
   b.wire_views.clear();
@@ -538,41 +624,73 @@ void run(GradientSync& sync) {
   for (GradientBucket& b : sync.buckets) finish(sync, b);
 }
 
+// ZeRO-1's second half: the optimizer updated this rank's pieces of the parameters; every rank's
+// part of each bucket's flat parameter buffer is all-gathered in place, which writes every
+// parameter, and their kept autocast copies are refreshed.
+struct OptimizerShard {
+  int backend;
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  std::vector<at::Tensor> flats;   // each bucket's flat parameter buffer
+  std::vector<at::Tensor> params;  // the parameters, for their autocast copies
+  std::vector<at::Tensor> pieces;  // every piece, in bucket order
+  std::vector<int64_t> piece_params;  // each piece's parameter, as sk_grad_sync_new was given them
+};
+
+void gather(OptimizerShard& s) {
+  at::NoGradGuard no_grad;
+  const int64_t world = s.pg->getSize(), rank = s.pg->getRank();
+  for (at::Tensor& flat : s.flats) {
+    const int64_t chunk = flat.numel() / world;
+    at::Tensor mine = flat.narrow(0, rank * chunk, chunk);
+    // NCCL gathers in place (the input where the output keeps this rank's part); Gloo is given a
+    // copy, as it makes no such promise.
+    if (s.backend != kNccl) mine = mine.clone();
+    wait(s.pg->_allgather_base(flat, mine));
+  }
+  sk::weight_casts::refresh(s.params);
+}
+
 }  // namespace
 
 extern "C" {
 
 int sk_grad_sync_new(void* group, const sk_tensor* params, int64_t n, int64_t bucket_bytes, int wire_type,
-                     void** out) {
+                     int shard, void** out) {
   SK_TRY({
     auto* g = static_cast<Group*>(group);
     auto sync = std::make_unique<GradientSync>();
     sync->pg = g->pg;
     sync->backend = g->backend;
+    sync->sharded = shard != 0;
     std::optional<at::ScalarType> wire;
     if (wire_type >= 0) wire = static_cast<at::ScalarType>(wire_type);
     // Reverse registration order, as the Reducer's buckets: the last layers' gradients first.
     std::vector<at::Tensor> list = sk::tensor_list(params, n);
     std::vector<at::Tensor> pending;
+    std::vector<size_t> pending_index;
     int64_t bytes = 0;
     const auto flush = [&] {
-      if (!pending.empty()) sync->buckets.push_back(make_bucket(std::move(pending), wire));
+      if (!pending.empty()) sync->buckets.push_back(make_bucket(std::move(pending), std::move(pending_index), wire));
       pending.clear();
+      pending_index.clear();
       bytes = 0;
     };
-    for (auto it = list.rbegin(); it != list.rend(); ++it) {
+    for (size_t k = list.size(); k-- > 0;) {
       // The parameter itself, not a detached alias: its gradient lives on it.
-      const at::Tensor& p = *it;
+      const at::Tensor& p = list[k];
       const int64_t size = p.numel() * static_cast<int64_t>(p.element_size());
       // A parameter of a bucket's size or more gets a bucket of its own (all-reduced in place).
       const bool alone = size >= bucket_bytes;
       if (!pending.empty() && (pending[0].options().dtype() != p.options().dtype() || bytes >= bucket_bytes || alone))
         flush();
       pending.push_back(p);
+      pending_index.push_back(k);
       bytes += size;
       if (alone) flush();
     }
     flush();
+    if (sync->sharded)
+      for (GradientBucket& b : sync->buckets) shard_bucket(b, sync->pg->getRank(), sync->pg->getSize());
     for (size_t k = 0; k < sync->buckets.size(); ++k)
       for (size_t i = 0; i < sync->buckets[k].params.size(); ++i) {
         const at::Tensor& p = sync->buckets[k].params[i];
@@ -603,10 +721,54 @@ int sk_grad_sync_shape(void* sync, int64_t* buckets, int64_t* wire_bytes) {
     *buckets = static_cast<int64_t>(s->buckets.size());
     *wire_bytes = 0;
     for (const auto& b : s->buckets)
-      *wire_bytes += b.numel * static_cast<int64_t>(c10::elementSize(b.wire_type));
+      *wire_bytes += b.padded * static_cast<int64_t>(c10::elementSize(b.wire_type));
   })
 }
 
 void sk_grad_sync_free(void* sync) { delete static_cast<GradientSync*>(sync); }
+
+int sk_optimizer_shard_new(void* sync, void** out) {
+  SK_TRY({
+    auto* s = static_cast<GradientSync*>(sync);
+    TORCH_CHECK(s->sharded, "this gradient sync was not made sharded");
+    auto shard = std::make_unique<OptimizerShard>();
+    shard->backend = s->backend;
+    shard->pg = s->pg;
+    for (const GradientBucket& b : s->buckets) {
+      shard->flats.push_back(b.flat);
+      shard->params.insert(shard->params.end(), b.params.begin(), b.params.end());
+      for (const ShardPiece& piece : b.shard) {
+        shard->pieces.push_back(piece.view);
+        shard->piece_params.push_back(static_cast<int64_t>(b.index[piece.param]));
+      }
+    }
+    *out = shard.release();
+  })
+}
+
+int sk_optimizer_shard_pieces(void* shard, sk_tensor* pieces, int64_t* params, int64_t capacity, int64_t* count) {
+  SK_TRY({
+    auto* s = static_cast<OptimizerShard*>(shard);
+    *count = static_cast<int64_t>(s->pieces.size());
+    for (int64_t i = 0; i < std::min(capacity, *count); ++i) {
+      pieces[i] = sk::give(s->pieces[i]);
+      params[i] = s->piece_params[i];
+    }
+  })
+}
+
+int sk_optimizer_shard_gather(void* shard) { SK_TRY(gather(*static_cast<OptimizerShard*>(shard))) }
+
+int sk_optimizer_shard_all_reduce_(void* shard, sk_tensor tensor, int op) {
+  SK_TRY({
+    auto* s = static_cast<OptimizerShard*>(shard);
+    std::vector<at::Tensor> one{*tensor};
+    c10d::AllreduceOptions options;
+    options.reduceOp = reduce_op(op);
+    wait(s->pg->allreduce(one, options));
+  })
+}
+
+void sk_optimizer_shard_free(void* shard) { delete static_cast<OptimizerShard*>(shard); }
 
 }  // extern "C"

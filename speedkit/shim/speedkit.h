@@ -317,9 +317,12 @@ void sk_reducer_free(void* reducer);
 /// The gradient all-reduce as ordinary work on the current stream, run after the backward pass (so
 /// a CUDA graph can capture it with the step): buckets of at most `bucket_bytes` of `params`'
 /// gradients, each copied into one flat buffer in `wire_type` (a ScalarType code, or -1 for the
-/// parameters' own type), all-reduced and averaged. *out freed by sk_grad_sync_free.
+/// parameters' own type), all-reduced and averaged. With `shard` (ZeRO-1) each bucket is instead
+/// padded to a multiple of the world size and reduce-scattered: this rank keeps the average of its
+/// contiguous part only, as the gradients of its pieces of the parameters (sk_optimizer_shard_new).
+/// *out freed by sk_grad_sync_free.
 int sk_grad_sync_new(void* group, const sk_tensor* params, int64_t n, int64_t bucket_bytes, int wire_type,
-                     void** out);
+                     int shard, void** out);
 /// Before a backward pass: its gradients go into their buckets as autograd produces them, and each
 /// bucket's all-reduce starts when it is full, overlapping the rest of the backward pass.
 int sk_grad_sync_arm(void* sync);
@@ -334,6 +337,19 @@ int sk_grad_sync_watch_replay(void* sync, int64_t timeout_ms, const char* rank);
 /// How many buckets (all-reduces) a run makes, and the bytes they send in all.
 int sk_grad_sync_shape(void* sync, int64_t* buckets, int64_t* wire_bytes);
 void sk_grad_sync_free(void* sync);
+/// The optimizer's side of a sharded sync: this rank's pieces of the parameters (detached views,
+/// whose gradients the sync's run sets) and the all-gather of the updated pieces. It holds its own
+/// references, so it may outlive the sync. *out freed by sk_optimizer_shard_free.
+int sk_optimizer_shard_new(void* sync, void** out);
+/// This rank's pieces (at most `capacity` written, fresh handles) and, for each, the index of its
+/// parameter in the list sk_grad_sync_new was given; *count receives how many there are.
+int sk_optimizer_shard_pieces(void* shard, sk_tensor* pieces, int64_t* params, int64_t capacity, int64_t* count);
+/// After the optimizer updated this rank's pieces: every rank's pieces all-gathered, bucket by
+/// bucket, into the whole parameters (a collective, on the current stream; capturable).
+int sk_optimizer_shard_gather(void* shard);
+/// `tensor` reduced in place across the ranks (SK_REDUCE_SUM or SK_REDUCE_MAX), on the current stream.
+int sk_optimizer_shard_all_reduce_(void* shard, sk_tensor tensor, int op);
+void sk_optimizer_shard_free(void* shard);
 
 // @module function: autograd functions written in Rust, and activation checkpointing (function.cpp)
 

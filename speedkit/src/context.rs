@@ -159,6 +159,7 @@ impl SpeedContext {
                 all_reduce: settings.all_reduce,
                 bf16_gradients: settings.bf16_gradients,
                 check_replicas_every: settings.check_replicas_every,
+                shard_optimizer: settings.shard_optimizer,
             },
         )?;
         let how = if dp.in_step() {
@@ -178,9 +179,18 @@ impl SpeedContext {
                 settings.bucket_bytes >> 20
             )
         };
+        let sharded = if settings.shard_optimizer {
+            format!(
+                "; optimizer state sharded (ZeRO-1): gradients reduce-scattered, each rank's AdamW \
+                 state 1/{} of the parameters, updated parameters all-gathered",
+                group.world_size()
+            )
+        } else {
+            String::new()
+        };
         self.note(format!(
             "data parallel: rank {} of {} over {}; {} parameter tensors ({:.1} MiB) broadcast \
-             from rank 0; gradients averaged {how}",
+             from rank 0; gradients averaged {how}{sharded}",
             group.rank(),
             group.world_size(),
             group.backend(),
@@ -210,6 +220,14 @@ impl SpeedContext {
         match (&self.group, self.data_parallel.borrow().as_ref()) {
             (Some(group), Some(dp)) => f(group, dp),
             _ => Ok(()),
+        }
+    }
+
+    /// The attached model's optimizer shard, under `distributed.shard_optimizer`.
+    fn optimizer_shard(&self) -> Result<Option<crate::dist::OptimizerShard>> {
+        match self.data_parallel.borrow().as_ref() {
+            Some(dp) => dp.optimizer_shard(),
+            None => Ok(None),
         }
     }
 
@@ -315,9 +333,23 @@ impl SpeedContext {
         f()
     }
 
-    /// AdamW over `vs`'s trainable variables, fused or multi-tensor as the plan says.
+    /// AdamW over `vs`'s trainable variables, fused or multi-tensor as the plan says. Under
+    /// `distributed.shard_optimizer` it covers this rank's part of the attached model only
+    /// ([`AdamWOptimizer::sharded`]), and `vs` must be that model.
     pub fn adamw(&self, vs: &VarStore, config: AdamW) -> Result<AdamWOptimizer> {
-        let optimizer = AdamWOptimizer::new(vs, config, self.plan.fused_optimizer)?;
+        let fused = self.plan.fused_optimizer;
+        let optimizer = match self.optimizer_shard()? {
+            Some(shard) if !shard.covers(&vs.trainable_variables()) => {
+                return Err(SpeedkitError::Misuse(
+                    "the optimizer state is sharded across the ranks (distributed.shard_optimizer), \
+                     and this VarStore is not the model attached for data parallelism: pass the \
+                     attached VarStore, or attach this one first (`ctx.data_parallel(&vs)`)"
+                        .into(),
+                ))
+            }
+            Some(shard) => AdamWOptimizer::sharded(shard, config, fused)?,
+            None => AdamWOptimizer::new(vs, config, fused)?,
+        };
         let mut optimizers = self.optimizers.borrow_mut();
         optimizers.retain(|o| o.strong_count() > 0);
         optimizers.push(optimizer.holdings());

@@ -31,6 +31,7 @@ use serde::{Deserialize, Serialize};
 use tch::{nn::VarStore, Device, Kind, Tensor};
 
 use crate::amp::ScaledOptimizer;
+use crate::dist::OptimizerShard;
 use crate::error::{Result, SpeedkitError};
 use crate::ffi::{
     self,
@@ -138,6 +139,8 @@ pub(crate) struct Holdings(Mutex<HeldTensors>);
 
 struct HeldTensors {
     params: Vec<Tensor>,
+    /// The tensors whose gradients the optimizer reads: `params`, or a sharded optimizer's pieces.
+    stepped: Vec<Tensor>,
     state: Vec<Tensor>,
 }
 
@@ -154,7 +157,7 @@ impl HeldTensors {
         OptimizerMemory {
             parameters: self.params.iter().map(bytes).sum(),
             gradients: self
-                .params
+                .stepped
                 .iter()
                 .map(Tensor::grad)
                 .filter(Tensor::defined)
@@ -174,34 +177,41 @@ pub struct AdamWOptimizer {
     eps: f64,
     fused: bool,
     grads_to_none: bool,
+    shard: Option<OptimizerShard>,
 }
 
 impl AdamWOptimizer {
     /// Optimizes every trainable variable of `vs`; `fused` picks `_fused_adamw_` over the foreach path.
     pub fn new(vs: &VarStore, config: AdamW, fused: bool) -> Result<Self> {
-        let vars = vs.trainable_variables();
-        let groups = if config.exclude_from_decay {
-            let (decay, no_decay): (Vec<_>, Vec<_>) = vars.into_iter().partition(|t| t.dim() >= 2);
-            vec![
-                ParamGroup {
-                    params: decay,
-                    lr: config.lr,
-                    weight_decay: config.wd,
-                },
-                ParamGroup {
-                    params: no_decay,
-                    lr: config.lr,
-                    weight_decay: 0.0,
-                },
-            ]
-        } else {
-            vec![ParamGroup {
-                params: vars,
-                lr: config.lr,
-                weight_decay: config.wd,
-            }]
-        };
-        Self::with_groups(groups, &config, fused)
+        let vars = vs
+            .trainable_variables()
+            .into_iter()
+            .map(|t| {
+                let matrix = t.dim() >= 2;
+                (t, matrix)
+            })
+            .collect();
+        Self::with_groups(param_groups(vars, &config), &config, fused)
+    }
+
+    /// ZeRO-1: AdamW over this rank's pieces of the parameters only (see [`OptimizerShard`]), so
+    /// its state is the parameters' divided by the number of ranks. Each
+    /// [`step`](Self::step) updates the pieces from their averaged gradients, then all-gathers
+    /// every rank's pieces into the whole parameters: a collective, which every rank must call
+    /// (as the gradient sync before it). Weight decay follows the whole parameters' shapes;
+    /// [`clip_grad_norm`](Self::clip_grad_norm) clips by the whole gradient's norm. Each rank's
+    /// [`save`](Self::save) writes its own part of the state.
+    pub fn sharded(shard: OptimizerShard, config: AdamW, fused: bool) -> Result<Self> {
+        let whole = shard.parameters();
+        let pieces = shard
+            .pieces()
+            .iter()
+            .map(|(piece, i)| (piece.shallow_clone(), whole[*i].dim() >= 2))
+            .collect();
+        let mut optimizer = Self::with_groups(param_groups(pieces, &config), &config, fused)?;
+        optimizer.holdings = Arc::new(holdings_of(&optimizer.groups, Some(whole)));
+        optimizer.shard = Some(shard);
+        Ok(optimizer)
     }
 
     /// Optimizes explicit parameter groups; `config`'s betas and eps apply to all of them.
@@ -228,13 +238,14 @@ impl AdamWOptimizer {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
-            holdings: Arc::new(holdings_of(&groups)),
+            holdings: Arc::new(holdings_of(&groups, None)),
             groups,
             beta1: config.beta1,
             beta2: config.beta2,
             eps: config.eps,
             fused,
             grads_to_none: true,
+            shard: None,
         })
     }
 
@@ -341,14 +352,24 @@ impl AdamWOptimizer {
     }
 
     /// Scales all gradients so their global 2-norm is at most `max_norm`; returns the norm before
-    /// clipping (a device tensor: no synchronisation).
+    /// clipping (a device tensor: no synchronisation). [Sharded](Self::sharded), the norm is the
+    /// whole gradient's, agreed by every rank (a collective).
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<Tensor> {
         let _no_grad = tch::no_grad_guard();
         let grads = self.gradients();
+        let local = if grads.is_empty() {
+            None
+        } else {
+            Some(ffi::optim::foreach_total_norm(&grads, 2.0)?)
+        };
+        let total = match (&self.shard, local) {
+            (Some(shard), local) => shard.global_norm(local)?,
+            (None, Some(local)) => local,
+            (None, None) => return Ok(Tensor::from(0.0f32)),
+        };
         if grads.is_empty() {
-            return Ok(Tensor::from(0.0f32));
+            return Ok(total);
         }
-        let total = ffi::optim::foreach_total_norm(&grads, 2.0)?;
         let coef = (total.f_add_scalar(1e-6)?.f_reciprocal()? * max_norm).f_clamp_max(1.0)?;
         let mut by_device: Vec<(Device, Vec<Tensor>)> = Vec::new();
         for g in grads {
@@ -443,7 +464,10 @@ impl AdamWOptimizer {
                 }
             }
         }
-        Ok(())
+        match &self.shard {
+            Some(shard) => shard.gather(),
+            None => Ok(()),
+        }
     }
 
     /// The optimizer state as named tensors (exp_avg, exp_avg_sq, step per parameter; lr per group).
@@ -503,13 +527,35 @@ impl AdamWOptimizer {
     }
 }
 
-fn holdings_of(groups: &[Group]) -> Holdings {
+/// `params` (each with whether it is a matrix) in one group, or two where biases and norm weights
+/// are excluded from weight decay.
+fn param_groups(params: Vec<(Tensor, bool)>, config: &AdamW) -> Vec<ParamGroup> {
+    let group = |params: Vec<(Tensor, bool)>, weight_decay| ParamGroup {
+        params: params.into_iter().map(|(t, _)| t).collect(),
+        lr: config.lr,
+        weight_decay,
+    };
+    if !config.exclude_from_decay {
+        return vec![group(params, config.wd)];
+    }
+    let (decay, no_decay): (Vec<_>, Vec<_>) = params.into_iter().partition(|(_, matrix)| *matrix);
+    vec![group(decay, config.wd), group(no_decay, 0.0)]
+}
+
+/// What an optimizer over `groups` holds; `whole`: the parameters a sharded optimizer's pieces
+/// belong to (counted as its parameters).
+fn holdings_of(groups: &[Group], whole: Option<&[Tensor]>) -> Holdings {
     let buckets = || groups.iter().flat_map(|g| &g.buckets);
+    let stepped: Vec<Tensor> = buckets()
+        .flat_map(|b| &b.params)
+        .map(Tensor::shallow_clone)
+        .collect();
     Holdings(Mutex::new(HeldTensors {
-        params: buckets()
-            .flat_map(|b| &b.params)
-            .map(Tensor::shallow_clone)
-            .collect(),
+        params: match whole {
+            Some(whole) => whole.iter().map(Tensor::shallow_clone).collect(),
+            None => stepped.iter().map(Tensor::shallow_clone).collect(),
+        },
+        stepped,
         state: buckets()
             .flat_map(|b| {
                 b.exp_avgs
@@ -587,6 +633,7 @@ impl std::fmt::Debug for AdamWOptimizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AdamWOptimizer")
             .field("fused", &self.fused)
+            .field("sharded", &self.shard.is_some())
             .field("groups", &self.groups.len())
             .field("lrs", &self.lrs())
             .finish()

@@ -212,6 +212,9 @@ pub struct DistributedSettings {
     pub bf16_gradients: bool,
     /// Optimizer steps between two comparisons of the ranks' parameters (`0`: none).
     pub check_replicas_every: u64,
+    /// ZeRO-1: gradients reduce-scattered, each rank's AdamW state covering its part of the
+    /// parameters only, and the updated parameters all-gathered.
+    pub shard_optimizer: bool,
 }
 
 fn serialize_device<S: serde::Serializer>(d: &Device, s: S) -> Result<S::Ok, S::Error> {
@@ -789,12 +792,29 @@ fn resolve_distributed(
         all_reduce,
         bf16_gradients: cfg.compress == GradientCompression::Bf16,
         check_replicas_every: u64::from(cfg.check_replicas_every),
+        shard_optimizer: resolve_shard_optimizer(cfg, env.world_size, d),
     }))
 }
 
+/// Whether the optimizer state is sharded across the ranks (ZeRO-1), and why.
+fn resolve_shard_optimizer(cfg: &DistributedConfig, world_size: usize, d: &mut Decisions) -> bool {
+    if cfg.shard_optimizer {
+        d.push(
+            "optimizer_state",
+            "sharded",
+            format!(
+                "set in the config (ZeRO-1): each of the {world_size} ranks keeps the AdamW state \
+                 of 1/{world_size} of the parameters; gradients reduce-scattered, updated \
+                 parameters all-gathered"
+            ),
+        );
+    }
+    cfg.shard_optimizer
+}
+
 /// How gradients are all-reduced, given whether the step is planned as a CUDA graph: speedkit's
-/// in-step all-reduce where the graph must capture it (or bf16 gradients ask for it), c10d's
-/// Reducer for an eager step.
+/// in-step all-reduce where the graph must capture it (or bf16 gradients or a sharded optimizer
+/// ask for it), c10d's Reducer for an eager step.
 fn resolve_all_reduce(
     cfg: &DistributedConfig,
     graphs: bool,
@@ -809,6 +829,15 @@ fn resolve_all_reduce(
     let buckets = cfg.bucket_mb;
     let (path, reason) =
         match cfg.all_reduce {
+            AllReduce::Reducer if cfg.shard_optimizer => {
+                return Err(SpeedkitError::Unsupported(
+                    "distributed.shard_optimizer reduce-scatters gradients through speedkit's \
+                 all-reduce, and distributed.all_reduce is reducer (c10d's Reducer all-reduces \
+                 whole gradients); set all_reduce to auto, in_backward or after_backward, or \
+                 shard_optimizer to false"
+                        .into(),
+                ))
+            }
             AllReduce::Reducer if bf16 => {
                 return Err(SpeedkitError::Unsupported(
                     "distributed.compress: bf16 is done by speedkit's all-reduce, and \
@@ -827,13 +856,20 @@ fn resolve_all_reduce(
                 cfg.all_reduce,
                 format!("set in the config: {buckets} MiB buckets {wire}"),
             ),
-            AllReduce::Auto if graphs || bf16 => (
+            AllReduce::Auto if graphs || bf16 || cfg.shard_optimizer => (
                 AllReduce::InBackward,
                 format!(
-                "{}: each {buckets} MiB bucket, {wire}, is all-reduced as soon as its gradients \
-                 are in, on NCCL's stream beside the rest of the backward pass, and captured with \
-                 the step (c10d's Reducer hooks cannot be captured)",
-                if graphs { "the step runs as a CUDA graph" } else { "bf16 gradients" }
+                "{}: each {buckets} MiB bucket, {wire}, is {} as soon as its gradients are in, \
+                 on NCCL's stream beside the rest of the backward pass, and captured with the \
+                 step (c10d's Reducer hooks cannot be captured)",
+                if graphs {
+                    "the step runs as a CUDA graph"
+                } else if bf16 {
+                    "bf16 gradients"
+                } else {
+                    "a sharded optimizer"
+                },
+                if cfg.shard_optimizer { "reduce-scattered" } else { "all-reduced" }
             ),
             ),
             AllReduce::Auto => (

@@ -19,7 +19,7 @@ use std::cell::Cell;
 
 use tch::{nn::VarStore, Kind, Tensor};
 
-use super::ProcessGroup;
+use super::{OptimizerShard, ProcessGroup};
 use crate::config::{AllReduce, SpeedConfig};
 use crate::error::{Result, SpeedkitError};
 use crate::ffi::distributed::{RawGradientSync, RawReducer};
@@ -49,6 +49,7 @@ pub(crate) struct AveragingSettings {
     pub all_reduce: AllReduce,
     pub bf16_gradients: bool,
     pub check_replicas_every: u64,
+    pub shard_optimizer: bool,
 }
 
 impl DataParallel {
@@ -79,8 +80,13 @@ impl DataParallel {
             .collect();
         let averaging = if settings.all_reduce != AllReduce::Reducer {
             let wire = settings.bf16_gradients.then_some(Kind::BFloat16);
+            let sync = if settings.shard_optimizer {
+                GradientSync::sharded(group, &trainable, settings.bucket_bytes, wire)?
+            } else {
+                GradientSync::new(group, &trainable, settings.bucket_bytes, wire)?
+            };
             Averaging::InStep {
-                sync: GradientSync::new(group, &trainable, settings.bucket_bytes, wire)?,
+                sync,
                 overlap: settings.all_reduce == AllReduce::InBackward,
             }
         } else {
@@ -201,6 +207,15 @@ impl DataParallel {
         }
     }
 
+    /// Under `distributed.shard_optimizer`, this rank's part of the model for a sharded optimizer
+    /// (each call makes a new handle on the same pieces); `None` otherwise.
+    pub fn optimizer_shard(&self) -> Result<Option<OptimizerShard>> {
+        match &self.averaging {
+            Averaging::InStep { sync, .. } if sync.is_sharded() => sync.optimizer_shard().map(Some),
+            _ => Ok(None),
+        }
+    }
+
     /// Whether gradients are averaged by speedkit's all-reduce, as stream work of the step that a
     /// CUDA graph captures, rather than by the Reducer's hooks.
     pub fn in_step(&self) -> bool {
@@ -267,6 +282,8 @@ pub struct GradientSync {
     raw: RawGradientSync,
     buckets: i64,
     wire_bytes: i64,
+    /// Sharded: the parameters, in order, and the number of ranks.
+    sharded: Option<(Vec<Tensor>, usize)>,
 }
 
 impl GradientSync {
@@ -278,14 +295,60 @@ impl GradientSync {
         bucket_bytes: i64,
         wire: Option<Kind>,
     ) -> Result<Self> {
-        let raw = RawGradientSync::new(group.raw(), params, bucket_bytes.max(1), wire)
+        Self::build(group, params, bucket_bytes, wire, false)
+    }
+
+    /// As [`new`](Self::new), for ZeRO-1: each bucket is reduce-scattered rather than all-reduced,
+    /// so that after a [`run`](Self::run) this rank holds the average of its own part of the
+    /// gradients only, as the gradients of the pieces of its
+    /// [`optimizer_shard`](Self::optimizer_shard) (the whole parameters' gradients are dropped:
+    /// they are this rank's own, not the average).
+    pub fn sharded(
+        group: &ProcessGroup,
+        params: &[Tensor],
+        bucket_bytes: i64,
+        wire: Option<Kind>,
+    ) -> Result<Self> {
+        Self::build(group, params, bucket_bytes, wire, true)
+    }
+
+    fn build(
+        group: &ProcessGroup,
+        params: &[Tensor],
+        bucket_bytes: i64,
+        wire: Option<Kind>,
+        shard: bool,
+    ) -> Result<Self> {
+        let raw = RawGradientSync::new(group.raw(), params, bucket_bytes.max(1), wire, shard)
             .map_err(failed("gradient all-reduce"))?;
         let (buckets, wire_bytes) = raw.shape()?;
+        let sharded = shard.then(|| {
+            let params = params.iter().map(Tensor::shallow_clone).collect();
+            (params, group.world_size())
+        });
         Ok(Self {
             raw,
             buckets,
             wire_bytes,
+            sharded,
         })
+    }
+
+    /// Whether it was made [`sharded`](Self::sharded).
+    pub fn is_sharded(&self) -> bool {
+        self.sharded.is_some()
+    }
+
+    /// This rank's part of the parameters, for
+    /// [`AdamWOptimizer::sharded`](crate::optim::AdamWOptimizer::sharded); an error unless the sync
+    /// is [`sharded`](Self::sharded).
+    pub fn optimizer_shard(&self) -> Result<OptimizerShard> {
+        let Some((params, world_size)) = &self.sharded else {
+            return Err(SpeedkitError::Misuse(
+                "optimizer_shard() needs a GradientSync made by GradientSync::sharded".into(),
+            ));
+        };
+        OptimizerShard::of(&self.raw, params, *world_size)
     }
 
     /// Makes the next backward pass start each bucket's all-reduce as soon as the bucket is full;

@@ -37,6 +37,7 @@
 mod data_parallel;
 mod env;
 mod group;
+mod optimizer_shard;
 mod shard;
 mod throughput;
 
@@ -44,6 +45,7 @@ pub(crate) use data_parallel::AveragingSettings;
 pub use data_parallel::{DataParallel, GradientSync};
 pub use env::LaunchEnv;
 pub use group::{Backend, ProcessGroup};
+pub use optimizer_shard::OptimizerShard;
 pub use shard::Shard;
 pub use throughput::Throughput;
 

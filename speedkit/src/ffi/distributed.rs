@@ -21,6 +21,16 @@ pub(crate) enum RawReduceOp {
     Max,
 }
 
+impl RawReduceOp {
+    /// The shim's `sk_reduce_op` code.
+    fn code(self) -> c_int {
+        match self {
+            RawReduceOp::Sum => raw::SK_REDUCE_SUM,
+            RawReduceOp::Max => raw::SK_REDUCE_MAX,
+        }
+    }
+}
+
 /// Where and how to rendezvous (see `sk_dist_init`).
 pub(crate) struct Rendezvous<'a> {
     pub backend: RawBackend,
@@ -66,12 +76,8 @@ impl RawProcessGroup {
     }
 
     pub(crate) fn all_reduce_(&self, tensor: &Tensor, op: RawReduceOp) -> Result<()> {
-        let op = match op {
-            RawReduceOp::Sum => raw::SK_REDUCE_SUM,
-            RawReduceOp::Max => raw::SK_REDUCE_MAX,
-        };
         // SAFETY: live group and handle for the call.
-        check(unsafe { abi::sk_dist_all_reduce_(self.0, handle(tensor), op) })
+        check(unsafe { abi::sk_dist_all_reduce_(self.0, handle(tensor), op.code()) })
     }
 
     pub(crate) fn all_gather(&self, tensor: &Tensor) -> Result<Tensor> {
@@ -144,12 +150,14 @@ pub(crate) struct RawGradientSync(*mut c_void);
 
 impl RawGradientSync {
     /// Buckets of at most `bucket_bytes` over `params` (the last ones first), sent in `wire`
-    /// (`None`: the parameters' own type).
+    /// (`None`: the parameters' own type); `shard`: reduce-scattered for a sharded optimizer
+    /// ([`RawOptimizerShard`]) rather than all-reduced.
     pub(crate) fn new(
         group: &RawProcessGroup,
         params: &[Tensor],
         bucket_bytes: i64,
         wire: Option<Kind>,
+        shard: bool,
     ) -> Result<Self> {
         let p = handles(params);
         let wire = match wire {
@@ -165,6 +173,7 @@ impl RawGradientSync {
                 p.len() as i64,
                 bucket_bytes,
                 wire,
+                c_int::from(shard),
                 &mut sync,
             )
         })?;
@@ -204,5 +213,69 @@ impl Drop for RawGradientSync {
     fn drop(&mut self) {
         // SAFETY: created by sk_grad_sync_new, freed exactly once.
         unsafe { abi::sk_grad_sync_free(self.0) }
+    }
+}
+
+/// The optimizer's side of a sharded [`RawGradientSync`]: this rank's pieces of the parameters and
+/// the all-gather of their updates (see `sk_optimizer_shard_new`).
+pub(crate) struct RawOptimizerShard(*mut c_void);
+
+// SAFETY: the shim object has no thread affinity (c10d collectives may be issued from any thread);
+// `&mut`/owned access through the optimizer that holds it keeps its use to one thread at a time.
+unsafe impl Send for RawOptimizerShard {}
+
+impl RawOptimizerShard {
+    pub(crate) fn new(sync: &RawGradientSync) -> Result<Self> {
+        let mut shard = ptr::null_mut();
+        // SAFETY: a live sync; `shard` receives an object we own.
+        check(unsafe { abi::sk_optimizer_shard_new(sync.0, &mut shard) })?;
+        Ok(Self(shard))
+    }
+
+    /// This rank's pieces, each with the index of its parameter in the list the sync was made over.
+    pub(crate) fn pieces(&self) -> Result<Vec<(Tensor, usize)>> {
+        let mut count = 0i64;
+        // SAFETY: a live object; capacity 0 writes nothing but the count.
+        check(unsafe {
+            abi::sk_optimizer_shard_pieces(self.0, ptr::null_mut(), ptr::null_mut(), 0, &mut count)
+        })?;
+        let n = usize::try_from(count).unwrap_or(0);
+        let mut pieces = vec![ptr::null_mut(); n];
+        let mut params = vec![0i64; n];
+        // SAFETY: both buffers hold `n` entries, the capacity passed.
+        check(unsafe {
+            abi::sk_optimizer_shard_pieces(
+                self.0,
+                pieces.as_mut_ptr(),
+                params.as_mut_ptr(),
+                n as i64,
+                &mut count,
+            )
+        })?;
+        Ok(pieces
+            .into_iter()
+            .zip(params)
+            // SAFETY: fresh tensors from the shim, one per entry.
+            .map(|(t, p)| (unsafe { owned(t) }, usize::try_from(p).unwrap_or(0)))
+            .collect())
+    }
+
+    /// All-gathers every rank's updated pieces into the parameters.
+    pub(crate) fn gather(&self) -> Result<()> {
+        // SAFETY: live object.
+        check(unsafe { abi::sk_optimizer_shard_gather(self.0) })
+    }
+
+    /// `tensor` reduced in place across the ranks.
+    pub(crate) fn all_reduce_(&self, tensor: &Tensor, op: RawReduceOp) -> Result<()> {
+        // SAFETY: live object and handle for the call.
+        check(unsafe { abi::sk_optimizer_shard_all_reduce_(self.0, handle(tensor), op.code()) })
+    }
+}
+
+impl Drop for RawOptimizerShard {
+    fn drop(&mut self) {
+        // SAFETY: created by sk_optimizer_shard_new, freed exactly once.
+        unsafe { abi::sk_optimizer_shard_free(self.0) }
     }
 }
