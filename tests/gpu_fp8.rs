@@ -498,18 +498,31 @@ fn assert_fp8_linear_on_kernels_equals_aten(test: &str, recipe: &str) {
     }
 }
 
-/// Linear → GELU → Linear in FP8 (`recipe`), MSE, AdamW; the parameters after `steps`.
-fn train_fp8(graphed: bool, steps: usize, recipe: &str) -> (Vec<f64>, Vec<Tensor>) {
+/// Linear → GELU → Linear in FP8 (`recipe`), MSE, AdamW, on speedkit's Linear or, with
+/// `tch_layers`, tch's (the Linear override); the losses and the parameters after `steps`.
+fn train_fp8(
+    graphed: bool,
+    steps: usize,
+    recipe: &str,
+    tch_layers: bool,
+) -> (Vec<f64>, Vec<Tensor>) {
     let device = Device::Cuda(0);
     tch::manual_seed(0);
     let x = Tensor::randn([256, 256], (Kind::Float, device));
     let target = Tensor::randn([256, 256], (Kind::Float, device));
     let mut vs = nn::VarStore::new(device);
-    let first = Linear::new(&(vs.root() / "first"), 256, 512, true);
-    let second = Linear::new(&(vs.root() / "second"), 512, 256, true);
+    let forward: Box<dyn Fn(&Tensor) -> speedkit::Result<Tensor>> = if tch_layers {
+        let first = nn::linear(vs.root() / "first", 256, 512, Default::default());
+        let second = nn::linear(vs.root() / "second", 512, 256, Default::default());
+        Box::new(move |x| Ok(x.apply(&first).gelu("tanh").apply(&second)))
+    } else {
+        let first = Linear::new(&(vs.root() / "first"), 256, 512, true);
+        let second = Linear::new(&(vs.root() / "second"), 512, 256, true);
+        Box::new(move |x| second.forward_t(&first.forward_t(x)?.gelu("tanh")))
+    };
     let config = SpeedConfig::from_yaml_str(&format!(
         "device: cuda\nprecision: bf16\ncompile: {{enabled: {graphed}}}\n\
-         fp8: {{enabled: true, recipe: {recipe}, amax_history: 4}}\n"
+         fp8: {{enabled: true, recipe: {recipe}, amax_history: 4, min_gemm_size: 0}}\n"
     ))
     .unwrap();
     let ctx = SpeedContext::new(&config).unwrap();
@@ -517,9 +530,7 @@ fn train_fp8(graphed: bool, steps: usize, recipe: &str) -> (Vec<f64>, Vec<Tensor
     let mut opt = ctx.adamw(&vs, Default::default()).unwrap();
     let step = |_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
         let loss = ctx.autocast(|| -> speedkit::Result<Tensor> {
-            let h = first.forward_t(&x)?.gelu("tanh");
-            Ok(second
-                .forward_t(&h)?
+            Ok(forward(&x)?
                 .to_kind(Kind::Float)
                 .mse_loss(&target, tch::Reduction::Mean))
         })?;
@@ -535,7 +546,20 @@ fn train_fp8(graphed: bool, steps: usize, recipe: &str) -> (Vec<f64>, Vec<Tensor
 
 #[test]
 fn a_graphed_fp8_step_equals_the_eager_step() {
-    assert_graphed_fp8_step_equals_eager("a_graphed_fp8_step_equals_the_eager_step", "delayed");
+    assert_graphed_fp8_step_equals_eager(
+        "a_graphed_fp8_step_equals_the_eager_step",
+        "delayed",
+        false,
+    );
+}
+
+#[test]
+fn a_graphed_fp8_step_of_tch_layers_with_kept_amax_histories_equals_the_eager_step() {
+    assert_graphed_fp8_step_equals_eager(
+        "a_graphed_fp8_step_of_tch_layers_with_kept_amax_histories_equals_the_eager_step",
+        "delayed",
+        true,
+    );
 }
 
 #[test]
@@ -543,16 +567,17 @@ fn a_graphed_rowwise_fp8_step_equals_the_eager_step() {
     assert_graphed_fp8_step_equals_eager(
         "a_graphed_rowwise_fp8_step_equals_the_eager_step",
         "rowwise",
+        false,
     );
 }
 
-fn assert_graphed_fp8_step_equals_eager(test: &str, recipe: &str) {
+fn assert_graphed_fp8_step_equals_eager(test: &str, recipe: &str, tch_layers: bool) {
     let _lock = common::serial();
     if fp8_context(test, recipe).is_none() {
         return;
     }
-    let (eager_losses, eager) = train_fp8(false, 20, recipe);
-    let (graphed_losses, graphed) = train_fp8(true, 20, recipe);
+    let (eager_losses, eager) = train_fp8(false, 20, recipe, tch_layers);
+    let (graphed_losses, graphed) = train_fp8(true, 20, recipe, tch_layers);
     assert!(
         eager_losses[19] < eager_losses[0],
         "the loss falls: {eager_losses:?}"
@@ -593,12 +618,15 @@ fn tch_linear_layers_run_in_fp8_where_the_plan_says_and_match_bf16() {
             wide.ws.grad().copy(),
         ]
     };
+    // The second pass scales from the amax history the first recorded for each weight.
+    let first = pass(&ctx);
     let fp8 = pass(&ctx);
     let notes = ctx.audit().notes;
     assert!(
-        notes.iter().any(
-            |n| n.contains("tch linear [1040, 768] runs in FP8") && n.contains("from the call")
-        ),
+        notes
+            .iter()
+            .any(|n| n.contains("tch linear [1040, 768] runs in FP8")
+                && n.contains("amax history kept for the weight")),
         "{notes:?}"
     );
     assert!(
@@ -613,9 +641,36 @@ fn tch_linear_layers_run_in_fp8_where_the_plan_says_and_match_bf16() {
         ("y", &fp8[0], &bf16[0], 0.08),
         ("dX", &fp8[1], &bf16[1], 0.10),
         ("dW", &fp8[2], &bf16[2], 0.10),
+        ("y, first pass", &first[0], &bf16[0], 0.08),
     ] {
         let err = common::rel_err(a, b);
         assert!(err < tol, "{what}: relative error {err:.4} >= {tol}");
         assert!(err > 0.0, "{what}: identical to bf16, so FP8 did not run");
     }
+}
+
+#[test]
+fn tch_linear_layers_under_the_dynamic_recipe_scale_from_the_call() {
+    let _lock = common::serial();
+    let test = "tch_linear_layers_under_the_dynamic_recipe_scale_from_the_call";
+    let Some(ctx) = fp8_context(test, "dynamic") else {
+        return;
+    };
+    let vs = nn::VarStore::new(Device::Cuda(0));
+    let wide = nn::linear(vs.root() / "wide", 768, 1040, Default::default());
+    let x = Tensor::randn([4, 96, 768], (Kind::Float, Device::Cuda(0)));
+    let fp8 = ctx.autocast(|| x.apply(&wide)).to_kind(Kind::Float);
+    let notes = ctx.audit().notes;
+    assert!(
+        notes.iter().any(
+            |n| n.contains("tch linear [1040, 768] runs in FP8") && n.contains("from the call")
+        ),
+        "{notes:?}"
+    );
+    drop(ctx);
+    let bf16 = bf16_context()
+        .autocast(|| x.apply(&wide))
+        .to_kind(Kind::Float);
+    let err = common::rel_err(&fp8, &bf16);
+    assert!(err > 0.0 && err < 0.08, "relative error {err:.4}");
 }

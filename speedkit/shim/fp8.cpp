@@ -21,8 +21,12 @@
 #include <ATen/ATen.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
+#include <c10/util/intrusive_ptr.h>
+
 #include <cmath>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <utility>
 
 namespace sk {
@@ -198,6 +202,51 @@ struct Fp8LinearFunction : public torch::autograd::Function<Fp8LinearFunction> {
 
 at::Tensor or_none(sk_tensor t, const at::Tensor& x) { return t == nullptr ? none_like(x) : *t; }
 
+// The amax histories of layers that keep none (tch's nn::linear under the Linear override), per
+// weight: what speedkit::nn::Linear keeps as its fp8_amax_history buffer. Held weakly by the
+// weight, as the weight copies are (weight_casts.cpp), so a dropped model's histories go, and a new
+// tensor at a freed weight's address never inherits them.
+namespace histories {
+
+using WeakWeight = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+struct Entry {
+  WeakWeight weight;
+  at::Tensor history;
+};
+
+std::mutex mutex;
+std::unordered_map<const c10::TensorImpl*, Entry>& entries() {
+  static auto* map = new std::unordered_map<const c10::TensorImpl*, Entry>();
+  return *map;
+}
+
+int64_t drop(bool all) {
+  int64_t freed = 0;
+  for (auto it = entries().begin(); it != entries().end();) {
+    if (all || it->second.weight.expired()) {
+      it = entries().erase(it);
+      ++freed;
+    } else {
+      ++it;
+    }
+  }
+  return freed;
+}
+
+at::Tensor of(const at::Tensor& weight, int64_t length) {
+  std::lock_guard<std::mutex> lock(mutex);
+  const c10::TensorImpl* key = weight.unsafeGetTensorImpl();
+  auto it = entries().find(key);
+  if (it != entries().end() && !it->second.weight.expired() && it->second.history.size(1) == length)
+    return it->second.history;
+  drop(/*all=*/false);
+  at::Tensor history = at::zeros({3, length}, weight.options().dtype(at::kFloat).requires_grad(false));
+  entries().insert_or_assign(key, Entry{WeakWeight(weight.getIntrusivePtr()), history});
+  return history;
+}
+
+}  // namespace histories
 }  // namespace
 }  // namespace sk
 
@@ -211,6 +260,20 @@ int sk_fp8_linear(sk_tensor x, sk_tensor weight, sk_tensor bias, sk_tensor x_his
     *out = sk::give(sk::Fp8LinearFunction::apply(*x, *weight, sk::or_none(bias, *x), sk::or_none(x_history, *x),
                                              sk::or_none(w_history, *x), sk::or_none(g_history, *x),
                                              static_cast<int64_t>(out_dtype), all));
+  })
+}
+
+int sk_fp8_weight_histories(sk_tensor weight, int64_t length, sk_tensor* out) {
+  SK_TRY({
+    TORCH_CHECK(length > 0, "an amax history needs at least one step, got ", length);
+    *out = sk::give(sk::histories::of(*weight, length));
+  })
+}
+
+int sk_fp8_weight_histories_release(int all, int64_t* freed) {
+  SK_TRY({
+    std::lock_guard<std::mutex> lock(sk::histories::mutex);
+    *freed = sk::histories::drop(all != 0);
   })
 }
 

@@ -633,6 +633,12 @@ enum sk_fp8_format { SK_FP8_E4M3 = 0, SK_FP8_E5M2 = 1 };
 /// 1-d) of x, W and the output gradient for the delayed recipe, else all NULL. Differentiable.
 int sk_fp8_linear(sk_tensor x, sk_tensor weight, sk_tensor bias, sk_tensor x_history, sk_tensor w_history,
                   sk_tensor g_history, int out_dtype, int options, sk_tensor* out);
+/// The delayed recipe's amax histories (fp32, [3, length]: x, W, the output gradient) of a layer that
+/// keeps none of its own (a tch layer), kept per `weight` for as long as it lives: zeros at first,
+/// the same tensor at every later call with the same length (a CUDA graph replays into it).
+int sk_fp8_weight_histories(sk_tensor weight, int64_t length, sk_tensor* out);
+/// Drops the histories of weights that no longer exist (`all`: every history); *freed: how many.
+int sk_fp8_weight_histories_release(int all, int64_t* freed);
 /// t (2-d) in FP8 `format`, scaled per tensor (from `history` when given) or, with `rowwise`, per
 /// row; with `transpose` also tᵀ in FP8 (else *transposed = NULL). On the kernels where the kernel
 /// switch allows and they take t, else on ATen's ops (the same bytes).

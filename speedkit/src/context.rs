@@ -553,13 +553,14 @@ impl SpeedContext {
 }
 
 /// Frees, when the context drops, what its training left that nothing uses any more: the weight
-/// copies of models dropped meanwhile.
+/// copies and FP8 amax histories of models dropped meanwhile.
 struct ReleaseOnDrop;
 
 impl Drop for ReleaseOnDrop {
     fn drop(&mut self) {
-        // Best effort: a failure here only keeps memory cached until the next insertion.
+        // Best effort: a failure here only keeps memory until the next insertion.
         let _ = ffi::weight_casts::release_expired();
+        let _ = ffi::fp8::release_weight_histories(false);
     }
 }
 

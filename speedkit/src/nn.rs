@@ -15,7 +15,7 @@ pub use cross_entropy::{cross_entropy, cross_entropy_fallback_reason, IGNORE_IND
 pub use embedding::{embedding, embedding_fallback_reason};
 pub use fp8::{quantize_fp8, quantize_fp8_rowwise, Fp8Format, Fp8Tensor, MAX_AMAX_HISTORY};
 pub use layer_norm::{layer_norm, LayerNorm};
-pub(crate) use linear::fp8_gemm;
+pub(crate) use linear::{fp8_gemm, HISTORY_CAPACITY as FP8_HISTORY_CAPACITY};
 pub use linear::{Fp8Decision, Fp8Scope, Linear};
 pub use mlp::{set_mlp_backward_fusion, Mlp, MlpBackwardFusion};
 

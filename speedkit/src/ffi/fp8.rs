@@ -72,6 +72,24 @@ pub(crate) enum Format {
     E5m2,
 }
 
+/// The delayed recipe's `[3, length]` amax histories (x, W, gradient) kept for `weight`, a layer's
+/// weight that keeps none of its own: the same tensor at every call while `weight` lives.
+pub(crate) fn weight_histories(weight: &Tensor, length: i64) -> Result<Tensor> {
+    let mut out = ptr::null_mut();
+    // SAFETY: a live handle; `out` receives a new tensor.
+    check(unsafe { abi::sk_fp8_weight_histories(handle(weight), length, &mut out) })?;
+    // SAFETY: a fresh tensor from the shim.
+    Ok(unsafe { owned(out) })
+}
+
+/// Drops the histories of weights that no longer exist (`all`: every one); how many went.
+pub(crate) fn release_weight_histories(all: bool) -> Result<u64> {
+    let mut freed = 0i64;
+    // SAFETY: a valid out-pointer.
+    check(unsafe { abi::sk_fp8_weight_histories_release(c_int::from(all), &mut freed) })?;
+    Ok(freed.max(0) as u64)
+}
+
 /// The shim's FP8 cast: `history` for the delayed recipe (it records t's amax); `rowwise` for one
 /// scale per row (and per row of the transpose).
 pub(crate) fn quantize(

@@ -35,7 +35,7 @@ use crate::ffi;
 use crate::plan::Fp8Plan;
 
 /// Longest amax history a layer keeps (the `fp8.amax_history` limit); the plan uses its first N.
-const HISTORY_CAPACITY: i64 = 1024;
+pub(crate) const HISTORY_CAPACITY: i64 = 1024;
 
 /// A linear layer, `y = x Wᵀ + b`, whose GEMMs run in FP8 inside a context scope whose plan has FP8.
 #[derive(Debug)]

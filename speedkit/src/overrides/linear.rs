@@ -9,9 +9,11 @@
 //! operands; the weight gradient is rounded once (to fp32) where autocast rounds it to bf16 first.
 //!
 //! Where the context's plan puts GEMMs of this size in FP8 (`fp8`), the layer runs on speedkit's
-//! FP8 Linear as `speedkit::nn::Linear` does, with one difference: a tch layer has no module to
-//! keep the delayed recipe's amax histories in, so its scales come from the current call (the
-//! dynamic recipe; row-wise where the plan says row-wise). The audit lists each shape's decision.
+//! FP8 Linear as `speedkit::nn::Linear` does, under the plan's recipe. A tch layer has no module to
+//! keep the delayed recipe's amax histories in, so the shim keeps them per weight, for as long as
+//! the weight lives: each cast then scales from the history and records its amax in the same pass,
+//! where the dynamic recipe reads each operand once more for its amax. The audit lists each
+//! shape's decision.
 
 use tch::{Device, Kind, Tensor};
 
@@ -63,10 +65,20 @@ fn fp8_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Opti
         }
     };
     let rowwise = plan.recipe == Fp8Recipe::Rowwise;
-    let scaling = if rowwise {
-        "row-wise scales"
-    } else {
-        "scales from the call (a tch layer keeps no amax history)"
+    let histories = match plan.recipe {
+        Fp8Recipe::Delayed => {
+            let length = (plan.amax_history as i64).clamp(1, crate::nn::FP8_HISTORY_CAPACITY);
+            Some(ffi::fp8::weight_histories(weight, length)?)
+        }
+        Fp8Recipe::Dynamic | Fp8Recipe::Rowwise => None,
+    };
+    let scaling = match plan.recipe {
+        Fp8Recipe::Rowwise => "row-wise scales".to_string(),
+        Fp8Recipe::Dynamic => "scales from the call".to_string(),
+        Fp8Recipe::Delayed => format!(
+            "delayed scales, {} steps of amax history kept for the weight",
+            plan.amax_history
+        ),
     };
     Fp8Scope::record(&layer, true, &format!("{gemm}, {scaling}"));
     let options = ffi::fp8::Fp8LinearOptions {
@@ -74,7 +86,9 @@ fn fp8_linear(x: &Tensor, weight: &Tensor, bias: Option<&Tensor>) -> Result<Opti
         e4m3_gradients: plan.gradient_format == Fp8GradientFormat::E4m3,
     };
     let out = ffi::scalar_type_code(out)?;
-    ffi::fp8::linear(x, weight, bias, None, out, options).map(Some)
+    let rows = histories.as_ref().map(|h| [0, 1, 2].map(|row| h.get(row)));
+    let rows = rows.as_ref().map(|[hx, hw, hg]| [hx, hw, hg]);
+    ffi::fp8::linear(x, weight, bias, rows, out, options).map(Some)
 }
 
 /// Why speedkit's Linear cannot take these operands, or `None`. Autocast casts only fp32, fp16
