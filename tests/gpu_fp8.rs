@@ -498,6 +498,9 @@ fn assert_fp8_linear_on_kernels_equals_aten(test: &str, recipe: &str) {
     }
 }
 
+/// A model's forward pass, boxed: speedkit's layers or tch's behind one type.
+type Forward = Box<dyn Fn(&Tensor) -> speedkit::Result<Tensor>>;
+
 /// Linear → GELU → Linear in FP8 (`recipe`), MSE, AdamW, on speedkit's Linear or, with
 /// `tch_layers`, tch's (the Linear override); the losses and the parameters after `steps`.
 fn train_fp8(
@@ -511,7 +514,7 @@ fn train_fp8(
     let x = Tensor::randn([256, 256], (Kind::Float, device));
     let target = Tensor::randn([256, 256], (Kind::Float, device));
     let mut vs = nn::VarStore::new(device);
-    let forward: Box<dyn Fn(&Tensor) -> speedkit::Result<Tensor>> = if tch_layers {
+    let forward: Forward = if tch_layers {
         let first = nn::linear(vs.root() / "first", 256, 512, Default::default());
         let second = nn::linear(vs.root() / "second", 512, 256, Default::default());
         Box::new(move |x| Ok(x.apply(&first).gelu("tanh").apply(&second)))
