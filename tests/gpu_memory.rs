@@ -1,7 +1,8 @@
 //! Device memory on the GPU: a whole-step graph reserves about what the eager step does, a dropped
 //! model leaves nothing behind, an out-of-memory step names its phase and the process trains on
-//! with a smaller model, and checkpointed blocks give the plain gradients under autocast and inside
-//! a graphed step. Skipped, with the reason printed, without a GPU.
+//! with a smaller model, checkpointed blocks give the plain gradients under autocast and inside
+//! a graphed step, and a capture that frees idle cuBLAS workspaces leaves a live graph its own.
+//! Skipped, with the reason printed, without a GPU.
 
 mod common;
 
@@ -256,5 +257,72 @@ fn checkpointed_gradients_equal_the_plain_ones_under_autocast_and_in_a_graph() {
             let e = rel_err(b, a);
             assert!(e < 1e-3, "graphed {graphed}: relative error {e:.2e}");
         }
+    }
+}
+
+/// Trains two MLPs in turn, each step of each through its own whole-step graph when `graphed`: a
+/// few steps of the first, then of the second, then of the first again; the losses in order.
+fn two_models_in_turn(device: Device, graphed: bool) -> Vec<f64> {
+    let config = if graphed {
+        "device: cuda\n"
+    } else {
+        "device: cuda\ncompile: {enabled: false}\n"
+    };
+    let ctx = SpeedContext::new(&SpeedConfig::from_yaml_str(config).unwrap()).unwrap();
+    tch::manual_seed(7);
+    let x = Tensor::randn([512, 384], (Kind::Float, device));
+    let y = Tensor::randn([512, 96], (Kind::Float, device));
+    let stores = [nn::VarStore::new(device), nn::VarStore::new(device)];
+    let nets: Vec<_> = stores
+        .iter()
+        .map(|vs| {
+            nn::seq()
+                .add(nn::linear(vs.root() / "a", 384, 768, Default::default()))
+                .add_fn(|t| t.gelu("tanh"))
+                .add(nn::linear(vs.root() / "b", 768, 96, Default::default()))
+        })
+        .collect();
+    let mut opts: Vec<_> = stores
+        .iter()
+        .map(|vs| ctx.adamw(vs, Default::default()).unwrap())
+        .collect();
+    let (first, second) = opts.split_at_mut(1);
+    let step_of = |net: &nn::Sequential, opt: &mut speedkit::optim::AdamWOptimizer| {
+        let loss = ctx.autocast(|| net.forward(&x).mse_loss(&y, tch::Reduction::Mean));
+        ctx.backward_step(&loss, opt)?;
+        Ok(Some(loss))
+    };
+    let mut a = ctx.graphed(|_: &[Tensor]| step_of(&nets[0], &mut first[0]));
+    let mut b = ctx.graphed(|_: &[Tensor]| step_of(&nets[1], &mut second[0]));
+    let loss = |l: speedkit::Result<Option<Tensor>>| l.unwrap().unwrap().double_value(&[]);
+    let mut losses: Vec<f64> = (0..6).map(|_| loss(a.run(&[]))).collect();
+    losses.extend((0..6).map(|_| loss(b.run(&[]))));
+    losses.extend((0..6).map(|_| loss(a.run(&[]))));
+    assert_eq!(
+        a.is_graphed() && b.is_graphed(),
+        graphed,
+        "{:?}",
+        a.fallback_reason()
+    );
+    losses
+}
+
+#[test]
+fn a_capture_beside_a_live_graph_leaves_it_the_blas_workspace_it_replays_with() {
+    // Each capture frees the cuBLAS workspaces that no live graph replays with; the first model's
+    // graph, replayed after the second's capture, must still compute its own step.
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "a_capture_beside_a_live_graph_leaves_it_the_blas_workspace_it_replays_with",
+    ) else {
+        return;
+    };
+    let eager = two_models_in_turn(device, false);
+    let graphed = two_models_in_turn(device, true);
+    for (i, (g, e)) in graphed.iter().zip(&eager).enumerate() {
+        assert!(
+            (g - e).abs() <= 1e-5 * e.abs(),
+            "step {i}: graphed {g} against eager {e}"
+        );
     }
 }

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <shared_mutex>
 #include <tuple>
 
 #if SK_WITH_CUDA
@@ -136,6 +137,44 @@ int sk_cuda_memory_snapshot(int index, sk_memory_totals* totals, sk_memory_pool*
 // benchmark's reserved figure is its own.
 int sk_cuda_empty_cache() {
   SK_CUDA_TRY(c10::cuda::CUDACachingAllocator::emptyCache())
+}
+
+#if SK_WITH_CUDA
+namespace {
+c10::cuda::CUDAStream side_stream_of(c10::DeviceIndex device);
+
+// Erases the workspaces of `map` on streams other than `keep` (all of them when `keep` is null);
+// how many.
+int64_t release_workspaces(at::cuda::WorkspaceMapWithMutex& workspaces, const void* keep) {
+  std::unique_lock<std::shared_mutex> lock(workspaces.mutex);
+  int64_t freed = 0;
+  for (auto it = workspaces.map.begin(); it != workspaces.map.end();) {
+    if (keep != nullptr && std::get<1>(it->first) == keep) {
+      ++it;
+      continue;
+    }
+    it = workspaces.map.erase(it);
+    ++freed;
+  }
+  return freed;
+}
+}  // namespace
+#endif
+
+// cuBLAS and cuBLASLt allocate a workspace for each (handle, stream) at its first GEMM and keep it
+// for the process: the default stream's, from whatever ran eagerly before a graph (a benchmark's
+// calibration, the user's own eager code), and the side stream's, where the warm-up and the
+// capture run, stay beside the graph's pool (32 MiB each on Hopper). The graph itself needs only
+// the workspace it was captured with.
+int sk_cuda_release_blas_workspaces(int index, int side_stream_too, int64_t* freed) {
+  SK_CUDA_TRY({
+    // A workspace may still be in use by queued work (a replay): freed only once that is done.
+    c10::cuda::device_synchronize();
+    const void* keep =
+        side_stream_too != 0 ? nullptr : side_stream_of(static_cast<c10::DeviceIndex>(index)).stream();
+    *freed = release_workspaces(at::cuda::cublas_handle_stream_to_workspace(), keep) +
+             release_workspaces(at::cuda::cublaslt_handle_stream_to_workspace(), keep);
+  })
 }
 
 // ---------------------------------------------------------------------------------------------

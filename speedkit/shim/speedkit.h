@@ -134,6 +134,11 @@ int sk_cuda_reset_peak_memory(int index);
 int sk_cuda_peak_reserved_memory(int index, int64_t* out);
 /// Gives the caching allocator's unused blocks back to the driver.
 int sk_cuda_empty_cache(void);
+/// Frees the cuBLAS and cuBLASLt workspaces (one per handle and stream, kept for the process once
+/// made) of every stream but device `index`'s side stream (`side_stream_too`: of every stream);
+/// each is made again at the next GEMM on its stream. Synchronises the current device first.
+/// *freed: how many went. Only where no captured CUDA graph replays with a freed one.
+int sk_cuda_release_blas_workspaces(int index, int side_stream_too, int64_t* freed);
 
 /// The caching allocator's counters for one device, in bytes where not a count.
 typedef struct sk_memory_totals {

@@ -374,7 +374,11 @@ where
         ffi::device::cuda_synchronize(device_index)?;
         // The warm-up ran on a side stream, whose freed blocks the allocator keeps for that stream
         // alone; the capture allocates into the graph's private pool. Handing those blocks back to
-        // the driver first (as torch.cuda.graph does) keeps the process from holding both.
+        // the driver first (as torch.cuda.graph does) keeps the process from holding both. So
+        // with cuBLAS's workspaces, which it keeps per stream for the process: those of eager work
+        // go, and, where no other graph may replay with it, the side stream's too, so that the
+        // capture makes its own in the graph's pool (Inductor's CUDA graphs clear them likewise).
+        ffi::device::release_blas_workspaces(device_index, ffi::graphs::CudaGraph::live() == 0)?;
         ffi::device::cuda_empty_cache()?;
         let mut graph = CudaGraph::new()?;
         let side = SideStream::enter(device_index)?;

@@ -1,6 +1,6 @@
 //! Versions, device properties, the caching allocator, events and streams (`shim/device.cpp`).
 
-use std::ffi::c_void;
+use std::ffi::{c_int, c_void};
 use std::ptr;
 
 use super::{check, device_index, raw, raw::device as abi, Result};
@@ -123,6 +123,21 @@ pub(crate) fn cuda_memory_snapshot(
 pub(crate) fn cuda_empty_cache() -> Result<()> {
     // SAFETY: no arguments.
     check(unsafe { abi::sk_cuda_empty_cache() })
+}
+
+/// Frees the cuBLAS and cuBLASLt workspaces of every stream but device `index`'s side stream (with
+/// `side_stream_too`, of every stream); how many went. Only where no captured graph uses one.
+pub(crate) fn release_blas_workspaces(index: usize, side_stream_too: bool) -> Result<i64> {
+    let mut freed = 0i64;
+    // SAFETY: plain values and a valid out-pointer.
+    check(unsafe {
+        abi::sk_cuda_release_blas_workspaces(
+            device_index(index)?,
+            c_int::from(side_stream_too),
+            &mut freed,
+        )
+    })?;
+    Ok(freed)
 }
 
 pub(crate) fn cuda_synchronize(index: usize) -> Result<()> {

@@ -2,6 +2,7 @@
 
 use std::ffi::c_void;
 use std::ptr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::{check, raw::graphs as abi, Result};
 
@@ -21,12 +22,21 @@ impl GraphPool {
 /// An `at::cuda::CUDAGraph`.
 pub(crate) struct CudaGraph(*mut c_void);
 
+/// How many [`CudaGraph`]s exist in the process.
+static LIVE_GRAPHS: AtomicUsize = AtomicUsize::new(0);
+
 impl CudaGraph {
     pub(crate) fn new() -> Result<Self> {
         let mut raw = ptr::null_mut();
         // SAFETY: `raw` receives a heap object we own and free in Drop.
         check(unsafe { abi::sk_cuda_graph_new(&mut raw) })?;
+        LIVE_GRAPHS.fetch_add(1, Ordering::SeqCst);
         Ok(Self(raw))
+    }
+
+    /// How many graphs exist in the process (captured or not).
+    pub(crate) fn live() -> usize {
+        LIVE_GRAPHS.load(Ordering::SeqCst)
     }
 
     pub(crate) fn capture_begin(&mut self, pool: GraphPool) -> Result<()> {
@@ -49,5 +59,11 @@ impl Drop for CudaGraph {
     fn drop(&mut self) {
         // SAFETY: created by sk_cuda_graph_new, freed exactly once.
         unsafe { abi::sk_cuda_graph_free(self.0) }
+        if LIVE_GRAPHS.fetch_sub(1, Ordering::SeqCst) == 1 {
+            // The last graph: the cuBLAS workspaces its capture made in its pool go with it
+            // (graph.rs frees the others before each capture). Best effort: a failure only keeps
+            // the workspace until the next capture.
+            let _ = super::device::release_blas_workspaces(0, true);
+        }
     }
 }
