@@ -302,7 +302,9 @@ impl GradientSync {
     /// so that after a [`run`](Self::run) this rank holds the average of its own part of the
     /// gradients only, as the gradients of the pieces of its
     /// [`optimizer_shard`](Self::optimizer_shard) (the whole parameters' gradients are dropped:
-    /// they are this rank's own, not the average).
+    /// they are this rank's own, not the average). Each bucket's parameters move into one flat
+    /// buffer (`set_data`: their values, shapes and autograd identity stay), into which the
+    /// updated parameters are all-gathered in place.
     pub fn sharded(
         group: &ProcessGroup,
         params: &[Tensor],
