@@ -94,6 +94,14 @@ c10::intrusive_ptr<c10d::Backend> make_nccl(const c10::intrusive_ptr<c10d::Store
 
 void wait(const c10::intrusive_ptr<c10d::Work>& work) { work->wait(); }
 
+// `tensor` reduced in place across `pg` by `op` (speedkit.h's sk_reduce_op), waited for.
+void blocking_all_reduce(c10d::ProcessGroup& pg, const at::Tensor& tensor, int op) {
+  std::vector<at::Tensor> one{tensor};
+  c10d::AllreduceOptions options;
+  options.reduceOp = reduce_op(op);
+  wait(pg.allreduce(one, options));
+}
+
 // The rendezvous store outlives the groups built over it: a process that trains under several
 // contexts one after another (a benchmark runner, an #[accelerate] function called twice) builds a
 // group per context. Were each to open its own store on the same port, a fast rank could reach the
@@ -194,11 +202,7 @@ int sk_dist_broadcast_(void* group, const sk_tensor* tensors, int64_t n, int roo
 
 int sk_dist_all_reduce_(void* group, sk_tensor tensor, int op) {
   SK_TRY({
-    auto* g = static_cast<Group*>(group);
-    std::vector<at::Tensor> one{*tensor};
-    c10d::AllreduceOptions options;
-    options.reduceOp = reduce_op(op);
-    wait(g->pg->allreduce(one, options));
+    blocking_all_reduce(*static_cast<Group*>(group)->pg, *tensor, op);
   })
 }
 
@@ -761,11 +765,7 @@ int sk_optimizer_shard_gather(void* shard) { SK_TRY(gather(*static_cast<Optimize
 
 int sk_optimizer_shard_all_reduce_(void* shard, sk_tensor tensor, int op) {
   SK_TRY({
-    auto* s = static_cast<OptimizerShard*>(shard);
-    std::vector<at::Tensor> one{*tensor};
-    c10d::AllreduceOptions options;
-    options.reduceOp = reduce_op(op);
-    wait(s->pg->allreduce(one, options));
+    blocking_all_reduce(*static_cast<OptimizerShard*>(shard)->pg, *tensor, op);
   })
 }
 

@@ -21,12 +21,9 @@
 #include <ATen/ATen.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 
-#include <c10/util/intrusive_ptr.h>
-
 #include <cmath>
 #include <mutex>
 #include <string>
-#include <unordered_map>
 #include <utility>
 
 namespace sk {
@@ -208,42 +205,16 @@ at::Tensor or_none(sk_tensor t, const at::Tensor& x) { return t == nullptr ? non
 // tensor at a freed weight's address never inherits them.
 namespace histories {
 
-using WeakWeight = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
-
-struct Entry {
-  WeakWeight weight;
-  at::Tensor history;
-};
-
-std::mutex mutex;
-std::unordered_map<const c10::TensorImpl*, Entry>& entries() {
-  static auto* map = new std::unordered_map<const c10::TensorImpl*, Entry>();
-  return *map;
-}
-
-int64_t drop(bool all) {
-  int64_t freed = 0;
-  for (auto it = entries().begin(); it != entries().end();) {
-    if (all || it->second.weight.expired()) {
-      it = entries().erase(it);
-      ++freed;
-    } else {
-      ++it;
-    }
-  }
-  return freed;
+WeakWeightTable<at::Tensor>& table() {
+  static auto* histories = new WeakWeightTable<at::Tensor>();
+  return *histories;
 }
 
 at::Tensor of(const at::Tensor& weight, int64_t length) {
-  std::lock_guard<std::mutex> lock(mutex);
-  const c10::TensorImpl* key = weight.unsafeGetTensorImpl();
-  auto it = entries().find(key);
-  if (it != entries().end() && !it->second.weight.expired() && it->second.history.size(1) == length)
-    return it->second.history;
-  drop(/*all=*/false);
+  std::lock_guard<std::mutex> lock(table().mutex);
+  if (const at::Tensor* kept = table().find(weight); kept != nullptr && kept->size(1) == length) return *kept;
   at::Tensor history = at::zeros({3, length}, weight.options().dtype(at::kFloat).requires_grad(false));
-  entries().insert_or_assign(key, Entry{WeakWeight(weight.getIntrusivePtr()), history});
-  return history;
+  return table().insert(weight, history);
 }
 
 }  // namespace histories
@@ -272,8 +243,10 @@ int sk_fp8_weight_histories(sk_tensor weight, int64_t length, sk_tensor* out) {
 
 int sk_fp8_weight_histories_release(int all, int64_t* freed) {
   SK_TRY({
-    std::lock_guard<std::mutex> lock(sk::histories::mutex);
-    *freed = sk::histories::drop(all != 0);
+    auto& histories = sk::histories::table();
+    std::lock_guard<std::mutex> lock(histories.mutex);
+    *freed = 0;
+    histories.drop(all != 0, [&](const at::Tensor&) { ++*freed; });
   })
 }
 

@@ -12,11 +12,14 @@
 #include "speedkit.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
 #include <exception>
+#include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace sk {
@@ -69,6 +72,59 @@ inline sk_tensor give(at::Tensor t) { return new at::Tensor(std::move(t)); }
 
 // As give(), NULL for an undefined tensor.
 inline sk_tensor give_or_null(at::Tensor t) { return t.defined() ? give(std::move(t)) : nullptr; }
+
+// Values kept per weight for as long as the weight lives (weight_casts.cpp's copies, fp8.cpp's amax
+// histories). Entries hold their weight weakly, as autocast's cache does: an entry counts only
+// while its weight lives, so a new tensor at a freed one's address never sees the old entry, and
+// expired entries are dropped at the next insertion or on request. Callers hold `mutex` around
+// every use.
+template <typename V>
+class WeakWeightTable {
+ public:
+  std::mutex mutex;
+
+  // `weight`'s entry while the weight lives; nullptr where it has none.
+  V* find(const at::Tensor& weight) {
+    auto it = entries_.find(weight.unsafeGetTensorImpl());
+    return it == entries_.end() || it->second.weight.expired() ? nullptr : &it->second.value;
+  }
+
+  // Sets `weight`'s entry to `value`, dropping the expired entries first.
+  V& insert(const at::Tensor& weight, V value) {
+    drop(/*all=*/false, [](const V&) {});
+    Entry entry{Weak(weight.getIntrusivePtr()), std::move(value)};
+    return entries_.insert_or_assign(weight.unsafeGetTensorImpl(), std::move(entry)).first->second.value;
+  }
+
+  // Drops the entries whose weights are gone (with `all`, every entry), each value seen by
+  // `dropping` first.
+  template <typename F>
+  void drop(bool all, F&& dropping) {
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      if (all || it->second.weight.expired()) {
+        dropping(it->second.value);
+        it = entries_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  // Calls `f` on the value of every entry whose weight lives.
+  template <typename F>
+  void for_each_live(F&& f) const {
+    for (const auto& [key, entry] : entries_)
+      if (!entry.weight.expired()) f(entry.value);
+  }
+
+ private:
+  using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  struct Entry {
+    Weak weight;
+    V value;
+  };
+  std::unordered_map<const c10::TensorImpl*, Entry> entries_;
+};
 
 // weight_casts.cpp: fp32 weights' copies in the autocast type, kept across steps.
 namespace weight_casts {

@@ -20,18 +20,13 @@
 
 #include <ATen/Functions.h>
 #include <ATen/core/grad_mode.h>
-#include <c10/util/intrusive_ptr.h>
 
 #include <algorithm>
-#include <mutex>
 #include <tuple>
-#include <unordered_map>
 #include <vector>
 
 namespace sk::weight_casts {
 namespace {
-
-using WeakWeight = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 
 // What a copy was made from: the weight's version counter and its data (set_data() swaps the data
 // of a parameter without a new version).
@@ -43,35 +38,24 @@ struct Source {
 
 Source source_of(const at::Tensor& weight) { return {weight._version(), weight.data_ptr()}; }
 
-struct Entry {
-  WeakWeight weight;
+struct Copy {
   Source source;
   at::Tensor copy;
 };
 
-std::mutex mutex;
-std::unordered_map<const c10::TensorImpl*, Entry>& entries() {
-  static auto* map = new std::unordered_map<const c10::TensorImpl*, Entry>();
-  return *map;
+WeakWeightTable<Copy>& copies() {
+  static auto* table = new WeakWeightTable<Copy>();
+  return *table;
 }
 
 bool cacheable(const at::Tensor& weight, at::ScalarType type) {
   return weight.is_cuda() && weight.scalar_type() != type && weight.is_leaf() && weight.requires_grad();
 }
 
-int64_t bytes_of(const Entry& e) { return static_cast<int64_t>(e.copy.nbytes()); }
-
 // Frees the copies whose weights are gone (or, with `all`, every copy); the bytes freed.
 int64_t drop(bool all) {
   int64_t freed = 0;
-  for (auto it = entries().begin(); it != entries().end();) {
-    if (all || it->second.weight.expired()) {
-      freed += bytes_of(it->second);
-      it = entries().erase(it);
-    } else {
-      ++it;
-    }
-  }
+  copies().drop(all, [&](const Copy& c) { freed += static_cast<int64_t>(c.copy.nbytes()); });
   return freed;
 }
 
@@ -79,58 +63,50 @@ int64_t drop(bool all) {
 
 at::Tensor get(const at::Tensor& weight, at::ScalarType type) {
   if (!cacheable(weight, type)) return weight.to(type);
-  std::lock_guard<std::mutex> lock(mutex);
-  const c10::TensorImpl* key = weight.unsafeGetTensorImpl();
-  auto it = entries().find(key);
-  const bool same_weight = it != entries().end() && !it->second.weight.expired() &&
-                           it->second.copy.scalar_type() == type && it->second.copy.sizes() == weight.sizes();
-  if (same_weight && it->second.source == source_of(weight)) return it->second.copy;
+  std::lock_guard<std::mutex> lock(copies().mutex);
+  Copy* kept = copies().find(weight);
+  const bool same_weight = kept != nullptr && kept->copy.scalar_type() == type && kept->copy.sizes() == weight.sizes();
+  if (same_weight && kept->source == source_of(weight)) return kept->copy;
   at::NoGradGuard no_grad;
   if (same_weight) {
     // Recast into the same storage, so a CUDA graph that captured the copy keeps reading it.
-    it->second.copy.copy_(weight);
-    it->second.source = source_of(weight);
-    return it->second.copy;
+    kept->copy.copy_(weight);
+    kept->source = source_of(weight);
+    return kept->copy;
   }
-  drop(/*all=*/false);
   at::Tensor copy = weight.detach().to(type).contiguous();
-  entries().insert_or_assign(key, Entry{WeakWeight(weight.getIntrusivePtr()), source_of(weight), copy});
+  copies().insert(weight, Copy{source_of(weight), copy});
   return copy;
 }
 
 at::Tensor copy_of(const at::Tensor& param) {
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = entries().find(param.unsafeGetTensorImpl());
-  if (it == entries().end() || it->second.weight.expired() || it->second.copy.sizes() != param.sizes())
-    return at::Tensor();
-  return it->second.copy;
+  std::lock_guard<std::mutex> lock(copies().mutex);
+  const Copy* kept = copies().find(param);
+  return kept != nullptr && kept->copy.sizes() == param.sizes() ? kept->copy : at::Tensor();
 }
 
 void mark_current(const at::Tensor& param) {
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = entries().find(param.unsafeGetTensorImpl());
-  if (it != entries().end()) it->second.source = source_of(param);
+  std::lock_guard<std::mutex> lock(copies().mutex);
+  if (Copy* kept = copies().find(param)) kept->source = source_of(param);
 }
 
 void refresh(const std::vector<at::Tensor>& params) {
-  std::lock_guard<std::mutex> lock(mutex);
-  if (entries().empty()) return;
+  std::lock_guard<std::mutex> lock(copies().mutex);
   // One _foreach_copy_ per copy type (its fast path wants one source and one target type).
-  std::vector<std::tuple<at::ScalarType, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<Entry*>>> groups;
+  std::vector<std::tuple<at::ScalarType, std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<Copy*>>> groups;
   for (const at::Tensor& p : params) {
-    auto it = entries().find(p.unsafeGetTensorImpl());
-    if (it == entries().end() || it->second.weight.expired() || p.scalar_type() != at::kFloat) continue;
-    Entry& e = it->second;
+    Copy* kept = copies().find(p);
+    if (kept == nullptr || p.scalar_type() != at::kFloat) continue;
     auto group = std::find_if(groups.begin(), groups.end(),
-                              [&](const auto& g) { return std::get<0>(g) == e.copy.scalar_type(); });
-    if (group == groups.end()) group = groups.insert(groups.end(), {e.copy.scalar_type(), {}, {}, {}});
-    std::get<1>(*group).push_back(e.copy);
+                              [&](const auto& g) { return std::get<0>(g) == kept->copy.scalar_type(); });
+    if (group == groups.end()) group = groups.insert(groups.end(), {kept->copy.scalar_type(), {}, {}, {}});
+    std::get<1>(*group).push_back(kept->copy);
     std::get<2>(*group).push_back(p.detach());
-    std::get<3>(*group).push_back(&e);
+    std::get<3>(*group).push_back(kept);
   }
   at::NoGradGuard no_grad;
-  for (auto& [type, copies, sources, refreshed] : groups) {
-    at::_foreach_copy_(copies, sources);
+  for (auto& [type, targets, sources, refreshed] : groups) {
+    at::_foreach_copy_(targets, sources);
     for (size_t i = 0; i < refreshed.size(); ++i) refreshed[i]->source = source_of(sources[i]);
   }
 }
@@ -141,27 +117,27 @@ extern "C" {
 
 int sk_weight_copies_size(int64_t* bytes, int64_t* count) {
   SK_TRY({
-    std::lock_guard<std::mutex> lock(sk::weight_casts::mutex);
+    auto& copies = sk::weight_casts::copies();
+    std::lock_guard<std::mutex> lock(copies.mutex);
     *bytes = 0;
     *count = 0;
-    for (const auto& [key, entry] : sk::weight_casts::entries()) {
-      if (entry.weight.expired()) continue;
-      *bytes += sk::weight_casts::bytes_of(entry);
+    copies.for_each_live([&](const sk::weight_casts::Copy& c) {
+      *bytes += static_cast<int64_t>(c.copy.nbytes());
       *count += 1;
-    }
+    });
   })
 }
 
 int sk_weight_copies_release_expired(int64_t* freed) {
   SK_TRY({
-    std::lock_guard<std::mutex> lock(sk::weight_casts::mutex);
+    std::lock_guard<std::mutex> lock(sk::weight_casts::copies().mutex);
     *freed = sk::weight_casts::drop(/*all=*/false);
   })
 }
 
 int sk_weight_copies_clear(int64_t* freed) {
   SK_TRY({
-    std::lock_guard<std::mutex> lock(sk::weight_casts::mutex);
+    std::lock_guard<std::mutex> lock(sk::weight_casts::copies().mutex);
     *freed = sk::weight_casts::drop(/*all=*/true);
   })
 }
