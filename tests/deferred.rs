@@ -18,7 +18,7 @@ fn cpu() -> (Kind, Device) {
 
 /// A deferred [2, 3] tensor holding 0..6 once written, exempting `exempt`; the writer's count of
 /// runs.
-fn counted(exempt: &str) -> (Tensor, Arc<AtomicUsize>) {
+fn counted(exempt: &[&str]) -> (Tensor, Arc<AtomicUsize>) {
     let runs = Arc::new(AtomicUsize::new(0));
     let seen = Arc::clone(&runs);
     let t = deferred::tensor(&[2, 3], Kind::Float, Device::Cpu, exempt, move |t| {
@@ -34,7 +34,7 @@ fn counted(exempt: &str) -> (Tensor, Arc<AtomicUsize>) {
 #[test]
 fn a_deferred_tensor_has_its_shape_type_and_device_before_any_memory() {
     let _serial = common::serial();
-    let (t, runs) = counted("");
+    let (t, runs) = counted(&[]);
     assert_eq!(
         (t.size(), t.kind(), t.device()),
         (vec![2, 3], Kind::Float, Device::Cpu)
@@ -47,7 +47,7 @@ fn a_deferred_tensor_has_its_shape_type_and_device_before_any_memory() {
 #[test]
 fn the_first_operator_that_reads_it_writes_it_once() {
     let _serial = common::serial();
-    let (t, runs) = counted("");
+    let (t, runs) = counted(&[]);
     assert_eq!(t.sum(Kind::Float).double_value(&[]), 15.0);
     assert_eq!(t.max().double_value(&[]), 5.0);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
@@ -57,7 +57,7 @@ fn the_first_operator_that_reads_it_writes_it_once() {
 #[test]
 fn a_view_is_pending_with_it_and_its_read_writes_the_whole_tensor() {
     let _serial = common::serial();
-    let (t, runs) = counted("aten::view");
+    let (t, runs) = counted(&["aten::view"]);
     let row = t.view([6]);
     assert!(deferred::is_pending(&row).unwrap());
     assert_eq!(
@@ -72,9 +72,69 @@ fn a_view_is_pending_with_it_and_its_read_writes_the_whole_tensor() {
 }
 
 #[test]
+fn every_exempt_operator_passes_it_unread_and_the_first_other_writes_it() {
+    let _serial = common::serial();
+    let other = Tensor::zeros([2, 3], cpu());
+    let (t, runs) = counted(&["aten::is_same_size", "aten::is_set_to"]);
+    assert!(t.is_same_size(&other) && !t.is_set_to(&other));
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "the exempt operators read nothing"
+    );
+    assert_eq!(t.sum(Kind::Float).double_value(&[]), 15.0);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // Without the exemption the same call writes it.
+    let (u, runs) = counted(&[]);
+    assert!(u.is_same_size(&other));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn operators_that_only_make_views_leave_it_pending() {
+    let _serial = common::serial();
+    let (t, runs) = counted(&[]);
+    let viewed = t.permute([1, 0]).unsqueeze(0).narrow(2, 1, 1).detach();
+    assert!(deferred::is_pending(&viewed).unwrap());
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert_eq!(viewed.sum(Kind::Float).double_value(&[]), 12.0);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn an_exempt_operator_name_with_a_comma_is_refused() {
+    let _serial = common::serial();
+    let refused = deferred::tensor(
+        &[2],
+        Kind::Float,
+        Device::Cpu,
+        &["aten::view,aten::t"],
+        |_| Ok(()),
+    );
+    assert!(refused.unwrap_err().to_string().contains("comma"));
+    assert_eq!(deferred::pending().unwrap(), (0, false));
+}
+
+#[test]
+fn a_tag_names_a_pending_tensor_and_its_views_until_it_is_written() {
+    let _serial = common::serial();
+    let t = deferred::tagged(&[2, 3], Kind::Float, Device::Cpu, &["aten::view"], 7, |t| {
+        let _ = t.shallow_clone().f_fill_(1.0)?;
+        Ok(())
+    })
+    .unwrap();
+    let row = t.view([6]);
+    assert_eq!(deferred::tag(&t).unwrap(), Some(7));
+    assert_eq!(deferred::tag(&row).unwrap(), Some(7));
+    assert_eq!(row.sum(Kind::Float).double_value(&[]), 6.0);
+    assert_eq!(deferred::tag(&t).unwrap(), None);
+    assert_eq!(deferred::tag(&Tensor::ones([2], cpu())).unwrap(), None);
+}
+
+#[test]
 fn a_read_on_another_thread_writes_it() {
     let _serial = common::serial();
-    let (t, runs) = counted("");
+    let (t, runs) = counted(&[]);
     let total = std::thread::spawn(move || t.sum(Kind::Float).double_value(&[]))
         .join()
         .unwrap();
@@ -95,7 +155,7 @@ fn a_tensor_that_dies_unread_is_never_written_and_its_writer_is_freed() {
     let flag = Flag(Arc::clone(&freed));
     let written = Arc::new(AtomicBool::new(false));
     let wrote = Arc::clone(&written);
-    let t = deferred::tensor(&[1 << 20], Kind::Float, Device::Cpu, "", move |_| {
+    let t = deferred::tensor(&[1 << 20], Kind::Float, Device::Cpu, &[], move |_| {
         let _keep = &flag;
         wrote.store(true, Ordering::SeqCst);
         Ok(())
@@ -110,13 +170,13 @@ fn a_tensor_that_dies_unread_is_never_written_and_its_writer_is_freed() {
 fn the_operator_observer_lives_exactly_while_a_tensor_is_pending() {
     let _serial = common::serial();
     let (before, _) = deferred::pending().unwrap();
-    let (t, _) = counted("");
+    let (t, _) = counted(&[]);
     let (during, observing) = deferred::pending().unwrap();
     assert_eq!(during, before + 1);
     assert!(observing);
     let _ = t.sum(Kind::Float);
     assert_eq!(deferred::pending().unwrap().0, before);
-    let (u, _) = counted("");
+    let (u, _) = counted(&[]);
     drop(u);
     assert_eq!(deferred::pending().unwrap().0, before);
     if before == 0 {
@@ -127,7 +187,7 @@ fn the_operator_observer_lives_exactly_while_a_tensor_is_pending() {
 #[test]
 fn a_writer_that_fails_leaves_nan_for_the_reader() {
     let _serial = common::serial();
-    let t = deferred::tensor(&[4], Kind::Float, Device::Cpu, "", |_| {
+    let t = deferred::tensor(&[4], Kind::Float, Device::Cpu, &[], |_| {
         Err(speedkit::SpeedkitError::Misuse("no values today".into()))
     })
     .unwrap();
@@ -137,7 +197,7 @@ fn a_writer_that_fails_leaves_nan_for_the_reader() {
 #[test]
 fn materialize_writes_it_for_a_raw_read_and_only_once() {
     let _serial = common::serial();
-    let (t, runs) = counted("");
+    let (t, runs) = counted(&[]);
     assert!(deferred::materialize(&t).unwrap());
     assert!(!deferred::materialize(&t).unwrap());
     assert_eq!(runs.load(Ordering::SeqCst), 1);

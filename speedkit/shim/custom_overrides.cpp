@@ -76,7 +76,8 @@ class Arguments {
   sk_override_arg describe(const std::string& name, c10::IValue& value) {
     sk_override_arg arg{};
     arg.name = name.c_str();
-    if (value.isNone()) {
+    // An undefined tensor is how ATen's own callers pass an absent optional (batch_norm's weight).
+    if (value.isNone() || (value.isTensor() && !value.toTensor().defined())) {
       arg.kind = SK_VALUE_NONE;
     } else if (value.isTensor()) {
       arg.kind = SK_VALUE_TENSOR;
@@ -96,6 +97,12 @@ class Arguments {
       arg.kind = SK_VALUE_INTS;
       arg.ints = ints.data();
       arg.n_ints = static_cast<int64_t>(ints.size());
+    } else if (value.isBoolList()) {
+      std::vector<uint8_t>& bools = bool_lists_.emplace_back();
+      for (bool b : value.toBoolList()) bools.push_back(b ? 1 : 0);
+      arg.kind = SK_VALUE_BOOLS;
+      arg.bools = bools.data();
+      arg.n_bools = static_cast<int64_t>(bools.size());
     } else if (value.isString()) {
       arg.kind = SK_VALUE_STRING;
       arg.text = texts_.emplace_back(value.toStringRef()).c_str();
@@ -109,6 +116,7 @@ class Arguments {
   std::vector<sk_override_arg> args_;
   // Deques: their elements stay where they are as more are added.
   std::deque<std::vector<int64_t>> lists_;
+  std::deque<std::vector<uint8_t>> bool_lists_;
   std::deque<std::string> texts_;
 };
 

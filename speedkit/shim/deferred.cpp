@@ -3,10 +3,13 @@
 // log_softmax, read only by the nll_loss after it) returns one of these, and never writes the
 // output where nothing else reads it.
 //
-// The tensor is ordinary in every way but its storage: 0 bytes, whose DataPtr carries a Pending
-// context and the `released` deleter, which is how any view of it is recognised as pending. While
+// The tensor is ordinary in every way but its storage: its size in bytes with no memory (a null
+// pointer, which every read of data refuses), and a DataPtr that carries a Pending context and the
+// `released` deleter, which is how any view of it is recognised as pending. The size lets view
+// operators check their bounds as for any tensor. While
 // at least one is pending, a global RecordFunction callback sees every dispatcher call with its
-// inputs; one that takes a pending tensor (other than the exempt operator, the fused consumer)
+// inputs; one that takes a pending tensor (other than the exempt operators, the fused consumers, and
+// the operators that only make views of it)
 // first gives the storage memory from the device's allocator and has the Rust side write the values,
 // on the operator's own thread and current stream (so also inside a CUDA graph capture). A read
 // that bypasses the dispatcher (a raw data pointer) meets ATen's "data is not allocated yet" error,
@@ -20,6 +23,7 @@
 #include <c10/core/TensorImpl.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -32,7 +36,8 @@ namespace {
 struct Pending {
   sk_deferred_vtable vtable;
   void* state;
-  std::string exempt_op;
+  std::vector<std::string> exempt_ops;
+  uint64_t tag;
   std::vector<int64_t> sizes;
   at::TensorOptions options;
   size_t nbytes;
@@ -86,13 +91,30 @@ bool materialize(const at::Tensor& t) {
       c10::Storage(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(storage)),
       c10::DispatchKeySet(pending->options.computeDispatchKey()), pending->options.dtype());
   whole.unsafeGetTensorImpl()->set_sizes_contiguous(pending->sizes);
-  at::Tensor handle = whole;
   char message[512] = {0};
-  if (pending->vtable.materialize(pending->state, &handle, message, sizeof message) != 0) {
+  if (pending->vtable.materialize(pending->state, &whole, message, sizeof message) != 0) {
     TORCH_WARN("speedkit: a deferred tensor's values could not be written (", message, "); it reads as NaN");
     whole.fill_(std::numeric_limits<double>::quiet_NaN());
   }
   return true;
+}
+
+// Operators that make a view (or read only sizes) and never read data: their result shares the
+// pending storage and is pending with it, so the read that needs the values comes later, through
+// the view. Where one of them does more (reshape of a tensor it cannot view), it calls an operator
+// that is observed in its turn.
+bool only_views(const char* op) {
+  static const char* const names[] = {
+      "aten::view",      "aten::_unsafe_view", "aten::reshape",   "aten::_reshape_alias", "aten::permute",
+      "aten::transpose", "aten::t",            "aten::expand",    "aten::as_strided",     "aten::select",
+      "aten::slice",     "aten::narrow",       "aten::squeeze",   "aten::unsqueeze",      "aten::alias",
+      "aten::detach",    "aten::flatten",      "aten::view_as",   "aten::expand_as",      "aten::unflatten",
+      // Autograd's own record of a detach, around aten::detach.
+      "detach",
+  };
+  for (const char* name : names)
+    if (std::strcmp(name, op) == 0) return true;
+  return false;
 }
 
 void consider(const at::Tensor& t, const char* op) {
@@ -100,7 +122,9 @@ void consider(const at::Tensor& t, const char* op) {
   // the values are written.
   std::lock_guard<std::recursive_mutex> lock(materialize_mutex());
   Pending* pending = pending_of(t);
-  if (pending == nullptr || pending->exempt_op == op) return;
+  if (pending == nullptr || only_views(op)) return;
+  for (const std::string& exempt : pending->exempt_ops)
+    if (exempt == op) return;
   materialize(t);
 }
 
@@ -127,10 +151,23 @@ void count_one_more() {
   }
 }
 
-at::Tensor deferred(std::vector<int64_t> sizes, at::TensorOptions options, const char* exempt_op,
+// "a,b" → {"a", "b"}; "" → {}.
+std::vector<std::string> names_of(const char* list) {
+  std::vector<std::string> names;
+  std::string rest = list ? list : "";
+  while (!rest.empty()) {
+    const size_t comma = rest.find(',');
+    names.push_back(rest.substr(0, comma));
+    rest = comma == std::string::npos ? "" : rest.substr(comma + 1);
+  }
+  return names;
+}
+
+at::Tensor deferred(std::vector<int64_t> sizes, at::TensorOptions options, const char* exempt_ops, uint64_t tag,
                     const sk_deferred_vtable& vtable, void* state) {
-  auto* pending = new Pending{vtable, state, exempt_op ? exempt_op : "", std::move(sizes), options, 0};
+  auto* pending = new Pending{vtable, state, {}, tag, std::move(sizes), options, 0};
   try {
+    pending->exempt_ops = names_of(exempt_ops);
     TORCH_CHECK(at::isRecordFunctionEnabled(),
                 "a deferred tensor needs RecordFunction, which is switched off on this thread");
     int64_t numel = 1;
@@ -146,7 +183,7 @@ at::Tensor deferred(std::vector<int64_t> sizes, at::TensorOptions options, const
   }
   count_one_more();
   // From here the storage owns `pending`: its death runs `released`.
-  c10::Storage storage(c10::Storage::use_byte_size_t(), 0,
+  c10::Storage storage(c10::Storage::use_byte_size_t(), pending->nbytes,
                        at::DataPtr(nullptr, pending, &released, options.device()),
                        c10::GetAllocator(options.device().type()), /*resizable=*/true);
   at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(
@@ -160,13 +197,13 @@ at::Tensor deferred(std::vector<int64_t> sizes, at::TensorOptions options, const
 
 extern "C" {
 
-int sk_deferred_new(const int64_t* sizes, int64_t ndim, int scalar_type, int device, const char* exempt_op,
-                    const sk_deferred_vtable* vtable, void* state, sk_tensor* out) {
+int sk_deferred_new(const int64_t* sizes, int64_t ndim, int scalar_type, int device, const char* exempt_ops,
+                    uint64_t tag, const sk_deferred_vtable* vtable, void* state, sk_tensor* out) {
   SK_TRY({
     auto options = at::TensorOptions().dtype(static_cast<at::ScalarType>(scalar_type));
     options = device < 0 ? options.device(at::kCPU)
                          : options.device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
-    *out = sk::give(sk::deferred(std::vector<int64_t>(sizes, sizes + ndim), options, exempt_op, *vtable, state));
+    *out = sk::give(sk::deferred(std::vector<int64_t>(sizes, sizes + ndim), options, exempt_ops, tag, *vtable, state));
   })
 }
 
@@ -175,6 +212,16 @@ int sk_deferred_materialize(sk_tensor tensor, int* materialized) {
 }
 
 int sk_deferred_is_pending(sk_tensor tensor, int* pending) { SK_TRY(*pending = sk::pending_of(*tensor) ? 1 : 0) }
+
+int sk_deferred_tag(sk_tensor tensor, int* pending, uint64_t* tag) {
+  SK_TRY({
+    // Locked as `consider`: the Pending may be released by a materialization on another thread.
+    std::lock_guard<std::recursive_mutex> lock(sk::materialize_mutex());
+    const sk::Pending* p = sk::pending_of(*tensor);
+    *pending = p ? 1 : 0;
+    *tag = p ? p->tag : 0;
+  })
+}
 
 int sk_deferred_pending(int64_t* count, int* observing) {
   SK_TRY({

@@ -425,13 +425,19 @@ typedef struct sk_deferred_vtable {
 
 /// A contiguous tensor of `sizes` (`ndim` of them), type `scalar_type` on `device` (-1: the CPU)
 /// that has no memory yet: the first operator that reads it or a view of it (every dispatcher call
-/// taking it, except an `exempt_op`, which must not read its data) first gives it its memory from
+/// taking it, except the `exempt_ops`, which must not read its data) first gives it its memory from
 /// the device's allocator and has `vtable`'s materialize write its values, on that operator's
-/// thread and current stream. `state` belongs to the tensor from here on, also when this fails.
-/// Operators are observed through a RecordFunction callback that exists only while a deferred
-/// tensor is pending. Fails where the thread has RecordFunction off.
-int sk_deferred_new(const int64_t* sizes, int64_t ndim, int scalar_type, int device, const char* exempt_op,
-                    const sk_deferred_vtable* vtable, void* state, sk_tensor* out);
+/// thread and current stream. `exempt_ops` lists full operator names without overloads
+/// ("aten::relu"), separated by commas; "" for none. Operators that only make views (view,
+/// permute, narrow, detach, ...) never read it: their results are pending with it. `tag` is the
+/// creator's own number for it (see sk_deferred_tag). `state` belongs to the tensor from here on,
+/// also when this fails. Operators are observed through a RecordFunction callback that exists only
+/// while a deferred tensor is pending. Fails where the thread has RecordFunction off.
+int sk_deferred_new(const int64_t* sizes, int64_t ndim, int scalar_type, int device, const char* exempt_ops,
+                    uint64_t tag, const sk_deferred_vtable* vtable, void* state, sk_tensor* out);
+/// Whether `tensor` (or the tensor it is a view of) is deferred and pending, and if so its `tag`:
+/// how a fused consumer recognises its producer's output.
+int sk_deferred_tag(sk_tensor tensor, int* pending, uint64_t* tag);
 /// Materializes `tensor` now if it is deferred and pending (before a read that no operator does,
 /// such as a kernel's raw pointer); *materialized = whether it was pending.
 int sk_deferred_materialize(sk_tensor tensor, int* materialized);
@@ -548,12 +554,13 @@ enum sk_value_kind {
   SK_VALUE_BOOL = 4,
   SK_VALUE_INTS = 5,
   SK_VALUE_STRING = 6,
-  SK_VALUE_OTHER = 7
+  SK_VALUE_OTHER = 7,
+  SK_VALUE_BOOLS = 8
 };
 
 /// One argument of an operator call, borrowed for the callback: its schema name, and its value by
 /// `kind` (a tensor; an int, also a ScalarType's code; a double; a bool as 0/1; an int list; a
-/// string; for SK_VALUE_OTHER, `text` names the type).
+/// string; a bool list, `bools` of 0/1 bytes; for SK_VALUE_OTHER, `text` names the type).
 typedef struct sk_override_arg {
   const char* name;
   int kind;
@@ -563,6 +570,8 @@ typedef struct sk_override_arg {
   const int64_t* ints;
   int64_t n_ints;
   const char* text;
+  const uint8_t* bools;
+  int64_t n_bools;
 } sk_override_arg;
 
 /// A Rust kernel's call: hands back the operator's results through sk_override_call_set_results,

@@ -5,10 +5,12 @@
 //! and a log-sum-exp per row (speedkit's own `log_softmax` override does this, 1.6 GB unwritten at
 //! GPT-2's size). Returning it [deferred](tensor) keeps the op exact for every other caller: the
 //! tensor has its sizes, type and device from the start, and the first operator that reads it or
-//! any view of it (every dispatcher call that takes it, except the consumer named as exempt)
-//! first gives it memory from the device's allocator and runs your writer on it, on that
-//! operator's thread and current stream, so also inside a CUDA graph capture. The writer runs at most once; if
-//! the tensor dies unread, it never runs and nothing was allocated.
+//! any view of it (every dispatcher call that takes it, except the consumers named as exempt and
+//! the operators that only make views of it: `view`, `permute`, `narrow`, `detach`, ...) first
+//! gives it memory from the device's allocator and runs your writer on it, on that operator's
+//! thread and current stream, so also inside a CUDA graph capture. The writer runs at most once;
+//! if the tensor dies unread, it never runs and nothing was allocated. A fused consumer recognises
+//! its producer's output by the [tag](tagged) the producer gave it.
 //!
 //! While a deferred tensor is pending, every operator of the process is observed (a RecordFunction
 //! callback with its inputs, a few microseconds per call); the observer exists only then. A read
@@ -21,7 +23,7 @@
 //! use tch::{Device, Kind, Tensor};
 //!
 //! // A [2, 3] tensor whose values (0, 1, ..., 5) are written only when something reads them.
-//! let t = deferred::tensor(&[2, 3], Kind::Float, Device::Cpu, "aten::nll_loss", |t| {
+//! let t = deferred::tensor(&[2, 3], Kind::Float, Device::Cpu, &["aten::nll_loss"], |t| {
 //!     t.shallow_clone().f_copy_(&Tensor::arange(6, (Kind::Float, Device::Cpu)).view([2, 3]))?;
 //!     Ok(())
 //! })?;
@@ -37,18 +39,58 @@ use crate::error::Result;
 use crate::ffi;
 
 /// A contiguous tensor of `sizes`, `kind` and `device` with no memory yet (see the
-/// [module docs](self)). `write` gives it its values when the first operator other than
-/// `exempt_op` (a full operator name such as `"aten::nll_loss"`, or `""` for none) reads it; an
-/// exempt operator must not read its data (an override of that operator that recomputes what it
-/// needs). An error from `write` leaves the tensor filled with NaN, with a warning naming it.
+/// [module docs](self)). `write` gives it its values when the first operator not among
+/// `exempt_ops` (full operator names without an overload, such as `"aten::nll_loss"`) reads it;
+/// an exempt operator must not read its data (an override of that operator that recomputes what
+/// it needs). An error from `write` leaves the tensor filled with NaN, with a warning naming it.
 pub fn tensor(
     sizes: &[i64],
     kind: Kind,
     device: Device,
-    exempt_op: &str,
+    exempt_ops: &[&str],
     write: impl FnMut(&Tensor) -> Result<()> + Send + 'static,
 ) -> Result<Tensor> {
-    ffi::deferred::deferred(sizes, kind, device, exempt_op, write)
+    ffi::deferred::deferred(sizes, kind, device, exempt_ops, 0, write)
+}
+
+/// As [`tensor`], with a `tag` of the caller's choosing that [`tag`] reads back while the tensor
+/// is pending: how the override of an exempt operator recognises the output it fuses with (and
+/// finds, by the tag, what it needs to compute its result without reading the tensor).
+///
+/// ```
+/// use speedkit::deferred;
+/// use tch::{Device, Kind};
+///
+/// let t = deferred::tagged(&[3], Kind::Float, Device::Cpu, &["aten::relu"], 42, |t| {
+///     let _ = t.shallow_clone().f_fill_(-1.0)?;
+///     Ok(())
+/// })?;
+/// assert_eq!(deferred::tag(&t.view([1, 3]))?, Some(42)); // a view has it too
+/// assert_eq!(t.sum(Kind::Float).double_value(&[]), -3.0); // the read writes it
+/// assert_eq!(deferred::tag(&t)?, None);
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn tagged(
+    sizes: &[i64],
+    kind: Kind,
+    device: Device,
+    exempt_ops: &[&str],
+    tag: u64,
+    write: impl FnMut(&Tensor) -> Result<()> + Send + 'static,
+) -> Result<Tensor> {
+    ffi::deferred::deferred(sizes, kind, device, exempt_ops, tag, write)
+}
+
+/// The tag given to [`tagged`] of the deferred tensor that `t` is or views, while it is pending;
+/// `None` for any other tensor (and `Some(0)` for one made by [`tensor`]).
+///
+/// ```
+/// # use tch::{Device, Kind, Tensor};
+/// assert_eq!(speedkit::deferred::tag(&Tensor::zeros([2], (Kind::Float, Device::Cpu)))?, None);
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn tag(t: &Tensor) -> Result<Option<u64>> {
+    ffi::deferred::tag(t)
 }
 
 /// Whether `t` (or the tensor it is a view of) is deferred and not yet written.
@@ -67,8 +109,8 @@ pub fn is_pending(t: &Tensor) -> Result<bool> {
 ///
 /// ```
 /// # use tch::{Device, Kind, Tensor};
-/// let t = speedkit::deferred::tensor(&[4], Kind::Float, Device::Cpu, "", |t| {
-///     t.shallow_clone().f_fill_(1.0)?;
+/// let t = speedkit::deferred::tensor(&[4], Kind::Float, Device::Cpu, &[], |t| {
+///     let _ = t.shallow_clone().f_fill_(1.0)?;
 ///     Ok(())
 /// })?;
 /// assert!(speedkit::deferred::materialize(&t)?);

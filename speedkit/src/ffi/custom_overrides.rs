@@ -152,6 +152,12 @@ unsafe fn value_of<'a>(arg: &'a sk_override_arg, tensor: Option<&'a Tensor>) -> 
         (raw::SK_VALUE_INTS, _) => {
             Value::Ints(std::slice::from_raw_parts(arg.ints, arg.n_ints as usize))
         }
+        (raw::SK_VALUE_BOOLS, _) if arg.n_bools == 0 || arg.bools.is_null() => Value::Bools(&[]),
+        // The shim writes each as 0 or 1, which is a valid `bool`.
+        (raw::SK_VALUE_BOOLS, _) => Value::Bools(std::slice::from_raw_parts(
+            arg.bools.cast::<bool>(),
+            arg.n_bools as usize,
+        )),
         (raw::SK_VALUE_STRING, _) => Value::Str(text()),
         (raw::SK_VALUE_NONE, _) => Value::None,
         _ => Value::Other(text()),

@@ -17,20 +17,27 @@ use super::{
 type Materialize = Box<dyn FnMut(&Tensor) -> Result<()> + Send>;
 
 /// A contiguous tensor of `sizes` and `kind` on `device` with no memory yet: the first operator
-/// that reads it or a view of it, other than `exempt_op` (the consumer that never reads its data,
-/// e.g. `aten::nll_loss`), first gives it memory and runs `materialize` on it.
+/// that reads it or a view of it, other than the `exempt_ops` (consumers that never read its data,
+/// e.g. `aten::nll_loss`), first gives it memory and runs `materialize` on it. `tag` is returned
+/// by [`tag`] while it is pending.
 pub(crate) fn deferred(
     sizes: &[i64],
     kind: Kind,
     device: Device,
-    exempt_op: &str,
+    exempt_ops: &[&str],
+    tag: u64,
     materialize: impl FnMut(&Tensor) -> Result<()> + Send + 'static,
 ) -> Result<Tensor> {
     let device = match device {
         Device::Cuda(i) => device_index(i)?,
         _ => -1,
     };
-    let exempt_op = c_string(exempt_op)?;
+    if let Some(op) = exempt_ops.iter().find(|op| op.contains(',')) {
+        return Err(crate::error::SpeedkitError::Misuse(format!(
+            "`{op}` is not an operator name (it holds a comma)"
+        )));
+    }
+    let exempt_ops = c_string(&exempt_ops.join(","))?;
     let state: Box<Materialize> = Box::new(Box::new(materialize));
     let vtable = raw::sk_deferred_vtable {
         materialize: Some(materialize_trampoline),
@@ -45,7 +52,8 @@ pub(crate) fn deferred(
             sizes.len() as i64,
             scalar_type_code(kind)?,
             device,
-            exempt_op.as_ptr(),
+            exempt_ops.as_ptr(),
+            tag,
             &vtable,
             Box::into_raw(state) as *mut c_void,
             &mut out,
@@ -70,6 +78,14 @@ pub(crate) fn is_pending(tensor: &Tensor) -> Result<bool> {
     // SAFETY: a live tensor and a valid out-pointer.
     check(unsafe { abi::sk_deferred_is_pending(handle(tensor), &mut out) })?;
     Ok(out != 0)
+}
+
+/// The tag of the deferred tensor that `tensor` is or views, while it is pending.
+pub(crate) fn tag(tensor: &Tensor) -> Result<Option<u64>> {
+    let (mut pending, mut tag) = (0 as c_int, 0u64);
+    // SAFETY: a live tensor and valid out-pointers.
+    check(unsafe { abi::sk_deferred_tag(handle(tensor), &mut pending, &mut tag) })?;
+    Ok((pending != 0).then_some(tag))
 }
 
 /// How many deferred tensors are pending in the process, and whether the shim's operator observer

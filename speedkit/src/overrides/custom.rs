@@ -77,6 +77,8 @@ pub enum Value<'a> {
     Bool(bool),
     /// A list of integers (sizes, dimensions).
     Ints(&'a [i64]),
+    /// A list of booleans (an `output_mask`).
+    Bools(&'a [bool]),
     /// A string (`approximate="tanh"`).
     Str(&'a str),
     /// Anything else (a device, a layout, a list of tensors), named by its type.
@@ -174,6 +176,14 @@ impl<'a> OverrideCall<'a> {
         match self.value(name)? {
             Value::Ints(v) => Ok(v),
             other => Err(self.wrong_type(name, "a list of integers", other)),
+        }
+    }
+
+    /// The boolean-list argument `name` (`bool[3] output_mask`).
+    pub fn bools(&self, name: &str) -> Result<&'a [bool]> {
+        match self.value(name)? {
+            Value::Bools(v) => Ok(v),
+            other => Err(self.wrong_type(name, "a list of booleans", other)),
         }
     }
 

@@ -312,7 +312,7 @@ impl Function for LogSoftmax {
                 &x.size(),
                 Kind::Float,
                 x.device(),
-                "aten::nll_loss",
+                &["aten::nll_loss"],
                 move |y| {
                     read.store(true, Ordering::Relaxed);
                     source.write_log_probs(y)
