@@ -140,8 +140,13 @@ fn cpu_tensors_never_reach_an_override() {
 /// `group`, built in Rust, is registered under AutocastCUDA for each of its operators (where its
 /// module `file` made it) while its guard lives, with no calls counted yet, and gone after.
 fn assert_registered_under_autocast_cuda_while_held(group: Override, file: &str) {
+    assert_registered_while_held(group, "AutocastCUDA", file);
+}
+
+/// As above, under the dispatch key `key`.
+fn assert_registered_while_held(group: Override, key: &str, file: &str) {
     let _serial = common::serial();
-    let autocast_lines = || -> Vec<String> {
+    let key_lines = || -> Vec<String> {
         group
             .operators()
             .iter()
@@ -149,25 +154,25 @@ fn assert_registered_under_autocast_cuda_while_held(group: Override, file: &str)
                 dispatcher_table(op)
                     .unwrap()
                     .lines()
-                    .find(|l| l.starts_with("AutocastCUDA"))
+                    .find(|l| l.starts_with(&format!("{key}:")))
                     .unwrap_or_default()
                     .to_owned()
             })
             .collect()
     };
-    assert!(autocast_lines().iter().all(|l| !l.contains(file)));
+    assert!(key_lines().iter().all(|l| !l.contains(file)));
     {
         let _guard = common::hold_override(group, true);
         assert!(group.is_registered().unwrap());
         // Registered through the public OperatorOverride, where speedkit's Rust module made it.
-        let lines = autocast_lines();
+        let lines = key_lines();
         assert!(lines.iter().all(|l| l.contains(file)), "{lines:?}");
         for op in group.operators() {
             assert_eq!(group.stats(op).unwrap().ran, 0, "{op}");
         }
     }
     assert!(!group.is_registered().unwrap());
-    assert!(autocast_lines().iter().all(|l| !l.contains(file)));
+    assert!(key_lines().iter().all(|l| !l.contains(file)));
 }
 
 #[test]
@@ -181,4 +186,9 @@ fn the_log_softmax_group_registers_rust_kernels_under_autocast_cuda_until_its_gu
 #[test]
 fn the_linear_group_registers_a_rust_kernel_under_autocast_cuda_until_its_guard_drops() {
     assert_registered_under_autocast_cuda_while_held(Override::Linear, "overrides/linear.rs");
+}
+
+#[test]
+fn the_batch_norm_group_registers_rust_kernels_under_cuda_until_its_guard_drops() {
+    assert_registered_while_held(Override::BatchNorm, "CUDA", "overrides/batch_norm.rs");
 }

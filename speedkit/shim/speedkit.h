@@ -461,7 +461,8 @@ enum sk_op {
   SK_OP_MLP = 6,
   SK_OP_ADAMW = 7,
   SK_OP_FP8_CAST = 8,
-  SK_OP_COUNT = 9
+  SK_OP_BATCH_NORM = 9,
+  SK_OP_COUNT = 10
 };
 
 /// What happened to one op so far in the process: it ran on the kernel (`reason` empty) or took

@@ -63,7 +63,7 @@ impl fmt::Display for Arch {
 /// ```
 /// use speedkit::kernels::KernelOp;
 /// assert_eq!(KernelOp::LayerNorm.name(), "layer_norm");
-/// assert_eq!(KernelOp::ALL.len(), 8);
+/// assert_eq!(KernelOp::ALL.len(), 9);
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -84,11 +84,14 @@ pub enum KernelOp {
     AdamW,
     /// The FP8 casts ([`crate::nn::quantize_fp8`]).
     Fp8Cast,
+    /// BatchNorm in training mode over channels-last activations
+    /// ([`Override::BatchNorm`](crate::overrides::Override::BatchNorm)).
+    BatchNorm,
 }
 
 impl KernelOp {
     /// Every op, in the shim's order.
-    pub const ALL: [KernelOp; 8] = [
+    pub const ALL: [KernelOp; 9] = [
         KernelOp::LayerNorm,
         KernelOp::CrossEntropy,
         KernelOp::BiasGelu,
@@ -97,6 +100,7 @@ impl KernelOp {
         KernelOp::Mlp,
         KernelOp::AdamW,
         KernelOp::Fp8Cast,
+        KernelOp::BatchNorm,
     ];
 
     /// The name the audit and the runner show.
@@ -110,6 +114,7 @@ impl KernelOp {
             KernelOp::Mlp => "mlp",
             KernelOp::AdamW => "adamw",
             KernelOp::Fp8Cast => "fp8 cast",
+            KernelOp::BatchNorm => "batch_norm",
         }
     }
 
@@ -124,6 +129,7 @@ impl KernelOp {
             KernelOp::Mlp => raw::SK_OP_MLP,
             KernelOp::AdamW => raw::SK_OP_ADAMW,
             KernelOp::Fp8Cast => raw::SK_OP_FP8_CAST,
+            KernelOp::BatchNorm => raw::SK_OP_BATCH_NORM,
         }
     }
 

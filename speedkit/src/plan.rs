@@ -1056,7 +1056,8 @@ fn resolve_overrides(setting: AutoBool, kernels: bool, d: &mut Decisions) -> Res
                     true,
                     format!(
                     "{}speedkit's kernels registered as the CUDA kernels of {} while the context \
-                     lives: unchanged tch models (nn::layer_norm, nn::linear and log_softmax under autocast) \
+                     lives: unchanged tch models (nn::layer_norm, nn::linear, log_softmax under autocast and \
+                     nn::batch_norm in training) \
                      run them",
                     if setting == AutoBool::On { "set in the config: " } else { "" },
                     names.join(", ")

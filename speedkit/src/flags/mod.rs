@@ -113,7 +113,7 @@ pub enum FlagKind {
 
 impl Flag {
     /// Every flag, in the order reports list them.
-    pub const ALL: [Flag; 29] = [
+    pub const ALL: [Flag; 31] = [
         Flag::CudaMatmulAllowTf32,
         Flag::Float32MatmulPrecision,
         Flag::CudaMatmulFp32Precision,
@@ -140,9 +140,11 @@ impl Flag {
         Flag::SpeedkitKernel(KernelOp::Mlp),
         Flag::SpeedkitKernel(KernelOp::AdamW),
         Flag::SpeedkitKernel(KernelOp::Fp8Cast),
+        Flag::SpeedkitKernel(KernelOp::BatchNorm),
         Flag::AtenOverride(Override::LayerNorm),
         Flag::AtenOverride(Override::LogSoftmax),
         Flag::AtenOverride(Override::Linear),
+        Flag::AtenOverride(Override::BatchNorm),
     ];
 
     /// PyTorch's spelling of the flag.
@@ -183,11 +185,13 @@ impl Flag {
                 KernelOp::Mlp => "speedkit.kernels.mlp",
                 KernelOp::AdamW => "speedkit.kernels.adamw",
                 KernelOp::Fp8Cast => "speedkit.kernels.fp8_cast",
+                KernelOp::BatchNorm => "speedkit.kernels.batch_norm",
             },
             Flag::AtenOverride(o) => match o {
                 Override::LayerNorm => "speedkit.overrides.layer_norm",
                 Override::LogSoftmax => "speedkit.overrides.log_softmax",
                 Override::Linear => "speedkit.overrides.linear",
+                Override::BatchNorm => "speedkit.overrides.batch_norm",
             },
         }
     }

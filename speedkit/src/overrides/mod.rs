@@ -29,6 +29,7 @@
 //! # Ok::<(), speedkit::SpeedkitError>(())
 //! ```
 
+mod batch_norm;
 mod custom;
 mod linear;
 mod log_softmax;
@@ -70,11 +71,23 @@ pub enum Override {
     /// forward, the weight gradient in fp32 straight from its GEMM, the bias gradient on
     /// speedkit's column-sum kernel.
     Linear,
+    /// BatchNorm in training mode (`nn::batch_norm2d`, `Tensor::batch_norm`) over channels-last
+    /// activations on speedkit's kernels: the statistics, the normalisation and the two backward
+    /// passes each read their inputs once at close to the memory's bandwidth, where ATen's
+    /// channels-last kernels reach a fifth to a half of it. The normalised output is written only
+    /// when read: a `relu` of it, or of its sum with a residual (`add`), runs in the normalisation's
+    /// own pass. Built on the public layer, as [`LogSoftmax`](Override::LogSoftmax).
+    BatchNorm,
 }
 
 impl Override {
     /// Every group, in the order the plan registers them.
-    pub const ALL: [Override; 3] = [Override::LayerNorm, Override::LogSoftmax, Override::Linear];
+    pub const ALL: [Override; 4] = [
+        Override::LayerNorm,
+        Override::LogSoftmax,
+        Override::Linear,
+        Override::BatchNorm,
+    ];
 
     /// The name the audit and the flags show.
     pub const fn name(self) -> &'static str {
@@ -82,6 +95,7 @@ impl Override {
             Override::LayerNorm => "layer_norm",
             Override::LogSoftmax => "log_softmax",
             Override::Linear => "linear",
+            Override::BatchNorm => "batch_norm",
         }
     }
 
@@ -94,6 +108,14 @@ impl Override {
             ],
             Override::LogSoftmax => &["aten::log_softmax.int", "aten::nll_loss"],
             Override::Linear => &["aten::linear"],
+            Override::BatchNorm => &[
+                "aten::native_batch_norm",
+                "aten::native_batch_norm_backward",
+                "aten::cudnn_batch_norm",
+                "aten::cudnn_batch_norm_backward",
+                "aten::relu",
+                "aten::add.Tensor",
+            ],
         }
     }
 
@@ -103,6 +125,7 @@ impl Override {
             Override::LayerNorm => KernelOp::LayerNorm,
             Override::LogSoftmax => KernelOp::CrossEntropy,
             Override::Linear => KernelOp::Linear,
+            Override::BatchNorm => KernelOp::BatchNorm,
         }
     }
 
@@ -156,6 +179,10 @@ impl Override {
                 log_softmax::register_source()?;
                 Ok(vec![log_softmax::SOURCE_NAME])
             }
+            Override::BatchNorm => {
+                batch_norm::register_source()?;
+                Ok(vec![batch_norm::SOURCE_NAME])
+            }
         }
     }
 
@@ -164,7 +191,7 @@ impl Override {
     const fn shim_code(self) -> Option<i32> {
         match self {
             Override::LayerNorm => Some(raw::SK_OVERRIDE_LAYER_NORM),
-            Override::LogSoftmax | Override::Linear => None,
+            Override::LogSoftmax | Override::Linear | Override::BatchNorm => None,
         }
     }
 
@@ -174,6 +201,7 @@ impl Override {
         let overrides: Vec<OperatorOverride> = match self {
             Override::LogSoftmax => log_softmax::operator_overrides().into(),
             Override::Linear => linear::operator_overrides().into(),
+            Override::BatchNorm => batch_norm::operator_overrides().into(),
             Override::LayerNorm => unreachable!("registered by the shim"),
         };
         overrides
