@@ -61,8 +61,9 @@ fn flag(present: bool, bit: i32) -> i32 {
     }
 }
 
-/// The overrides: ATen's `native_batch_norm` and cuDNN's `cudnn_batch_norm` (which ATen's
-/// `batch_norm` calls for fp32 and fp16 activations) with their backwards, on CUDA.
+/// The overrides, on CUDA: ATen's `native_batch_norm` and cuDNN's `cudnn_batch_norm` (which ATen's
+/// `batch_norm` calls for fp32 and fp16 activations) with their backwards, and the `relu` and
+/// `add` that fuse with their pending output.
 pub(crate) fn operator_overrides() -> [OperatorOverride; 6] {
     [
         OperatorOverride::new("aten::native_batch_norm", DispatchKey::Cuda, native_forward),
@@ -90,6 +91,7 @@ pub(crate) fn register_source() -> Result<()> {
 /// A call's result, or why the kernels do not take it.
 type Computed<const N: usize> = std::result::Result<[Tensor; N], String>;
 
+/// The override's answer for a computed call (with `extra`, a last result, appended).
 fn outcome<const N: usize>(computed: Computed<N>, extra: Option<Tensor>) -> Outcome {
     match computed {
         Ok(results) => Outcome::Ran(results.into_iter().chain(extra).collect()),
