@@ -440,3 +440,79 @@ fn the_function_is_dropped_with_its_node() {
     drop(y);
     assert_eq!(drops.load(Ordering::SeqCst), 1, "freed with the node");
 }
+
+/// y = exp(x), saving a detached alias of y; its backward records what `may_overwrite` said of
+/// it and then writes the gradient into it where allowed.
+struct ExpInPlace(std::sync::Arc<std::sync::Mutex<Option<bool>>>);
+
+impl Function for ExpInPlace {
+    fn forward(
+        &mut self,
+        ctx: &mut ForwardContext<'_>,
+        inputs: &[Tensor],
+    ) -> speedkit::Result<Vec<Tensor>> {
+        let y = inputs[0].exp();
+        ctx.save_for_backward(&[&y.detach()])?;
+        Ok(vec![y])
+    }
+
+    fn backward(
+        &mut self,
+        ctx: &mut BackwardContext<'_>,
+        grads: &[Option<Tensor>],
+    ) -> speedkit::Result<Vec<Option<Tensor>>> {
+        let y = ctx.saved()?.remove(0);
+        let g = grads[0].as_ref().expect("materialized");
+        let reuse = ctx.may_overwrite(&y)?;
+        *self.0.lock().unwrap() = Some(reuse);
+        let dx = if reuse {
+            y.shallow_clone().f_mul_(g)?
+        } else {
+            g * &y
+        };
+        Ok(vec![Some(dx)])
+    }
+}
+
+/// What `may_overwrite` said in ExpInPlace's backward, run by `backward`, which hands back x's
+/// gradient; the gradient is checked against exp(x) whatever it said.
+fn may_overwrite_after(backward: impl FnOnce(&Tensor, Tensor) -> Tensor) -> bool {
+    let said = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let x = Tensor::from_slice(&[0.0f64, 1.0, -2.0]).set_requires_grad(true);
+    let y = apply(ExpInPlace(std::sync::Arc::clone(&said)), &[&x])
+        .unwrap()
+        .remove(0);
+    let dx = backward(&x, y);
+    assert!(common::rel_err(&dx, &x.detach().exp()) < 1e-12);
+    let said = said.lock().unwrap().expect("the backward ran");
+    said
+}
+
+#[test]
+fn may_overwrite_holds_for_a_saved_alias_nobody_else_holds() {
+    assert!(may_overwrite_after(|x, y| {
+        let loss = y.sum(Kind::Double);
+        drop(y);
+        loss.backward();
+        x.grad()
+    }));
+}
+
+#[test]
+fn may_overwrite_is_false_while_the_user_holds_the_output() {
+    assert!(!may_overwrite_after(|x, y| {
+        y.sum(Kind::Double).backward();
+        // The gradient was not written over y, which is still alive.
+        assert!(common::rel_err(&y, &x.detach().exp()) < 1e-12);
+        x.grad()
+    }));
+}
+
+#[test]
+fn may_overwrite_is_false_when_the_graph_is_kept_for_another_backward() {
+    assert!(!may_overwrite_after(|x, y| {
+        let loss = y.sum(Kind::Double);
+        drop(y);
+        Tensor::run_backward(&[&loss], &[x], true, false).remove(0)
+    }));
+}

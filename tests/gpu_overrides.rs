@@ -899,6 +899,74 @@ fn the_fused_cross_entropy_never_writes_the_fp32_log_probabilities() {
     assert_eq!(x.grad().kind(), Kind::BFloat16);
 }
 
+/// A classifier's loss over `h` [rows, d] and `w` [classes, d] under CUDA autocast (logits
+/// `h.linear(w)`, viewed as [rows, classes] as a model's `[B, T, classes]` would be), its
+/// gradients, and how far the backward's peak rose above what was allocated when it began;
+/// `hold_logits` keeps the user's handle on the logits through the backward.
+fn classifier_backward(
+    h: &Tensor,
+    w: &Tensor,
+    target: &Tensor,
+    hold_logits: bool,
+) -> (Tensor, Tensor, u64) {
+    let (h, w) = (
+        h.detach().set_requires_grad(true),
+        w.detach().set_requires_grad(true),
+    );
+    let device = h.device();
+    let (loss, logits) = speedkit::amp::autocast(device, Kind::BFloat16, || {
+        let logits = h.linear(&w, None::<&Tensor>).view([1, -1, w.size()[0]]);
+        (
+            logits
+                .view([-1, w.size()[0]])
+                .cross_entropy_for_logits(target),
+            logits,
+        )
+    })
+    .unwrap();
+    let logits = hold_logits.then_some(logits);
+    let base = MemoryUse::now(device).unwrap().allocated;
+    speedkit::memory::reset_peaks(device).unwrap();
+    loss.backward();
+    let rise = MemoryUse::now(device).unwrap().peak_allocated - base;
+    drop(logits);
+    (h.grad(), w.grad(), rise)
+}
+
+#[test]
+fn the_logits_gradient_takes_the_logits_memory_once_nothing_else_holds_them() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "the_logits_gradient_takes_the_logits_memory_once_nothing_else_holds_them",
+    ) else {
+        return;
+    };
+    let _log_softmax = common::hold_override(Override::LogSoftmax, true);
+    let (rows, d, classes) = (2048, 32, 32771);
+    let h = Tensor::randn([rows, d], (Kind::Float, device));
+    let w = Tensor::randn([classes, d], (Kind::Float, device)) * 0.1;
+    let target = Tensor::randint(classes, [rows], (Kind::Int64, device));
+    let logits = (rows * classes * 2) as u64;
+    // Through ATen's linear (autocast's casts) and speedkit's (tch's `nn::linear` on the override).
+    for linear_override in [false, true] {
+        let _linear = common::hold_override(Override::Linear, linear_override);
+        let (dh_held, dw_held, rise_held) = classifier_backward(&h, &w, &target, true);
+        let (dh, dw, rise) = classifier_backward(&h, &w, &target, false);
+        // The same kernel writes the same values, wherever it writes them.
+        assert_eq!(common::rel_err(&dh, &dh_held), 0.0);
+        assert_eq!(common::rel_err(&dw, &dw_held), 0.0);
+        assert!(
+            rise_held >= logits,
+            "with the logits held, the gradient is a tensor of its own: {rise_held} bytes"
+        );
+        assert!(
+            rise < logits / 2,
+            "linear override {linear_override}: the backward rose {rise} bytes above its start (the \
+             bf16 logits are {logits})"
+        );
+    }
+}
+
 #[test]
 fn log_probabilities_read_before_the_fused_loss_are_atens_at_that_read() {
     let _serial = common::serial();
@@ -1079,6 +1147,69 @@ fn linear_operands_autocast_leaves_alone_run_autocasts_path_and_are_counted() {
     assert_eq!((stats.ran, stats.declined), (0, 1), "{stats:?}");
     let last = stats.last_declined.unwrap_or_default();
     assert!(last.contains("Double operands"), "declined for {last}");
+}
+
+/// An MLP `fc2(gelu(fc1(x)))` under CUDA autocast (bf16), run twice on the same leaves (so that
+/// kept weight copies exist before the second run): the output and the gradients of x and both
+/// weights (summed over the two runs) for the upstream gradient `dy`, and the bytes the second
+/// forward left allocated for the backward.
+fn gelu_mlp_pass(
+    x: &Tensor,
+    w1: &Tensor,
+    w2: &Tensor,
+    dy: &Tensor,
+    approximate: &str,
+) -> (Vec<Tensor>, u64) {
+    let [x, w1, w2] = [x, w1, w2].map(|t| t.detach().set_requires_grad(true));
+    let run = || {
+        let before = MemoryUse::now(x.device()).unwrap().allocated;
+        let y = speedkit::amp::autocast(x.device(), Kind::BFloat16, || {
+            x.linear(&w1, None::<&Tensor>)
+                .gelu(approximate)
+                .linear(&w2, None::<&Tensor>)
+        })
+        .unwrap();
+        let held = MemoryUse::now(x.device()).unwrap().allocated - before;
+        (y.to_kind(Kind::Float) * dy).sum(Kind::Float).backward();
+        (vec![y.detach(), x.grad(), w1.grad(), w2.grad()], held)
+    };
+    let _ = run();
+    run()
+}
+
+#[test]
+fn a_linear_of_a_gelu_keeps_the_gelus_input_not_its_output_and_matches_aten() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "a_linear_of_a_gelu_keeps_the_gelus_input_not_its_output_and_matches_aten",
+    ) else {
+        return;
+    };
+    for approximate in ["none", "tanh"] {
+        for (rows, d) in [(231, 96), (5, 13), (256, 768)] {
+            let case = format!("gelu {approximate} {rows}x{d}");
+            let x = Tensor::randn([rows, d], (Kind::Float, device));
+            let w1 = Tensor::randn([4 * d, d], (Kind::Float, device)) / (d as f64).sqrt();
+            let w2 = Tensor::randn([d, 4 * d], (Kind::Float, device)) / (4.0 * d as f64).sqrt();
+            let dy = Tensor::randn([rows, d], (Kind::Float, device));
+            let (expected, held_aten) = {
+                let _off = common::hold_override(Override::Linear, false);
+                gelu_mlp_pass(&x, &w1, &w2, &dy, approximate)
+            };
+            let _on = common::hold_override(Override::Linear, true);
+            let (got, held) = gelu_mlp_pass(&x, &w1, &w2, &dy, approximate);
+            // ATen's path keeps the GELU's bf16 output (and the weights' casts) for the backward.
+            let gelu_output = (rows * 4 * d * 2) as u64;
+            assert!(
+                held + gelu_output <= held_aten,
+                "{case}: the forward kept {held} bytes, ATen's {held_aten}"
+            );
+            for (name, g, e) in [("y", 0, 0), ("dx", 1, 1), ("dw1", 2, 2), ("dw2", 3, 3)] {
+                let err = common::rel_err(&got[g], &expected[e]);
+                assert!(err < 1e-2, "{case} {name}: relative error {err}");
+            }
+        }
+    }
 }
 
 /// `f(x)`'s gradient with respect to `x`, itself differentiable (create_graph), under CUDA

@@ -15,6 +15,7 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <c10/util/SmallVector.h>
 
 #if SK_WITH_CUDA
@@ -344,6 +345,19 @@ int sk_function_call_saved(void* call, sk_tensor* out, int64_t capacity, int64_t
 
 int sk_function_call_needs_input_grad(void* call, int64_t index, int* out) {
   SK_TRY(*out = sk::call_of(call).ctx->needs_input_grad(static_cast<size_t>(index)) ? 1 : 0)
+}
+
+int sk_function_call_may_overwrite(void* call, sk_tensor tensor, int* out) {
+  SK_TRY({
+    (void)sk::call_of(call);
+    const at::Tensor& t = *tensor;
+    // Two owners of the TensorImpl: the caller's handle and the saved variable. One TensorImpl on
+    // the storage: no view, base or alias of it lives anywhere else. The engine releases saved
+    // variables after the node unless the graph is kept, when the next backward reads them again.
+    const bool exclusive = t.defined() && t.has_storage() && t.storage().data() != nullptr &&
+                           t.use_count() <= 2 && t.storage().use_count() == 1;
+    *out = exclusive && !torch::autograd::get_current_graph_task_keep_graph() ? 1 : 0;
+  })
 }
 
 }  // extern "C"

@@ -15,15 +15,24 @@
 // writes them in its update pass) instead of casting each weight in every forward. Inputs the
 // kernels do not take run ATen's `linear` instead (sk::ops::run_or_fall_back).
 //
+// A linear whose input is a GELU's output (a transformer MLP's second layer) keeps the GELU's input
+// for its weight gradient instead of that output, and recomputes the GELU there: the GELU's own
+// backward keeps its input anyway, so the output ([rows, 4·d] per block) is freed as soon as the
+// forward is done with it, what torch.compile's partitioner does for the same pair.
+//
 // Differentiable once: a second derivative through the backward is an error (fused_op_gradients).
 #include "bias_grad.cuh"
 #include "fused_op.h"
 
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/cat.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
+#include <torch/csrc/autograd/generated/Functions.h>
 
+#include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -65,17 +74,43 @@ std::pair<at::Tensor, at::Tensor> output_gradient(const variable_list& grads, at
   return {dy, with_bias ? sk::kernels::bias_grad::column_sums(dy, bias_type) : at::Tensor()};
 }
 
+// What a GELU's output `x` was computed from: the input the GELU's node keeps for its own backward
+// (detached), and its `approximate`.
+struct GeluSource {
+  at::Tensor input;
+  std::string approximate;
+};
+
+// `x`'s GeluSource where `x` is the whole output of a GELU recorded by autograd, else none.
+std::optional<GeluSource> gelu_source(const at::Tensor& x) {
+  if (!x.requires_grad() || x.is_view() || x.output_nr() != 0) return std::nullopt;
+  auto* gelu = dynamic_cast<torch::autograd::generated::GeluBackward0*>(x.grad_fn().get());
+  if (gelu == nullptr) return std::nullopt;
+  at::Tensor input;
+  try {
+    input = gelu->self_.unpack();
+  } catch (const c10::Error&) {
+    return std::nullopt;  // released after a backward, or changed in place: keep x as usual
+  }
+  if (!input.defined() || input.sizes() != x.sizes() || input.scalar_type() != x.scalar_type()) return std::nullopt;
+  return GeluSource{input.detach(), gelu->approximate};
+}
+
 struct LinearFunction : torch::autograd::Function<LinearFunction> {
   // x: [rows, in]; weight: [out, in]; bias_in: [out] when has_bias, else sk::placeholder_unless's
-  // placeholder; `requested` the GEMMs' type (compute_type). Returns y [rows, out] as `chunks`
-  // equal column blocks (views of one tensor).
+  // placeholder; `requested` the GEMMs' type (compute_type); `gelu_input` x's GELU input as rows
+  // like x where x is a GELU's output (gelu_source), else a placeholder. Returns y [rows, out] as
+  // `chunks` equal column blocks (views of one tensor).
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                               const at::Tensor& bias_in, bool has_bias, int64_t chunks, int64_t requested) {
+                               const at::Tensor& bias_in, bool has_bias, int64_t chunks, int64_t requested,
+                               const at::Tensor& gelu_input, const std::optional<std::string>& approximate) {
     const at::Tensor bias = has_bias ? bias_in : at::Tensor();
     const at::ScalarType type = compute_type(x, requested);
     at::Tensor x_c = x.to(type);
     at::Tensor w_c = sk::weight_casts::get(weight, type);
-    ctx->save_for_backward({x_c, w_c});
+    ctx->save_for_backward({approximate ? gelu_input : x_c, w_c});
+    if (approximate) ctx->saved_data["gelu"] = *approximate;
+    ctx->saved_data["type"] = static_cast<int64_t>(type);
     ctx->saved_data["weight_type"] = static_cast<int64_t>(weight.scalar_type());
     ctx->saved_data["bias_type"] = static_cast<int64_t>(bias.defined() ? bias.scalar_type() : type);
     ctx->saved_data["has_bias"] = bias.defined();
@@ -86,16 +121,24 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto saved = ctx->get_saved_variables();
-    const at::Tensor& x = saved[0];
     const at::Tensor& w = saved[1];
+    const auto type = static_cast<at::ScalarType>(ctx->saved_data["type"].toInt());
     const auto weight_type = static_cast<at::ScalarType>(ctx->saved_data["weight_type"].toInt());
     const auto bias_type = static_cast<at::ScalarType>(ctx->saved_data["bias_type"].toInt());
     const bool with_bias = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
-    auto [dy, db] = output_gradient(grads, x.scalar_type(), with_bias, bias_type);
+    auto [dy, db] = output_gradient(grads, type, with_bias, bias_type);
     at::Tensor dx, dw;
     if (ctx->needs_input_grad(0)) dx = at::mm(dy, w);
-    if (ctx->needs_input_grad(1)) dw = weight_gradient(dy, x, weight_type);
-    return fused_op_gradients({dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor()}, "Linear");
+    if (ctx->needs_input_grad(1)) {
+      // The forward's x_c again: the same ATen GELU on the same input gives the same values.
+      const auto gelu = ctx->saved_data.find("gelu");
+      const at::Tensor x = gelu == ctx->saved_data.end()
+                               ? saved[0]
+                               : at::gelu(saved[0], gelu->second.toStringRef()).to(type);
+      dw = weight_gradient(dy, x, weight_type);
+    }
+    return fused_op_gradients({dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()},
+                              "Linear");
   }
 };
 
@@ -135,9 +178,11 @@ variable_list linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
   return sk::ops::run_or_fall_back(
       SK_OP_LINEAR, unsupported(x, weight, bias),
       [&] {
-        variable_list outputs = LinearFunction::apply(x.reshape({-1, in}), weight,
-                                                      sk::placeholder_unless(bias.defined(), bias, weight),
-                                                      bias.defined(), chunks, type);
+        const std::optional<GeluSource> gelu = gelu_source(x);
+        variable_list outputs = LinearFunction::apply(
+            x.reshape({-1, in}), weight, sk::placeholder_unless(bias.defined(), bias, weight), bias.defined(), chunks,
+            type, gelu ? gelu->input.reshape({-1, in}) : sk::placeholder_unless(false, x, x),
+            gelu ? std::optional<std::string>(gelu->approximate) : std::nullopt);
         for (at::Tensor& output : outputs) output = sk::shaped_like(output, x, out / chunks);
         return outputs;
       },

@@ -407,6 +407,10 @@ int sk_function_call_set_materialize_grads(void* call, int value);
 int sk_function_call_saved(void* call, sk_tensor* out, int64_t capacity, int64_t* count);
 /// In a backward: whether input `index` needs a gradient.
 int sk_function_call_needs_input_grad(void* call, int64_t index, int* out);
+/// In a backward: whether `tensor`'s memory may take the backward's result: only the caller's
+/// handle and the node's saved copy own it, no other tensor shares its storage, and the graph
+/// is not kept for another backward.
+int sk_function_call_may_overwrite(void* call, sk_tensor tensor, int* out);
 
 // @module deferred: tensors whose memory and values come at their first read (deferred.cpp)
 

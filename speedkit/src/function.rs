@@ -131,6 +131,47 @@ impl BackwardContext<'_> {
     pub fn needs_input_grad(&self, index: usize) -> Result<bool> {
         self.call.needs_input_grad(index)
     }
+
+    /// Whether the backward may write its result into `tensor`'s memory, as llm.c writes the
+    /// logits' gradient over the logits: `tensor` (usually a saved one, from [`saved`](Self::saved))
+    /// is held only by the node and by the caller's one handle, no other tensor (a view, its
+    /// base, the user's own) shares its memory, and the graph is not kept
+    /// (`retain_graph`) for another backward that reads it again. The gradient can then take the
+    /// place of what it is computed from, and the step's peak holds one of the two.
+    ///
+    /// Save a [`detach`](Tensor::detach)ed alias of an input for this to hold once the user
+    /// drops the input: the input's own tensor is also held by whatever made it.
+    ///
+    /// ```
+    /// use speedkit::function::{apply, BackwardContext, ForwardContext, Function};
+    /// use tch::{Kind, Tensor};
+    ///
+    /// /// y = exp(x), whose gradient g·y may take y's memory.
+    /// struct Exp;
+    ///
+    /// impl Function for Exp {
+    ///     fn forward(&mut self, ctx: &mut ForwardContext<'_>, inputs: &[Tensor]) -> speedkit::Result<Vec<Tensor>> {
+    ///         let y = inputs[0].exp();
+    ///         ctx.save_for_backward(&[&y.detach()])?;
+    ///         Ok(vec![y])
+    ///     }
+    ///     fn backward(&mut self, ctx: &mut BackwardContext<'_>, grads: &[Option<Tensor>]) -> speedkit::Result<Vec<Option<Tensor>>> {
+    ///         let y = ctx.saved()?.remove(0);
+    ///         let g = grads[0].as_ref().expect("a gradient");
+    ///         let dx = if ctx.may_overwrite(&y)? { y.shallow_clone().f_mul_(g)? } else { g * &y };
+    ///         Ok(vec![Some(dx)])
+    ///     }
+    /// }
+    ///
+    /// let x = Tensor::from_slice(&[0.0f32, 1.0]).set_requires_grad(true);
+    /// let loss = apply(Exp, &[&x])?.remove(0).sum(Kind::Float); // y itself is dropped here
+    /// loss.backward();
+    /// assert_eq!(Vec::<f32>::try_from(x.grad())?, [1.0, 1.0f32.exp()]);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn may_overwrite(&self, tensor: &Tensor) -> Result<bool> {
+        self.call.may_overwrite(tensor)
+    }
 }
 
 /// `function`'s outputs for `inputs`, recorded as one node of the autograd graph where grad mode is

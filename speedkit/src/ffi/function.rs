@@ -84,6 +84,13 @@ impl Call {
         Ok(out != 0)
     }
 
+    pub(crate) fn may_overwrite(&self, tensor: &Tensor) -> Result<bool> {
+        let mut out = 0;
+        // SAFETY: a live call, a live tensor, a valid out-pointer.
+        check(unsafe { abi::sk_function_call_may_overwrite(self.0, handle(tensor), &mut out) })?;
+        Ok(out != 0)
+    }
+
     fn hand_back<'t>(
         &self,
         results: impl ExactSizeIterator<Item = Option<&'t Tensor>>,

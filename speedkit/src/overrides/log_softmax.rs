@@ -15,7 +15,9 @@
 //! cross-entropy node: `nll_loss` of log-probabilities this module made computes the loss from the
 //! logits and the per-row log-sum-exp the forward kept (loss = lse - x[target] per row), its node
 //! takes the logits themselves as input, and its backward is one pass over the logits:
-//! dx = k · (exp(x - lse) - onehot(target)). Neither the NLL's dense fp32 gradient nor, in the
+//! dx = k · (exp(x - lse) - onehot(target)), written over the logits themselves where nothing else
+//! holds them any more ([`BackwardContext::may_overwrite`]), as llm.c does, so that the loss's
+//! backward holds one [rows, classes] tensor where it would hold two. Neither the NLL's dense fp32 gradient nor, in the
 //! usual case, the fp32 log-probabilities (1.6 GB at GPT-2's size) are ever written: where the
 //! result will carry a gradient, the forward computes only the log-sum-exp and returns the
 //! log-probabilities *deferred* ([`crate::deferred`]): they get their memory and values only if an
@@ -344,7 +346,14 @@ impl Function for LogSoftmax {
             return Ok(vec![None]);
         };
         let dy = dy.f_to_kind(Kind::Float)?.f_contiguous()?;
-        let dx = Tensor::f_empty(x.size(), (x.kind(), x.device()))?;
+        // Each element of the gradient is computed from the same element of the logits alone, so
+        // where nothing else can read the logits any more the gradient takes their memory, as
+        // llm.c's classifier does: the step's peak then holds one [rows, classes] tensor, not two.
+        let dx = if ctx.may_overwrite(&x)? {
+            x.shallow_clone()
+        } else {
+            Tensor::f_empty(x.size(), (x.kind(), x.device()))?
+        };
         let (rows, width) = rows_and_width(&x);
         let (grid, block) = launch_shape(rows, width);
         self.source.kernels.backward.launch(
@@ -405,7 +414,9 @@ impl Function for CrossEntropy {
             Reduction::Mean => total.f_div(&total_weight)?,
             Reduction::Sum => total,
         };
-        ctx.save_for_backward(&[x, &self.lse, target, &total_weight])?;
+        // A detached alias: one that keeps no view or base of the user's logits alive, so that
+        // once the user drops them the backward may write the gradient over them.
+        ctx.save_for_backward(&[&x.f_detach()?, &self.lse, target, &total_weight])?;
         Ok(vec![loss])
     }
 
@@ -424,7 +435,14 @@ impl Function for CrossEntropy {
                 )
             })?;
         let grad = grad.f_to_kind(Kind::Float)?.f_contiguous()?;
-        let dx = Tensor::f_empty(x.size(), (x.kind(), x.device()))?;
+        // Each element of the gradient is computed from the same element of the logits alone, so
+        // where nothing else can read the logits any more the gradient takes their memory, as
+        // llm.c's classifier does: the step's peak then holds one [rows, classes] tensor, not two.
+        let dx = if ctx.may_overwrite(&x)? {
+            x.shallow_clone()
+        } else {
+            Tensor::f_empty(x.size(), (x.kind(), x.device()))?
+        };
         let (rows, width) = rows_and_width(&x);
         let (grid, block) = launch_shape(rows, width);
         self.kernels.nll_backward.launch(
