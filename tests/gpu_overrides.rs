@@ -1416,19 +1416,14 @@ fn follows_fp32_as_closely_as_bf16_over_200_steps(model: TchModel, groups: &[(Ov
         reference[199] < 0.8 * reference[0],
         "{model:?}: the batch must be learnable"
     );
-    let gap = |run: &[f64]| {
-        run.iter()
-            .zip(&reference)
-            .map(|(x, y)| (x - y).abs() / y.abs().max(1e-12))
-            .fold(0.0, f64::max)
-    };
-    let (gap_aten, gap_fused) = (gap(&aten), gap(&fused));
+    let gap_aten = common::largest_relative_gap(&aten, &reference);
+    let gap_fused = common::largest_relative_gap(&fused, &reference);
     eprintln!(
         "{model:?}, 200 steps: fp32 {:.4} -> {:.4}; largest relative gap vs fp32: bf16 ATen \
          {gap_aten:.4}, bf16 overrides {gap_fused:.4}",
         reference[0], reference[199]
     );
-    let tolerance = 0.05f64.max(1.25 * gap_aten);
+    let tolerance = common::bf16_tolerance(gap_aten);
     assert!(
         gap_fused <= tolerance,
         "{model:?}: overrides {gap_fused} > {tolerance} (ATen {gap_aten})"
