@@ -17,12 +17,12 @@
 //! takes the logits themselves as input, and its backward is one pass over the logits:
 //! dx = k · (exp(x - lse) - onehot(target)), written over the logits themselves where nothing else
 //! holds them any more ([`BackwardContext::may_overwrite`]), as llm.c does, so that the loss's
-//! backward holds one [rows, classes] tensor where it would hold two. Neither the NLL's dense fp32 gradient nor, in the
-//! usual case, the fp32 log-probabilities (1.6 GB at GPT-2's size) are ever written: where the
-//! result will carry a gradient, the forward computes only the log-sum-exp and returns the
-//! log-probabilities *deferred* ([`crate::deferred`]): they get their memory and values only if an
-//! operator other than `nll_loss` reads them, at that read, so every other use sees exactly what
-//! ATen's kernel would have written. A shape whose deferred result was read is written in the
+//! backward holds one [rows, classes] tensor where it would hold two. Neither the NLL's dense fp32
+//! gradient nor, in the usual case, the fp32 log-probabilities (1.6 GB at GPT-2's size) are ever
+//! written: where the result will carry a gradient, the forward computes only the log-sum-exp and
+//! returns the log-probabilities *deferred* ([`crate::deferred`]): they get their memory and
+//! values only if an operator other than `nll_loss` reads them, at that read, so every other use
+//! sees exactly what ATen's kernel would have written. A shape whose deferred result was read is written in the
 //! one-pass forward from then on (`Deferrals`), so a step that reads its log-probabilities beside
 //! the loss pays no extra read of the logits. Where the log-probabilities also feed something
 //! else, that use reaches the logits through the `log_softmax` node as usual and autograd adds the
@@ -346,14 +346,7 @@ impl Function for LogSoftmax {
             return Ok(vec![None]);
         };
         let dy = dy.f_to_kind(Kind::Float)?.f_contiguous()?;
-        // Each element of the gradient is computed from the same element of the logits alone, so
-        // where nothing else can read the logits any more the gradient takes their memory, as
-        // llm.c's classifier does: the step's peak then holds one [rows, classes] tensor, not two.
-        let dx = if ctx.may_overwrite(&x)? {
-            x.shallow_clone()
-        } else {
-            Tensor::f_empty(x.size(), (x.kind(), x.device()))?
-        };
+        let dx = Tensor::f_empty(x.size(), (x.kind(), x.device()))?;
         let (rows, width) = rows_and_width(&x);
         let (grid, block) = launch_shape(rows, width);
         self.source.kernels.backward.launch(
