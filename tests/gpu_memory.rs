@@ -1,7 +1,9 @@
 //! Device memory on the GPU: a whole-step graph reserves about what the eager step does, a dropped
 //! model leaves nothing behind, an out-of-memory step names its phase and the process trains on
 //! with a smaller model, checkpointed blocks give the plain gradients under autocast and inside
-//! a graphed step, and a capture that frees idle cuBLAS workspaces leaves a live graph its own.
+//! a graphed step, a capture that frees idle cuBLAS workspaces leaves a live graph its own, and a
+//! Linear keeps a weight copy only where its batch is at least as wide as the weight and saves no
+//! weight where its input needs no gradient.
 //! Skipped, with the reason printed, without a GPU.
 
 mod common;
@@ -80,7 +82,8 @@ fn train_and_drop(device: Device) {
     let vs = nn::VarStore::new(device);
     let layer = speedkit::nn::Linear::new(&(vs.root() / "fc"), 1024, 1024, true);
     let mut opt = ctx.adamw(&vs, AdamW::default()).unwrap();
-    let x = Tensor::randn([512, 1024], (Kind::Float, device));
+    // As many rows as the layer has outputs, so that it keeps a copy (linear.cpp).
+    let x = Tensor::randn([1024, 1024], (Kind::Float, device));
     run_steps(
         &ctx,
         |_| {
@@ -120,6 +123,61 @@ fn a_dropped_model_leaves_nothing_allocated() {
         "before {before}\nafter {after}"
     );
     assert_eq!(after.graph_pools.reserved, 0, "{after}");
+}
+
+/// Bytes a bf16 forward of speedkit's Linear ([out, in] fp32 weight, `rows` rows of input that
+/// requires grad or not) leaves allocated for its backward, and the weight copies kept after it.
+fn linear_forward_holds(device: Device, rows: i64, out: i64, input_grad: bool) -> (u64, u64) {
+    let ctx = SpeedContext::new(&SpeedConfig {
+        precision: speedkit::config::Precision::Bf16,
+        ..SpeedConfig::auto()
+    })
+    .unwrap();
+    let vs = nn::VarStore::new(device);
+    let layer = speedkit::nn::Linear::new(&(vs.root() / "fc"), 1024, out, false);
+    let x = Tensor::randn([rows, 1024], (Kind::Float, device)).set_requires_grad(input_grad);
+    // A first pass makes what the process keeps for good (cuBLAS's workspace for the stream).
+    let warm_up = ctx.autocast(|| layer.forward_t(&x)).unwrap();
+    warm_up.to_kind(Kind::Float).sum(Kind::Float).backward();
+    drop(warm_up);
+    memory::drop_weight_copies().unwrap();
+    let before = MemoryUse::now(device).unwrap().allocated;
+    let y = ctx.autocast(|| layer.forward_t(&x)).unwrap();
+    let held = MemoryUse::now(device).unwrap().allocated - before - y.numel() as u64 * 2;
+    let copies = memory::weight_copies().unwrap().0;
+    y.to_kind(Kind::Float).sum(Kind::Float).backward();
+    (held, copies)
+}
+
+#[test]
+fn a_layer_wider_than_its_batch_keeps_no_weight_copy() {
+    let Some(device) = cuda_or_skip("a_layer_wider_than_its_batch_keeps_no_weight_copy") else {
+        return;
+    };
+    let _serial = common::serial();
+    let (_, narrow_batch) = linear_forward_holds(device, 64, 4096, true);
+    let (_, wide_batch) = linear_forward_holds(device, 4096, 4096, true);
+    assert_eq!(narrow_batch, 0, "64 rows through a [4096, 1024] weight");
+    assert_eq!(wide_batch, 4096 * 1024 * 2, "4096 rows keep the bf16 copy");
+}
+
+#[test]
+fn a_first_layer_keeps_no_weight_for_its_backward() {
+    let Some(device) = cuda_or_skip("a_first_layer_keeps_no_weight_for_its_backward") else {
+        return;
+    };
+    let _serial = common::serial();
+    let weight_bf16 = 4096 * 1024 * 2;
+    let (first_layer, _) = linear_forward_holds(device, 64, 4096, false);
+    let (inner_layer, _) = linear_forward_holds(device, 64, 4096, true);
+    assert!(
+        first_layer < weight_bf16 / 4,
+        "an input without gradient: {first_layer} bytes held"
+    );
+    assert!(
+        inner_layer >= weight_bf16,
+        "an input with gradient keeps the weight's cast: {inner_layer} bytes held"
+    );
 }
 
 #[test]

@@ -241,7 +241,19 @@ pub struct Fp8Config {
     /// crossover ([`Fp8Recipe::measured_min_gemm_size`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub min_gemm_size: Option<u64>,
+    /// Under `enabled: auto`, the most MiB a layer's backward may hold in FP8 copies of its output
+    /// gradient (tokens × out_features bytes in each of the two layouts its GEMMs take, beside the
+    /// 16-bit gradient); a layer needing more stays in the autocast dtype. That layer is a
+    /// classifier over a large vocabulary, whose backward runs first, at the step's memory peak.
+    /// Unset: [`DEFAULT_MAX_GRADIENT_COPIES_MIB`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_gradient_copies_mib: Option<u64>,
 }
+
+/// [`Fp8Config::max_gradient_copies_mib`] when unset: GPT-2's classifier (50,304 classes) at 8,192
+/// tokens needs 786 MiB and stays in bf16, as torchtitan's and Megatron-LM's FP8 recipes keep the
+/// output layer; a classifier over 8,192 classes at 16,384 tokens (256 MiB) runs in FP8.
+pub const DEFAULT_MAX_GRADIENT_COPIES_MIB: u64 = 512;
 
 impl Default for Fp8Config {
     fn default() -> Self {
@@ -251,6 +263,7 @@ impl Default for Fp8Config {
             amax_history: 16,
             gradient_format: None,
             min_gemm_size: None,
+            max_gradient_copies_mib: None,
         }
     }
 }
@@ -285,6 +298,24 @@ impl Fp8Config {
     pub fn gradient_format(&self) -> Fp8GradientFormat {
         self.gradient_format
             .unwrap_or_else(|| self.recipe.default_gradient_format())
+    }
+
+    /// The most bytes of FP8 output-gradient copies a layer's backward may hold under
+    /// `enabled: auto`: `max_gradient_copies_mib` when set, else
+    /// [`DEFAULT_MAX_GRADIENT_COPIES_MIB`].
+    ///
+    /// ```
+    /// use speedkit_config::{Fp8Config, DEFAULT_MAX_GRADIENT_COPIES_MIB};
+    /// let mut fp8 = Fp8Config::default();
+    /// assert_eq!(fp8.max_gradient_copy_bytes(), DEFAULT_MAX_GRADIENT_COPIES_MIB << 20);
+    /// fp8.max_gradient_copies_mib = Some(64);
+    /// assert_eq!(fp8.max_gradient_copy_bytes(), 64 << 20);
+    /// ```
+    #[must_use]
+    pub fn max_gradient_copy_bytes(&self) -> u64 {
+        self.max_gradient_copies_mib
+            .unwrap_or(DEFAULT_MAX_GRADIENT_COPIES_MIB)
+            .saturating_mul(1 << 20)
     }
 }
 

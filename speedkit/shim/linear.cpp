@@ -12,8 +12,9 @@
 // The forward runs the GEMMs ATen's linear runs (addmm with its bias epilogue), on the same operands
 // autocast would give it: x, W and b in the autocast type where autocast is on for CUDA. W's and b's
 // copies in that type come from weight_casts.cpp, which keeps them across steps (speedkit's AdamW
-// writes them in its update pass) instead of casting each weight in every forward. Inputs the
-// kernels do not take run ATen's `linear` instead (sk::ops::run_or_fall_back).
+// writes them in its update pass) instead of casting each weight in every forward, for the layers
+// where that costs no memory at the step's peak (weight_operand). Inputs the kernels do not take run
+// ATen's `linear` instead (sk::ops::run_or_fall_back).
 //
 // A linear whose input is a GELU's output (a transformer MLP's second layer) keeps the GELU's input
 // for its weight gradient instead of that output, and recomputes the GELU there: the GELU's own
@@ -96,6 +97,17 @@ std::optional<GeluSource> gelu_source(const at::Tensor& x) {
   return GeluSource{input.detach(), gelu->approximate};
 }
 
+// The weight in `type` for a GEMM of `rows` rows: the copy weight_casts.cpp keeps across steps where
+// the layer's input (rows × in) is at least as large as its weight (out × in), else a cast that
+// lives until the layer's backward. Where activations outweigh weights, the step's memory peaks
+// near the end of the forward, when every layer's cast would be alive anyway, and the kept copy
+// only saves the cast's pass. Where the weights outweigh the activations (wide layers on a small
+// batch), the peak comes at the end of the backward, beside every gradient: a cast is freed by then
+// and a kept copy is not.
+at::Tensor weight_operand(const at::Tensor& weight, int64_t rows, at::ScalarType type) {
+  return rows >= weight.size(0) ? sk::weight_casts::get(weight, type) : weight.to(type);
+}
+
 struct LinearFunction : torch::autograd::Function<LinearFunction> {
   // x: [rows, in]; weight: [out, in]; bias_in: [out] when has_bias, else sk::placeholder_unless's
   // placeholder; `requested` the GEMMs' type (compute_type); `gelu_input` x's GELU input as rows
@@ -107,8 +119,11 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     const at::Tensor bias = has_bias ? bias_in : at::Tensor();
     const at::ScalarType type = compute_type(x, requested);
     at::Tensor x_c = x.to(type);
-    at::Tensor w_c = sk::weight_casts::get(weight, type);
-    ctx->save_for_backward({approximate ? gelu_input : x_c, w_c});
+    at::Tensor w_c = weight_operand(weight, x.size(0), type);
+    // Only what the backward will use: the first layer of a model (an input without gradient)
+    // needs no weight for its backward, and a frozen weight no input.
+    ctx->save_for_backward({weight.requires_grad() ? (approximate ? gelu_input : x_c) : at::Tensor(),
+                            x.requires_grad() ? w_c : at::Tensor()});
     if (approximate) ctx->saved_data["gelu"] = *approximate;
     ctx->saved_data["type"] = static_cast<int64_t>(type);
     ctx->saved_data["weight_type"] = static_cast<int64_t>(weight.scalar_type());

@@ -129,6 +129,9 @@ pub struct Fp8Plan {
     /// Layers whose GEMM (tokens × in × out) is smaller stay in the autocast dtype; 0 under
     /// `enabled: true` (every layer whose shapes allow FP8).
     pub min_gemm_size: u64,
+    /// Layers whose backward would hold more bytes of FP8 output-gradient copies stay in the
+    /// autocast dtype; `u64::MAX` under `enabled: true`.
+    pub max_gradient_copy_bytes: u64,
 }
 
 fn serialize_recipe<S: serde::Serializer>(r: &Fp8Recipe, s: S) -> Result<S::Ok, S::Error> {
@@ -928,11 +931,12 @@ fn resolve_fp8(
     precision: ResolvedPrecision,
     d: &mut Decisions,
 ) -> Result<Option<Fp8Plan>> {
-    let plan = |min_gemm_size| Fp8Plan {
+    let plan = |min_gemm_size, max_gradient_copy_bytes| Fp8Plan {
         recipe: config.recipe,
         gradient_format: config.gradient_format(),
         amax_history: config.amax_history as usize,
         min_gemm_size,
+        max_gradient_copy_bytes,
     };
     let capable = gpu.filter(|g| g.supports_fp8());
     let (value, reason) = match (config.enabled, capable, precision) {
@@ -946,7 +950,7 @@ fn resolve_fp8(
                  {machine}; set fp8.enabled to auto or false"
             )));
         }
-        (AutoBool::On, Some(_), _) => (Some(plan(0)), "set in the config".to_owned()),
+        (AutoBool::On, Some(_), _) => (Some(plan(0, u64::MAX)), "set in the config".to_owned()),
         (AutoBool::Auto, None, _) => (
             None,
             match gpu {
@@ -963,10 +967,15 @@ fn resolve_fp8(
                 .to_owned(),
         ),
         (AutoBool::Auto, Some(g), _) => (
-            Some(plan(config.min_gemm_size())),
+            Some(plan(
+                config.min_gemm_size(),
+                config.max_gradient_copy_bytes(),
+            )),
             format!(
                 "SM {} has FP8 Tensor Cores: Linear GEMMs of at least {} (tokens × in × out{}) \
-                 run in FP8 ({} scaling, {} gradients); smaller ones stay in the autocast dtype",
+                 run in FP8 ({} scaling, {} gradients); smaller ones stay in the autocast dtype, \
+                 as do layers whose backward would hold more than {} MiB of FP8 copies of the \
+                 output gradient",
                 g.compute_capability,
                 config.min_gemm_size(),
                 if config.min_gemm_size.is_none() {
@@ -975,7 +984,8 @@ fn resolve_fp8(
                     ""
                 },
                 config.recipe.as_str(),
-                config.gradient_format().as_str()
+                config.gradient_format().as_str(),
+                config.max_gradient_copy_bytes() >> 20
             ),
         ),
     };

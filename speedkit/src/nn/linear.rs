@@ -227,6 +227,16 @@ pub(crate) fn fp8_gemm(x: &Tensor, weight: &Tensor, plan: &Fp8Plan) -> Result<St
         return Err("the input is not on a CUDA device".into());
     }
     let tokens = x.numel() as i64 / in_features.max(1);
+    fp8_gemm_of_shape(tokens, in_features, out_features, plan)
+}
+
+/// [`fp8_gemm`] for a GEMM of `tokens` rows through an `[out_features, in_features]` weight.
+fn fp8_gemm_of_shape(
+    tokens: i64,
+    in_features: i64,
+    out_features: i64,
+    plan: &Fp8Plan,
+) -> Result<String, String> {
     let gemm = format!("GEMM {tokens} × {in_features} × {out_features}");
     if [tokens, in_features, out_features]
         .iter()
@@ -241,6 +251,18 @@ pub(crate) fn fp8_gemm(x: &Tensor, weight: &Tensor, plan: &Fp8Plan) -> Result<St
         return Err(format!(
             "{gemm} = {size}, below fp8.min_gemm_size {}: the casts would cost more than FP8 gains",
             plan.min_gemm_size
+        ));
+    }
+    // The backward casts the output gradient to one byte per element in both layouts its GEMMs
+    // take, beside the 16-bit gradient: for the first layer of the backward (the classifier), at
+    // the step's memory peak.
+    let copies = 2 * (tokens as u64) * (out_features as u64);
+    if copies > plan.max_gradient_copy_bytes {
+        return Err(format!(
+            "{gemm}: its backward would hold {} MiB of FP8 copies of the output gradient, above \
+             fp8.max_gradient_copies_mib {}",
+            copies >> 20,
+            plan.max_gradient_copy_bytes >> 20
         ));
     }
     Ok(gemm)
@@ -337,5 +359,44 @@ impl Fp8Scope {
 impl Drop for Fp8Scope {
     fn drop(&mut self) {
         SCOPES.with(|s| s.borrow_mut().pop());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use speedkit_config::{Fp8GradientFormat, Fp8Recipe};
+
+    fn plan(min_gemm_size: u64, max_gradient_copy_bytes: u64) -> Fp8Plan {
+        Fp8Plan {
+            recipe: Fp8Recipe::Delayed,
+            gradient_format: Fp8GradientFormat::E5m2,
+            amax_history: 16,
+            min_gemm_size,
+            max_gradient_copy_bytes,
+        }
+    }
+
+    #[test]
+    fn a_classifier_whose_gradient_copies_exceed_the_limit_stays_in_the_autocast_dtype() {
+        let limit = speedkit_config::Fp8Config::default().max_gradient_copy_bytes();
+        let why = fp8_gemm_of_shape(8192, 768, 50304, &plan(0, limit)).unwrap_err();
+        assert!(why.contains("786 MiB of FP8 copies"), "{why}");
+        assert!(why.contains("fp8.max_gradient_copies_mib 512"), "{why}");
+    }
+
+    #[test]
+    fn a_layer_whose_gradient_copies_fit_runs_in_fp8() {
+        let limit = speedkit_config::Fp8Config::default().max_gradient_copy_bytes();
+        assert_eq!(
+            fp8_gemm_of_shape(16384, 768, 8192, &plan(0, limit)),
+            Ok("GEMM 16384 × 768 × 8192".to_owned())
+        );
+    }
+
+    #[test]
+    fn a_gemm_below_the_size_threshold_stays_in_the_autocast_dtype() {
+        let why = fp8_gemm_of_shape(16, 16, 16, &plan(1 << 20, u64::MAX)).unwrap_err();
+        assert!(why.contains("below fp8.min_gemm_size"), "{why}");
     }
 }
