@@ -1,9 +1,10 @@
 //! Device memory on the GPU: a whole-step graph reserves about what the eager step does, a dropped
 //! model leaves nothing behind, an out-of-memory step names its phase and the process trains on
 //! with a smaller model, checkpointed blocks give the plain gradients under autocast and inside
-//! a graphed step, a capture that frees idle cuBLAS workspaces leaves a live graph its own, and a
-//! Linear keeps a weight copy only where its batch is at least as wide as the weight and saves no
-//! weight where its input needs no gradient.
+//! a graphed step, a capture that frees idle cuBLAS workspaces leaves a live graph its own, a
+//! graphed step's forward and backward share one cuBLAS workspace, and a
+//! Linear keeps a weight copy only where its batch is at least as wide as the weight and never
+//! inside a checkpointed function, and saves no weight where its input needs no gradient.
 //! Skipped, with the reason printed, without a GPU.
 
 mod common;
@@ -177,6 +178,90 @@ fn a_first_layer_keeps_no_weight_for_its_backward() {
     assert!(
         inner_layer >= weight_bf16,
         "an input with gradient keeps the weight's cast: {inner_layer} bytes held"
+    );
+}
+
+#[test]
+fn a_checkpointed_function_keeps_no_weight_copies_and_the_next_forward_does() {
+    let Some(device) =
+        cuda_or_skip("a_checkpointed_function_keeps_no_weight_copies_and_the_next_forward_does")
+    else {
+        return;
+    };
+    let _serial = common::serial();
+    let ctx = SpeedContext::new(&SpeedConfig {
+        precision: speedkit::config::Precision::Bf16,
+        ..SpeedConfig::auto()
+    })
+    .unwrap();
+    let vs = nn::VarStore::new(device);
+    let layer = speedkit::nn::Linear::new(&(vs.root() / "fc"), 256, 256, false);
+    let x = Tensor::randn([512, 256], (Kind::Float, device)).set_requires_grad(true);
+    memory::drop_weight_copies().unwrap();
+    ctx.checkpointed(|ck| -> speedkit::Result<()> {
+        let y = ck
+            .checkpoint(&[&x], |i| {
+                Ok(vec![ctx.autocast(|| layer.forward_t(&i[0]))?])
+            })?
+            .remove(0);
+        y.to_kind(Kind::Float).sum(Kind::Float).backward();
+        Ok(())
+    })
+    .unwrap();
+    assert!(layer.ws.grad().defined(), "the checkpoint back-propagated");
+    assert_eq!(
+        memory::weight_copies().unwrap().0,
+        0,
+        "the checkpointed forward and its rerun cast the weight where they used it"
+    );
+    let _ = ctx.autocast(|| layer.forward_t(&x)).unwrap();
+    assert_eq!(
+        memory::weight_copies().unwrap().0,
+        256 * 256 * 2,
+        "outside the checkpoint the copy is kept again"
+    );
+}
+
+#[test]
+fn a_graphed_steps_forward_and_backward_share_one_blas_workspace() {
+    let Some(device) =
+        cuda_or_skip("a_graphed_steps_forward_and_backward_share_one_blas_workspace")
+    else {
+        return;
+    };
+    let _serial = common::serial();
+    let ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
+    let vs = nn::VarStore::new(device);
+    let layer = speedkit::nn::Linear::new(&(vs.root() / "fc"), 512, 512, true);
+    let mut opt = ctx.adamw(&vs, AdamW::default()).unwrap();
+    let x = Tensor::randn([256, 512], (Kind::Float, device)).set_requires_grad(true);
+    // Graphed steps: GEMMs in the forward (this thread's cuBLAS handle) and in the backward
+    // (autograd's), all on the graph's side stream. What the process keeps is read inside the
+    // step, while its graph lives (the last graph to drop takes its workspaces with it).
+    let kept = std::cell::Cell::new(Vec::new());
+    run_steps(
+        &ctx,
+        |_| {
+            let loss = ctx
+                .autocast(|| layer.forward_t(&x))?
+                .square()
+                .mean(Kind::Float);
+            ctx.backward_step(&loss, &mut opt)?;
+            let mut seen = kept.take();
+            seen.push(memory::blas_workspaces()?);
+            kept.set(seen);
+            Ok(Some(loss))
+        },
+        true,
+        5,
+    );
+    // The last call the step saw is the capture's.
+    let captured = kept.take().pop().expect("the step ran");
+    assert!(
+        captured.workspaces < captured.entries,
+        "{} (handle, stream) pairs, {} workspaces: none is shared",
+        captured.entries,
+        captured.workspaces
     );
 }
 

@@ -8,6 +8,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <shared_mutex>
 #include <tuple>
 
@@ -143,10 +144,23 @@ int sk_cuda_empty_cache() {
 namespace {
 c10::cuda::CUDAStream side_stream_of(c10::DeviceIndex device);
 
+// The cuBLAS handles that have had a workspace on each stream. A stream's GEMMs come from more
+// than one handle: cuBLAS hands each thread its own, and a backward runs on autograd's thread.
+std::mutex handles_mutex;
+std::map<const void*, std::set<void*>> handles_by_stream;
+
+// Records the handles of `workspaces` (whose mutex the caller holds).
+void remember_handles(const at::cuda::WorkspaceMapWithMutex& workspaces) {
+  std::lock_guard<std::mutex> lock(handles_mutex);
+  for (const auto& [key, workspace] : workspaces.map) handles_by_stream[std::get<1>(key)].insert(std::get<0>(key));
+}
+
 // Erases the workspaces of `map` on streams other than `keep` (all of them when `keep` is null);
-// how many.
+// how many. Entries sharing one workspace (sk_cuda_share_blas_workspace) are on one stream, so
+// they go together.
 int64_t release_workspaces(at::cuda::WorkspaceMapWithMutex& workspaces, const void* keep) {
   std::unique_lock<std::shared_mutex> lock(workspaces.mutex);
+  remember_handles(workspaces);
   int64_t freed = 0;
   for (auto it = workspaces.map.begin(); it != workspaces.map.end();) {
     if (keep != nullptr && std::get<1>(it->first) == keep) {
@@ -174,6 +188,70 @@ int sk_cuda_release_blas_workspaces(int index, int side_stream_too, int64_t* fre
         side_stream_too != 0 ? nullptr : side_stream_of(static_cast<c10::DeviceIndex>(index)).stream();
     *freed = release_workspaces(at::cuda::cublas_handle_stream_to_workspace(), keep) +
              release_workspaces(at::cuda::cublaslt_handle_stream_to_workspace(), keep);
+  })
+}
+
+// One cuBLAS workspace on the current stream for every handle that has run GEMMs on it: the
+// forward's (the calling thread's handle) and the backward's (autograd's thread), which would each
+// keep 32 MiB of their own. GEMMs on one stream run one after another, so sharing is safe;
+// torch.compile's graphs get the same from capturing the forward and the backward apart and
+// freeing the forward's workspace in between. Outside a capture, workspaces the handles have apart
+// are replaced by one (after a device synchronisation: queued GEMMs may be using them). Inside
+// one, the shared workspace is allocated in the graph's pool where none of them has one on the
+// stream yet, and nothing is done otherwise (a live graph replays with the one it has). `capturing`:
+// the current stream is capturing a graph.
+int sk_cuda_share_blas_workspace(int index, int capturing, int* shared) {
+  SK_CUDA_TRY({
+    *shared = 0;
+    const void* stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(index)).stream();
+    auto& workspaces = at::cuda::cublas_handle_stream_to_workspace();
+    const auto on_stream = [&] {
+      std::map<void*, void*> found;  // handle → its workspace on this stream
+      for (const auto& [key, workspace] : workspaces.map)
+        if (std::get<1>(key) == stream) found[std::get<0>(key)] = workspace.get();
+      return found;
+    };
+    std::set<void*> handles;
+    bool already_shared = false, any = false;
+    {
+      std::shared_lock<std::shared_mutex> lock(workspaces.mutex);
+      remember_handles(workspaces);
+      const auto found = on_stream();
+      std::set<void*> pointers;
+      for (const auto& [handle, data] : found) pointers.insert(data);
+      std::lock_guard<std::mutex> handles_lock(handles_mutex);
+      handles = handles_by_stream[stream];
+      any = !found.empty();
+      already_shared = found.size() == handles.size() && pointers.size() == 1;
+    }
+    if (handles.size() < 2 || already_shared || (capturing != 0 && any)) return 0;
+    if (capturing == 0) c10::cuda::device_synchronize();
+    std::unique_lock<std::shared_mutex> lock(workspaces.mutex);
+    for (auto it = workspaces.map.begin(); it != workspaces.map.end();)
+      it = std::get<1>(it->first) == stream ? workspaces.map.erase(it) : std::next(it);
+    at::DataPtr owner = c10::cuda::CUDACachingAllocator::get()->allocate(at::cuda::getChosenWorkspaceSize());
+    void* data = owner.get();
+    const c10::Device device = owner.device();
+    bool first = true;
+    for (void* handle : handles) {
+      // The first entry owns the memory; the others point at it without owning it.
+      workspaces.map.emplace(std::make_tuple(handle, const_cast<void*>(stream)),
+                             first ? std::move(owner) : at::DataPtr(data, device));
+      first = false;
+    }
+    *shared = static_cast<int>(handles.size());
+  })
+}
+
+int sk_cuda_blas_workspaces(int64_t* entries, int64_t* distinct, int64_t* bytes) {
+  SK_CUDA_TRY({
+    auto& workspaces = at::cuda::cublas_handle_stream_to_workspace();
+    std::shared_lock<std::shared_mutex> lock(workspaces.mutex);
+    std::set<const void*> pointers;
+    for (const auto& [key, workspace] : workspaces.map) pointers.insert(workspace.get());
+    *entries = static_cast<int64_t>(workspaces.map.size());
+    *distinct = static_cast<int64_t>(pointers.size());
+    *bytes = static_cast<int64_t>(pointers.size() * at::cuda::getChosenWorkspaceSize());
   })
 }
 

@@ -139,6 +139,15 @@ int sk_cuda_empty_cache(void);
 /// each is made again at the next GEMM on its stream. Synchronises the current device first.
 /// *freed: how many went. Only where no captured CUDA graph replays with a freed one.
 int sk_cuda_release_blas_workspaces(int index, int side_stream_too, int64_t* freed);
+/// Gives every cuBLAS handle seen on device `index`'s current stream one shared workspace there,
+/// allocated now: with `capturing` (the stream is capturing a graph) in the graph's pool, and only
+/// where none of them has one there yet; *shared receives how many handles share it (0: nothing
+/// done).
+int sk_cuda_share_blas_workspace(int index, int capturing, int* shared);
+/// The cuBLAS workspaces the process keeps (for every handle, stream and device): *entries
+/// receives how many (handle, stream) pairs have one, *distinct how many workspaces they point at
+/// (several pairs may share one), *bytes the memory of those.
+int sk_cuda_blas_workspaces(int64_t* entries, int64_t* distinct, int64_t* bytes);
 
 /// The caching allocator's counters for one device, in bytes where not a count.
 typedef struct sk_memory_totals {
@@ -189,6 +198,10 @@ int sk_weight_copies_size(int64_t* bytes, int64_t* count);
 int sk_weight_copies_release_expired(int64_t* freed);
 /// Frees every kept copy (the next forward casts again); *freed receives their bytes.
 int sk_weight_copies_clear(int64_t* freed);
+/// Whether forwards on the calling thread use kept copies (`keep` 1, the default) or cast each
+/// weight where it is used (0: inside a checkpointed function); *previous receives the setting
+/// replaced.
+int sk_weight_copies_keep_on_this_thread(int keep, int* previous);
 
 // @module graphs: CUDA graphs in the caching allocator's graph pools (graphs.cpp)
 

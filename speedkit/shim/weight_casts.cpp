@@ -48,8 +48,14 @@ WeakWeightTable<Copy>& copies() {
   return *table;
 }
 
+// Off inside a checkpointed function (speedkit::checkpoint): its forward runs again in the
+// backward, so a cast there lives one block at a time, where a kept copy would live through the
+// whole step beside every block's.
+thread_local bool keep_on_this_thread = true;
+
 bool cacheable(const at::Tensor& weight, at::ScalarType type) {
-  return weight.is_cuda() && weight.scalar_type() != type && weight.is_leaf() && weight.requires_grad();
+  return keep_on_this_thread && weight.is_cuda() && weight.scalar_type() != type && weight.is_leaf() &&
+         weight.requires_grad();
 }
 
 // Frees the copies whose weights are gone (or, with `all`, every copy); the bytes freed.
@@ -139,6 +145,13 @@ int sk_weight_copies_clear(int64_t* freed) {
   SK_TRY({
     std::lock_guard<std::mutex> lock(sk::weight_casts::copies().mutex);
     *freed = sk::weight_casts::drop(/*all=*/true);
+  })
+}
+
+int sk_weight_copies_keep_on_this_thread(int keep, int* previous) {
+  SK_TRY({
+    *previous = sk::weight_casts::keep_on_this_thread ? 1 : 0;
+    sk::weight_casts::keep_on_this_thread = keep != 0;
   })
 }
 

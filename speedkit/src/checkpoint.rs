@@ -133,6 +133,10 @@ impl ffi::function::Callbacks for CheckpointNode {
                     .into(),
             )
         })?;
+        // The function runs again in the backward, one block at a time: casts of its weights made
+        // where they are used die with the block, where kept copies would all live through the
+        // step (what torch.utils.checkpoint gets from autocast's per-forward casts).
+        let _casts = ffi::weight_casts::CastsPerUse::enter()?;
         (function.0)(inputs)
     }
 

@@ -282,6 +282,11 @@ where
             entry.eager_runs += 1;
             let last_warmup = entry.eager_runs == warmup;
             let side = SideStream::enter(device_index)?;
+            // The forward's and the backward's cuBLAS handles share one workspace on the side
+            // stream, as they will in the capture; not while a live graph replays with its own.
+            if CudaGraph::live() == 0 {
+                ffi::device::share_blas_workspace(device_index, false)?;
+            }
             let owned: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
             let out = (self.step)(&owned);
             side.exit()?;
@@ -385,7 +390,10 @@ where
         let mut gradients = (Vec::new(), Vec::new());
         let captured = graph.capture_begin(pool).and_then(|()| {
             let mark = CapturingMark::set();
-            let out = (self.step)(&static_inputs);
+            // The forward's and the backward's threads each have a cuBLAS handle: one workspace
+            // for both, in the graph's pool, where each would make its own.
+            let out = ffi::device::share_blas_workspace(device_index, true)
+                .and_then(|_| (self.step)(&static_inputs));
             drop(mark);
             gradients = take_recorded_gradients();
             // capture_end must run whatever the step did, to leave capture mode.

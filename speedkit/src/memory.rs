@@ -216,6 +216,36 @@ pub fn weight_copies() -> Result<(u64, u64)> {
     ffi::weight_casts::size()
 }
 
+/// The cuBLAS workspaces the process keeps, on every device: cuBLAS gives each (handle, stream)
+/// pair that has run a GEMM a workspace (32 MiB on Hopper) for the life of the process, and each
+/// thread has its own handle, so a step's forward and its backward (autograd's thread) would hold
+/// one each on the same stream. speedkit's graph warm-ups and captures give them one to share.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlasWorkspaces {
+    /// (handle, stream) pairs with a workspace.
+    pub entries: u64,
+    /// The workspaces they point at: fewer than `entries` where pairs share one.
+    pub workspaces: u64,
+    /// The memory of those workspaces.
+    pub bytes: u64,
+}
+
+/// The cuBLAS workspaces the process keeps now ([`BlasWorkspaces`]).
+///
+/// ```no_run
+/// let w = speedkit::memory::blas_workspaces()?;
+/// println!("{} cuBLAS workspaces for {} pairs, {}", w.workspaces, w.entries, speedkit::memory::gib(w.bytes));
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn blas_workspaces() -> Result<BlasWorkspaces> {
+    let (entries, workspaces, bytes) = ffi::device::blas_workspaces()?;
+    Ok(BlasWorkspaces {
+        entries,
+        workspaces,
+        bytes,
+    })
+}
+
 /// Gives back what nothing uses: the weight copies of weights that no longer exist, then every
 /// cached block of `device` (what `torch.cuda.empty_cache()` does). Returns the bytes of reserved
 /// memory given back. On the CPU only the copies are dropped.

@@ -269,21 +269,24 @@ impl Transformer {
         let mut pending: Option<Tensor> = None;
         let heads = self.config.heads;
         for block in &self.blocks {
-            let (next, delta) = match ck {
-                None => block.forward(&stream, pending.as_ref(), heads)?,
-                Some(ck) => {
-                    let inputs: Vec<&Tensor> = std::iter::once(&stream).chain(&pending).collect();
-                    let out = ck.checkpoint(&inputs, move |i| {
-                        let (next, delta) = block.forward(&i[0], i.get(1), heads)?;
-                        Ok(vec![next, delta])
-                    })?;
-                    let [next, delta]: [Tensor; 2] = out.try_into().map_err(|_| {
-                        SpeedkitError::Misuse("a checkpointed block hands back two tensors".into())
-                    })?;
-                    (next, delta)
+            match ck {
+                None => {
+                    let (next, delta) = block.forward(&stream, pending.as_ref(), heads)?;
+                    (stream, pending) = (next, Some(delta));
                 }
-            };
-            (stream, pending) = (next, Some(delta));
+                // A checkpoint keeps its inputs until the backward reaches it: the block's whole
+                // output, summed inside it, rather than the stream and the MLP's output that the
+                // next LayerNorm would add (a third more per block).
+                Some(ck) => {
+                    let out = ck.checkpoint(&[&stream], move |i| {
+                        let (next, delta) = block.forward(&i[0], None, heads)?;
+                        Ok(vec![next.f_add(&delta)?])
+                    })?;
+                    stream = out.into_iter().next().ok_or_else(|| {
+                        SpeedkitError::Misuse("a checkpointed block hands back its output".into())
+                    })?;
+                }
+            }
         }
         let x = match &pending {
             Some(delta) => self.ln_f.forward_residual(&stream, delta).0,

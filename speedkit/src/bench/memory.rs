@@ -77,7 +77,9 @@ pub(crate) fn settle_library_workspaces(device: usize) -> Result<()> {
     };
     gemms()?;
     let side = ffi::device::SideStream::enter(device)?;
-    let on_side = gemms();
+    // The calling thread's and autograd's handles then share one workspace there (as in graph
+    // warm-ups and captures).
+    let on_side = gemms().and_then(|()| ffi::device::share_blas_workspace(device, false).map(drop));
     side.exit()?;
     on_side?;
     ffi::device::cuda_synchronize(device)

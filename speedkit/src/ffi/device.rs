@@ -140,6 +140,31 @@ pub(crate) fn release_blas_workspaces(index: usize, side_stream_too: bool) -> Re
     Ok(freed)
 }
 
+/// Gives the cuBLAS handles that ran GEMMs on device `index`'s current stream (the forward's and
+/// the backward's thread) one shared workspace there; how many share it (0: nothing done).
+/// `capturing`: the stream is capturing a graph (the workspace then comes from its pool, and
+/// handles that have one already keep theirs).
+pub(crate) fn share_blas_workspace(index: usize, capturing: bool) -> Result<i32> {
+    let mut shared: c_int = 0;
+    // SAFETY: plain values and a valid out-pointer.
+    check(unsafe {
+        abi::sk_cuda_share_blas_workspace(device_index(index)?, c_int::from(capturing), &mut shared)
+    })?;
+    Ok(shared)
+}
+
+/// (entries, distinct, bytes) of the cuBLAS workspaces the process keeps.
+pub(crate) fn blas_workspaces() -> Result<(u64, u64, u64)> {
+    let (mut entries, mut distinct, mut bytes) = (0i64, 0i64, 0i64);
+    // SAFETY: valid out-pointers.
+    check(unsafe { abi::sk_cuda_blas_workspaces(&mut entries, &mut distinct, &mut bytes) })?;
+    Ok((
+        entries.max(0) as u64,
+        distinct.max(0) as u64,
+        bytes.max(0) as u64,
+    ))
+}
+
 pub(crate) fn cuda_synchronize(index: usize) -> Result<()> {
     // SAFETY: plain value.
     check(unsafe { abi::sk_cuda_synchronize(device_index(index)?) })

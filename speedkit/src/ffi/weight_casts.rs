@@ -25,3 +25,26 @@ pub(crate) fn clear() -> Result<u64> {
     check(unsafe { abi::sk_weight_copies_clear(&mut freed) })?;
     Ok(freed.max(0) as u64)
 }
+
+/// Forwards on this thread cast each weight where it is used instead of keeping copies, until
+/// dropped (which restores the setting it found, on every exit path).
+pub(crate) struct CastsPerUse {
+    previous: i32,
+}
+
+impl CastsPerUse {
+    pub(crate) fn enter() -> Result<Self> {
+        let mut previous = 1;
+        // SAFETY: valid out-pointer.
+        check(unsafe { abi::sk_weight_copies_keep_on_this_thread(0, &mut previous) })?;
+        Ok(Self { previous })
+    }
+}
+
+impl Drop for CastsPerUse {
+    fn drop(&mut self) {
+        let mut replaced = 0;
+        // SAFETY: valid out-pointer; setting a thread-local flag cannot fail.
+        let _ = unsafe { abi::sk_weight_copies_keep_on_this_thread(self.previous, &mut replaced) };
+    }
+}
