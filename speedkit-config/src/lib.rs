@@ -50,7 +50,7 @@ pub use types::{
     DistributedBackend, DistributedConfig, Fp8Config, Fp8GradientFormat, Fp8Recipe,
     GradScalerConfig, GradientCompression, MatmulPrecision, MatmulPrecisionChoice, OptimizerConfig,
     OptimizerName, Precision, ProfileConfig, SdpBackendConfig, SpeedConfig,
-    DEFAULT_MAX_GRADIENT_COPIES_MIB,
+    DEFAULT_MAX_GRADIENT_COPY_RATIO,
 };
 
 impl SpeedConfig {

@@ -241,19 +241,22 @@ pub struct Fp8Config {
     /// crossover ([`Fp8Recipe::measured_min_gemm_size`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub min_gemm_size: Option<u64>,
-    /// Under `enabled: auto`, the most MiB a layer's backward may hold in FP8 copies of its output
-    /// gradient (tokens × out_features bytes in each of the two layouts its GEMMs take, beside the
-    /// 16-bit gradient); a layer needing more stays in the autocast dtype. That layer is a
-    /// classifier over a large vocabulary, whose backward runs first, at the step's memory peak.
-    /// Unset: [`DEFAULT_MAX_GRADIENT_COPIES_MIB`].
+    /// Under `enabled: auto`, how many times the bytes of the FP8 input copy a layer keeps for its
+    /// backward (one per input feature and token) its backward's FP8 copies of the output gradient
+    /// (one per output feature and token, in each of the two layouts its GEMMs take) may reach; a
+    /// layer above it stays in the autocast dtype. Such a layer is a classifier over a vocabulary
+    /// much wider than the model, whose backward runs first, at the step's memory peak, where the
+    /// copies sit beside the 16-bit gradient. Unset: [`DEFAULT_MAX_GRADIENT_COPY_RATIO`].
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub max_gradient_copies_mib: Option<u64>,
+    pub max_gradient_copy_ratio: Option<u32>,
 }
 
-/// [`Fp8Config::max_gradient_copies_mib`] when unset: GPT-2's classifier (50,304 classes) at 8,192
-/// tokens needs 786 MiB and stays in bf16, as torchtitan's and Megatron-LM's FP8 recipes keep the
-/// output layer; a classifier over 8,192 classes at 16,384 tokens (256 MiB) runs in FP8.
-pub const DEFAULT_MAX_GRADIENT_COPIES_MIB: u64 = 512;
+/// [`Fp8Config::max_gradient_copy_ratio`] when unset. GPT-2's classifier (50,304 classes from 768
+/// features: 131) stays in bf16, as torchtitan's and Megatron-LM's FP8 recipes keep the output
+/// layer; a transformer's own layers (at most 8: the MLP's first) and a classifier over 8,192
+/// classes from 768 features (21) run in FP8. A ratio, not a size: FP8's one-byte input copies
+/// are what lets a large batch fit, and both sides grow with the batch alike.
+pub const DEFAULT_MAX_GRADIENT_COPY_RATIO: u32 = 32;
 
 impl Default for Fp8Config {
     fn default() -> Self {
@@ -263,7 +266,7 @@ impl Default for Fp8Config {
             amax_history: 16,
             gradient_format: None,
             min_gemm_size: None,
-            max_gradient_copies_mib: None,
+            max_gradient_copy_ratio: None,
         }
     }
 }
@@ -300,22 +303,21 @@ impl Fp8Config {
             .unwrap_or_else(|| self.recipe.default_gradient_format())
     }
 
-    /// The most bytes of FP8 output-gradient copies a layer's backward may hold under
-    /// `enabled: auto`: `max_gradient_copies_mib` when set, else
-    /// [`DEFAULT_MAX_GRADIENT_COPIES_MIB`].
+    /// The most a layer's FP8 output-gradient copies may outweigh its FP8 input copy under
+    /// `enabled: auto`: `max_gradient_copy_ratio` when set, else
+    /// [`DEFAULT_MAX_GRADIENT_COPY_RATIO`].
     ///
     /// ```
-    /// use speedkit_config::{Fp8Config, DEFAULT_MAX_GRADIENT_COPIES_MIB};
+    /// use speedkit_config::{Fp8Config, DEFAULT_MAX_GRADIENT_COPY_RATIO};
     /// let mut fp8 = Fp8Config::default();
-    /// assert_eq!(fp8.max_gradient_copy_bytes(), DEFAULT_MAX_GRADIENT_COPIES_MIB << 20);
-    /// fp8.max_gradient_copies_mib = Some(64);
-    /// assert_eq!(fp8.max_gradient_copy_bytes(), 64 << 20);
+    /// assert_eq!(fp8.max_gradient_copy_ratio(), DEFAULT_MAX_GRADIENT_COPY_RATIO);
+    /// fp8.max_gradient_copy_ratio = Some(8);
+    /// assert_eq!(fp8.max_gradient_copy_ratio(), 8);
     /// ```
     #[must_use]
-    pub fn max_gradient_copy_bytes(&self) -> u64 {
-        self.max_gradient_copies_mib
-            .unwrap_or(DEFAULT_MAX_GRADIENT_COPIES_MIB)
-            .saturating_mul(1 << 20)
+    pub fn max_gradient_copy_ratio(&self) -> u32 {
+        self.max_gradient_copy_ratio
+            .unwrap_or(DEFAULT_MAX_GRADIENT_COPY_RATIO)
     }
 }
 

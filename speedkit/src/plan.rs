@@ -129,9 +129,10 @@ pub struct Fp8Plan {
     /// Layers whose GEMM (tokens × in × out) is smaller stay in the autocast dtype; 0 under
     /// `enabled: true` (every layer whose shapes allow FP8).
     pub min_gemm_size: u64,
-    /// Layers whose backward would hold more bytes of FP8 output-gradient copies stay in the
-    /// autocast dtype; `u64::MAX` under `enabled: true`.
-    pub max_gradient_copy_bytes: u64,
+    /// Layers whose backward's FP8 output-gradient copies would outweigh the FP8 input copy they
+    /// keep more than this many times stay in the autocast dtype; `u32::MAX` under
+    /// `enabled: true`.
+    pub max_gradient_copy_ratio: u32,
 }
 
 fn serialize_recipe<S: serde::Serializer>(r: &Fp8Recipe, s: S) -> Result<S::Ok, S::Error> {
@@ -931,12 +932,12 @@ fn resolve_fp8(
     precision: ResolvedPrecision,
     d: &mut Decisions,
 ) -> Result<Option<Fp8Plan>> {
-    let plan = |min_gemm_size, max_gradient_copy_bytes| Fp8Plan {
+    let plan = |min_gemm_size, max_gradient_copy_ratio| Fp8Plan {
         recipe: config.recipe,
         gradient_format: config.gradient_format(),
         amax_history: config.amax_history as usize,
         min_gemm_size,
-        max_gradient_copy_bytes,
+        max_gradient_copy_ratio,
     };
     let capable = gpu.filter(|g| g.supports_fp8());
     let (value, reason) = match (config.enabled, capable, precision) {
@@ -950,7 +951,7 @@ fn resolve_fp8(
                  {machine}; set fp8.enabled to auto or false"
             )));
         }
-        (AutoBool::On, Some(_), _) => (Some(plan(0, u64::MAX)), "set in the config".to_owned()),
+        (AutoBool::On, Some(_), _) => (Some(plan(0, u32::MAX)), "set in the config".to_owned()),
         (AutoBool::Auto, None, _) => (
             None,
             match gpu {
@@ -969,13 +970,13 @@ fn resolve_fp8(
         (AutoBool::Auto, Some(g), _) => (
             Some(plan(
                 config.min_gemm_size(),
-                config.max_gradient_copy_bytes(),
+                config.max_gradient_copy_ratio(),
             )),
             format!(
                 "SM {} has FP8 Tensor Cores: Linear GEMMs of at least {} (tokens × in × out{}) \
                  run in FP8 ({} scaling, {} gradients); smaller ones stay in the autocast dtype, \
-                 as do layers whose backward would hold more than {} MiB of FP8 copies of the \
-                 output gradient",
+                 as do layers whose FP8 output-gradient copies would outweigh their FP8 input \
+                 copy more than {}-fold (a classifier over a wide vocabulary)",
                 g.compute_capability,
                 config.min_gemm_size(),
                 if config.min_gemm_size.is_none() {
@@ -985,7 +986,7 @@ fn resolve_fp8(
                 },
                 config.recipe.as_str(),
                 config.gradient_format().as_str(),
-                config.max_gradient_copy_bytes() >> 20
+                config.max_gradient_copy_ratio()
             ),
         ),
     };

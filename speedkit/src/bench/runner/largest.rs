@@ -249,6 +249,13 @@ fn run_peer(args: &Args, rows: &[LargestBatch]) -> (Vec<PeerLargestBatch>, Optio
             Some("the reference has none of the searched workloads".into()),
         );
     }
+    // The reference runs in a process of its own on the same GPUs: what this process's allocator
+    // still caches from the search (tens of GiB near the limit) would be memory it cannot have.
+    for gpu in 0..tch::Cuda::device_count() {
+        if let Err(e) = crate::memory::release_cached(tch::Device::Cuda(gpu as usize)) {
+            eprintln!("warning: cuda:{gpu}'s cached memory was not given back before the reference ran ({e})");
+        }
+    }
     let python = peer::find_python(args.python.as_deref());
     match peer::largest_batch_pytorch(&python, &workloads, &PEER_MODES) {
         Ok((_, rows)) => (rows, None),
