@@ -77,6 +77,22 @@ fn a_whole_step_graph_reserves_about_what_the_eager_step_does() {
     );
 }
 
+/// One step of `layer`'s squared output as the loss, under autocast, with `opt`'s backward and
+/// update: GEMMs in the forward (this thread's cuBLAS handle) and in the backward (autograd's).
+fn square_loss_step(
+    ctx: &SpeedContext,
+    layer: &speedkit::nn::Linear,
+    opt: &mut speedkit::optim::AdamWOptimizer,
+    x: &Tensor,
+) -> speedkit::Result<Option<Tensor>> {
+    let loss = ctx
+        .autocast(|| layer.forward_t(x))?
+        .square()
+        .mean(Kind::Float);
+    ctx.backward_step(&loss, opt)?;
+    Ok(Some(loss))
+}
+
 /// Builds a Linear and its AdamW under `auto`, trains 5 graphed steps, and drops it all.
 fn train_and_drop(device: Device) {
     let ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
@@ -87,14 +103,7 @@ fn train_and_drop(device: Device) {
     let x = Tensor::randn([1024, 1024], (Kind::Float, device));
     run_steps(
         &ctx,
-        |_| {
-            let loss = ctx
-                .autocast(|| layer.forward_t(&x))?
-                .square()
-                .mean(Kind::Float);
-            ctx.backward_step(&loss, &mut opt)?;
-            Ok(Some(loss))
-        },
+        |_| square_loss_step(&ctx, &layer, &mut opt, &x),
         true,
         5,
     );
@@ -235,22 +244,17 @@ fn a_graphed_steps_forward_and_backward_share_one_blas_workspace() {
     let layer = speedkit::nn::Linear::new(&(vs.root() / "fc"), 512, 512, true);
     let mut opt = ctx.adamw(&vs, AdamW::default()).unwrap();
     let x = Tensor::randn([256, 512], (Kind::Float, device)).set_requires_grad(true);
-    // Graphed steps: GEMMs in the forward (this thread's cuBLAS handle) and in the backward
-    // (autograd's), all on the graph's side stream. What the process keeps is read inside the
+    // Graphed steps, all on the graph's side stream. What the process keeps is read inside the
     // step, while its graph lives (the last graph to drop takes its workspaces with it).
     let kept = std::cell::Cell::new(Vec::new());
     run_steps(
         &ctx,
         |_| {
-            let loss = ctx
-                .autocast(|| layer.forward_t(&x))?
-                .square()
-                .mean(Kind::Float);
-            ctx.backward_step(&loss, &mut opt)?;
+            let loss = square_loss_step(&ctx, &layer, &mut opt, &x)?;
             let mut seen = kept.take();
             seen.push(memory::blas_workspaces()?);
             kept.set(seen);
-            Ok(Some(loss))
+            Ok(loss)
         },
         true,
         5,
