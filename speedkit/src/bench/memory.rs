@@ -92,9 +92,13 @@ pub(crate) struct MemoryProbe {
 
 impl MemoryProbe {
     /// Starts a run: waits for the device, gives back what nothing uses (the weight copies of
-    /// earlier workloads' models, cached blocks), so the reserved figure is this run's and not an
-    /// earlier one's, and resets the peaks.
+    /// earlier workloads' models, the cuBLAS workspaces of earlier work where no graph replays
+    /// with them, cached blocks), so that the run's figures are its own whether it runs first or
+    /// after others, and resets the peaks.
     pub(crate) fn start(device: usize) -> Result<Self> {
+        // A workspace made by earlier work (the up-front ones, an eager workload's) would count
+        // in this run's peak; one this run makes is its own, and goes before the next run.
+        ffi::device::release_blas_workspaces(device, ffi::graphs::CudaGraph::live() == 0)?;
         crate::memory::release_cached(tch::Device::Cuda(device))?;
         ffi::device::cuda_reset_peak_memory(device)?;
         Ok(Self { device })
