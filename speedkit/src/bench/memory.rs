@@ -63,7 +63,9 @@ impl DeviceMemory {
 /// the caching allocator where the first GEMM of that pair happens. Made in the middle of a
 /// workload, it lands in a large segment that workload freed, and then pins that whole segment:
 /// every later workload counted it as its own reserved memory (1.5 GiB after `gpt2_tch`, measured
-/// on an H100). Made first, each sits in a small segment of its own.
+/// on an H100). Made first, each sits in a small segment of its own. Each run then frees them
+/// ([`MemoryProbe::start`]), which also teaches the first graph warm-up which handles share the
+/// side stream's workspace.
 #[cfg(feature = "runner")]
 pub(crate) fn settle_library_workspaces(device: usize) -> Result<()> {
     let gemms = || -> Result<()> {
@@ -77,9 +79,7 @@ pub(crate) fn settle_library_workspaces(device: usize) -> Result<()> {
     };
     gemms()?;
     let side = ffi::device::SideStream::enter(device)?;
-    // The calling thread's and autograd's handles then share one workspace there (as in graph
-    // warm-ups and captures).
-    let on_side = gemms().and_then(|()| ffi::device::share_blas_workspace(device, false).map(drop));
+    let on_side = gemms();
     side.exit()?;
     on_side?;
     ffi::device::cuda_synchronize(device)
