@@ -1018,7 +1018,8 @@ fn resolve_kernels(
         ),
         (AutoBool::On, Some(why)) => {
             return Err(SpeedkitError::Unsupported(format!(
-                "kernels: true needs a CUDA GPU of SM 8.0 or newer with NVRTC and the CUDA driver                  library, and {why}; set kernels to auto or false"
+                "kernels: true needs a CUDA GPU of SM 8.0 or newer with NVRTC and the CUDA driver \
+                 library, and {why}; set kernels to auto or false"
             )))
         }
         (AutoBool::Auto, Some(why)) => (
@@ -1030,7 +1031,11 @@ fn resolve_kernels(
             format!(
                 "{}speedkit::nn's LayerNorm (with the residual add) and cross-entropy run \
                  speedkit's fused kernels, compiled by NVRTC for this GPU",
-                if setting == AutoBool::On { "set in the config: " } else { "" }
+                if setting == AutoBool::On {
+                    "set in the config: "
+                } else {
+                    ""
+                }
             ),
         ),
     };
