@@ -479,7 +479,8 @@ enum sk_op {
   SK_OP_ADAMW = 7,
   SK_OP_FP8_CAST = 8,
   SK_OP_BATCH_NORM = 9,
-  SK_OP_COUNT = 10
+  SK_OP_CONVOLUTION = 10,
+  SK_OP_COUNT = 11
 };
 
 /// What happened to one op so far in the process: it ran on the kernel (`reason` empty) or took
@@ -644,6 +645,15 @@ int sk_linear(sk_tensor x, sk_tensor weight, sk_tensor bias, sk_tensor* y);
 int sk_linear_in(sk_tensor x, sk_tensor weight, sk_tensor bias, int gemm_type, sk_tensor* y);
 /// As sk_linear, the output as `chunks` equal blocks of its last dimension, y[0..chunks).
 int sk_linear_chunks(sk_tensor x, sk_tensor weight, sk_tensor bias, int64_t chunks, sk_tensor* y);
+
+// @module convolution: convolution under autocast without a kept copy of the weight, else ATen's (convolution.cpp)
+
+/// *y = the convolution of x [N, C, ...] by weight [out, C / groups, ...] (+ bias, which may be
+/// NULL) over `spatial_dims` dimensions with `stride`, `padding` and `dilation` (each
+/// `spatial_dims` long) and `groups`, in the scalar type `scalar_type`. Its backward casts the weight
+/// again instead of keeping the forward's copy.
+int sk_convolution(sk_tensor x, sk_tensor weight, sk_tensor bias, const int64_t* stride, const int64_t* padding,
+                   const int64_t* dilation, int64_t spatial_dims, int64_t groups, int scalar_type, sk_tensor* y);
 
 // @module mlp: the transformer MLP on cuBLASLt epilogues, else ATen's (cublaslt.cpp)
 

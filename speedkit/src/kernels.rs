@@ -63,7 +63,7 @@ impl fmt::Display for Arch {
 /// ```
 /// use speedkit::kernels::KernelOp;
 /// assert_eq!(KernelOp::LayerNorm.name(), "layer_norm");
-/// assert_eq!(KernelOp::ALL.len(), 9);
+/// assert_eq!(KernelOp::ALL.len(), 10);
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -87,11 +87,14 @@ pub enum KernelOp {
     /// BatchNorm in training mode over channels-last activations
     /// ([`Override::BatchNorm`](crate::overrides::Override::BatchNorm)).
     BatchNorm,
+    /// Convolution under autocast without a kept copy of the weight
+    /// ([`Override::Convolution`](crate::overrides::Override::Convolution)).
+    Convolution,
 }
 
 impl KernelOp {
     /// Every op, in the shim's order.
-    pub const ALL: [KernelOp; 9] = [
+    pub const ALL: [KernelOp; 10] = [
         KernelOp::LayerNorm,
         KernelOp::CrossEntropy,
         KernelOp::BiasGelu,
@@ -101,6 +104,7 @@ impl KernelOp {
         KernelOp::AdamW,
         KernelOp::Fp8Cast,
         KernelOp::BatchNorm,
+        KernelOp::Convolution,
     ];
 
     /// The name the audit and the runner show.
@@ -115,6 +119,7 @@ impl KernelOp {
             KernelOp::AdamW => "adamw",
             KernelOp::Fp8Cast => "fp8 cast",
             KernelOp::BatchNorm => "batch_norm",
+            KernelOp::Convolution => "convolution",
         }
     }
 
@@ -130,6 +135,7 @@ impl KernelOp {
             KernelOp::AdamW => raw::SK_OP_ADAMW,
             KernelOp::Fp8Cast => raw::SK_OP_FP8_CAST,
             KernelOp::BatchNorm => raw::SK_OP_BATCH_NORM,
+            KernelOp::Convolution => raw::SK_OP_CONVOLUTION,
         }
     }
 

@@ -1068,17 +1068,18 @@ fn resolve_overrides(setting: AutoBool, kernels: bool, d: &mut Decisions) -> Res
                 .flat_map(|o| o.operators())
                 .map(|op| op.to_string())
                 .collect();
-            (
-                    true,
-                    format!(
-                    "{}speedkit's kernels registered as the CUDA kernels of {} while the context \
-                     lives: unchanged tch models (nn::layer_norm, nn::linear, log_softmax under autocast and \
-                     nn::batch_norm in training) \
-                     run them",
-                    if setting == AutoBool::On { "set in the config: " } else { "" },
-                    names.join(", ")
-                ),
-                )
+            let reason = format!(
+                "{}speedkit's kernels registered as the CUDA kernels of {} while the context \
+                 lives: unchanged tch models (nn::layer_norm, nn::linear, nn::conv2d and \
+                 log_softmax under autocast, nn::batch_norm in training) run them",
+                if setting == AutoBool::On {
+                    "set in the config: "
+                } else {
+                    ""
+                },
+                names.join(", ")
+            );
+            (true, reason)
         }
     };
     d.push("overrides", if on { "on" } else { "off" }, reason);

@@ -113,7 +113,7 @@ pub enum FlagKind {
 
 impl Flag {
     /// Every flag, in the order reports list them.
-    pub const ALL: [Flag; 31] = [
+    pub const ALL: [Flag; 33] = [
         Flag::CudaMatmulAllowTf32,
         Flag::Float32MatmulPrecision,
         Flag::CudaMatmulFp32Precision,
@@ -141,10 +141,12 @@ impl Flag {
         Flag::SpeedkitKernel(KernelOp::AdamW),
         Flag::SpeedkitKernel(KernelOp::Fp8Cast),
         Flag::SpeedkitKernel(KernelOp::BatchNorm),
+        Flag::SpeedkitKernel(KernelOp::Convolution),
         Flag::AtenOverride(Override::LayerNorm),
         Flag::AtenOverride(Override::LogSoftmax),
         Flag::AtenOverride(Override::Linear),
         Flag::AtenOverride(Override::BatchNorm),
+        Flag::AtenOverride(Override::Convolution),
     ];
 
     /// PyTorch's spelling of the flag.
@@ -186,12 +188,14 @@ impl Flag {
                 KernelOp::AdamW => "speedkit.kernels.adamw",
                 KernelOp::Fp8Cast => "speedkit.kernels.fp8_cast",
                 KernelOp::BatchNorm => "speedkit.kernels.batch_norm",
+                KernelOp::Convolution => "speedkit.kernels.convolution",
             },
             Flag::AtenOverride(o) => match o {
                 Override::LayerNorm => "speedkit.overrides.layer_norm",
                 Override::LogSoftmax => "speedkit.overrides.log_softmax",
                 Override::Linear => "speedkit.overrides.linear",
                 Override::BatchNorm => "speedkit.overrides.batch_norm",
+                Override::Convolution => "speedkit.overrides.convolution",
             },
         }
     }

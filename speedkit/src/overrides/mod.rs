@@ -30,6 +30,7 @@
 //! ```
 
 mod batch_norm;
+mod convolution;
 mod custom;
 mod linear;
 mod log_softmax;
@@ -78,15 +79,21 @@ pub enum Override {
     /// when read: a `relu` of it, or of its sum with a residual (`add`), runs in the normalisation's
     /// own pass. Built on the public layer, as [`LogSoftmax`](Override::LogSoftmax).
     BatchNorm,
+    /// `conv1d`, `conv2d` and `conv3d` under autocast (`nn::conv2d`, `Tensor::conv2d`) without
+    /// the weight's copy in the autocast type kept for the backward: the backward casts the fp32
+    /// weight again, so no layer's copy is alive at the end of the forward, the memory peak of a
+    /// convolutional network. The convolutions are ATen's (cuDNN) on autocast's operands.
+    Convolution,
 }
 
 impl Override {
     /// Every group, in the order the plan registers them.
-    pub const ALL: [Override; 4] = [
+    pub const ALL: [Override; 5] = [
         Override::LayerNorm,
         Override::LogSoftmax,
         Override::Linear,
         Override::BatchNorm,
+        Override::Convolution,
     ];
 
     /// The name the audit and the flags show.
@@ -96,6 +103,7 @@ impl Override {
             Override::LogSoftmax => "log_softmax",
             Override::Linear => "linear",
             Override::BatchNorm => "batch_norm",
+            Override::Convolution => "convolution",
         }
     }
 
@@ -116,6 +124,7 @@ impl Override {
                 "aten::relu",
                 "aten::add.Tensor",
             ],
+            Override::Convolution => &["aten::conv1d", "aten::conv2d", "aten::conv3d"],
         }
     }
 
@@ -126,6 +135,7 @@ impl Override {
             Override::LogSoftmax => KernelOp::CrossEntropy,
             Override::Linear => KernelOp::Linear,
             Override::BatchNorm => KernelOp::BatchNorm,
+            Override::Convolution => KernelOp::Convolution,
         }
     }
 
@@ -174,7 +184,7 @@ impl Override {
     /// ```
     pub fn register_sources(self) -> Result<Vec<&'static str>> {
         match self {
-            Override::LayerNorm | Override::Linear => Ok(Vec::new()),
+            Override::LayerNorm | Override::Linear | Override::Convolution => Ok(Vec::new()),
             Override::LogSoftmax => {
                 log_softmax::register_source()?;
                 Ok(vec![log_softmax::SOURCE_NAME])
@@ -191,7 +201,10 @@ impl Override {
     const fn shim_code(self) -> Option<i32> {
         match self {
             Override::LayerNorm => Some(raw::SK_OVERRIDE_LAYER_NORM),
-            Override::LogSoftmax | Override::Linear | Override::BatchNorm => None,
+            Override::LogSoftmax
+            | Override::Linear
+            | Override::BatchNorm
+            | Override::Convolution => None,
         }
     }
 
@@ -202,6 +215,7 @@ impl Override {
             Override::LogSoftmax => log_softmax::operator_overrides().into(),
             Override::Linear => linear::operator_overrides().into(),
             Override::BatchNorm => batch_norm::operator_overrides().into(),
+            Override::Convolution => convolution::operator_overrides().into(),
             Override::LayerNorm => unreachable!("registered by the shim"),
         };
         overrides

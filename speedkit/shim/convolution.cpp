@@ -1,0 +1,115 @@
+// Convolution under autocast as a C++ autograd function that keeps no copy of the weight for its
+// backward. Autocast's conv2d casts the fp32 weight to bf16/fp16 and ATen's convolution node saves
+// that copy until the layer's backward, so every layer's copy is alive at the end of the forward,
+// the step's memory peak in a convolutional network (a ResNet-18 holds 22 MiB of them there). This
+// function saves the fp32 weight, which the model holds anyway, and casts it again in the backward,
+// what torch.compile's partitioner does for the same graph. The cast costs one pass over the weight
+// per layer and step, the fraction of a convolution's time that its weight is of its operands.
+//
+// The GEMMs are ATen's: the same at::convolution and at::convolution_backward (cuDNN) on the same
+// operands autocast gives them, so the outputs and gradients are autocast's bit for bit.
+#include "fused_op.h"
+
+#include <ATen/ops/convolution.h>
+#include <ATen/ops/convolution_backward.h>
+
+#include <array>
+#include <string>
+#include <vector>
+
+namespace sk {
+namespace {
+
+struct ConvolutionFunction : torch::autograd::Function<ConvolutionFunction> {
+  // x [N, C, ...]; weight [out, C / groups, ...]; bias_in [out] when has_bias, else a placeholder;
+  // the convolution's stride, padding and dilation per spatial dimension and its groups; `type`
+  // the type it runs in. Returns y in `type`.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias_in, bool has_bias, std::vector<int64_t> stride,
+                            std::vector<int64_t> padding, std::vector<int64_t> dilation, int64_t groups,
+                            int64_t type) {
+    const auto t = static_cast<at::ScalarType>(type);
+    const at::Tensor x_c = x.to(t);
+    const at::Tensor bias = has_bias ? bias_in.to(t) : at::Tensor();
+    const std::vector<int64_t> output_padding(stride.size(), 0);
+    at::Tensor y = at::convolution(x_c, weight.to(t), bias, stride, padding, dilation, false, output_padding, groups);
+    // What ATen's convolution node saves (cuDNN's backward reads both operands' layouts even for
+    // one gradient), but the fp32 weight, which the model holds anyway, in place of its copy.
+    ctx->save_for_backward({x_c, weight});
+    ctx->saved_data["stride"] = stride;
+    ctx->saved_data["padding"] = padding;
+    ctx->saved_data["dilation"] = dilation;
+    ctx->saved_data["groups"] = groups;
+    ctx->saved_data["type"] = type;
+    ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
+    ctx->saved_data["weight_sizes"] = weight.sizes().vec();
+    ctx->saved_data["weight_type"] = static_cast<int64_t>(weight.scalar_type());
+    ctx->saved_data["bias_type"] = static_cast<int64_t>(has_bias ? bias_in.scalar_type() : t);
+    ctx->saved_data["has_bias"] = has_bias;
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& data = ctx->saved_data;
+    const auto t = static_cast<at::ScalarType>(data.at("type").toInt());
+    const std::array<bool, 3> mask = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                      data.at("has_bias").toBool() && ctx->needs_input_grad(2)};
+    const std::vector<int64_t> stride = data.at("stride").toIntVector();
+    const std::vector<int64_t> output_padding(stride.size(), 0);
+    const std::vector<int64_t> weight_sizes = data.at("weight_sizes").toIntVector();
+    const at::Tensor grad = grads[0].to(t);
+    const at::Tensor& x_c = saved[0];
+    const at::Tensor w_c = saved[1].to(t);
+    const std::vector<int64_t> bias_sizes = {weight_sizes[0]};
+    auto [dx, dw, db] = at::convolution_backward(
+        grad, x_c, w_c, mask[2] ? std::optional<at::IntArrayRef>(bias_sizes) : std::nullopt, stride,
+        data.at("padding").toIntVector(), data.at("dilation").toIntVector(), false, output_padding,
+        data.at("groups").toInt(), mask);
+    const auto back_to = [&](const at::Tensor& g, const char* key) {
+      return g.defined() ? g.to(static_cast<at::ScalarType>(data.at(key).toInt())) : g;
+    };
+    return {back_to(dx, "x_type"), back_to(dw, "weight_type"), back_to(db, "bias_type"), at::Tensor(), at::Tensor(),
+            at::Tensor(),          at::Tensor(),               at::Tensor(),             at::Tensor()};
+  }
+};
+
+std::string unsupported(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+  if (auto why = ops::unusable(SK_OP_CONVOLUTION, x.device()); !why.empty()) return why;
+  return ops::first_of({ops::floating("input", x), ops::floating("weight", weight),
+                        bias.defined() ? ops::floating("bias", bias) : std::string(),
+                        ops::on_device("weight", weight, x.device()), ops::on_device("bias", bias, x.device())});
+}
+
+std::vector<int64_t> ints(const int64_t* values, int64_t n) { return std::vector<int64_t>(values, values + n); }
+
+}  // namespace
+}  // namespace sk
+
+extern "C" {
+
+int sk_convolution(sk_tensor x, sk_tensor weight, sk_tensor bias, const int64_t* stride, const int64_t* padding,
+                   const int64_t* dilation, int64_t spatial_dims, int64_t groups, int scalar_type, sk_tensor* y) {
+  SK_TRY({
+    const at::Tensor b = sk::optional_tensor(bias);
+    const int64_t dims = weight->dim() - 2;
+    TORCH_CHECK(dims >= 1 && dims == spatial_dims && x->dim() == weight->dim(), "convolution: a weight of ",
+                weight->sizes(), " and an input of ", x->sizes(), " with ", spatial_dims,
+                " spatial dimensions do not match");
+    const auto st = sk::ints(stride, dims), pa = sk::ints(padding, dims), di = sk::ints(dilation, dims);
+    const auto t = static_cast<at::ScalarType>(scalar_type);
+    *y = sk::give(sk::ops::run_or_fall_back(
+        SK_OP_CONVOLUTION, sk::unsupported(*x, *weight, b),
+        [&] {
+          return sk::ConvolutionFunction::apply(*x, *weight, sk::placeholder_unless(b.defined(), b, *weight),
+                                                b.defined(), st, pa, di, groups, static_cast<int64_t>(scalar_type));
+        },
+        [&] {
+          const std::vector<int64_t> output_padding(st.size(), 0);
+          return at::convolution(x->to(t), weight->to(t), b.defined() ? b.to(t) : b, st, pa, di, false,
+                                 output_padding, groups);
+        }));
+  })
+}
+
+}  // extern "C"

@@ -1,0 +1,63 @@
+//! Convolution under autocast without a kept copy of the weight, else ATen's
+//! (`shim/convolution.cpp`).
+
+use std::ptr;
+
+use tch::{Kind, Tensor};
+
+use super::{check, handle, optional_handle, owned, raw::convolution as abi, Result};
+use crate::error::SpeedkitError;
+
+/// A convolution's geometry: per spatial dimension its stride, padding and dilation (each as long
+/// as the weight has spatial dimensions), and its groups.
+pub(crate) struct ConvolutionParams<'a> {
+    pub(crate) stride: &'a [i64],
+    pub(crate) padding: &'a [i64],
+    pub(crate) dilation: &'a [i64],
+    pub(crate) groups: i64,
+}
+
+/// The convolution of `x` by `weight` (+ `bias`) in `kind`, differentiable; on the kernel path its
+/// backward casts the weight again instead of keeping the forward's copy.
+pub(crate) fn convolution(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    params: &ConvolutionParams<'_>,
+    kind: Kind,
+) -> Result<Tensor> {
+    let dims = weight.dim().saturating_sub(2);
+    for (name, values) in [
+        ("stride", params.stride),
+        ("padding", params.padding),
+        ("dilation", params.dilation),
+    ] {
+        if values.len() != dims {
+            return Err(SpeedkitError::Misuse(format!(
+                "convolution: {name} {values:?} has {} values for a weight with {dims} spatial \
+                 dimensions",
+                values.len()
+            )));
+        }
+    }
+    let code = super::scalar_type_code(kind)?;
+    let mut y = ptr::null_mut();
+    // SAFETY: live handles (null for no bias) and slices of `dims` values borrowed for the call;
+    // on success the shim hands over `y`.
+    check(unsafe {
+        abi::sk_convolution(
+            handle(x),
+            handle(weight),
+            optional_handle(bias),
+            params.stride.as_ptr(),
+            params.padding.as_ptr(),
+            params.dilation.as_ptr(),
+            dims as i64,
+            params.groups,
+            code,
+            &mut y,
+        )
+    })?;
+    // SAFETY: a fresh tensor from the shim.
+    Ok(unsafe { owned(y) })
+}
