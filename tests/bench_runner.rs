@@ -529,3 +529,45 @@ fn the_memory_breakdown_names_the_optimizer_and_adds_up_to_the_peaks() {
         memory.peak_reserved_bytes
     );
 }
+
+#[test]
+fn memory_history_without_a_gpu_is_noted_and_writes_nothing() {
+    if tch::Cuda::is_available() {
+        eprintln!("skipped: a CUDA device is visible (the next test covers that case)");
+        return;
+    }
+    let _lock = common::serial();
+    let dir = scratch("history-cpu").join("history");
+    let (report, _) = run_sleepy(1, &["--memory-history", dir.to_str().unwrap()]);
+    let notes = report.rows[0].notes.join("; ");
+    assert!(
+        notes.contains("memory history not recorded") && notes.contains("needs a CUDA device"),
+        "{notes}"
+    );
+    assert!(!dir.exists(), "nothing written");
+}
+
+#[test]
+fn memory_history_writes_one_snapshot_per_run_and_names_it() {
+    if common::cuda_or_skip("memory_history_writes_one_snapshot_per_run_and_names_it").is_none() {
+        return;
+    }
+    let _lock = common::serial();
+    let dir = scratch("history-gpu").join("history");
+    let (report, _) = run_sleepy(1, &["--memory-history", dir.to_str().unwrap()]);
+    let file = dir.join("sleepy-fp32_strict.pickle");
+    let notes = report.rows[0].notes.join("; ");
+    assert!(
+        notes.contains(&format!("memory history written to {}", file.display())),
+        "{notes}"
+    );
+    assert!(std::fs::metadata(&file).unwrap().len() > 0);
+    assert!(!speedkit::memory::MemoryHistory::is_recording().unwrap());
+}
+
+#[test]
+fn memory_history_and_largest_batch_cannot_be_asked_together() {
+    let err =
+        Args::try_parse_from(["bench", "--largest-batch", "--memory-history", "h"]).unwrap_err();
+    assert!(err.to_string().contains("cannot be used with"), "{err}");
+}

@@ -473,3 +473,65 @@ fn a_capture_beside_a_live_graph_leaves_it_the_blas_workspace_it_replays_with() 
         );
     }
 }
+
+#[test]
+fn a_memory_history_writes_a_snapshot_of_its_run_and_stops_when_dropped() {
+    use speedkit::memory::MemoryHistory;
+    let Some(device) =
+        cuda_or_skip("a_memory_history_writes_a_snapshot_of_its_run_and_stops_when_dropped")
+    else {
+        return;
+    };
+    let _serial = common::serial();
+    assert!(!MemoryHistory::is_recording().unwrap());
+    let path = std::env::temp_dir().join(format!("speedkit-history-{}.pickle", std::process::id()));
+    {
+        let history = MemoryHistory::record(10_000).unwrap();
+        assert!(MemoryHistory::is_recording().unwrap());
+        // 3 MiB, a size no other allocation of this test has.
+        let x = Tensor::ones([3 << 18], (Kind::Float, device));
+        history.write(&path).unwrap();
+        drop(x);
+    }
+    assert!(!MemoryHistory::is_recording().unwrap());
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::remove_file(&path).ok();
+    // Pickle protocol 2 or later opens with PROTO (0x80); the snapshot's top-level keys follow.
+    assert_eq!(bytes.first(), Some(&0x80), "a pickle");
+    let text = String::from_utf8_lossy(&bytes);
+    for key in ["segments", "device_traces", "alloc"] {
+        assert!(text.contains(key), "the snapshot names `{key}`");
+    }
+}
+
+#[test]
+fn a_memory_history_stops_when_a_panic_unwinds_through_it() {
+    use speedkit::memory::MemoryHistory;
+    if cuda_or_skip("a_memory_history_stops_when_a_panic_unwinds_through_it").is_none() {
+        return;
+    }
+    let _serial = common::serial();
+    let outcome = std::panic::catch_unwind(|| {
+        let _history = MemoryHistory::record(100).unwrap();
+        panic!("a training step fails");
+    });
+    assert!(outcome.is_err());
+    assert!(!MemoryHistory::is_recording().unwrap());
+}
+
+#[test]
+fn a_memory_history_leaves_a_recording_it_did_not_start_running() {
+    use speedkit::memory::MemoryHistory;
+    if cuda_or_skip("a_memory_history_leaves_a_recording_it_did_not_start_running").is_none() {
+        return;
+    }
+    let _serial = common::serial();
+    let outer = MemoryHistory::record(100).unwrap();
+    drop(MemoryHistory::record(100).unwrap());
+    assert!(
+        MemoryHistory::is_recording().unwrap(),
+        "the outer guard's recording goes on"
+    );
+    drop(outer);
+    assert!(!MemoryHistory::is_recording().unwrap());
+}

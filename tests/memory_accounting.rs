@@ -99,3 +99,21 @@ fn parts_named_beyond_what_is_allocated_leave_no_negative_rest() {
     let b = MemoryBreakdown::of(after, optimizer, (900, 800));
     assert_eq!((b.other_held, b.activations, b.cached), (0, 0, 0));
 }
+
+#[test]
+fn a_memory_history_of_no_events_is_refused() {
+    let err = speedkit::memory::MemoryHistory::record(0).unwrap_err();
+    assert!(err.to_string().contains("max_events >= 1"), "{err}");
+}
+
+#[test]
+fn a_memory_history_without_a_gpu_is_refused_and_records_nothing() {
+    use speedkit::memory::{MemoryHistory, DEFAULT_HISTORY_EVENTS};
+    if tch::Cuda::is_available() {
+        eprintln!("skipped: a CUDA device is visible (gpu_memory.rs covers that case)");
+        return;
+    }
+    let err = MemoryHistory::record(DEFAULT_HISTORY_EVENTS).unwrap_err();
+    assert!(err.to_string().contains("needs a CUDA device"), "{err}");
+    assert!(!MemoryHistory::is_recording().unwrap());
+}

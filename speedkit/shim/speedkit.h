@@ -190,6 +190,17 @@ int sk_cuda_synchronize(int index);
 int sk_cuda_side_stream_enter(int index, void** out);
 int sk_cuda_side_stream_exit(void* handle);
 
+// @module memory_history: the caching allocator's record of every allocation, written as a snapshot file (memory_history.cpp)
+
+/// *out: 1 while the caching allocator records its history (whoever started it), else 0.
+int sk_cuda_memory_history_enabled(int* out);
+/// Starts (`enabled` non-zero) or stops recording every allocation and free of every device, each
+/// with the C++ stack that made it, keeping the latest `max_entries` events. Stopping drops them.
+int sk_cuda_memory_history_record(int enabled, int64_t max_entries);
+/// Writes the allocator's segments and recorded history to `path`, in the pickle format of
+/// PyTorch's `torch.cuda.memory._dump_snapshot`.
+int sk_cuda_memory_history_write(const char* path);
+
 // @module weight_casts: fp32 weights' copies in the autocast type, kept across steps (weight_casts.cpp)
 
 /// The bytes and number of the kept copies whose weights are alive, on every device.

@@ -294,6 +294,96 @@ pub fn drop_weight_copies() -> Result<u64> {
     ffi::weight_casts::clear()
 }
 
+/// The events a [`MemoryHistory`] keeps unless told otherwise: the latest 1,000,000 allocations
+/// and frees, tens of steps of a large model.
+pub const DEFAULT_HISTORY_EVENTS: usize = 1_000_000;
+
+/// Records every allocation and free of the CUDA caching allocator, each with the C++ stack that
+/// made it, from [`record`](Self::record) until dropped, for a snapshot file
+/// ([`write`](Self::write)) in the format of PyTorch's `torch.cuda.memory._dump_snapshot`: PyTorch's
+/// memory visualiser (`python -m torch.cuda._memory_viz trace_plot FILE -o FILE.html`, or the
+/// pytorch.org/memory_viz page) draws it as a timeline of every tensor, which shows what is alive
+/// at the peak and which operator allocated it.
+///
+/// The recording is the allocator's, for the whole process: it slows allocation (a stack is
+/// unwound for each), and the guard stops it when dropped, panics included. Where something else
+/// already records (a second guard, or a library of the user's), the guard neither changes nor
+/// stops that recording.
+///
+/// ```no_run
+/// use speedkit::memory::{MemoryHistory, DEFAULT_HISTORY_EVENTS};
+/// let history = MemoryHistory::record(DEFAULT_HISTORY_EVENTS)?;
+/// let x = tch::Tensor::ones([1024, 1024], (tch::Kind::Float, tch::Device::Cuda(0)));
+/// let _y = x.matmul(&x);
+/// history.write(std::path::Path::new("matmul.pickle"))?;
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+#[derive(Debug)]
+pub struct MemoryHistory {
+    /// Whether this guard started the recording, and so stops it.
+    started: bool,
+}
+
+impl MemoryHistory {
+    /// Starts recording, keeping the latest `max_events` allocations and frees (older ones are
+    /// dropped from the record). Fails without a CUDA device, changing nothing.
+    pub fn record(max_events: usize) -> Result<Self> {
+        if max_events == 0 {
+            return Err(SpeedkitError::Misuse(
+                "a memory history keeps at least one event: pass max_events >= 1 \
+                 (speedkit::memory::DEFAULT_HISTORY_EVENTS keeps a million)"
+                    .into(),
+            ));
+        }
+        if ffi::device::cuda_device_count()? == 0 {
+            return Err(SpeedkitError::Unsupported(
+                "recording the allocator's memory history needs a CUDA device, and none is \
+                 visible"
+                    .into(),
+            ));
+        }
+        if ffi::memory_history::enabled()? {
+            return Ok(MemoryHistory { started: false });
+        }
+        ffi::memory_history::start(max_events)?;
+        Ok(MemoryHistory { started: true })
+    }
+
+    /// Whether the caching allocator records its history now, whoever started it. `false` where
+    /// no CUDA device is visible.
+    ///
+    /// ```no_run
+    /// use speedkit::memory::MemoryHistory;
+    /// {
+    ///     let _history = MemoryHistory::record(1000)?;
+    ///     assert!(MemoryHistory::is_recording()?);
+    /// }
+    /// assert!(!MemoryHistory::is_recording()?);
+    /// # Ok::<(), speedkit::SpeedkitError>(())
+    /// ```
+    pub fn is_recording() -> Result<bool> {
+        if ffi::device::cuda_device_count()? == 0 {
+            return Ok(false);
+        }
+        ffi::memory_history::enabled()
+    }
+
+    /// Writes the allocator's segments and the history recorded so far to `path` (a pickle; by
+    /// convention `.pickle`). The recording goes on.
+    pub fn write(&self, path: &std::path::Path) -> Result<()> {
+        ffi::memory_history::write(path)
+    }
+}
+
+impl Drop for MemoryHistory {
+    fn drop(&mut self) {
+        if self.started {
+            // Drop cannot report: a failed stop leaves the record on, which only slows allocation.
+            let _ = ffi::memory_history::stop();
+        }
+    }
+}
+
 /// `cause`, an out-of-memory error during `phase` on `device`, as [`SpeedkitError::OutOfMemory`]:
 /// the phase, libtorch's message, the device's memory once what nothing uses is given back
 /// ([`release_cached`]), and `advice`.

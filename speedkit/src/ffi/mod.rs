@@ -31,6 +31,7 @@ pub(crate) mod graphs;
 pub(crate) mod kernels;
 pub(crate) mod layernorm;
 pub(crate) mod linear;
+pub(crate) mod memory_history;
 pub(crate) mod mlp;
 pub(crate) mod nvtx;
 pub(crate) mod optim;

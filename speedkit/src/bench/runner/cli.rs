@@ -89,12 +89,17 @@ pub struct Args {
     /// JSON and Chrome trace written to speedkit-profile/.
     #[arg(long, value_name = "STEPS", num_args = 0..=1, default_missing_value = "3")]
     pub profile: Option<usize>,
+    /// Record the CUDA caching allocator's history over each run (model built, warm-up, capture,
+    /// timed steps) and write it to DIR/WORKLOAD-CONFIG.pickle, for PyTorch's memory visualiser
+    /// (see speedkit::memory::MemoryHistory). Allocation is slower while it records.
+    #[arg(long, value_name = "DIR")]
+    pub memory_history: Option<PathBuf>,
     /// Build the workloads that take a batch (`Bencher::batch`) at N instead of their own.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(i64).range(1..))]
     pub batch: Option<i64>,
     /// Instead of timing, find the largest batch each workload that takes one trains at, under
     /// each config (and in PyTorch's reduce-overhead mode with --peer pytorch).
-    #[arg(long, conflicts_with_all = ["batch", "baseline", "save_baseline", "profile"])]
+    #[arg(long, conflicts_with_all = ["batch", "baseline", "save_baseline", "profile", "memory_history"])]
     pub largest_batch: bool,
     /// Passed by `cargo bench`; ignored.
     #[arg(long, hide = true)]

@@ -4,7 +4,7 @@
 
 use indicatif::{ProgressBar, ProgressStyle};
 use std::fmt::Write as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::cli::Args;
 use super::report::{Row, RunReport};
@@ -13,6 +13,7 @@ use crate::bench::peer::PeerReport;
 use crate::bench::{format_tflops, DeviceMemory, Size, Workload};
 use crate::dist::Throughput;
 use crate::error::{Result, SpeedkitError};
+use crate::memory::MemoryHistory;
 use crate::profile::Profile;
 use crate::report::table;
 
@@ -517,6 +518,21 @@ pub(super) fn write_profile(profile: &Profile, workload: &str, config: &str) -> 
     );
     let dir = Path::new(crate::profile::DEFAULT_OUTPUT_DIR);
     profile.print_and_write(&title, dir, &stem)
+}
+
+/// Writes the history `history` recorded over one run to `dir/WORKLOAD-CONFIG.pickle`; returns
+/// the path.
+pub(super) fn write_memory_history(
+    history: &MemoryHistory,
+    dir: &Path,
+    workload: &str,
+    config: &str,
+) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| SpeedkitError::Misuse(format!("cannot create {}: {e}", dir.display())))?;
+    let path = dir.join(format!("{workload}-{config}.pickle"));
+    history.write(&path)?;
+    Ok(path)
 }
 
 /// The progress bar of one workload × config run; hidden on every rank but the one that prints.

@@ -1,6 +1,8 @@
 //! The run loop: selects the workloads, runs each under every configuration on a [`Bencher`], and
 //! assembles the [`RunReport`], the peer run and the baseline comparison; then the exit status.
 
+use std::path::Path;
+
 use tch::{Device, Kind, Tensor};
 
 use super::cli::{self, Args, NamedConfig};
@@ -14,6 +16,7 @@ use crate::dist::LaunchEnv;
 use crate::error::{Result, SpeedkitError};
 use crate::ffi;
 use crate::hardware::Hardware;
+use crate::memory::{MemoryHistory, DEFAULT_HISTORY_EVENTS};
 use crate::SpeedContext;
 
 /// Measures the dense bf16 matmul rate of `device` (8192³, median of 20 after 5 warm-ups).
@@ -363,7 +366,11 @@ fn run_one(
         .with_profile(args.profile)
         .with_batch(args.batch);
     let _ = crate::kernels::take_ops_run();
+    let (history, mut history_note) = start_memory_history(args);
     let outcome = (w.run)(&mut b);
+    if let (Some(h), Some(dir)) = (history, &args.memory_history) {
+        history_note = Some(finish_memory_history(h, dir, w.name, &nc.name));
+    }
     row.kernels = crate::kernels::take_ops_run()
         .into_iter()
         .map(String::from)
@@ -378,6 +385,7 @@ fn run_one(
         }
     }
     record_audit(&mut row, &ctx);
+    row.notes.extend(history_note);
     if let Some(p) = profile {
         if let Err(e) = output::write_profile(&p, w.name, &nc.name) {
             row.notes.push(format!("profile not written: {e}"));
@@ -397,6 +405,32 @@ fn run_one(
         }
     }
     row
+}
+
+/// The allocator's history recording where `--memory-history` asks for one, else `None`; the note
+/// saying why where it cannot record.
+fn start_memory_history(args: &Args) -> (Option<MemoryHistory>, Option<String>) {
+    if args.memory_history.is_none() {
+        return (None, None);
+    }
+    match MemoryHistory::record(DEFAULT_HISTORY_EVENTS) {
+        Ok(h) => (Some(h), None),
+        Err(e) => (None, Some(format!("memory history not recorded: {e}"))),
+    }
+}
+
+/// Writes the history `history` recorded over the run of `workload` under `config` into `dir` and
+/// stops the recording (where it started it): the note saying where it went.
+fn finish_memory_history(
+    history: MemoryHistory,
+    dir: &Path,
+    workload: &str,
+    config: &str,
+) -> String {
+    match output::write_memory_history(&history, dir, workload, config) {
+        Ok(path) => format!("memory history written to {}", path.display()),
+        Err(e) => format!("memory history not written: {e}"),
+    }
 }
 
 /// The flags the context changed (name = value) and its notes, into `row`.
