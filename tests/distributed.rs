@@ -591,13 +591,15 @@ fn single_process_reference() -> Vec<(String, Tensor)> {
     single_process_reference_and_norms().0
 }
 
-/// What an unsharded AdamW over the model holds.
+/// What an unsharded AdamW over the model holds once its first step has made its state.
 fn single_process_state_bytes() -> speedkit::optim::OptimizerMemory {
     let vs = nn::VarStore::new(Device::Cpu);
-    let _net = model(&vs);
-    speedkit::optim::AdamWOptimizer::new(&vs, adamw(), false)
-        .unwrap()
-        .memory()
+    let net = model(&vs);
+    let mut opt = speedkit::optim::AdamWOptimizer::new(&vs, adamw(), false).unwrap();
+    let (x, y) = data();
+    let loss = net.forward(&x).mse_loss(&y, tch::Reduction::Mean);
+    opt.backward_step(&loss).unwrap();
+    opt.memory()
 }
 
 /// [`single_process_reference`], with the gradient's norm at each step.

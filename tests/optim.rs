@@ -225,6 +225,7 @@ fn optimizer_state_saves_and_loads() {
     assert_eq!(fresh.steps_taken().unwrap(), 3);
     let names = |o: &AdamWOptimizer| {
         o.state_tensors()
+            .unwrap()
             .into_iter()
             .map(|(n, t)| (n, t.copy()))
             .collect::<Vec<_>>()
@@ -290,4 +291,41 @@ fn dropped_and_zeroed_gradients_give_the_same_training() {
         p.detach()
     };
     assert_eq!(run(true), run(false));
+}
+
+#[test]
+fn adamw_makes_its_state_at_its_first_step() {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let p = vs.root().randn("p", &[64], 0.0, 1.0);
+    let mut opt = AdamWOptimizer::new(&vs, AdamW::default(), false).unwrap();
+    // The learning rate alone: the forward and backward of the first step run without the state.
+    assert_eq!(opt.memory().state, 4);
+    assert_eq!(opt.steps_taken().unwrap(), 0);
+    p.square().sum(None).backward();
+    opt.step().unwrap();
+    // Two fp32 moments of 64 values, a step count, the learning rate.
+    assert_eq!(opt.memory().state, 2 * 64 * 4 + 4 + 4);
+    assert_eq!(opt.steps_taken().unwrap(), 1);
+}
+
+#[test]
+fn state_saved_before_the_first_step_is_what_that_step_starts_from() {
+    let dir = std::env::temp_dir().join(format!("speedkit-optim-fresh-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("adamw.pt");
+    let vs = nn::VarStore::new(Device::Cpu);
+    let _p = vs.root().randn("p", &[5], 0.0, 1.0);
+    let fresh = AdamWOptimizer::new(&vs, AdamW::default(), false).unwrap();
+    fresh.save(&path).unwrap();
+    let mut trained = AdamWOptimizer::new(&vs, AdamW::default(), false).unwrap();
+    trained.load(&path).unwrap();
+    for (name, t) in trained.state_tensors().unwrap() {
+        let expected = if name.ends_with(".lr") {
+            f64::from(1e-3f32)
+        } else {
+            0.0
+        };
+        assert_eq!(t.abs().max().double_value(&[]), expected, "{name}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
 }

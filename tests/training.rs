@@ -233,6 +233,55 @@ fn cuda_step_with_host_sync_falls_back_to_eager_and_says_why() {
 }
 
 #[test]
+fn a_first_optimizer_step_inside_a_capture_falls_back_to_eager_and_makes_the_state_there() {
+    let _lock = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "a_first_optimizer_step_inside_a_capture_falls_back_to_eager_and_makes_the_state_there",
+    ) else {
+        return;
+    };
+    let mut config = precision_config(DeviceChoice::Cuda(0), Precision::Bf16);
+    config.compile.enabled = AutoBool::On;
+    config.compile.warmup_steps = 1;
+    let ctx = SpeedContext::new(&config).unwrap();
+    let vs = nn::VarStore::new(device);
+    let layer = nn::linear(vs.root(), 32, 32, Default::default());
+    let mut opt = ctx.adamw(&vs, AdamW::default()).unwrap();
+    let x = Tensor::randn([16, 32], (Kind::Float, device));
+    // Gradient accumulation over two calls: the first optimizer step falls on the second call,
+    // the one the graph captures.
+    let mut calls = 0;
+    let mut g = ctx.graphed(|_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
+        calls += 1;
+        let loss = ctx
+            .autocast(|| layer.forward(&x))
+            .square()
+            .mean(Kind::Float);
+        ctx.backward(&loss)?;
+        if calls >= 2 {
+            ctx.step(&mut opt)?;
+        }
+        Ok(Some(loss))
+    });
+    for _ in 0..2 {
+        g.run(&[]).unwrap();
+    }
+    assert!(!g.is_graphed());
+    let reason = g.fallback_reason().unwrap_or_default().to_owned();
+    assert!(
+        reason.contains("AdamW makes its state at its first step"),
+        "{reason}"
+    );
+    drop(g);
+    assert_eq!(
+        opt.steps_taken().unwrap(),
+        1,
+        "the eager re-run stepped once"
+    );
+    assert!(opt.memory().state >= 2 * opt.memory().parameters);
+}
+
+#[test]
 fn cuda_new_input_shape_recaptures_and_the_cache_is_bounded() {
     let _lock = common::serial();
     let Some(device) =

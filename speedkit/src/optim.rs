@@ -84,10 +84,71 @@ pub struct ParamGroup {
 /// Parameters of one device and dtype with their state: what one kernel launch updates.
 struct Bucket {
     params: Vec<Tensor>,
+    /// Made at the first step ([`state_or_zeros`]), as torch.optim makes its state: the first
+    /// forward and backward, which allocate every gradient anew and cuDNN's autotuning workspaces,
+    /// then run without two fp32 copies of the parameters beside them.
+    state: Option<BucketState>,
+    lr: Tensor,
+}
+
+/// AdamW's state of one bucket's parameters: both moments and the step count of each.
+struct BucketState {
     exp_avgs: Vec<Tensor>,
     exp_avg_sqs: Vec<Tensor>,
     steps: Vec<Tensor>,
-    lr: Tensor,
+}
+
+impl BucketState {
+    /// The state `params` start from: zeros.
+    fn zeros(params: &[Tensor]) -> Result<Self> {
+        let mut state = BucketState {
+            exp_avgs: Vec::with_capacity(params.len()),
+            exp_avg_sqs: Vec::with_capacity(params.len()),
+            steps: Vec::with_capacity(params.len()),
+        };
+        for p in params {
+            state.exp_avgs.push(Tensor::f_zeros_like(p)?);
+            state.exp_avg_sqs.push(Tensor::f_zeros_like(p)?);
+            // PyTorch keeps step counts as float32 device tensors for the fused and capturable paths.
+            state
+                .steps
+                .push(Tensor::f_zeros([] as [i64; 0], (Kind::Float, p.device()))?);
+        }
+        Ok(state)
+    }
+
+    fn tensors(&self) -> impl Iterator<Item = &Tensor> {
+        self.exp_avgs
+            .iter()
+            .chain(&self.exp_avg_sqs)
+            .chain(&self.steps)
+    }
+}
+
+/// The state in `slot`, made for `params` where there is none yet and counted in `holdings` from
+/// then on. Making it allocates, so it must not happen inside a CUDA graph capture, whose
+/// replays would zero it again.
+fn state_or_zeros<'a>(
+    slot: &'a mut Option<BucketState>,
+    params: &[Tensor],
+    holdings: &Holdings,
+) -> Result<&'a BucketState> {
+    let state =
+        match slot.take() {
+            Some(state) => state,
+            None if crate::graph::is_capturing() => return Err(SpeedkitError::Graph(
+                "AdamW makes its state at its first step, and that step is being captured in a \
+                 CUDA graph, whose replays would zero the state again: run at least one step \
+                 eagerly before capturing (compile.warmup_steps >= 1 does)"
+                    .into(),
+            )),
+            None => {
+                let state = BucketState::zeros(params)?;
+                holdings.count_state(state.tensors());
+                state
+            }
+        };
+    Ok(slot.insert(state))
 }
 
 struct Group {
@@ -97,7 +158,7 @@ struct Group {
 }
 
 /// What an optimizer holds, in bytes: its parameters, their gradients (those allocated now) and
-/// its state (AdamW's two moments, step counts and learning rates).
+/// its state (AdamW's two moments and step counts, made at the first step, and learning rates).
 ///
 /// ```
 /// use speedkit::optim::{AdamW, AdamWOptimizer};
@@ -108,7 +169,7 @@ struct Group {
 /// let held = opt.memory();
 /// assert_eq!(held.parameters, 4 * (256 * 256 + 256));
 /// assert_eq!(held.gradients, 0); // no backward yet
-/// assert!(held.state >= 2 * held.parameters);
+/// assert_eq!(held.state, 4); // the learning rate: the first step makes the rest
 /// # Ok::<(), speedkit::SpeedkitError>(())
 /// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -146,8 +207,16 @@ struct HeldTensors {
 
 impl Holdings {
     pub(crate) fn memory(&self) -> OptimizerMemory {
-        let held = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        held.memory()
+        self.held().memory()
+    }
+
+    /// Counts `state` as the optimizer's state from now on.
+    fn count_state<'a>(&self, state: impl Iterator<Item = &'a Tensor>) {
+        self.held().state.extend(state.map(Tensor::shallow_clone));
+    }
+
+    fn held(&self) -> std::sync::MutexGuard<'_, HeldTensors> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -390,7 +459,8 @@ impl AdamWOptimizer {
             .groups
             .iter()
             .flat_map(|g| &g.buckets)
-            .flat_map(|b| &b.steps)
+            .filter_map(|b| b.state.as_ref())
+            .flat_map(|s| &s.steps)
             .next();
         match first {
             Some(s) => Ok(s.f_double_value(&[])? as i64),
@@ -402,8 +472,8 @@ impl AdamWOptimizer {
         // In-place updates of leaf parameters: as torch.optim's step, outside autograd.
         let _no_grad = tch::no_grad_guard();
         crate::graph::record_gradients(self.params());
-        for g in &self.groups {
-            for b in &g.buckets {
+        for g in &mut self.groups {
+            for b in &mut g.buckets {
                 // Parameters without a gradient this step are skipped, as in PyTorch.
                 let mut idx = Vec::with_capacity(b.params.len());
                 let mut grads = Vec::with_capacity(b.params.len());
@@ -417,6 +487,7 @@ impl AdamWOptimizer {
                 if grads.is_empty() {
                     continue;
                 }
+                let state = state_or_zeros(&mut b.state, &b.params, &self.holdings)?;
                 let pick = |v: &[Tensor]| -> Vec<Tensor> {
                     idx.iter().map(|&i| v[i].shallow_clone()).collect()
                 };
@@ -425,15 +496,15 @@ impl AdamWOptimizer {
                     AdamWLists {
                         params: &b.params,
                         grads: &grads,
-                        exp_avgs: &b.exp_avgs,
-                        exp_avg_sqs: &b.exp_avg_sqs,
-                        steps: &b.steps,
+                        exp_avgs: &state.exp_avgs,
+                        exp_avg_sqs: &state.exp_avg_sqs,
+                        steps: &state.steps,
                     }
                 } else {
                     params = pick(&b.params);
-                    m = pick(&b.exp_avgs);
-                    v = pick(&b.exp_avg_sqs);
-                    s = pick(&b.steps);
+                    m = pick(&state.exp_avgs);
+                    v = pick(&state.exp_avg_sqs);
+                    s = pick(&state.steps);
                     AdamWLists {
                         params: &params,
                         grads: &grads,
@@ -470,29 +541,53 @@ impl AdamWOptimizer {
         }
     }
 
-    /// The optimizer state as named tensors (exp_avg, exp_avg_sq, step per parameter; lr per group).
-    pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
+    /// The optimizer state as named tensors (exp_avg, exp_avg_sq, step per parameter; lr per
+    /// group). Before the first step, which makes the state, its moments and steps are fresh zeros:
+    /// what that step starts from.
+    ///
+    /// ```
+    /// use speedkit::optim::{AdamW, AdamWOptimizer};
+    /// use tch::{nn, Device};
+    /// let vs = nn::VarStore::new(Device::Cpu);
+    /// let _layer = nn::linear(vs.root(), 4, 2, Default::default());
+    /// let opt = AdamWOptimizer::new(&vs, AdamW::default(), false)?;
+    /// let state = opt.state_tensors()?;
+    /// // A learning rate, and three tensors for each of the weight and the bias.
+    /// assert_eq!(state.len(), 1 + 2 * 3);
+    /// assert_eq!(opt.memory().state, 4, "only the learning rate is allocated yet");
+    /// # Ok::<(), speedkit::SpeedkitError>(())
+    /// ```
+    pub fn state_tensors(&self) -> Result<Vec<(String, Tensor)>> {
         let mut out = Vec::new();
         for (gi, g) in self.groups.iter().enumerate() {
             for (bi, b) in g.buckets.iter().enumerate() {
                 out.push((format!("group{gi}.bucket{bi}.lr"), b.lr.shallow_clone()));
+                let made;
+                let state = match &b.state {
+                    Some(state) => state,
+                    None => {
+                        made = BucketState::zeros(&b.params)?;
+                        &made
+                    }
+                };
                 for i in 0..b.params.len() {
                     let prefix = format!("group{gi}.bucket{bi}.param{i}");
-                    out.push((format!("{prefix}.exp_avg"), b.exp_avgs[i].shallow_clone()));
-                    out.push((
-                        format!("{prefix}.exp_avg_sq"),
-                        b.exp_avg_sqs[i].shallow_clone(),
-                    ));
-                    out.push((format!("{prefix}.step"), b.steps[i].shallow_clone()));
+                    for (name, t) in [
+                        ("exp_avg", &state.exp_avgs[i]),
+                        ("exp_avg_sq", &state.exp_avg_sqs[i]),
+                        ("step", &state.steps[i]),
+                    ] {
+                        out.push((format!("{prefix}.{name}"), t.shallow_clone()));
+                    }
                 }
             }
         }
-        out
+        Ok(out)
     }
 
     /// Writes the state to `path` (libtorch's format, as `Tensor::save_multi`).
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
-        let named = self.state_tensors();
+        let named = self.state_tensors()?;
         let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
         Tensor::save_multi(&refs, path.as_ref())?;
         Ok(())
@@ -501,7 +596,13 @@ impl AdamWOptimizer {
     /// Reads a state written by [`save`](Self::save) for an optimizer over the same parameters.
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let loaded = Tensor::load_multi(path.as_ref())?;
-        let mine = self.state_tensors();
+        // The state the file's values go into, made now where no step has made it yet.
+        for g in &mut self.groups {
+            for b in &mut g.buckets {
+                state_or_zeros(&mut b.state, &b.params, &self.holdings)?;
+            }
+        }
+        let mine = self.state_tensors()?;
         if loaded.len() != mine.len() {
             return Err(SpeedkitError::Misuse(format!(
                 "optimizer state in {} has {} tensors, this optimizer has {}: not the same parameters",
@@ -557,13 +658,7 @@ fn holdings_of(groups: &[Group], whole: Option<&[Tensor]>) -> Holdings {
         },
         stepped,
         state: buckets()
-            .flat_map(|b| {
-                b.exp_avgs
-                    .iter()
-                    .chain(&b.exp_avg_sqs)
-                    .chain(&b.steps)
-                    .chain([&b.lr])
-            })
+            .flat_map(|b| b.state.iter().flat_map(BucketState::tensors).chain([&b.lr]))
             .map(Tensor::shallow_clone)
             .collect(),
     }))
@@ -573,28 +668,15 @@ fn make_buckets(params: Vec<Tensor>, lr: f64) -> Result<Vec<Bucket>> {
     let mut buckets: Vec<((Device, Kind), Bucket)> = Vec::new();
     for p in params {
         let key = (p.device(), p.kind());
-        let (device, kind) = key;
-        let zeros = || Tensor::f_zeros_like(&p);
-        let (m, v) = (zeros()?, zeros()?);
-        // PyTorch keeps step counts as float32 device tensors for the fused and capturable paths.
-        let step = Tensor::f_zeros([] as [i64; 0], (Kind::Float, device))?;
         match buckets.iter_mut().find(|(k, _)| *k == key) {
-            Some((_, b)) => {
-                b.params.push(p);
-                b.exp_avgs.push(m);
-                b.exp_avg_sqs.push(v);
-                b.steps.push(step);
-            }
+            Some((_, b)) => b.params.push(p),
             None => {
-                let _ = kind;
-                let lr_t = Tensor::f_full([] as [i64; 0], lr, (Kind::Float, device))?;
+                let lr_t = Tensor::f_full([] as [i64; 0], lr, (Kind::Float, key.0))?;
                 buckets.push((
                     key,
                     Bucket {
                         params: vec![p],
-                        exp_avgs: vec![m],
-                        exp_avg_sqs: vec![v],
-                        steps: vec![step],
+                        state: None,
                         lr: lr_t,
                     },
                 ));
