@@ -84,14 +84,21 @@ pub struct ParamGroup {
 /// Parameters of one device and dtype with their state: what one kernel launch updates.
 struct Bucket {
     params: Vec<Tensor>,
-    /// Made at the first step ([`state_or_zeros`]), as torch.optim makes its state: the first
-    /// forward and backward, which allocate every gradient anew and cuDNN's autotuning workspaces,
-    /// then run without two fp32 copies of the parameters beside them.
-    state: Option<BucketState>,
+    /// Empty until the first step makes it ([`AdamWOptimizer::make_state`]), as torch.optim makes
+    /// its state: the first forward and backward, which allocate every gradient anew and cuDNN's
+    /// autotuning workspaces, then run without two fp32 copies of the parameters beside them.
+    state: BucketState,
     lr: Tensor,
 }
 
+impl Bucket {
+    fn has_state(&self) -> bool {
+        self.state.steps.len() == self.params.len()
+    }
+}
+
 /// AdamW's state of one bucket's parameters: both moments and the step count of each.
+#[derive(Default)]
 struct BucketState {
     exp_avgs: Vec<Tensor>,
     exp_avg_sqs: Vec<Tensor>,
@@ -123,32 +130,6 @@ impl BucketState {
             .chain(&self.exp_avg_sqs)
             .chain(&self.steps)
     }
-}
-
-/// The state in `slot`, made for `params` where there is none yet and counted in `holdings` from
-/// then on. Making it allocates, so it must not happen inside a CUDA graph capture, whose
-/// replays would zero it again.
-fn state_or_zeros<'a>(
-    slot: &'a mut Option<BucketState>,
-    params: &[Tensor],
-    holdings: &Holdings,
-) -> Result<&'a BucketState> {
-    let state =
-        match slot.take() {
-            Some(state) => state,
-            None if crate::graph::is_capturing() => return Err(SpeedkitError::Graph(
-                "AdamW makes its state at its first step, and that step is being captured in a \
-                 CUDA graph, whose replays would zero the state again: run at least one step \
-                 eagerly before capturing (compile.warmup_steps >= 1 does)"
-                    .into(),
-            )),
-            None => {
-                let state = BucketState::zeros(params)?;
-                holdings.count_state(state.tensors());
-                state
-            }
-        };
-    Ok(slot.insert(state))
 }
 
 struct Group {
@@ -459,8 +440,7 @@ impl AdamWOptimizer {
             .groups
             .iter()
             .flat_map(|g| &g.buckets)
-            .filter_map(|b| b.state.as_ref())
-            .flat_map(|s| &s.steps)
+            .flat_map(|b| &b.state.steps)
             .next();
         match first {
             Some(s) => Ok(s.f_double_value(&[])? as i64),
@@ -468,12 +448,47 @@ impl AdamWOptimizer {
         }
     }
 
+    /// Makes the state of the buckets that have none yet (zeros, what torch.optim's first step
+    /// starts from), counted in the holdings from then on.
+    ///
+    /// On a GPU the caching allocator's unused blocks go back to the driver first (a device
+    /// synchronisation, once): the first step's activations have just been freed into them, and
+    /// state carved out of their segments would keep each of those segments from ever being given
+    /// back, which a CUDA graph capture (its own pool) or a later, larger step then lacks.
+    /// Making the state allocates, so it must not happen inside a capture, whose replays would
+    /// zero it again.
+    fn make_state(&mut self) -> Result<()> {
+        let buckets = || self.groups.iter().flat_map(|g| &g.buckets);
+        if buckets().all(Bucket::has_state) {
+            return Ok(());
+        }
+        if crate::graph::is_capturing() {
+            return Err(SpeedkitError::Graph(
+                "AdamW makes its state at its first step, and that step is being captured in a \
+                 CUDA graph, whose replays would zero the state again: run at least one step \
+                 eagerly before capturing (compile.warmup_steps >= 1 does)"
+                    .into(),
+            ));
+        }
+        if buckets().any(|b| b.lr.device().is_cuda()) {
+            ffi::device::cuda_empty_cache()?;
+        }
+        for b in self.groups.iter_mut().flat_map(|g| &mut g.buckets) {
+            if !b.has_state() {
+                b.state = BucketState::zeros(&b.params)?;
+                self.holdings.count_state(b.state.tensors());
+            }
+        }
+        Ok(())
+    }
+
     fn step_impl(&mut self, grad_scale: Option<&Tensor>, found_inf: Option<&Tensor>) -> Result<()> {
         // In-place updates of leaf parameters: as torch.optim's step, outside autograd.
         let _no_grad = tch::no_grad_guard();
         crate::graph::record_gradients(self.params());
-        for g in &mut self.groups {
-            for b in &mut g.buckets {
+        self.make_state()?;
+        for g in &self.groups {
+            for b in &g.buckets {
                 // Parameters without a gradient this step are skipped, as in PyTorch.
                 let mut idx = Vec::with_capacity(b.params.len());
                 let mut grads = Vec::with_capacity(b.params.len());
@@ -487,7 +502,7 @@ impl AdamWOptimizer {
                 if grads.is_empty() {
                     continue;
                 }
-                let state = state_or_zeros(&mut b.state, &b.params, &self.holdings)?;
+                let state = &b.state;
                 let pick = |v: &[Tensor]| -> Vec<Tensor> {
                     idx.iter().map(|&i| v[i].shallow_clone()).collect()
                 };
@@ -563,12 +578,11 @@ impl AdamWOptimizer {
             for (bi, b) in g.buckets.iter().enumerate() {
                 out.push((format!("group{gi}.bucket{bi}.lr"), b.lr.shallow_clone()));
                 let made;
-                let state = match &b.state {
-                    Some(state) => state,
-                    None => {
-                        made = BucketState::zeros(&b.params)?;
-                        &made
-                    }
+                let state = if b.has_state() {
+                    &b.state
+                } else {
+                    made = BucketState::zeros(&b.params)?;
+                    &made
                 };
                 for i in 0..b.params.len() {
                     let prefix = format!("group{gi}.bucket{bi}.param{i}");
@@ -597,11 +611,7 @@ impl AdamWOptimizer {
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let loaded = Tensor::load_multi(path.as_ref())?;
         // The state the file's values go into, made now where no step has made it yet.
-        for g in &mut self.groups {
-            for b in &mut g.buckets {
-                state_or_zeros(&mut b.state, &b.params, &self.holdings)?;
-            }
-        }
+        self.make_state()?;
         let mine = self.state_tensors()?;
         if loaded.len() != mine.len() {
             return Err(SpeedkitError::Misuse(format!(
@@ -658,7 +668,7 @@ fn holdings_of(groups: &[Group], whole: Option<&[Tensor]>) -> Holdings {
         },
         stepped,
         state: buckets()
-            .flat_map(|b| b.state.iter().flat_map(BucketState::tensors).chain([&b.lr]))
+            .flat_map(|b| b.state.tensors().chain([&b.lr]))
             .map(Tensor::shallow_clone)
             .collect(),
     }))
@@ -676,7 +686,7 @@ fn make_buckets(params: Vec<Tensor>, lr: f64) -> Result<Vec<Bucket>> {
                     key,
                     Bucket {
                         params: vec![p],
-                        state: None,
+                        state: BucketState::default(),
                         lr: lr_t,
                     },
                 ));
