@@ -1,7 +1,7 @@
 // Convolution under autocast as a C++ autograd function that keeps no copy of the weight for its
 // backward. Autocast's conv2d casts the fp32 weight to bf16/fp16 and ATen's convolution node saves
 // that copy until the layer's backward, so every layer's copy is alive at the end of the forward,
-// the step's memory peak in a convolutional network (a ResNet-18 holds 22 MiB of them there). This
+// the step's memory peak in a convolutional network (a CIFAR ResNet-18 holds about 21 MiB of them there). This
 // function saves the fp32 weight, which the model holds anyway, and casts it again in the backward,
 // what torch.compile's partitioner does for the same graph. The cast costs one pass over the weight
 // per layer and step, the fraction of a convolution's time that its weight is of its operands.

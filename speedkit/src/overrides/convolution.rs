@@ -3,7 +3,7 @@
 //!
 //! Autocast casts each fp32 weight to bf16/fp16 in the forward, and ATen's convolution node keeps
 //! that copy for the layer's backward, so at the end of the forward, a convolutional network's
-//! memory peak, every layer's copy is alive (22 MiB for a ResNet-18). speedkit's convolution saves
+//! memory peak, every layer's copy is alive (about 21 MiB for a CIFAR ResNet-18). speedkit's convolution saves
 //! the fp32 weight instead, which the model holds anyway, and casts it again in the backward: one
 //! more pass over each weight per step, what torch.compile's partitioner chooses for the same
 //! graph. The convolutions themselves are ATen's, on the operands autocast would give them.
