@@ -488,6 +488,17 @@ int sk_kernel_note_get(int64_t index, sk_kernel_note* out) {
   })
 }
 
+int sk_kernel_note_add(int op, const char* reason) {
+  SK_TRY({
+    sk::ops::check_op(op);
+    if (reason == nullptr || *reason == '\0') {
+      sk::ops::note_ran(op);
+    } else {
+      sk::ops::note_fell_back(op, reason);
+    }
+  })
+}
+
 int sk_kernel_source_count(int* out, int* builtin) {
   SK_TRY({
     *out = sk::kernels::source_count();

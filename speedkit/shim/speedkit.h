@@ -510,6 +510,9 @@ int sk_kernels_unavailable_reason(int index, const char** reason);
 /// How many distinct notes there are; sk_kernel_note_get reads them in order of first occurrence.
 int sk_kernel_note_count(int64_t* out);
 int sk_kernel_note_get(int64_t index, sk_kernel_note* out);
+/// Notes that `op` ran on its kernel (`reason` NULL or empty) or took ATen's path for `reason`
+/// (copied): the channel of the shim's own ops, for the overrides built in Rust.
+int sk_kernel_note_add(int op, const char* reason);
 /// How many kernel sources are registered: speedkit's own (the first *builtin of them), then those
 /// registered at run time.
 int sk_kernel_source_count(int* out, int* builtin);

@@ -16,7 +16,7 @@ use crate::kernels;
 use crate::nn::Fp8Scope;
 use crate::nvtx::NvtxRange;
 use crate::optim::{AdamW, AdamWOptimizer};
-use crate::overrides::{OperatorOverride, Override, OverrideRegistration};
+use crate::overrides::{OperatorOverride, OverrideRegistration};
 use crate::plan::Plan;
 use crate::report::Audit;
 
@@ -509,28 +509,15 @@ impl SpeedContext {
                 .borrow()
                 .iter()
                 .cloned()
-                // With the kernels off by the plan, no op is noted: the plan says why.
+                // One channel for every op, the shim's and the overrides built in Rust: what ran
+                // on speedkit's kernels and what ATen ran instead, and why. With the kernels off
+                // by the plan, no op is noted: the plan says why.
                 .chain(
                     self.kernel_notes
                         .since()
                         .into_iter()
-                        .filter(|n| matches!(n.outcome, kernels::Outcome::FellBack(_)))
                         .map(|n| format!("kernels: {n}")),
                 )
-                .chain(Override::ALL.into_iter().flat_map(|o| {
-                    o.operators().iter().filter_map(move |op| {
-                        let stats = o.stats(op)?;
-                        let last = stats
-                            .last_declined
-                            .map(|why| format!(" (the latest for: {why})"))
-                            .unwrap_or_default();
-                        Some(format!(
-                            "overrides: {op} ran {} calls on speedkit's kernels, handed {} to \
-                             ATen{last}",
-                            stats.ran, stats.declined
-                        ))
-                    })
-                }))
                 .collect(),
         }
     }

@@ -340,6 +340,13 @@ pub fn notes() -> Vec<KernelNote> {
         .collect()
 }
 
+/// Notes that `op` ran on its kernel (`fell_back` `None`) or took ATen's path for that reason: how
+/// the overrides built in Rust ([`crate::overrides`]) report to the channel the shim's ops use.
+pub(crate) fn note(op: KernelOp, fell_back: Option<&str>) {
+    // Fails only for an op code outside the header's, which KernelOp excludes.
+    let _ = ffi::kernels::note(op.code(), fell_back);
+}
+
 /// The notes as they stand at one moment, to read what happened after it ([`NoteMark::since`]):
 /// what a context's audit shows, and what a test asserts about the calls it made.
 ///

@@ -63,6 +63,15 @@ pub(crate) fn notes() -> Result<Vec<Note>> {
         .collect()
 }
 
+/// Notes that `op` ran on its kernel (`fell_back` `None`) or took ATen's path for that reason.
+pub(crate) fn note(op: c_int, fell_back: Option<&str>) -> Result<()> {
+    let reason = fell_back.map(c_string).transpose()?;
+    let reason_ptr = reason.as_ref().map_or(ptr::null(), |r| r.as_ptr());
+    // SAFETY: `reason_ptr` is null or a NUL-terminated string alive for the call (the shim copies
+    // it); the shim range-checks `op`.
+    check(unsafe { abi::sk_kernel_note_add(op, reason_ptr) })
+}
+
 /// The names of the registered kernel sources, in the shim's order, and how many of the first are
 /// speedkit's own.
 pub(crate) fn source_names() -> Result<(Vec<String>, usize)> {

@@ -10,6 +10,7 @@ use tch::{Kind, Tensor};
 
 use crate::error::{Result, SpeedkitError};
 use crate::ffi::{self, custom_overrides::OverrideKernel, raw};
+use crate::kernels::{self, KernelOp};
 
 /// The dispatch key a kernel is registered under: which calls of the operator reach it.
 ///
@@ -266,6 +267,7 @@ pub struct OperatorOverride {
     key: DispatchKey,
     location: &'static Location<'static>,
     kernel: Box<KernelFn>,
+    noted_as: Option<KernelOp>,
 }
 
 impl OperatorOverride {
@@ -281,7 +283,16 @@ impl OperatorOverride {
             key,
             location: Location::caller(),
             kernel: Box::new(kernel),
+            noted_as: None,
         }
+    }
+
+    /// Also notes every call's outcome under `op` in the kernel layer's channel
+    /// ([`crate::kernels::notes`]), as the shim's own ops note theirs: how speedkit's override
+    /// groups built in Rust reach the audit, the profiler and the runner's `kernels` column.
+    pub(crate) fn noted_as(mut self, op: KernelOp) -> Self {
+        self.noted_as = Some(op);
+        self
     }
 
     /// The operator it implements.
@@ -302,6 +313,7 @@ impl OperatorOverride {
             operator: self.operator,
             kernel: self.kernel,
             stats: StatsCell::default(),
+            noted_as: self.noted_as,
         });
         let (name, overload) = shared
             .operator
@@ -359,6 +371,7 @@ struct Shared {
     operator: String,
     kernel: Box<KernelFn>,
     stats: StatsCell,
+    noted_as: Option<KernelOp>,
 }
 
 impl OverrideKernel for Shared {
@@ -390,6 +403,16 @@ impl OverrideKernel for Shared {
             Err(_) => &self.stats.failed,
         };
         counter.fetch_add(1, Ordering::Relaxed);
+        if let Some(op) = self.noted_as {
+            match &outcome {
+                Ok(Outcome::Ran(_)) => kernels::note(op, None),
+                Ok(Outcome::Declined(why)) => {
+                    kernels::note(op, Some(&format!("{}: {why}", self.operator)));
+                }
+                // The error reaches the operator's caller; nothing ran in its place.
+                Err(_) => {}
+            }
+        }
         match outcome? {
             Outcome::Ran(results) => Ok(Some(results)),
             Outcome::Declined(_) => Ok(None),

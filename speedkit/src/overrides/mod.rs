@@ -220,7 +220,7 @@ impl Override {
         };
         overrides
             .into_iter()
-            .map(OperatorOverride::register)
+            .map(|o| o.noted_as(self.kernel_op()).register())
             .collect()
     }
 

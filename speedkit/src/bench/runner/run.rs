@@ -444,3 +444,56 @@ fn record_audit(row: &mut Row, ctx: &SpeedContext) {
         .collect();
     row.notes = audit.notes;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::SpeedConfig;
+    use crate::kernels::KernelOp;
+    use crate::overrides::{DispatchKey, OperatorOverride, Outcome};
+
+    /// An override at the CPU key on an operator no other test calls, noted as `op`, that
+    /// declines every call (`ran: false`) or computes it.
+    fn erfinv_override(op: KernelOp, ran: bool) -> crate::overrides::OverrideRegistration {
+        OperatorOverride::new("aten::erfinv", DispatchKey::Cpu, move |call| {
+            Ok(if ran {
+                Outcome::Ran(vec![call.tensor("self")?.f_erfinv()?])
+            } else {
+                Outcome::Declined("the runner test declines it".into())
+            })
+        })
+        .noted_as(op)
+        .register()
+        .expect("aten::erfinv takes a CPU kernel")
+    }
+
+    #[test]
+    fn a_rust_built_override_lands_in_the_kernel_notes_the_audit_and_the_runner_json() {
+        let ctx = SpeedContext::new(&SpeedConfig::from_yaml_str("device: cpu\n").unwrap()).unwrap();
+        let mut row = Row::pending("overridden", "auto", Size::Tiny);
+        let _ = crate::kernels::take_ops_run();
+        let x = Tensor::from_slice(&[0.25f32, -0.5]);
+        let declining = erfinv_override(KernelOp::BatchNorm, false);
+        let _ = x.erfinv();
+        drop(declining);
+        let running = erfinv_override(KernelOp::CrossEntropy, true);
+        let _ = x.erfinv();
+        drop(running);
+        row.kernels = crate::kernels::take_ops_run()
+            .into_iter()
+            .map(String::from)
+            .collect();
+        record_audit(&mut row, &ctx);
+
+        let declined = "batch_norm: aten::erfinv: the runner test declines it";
+        assert!(
+            ctx.audit().notes.iter().any(|n| n.contains(declined)),
+            "{:?}",
+            ctx.audit().notes
+        );
+        let json = serde_json::to_string(&row).unwrap();
+        assert!(json.contains(declined), "{json}");
+        assert!(row.kernels.iter().any(|k| k == "cross_entropy"), "{json}");
+        assert!(!row.kernels.iter().any(|k| k == "batch_norm"), "{json}");
+    }
+}
