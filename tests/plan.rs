@@ -274,3 +274,41 @@ fn kernels_false_keeps_aten_everywhere() {
     assert!(!plan.kernels);
     assert!(kernels_decision(&plan).reason.contains("set in the config"));
 }
+
+fn fp8_decision(plan: &Plan) -> &speedkit::plan::Decision {
+    plan.decisions
+        .iter()
+        .find(|d| d.key == "fp8")
+        .expect("the plan decides `fp8`")
+}
+
+#[test]
+fn auto_keeps_every_gemm_in_bf16_on_fp8_hardware_and_says_how_to_turn_fp8_on() {
+    let plan = auto_on(&h100());
+    assert!(plan.fp8.is_none());
+    let decision = fp8_decision(&plan);
+    assert_eq!(decision.value, "off");
+    for part in [
+        "SM 9.0 has FP8 Tensor Cores",
+        "converged loss",
+        "set fp8.enabled: auto",
+    ] {
+        assert!(decision.reason.contains(part), "{}", decision.reason);
+    }
+}
+
+#[test]
+fn fp8_enabled_auto_on_fp8_hardware_runs_gemms_from_the_measured_crossover() {
+    let config = SpeedConfig::preset("auto_fp8").unwrap();
+    let plan = Plan::resolve(&config, &h100()).unwrap();
+    let fp8 = plan.fp8.expect("fp8.enabled: auto on an H100 plans FP8");
+    assert_eq!(fp8.min_gemm_size, config.fp8.min_gemm_size());
+    assert!(fp8_decision(&plan).reason.contains("run in FP8"));
+}
+
+#[test]
+fn fp8_off_without_fp8_hardware_says_why_rather_than_how() {
+    let plan = auto_on(&Hardware::simulated_gpu("A100", 8, 0));
+    assert!(plan.fp8.is_none());
+    assert!(fp8_decision(&plan).reason.contains("no FP8 Tensor Cores"));
+}

@@ -6,7 +6,8 @@ use crate::SpeedConfig;
 
 impl SpeedConfig {
     /// Names accepted by [`SpeedConfig::preset`].
-    pub const PRESETS: &'static [&'static str] = &["fp32_strict", "tf32", "auto", "fp8"];
+    pub const PRESETS: &'static [&'static str] =
+        &["fp32_strict", "tf32", "auto", "auto_fp8", "fp8"];
 
     /// A named preset:
     ///
@@ -15,6 +16,10 @@ impl SpeedConfig {
     ///   capture, no grad scaler, none of speedkit's own kernels (`examples/configs/baseline.yaml`).
     /// - `"tf32"`: like `fp32_strict`, but matmuls and cuDNN convolutions may use TF32.
     /// - `"auto"`: the defaults, every choice left to the runtime (`examples/configs/auto_speed.yaml`).
+    /// - `"auto_fp8"`: `auto` with `fp8.enabled: auto`: on GPUs with FP8 Tensor Cores, every
+    ///   `speedkit::nn::Linear` whose GEMM reaches the recipe's measured crossover runs in FP8
+    ///   (`fp8.min_gemm_size`); FP8 is off in `auto`, since it can cost converged loss
+    ///   ([`Fp8Config::enabled`](crate::Fp8Config::enabled)).
     /// - `"fp8"`: `auto` with `fp8.enabled: true`: every `speedkit::nn::Linear` whose shapes allow
     ///   it runs its GEMMs in FP8, whatever their size (an error without FP8 hardware).
     ///
@@ -39,6 +44,11 @@ impl SpeedConfig {
                 Ok(config)
             }
             "auto" => Ok(SpeedConfig::default()),
+            "auto_fp8" => {
+                let mut config = SpeedConfig::default();
+                config.fp8.enabled = AutoBool::Auto;
+                Ok(config)
+            }
             "fp8" => {
                 let mut config = SpeedConfig::default();
                 config.fp8.enabled = AutoBool::On;

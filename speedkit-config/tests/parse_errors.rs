@@ -309,7 +309,7 @@ fn unknown_preset_suggests_closest_and_lists_all() {
     let err = SpeedConfig::preset("fp32strict").unwrap_err();
     assert_eq!(
         err.to_string(),
-        "unknown preset `fp32strict`; did you mean `fp32_strict`? (presets: fp32_strict, tf32, auto, fp8)"
+        "unknown preset `fp32strict`; did you mean `fp32_strict`? (presets: fp32_strict, tf32, auto, auto_fp8, fp8)"
     );
 }
 

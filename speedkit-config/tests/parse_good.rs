@@ -34,7 +34,7 @@ fn everything_changed() -> SpeedConfig {
     c.grad_scaler.growth_factor = 1.5;
     c.grad_scaler.backoff_factor = 0.25;
     c.grad_scaler.growth_interval = 100;
-    c.fp8.enabled = AutoBool::Off;
+    c.fp8.enabled = AutoBool::On;
     c.fp8.recipe = Fp8Recipe::Rowwise;
     c.fp8.amax_history = 32;
     c.fp8.gradient_format = Some(Fp8GradientFormat::E5m2);
@@ -77,7 +77,7 @@ grad_scaler:
   backoff_factor: 0.25
   growth_interval: 100
 fp8:
-  enabled: false
+  enabled: true
   recipe: rowwise
   amax_history: 32
   gradient_format: e5m2
@@ -140,7 +140,7 @@ fn defaults_match_the_documented_values() {
     let fp8 = &c.fp8;
     assert_eq!(
         (fp8.enabled, fp8.recipe, fp8.amax_history),
-        (AutoBool::Auto, Fp8Recipe::Delayed, 16)
+        (AutoBool::Off, Fp8Recipe::Delayed, 16)
     );
     assert_eq!((fp8.gradient_format, fp8.min_gemm_size), (None, None));
     assert_eq!(fp8.gradient_format(), Fp8GradientFormat::E5m2);
