@@ -1,8 +1,9 @@
 //! FP8 fidelity: `linear3`, `mlp_block` and `transformer` (the workloads' models at their bench
 //! sizes) trained the same number of steps from the same start on the same batches with bf16 GEMMs
-//! and with FP8 GEMMs (`fp8.enabled: true`, `--recipe delayed|dynamic|rowwise`, `--gradient-format
-//! e5m2|e4m3`), each step captured as a CUDA graph; prints both loss curves and the gap between the
-//! final losses. Needs a GPU with FP8 Tensor Cores (SM 8.9+).
+//! and with FP8 GEMMs under each asked-for recipe and gradient format (`fp8.enabled: true`), each
+//! step captured as a CUDA graph; prints the loss curves and, per FP8 variant, the converged loss
+//! against bf16's. Needs a GPU with FP8 Tensor Cores (SM 8.9+). `docs/benchmarks/fp8_fidelity.py`
+//! is its PyTorch twin (bf16 and torchao's FP8 recipes on the same tasks).
 //!
 //! Two tasks (`--task`):
 //! - `memorise`: the workloads' one random batch, every step. Random targets have nothing to learn
@@ -12,8 +13,13 @@
 //!   (`target = x A + 0.1 ε`, floor 0.01), the transformer predicts the next token of a random
 //!   Markov chain in which every token has 4 successors (floor about ln 4 nats).
 //!
+//! The converged loss is the mean over the last 1% of the steps (at least 10), where fresh batches
+//! make single steps noisy. Five thousand steps of every recipe and both gradient formats on the
+//! regression models (docs/benchmarks/README.md, "FP8 fidelity"):
+//!
 //! ```text
-//! cargo run --release --example fp8_fidelity -- --steps 200 --task learn --recipe rowwise
+//! cargo run --release --example fp8_fidelity -- --task learn --steps 5000 \
+//!     --workloads linear3,mlp_block --fp8 delayed,delayed:e4m3,dynamic,dynamic:e4m3,rowwise,rowwise:e5m2
 //! ```
 
 use anyhow::Context;
@@ -24,6 +30,7 @@ use speedkit_suite::data;
 use speedkit_suite::models::{
     Linear3, Linear3Config, MlpBlock, MlpBlockConfig, Transformer, TransformerConfig,
 };
+use std::fmt::Write as _;
 use tch::nn::VarStore;
 use tch::{Device, Kind, Tensor};
 
@@ -34,22 +41,30 @@ struct Args {
     /// Training steps of each run.
     #[arg(long, default_value_t = 200)]
     steps: usize,
-    /// Print the loss every N steps.
-    #[arg(long, default_value_t = 25)]
-    log_every: usize,
+    /// Print the losses every N steps (default: eight rows a run).
+    #[arg(long)]
+    log_every: Option<usize>,
     /// AdamW learning rate.
     #[arg(long, default_value_t = 1e-4)]
     lr: f64,
-    /// FP8 scaling recipe: `delayed` (amax history), `dynamic` (this step's amax) or `rowwise`
-    /// (each row's own amax).
-    #[arg(long, default_value = "delayed", value_parser = ["delayed", "dynamic", "rowwise"])]
-    recipe: String,
-    /// FP8 format of the output gradients in the backward GEMMs (default: the recipe's).
-    #[arg(long, value_parser = ["e5m2", "e4m3"])]
-    gradient_format: Option<String>,
+    /// The FP8 variants trained beside bf16, comma-separated: a recipe (`delayed`, `dynamic`,
+    /// `rowwise`), optionally with the output gradients' format (`delayed:e4m3`, `rowwise:e5m2`).
+    #[arg(long, value_delimiter = ',', default_value = "delayed")]
+    fp8: Vec<Variant>,
+    /// The models trained, comma-separated.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "linear3,mlp_block,transformer"
+    )]
+    workloads: Vec<Model>,
     /// What the models are trained on.
     #[arg(long, value_enum, default_value_t = Task::Memorise)]
     task: Task,
+    /// Also write every run's summary as JSON lines to this file.
+    #[arg(long)]
+    json: Option<std::path::PathBuf>,
 }
 
 /// What the models are trained on.
@@ -62,80 +77,241 @@ enum Task {
 }
 
 /// Which model a run trains.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum Model {
     Linear3,
+    #[value(name = "mlp_block", alias = "mlp-block")]
     MlpBlock,
     Transformer,
 }
 
-/// Steps averaged at the end of a run, where fresh batches make single steps noisy.
-const TAIL: usize = 10;
+impl Model {
+    /// The workload's name.
+    fn name(self) -> &'static str {
+        match self {
+            Model::Linear3 => "linear3",
+            Model::MlpBlock => "mlp_block",
+            Model::Transformer => "transformer",
+        }
+    }
+}
+
+/// One FP8 configuration: a recipe and, unless the recipe's own, the gradients' format.
+#[derive(Clone, Debug)]
+struct Variant {
+    recipe: String,
+    gradient_format: Option<String>,
+}
+
+impl std::str::FromStr for Variant {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (recipe, format) = match s.split_once(':') {
+            Some((r, f)) => (r, Some(f)),
+            None => (s, None),
+        };
+        if !["delayed", "dynamic", "rowwise"].contains(&recipe) {
+            return Err(format!(
+                "unknown recipe {recipe:?}: delayed, dynamic or rowwise"
+            ));
+        }
+        if let Some(f) = format.filter(|f| !["e5m2", "e4m3"].contains(f)) {
+            return Err(format!("unknown gradient format {f:?}: e5m2 or e4m3"));
+        }
+        Ok(Variant {
+            recipe: recipe.to_owned(),
+            gradient_format: format.map(str::to_owned),
+        })
+    }
+}
+
+impl Variant {
+    /// The config of this variant's runs: bf16 autocast with FP8 on every eligible layer.
+    fn config(&self) -> anyhow::Result<SpeedConfig> {
+        let format = self
+            .gradient_format
+            .as_ref()
+            .map_or(String::new(), |f| format!(", gradient_format: {f}"));
+        Ok(SpeedConfig::from_yaml_str(&format!(
+            "device: cuda\nprecision: bf16\nfp8: {{enabled: true, recipe: {}{format}}}\n",
+            self.recipe
+        ))?)
+    }
+
+    /// `recipe/format`, the format resolved as the plan resolves it.
+    fn label(&self) -> anyhow::Result<String> {
+        let config = self.config()?;
+        Ok(format!(
+            "{}/{}",
+            self.recipe,
+            config.fp8.gradient_format().as_str()
+        ))
+    }
+}
+
+/// The bf16 reference's config: FP8 off.
+fn bf16_config() -> anyhow::Result<SpeedConfig> {
+    Ok(SpeedConfig::from_yaml_str(
+        "device: cuda\nprecision: bf16\nfp8: {enabled: false}\n",
+    )?)
+}
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    anyhow::ensure!(
-        args.steps >= TAIL && args.log_every > 0,
-        "--steps must be at least {TAIL} and --log-every > 0"
-    );
-    let device = Device::Cuda(0);
+    anyhow::ensure!(args.steps >= 10, "--steps must be at least 10");
+    anyhow::ensure!(args.log_every != Some(0), "--log-every must be positive");
     anyhow::ensure!(tch::Cuda::is_available(), "fp8_fidelity needs a CUDA GPU");
-    let gradients = config(&args, true)?.fp8.gradient_format();
-    for model in [Model::Linear3, Model::MlpBlock, Model::Transformer] {
-        let bf16 = train(model, false, device, &args)?;
-        let fp8 = train(model, true, device, &args)?;
+    let device = Device::Cuda(0);
+    let mut json = match &args.json {
+        Some(path) => Some(
+            std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?,
+        ),
+        None => None,
+    };
+    for &model in &args.workloads {
+        let started = std::time::Instant::now();
         println!(
-            "{model:?}, task {:?}, {} steps, lr {}, {} scaling, {gradients} gradients",
-            args.task, args.steps, args.lr, args.recipe
+            "{}, task {:?}, {} steps, lr {}",
+            model.name(),
+            args.task,
+            args.steps,
+            args.lr
         );
-        print_curves(&bf16, &fp8, &args);
+        let mut runs = vec![(
+            "bf16".to_owned(),
+            train(model, &bf16_config()?, device, &args)?,
+        )];
+        report(model, &runs, &args, json.as_mut())?;
+        for variant in &args.fp8 {
+            runs.push((
+                variant.label()?,
+                train(model, &variant.config()?, device, &args)?,
+            ));
+            report(model, &runs, &args, json.as_mut())?;
+        }
+        print!("{}", curves(&runs, &args));
+        println!("  ({:.0} s)", started.elapsed().as_secs_f64());
     }
     Ok(())
 }
 
-fn print_curves(bf16: &[f64], fp8: &[f64], args: &Args) {
-    println!("  step   bf16 loss     fp8 loss      fp8 / bf16");
-    for (step, (b, f)) in bf16.iter().zip(fp8).enumerate() {
-        let step = step + 1;
-        if step == 1 || step % args.log_every == 0 || step == args.steps {
-            println!("  {step:<5}  {b:<12.6}  {f:<12.6}  {:.4}", f / b);
+/// Prints, and writes as a JSON line, the summary of the latest of `runs` (the first is bf16's),
+/// as soon as it is trained: a long run cut short keeps what it finished.
+fn report(
+    model: Model,
+    runs: &[(String, Vec<f64>)],
+    args: &Args,
+    json: Option<&mut std::fs::File>,
+) -> anyhow::Result<()> {
+    let Some(summary) = summaries(model, runs, args).pop() else {
+        return Ok(());
+    };
+    println!("  {}", summary.line());
+    if let Some(file) = json {
+        use std::io::Write as _;
+        writeln!(file, "{}", summary.json())?;
+        file.flush()?;
+    }
+    Ok(())
+}
+
+/// The loss curves side by side, every `log_every` steps.
+fn curves(runs: &[(String, Vec<f64>)], args: &Args) -> String {
+    let every = args.log_every.unwrap_or((args.steps / 8).max(1));
+    let mut out = format!("  {:<6}", "step");
+    for (label, _) in runs {
+        let _ = write!(out, "  {label:<13}");
+    }
+    out.push('\n');
+    for step in 1..=args.steps {
+        if step == 1 || step % every == 0 || step == args.steps {
+            let _ = write!(out, "  {step:<6}");
+            for (_, losses) in runs {
+                let _ = write!(out, "  {:<13.6}", losses[step - 1]);
+            }
+            out.push('\n');
         }
     }
-    let tail_mean =
-        |losses: &[f64]| losses[losses.len() - TAIL..].iter().sum::<f64>() / TAIL as f64;
-    for (what, b, f) in [
-        ("final step", bf16[args.steps - 1], fp8[args.steps - 1]),
-        ("mean of the last 10", tail_mean(bf16), tail_mean(fp8)),
-    ] {
-        let gap = (f - b).abs() / b;
-        let verdict = if gap <= 0.01 { "within" } else { "NOT within" };
-        println!(
-            "  {what}: bf16 {b:.6}, fp8 {f:.6}: relative gap {:.2}% ({verdict} 1%); \
-             as a share of the first loss {:.3}%",
-            100.0 * gap,
-            100.0 * (f - b).abs() / bf16[0]
-        );
+    out
+}
+
+/// One run's converged loss against bf16's.
+struct Summary {
+    model: Model,
+    task: Task,
+    steps: usize,
+    variant: String,
+    final_loss: f64,
+    converged: f64,
+    bf16_converged: f64,
+    tail: usize,
+}
+
+impl Summary {
+    fn ratio(&self) -> f64 {
+        self.converged / self.bf16_converged
     }
+
+    fn line(&self) -> String {
+        let gap = (self.ratio() - 1.0).abs();
+        format!(
+            "{:<14} final {:<10.6} converged (last {}) {:<10.6} / bf16 {:.4}  ({} 1%)",
+            self.variant,
+            self.final_loss,
+            self.tail,
+            self.converged,
+            self.ratio(),
+            if gap <= 0.01 { "within" } else { "NOT within" }
+        )
+    }
+
+    fn json(&self) -> String {
+        serde_json::json!({
+            "workload": self.model.name(),
+            "task": format!("{:?}", self.task).to_lowercase(),
+            "steps": self.steps,
+            "variant": self.variant,
+            "final_loss": self.final_loss,
+            "converged_loss": self.converged,
+            "converged_over_steps": self.tail,
+            "ratio_to_bf16": self.ratio(),
+        })
+        .to_string()
+    }
+}
+
+/// Every run's summary; the first run is bf16's.
+fn summaries(model: Model, runs: &[(String, Vec<f64>)], args: &Args) -> Vec<Summary> {
+    let tail = (args.steps / 100).max(10);
+    let converged =
+        |losses: &[f64]| losses[losses.len() - tail..].iter().sum::<f64>() / tail as f64;
+    let bf16_converged = converged(&runs[0].1);
+    runs.iter()
+        .map(|(variant, losses)| Summary {
+            model,
+            task: args.task,
+            steps: args.steps,
+            variant: variant.clone(),
+            final_loss: losses[args.steps - 1],
+            converged: converged(losses),
+            bf16_converged,
+            tail,
+        })
+        .collect()
 }
 
 /// A model's loss of (input, target).
 type LossFn = Box<dyn Fn(&Tensor, &Tensor) -> speedkit::Result<Tensor>>;
 
-/// bf16 training with FP8 GEMMs (`fp8`) or without, as the command line asks.
-fn config(args: &Args, fp8: bool) -> anyhow::Result<SpeedConfig> {
-    let gradients = args
-        .gradient_format
-        .as_ref()
-        .map_or(String::new(), |f| format!(", gradient_format: {f}"));
-    Ok(SpeedConfig::from_yaml_str(&format!(
-        "device: cuda\nprecision: bf16\nfp8: {{enabled: {fp8}, recipe: {}{gradients}}}\n",
-        args.recipe
-    ))?)
-}
-
 /// The loss of every step of one run.
-fn train(model: Model, fp8: bool, device: Device, args: &Args) -> anyhow::Result<Vec<f64>> {
-    let ctx = SpeedContext::new(&config(args, fp8)?).with_context(|| format!("fp8: {fp8}"))?;
+fn train(
+    model: Model,
+    config: &SpeedConfig,
+    device: Device,
+    args: &Args,
+) -> anyhow::Result<Vec<f64>> {
+    let ctx = SpeedContext::new(config).with_context(|| format!("{:?}", config.fp8))?;
     data::seed();
     let mut vs = VarStore::new(device);
     let (loss_of, source): (LossFn, Source) = match model {
@@ -154,7 +330,8 @@ fn train(model: Model, fp8: bool, device: Device, args: &Args) -> anyhow::Result
         Model::Transformer => {
             let c = TransformerConfig::bench();
             let m = Transformer::new(&vs.root(), &c)?;
-            let source = Source::tokens(args.task, c.batch, c.seq_len, c.vocab, device)?;
+            let source =
+                Source::tokens(args.task, args.steps, c.batch, c.seq_len, c.vocab, device)?;
             (Box::new(move |x, t| m.loss(x, t)), source)
         }
     };
@@ -189,13 +366,10 @@ enum Source {
     Fixed(Tensor, Tensor),
     /// Fresh `x` `[batch, width]` every step, `target = x A + 0.1 ε`.
     Teacher { a: Tensor, batch: i64 },
-    /// Fresh sequences of a Markov chain: `successors[v]` are the tokens that may follow `v`,
-    /// equally likely.
-    Markov {
-        successors: Tensor,
-        batch: i64,
-        seq_len: i64,
-    },
+    /// Sequences of a Markov chain in which `successors[v]` are the tokens that may follow `v`,
+    /// equally likely: `[steps × batch, seq_len + 1]`, made at once, step `i` reading rows
+    /// `i × batch ..`.
+    Markov { sequences: Tensor, batch: i64 },
 }
 
 /// The seed of the learnable sources and, plus the step, of each step's fresh batch: both runs of
@@ -218,6 +392,7 @@ impl Source {
 
     fn tokens(
         task: Task,
+        steps: usize,
         batch: i64,
         seq_len: i64,
         vocab: i64,
@@ -229,11 +404,8 @@ impl Source {
         }
         tch::manual_seed(SOURCE_SEED);
         let successors = Tensor::f_randint(vocab, [vocab, SUCCESSORS], (Kind::Int64, device))?;
-        Ok(Source::Markov {
-            successors,
-            batch,
-            seq_len,
-        })
+        let sequences = markov_sequences(&successors, steps as i64 * batch, seq_len)?;
+        Ok(Source::Markov { sequences, batch })
     }
 
     /// The batch of step `index`.
@@ -248,24 +420,25 @@ impl Source {
                 let target = x.f_matmul(a)? + noise;
                 Ok((x, target))
             }
-            Source::Markov {
-                successors,
-                batch,
-                seq_len,
-            } => markov_sequences(successors, *batch, *seq_len),
+            Source::Markov { sequences, batch } => {
+                let rows = sequences.narrow(0, index as i64 * batch, *batch);
+                let seq_len = rows.size()[1] - 1;
+                Ok((
+                    rows.narrow(1, 0, seq_len).contiguous(),
+                    rows.narrow(1, 1, seq_len).contiguous(),
+                ))
+            }
         }
     }
 }
 
-/// `[batch, seq_len]` tokens of the chain and their next tokens (the same sequences shifted by one).
-fn markov_sequences(
-    successors: &Tensor,
-    batch: i64,
-    seq_len: i64,
-) -> anyhow::Result<(Tensor, Tensor)> {
+/// `[rows, seq_len + 1]` tokens of the chain, each row from a uniformly drawn first token: one
+/// pass of `seq_len` gathers over every row, so a long run's batches cost seconds, not a loop per
+/// step.
+fn markov_sequences(successors: &Tensor, rows: i64, seq_len: i64) -> anyhow::Result<Tensor> {
     let (vocab, device) = (successors.size()[0], successors.device());
-    let choices = Tensor::f_randint(SUCCESSORS, [batch, seq_len, 1], (Kind::Int64, device))?;
-    let mut current = Tensor::f_randint(vocab, [batch], (Kind::Int64, device))?;
+    let choices = Tensor::f_randint(SUCCESSORS, [rows, seq_len, 1], (Kind::Int64, device))?;
+    let mut current = Tensor::f_randint(vocab, [rows], (Kind::Int64, device))?;
     let mut sequence = vec![current.shallow_clone()];
     for position in 0..seq_len {
         let choice = choices.select(1, position);
@@ -275,9 +448,5 @@ fn markov_sequences(
             .squeeze_dim(1);
         sequence.push(current.shallow_clone());
     }
-    let sequence = Tensor::f_stack(&sequence, 1)?;
-    Ok((
-        sequence.narrow(1, 0, seq_len),
-        sequence.narrow(1, 1, seq_len),
-    ))
+    Ok(Tensor::f_stack(&sequence, 1)?)
 }
