@@ -1,27 +1,29 @@
-//! The README's "Use speedkit in your crate", followed to the letter: a crate of one's own, outside
-//! this workspace, made of exactly the files that section shows (the `file=PATH` code blocks, with
-//! `/path/to/speedkit` replaced by this checkout), built against the same libtorch, then run the
-//! three ways the section ends with: the binary (an `#[accelerate]` training loop, started
-//! directly, without `LD_LIBRARY_PATH`), its workload under the runner, and its workload under
-//! `cargo test`.
+//! The guide's "Use speedkit in your crate" (docs/guide/your-own-crate.md), followed to the
+//! letter: a crate of one's own, outside this workspace, made of exactly the files that section
+//! shows (the `file=PATH` code blocks, with `/path/to/speedkit` replaced by this checkout), built
+//! against the same libtorch, then run the three ways the section ends with: the binary (an
+//! `#[accelerate]` training loop, started directly, without `LD_LIBRARY_PATH`), its workload under
+//! the runner, and its workload under `cargo test`.
 //!
 //! The crate lives in the system temp directory (inside this workspace cargo would take it for an
-//! undeclared member) and is rewritten only where the README changed. It resolves its
-//! dependencies offline, from this workspace's `Cargo.lock` and the local registry cache, and
-//! builds in `<target>/tmp/user-crate`, kept between runs: the first build compiles torch-sys and
-//! speedkit once more, and its bench and test speedkit again with the `runner` feature that the
-//! README's `[dev-dependencies]` turn on (minutes on 2 cores); later ones only what changed.
+//! undeclared member) and is rewritten only where the guide changed. It resolves its dependencies
+//! offline, from this workspace's `Cargo.lock` and the local registry cache, and builds in
+//! `<target>/tmp/user-crate`, kept between runs: the first build compiles torch-sys and speedkit
+//! once more, and its bench and test speedkit again with the `runner` feature that the guide's
+//! `[dev-dependencies]` turn on (minutes on 2 cores); later ones only what changed.
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 
-/// The README section the crate is made from.
+/// The guide page and its section the crate is made from.
+const GUIDE_PAGE: &str = "docs/guide/your-own-crate.md";
+/// The section of the guide page.
 const SECTION: &str = "## Use speedkit in your crate";
-/// What the README writes for the checkout's root in paths.
+/// What the guide writes for the checkout's root in paths.
 const CHECKOUT_PLACEHOLDER: &str = "/path/to/speedkit";
-/// The package name of the README's crate, and so its binary's name.
+/// The package name of the guide's crate, and so its binary's name.
 const PACKAGE: &str = "my-trainer";
 /// The workload its `src/lib.rs` registers.
 const WORKLOAD: &str = "classifier_step";
@@ -35,12 +37,12 @@ fn libtorch_lib() -> &'static Path {
     Path::new(env!("SPEEDKIT_LIBTORCH_LIB"))
 }
 
-/// The `file=PATH` code blocks of the README's section, as (path, content).
+/// The `file=PATH` code blocks of the guide's section, as (path, content).
 fn readme_files() -> Vec<(String, String)> {
-    let readme = std::fs::read_to_string(checkout().join("README.md")).expect("README.md");
+    let readme = std::fs::read_to_string(checkout().join(GUIDE_PAGE)).expect(GUIDE_PAGE);
     let start = readme
         .find(SECTION)
-        .unwrap_or_else(|| panic!("README.md has no section {SECTION:?}"));
+        .unwrap_or_else(|| panic!("{GUIDE_PAGE} has no section {SECTION:?}"));
     let section = &readme[start..];
     let section = &section[..section[SECTION.len()..]
         .find("\n## ")
@@ -60,7 +62,7 @@ fn readme_files() -> Vec<(String, String)> {
     files
 }
 
-/// The README's crate, written out and built once for all tests of this file.
+/// The guide's crate, written out and built once for all tests of this file.
 struct UserCrate {
     dir: PathBuf,
     target: PathBuf,
@@ -71,7 +73,7 @@ fn user_crate() -> &'static UserCrate {
     CRATE.get_or_init(|| {
         let user_crate = UserCrate::write();
         let build = user_crate.cargo(&["build", "--offline"]);
-        assert_success("cargo build of the README's crate", &build);
+        assert_success("cargo build of the guide's crate", &build);
         user_crate
     })
 }
@@ -87,7 +89,7 @@ impl UserCrate {
         for expected in ["Cargo.toml", "build.rs", "src/lib.rs", "src/main.rs"] {
             assert!(
                 names.contains(&expected),
-                "the README's crate has no {expected}: {names:?}"
+                "the guide's crate has no {expected}: {names:?}"
             );
         }
         let root = checkout().to_str().expect("checkout path is UTF-8");
@@ -104,7 +106,7 @@ impl UserCrate {
         UserCrate { dir, target }
     }
 
-    /// Runs cargo in the crate as the README's user would: `LIBTORCH` names the libtorch this
+    /// Runs cargo in the crate as the guide's user would: `LIBTORCH` names the libtorch this
     /// package was built against, and nothing sets `LD_LIBRARY_PATH`.
     fn cargo(&self, args: &[&str]) -> Output {
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
@@ -159,8 +161,8 @@ fn readme_crate_trains_under_accelerate_and_runs_without_ld_library_path() {
     let output = Command::new(user_crate.executable(PACKAGE))
         .env_remove("LD_LIBRARY_PATH")
         .output()
-        .expect("the README crate's binary starts");
-    assert_success("the README crate's binary", &output);
+        .expect("the guide crate's binary starts");
+    assert_success("the guide crate's binary", &output);
     let stdout = String::from_utf8_lossy(&output.stdout);
     let losses = stdout
         .lines()
@@ -209,7 +211,7 @@ fn readme_crate_workload_runs_under_the_runner() {
     assert_eq!(
         names,
         [WORKLOAD],
-        "the runner ran other workloads than the README's"
+        "the runner ran other workloads than the guide's"
     );
     let median = rows[0]["measurement"]["median_ms"].as_f64();
     assert!(
@@ -236,6 +238,6 @@ fn readme_crate_workload_runs_under_cargo_test() {
     }
     assert!(
         stdout.contains("test result: ok. 2 passed"),
-        "expected exactly the README workload's two tests, passing:\n{stdout}"
+        "expected exactly the guide workload's two tests, passing:\n{stdout}"
     );
 }

@@ -796,7 +796,7 @@ impl Fp8Recipe {
     /// per-tensor scale, whose range must span the whole gradient (Transformer Engine's "hybrid"
     /// format); e4m3 under row-wise scales, which give each row its own range, so the bit goes to
     /// the mantissa (torchao's row-wise recipe). Measured: e4m3 gradients kept the `learn` losses
-    /// of `examples/fp8_fidelity.rs` closer to bf16's in every case (docs/benchmarks/README.md).
+    /// of `examples/fp8_fidelity.rs` closer to bf16's in every case (docs/benchmarks/HISTORY.md).
     ///
     /// ```
     /// use speedkit_config::{Fp8GradientFormat, Fp8Recipe};
@@ -815,7 +815,7 @@ impl Fp8Recipe {
     /// The smallest GEMM (tokens × in × out) from which one `speedkit::nn::Linear`'s forward and
     /// backward, graphed, was faster in FP8 under this recipe than in bf16 at every shape measured
     /// on an H200 (`examples/fp8_crossover.rs`, 36 shapes from 512 × 768 × 768 to 16384 × 4096 ×
-    /// 16384; docs/benchmarks/README.md, "FP8"): 16384 × 768 × 3072 (a transformer MLP's) for the
+    /// 16384; docs/benchmarks/HISTORY.md, "FP8"): 16384 × 768 × 3072 (a transformer MLP's) for the
     /// per-tensor recipes, 2^36 for row-wise, which casts every operand along both axes. Below,
     /// the casts cost more than the FP8 GEMMs save; so do they at 512 tokens × 8192 × 8192, where
     /// the weight's cast is large beside the GEMM.

@@ -385,3 +385,27 @@ pub use speedkit_macros::bench;
 /// Support for macro expansions. Not a public API: no stability promise.
 #[doc(hidden)]
 pub mod __private;
+
+/// The guide's examples (docs/guide/), compiled and run as doc tests
+/// (`cargo test -p speedkit --doc guide`). Pages without Rust examples are not listed.
+#[cfg(doctest)]
+pub mod guide {
+    #[doc = include_str!("../../docs/guide/training-loop.md")]
+    pub struct TrainingLoop;
+    #[doc = include_str!("../../docs/guide/configuration.md")]
+    pub struct Configuration;
+    #[doc = include_str!("../../docs/guide/graph-mode.md")]
+    pub struct GraphMode;
+    #[doc = include_str!("../../docs/guide/fp8.md")]
+    pub struct Fp8;
+    #[doc = include_str!("../../docs/guide/kernels-and-overrides.md")]
+    pub struct KernelsAndOverrides;
+    #[doc = include_str!("../../docs/guide/memory.md")]
+    pub struct Memory;
+    #[doc = include_str!("../../docs/guide/data-parallel.md")]
+    pub struct DataParallel;
+    #[doc = include_str!("../../docs/guide/your-own-ops.md")]
+    pub struct YourOwnOps;
+    #[doc = include_str!("../../docs/guide/benchmarks-runner.md")]
+    pub struct BenchmarksRunner;
+}
