@@ -268,6 +268,7 @@ pub struct OperatorOverride {
     location: &'static Location<'static>,
     kernel: Box<KernelFn>,
     noted_as: Option<KernelOp>,
+    note_declines: bool,
 }
 
 impl OperatorOverride {
@@ -284,6 +285,7 @@ impl OperatorOverride {
             location: Location::caller(),
             kernel: Box::new(kernel),
             noted_as: None,
+            note_declines: true,
         }
     }
 
@@ -292,6 +294,13 @@ impl OperatorOverride {
     /// groups built in Rust reach the audit, the profiler and the runner's `kernels` column.
     pub(crate) fn noted_as(mut self, op: KernelOp) -> Self {
         self.noted_as = Some(op);
+        self
+    }
+
+    /// Notes only the calls it runs: for an operator whose other calls are not the op's to take
+    /// (a `relu` or `add` that reads no pending normalisation), so declining them is no fallback.
+    pub(crate) fn declines_unnoted(mut self) -> Self {
+        self.note_declines = false;
         self
     }
 
@@ -314,6 +323,7 @@ impl OperatorOverride {
             kernel: self.kernel,
             stats: StatsCell::default(),
             noted_as: self.noted_as,
+            note_declines: self.note_declines,
         });
         let (name, overload) = shared
             .operator
@@ -372,6 +382,7 @@ struct Shared {
     kernel: Box<KernelFn>,
     stats: StatsCell,
     noted_as: Option<KernelOp>,
+    note_declines: bool,
 }
 
 impl OverrideKernel for Shared {
@@ -406,9 +417,10 @@ impl OverrideKernel for Shared {
         if let Some(op) = self.noted_as {
             match &outcome {
                 Ok(Outcome::Ran(_)) => kernels::note(op, None),
-                Ok(Outcome::Declined(why)) => {
+                Ok(Outcome::Declined(why)) if self.note_declines => {
                     kernels::note(op, Some(&format!("{}: {why}", self.operator)));
                 }
+                Ok(Outcome::Declined(_)) => {}
                 // The error reaches the operator's caller; nothing ran in its place.
                 Err(_) => {}
             }

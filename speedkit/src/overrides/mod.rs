@@ -220,8 +220,22 @@ impl Override {
         };
         overrides
             .into_iter()
-            .map(|o| o.noted_as(self.kernel_op()).register())
+            .map(|o| {
+                let noted = o.noted_as(self.kernel_op());
+                if self.passes_through(noted.operator()) {
+                    noted.declines_unnoted().register()
+                } else {
+                    noted.register()
+                }
+            })
             .collect()
+    }
+
+    /// Whether `operator` is one the group takes only where it reads the group's own pending
+    /// output (BatchNorm's `relu` and residual `add`): every other call passes through to ATen,
+    /// which is routing, not a fallback, and is not noted.
+    fn passes_through(self, operator: &str) -> bool {
+        self == Override::BatchNorm && matches!(operator, "aten::relu" | "aten::add.Tensor")
     }
 
     /// The calls of `operator` (one of [`operators`](Override::operators)) so far, while this
