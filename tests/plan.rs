@@ -218,11 +218,15 @@ fn an_invalid_config_is_rejected_before_planning() {
     assert!(Plan::resolve(&config, &h100()).is_err());
 }
 
-fn kernels_decision(plan: &Plan) -> &speedkit::plan::Decision {
+fn decision<'a>(plan: &'a Plan, key: &str) -> &'a speedkit::plan::Decision {
     plan.decisions
         .iter()
-        .find(|d| d.key == "kernels")
-        .expect("the plan decides `kernels`")
+        .find(|d| d.key == key)
+        .unwrap_or_else(|| panic!("the plan decides `{key}`"))
+}
+
+fn kernels_decision(plan: &Plan) -> &speedkit::plan::Decision {
+    decision(plan, "kernels")
 }
 
 #[test]
@@ -276,10 +280,7 @@ fn kernels_false_keeps_aten_everywhere() {
 }
 
 fn fp8_decision(plan: &Plan) -> &speedkit::plan::Decision {
-    plan.decisions
-        .iter()
-        .find(|d| d.key == "fp8")
-        .expect("the plan decides `fp8`")
+    decision(plan, "fp8")
 }
 
 #[test]
