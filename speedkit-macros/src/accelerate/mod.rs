@@ -7,8 +7,11 @@
 //! leftover `#[speedkit::forward]` attributes.
 
 pub(crate) mod args;
+mod attrs;
 pub(crate) mod body;
 pub(crate) mod expand;
+mod misplaced;
+mod patterns;
 pub(crate) mod validate;
 
 use std::path::{Path, PathBuf};

@@ -1,0 +1,44 @@
+//! `compile:`, capturing the training step as a CUDA graph.
+
+use serde::{Deserialize, Serialize};
+
+use super::AutoBool;
+
+/// Capture of the whole training step as a CUDA graph.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(
+    default,
+    deny_unknown_fields,
+    expecting = "a mapping of compile settings"
+)]
+pub struct CompileConfig {
+    /// Whether to capture at all (`auto`: when the runtime judges it safe and useful).
+    pub enabled: AutoBool,
+    /// How to compile; only [`CompileMode::Graphs`] exists today.
+    pub mode: CompileMode,
+    /// Size of the bounded cache of captured graphs (one per input shape); at least 1.
+    pub max_graphs: u32,
+    /// Eager steps on a side stream before capture; at least 1.
+    pub warmup_steps: u32,
+}
+
+impl Default for CompileConfig {
+    fn default() -> Self {
+        Self {
+            enabled: AutoBool::Auto,
+            mode: CompileMode::Graphs,
+            max_graphs: 4,
+            warmup_steps: 3,
+        }
+    }
+}
+
+/// How the training step is compiled.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum CompileMode {
+    /// Capture the whole training step as a CUDA graph.
+    #[default]
+    Graphs,
+}
+
+spelled_enum!(CompileMode, "compile.mode", [Graphs => "graphs"]);

@@ -1,0 +1,254 @@
+//! Data-parallel training over the processes of a launch: whether this process joins a group, the
+//! transport, how gradients are all-reduced, whether the optimizer state is sharded, and what that
+//! leaves of the step's CUDA graph.
+
+use tch::Device;
+
+use super::decisions::Decisions;
+use super::DistributedSettings;
+use crate::config::{
+    AllReduce, AutoBool, DistributedBackend, DistributedConfig, GradientCompression, SpeedConfig,
+};
+use crate::dist::{Backend, LaunchEnv};
+use crate::error::{Result, SpeedkitError};
+
+/// The launch this process takes part in, if any.
+pub(super) fn group_launch<'l>(
+    cfg: &DistributedConfig,
+    launch: Option<&'l LaunchEnv>,
+) -> Option<&'l LaunchEnv> {
+    // A launch of one process joins a group of one only where the backend is named: the
+    // data-parallel step on one device, its cost measured alone.
+    let named_backend = matches!(
+        cfg.backend,
+        DistributedBackend::Nccl | DistributedBackend::Gloo
+    );
+    launch.filter(|env| env.world_size > 1 || named_backend)
+}
+
+/// This process's place when it trains data-parallel, which gives it a GPU of its own; `None`
+/// when it trains alone (also when a launch's processes are told to, each on the usual device).
+pub(super) fn data_parallel_rank<'l>(
+    cfg: &DistributedConfig,
+    launch: Option<&'l LaunchEnv>,
+) -> Option<&'l LaunchEnv> {
+    launch.filter(|_| cfg.backend != DistributedBackend::Off)
+}
+
+/// Data parallelism for a process of `launch` (from [`group_launch`]), given whether the step is
+/// planned as a CUDA graph.
+pub(super) fn resolve_distributed(
+    config: &SpeedConfig,
+    device: Device,
+    launch: Option<&LaunchEnv>,
+    graphs: bool,
+    d: &mut Decisions,
+) -> Result<Option<DistributedSettings>> {
+    let Some(env) = launch else {
+        let why = if config.distributed.backend == DistributedBackend::Auto {
+            "a single process (WORLD_SIZE unset or 1)"
+        } else {
+            "a single process (WORLD_SIZE unset or 1): nothing to communicate"
+        };
+        d.push("distributed", "off", why);
+        return Ok(None);
+    };
+    let Some((backend, why)) = resolve_backend(config.distributed.backend, device, env, d)? else {
+        return Ok(None);
+    };
+    let cfg = &config.distributed;
+    d.push(
+        "distributed",
+        backend.to_string(),
+        format!(
+            "rank {} of {}: {why}; parameters broadcast from rank 0",
+            env.rank, env.world_size
+        ),
+    );
+    let all_reduce = resolve_all_reduce(cfg, graphs, d)?;
+    const MIB: i64 = 1 << 20;
+    Ok(Some(DistributedSettings {
+        backend,
+        env: env.clone(),
+        bucket_bytes: i64::from(cfg.bucket_mb) * MIB,
+        first_bucket_bytes: i64::from(cfg.first_bucket_mb) * MIB,
+        timeout_s: u64::from(cfg.timeout_s),
+        all_reduce,
+        bf16_gradients: cfg.compress == GradientCompression::Bf16,
+        check_replicas_every: u64::from(cfg.check_replicas_every),
+        shard_optimizer: resolve_shard_optimizer(cfg, env.world_size, d),
+    }))
+}
+
+/// The transport and why, or `None` where the config keeps the processes apart (recorded here):
+/// speedkit drives NCCL for CUDA tensors and Gloo for CPU ones, nothing else.
+fn resolve_backend(
+    choice: DistributedBackend,
+    device: Device,
+    env: &LaunchEnv,
+    d: &mut Decisions,
+) -> Result<Option<(Backend, &'static str)>> {
+    let on_cuda = device.is_cuda();
+    Ok(Some(match choice {
+        DistributedBackend::Off => {
+            d.push(
+                "distributed",
+                "off",
+                format!(
+                    "set in the config: each of the {} processes trains alone",
+                    env.world_size
+                ),
+            );
+            return Ok(None);
+        }
+        DistributedBackend::Auto if on_cuda => (Backend::Nccl, "CUDA tensors: NCCL"),
+        DistributedBackend::Auto => (Backend::Gloo, "CPU tensors: Gloo"),
+        DistributedBackend::Nccl if !on_cuda => {
+            return Err(SpeedkitError::Unsupported(
+                "distributed.backend is nccl, which needs CUDA tensors, but this run is on the \
+                 CPU; set distributed.backend to auto (Gloo on the CPU) or gloo"
+                    .into(),
+            ))
+        }
+        DistributedBackend::Nccl => (Backend::Nccl, "set in the config"),
+        DistributedBackend::Gloo if on_cuda => {
+            return Err(SpeedkitError::Unsupported(
+                "distributed.backend is gloo, but this run is on CUDA, where speedkit drives \
+                 NCCL; set distributed.backend to auto (or nccl), or `device: cpu`"
+                    .into(),
+            ))
+        }
+        DistributedBackend::Gloo => (Backend::Gloo, "set in the config"),
+    }))
+}
+
+/// Whether the optimizer state is sharded across the ranks (ZeRO-1), and why.
+fn resolve_shard_optimizer(cfg: &DistributedConfig, world_size: usize, d: &mut Decisions) -> bool {
+    if cfg.shard_optimizer {
+        d.push(
+            "optimizer_state",
+            "sharded",
+            format!(
+                "set in the config (ZeRO-1): each of the {world_size} ranks keeps the AdamW state \
+                 of 1/{world_size} of the parameters; gradients reduce-scattered, updated \
+                 parameters all-gathered"
+            ),
+        );
+    }
+    cfg.shard_optimizer
+}
+
+/// How gradients are all-reduced, given whether the step is planned as a CUDA graph: speedkit's
+/// in-step all-reduce where the graph must capture it (or bf16 gradients or a sharded optimizer
+/// ask for it), c10d's Reducer for an eager step.
+fn resolve_all_reduce(
+    cfg: &DistributedConfig,
+    graphs: bool,
+    d: &mut Decisions,
+) -> Result<AllReduce> {
+    let bf16 = cfg.compress == GradientCompression::Bf16;
+    let wire = if bf16 {
+        "sent in bf16"
+    } else {
+        "sent in their own type"
+    };
+    let buckets = cfg.bucket_mb;
+    let (path, reason) = match cfg.all_reduce {
+        AllReduce::Reducer if cfg.shard_optimizer => {
+            return Err(SpeedkitError::Unsupported(
+                "distributed.shard_optimizer reduce-scatters gradients through speedkit's \
+                 all-reduce, and distributed.all_reduce is reducer (c10d's Reducer all-reduces \
+                 whole gradients); set all_reduce to auto, in_backward or after_backward, or \
+                 shard_optimizer to false"
+                    .into(),
+            ))
+        }
+        AllReduce::Reducer if bf16 => {
+            return Err(SpeedkitError::Unsupported(
+                "distributed.compress: bf16 is done by speedkit's all-reduce, and \
+                 distributed.all_reduce is reducer; set all_reduce to auto, in_backward or \
+                 after_backward, or compress to none"
+                    .into(),
+            ))
+        }
+        AllReduce::Reducer => (
+            AllReduce::Reducer,
+            format!(
+                "set in the config: c10d's Reducer, {buckets} MiB buckets during the backward pass"
+            ),
+        ),
+        AllReduce::InBackward | AllReduce::AfterBackward => (
+            cfg.all_reduce,
+            format!("set in the config: {buckets} MiB buckets {wire}"),
+        ),
+        AllReduce::Auto if graphs || bf16 || cfg.shard_optimizer => (
+            AllReduce::InBackward,
+            in_step_reason(cfg, graphs, bf16, wire),
+        ),
+        AllReduce::Auto => (
+            AllReduce::Reducer,
+            format!(
+                "the step runs eagerly: c10d's Reducer, {buckets} MiB buckets during the backward \
+                 pass"
+            ),
+        ),
+    };
+    d.push("all_reduce", path.as_str(), reason);
+    Ok(path)
+}
+
+/// Why `auto` picks speedkit's in-step all-reduce: the first of the graph, bf16 gradients and a
+/// sharded optimizer that needs it.
+fn in_step_reason(cfg: &DistributedConfig, graphs: bool, bf16: bool, wire: &str) -> String {
+    let buckets = cfg.bucket_mb;
+    format!(
+        "{}: each {buckets} MiB bucket, {wire}, is {} as soon as its gradients are in, \
+         on NCCL's stream beside the rest of the backward pass, and captured with the \
+         step (c10d's Reducer hooks cannot be captured)",
+        if graphs {
+            "the step runs as a CUDA graph"
+        } else if bf16 {
+            "bf16 gradients"
+        } else {
+            "a sharded optimizer"
+        },
+        if cfg.shard_optimizer {
+            "reduce-scattered"
+        } else {
+            "all-reduced"
+        }
+    )
+}
+
+/// Whether the step still runs as a CUDA graph once the all-reduce is known: c10d's Reducer
+/// cannot be captured, so under it a planned graph gives way, or is an error where the config
+/// asked for it.
+pub(super) fn resolve_graphs_beside_reducer(
+    compile: AutoBool,
+    distributed: Option<&DistributedSettings>,
+    graphs: bool,
+    d: &mut Decisions,
+) -> Result<bool> {
+    match (distributed, graphs) {
+        (Some(dp), graphs) if dp.all_reduce != AllReduce::Reducer => Ok(graphs),
+        (Some(_), true) if compile == AutoBool::On => Err(SpeedkitError::Unsupported(
+            "compile.enabled: true cannot be combined with distributed.all_reduce: \
+             reducer: the gradient all-reduce hooks of c10d's Reducer cannot be captured \
+             into the step's CUDA graph (CUDA: \"operation would make the legacy stream \
+             depend on a capturing blocking stream\"); set distributed.all_reduce to \
+             auto, in_backward or after_backward, or compile.enabled to auto or false"
+                .into(),
+        )),
+        (Some(_), true) => {
+            d.push(
+                "compile",
+                "off",
+                "data parallel with distributed.all_reduce: reducer: the step runs eagerly, \
+                 because the gradient all-reduce hooks of c10d's Reducer cannot be captured \
+                 into a CUDA graph",
+            );
+            Ok(false)
+        }
+        (_, graphs) => Ok(graphs),
+    }
+}

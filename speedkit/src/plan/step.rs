@@ -1,0 +1,111 @@
+//! How the training step runs: the AdamW kernel, CUDA graph capture, and the conv weights' layout.
+
+use super::decisions::Decisions;
+use crate::config::AutoBool;
+use crate::error::{Result, SpeedkitError};
+use crate::hardware::{GpuInfo, Hardware};
+
+/// Fused AdamW on CUDA: one kernel over every parameter; the CPU has no fused kernel.
+pub(super) fn resolve_fused_optimizer(
+    setting: AutoBool,
+    gpu: Option<&GpuInfo>,
+    d: &mut Decisions,
+) -> bool {
+    match (setting, gpu) {
+        (AutoBool::Auto, Some(_)) => {
+            d.push(
+                "optimizer.fused",
+                "true",
+                "CUDA: one fused AdamW kernel over all parameters",
+            );
+            true
+        }
+        (AutoBool::Auto, None) => {
+            d.push(
+                "optimizer.fused",
+                "false",
+                "CPU: multi-tensor (foreach) AdamW",
+            );
+            false
+        }
+        (v, _) => {
+            d.push(
+                "optimizer.fused",
+                (v == AutoBool::On).to_string(),
+                "set in the config",
+            );
+            v == AutoBool::On
+        }
+    }
+}
+
+/// Whether the step is planned as a CUDA graph, before the all-reduce is known (which may still
+/// take it away: [`super::distributed::resolve_graphs_beside_reducer`]).
+pub(super) fn resolve_compile_graphs(
+    setting: AutoBool,
+    gpu: Option<&GpuInfo>,
+    hardware: &Hardware,
+    d: &mut Decisions,
+) -> Result<bool> {
+    match (setting, gpu) {
+        (AutoBool::Auto, None) => {
+            d.push("compile", "off", "CUDA graphs need a CUDA device");
+            Ok(false)
+        }
+        (AutoBool::Auto, Some(_)) if hardware.is_windows() => {
+            d.push("compile", "off", "auto keeps graph capture off on Windows");
+            Ok(false)
+        }
+        (AutoBool::Auto, Some(_)) => {
+            d.push(
+                "compile",
+                "graphs",
+                "CUDA: capture the whole training step once and replay it (no launch overhead)",
+            );
+            Ok(true)
+        }
+        (AutoBool::On, None) => Err(SpeedkitError::Unsupported(
+            "compile.enabled: true needs a CUDA device, and this run is on the CPU; \
+             set compile.enabled to auto or false"
+                .into(),
+        )),
+        (AutoBool::On, Some(_)) => {
+            d.push("compile", "graphs", "set in the config");
+            Ok(true)
+        }
+        (AutoBool::Off, _) => {
+            d.push("compile", "off", "set in the config");
+            Ok(false)
+        }
+    }
+}
+
+/// Channels-last conv weights where Tensor Cores run the convolutions, which want NHWC.
+pub(super) fn resolve_channels_last(
+    setting: AutoBool,
+    gpu: Option<&GpuInfo>,
+    d: &mut Decisions,
+) -> bool {
+    match (setting, gpu) {
+        (AutoBool::Auto, Some(g)) if g.has_tensor_cores() => {
+            d.push(
+                "channels_last",
+                "true",
+                "Tensor Core convolutions are fastest in NHWC (applies to 4-d conv weights only)",
+            );
+            true
+        }
+        (AutoBool::Auto, _) => {
+            d.push("channels_last", "false", "no Tensor Cores: NCHW kept");
+            false
+        }
+        (v, _) => {
+            d.push(
+                "channels_last",
+                (v == AutoBool::On).to_string(),
+                "set in the config",
+            );
+            v == AutoBool::On
+        }
+    }
+}

@@ -1,0 +1,49 @@
+//! The tiny model, its data, optimizer and config: the same in every rank and in the reference.
+
+use speedkit::config::{DeviceChoice, DistributedBackend, SpeedConfig};
+use speedkit::optim::AdamW;
+use tch::nn::{self, Module};
+use tch::{Device, Kind, Tensor};
+
+pub const PER_RANK_BATCH: i64 = 8;
+pub const STEPS: i64 = 6;
+pub const WORLD: i64 = 2;
+
+pub fn config(bucket_mb: u32) -> SpeedConfig {
+    let mut c = SpeedConfig::auto();
+    c.device = DeviceChoice::Cpu;
+    c.distributed.backend = DistributedBackend::Gloo;
+    c.distributed.timeout_s = 30;
+    // Small buckets: the tiny model's gradients travel in several all-reduces.
+    c.distributed.bucket_mb = bucket_mb;
+    // Replicas compared after every step: equal training must never trip the check.
+    c.distributed.check_replicas_every = 1;
+    c
+}
+
+/// Hidden width: l1's weight is exactly 1 MiB, so with 1 MiB buckets it is a bucket of its own
+/// (all-reduced in place) and the other parameters share one.
+pub const HIDDEN: i64 = 32 * 1024;
+
+pub fn model(vs: &nn::VarStore) -> impl Module {
+    nn::seq()
+        .add(nn::linear(vs.root() / "l1", 8, HIDDEN, Default::default()))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(vs.root() / "l2", HIDDEN, 1, Default::default()))
+}
+
+/// The whole data set, the same in every process: STEPS global batches of WORLD × PER_RANK_BATCH.
+pub fn data() -> (Tensor, Tensor) {
+    tch::manual_seed(1234);
+    let n = STEPS * WORLD * PER_RANK_BATCH;
+    let x = Tensor::randn([n, 8], (Kind::Float, Device::Cpu));
+    let y = x.sum_dim_intlist(1, true, Kind::Float).sin();
+    (x, y)
+}
+
+pub fn adamw() -> AdamW {
+    AdamW {
+        lr: 1e-2,
+        ..Default::default()
+    }
+}

@@ -1,0 +1,253 @@
+//! What one rank runs for each scenario: Gloo or NCCL training, `#[accelerate]`, the runner.
+
+use std::path::{Path, PathBuf};
+
+use crate::fixture::{adamw, config, data, model, PER_RANK_BATCH, STEPS, WORLD};
+use speedkit::config::{AllReduce, DistributedBackend, SpeedConfig};
+use speedkit::dist::LaunchEnv;
+use speedkit::{apply_speedups, SpeedkitError};
+use tch::nn::{self, Module, OptimizerConfig};
+use tch::{Device, Tensor};
+
+pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
+    let env = LaunchEnv::from_env()?;
+    let rank = env.as_ref().map_or(0, |e| e.rank);
+    if scenario == "fail_before_joining" && rank == 1 {
+        std::process::exit(3);
+    }
+    if scenario == "accelerate" {
+        return train_accelerated_rank(rank, out);
+    }
+    if scenario == "bench_runner" || scenario == "bench_runner_peer" {
+        return run_bench_rank(out, scenario == "bench_runner_peer");
+    }
+    if let Some(variant) = scenario.strip_prefix("nccl_") {
+        return train_nccl_rank(rank, out, variant);
+    }
+    let bucket_mb = if scenario == "mismatched_config" && rank == 1 {
+        2
+    } else {
+        1
+    };
+    let (x, y) = data();
+    tch::manual_seed(100 + rank as i64);
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let net = model(&vs);
+    let mut config = config(bucket_mb);
+    if let Some(all_reduce) = scenario.strip_prefix("train_") {
+        config.distributed.all_reduce = match all_reduce {
+            "in_backward" => AllReduce::InBackward,
+            "sharded" => AllReduce::Auto,
+            _ => AllReduce::AfterBackward,
+        };
+    }
+    config.distributed.shard_optimizer = scenario == "train_sharded";
+    let ctx = apply_speedups(&mut vs, &config)?;
+    ctx.print_main(ctx.audit());
+    let mut opt = ctx.adamw(&vs, adamw())?;
+    if config.distributed.shard_optimizer {
+        // A sharded optimizer covers the attached model only.
+        let other = nn::VarStore::new(Device::Cpu);
+        let _net = model(&other);
+        match ctx.adamw(&other, adamw()) {
+            Ok(_) => println!("an optimizer over another model was made"),
+            Err(e) => println!("another model: {e}"),
+        }
+    }
+    let steps = if scenario == "train_until_killed" {
+        100_000
+    } else {
+        STEPS
+    };
+    for step in 0..steps {
+        let start = (step % STEPS) * WORLD * PER_RANK_BATCH + rank as i64 * PER_RANK_BATCH;
+        let xb = x.narrow(0, start, PER_RANK_BATCH);
+        let yb = y.narrow(0, start, PER_RANK_BATCH);
+        let loss = ctx.autocast(|| net.forward(&xb).mse_loss(&yb, tch::Reduction::Mean));
+        if scenario == "drift" && rank == 1 && step == 3 {
+            // An edit outside the step, on one rank only: the next check must catch it.
+            let _no_grad = tch::no_grad_guard();
+            let _ = vs.variables()["l2.bias"]
+                .shallow_clone()
+                .f_add_scalar_(1e-3)?;
+        }
+        if config.distributed.shard_optimizer {
+            // Clipping far above the norm multiplies by exactly 1: the same training, and the
+            // norm, which each rank must compute over the whole gradient, printed.
+            opt.zero_grad()?;
+            ctx.backward(&loss)?;
+            let norm = opt.clip_grad_norm(1e9)?.f_double_value(&[])?;
+            ctx.step(&mut opt)?;
+            println!("gradient norm {step}: {norm:e}");
+        } else {
+            ctx.backward_step(&loss, &mut opt)?;
+        }
+        if step < STEPS {
+            println!("step {step} done");
+        }
+    }
+    let held = opt.memory();
+    println!(
+        "optimizer holds {} parameter bytes, {} state bytes",
+        held.parameters, held.state
+    );
+    vs.save(out.join(format!("rank{rank}.ot")))
+        .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
+    Ok(())
+}
+
+/// The training of `train_rank` on this rank's GPU over NCCL in fp32, through the graph-mode API,
+/// in one of the variants the NCCL test names: `graphs_off` (eager, the Reducer's all-reduce),
+/// `graphs_auto` (one CUDA graph with the all-reduce inside, started during the backward pass),
+/// `after_backward` (graphed, all-reduced after the backward pass), `reducer` (graphs on auto, the
+/// Reducer asked for: eager), `bf16` (graphed, gradients sent in bf16), `sharded` (graphed, the
+/// optimizer state sharded: gradients reduce-scattered, parameters all-gathered).
+fn train_nccl_rank(rank: usize, out: &Path, variant: &str) -> Result<(), SpeedkitError> {
+    use speedkit::config::{AutoBool, GradientCompression, MatmulPrecisionChoice, Precision};
+    let mut config = SpeedConfig::auto();
+    config.precision = Precision::Fp32;
+    config.tf32_matmul_precision = MatmulPrecisionChoice::Highest;
+    config.compile.enabled = if variant == "graphs_off" {
+        AutoBool::Off
+    } else {
+        AutoBool::Auto
+    };
+    config.distributed.all_reduce = match variant {
+        "reducer" => AllReduce::Reducer,
+        "after_backward" => AllReduce::AfterBackward,
+        _ => AllReduce::Auto,
+    };
+    if variant == "bf16" {
+        config.distributed.compress = GradientCompression::Bf16;
+    }
+    config.distributed.shard_optimizer = variant == "sharded";
+    config.distributed.backend = DistributedBackend::Nccl;
+    config.distributed.timeout_s = 60;
+    config.distributed.bucket_mb = 1;
+    // Compared after every step, replays included.
+    config.distributed.check_replicas_every = 1;
+    let (x, y) = data();
+    tch::manual_seed(100 + rank as i64);
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let net = model(&vs);
+    let ctx = apply_speedups(&mut vs, &config)?;
+    let device = ctx.device();
+    let mut opt = ctx.adamw(&vs, adamw())?;
+    let mut step = ctx.graphed(|inputs: &[Tensor]| {
+        let loss = ctx.autocast(|| {
+            net.forward(&inputs[0])
+                .mse_loss(&inputs[1], tch::Reduction::Mean)
+        });
+        ctx.backward_step(&loss, &mut opt)?;
+        Ok(Some(loss))
+    });
+    for s in 0..STEPS {
+        let start = s * WORLD * PER_RANK_BATCH + rank as i64 * PER_RANK_BATCH;
+        let xb = x.narrow(0, start, PER_RANK_BATCH).to_device(device);
+        let yb = y.narrow(0, start, PER_RANK_BATCH).to_device(device);
+        step.run(&[&xb, &yb])?;
+    }
+    println!(
+        "graphed: {} ({})",
+        step.is_graphed(),
+        step.fallback_reason().unwrap_or("no fallback")
+    );
+    drop(step);
+    ctx.print_main(ctx.audit());
+    vs.set_device(Device::Cpu);
+    vs.save(out.join(format!("rank{rank}.ot")))
+        .map_err(|e| SpeedkitError::Torch(e.to_string()))
+}
+
+/// The same training written as an ordinary `#[accelerate]` function: no distributed code.
+#[speedkit::accelerate(device = "cpu")]
+fn train_accelerated(
+    vs: &nn::VarStore,
+    net: &impl Module,
+    x: &Tensor,
+    y: &Tensor,
+) -> speedkit::Result<()> {
+    let mut opt = nn::Sgd::default()
+        .build(vs, 0.1)
+        .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
+    for step in 0..STEPS {
+        let xb = x.narrow(0, step * PER_RANK_BATCH, PER_RANK_BATCH);
+        let yb = y.narrow(0, step * PER_RANK_BATCH, PER_RANK_BATCH);
+        #[speedkit::forward]
+        let loss = net.forward(&xb).mse_loss(&yb, tch::Reduction::Mean);
+        opt.backward_step(&loss);
+    }
+    Ok(())
+}
+
+fn train_accelerated_rank(rank: usize, out: &Path) -> Result<(), SpeedkitError> {
+    let (x, y) = data();
+    tch::manual_seed(100 + rank as i64);
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = model(&vs);
+    // Each rank its own rows.
+    let (x, y) = (
+        x.narrow(0, rank as i64 * 48, 48),
+        y.narrow(0, rank as i64 * 48, 48),
+    );
+    train_accelerated(&vs, &net, &x, &y)?;
+    vs.save(out.join(format!("rank{rank}.ot")))
+        .map_err(|e| SpeedkitError::Torch(e.to_string()))
+}
+
+/// Two configs on the CPU over Gloo (each a process group of its own, one after the other).
+pub fn write_bench_configs(out: &Path) -> [PathBuf; 2] {
+    let gloo = "distributed: {backend: gloo, timeout_s: 60}\n";
+    let cpu = out.join("cpu.yaml");
+    let bf16 = out.join("cpu_bf16.yaml");
+    std::fs::write(&cpu, format!("device: cpu\n{gloo}")).unwrap();
+    std::fs::write(&bf16, format!("device: cpu\nprecision: bf16\n{gloo}")).unwrap();
+    [cpu, bf16]
+}
+
+/// One rank of the benchmark runner: `transformer` and `linear3` at the tiny size under both
+/// configs of [`write_bench_configs`]; rank 0 writes `report.json`. With `peer`, also
+/// `--peer pytorch` (which a data-parallel run refuses).
+fn run_bench_rank(out: &Path, peer: bool) -> Result<(), SpeedkitError> {
+    use clap::Parser;
+    use speedkit::bench::runner::{main_with, Args};
+    use speedkit::bench::Workload;
+    let [cpu, bf16] = [out.join("cpu.yaml"), out.join("cpu_bf16.yaml")];
+    let json = out.join("report.json");
+    let peer_args = if peer {
+        &["--peer", "pytorch"][..]
+    } else {
+        &[]
+    };
+    let args = Args::try_parse_from(
+        [
+            "bench",
+            "--exact",
+            "--filter",
+            "transformer",
+            "--filter",
+            "linear3",
+            "--size",
+            "tiny",
+            "--warmup",
+            "1",
+            "--steps",
+            "3",
+            "--config",
+            cpu.to_str().unwrap(),
+            "--config",
+            bf16.to_str().unwrap(),
+            "--json",
+            json.to_str().unwrap(),
+        ]
+        .iter()
+        .chain(peer_args),
+    )
+    .map_err(|e| SpeedkitError::Misuse(e.to_string()))?;
+    match main_with(&args, &Workload::all()) {
+        0 => Ok(()),
+        status => Err(SpeedkitError::Misuse(format!(
+            "the runner exited with status {status}"
+        ))),
+    }
+}

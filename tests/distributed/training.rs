@@ -1,0 +1,230 @@
+//! Ranks train to equal parameters, equal to one process's, over Gloo and NCCL, sharded or not.
+
+use crate::common;
+use crate::fixture::{adamw, config, data, model, PER_RANK_BATCH, STEPS, WORLD};
+use crate::processes::{load, run_launcher, scratch, text};
+use speedkit::apply_speedups;
+use tch::nn::{self, Module};
+use tch::{Device, Tensor};
+
+#[test]
+fn launcher_trains_two_gloo_ranks_to_equal_parameters() {
+    let out = scratch("equal");
+    let output = run_launcher("train", &out);
+    let log = text(&output);
+    assert!(output.status.success(), "{log}");
+    assert!(log.contains("[rank 0] step 5 done"), "{log}");
+    assert!(log.contains("[rank 1] step 5 done"), "{log}");
+    let (a, b) = (load(&out.join("rank0.ot")), load(&out.join("rank1.ot")));
+    assert_eq!(a.len(), 4);
+    for ((name, pa), (_, pb)) in a.iter().zip(&b) {
+        assert!(pa.equal(pb), "{name} differs between the ranks");
+    }
+}
+
+#[test]
+fn accelerate_functions_train_data_parallel_with_no_code_change() {
+    let out = scratch("accelerate");
+    let output = run_launcher("accelerate", &out);
+    assert!(output.status.success(), "{}", text(&output));
+    let (a, b) = (load(&out.join("rank0.ot")), load(&out.join("rank1.ot")));
+    for ((name, pa), (_, pb)) in a.iter().zip(&b) {
+        assert!(pa.equal(pb), "{name} differs between the ranks");
+    }
+}
+
+#[test]
+fn two_ranks_match_one_process_on_the_concatenated_batches() {
+    let single = single_process_reference();
+    // The Reducer's all-reduce, and speedkit's during and after the backward pass.
+    for (scenario, all_reduce) in [
+        ("train", REDUCER),
+        ("train_in_backward", "speedkit's all-reduce (in_backward)"),
+        (
+            "train_after_backward",
+            "speedkit's all-reduce (after_backward)",
+        ),
+    ] {
+        let out = scratch(&format!("reference-{scenario}"));
+        let output = run_launcher(scenario, &out);
+        let log = text(&output);
+        assert!(output.status.success(), "{log}");
+        assert!(log.contains(all_reduce), "{log}");
+        let distributed = load(&out.join("rank0.ot"));
+        for ((name, d), (_, s)) in distributed.iter().zip(&single) {
+            let err = common::rel_err(d, s);
+            assert!(
+                err < 1e-5,
+                "{scenario}: {name}: relative difference {err:e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_sharded_optimizer_trains_as_one_process_with_half_the_state_on_each_rank() {
+    let (single, norms) = single_process_reference_and_norms();
+    let out = scratch("sharded");
+    let output = run_launcher("train_sharded", &out);
+    let log = text(&output);
+    assert!(output.status.success(), "{log}");
+    assert!(log.contains("optimizer state sharded (ZeRO-1)"), "{log}");
+    assert_eq!(
+        log.matches("another model: the optimizer state is sharded across the ranks")
+            .count(),
+        2,
+        "{log}"
+    );
+    // Every step's replica check passed; now both ranks' saved parameters against one process.
+    for rank in 0..WORLD {
+        let distributed = load(&out.join(format!("rank{rank}.ot")));
+        for ((name, d), (_, s)) in distributed.iter().zip(&single) {
+            let err = common::rel_err(d, s);
+            assert!(
+                err < 1e-5,
+                "rank {rank}: {name}: relative difference {err:e}"
+            );
+        }
+    }
+    for (step, reference) in norms.iter().enumerate() {
+        for rank in 0..WORLD {
+            let (prefix, line) = (format!("[rank {rank}] "), format!("gradient norm {step}: "));
+            let norm: f64 = log
+                .lines()
+                .filter(|l| l.starts_with(&prefix))
+                .find_map(|l| l.split_once(&line).map(|(_, norm)| norm))
+                .unwrap_or_else(|| panic!("no `{line}` of rank {rank} in {log}"))
+                .trim()
+                .parse()
+                .unwrap();
+            assert!(
+                (norm - reference).abs() <= 1e-5 * reference,
+                "rank {rank}, step {step}: norm {norm} against one process's {reference}"
+            );
+        }
+    }
+    // AdamW keeps two moments per parameter: each rank keeps them for its half.
+    let whole = single_process_state_bytes();
+    for rank in 0..WORLD {
+        let held = log
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("[rank {rank}] optimizer holds ")))
+            .unwrap_or_else(|| panic!("no memory line of rank {rank} in {log}"));
+        let numbers: Vec<u64> = held.split(' ').filter_map(|w| w.parse().ok()).collect();
+        let (parameters, state) = (numbers[0], numbers[1]);
+        assert_eq!(parameters, whole.parameters, "{held}");
+        let half = whole.state / WORLD as u64;
+        assert!(
+            state.abs_diff(half) < half / 50,
+            "rank {rank} keeps {state} state bytes, half the whole is {half}"
+        );
+    }
+}
+
+/// The audit's note on the Reducer's all-reduce.
+const REDUCER: &str = "gradients averaged by c10d's Reducer";
+
+/// One process trained on the concatenated batches, from rank 0's initialisation.
+fn single_process_reference() -> Vec<(String, Tensor)> {
+    single_process_reference_and_norms().0
+}
+
+/// What an unsharded AdamW over the model holds once its first step has made its state.
+fn single_process_state_bytes() -> speedkit::optim::OptimizerMemory {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let net = model(&vs);
+    let mut opt = speedkit::optim::AdamWOptimizer::new(&vs, adamw(), false).unwrap();
+    let (x, y) = data();
+    let loss = net.forward(&x).mse_loss(&y, tch::Reduction::Mean);
+    opt.backward_step(&loss).unwrap();
+    opt.memory()
+}
+
+/// [`single_process_reference`], with the gradient's norm at each step.
+fn single_process_reference_and_norms() -> (Vec<(String, Tensor)>, Vec<f64>) {
+    let _lock = common::serial();
+    let (x, y) = data();
+    tch::manual_seed(100); // rank 0's initialisation, which the ranks broadcast
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let net = model(&vs);
+    let ctx = apply_speedups(&mut vs, &config(1)).unwrap();
+    assert_eq!(ctx.world_size(), 1);
+    let mut opt = ctx.adamw(&vs, adamw()).unwrap();
+    let mut norms = Vec::new();
+    for step in 0..STEPS {
+        let rows = WORLD * PER_RANK_BATCH;
+        let (xb, yb) = (
+            x.narrow(0, step * rows, rows),
+            y.narrow(0, step * rows, rows),
+        );
+        let loss = ctx.autocast(|| net.forward(&xb).mse_loss(&yb, tch::Reduction::Mean));
+        opt.zero_grad().unwrap();
+        ctx.backward(&loss).unwrap();
+        norms.push(opt.clip_grad_norm(1e9).unwrap().double_value(&[]));
+        ctx.step(&mut opt).unwrap();
+    }
+    let mut single: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    single.sort_by(|a, b| a.0.cmp(&b.0));
+    (single, norms)
+}
+
+#[test]
+fn nccl_ranks_match_one_process_eager_on_the_reducer_and_graphed_on_speedkits_all_reduce() {
+    if tch::Cuda::device_count() < 2 {
+        eprintln!(
+            "skipped nccl_ranks_match_one_process_eager_on_the_reducer_and_graphed_on_speedkits_\
+             all_reduce: needs 2 CUDA devices"
+        );
+        return;
+    }
+    let single = single_process_reference();
+    // (variant, graphed, the audit's note on the all-reduce, tolerance against one process)
+    for (variant, graphed, all_reduce, tolerance) in [
+        ("graphs_off", false, REDUCER, 1e-4),
+        ("reducer", false, REDUCER, 1e-4),
+        (
+            "graphs_auto",
+            true,
+            "speedkit's all-reduce (in_backward)",
+            1e-4,
+        ),
+        (
+            "after_backward",
+            true,
+            "speedkit's all-reduce (after_backward)",
+            1e-4,
+        ),
+        ("bf16", true, "in 1 MiB buckets sent in bf16", 2e-2),
+        ("sharded", true, "optimizer state sharded (ZeRO-1)", 1e-4),
+    ] {
+        let out = scratch(&format!("nccl-{variant}"));
+        let output = run_launcher(&format!("nccl_{variant}"), &out);
+        let log = text(&output);
+        assert!(output.status.success(), "{log}");
+        assert!(log.contains("over nccl"), "{log}");
+        assert!(log.contains(all_reduce), "{variant}: {log}");
+        // (libtest's own "test dist_worker ... " may precede the line: the ranks run --nocapture.)
+        assert_eq!(
+            log.matches(&format!("graphed: {graphed} (no fallback)"))
+                .count(),
+            2,
+            "{variant}: {log}"
+        );
+        println!(
+            "{variant}: {}",
+            log.lines()
+                .filter(|l| l.contains("graphed:"))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        );
+        let (a, b) = (load(&out.join("rank0.ot")), load(&out.join("rank1.ot")));
+        for (((name, pa), (_, pb)), (_, ps)) in a.iter().zip(&b).zip(&single) {
+            assert!(pa.equal(pb), "{variant}: {name} differs between the ranks");
+            let err = common::rel_err(pa, ps);
+            assert!(
+                err < tolerance,
+                "{variant}: {name}: relative difference {err:e}"
+            );
+        }
+    }
+}

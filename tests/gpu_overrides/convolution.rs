@@ -1,0 +1,210 @@
+//! The convolution override under autocast against ATen's, the weight copy it saves, declines.
+
+use crate::common;
+use crate::support::channels_last;
+use speedkit::memory::MemoryUse;
+use speedkit::overrides::Override;
+use tch::{Kind, Tensor};
+
+/// One convolution case: input and weight shapes, stride, padding, dilation (one value per spatial
+/// dimension) and groups.
+struct ConvCase {
+    x: &'static [i64],
+    w: &'static [i64],
+    stride: &'static [i64],
+    padding: &'static [i64],
+    dilation: &'static [i64],
+    groups: i64,
+}
+
+/// The convolution of `case` as tch's modules call it: `conv1d`, `conv2d` or `conv3d` by rank.
+fn conv(x: &Tensor, w: &Tensor, b: Option<&Tensor>, case: &ConvCase) -> Tensor {
+    let (s, p, d, g) = (case.stride, case.padding, case.dilation, case.groups);
+    match case.w.len() {
+        3 => x.conv1d(w, b, s, p, d, g),
+        4 => x.conv2d(w, b, s, p, d, g),
+        _ => x.conv3d(w, b, s, p, d, g),
+    }
+}
+
+/// y, dx, dweight, dbias of `case`'s convolution under CUDA autocast (bf16) for the upstream
+/// gradient `dy`, and the bytes the forward left allocated besides `y`.
+fn conv_pass(
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    dy: &Tensor,
+    case: &ConvCase,
+) -> (Vec<Tensor>, u64) {
+    let x = x.detach().set_requires_grad(true);
+    let w = w.detach().set_requires_grad(true);
+    let b = b.map(|t| t.detach().set_requires_grad(true));
+    let before = MemoryUse::now(x.device()).unwrap().allocated;
+    let y = speedkit::amp::autocast(x.device(), Kind::BFloat16, || {
+        conv(&x, &w, b.as_ref(), case)
+    })
+    .unwrap();
+    let held = MemoryUse::now(x.device()).unwrap().allocated - before;
+    (y.to_kind(Kind::Float) * dy).sum(Kind::Float).backward();
+    let db = b.as_ref().map_or_else(
+        || Tensor::zeros([1], (Kind::Float, x.device())),
+        Tensor::grad,
+    );
+    (vec![y.detach(), x.grad(), w.grad(), db], held)
+}
+
+#[test]
+fn convolution_under_autocast_matches_atens_forward_and_backward_on_odd_shapes() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "convolution_under_autocast_matches_atens_forward_and_backward_on_odd_shapes",
+    ) else {
+        return;
+    };
+    let cases = [
+        ConvCase {
+            x: &[3, 5, 17],
+            w: &[7, 5, 3],
+            stride: &[2],
+            padding: &[1],
+            dilation: &[1],
+            groups: 1,
+        },
+        ConvCase {
+            x: &[2, 6, 11, 9],
+            w: &[10, 3, 3, 5],
+            stride: &[1, 2],
+            padding: &[1, 2],
+            dilation: &[2, 1],
+            groups: 2,
+        },
+        ConvCase {
+            x: &[4, 16, 13, 13],
+            w: &[33, 16, 3, 3],
+            stride: &[1, 1],
+            padding: &[1, 1],
+            dilation: &[1, 1],
+            groups: 1,
+        },
+        ConvCase {
+            x: &[2, 3, 5, 6, 7],
+            w: &[4, 3, 2, 3, 3],
+            stride: &[1, 1, 2],
+            padding: &[0, 1, 1],
+            dilation: &[1, 1, 1],
+            groups: 1,
+        },
+    ];
+    for case in &cases {
+        for (x_kind, last) in [
+            (Kind::Float, false),
+            (Kind::BFloat16, false),
+            (Kind::Float, true),
+        ] {
+            for with_bias in [true, false] {
+                let name = format!(
+                    "x {:?} w {:?} {x_kind:?} channels-last {last} bias {with_bias}",
+                    case.x, case.w
+                );
+                let fan_in: i64 = case.w[1..].iter().product();
+                let mut x = Tensor::randn(case.x, (Kind::Float, device)).to_kind(x_kind);
+                let mut w = Tensor::randn(case.w, (Kind::Float, device)) / (fan_in as f64).sqrt();
+                if last {
+                    x = channels_last(&x);
+                    w = channels_last(&w);
+                }
+                let b = with_bias.then(|| Tensor::randn([case.w[0]], (Kind::Float, device)));
+                let y_shape = {
+                    let _off = common::hold_override(Override::Convolution, false);
+                    conv(&x.to_kind(Kind::Float), &w, b.as_ref(), case).size()
+                };
+                let dy = Tensor::randn(y_shape.as_slice(), (Kind::Float, device));
+                let (expected, _) = {
+                    let _off = common::hold_override(Override::Convolution, false);
+                    conv_pass(&x, &w, b.as_ref(), &dy, case)
+                };
+                let _on = common::hold_override(Override::Convolution, true);
+                let (got, _) = conv_pass(&x, &w, b.as_ref(), &dy, case);
+                let op = ["aten::conv1d", "aten::conv2d", "aten::conv3d"][case.w.len() - 3];
+                let stats = Override::Convolution.stats(op).unwrap();
+                assert_eq!((stats.ran, stats.declined), (1, 0), "{name}: {stats:?}");
+                let kinds: Vec<Kind> = got.iter().map(Tensor::kind).collect();
+                let expected_kinds: Vec<Kind> = expected.iter().map(Tensor::kind).collect();
+                assert_eq!(kinds, expected_kinds, "{name}: the types autocast gives");
+                // ATen's convolutions on the same bf16 operands; the weight is cast again in the
+                // backward, to the same bf16 values.
+                for (what, i) in [("y", 0), ("dx", 1), ("dw", 2), ("db", 3)] {
+                    let err = common::rel_err(&got[i], &expected[i]);
+                    assert!(err < 1e-2, "{name} {what}: relative error {err}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_convolution_under_autocast_keeps_no_copy_of_its_weight_for_the_backward() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "a_convolution_under_autocast_keeps_no_copy_of_its_weight_for_the_backward",
+    ) else {
+        return;
+    };
+    // A wide weight over a small image: the weight's bf16 copy (4.5 MiB) outweighs the
+    // activations that both paths keep.
+    let case = ConvCase {
+        x: &[2, 512, 6, 6],
+        w: &[512, 512, 3, 3],
+        stride: &[1, 1],
+        padding: &[1, 1],
+        dilation: &[1, 1],
+        groups: 1,
+    };
+    let x = Tensor::randn(case.x, (Kind::Float, device));
+    let w = Tensor::randn(case.w, (Kind::Float, device)) / 48.0;
+    let dy = Tensor::randn([2, 512, 6, 6], (Kind::Float, device));
+    let copy = (w.numel() * 2) as u64;
+    let held_aten = {
+        let _off = common::hold_override(Override::Convolution, false);
+        conv_pass(&x, &w, None, &dy, &case);
+        conv_pass(&x, &w, None, &dy, &case).1
+    };
+    let _on = common::hold_override(Override::Convolution, true);
+    conv_pass(&x, &w, None, &dy, &case);
+    let held = conv_pass(&x, &w, None, &dy, &case).1;
+    assert!(
+        held_aten >= copy,
+        "autocast keeps the copy: {held_aten} bytes held"
+    );
+    assert!(
+        held + copy <= held_aten,
+        "the forward kept {held} bytes, autocast's {held_aten}"
+    );
+}
+
+#[test]
+fn convolution_operands_autocast_leaves_alone_run_autocasts_path_and_are_counted() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "convolution_operands_autocast_leaves_alone_run_autocasts_path_and_are_counted",
+    ) else {
+        return;
+    };
+    let x = Tensor::randn([2, 3, 8, 8], (Kind::Double, device));
+    let w = Tensor::randn([4, 3, 3, 3], (Kind::Double, device));
+    let run = || {
+        speedkit::amp::autocast(device, Kind::BFloat16, || {
+            x.conv2d(&w, None::<&Tensor>, [1, 1], [1, 1], [1, 1], 1)
+        })
+        .unwrap()
+    };
+    let expected = run();
+    let _on = common::hold_override(Override::Convolution, true);
+    let got = run();
+    assert_eq!(got.kind(), Kind::Double);
+    assert!(got.equal(&expected), "autocast's own path ran");
+    let stats = Override::Convolution.stats("aten::conv2d").unwrap();
+    assert_eq!((stats.ran, stats.declined), (0, 1), "{stats:?}");
+    let last = stats.last_declined.unwrap_or_default();
+    assert!(last.contains("Double operands"), "declined for {last}");
+}
