@@ -1,6 +1,7 @@
 //! Every kernel file compiles with NVRTC for the architectures speedkit supports. Runs without a GPU
 //! (NVRTC ships in the torch wheel), so a kernel that does not compile fails CI.
 
+use speedkit::cuda::CudaModule;
 use speedkit::kernels::{self, Arch};
 
 const AMPERE: Arch = Arch { major: 8, minor: 0 };
@@ -9,12 +10,7 @@ const HOPPER: Arch = Arch { major: 9, minor: 0 };
 fn compiles_every_file_for(arch: Arch) {
     let files = kernels::files().expect("the kernel table is embedded");
     assert!(!files.is_empty());
-    // With the sources speedkit's overrides register at run time (through the public layer).
-    let run_time = speedkit::overrides::Override::ALL
-        .into_iter()
-        .flat_map(|o| o.register_sources().expect("a source registers"))
-        .map(str::to_owned);
-    for file in files.into_iter().chain(run_time) {
+    for file in files {
         match kernels::compile(&file, arch) {
             Ok(bytes) => assert!(bytes > 0, "{file} compiled to an empty cubin for {arch}"),
             Err(e) => panic!("{file} does not compile for {arch}: {e}"),
@@ -68,6 +64,26 @@ fn kernel_files_include_the_bias_gelu() {
     assert!(files.iter().any(|f| f == "bias_gelu.cuh"), "{files:?}");
 }
 
+#[test]
+fn the_overrides_kernels_are_built_in_files() {
+    let files = kernels::files().expect("the kernel table is embedded");
+    for file in ["batch_norm.cuh", "log_softmax.cuh"] {
+        assert!(files.iter().any(|f| f == file), "{file} not in {files:?}");
+        let module = CudaModule::built_in(file).expect("a built-in file opens");
+        assert_eq!(module.name(), file);
+    }
+    assert!(kernels::registered()
+        .unwrap()
+        .iter()
+        .all(|f| !f.ends_with(".cuh")));
+}
+
+#[test]
+fn a_file_that_is_not_built_in_is_refused_by_name() {
+    let err = CudaModule::built_in("no_such_op.cuh").unwrap_err();
+    assert!(err.to_string().contains("no_such_op.cuh"), "{err}");
+}
+
 const SCALE: &str = r#"extern "C" __global__ void scale(float* x, float k, int n) {
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) x[i] *= k;
@@ -76,7 +92,7 @@ const SCALE: &str = r#"extern "C" __global__ void scale(float* x, float k, int n
 
 #[test]
 fn a_source_registered_at_run_time_is_listed_and_compiles() {
-    kernels::register_source("test_scale.cu", SCALE).expect("a new source registers");
+    CudaModule::new("test_scale.cu", SCALE).expect("a new source registers");
     assert!(kernels::registered()
         .unwrap()
         .contains(&"test_scale.cu".to_string()));
@@ -89,8 +105,8 @@ fn a_source_registered_at_run_time_is_listed_and_compiles() {
 
 #[test]
 fn registering_the_same_source_again_is_the_same_source() {
-    kernels::register_source("test_twice.cu", SCALE).unwrap();
-    kernels::register_source("test_twice.cu", SCALE).expect("the same text again is allowed");
+    CudaModule::new("test_twice.cu", SCALE).unwrap();
+    CudaModule::new("test_twice.cu", SCALE).expect("the same text again is allowed");
     let count = kernels::registered()
         .unwrap()
         .iter()
@@ -101,21 +117,21 @@ fn registering_the_same_source_again_is_the_same_source() {
 
 #[test]
 fn a_name_taken_by_other_text_is_refused() {
-    kernels::register_source("test_taken.cu", SCALE).unwrap();
-    let err = kernels::register_source("test_taken.cu", "// other text\n").unwrap_err();
+    CudaModule::new("test_taken.cu", SCALE).unwrap();
+    let err = CudaModule::new("test_taken.cu", "// other text\n").unwrap_err();
     assert!(err.to_string().contains("another name"), "{err}");
 }
 
 #[test]
 fn a_registered_source_can_include_speedkits_own_headers() {
     let source = "#include \"common.cuh\"\nextern \"C\" __global__ void warp_total(float* x) { x[threadIdx.x] = sk::warp_sum(x[threadIdx.x]); }\n";
-    kernels::register_source("test_includes.cu", source).unwrap();
+    CudaModule::new("test_includes.cu", source).unwrap();
     assert!(kernels::compile("test_includes.cu", AMPERE).expect("common.cuh is a header") > 0);
 }
 
 #[test]
 fn a_source_that_does_not_compile_reports_nvrtcs_log() {
-    kernels::register_source(
+    CudaModule::new(
         "test_broken.cu",
         "extern \"C\" __global__ void broken() { undeclared(); }\n",
     )

@@ -29,9 +29,46 @@
 //! assert_eq!(x.sum(Kind::Float).double_value(&[]), 2000.0);
 //! # Ok::<(), speedkit::SpeedkitError>(())
 //! ```
+//!
+//! A kernel that takes one params struct, as speedkit's own do (`speedkit/kernels/*.cuh`), is
+//! launched with a `#[repr(C)]` mirror of that struct ([`KernelParams`]), so every argument is named
+//! at the launch site: [`CudaModule::typed_kernel`] refuses a kernel whose one compiled parameter is
+//! not the struct's size (where the driver can tell), and [`TypedKernel::ptr`] checks each tensor
+//! (type, device, contiguity) as it turns it into a [`DevicePtr`], which borrows the tensor, so the
+//! tensor outlives the launch. [`CudaModule::built_in`] opens one of speedkit's own kernel files.
+//!
+//! ```no_run
+//! use speedkit::cuda::{CudaModule, DevicePtr, KernelParams};
+//! use tch::{Device, Kind, Tensor};
+//!
+//! /// The kernel's `struct Scale { float* x; float k; int n; }`, field for field.
+//! #[repr(C)]
+//! #[derive(Clone, Copy)]
+//! struct Scale<'t> {
+//!     x: DevicePtr<'t>,
+//!     k: f32,
+//!     n: i32,
+//! }
+//! // SAFETY: `#[repr(C)]`, with the CUDA struct's fields in its order, of its sizes.
+//! unsafe impl KernelParams for Scale<'_> {}
+//! const _: () = assert!(std::mem::size_of::<Scale>() == 16);
+//!
+//! let module = CudaModule::new("scale_params.cu", r#"
+//!     struct Scale { float* x; float k; int n; };
+//!     extern "C" __global__ void scale(const Scale p) {
+//!         int i = blockIdx.x * blockDim.x + threadIdx.x;
+//!         if (i < p.n) p.x[i] *= p.k;
+//!     }"#)?;
+//! let scale = module.typed_kernel::<Scale>("scale", Device::Cuda(0))?;
+//! let x = Tensor::ones([1000], (Kind::Float, Device::Cuda(0)));
+//! scale.launch(4, 256, 0, &Scale { x: scale.ptr(&x, Kind::Float)?, k: 2.0, n: 1000 })?;
+//! assert_eq!(x.sum(Kind::Float).double_value(&[]), 2000.0);
+//! # Ok::<(), speedkit::SpeedkitError>(())
+//! ```
 
 use std::ffi::c_void;
 use std::fmt;
+use std::marker::PhantomData;
 use std::path::Path;
 
 use tch::{Device, Kind, Tensor};
@@ -69,6 +106,26 @@ impl CudaModule {
         Self::new(&name, &source)
     }
 
+    /// speedkit's own kernel file `name` (one of [`crate::kernels::files`], e.g.
+    /// `"batch_norm.cuh"`), embedded at build time: nothing is registered.
+    ///
+    /// ```
+    /// let module = speedkit::cuda::CudaModule::built_in("layernorm.cuh")?;
+    /// assert_eq!(module.name(), "layernorm.cuh");
+    /// assert!(speedkit::cuda::CudaModule::built_in("no_such_file.cuh").is_err());
+    /// # Ok::<(), speedkit::SpeedkitError>(())
+    /// ```
+    pub fn built_in(name: &str) -> Result<Self> {
+        if !crate::kernels::files()?.iter().any(|f| f == name) {
+            return Err(SpeedkitError::Misuse(format!(
+                "speedkit has no kernel file {name} (speedkit::kernels::files() lists them)"
+            )));
+        }
+        Ok(Self {
+            name: name.to_owned(),
+        })
+    }
+
     /// The module's file name.
     pub fn name(&self) -> &str {
         &self.name
@@ -78,6 +135,49 @@ impl CudaModule {
     /// for and loaded on `device`: a compile error carries NVRTC's log; a kernel whose compiled
     /// parameters differ from `params` in count or size is refused.
     pub fn kernel(&self, name: &str, params: &[Param], device: Device) -> Result<CudaKernel> {
+        let (handle, sizes) = self.load(name, device)?;
+        let kernel = CudaKernel {
+            handle,
+            name: format!("{}::{name}", self.name),
+            params: params.to_vec(),
+            device,
+        };
+        if let Some(sizes) = sizes {
+            kernel.check_declaration(&sizes)?;
+        }
+        Ok(kernel)
+    }
+
+    /// The kernel `name` (an `extern "C" __global__` function taking one params struct by value),
+    /// launched with `P`, the struct's mirror, and compiled for and loaded on `device`: a compile
+    /// error carries NVRTC's log; a kernel whose compiled parameters are not one of `P`'s size is
+    /// refused.
+    pub fn typed_kernel<P: KernelParams>(
+        &self,
+        name: &str,
+        device: Device,
+    ) -> Result<TypedKernel<P>> {
+        let (handle, sizes) = self.load(name, device)?;
+        let kernel = TypedKernel {
+            handle,
+            name: format!("{}::{name}", self.name),
+            device,
+            params: PhantomData,
+        };
+        let size = std::mem::size_of::<P>();
+        match sizes {
+            Some(sizes) if sizes != [size] => Err(kernel.misuse(format!(
+                "takes parameters of {sizes:?} bytes, but its params struct {} has {size}: the \
+                 struct and the source differ",
+                std::any::type_name::<P>()
+            ))),
+            _ => Ok(kernel),
+        }
+    }
+
+    /// Kernel `name` of this source loaded on `device`, and its compiled parameters' sizes where
+    /// the driver can tell.
+    fn load(&self, name: &str, device: Device) -> Result<(KernelHandle, Option<Vec<usize>>)> {
         let Device::Cuda(index) = device else {
             return Err(SpeedkitError::Misuse(format!(
                 "kernel {name} of {}: CUDA kernels run on CUDA devices, not on {device:?}",
@@ -90,16 +190,7 @@ impl CudaModule {
             .position(|n| n == &self.name)
             .ok_or_else(|| SpeedkitError::Misuse(format!("no kernel source {}", self.name)))?;
         let (handle, sizes) = ffi::kernels::load(source, name, index)?;
-        let kernel = CudaKernel {
-            handle: KernelHandle(handle),
-            name: format!("{}::{name}", self.name),
-            params: params.to_vec(),
-            device,
-        };
-        if let Some(sizes) = sizes {
-            kernel.check_declaration(&sizes)?;
-        }
-        Ok(kernel)
+        Ok((KernelHandle(handle), sizes))
     }
 }
 
@@ -283,26 +374,7 @@ impl CudaKernel {
         let wrong =
             |got: String| self.misuse(format!("argument {index} must be {param}, got {got}"));
         Ok(match (arg, param) {
-            (Arg::Tensor(t), Param::Tensor(kind)) => {
-                if t.kind() != kind {
-                    return Err(wrong(format!("a {:?} tensor", t.kind())));
-                }
-                if t.device() != self.device {
-                    return Err(wrong(format!(
-                        "a tensor on {:?} (the kernel is on {:?})",
-                        t.device(),
-                        self.device
-                    )));
-                }
-                if !t.is_contiguous() {
-                    return Err(wrong(
-                        "a tensor that is not contiguous (call .contiguous())".into(),
-                    ));
-                }
-                // A raw pointer is a read no operator sees: a deferred tensor gets its values first.
-                ffi::deferred::materialize(t)?;
-                t.data_ptr() as u64
-            }
+            (Arg::Tensor(t), Param::Tensor(kind)) => tensor_address(t, kind, self.device, wrong)?,
             (Arg::I32(v), Param::I32) => *v as u32 as u64,
             (Arg::U32(v), Param::U32) => u64::from(*v),
             (Arg::I64(v), Param::I64) => *v as u64,
@@ -336,5 +408,169 @@ impl fmt::Debug for CudaKernel {
             .field("params", &self.params)
             .field("device", &self.device)
             .finish()
+    }
+}
+
+/// The address of `t`'s data for a kernel on `device` that reads it as `kind`, or `wrong` of what
+/// `t` is instead.
+fn tensor_address(
+    t: &Tensor,
+    kind: Kind,
+    device: Device,
+    wrong: impl Fn(String) -> SpeedkitError,
+) -> Result<u64> {
+    if t.kind() != kind {
+        return Err(wrong(format!("a {:?} tensor", t.kind())));
+    }
+    if t.device() != device {
+        return Err(wrong(format!(
+            "a tensor on {:?} (the kernel is on {device:?})",
+            t.device()
+        )));
+    }
+    if !t.is_contiguous() {
+        return Err(wrong(
+            "a tensor that is not contiguous (call .contiguous())".into(),
+        ));
+    }
+    // A raw pointer is a read no operator sees: a deferred tensor gets its values first.
+    ffi::deferred::materialize(t)?;
+    Ok(t.data_ptr() as u64)
+}
+
+/// A `#[repr(C)]` mirror of the params struct a CUDA kernel takes as its one parameter, launched by
+/// [`TypedKernel::launch`] (see the [module](self)'s example). A struct whose fields are tensors'
+/// addresses has the tensors' lifetime: `Scale<'t>`, its `DevicePtr<'t>` fields from
+/// [`TypedKernel::ptr`].
+///
+/// # Safety
+///
+/// The type is `#[repr(C)]` and has exactly the CUDA struct's fields, in its order, each of the same
+/// size and alignment: [`DevicePtr`] for a pointer, `i64` for `long long`, `i32` or `u32` for `int` or
+/// `unsigned`, `f32` for `float`, `f64` for `double`. speedkit checks the struct's size against the
+/// compiled kernel's parameter where the driver can tell, never its fields: put the 8-byte fields
+/// first and assert the size on both sides (`const _: () = assert!(size_of::<Scale>() == 16);`,
+/// `static_assert(sizeof(Scale) == 16)`).
+pub unsafe trait KernelParams: Copy {}
+
+/// A device address as a field of a params struct ([`KernelParams`]): a `T*` or `const void*` in the
+/// kernel's struct, 8 bytes. Made from a checked tensor by [`TypedKernel::ptr`], borrowing it for
+/// `'t` so that it outlives the launch, or [`DevicePtr::NULL`] for a pointer the kernel does not
+/// read.
+#[repr(transparent)]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct DevicePtr<'t> {
+    address: u64,
+    tensor: PhantomData<&'t ()>,
+}
+
+impl DevicePtr<'static> {
+    /// The null pointer.
+    pub const NULL: Self = Self {
+        address: 0,
+        tensor: PhantomData,
+    };
+}
+
+impl DevicePtr<'_> {
+    /// The address.
+    pub fn address(self) -> u64 {
+        self.address
+    }
+}
+
+impl fmt::Debug for DevicePtr<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DevicePtr({:#x})", self.address)
+    }
+}
+
+/// A loaded kernel whose one parameter is a `P` (see [`CudaModule::typed_kernel`]).
+pub struct TypedKernel<P> {
+    handle: KernelHandle,
+    name: String,
+    device: Device,
+    params: PhantomData<fn() -> P>,
+}
+
+impl<P: KernelParams> TypedKernel<P> {
+    /// The kernel's name, `file::function`.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The device it is loaded on.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The address of `tensor`'s data for a field of `P`, checked first: a `kind` tensor on the
+    /// kernel's device, contiguous (a deferred tensor gets its values now). An error names the
+    /// kernel and what the tensor is instead.
+    pub fn ptr<'t>(&self, tensor: &'t Tensor, kind: Kind) -> Result<DevicePtr<'t>> {
+        let wrong = |got: String| self.misuse(format!("takes a {kind:?} tensor, got {got}"));
+        Ok(DevicePtr {
+            address: tensor_address(tensor, kind, self.device, wrong)?,
+            tensor: PhantomData,
+        })
+    }
+
+    /// [`ptr`](Self::ptr) of `tensor` where there is one, [`DevicePtr::NULL`] where not.
+    pub fn ptr_or_null<'t>(&self, tensor: Option<&'t Tensor>, kind: Kind) -> Result<DevicePtr<'t>> {
+        tensor.map_or(Ok(DevicePtr::NULL), |t| self.ptr(t, kind))
+    }
+
+    /// Launches the kernel on the current stream of its device with `grid` × `block` threads,
+    /// `shared_bytes` of dynamic shared memory and `params`: allocation-free, never synchronising,
+    /// captured in a CUDA graph like any other kernel.
+    pub fn launch(
+        &self,
+        grid: impl Into<Dim3>,
+        block: impl Into<Dim3>,
+        shared_bytes: u32,
+        params: &P,
+    ) -> Result<()> {
+        let mut pointers = [params as *const P as *mut c_void];
+        let (grid, block) = (grid.into(), block.into());
+        ffi::kernels::launch(
+            self.handle.0,
+            [grid.x, grid.y, grid.z],
+            [block.x, block.y, block.z],
+            shared_bytes,
+            &mut pointers,
+        )
+    }
+}
+
+impl<P> TypedKernel<P> {
+    fn misuse(&self, what: String) -> SpeedkitError {
+        SpeedkitError::Misuse(format!("CUDA kernel {} {what}", self.name))
+    }
+}
+
+impl<P> fmt::Debug for TypedKernel<P> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TypedKernel")
+            .field("name", &self.name)
+            .field("params", &std::any::type_name::<P>())
+            .field("device", &self.device)
+            .finish()
+    }
+}
+
+/// The suffix speedkit's kernel files give an entry point per storage type (`f32`, `bf16`, `f16`:
+/// `common.cuh`'s `SK_TYPES_*`), or `None` for a type they do not store.
+///
+/// ```
+/// use tch::Kind;
+/// assert_eq!(speedkit::cuda::type_tag(Kind::BFloat16), Some("bf16"));
+/// assert_eq!(speedkit::cuda::type_tag(Kind::Double), None);
+/// ```
+pub fn type_tag(kind: Kind) -> Option<&'static str> {
+    match kind {
+        Kind::Float => Some("f32"),
+        Kind::BFloat16 => Some("bf16"),
+        Kind::Half => Some("f16"),
+        _ => None,
     }
 }

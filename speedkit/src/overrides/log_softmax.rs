@@ -31,21 +31,21 @@
 //! undefined (and a hook on them does not see the loss's part), while the logits' is exact. Set
 //! `overrides: false` where that matters.
 
+use std::mem::size_of;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 
 use tch::{Device, Kind, Tensor};
 
 use super::{DispatchKey, OperatorOverride, Outcome, OverrideCall};
-use crate::cuda::{Arg, CudaKernel, CudaModule, Param};
-use crate::error::Result;
+use crate::cuda::{type_tag, CudaModule, DevicePtr, KernelParams, TypedKernel};
+use crate::error::{Result, SpeedkitError};
 use crate::ffi;
 use crate::function::{apply, BackwardContext, ForwardContext, Function};
 use crate::kernels::KernelOp;
 
 /// The kernels' file name, as NVRTC's messages and the kernel cache name it.
-pub(crate) const SOURCE_NAME: &str = "log_softmax.cu";
-const SOURCE: &str = include_str!("log_softmax.cu");
+const SOURCE_NAME: &str = "log_softmax.cuh";
 
 /// The overrides: ATen's `log_softmax.int` and `nll_loss` under autocast on CUDA.
 pub(crate) fn operator_overrides() -> [OperatorOverride; 2] {
@@ -57,11 +57,6 @@ pub(crate) fn operator_overrides() -> [OperatorOverride; 2] {
         ),
         OperatorOverride::new("aten::nll_loss", DispatchKey::AutocastCuda, nll_loss),
     ]
-}
-
-/// Registers the kernels' source with the kernel layer (without compiling it).
-pub(crate) fn register_source() -> Result<()> {
-    CudaModule::new(SOURCE_NAME, SOURCE).map(|_| ())
 }
 
 fn log_softmax(call: &OverrideCall<'_>) -> Result<Outcome> {
@@ -171,13 +166,15 @@ fn unsupported(x: &Tensor, dim: i64, fp32_result: bool) -> Option<String> {
 
 /// The forward and backward kernels for one logits type on one device.
 struct Kernels {
-    forward: CudaKernel,
+    /// The logits' type, which the kernels read.
+    kind: Kind,
+    forward: TypedKernel<Forward<'static>>,
     /// The forward's first pass alone: the log-sum-exp.
-    lse: CudaKernel,
+    lse: TypedKernel<Lse<'static>>,
     /// The forward's second pass from a kept log-sum-exp: the log-probabilities.
-    write: CudaKernel,
-    backward: CudaKernel,
-    nll_backward: CudaKernel,
+    write: TypedKernel<Write<'static>>,
+    backward: TypedKernel<Backward<'static>>,
+    nll_backward: TypedKernel<NllBackward<'static>>,
 }
 
 impl Kernels {
@@ -193,50 +190,127 @@ impl Kernels {
         if let Some((_, k)) = loaded.iter().find(|(key, _)| *key == (device, kind)) {
             return Ok(Arc::clone(k));
         }
-        let tag = if kind == Kind::Half { "f16" } else { "bf16" };
-        let module = CudaModule::new(SOURCE_NAME, SOURCE)?;
-        let (x, fp32) = (Param::Tensor(kind), Param::Tensor(Kind::Float));
+        let tag = type_tag(kind).ok_or_else(|| {
+            SpeedkitError::Misuse(format!("log_softmax's kernels take no {kind:?} logits"))
+        })?;
+        let module = CudaModule::built_in(SOURCE_NAME)?;
         let kernels = Arc::new(Kernels {
-            forward: module.kernel(
-                &format!("log_softmax_forward_{tag}"),
-                &[x, fp32, fp32, Param::I32],
-                device,
-            )?,
-            lse: module.kernel(
-                &format!("log_softmax_lse_{tag}"),
-                &[x, fp32, Param::I32],
-                device,
-            )?,
-            write: module.kernel(
-                &format!("log_softmax_write_{tag}"),
-                &[x, fp32, fp32, Param::I32],
-                device,
-            )?,
-            backward: module.kernel(
-                &format!("log_softmax_backward_{tag}"),
-                &[fp32, x, fp32, x, Param::I32],
-                device,
-            )?,
-            nll_backward: module.kernel(
-                &format!("log_softmax_nll_backward_{tag}"),
-                &[
-                    x,
-                    fp32,
-                    Param::Tensor(Kind::Int64),
-                    fp32,
-                    fp32,
-                    x,
-                    Param::I32,
-                    Param::I64,
-                    Param::I32,
-                ],
-                device,
-            )?,
+            kind,
+            forward: load(&module, tag, device)?,
+            lse: load(&module, tag, device)?,
+            write: load(&module, tag, device)?,
+            backward: load(&module, tag, device)?,
+            nll_backward: load(&module, tag, device)?,
         });
         loaded.push(((device, kind), Arc::clone(&kernels)));
         Ok(kernels)
     }
 }
+
+/// The entry point of `P`'s kernel for logits of type `tag`.
+fn load<P: Entry>(module: &CudaModule, tag: &str, device: Device) -> Result<TypedKernel<P>> {
+    module.typed_kernel(&format!("{}_{tag}", P::NAME), device)
+}
+
+/// A params struct's entry points' common name (the source's `SK_KERNEL_ENTRY`), to which the
+/// loader appends the logits' type tag.
+trait Entry: KernelParams {
+    const NAME: &'static str;
+}
+
+// The kernels' params structs, `speedkit/kernels/log_softmax.cuh`'s `sk::kernels::log_softmax`,
+// mirrored field for field (`#[repr(C)]`, 8-byte fields first, the sizes asserted here as the
+// source asserts them).
+
+/// `Forward`: the log-probabilities and the log-sum-exp in one pass.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Forward<'t> {
+    x: DevicePtr<'t>,
+    y: DevicePtr<'t>,
+    lse: DevicePtr<'t>,
+    width: i32,
+}
+
+// SAFETY: `#[repr(C)]`, the source's `Forward` field for field.
+unsafe impl KernelParams for Forward<'_> {}
+impl Entry for Forward<'_> {
+    const NAME: &'static str = "log_softmax_forward";
+}
+const _: () = assert!(size_of::<Forward>() == 32);
+
+/// `Lse`: the forward's first pass alone.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Lse<'t> {
+    x: DevicePtr<'t>,
+    lse: DevicePtr<'t>,
+    width: i32,
+}
+
+// SAFETY: `#[repr(C)]`, the source's `Lse` field for field.
+unsafe impl KernelParams for Lse<'_> {}
+impl Entry for Lse<'_> {
+    const NAME: &'static str = "log_softmax_lse";
+}
+const _: () = assert!(size_of::<Lse>() == 24);
+
+/// `Write`: the forward's second pass from a kept log-sum-exp.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Write<'t> {
+    x: DevicePtr<'t>,
+    lse: DevicePtr<'t>,
+    y: DevicePtr<'t>,
+    width: i32,
+}
+
+// SAFETY: `#[repr(C)]`, the source's `Write` field for field.
+unsafe impl KernelParams for Write<'_> {}
+impl Entry for Write<'_> {
+    const NAME: &'static str = "log_softmax_write";
+}
+const _: () = assert!(size_of::<Write>() == 32);
+
+/// `Backward`: the logits' gradient from the log-probabilities'.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Backward<'t> {
+    dy: DevicePtr<'t>,
+    x: DevicePtr<'t>,
+    lse: DevicePtr<'t>,
+    dx: DevicePtr<'t>,
+    width: i32,
+}
+
+// SAFETY: `#[repr(C)]`, the source's `Backward` field for field.
+unsafe impl KernelParams for Backward<'_> {}
+impl Entry for Backward<'_> {
+    const NAME: &'static str = "log_softmax_backward";
+}
+const _: () = assert!(size_of::<Backward>() == 40);
+
+/// `NllBackward`: the fused cross-entropy's backward.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct NllBackward<'t> {
+    x: DevicePtr<'t>,
+    lse: DevicePtr<'t>,
+    targets: DevicePtr<'t>,
+    grad: DevicePtr<'t>,
+    total_weight: DevicePtr<'t>,
+    dx: DevicePtr<'t>,
+    ignore_index: i64,
+    width: i32,
+    mean: i32,
+}
+
+// SAFETY: `#[repr(C)]`, the source's `NllBackward` field for field.
+unsafe impl KernelParams for NllBackward<'_> {}
+impl Entry for NllBackward<'_> {
+    const NAME: &'static str = "log_softmax_nll_backward";
+}
+const _: () = assert!(size_of::<NllBackward>() == 64);
 
 /// A row per block; the threads a multiple of 32 (the block reductions' warps), at most 1024, no
 /// more than the row has columns (8 per thread when vectorised).
@@ -271,11 +345,17 @@ impl Source {
         let (x, lse) = self.logits_and_lse();
         let (rows, width) = rows_and_width(&x);
         let (grid, block) = launch_shape(rows, width);
-        self.kernels.write.launch(
+        let kernel = &self.kernels.write;
+        kernel.launch(
             grid,
             block,
             0,
-            &[(&x).into(), (&lse).into(), y.into(), Arg::I32(width as i32)],
+            &Write {
+                x: kernel.ptr(&x, self.kernels.kind)?,
+                lse: kernel.ptr(&lse, Kind::Float)?,
+                y: kernel.ptr(y, Kind::Float)?,
+                width: width as i32,
+            },
         )
     }
 }
@@ -303,11 +383,16 @@ impl Function for LogSoftmax {
         let (grid, block) = launch_shape(rows, width);
         let kernels = &self.source.kernels;
         let y = if let Some(read) = &self.defer {
-            kernels.lse.launch(
+            let kernel = &kernels.lse;
+            kernel.launch(
                 grid,
                 block,
                 0,
-                &[x.into(), lse.into(), Arg::I32(width as i32)],
+                &Lse {
+                    x: kernel.ptr(x, kernels.kind)?,
+                    lse: kernel.ptr(lse, Kind::Float)?,
+                    width: width as i32,
+                },
             )?;
             let (source, read) = (Arc::clone(&self.source), Arc::clone(read));
             crate::deferred::tensor(
@@ -322,11 +407,17 @@ impl Function for LogSoftmax {
             )?
         } else {
             let y = Tensor::f_empty(x.size(), (Kind::Float, x.device()))?;
-            kernels.forward.launch(
+            let kernel = &kernels.forward;
+            kernel.launch(
                 grid,
                 block,
                 0,
-                &[x.into(), (&y).into(), lse.into(), Arg::I32(width as i32)],
+                &Forward {
+                    x: kernel.ptr(x, kernels.kind)?,
+                    y: kernel.ptr(&y, Kind::Float)?,
+                    lse: kernel.ptr(lse, Kind::Float)?,
+                    width: width as i32,
+                },
             )?;
             y
         };
@@ -349,17 +440,18 @@ impl Function for LogSoftmax {
         let dx = Tensor::f_empty(x.size(), (x.kind(), x.device()))?;
         let (rows, width) = rows_and_width(&x);
         let (grid, block) = launch_shape(rows, width);
-        self.source.kernels.backward.launch(
+        let kernel = &self.source.kernels.backward;
+        kernel.launch(
             grid,
             block,
             0,
-            &[
-                (&dy).into(),
-                (&x).into(),
-                (&lse).into(),
-                (&dx).into(),
-                Arg::I32(width as i32),
-            ],
+            &Backward {
+                dy: kernel.ptr(&dy, Kind::Float)?,
+                x: kernel.ptr(&x, self.source.kernels.kind)?,
+                lse: kernel.ptr(&lse, Kind::Float)?,
+                dx: kernel.ptr(&dx, self.source.kernels.kind)?,
+                width: width as i32,
+            },
         )?;
         Ok(vec![Some(dx)])
     }
@@ -438,21 +530,22 @@ impl Function for CrossEntropy {
         };
         let (rows, width) = rows_and_width(&x);
         let (grid, block) = launch_shape(rows, width);
-        self.kernels.nll_backward.launch(
+        let kernel = &self.kernels.nll_backward;
+        kernel.launch(
             grid,
             block,
             0,
-            &[
-                (&x).into(),
-                (&lse).into(),
-                (&target).into(),
-                (&grad).into(),
-                (&total_weight).into(),
-                (&dx).into(),
-                Arg::I32(width as i32),
-                Arg::I64(self.ignore_index),
-                Arg::I32(i32::from(self.reduction == Reduction::Mean)),
-            ],
+            &NllBackward {
+                x: kernel.ptr(&x, self.kernels.kind)?,
+                lse: kernel.ptr(&lse, Kind::Float)?,
+                targets: kernel.ptr(&target, Kind::Int64)?,
+                grad: kernel.ptr(&grad, Kind::Float)?,
+                total_weight: kernel.ptr(&total_weight, Kind::Float)?,
+                dx: kernel.ptr(&dx, self.kernels.kind)?,
+                ignore_index: self.ignore_index,
+                width: width as i32,
+                mean: i32::from(self.reduction == Reduction::Mean),
+            },
         )?;
         Ok(vec![Some(dx), None])
     }

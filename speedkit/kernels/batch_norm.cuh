@@ -22,7 +22,120 @@
 // spread, at the cost of one 16-byte load per thread. The element-wise passes (the normalisation,
 // the input's gradient) keep each thread on one column group, its per-channel coefficients in
 // registers, and stride over rows.
+//
+// Each entry point takes one params struct (below, before the NVRTC-only part), launched from Rust
+// (speedkit/src/overrides/batch_norm/) through speedkit::cuda's typed launches with a #[repr(C)]
+// mirror of it (batch_norm/params.rs): pointers and 64-bit fields first, then the 32-bit ones, and
+// the struct's size asserted on both sides. Pointers of the activation type are `const void*` /
+// `void*`, cast by each entry point to its type.
+#pragma once
+
 #include "common.cuh"
+
+namespace sk::kernels::batch_norm {
+
+// Partials of Σ (x - x[0]) and Σ (x - x[0])² per channel of x [rows, channels]: partials [strips, 2,
+// channels] fp32, one strip of strip_rows rows per blockIdx.y. Entry points
+// batch_norm_stats_partials_<x>_v<VEC>.
+struct StatsPartials {
+  SK_KERNEL_ENTRY("batch_norm.cuh", "batch_norm_stats_partials");
+  const void* x;
+  float* partials;
+  long long rows;
+  long long strip_rows;
+  int channels;
+};
+
+// The statistics from StatsPartials' partials: save_mean, save_invstd, the running statistics, and
+// the normalisation's coefficients [3, channels]. weight, bias and the running statistics are read
+// only as `flags` says (kWeight, kBias, kRunning), and may be null otherwise. Entry points
+// batch_norm_stats_finish_<x>.
+struct StatsFinish {
+  SK_KERNEL_ENTRY("batch_norm.cuh", "batch_norm_stats_finish");
+  const float* partials;
+  const void* x;
+  const float* weight;
+  const float* bias;
+  float* save_mean;
+  float* save_invstd;
+  float* running_mean;
+  float* running_var;
+  float* coefficients;
+  long long rows;
+  int strips;
+  int channels;
+  float eps;
+  float momentum;
+  int flags;
+};
+
+// y = x normalised by its coefficients [3, channels], plus the addend ADD names (`other`, or `other`
+// normalised by other_coefficients; each null where ADD does not read it), ReLU'd where RELU. Entry
+// points batch_norm_normalize_<x>_v<VEC>_r<RELU>_a<ADD>.
+struct Normalize {
+  SK_KERNEL_ENTRY("batch_norm.cuh", "batch_norm_normalize");
+  const void* x;
+  const float* coefficients;
+  const void* other;
+  const float* other_coefficients;
+  void* y;
+  long long rows;
+  int channels;
+};
+
+// Partials of Σ dy and Σ dy · (x - mean) per channel, as StatsPartials'. Entry points
+// batch_norm_backward_partials_<x>_v<VEC>.
+struct BackwardPartials {
+  SK_KERNEL_ENTRY("batch_norm.cuh", "batch_norm_backward_partials");
+  const void* dy;
+  const void* x;
+  const float* mean;
+  float* partials;
+  long long rows;
+  long long strip_rows;
+  int channels;
+};
+
+// The parameters' gradients (as `flags` says: kGradWeight, kGradBias) and the input gradient's
+// coefficients [4, channels] from BackwardPartials' partials; weight read only with kWeight. Entry
+// point batch_norm_backward_finish.
+struct BackwardFinish {
+  SK_KERNEL_ENTRY("batch_norm.cuh", "batch_norm_backward_finish");
+  const float* partials;
+  const float* save_mean;
+  const float* save_invstd;
+  const float* weight;
+  float* grad_weight;
+  float* grad_bias;
+  float* coefficients;
+  long long rows;
+  int strips;
+  int channels;
+  int flags;
+};
+
+// dx from dy, x and BackwardFinish's coefficients. Entry points batch_norm_backward_input_<x>_v<VEC>.
+struct BackwardInput {
+  SK_KERNEL_ENTRY("batch_norm.cuh", "batch_norm_backward_input");
+  const void* dy;
+  const void* x;
+  const float* coefficients;
+  void* dx;
+  long long rows;
+  int channels;
+};
+
+// The sizes batch_norm/params.rs asserts of its mirrors.
+static_assert(sizeof(StatsPartials) == 40, "StatsPartials' layout is mirrored in Rust");
+static_assert(sizeof(StatsFinish) == 104, "StatsFinish's layout is mirrored in Rust");
+static_assert(sizeof(Normalize) == 56, "Normalize's layout is mirrored in Rust");
+static_assert(sizeof(BackwardPartials) == 56, "BackwardPartials' layout is mirrored in Rust");
+static_assert(sizeof(BackwardFinish) == 80, "BackwardFinish's layout is mirrored in Rust");
+static_assert(sizeof(BackwardInput) == 48, "BackwardInput's layout is mirrored in Rust");
+
+}  // namespace sk::kernels::batch_norm
+
+#ifdef __CUDACC_RTC__
 
 namespace {
 
@@ -133,7 +246,7 @@ __device__ ChannelSums finish_sums(const float* partials, int strips, int C) {
   return {c, a, b, threadIdx.y == 0 && c < C};
 }
 
-// Flags of the optional tensors (the host passes a stand-in where one is absent).
+// Flags of the optional tensors (the host passes null where one is absent).
 constexpr int kWeight = 1, kBias = 2, kRunning = 4;
 
 // The statistics: save_mean, save_invstd, the running statistics (unbiased variance, as ATen), and
@@ -275,44 +388,44 @@ __device__ void backward_input(const T* dy, const T* x, const float* coefficient
 }  // namespace
 
 // The normalisation's entry points: batch_norm_normalize_<tag>_v<VEC>_r<RELU>_a<ADD>.
-#define SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, RELU, ADD)                                             \
+#define SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, RELU, ADD)                                              \
   extern "C" __global__ void __launch_bounds__(kThreads) batch_norm_normalize_##tag##_v##VEC##_r##RELU##_a##ADD( \
-      const T* x, const float* coefficients, const T* other, const float* other_coefficients, T* y,        \
-      long long rows, int C) {                                                                            \
-    normalize<T, VEC, RELU != 0, ADD>(x, coefficients, other, other_coefficients, y, rows, C);            \
+      const sk::kernels::batch_norm::Normalize p) {                                                        \
+    normalize<T, VEC, RELU != 0, ADD>(static_cast<const T*>(p.x), p.coefficients, static_cast<const T*>(p.other), \
+                                      p.other_coefficients, static_cast<T*>(p.y), p.rows, p.channels);     \
   }
 
 // Entry points per activation type (tag) and column group width (1 or 8 channels).
-#define SK_BATCH_NORM_VEC_ENTRIES(tag, T, VEC)                                                            \
-  extern "C" __global__ void __launch_bounds__(kThreads) batch_norm_stats_partials_##tag##_v##VEC(        \
-      const T* x, float* partials, long long rows, int C, long long strip_rows) {                         \
-    stats_partials<T, VEC>(x, partials, rows, C, strip_rows);                                             \
-  }                                                                                                       \
-  SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, 0, 0)                                                        \
-  SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, 1, 0)                                                        \
-  SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, 0, 1)                                                        \
-  SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, 1, 1)                                                        \
-  SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, 0, 2)                                                        \
-  SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, 1, 2)                                                        \
-  extern "C" __global__ void __launch_bounds__(kThreads) batch_norm_backward_partials_##tag##_v##VEC(     \
-      const T* dy, const T* x, const float* mean, float* partials, long long rows, int C,                 \
-      long long strip_rows) {                                                                             \
-    backward_partials<T, VEC>(dy, x, mean, partials, rows, C, strip_rows);                                \
-  }                                                                                                       \
-  extern "C" __global__ void __launch_bounds__(kThreads) batch_norm_backward_input_##tag##_v##VEC(        \
-      const T* dy, const T* x, const float* coefficients, T* dx, long long rows, int C) {                 \
-    backward_input<T, VEC>(dy, x, coefficients, dx, rows, C);                                             \
+#define SK_BATCH_NORM_VEC_ENTRIES(tag, T, VEC)                                                             \
+  extern "C" __global__ void __launch_bounds__(kThreads) batch_norm_stats_partials_##tag##_v##VEC(         \
+      const sk::kernels::batch_norm::StatsPartials p) {                                                    \
+    stats_partials<T, VEC>(static_cast<const T*>(p.x), p.partials, p.rows, p.channels, p.strip_rows);      \
+  }                                                                                                        \
+  SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, 0, 0)                                                         \
+  SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, 1, 0)                                                         \
+  SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, 0, 1)                                                         \
+  SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, 1, 1)                                                         \
+  SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, 0, 2)                                                         \
+  SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, 1, 2)                                                         \
+  extern "C" __global__ void __launch_bounds__(kThreads) batch_norm_backward_partials_##tag##_v##VEC(      \
+      const sk::kernels::batch_norm::BackwardPartials p) {                                                 \
+    backward_partials<T, VEC>(static_cast<const T*>(p.dy), static_cast<const T*>(p.x), p.mean, p.partials, \
+                              p.rows, p.channels, p.strip_rows);                                           \
+  }                                                                                                        \
+  extern "C" __global__ void __launch_bounds__(kThreads) batch_norm_backward_input_##tag##_v##VEC(         \
+      const sk::kernels::batch_norm::BackwardInput p) {                                                    \
+    backward_input<T, VEC>(static_cast<const T*>(p.dy), static_cast<const T*>(p.x), p.coefficients,        \
+                           static_cast<T*>(p.dx), p.rows, p.channels);                                     \
   }
 
-#define SK_BATCH_NORM_ENTRIES(tag, T)                                                                     \
-  SK_BATCH_NORM_VEC_ENTRIES(tag, T, 1)                                                                    \
-  SK_BATCH_NORM_VEC_ENTRIES(tag, T, 8)                                                                    \
-  extern "C" __global__ void __launch_bounds__(kFinish* kFinish) batch_norm_stats_finish_##tag(           \
-      const float* partials, const T* x, const float* weight, const float* bias, float* save_mean,        \
-      float* save_invstd, float* running_mean, float* running_var, float* coefficients, int strips, int C, \
-      long long rows, float eps, float momentum, int flags) {                                             \
-    stats_finish<T>(partials, x, weight, bias, save_mean, save_invstd, running_mean, running_var,         \
-                    coefficients, strips, C, rows, eps, momentum, flags);                                 \
+#define SK_BATCH_NORM_ENTRIES(tag, T)                                                                      \
+  SK_BATCH_NORM_VEC_ENTRIES(tag, T, 1)                                                                     \
+  SK_BATCH_NORM_VEC_ENTRIES(tag, T, 8)                                                                     \
+  extern "C" __global__ void __launch_bounds__(kFinish* kFinish) batch_norm_stats_finish_##tag(            \
+      const sk::kernels::batch_norm::StatsFinish p) {                                                      \
+    stats_finish<T>(p.partials, static_cast<const T*>(p.x), p.weight, p.bias, p.save_mean, p.save_invstd,  \
+                    p.running_mean, p.running_var, p.coefficients, p.strips, p.channels, p.rows, p.eps,    \
+                    p.momentum, p.flags);                                                                  \
   }
 
 SK_BATCH_NORM_ENTRIES(f32, sk::f32)
@@ -320,9 +433,9 @@ SK_BATCH_NORM_ENTRIES(bf16, sk::bf16)
 SK_BATCH_NORM_ENTRIES(f16, sk::f16)
 
 extern "C" __global__ void __launch_bounds__(kFinish* kFinish)
-    batch_norm_backward_finish(const float* partials, const float* save_mean, const float* save_invstd,
-                               const float* weight, float* grad_weight, float* grad_bias, float* coefficients,
-                               int strips, int C, long long rows, int flags) {
-  backward_finish(partials, save_mean, save_invstd, weight, grad_weight, grad_bias, coefficients, strips, C, rows,
-                  flags);
+    batch_norm_backward_finish(const sk::kernels::batch_norm::BackwardFinish p) {
+  backward_finish(p.partials, p.save_mean, p.save_invstd, p.weight, p.grad_weight, p.grad_bias, p.coefficients,
+                  p.strips, p.channels, p.rows, p.flags);
 }
+
+#endif  // __CUDACC_RTC__

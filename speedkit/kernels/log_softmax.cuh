@@ -6,13 +6,86 @@
 // its columns, merged across the block; a second pass writes y = x - lse, lse = max + log(sum),
 // and lse is kept per row. The backwards read the logits and lse, not y: exp(y) = exp(x - lse),
 // the same float operations, from half the bytes (and the fp32 y need not outlive the forward).
-// Where the result is deferred (log_softmax.rs), the forward is the first pass alone (the lse), and
-// the second runs only if something reads the result. Backward: dx = dy - exp(y) · Σ dy, the sum in
-// a first pass. The second pass re-reads a row the
-// first just read (200 KB at most at a 50k vocabulary in fp32), mostly from L2. Columns go 8 at a time (one
-// 16-byte load of bf16) when the width is a multiple of 8, one at a time otherwise. The host
-// launches `threads` a multiple of 32, at most 1024.
+// Where the result is deferred (speedkit/src/overrides/log_softmax.rs), the forward is the first
+// pass alone (the lse), and the second runs only if something reads the result. Backward: dx = dy -
+// exp(y) · Σ dy, the sum in a first pass. The second pass re-reads a row the first just read (200 KB
+// at most at a 50k vocabulary in fp32), mostly from L2. Columns go 8 at a time (one 16-byte load of
+// bf16) when the width is a multiple of 8, one at a time otherwise. The host launches `threads` a
+// multiple of 32, at most 1024.
+//
+// Each entry point takes one params struct (below, before the NVRTC-only part), launched from Rust
+// through speedkit::cuda's typed launches with a #[repr(C)] mirror of it (log_softmax.rs): pointers
+// and 64-bit fields first, then the 32-bit ones, and the struct's size asserted on both sides. The
+// logits' pointers (and their gradient's) are `const void*` / `void*`, cast by each entry point to
+// its type.
+#pragma once
+
 #include "common.cuh"
+
+namespace sk::kernels::log_softmax {
+
+// y = log_softmax(x) fp32 over rows of `width`, and lse [rows]. Entry points log_softmax_forward_<x>.
+struct Forward {
+  SK_KERNEL_ENTRY("log_softmax.cuh", "log_softmax_forward");
+  const void* x;
+  float* y;
+  float* lse;
+  int width;
+};
+
+// The forward's first pass alone: lse [rows]. Entry points log_softmax_lse_<x>.
+struct Lse {
+  SK_KERNEL_ENTRY("log_softmax.cuh", "log_softmax_lse");
+  const void* x;
+  float* lse;
+  int width;
+};
+
+// The forward's second pass from a kept lse: y. Entry points log_softmax_write_<x>.
+struct Write {
+  SK_KERNEL_ENTRY("log_softmax.cuh", "log_softmax_write");
+  const void* x;
+  const float* lse;
+  float* y;
+  int width;
+};
+
+// dx in the logits' type from the fp32 dy, the logits and lse. Entry points log_softmax_backward_<x>.
+struct Backward {
+  SK_KERNEL_ENTRY("log_softmax.cuh", "log_softmax_backward");
+  const float* dy;
+  const void* x;
+  const float* lse;
+  void* dx;
+  int width;
+};
+
+// dx of nll_loss(log_softmax(x)) from the logits, lse, the int64 targets [rows], the loss's
+// gradient and total weight (one fp32 each); `mean` 1 for a mean over rows, 0 for a sum. Entry
+// points log_softmax_nll_backward_<x>.
+struct NllBackward {
+  SK_KERNEL_ENTRY("log_softmax.cuh", "log_softmax_nll_backward");
+  const void* x;
+  const float* lse;
+  const long long* targets;
+  const float* grad;
+  const float* total_weight;
+  void* dx;
+  long long ignore_index;
+  int width;
+  int mean;
+};
+
+// The sizes log_softmax.rs asserts of its mirrors.
+static_assert(sizeof(Forward) == 32, "Forward's layout is mirrored in Rust");
+static_assert(sizeof(Lse) == 24, "Lse's layout is mirrored in Rust");
+static_assert(sizeof(Write) == 32, "Write's layout is mirrored in Rust");
+static_assert(sizeof(Backward) == 40, "Backward's layout is mirrored in Rust");
+static_assert(sizeof(NllBackward) == 64, "NllBackward's layout is mirrored in Rust");
+
+}  // namespace sk::kernels::log_softmax
+
+#ifdef __CUDACC_RTC__
 
 namespace {
 
@@ -180,25 +253,27 @@ __device__ void nll_backward(const T* x, const float* lse, const long long* targ
 
 #define SK_LOG_SOFTMAX_ENTRIES(tag, T)                                                                     \
   extern "C" __global__ void __launch_bounds__(1024)                                                     \
-      log_softmax_forward_##tag(const T* x, float* y, float* lse, int width) {                           \
-    forward<T>(x, y, lse, width);                                                                      \
+      log_softmax_forward_##tag(const sk::kernels::log_softmax::Forward p) {                             \
+    forward<T>(static_cast<const T*>(p.x), p.y, p.lse, p.width);                                         \
   }                                                                                                      \
   extern "C" __global__ void __launch_bounds__(1024)                                                     \
-      log_softmax_lse_##tag(const T* x, float* lse, int width) {                                         \
-    forward_lse<T>(x, lse, width);                                                                     \
+      log_softmax_lse_##tag(const sk::kernels::log_softmax::Lse p) {                                     \
+    forward_lse<T>(static_cast<const T*>(p.x), p.lse, p.width);                                          \
   }                                                                                                      \
   extern "C" __global__ void __launch_bounds__(1024)                                                     \
-      log_softmax_write_##tag(const T* x, const float* lse, float* y, int width) {                       \
-    write<T>(x, lse, y, width);                                                                        \
+      log_softmax_write_##tag(const sk::kernels::log_softmax::Write p) {                                 \
+    write<T>(static_cast<const T*>(p.x), p.lse, p.y, p.width);                                           \
   }                                                                                                      \
   extern "C" __global__ void __launch_bounds__(1024)                                                     \
-      log_softmax_backward_##tag(const float* dy, const T* x, const float* lse, T* dx, int width) {       \
-    backward<T>(dy, x, lse, dx, width);                                                                \
+      log_softmax_backward_##tag(const sk::kernels::log_softmax::Backward p) {                           \
+    backward<T>(p.dy, static_cast<const T*>(p.x), p.lse, static_cast<T*>(p.dx), p.width);                \
   }                                                                                                      \
-  extern "C" __global__ void __launch_bounds__(1024) log_softmax_nll_backward_##tag(                     \
-      const T* x, const float* lse, const long long* targets, const float* grad, const float* total_weight, \
-      T* dx, int width, long long ignore_index, int mean) {                                              \
-    nll_backward<T>(x, lse, targets, grad, total_weight, dx, width, ignore_index, mean);                 \
+  extern "C" __global__ void __launch_bounds__(1024)                                                     \
+      log_softmax_nll_backward_##tag(const sk::kernels::log_softmax::NllBackward p) {                    \
+    nll_backward<T>(static_cast<const T*>(p.x), p.lse, p.targets, p.grad, p.total_weight,               \
+                    static_cast<T*>(p.dx), p.width, p.ignore_index, p.mean);                             \
   }
 SK_LOG_SOFTMAX_ENTRIES(bf16, sk::bf16)
 SK_LOG_SOFTMAX_ENTRIES(f16, sk::f16)
+
+#endif  // __CUDACC_RTC__
