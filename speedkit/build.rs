@@ -89,12 +89,32 @@ fn main() {
             );
         }
     }
-    if let Some(dir) = nccl_headers.filter(|_| with_nccl) {
+    let nccl_headers_used = nccl_headers.filter(|_| with_nccl);
+    if let Some(dir) = &nccl_headers_used {
         // The macro ProcessGroupNCCL.hpp is guarded by, as libtorch itself was built.
-        system_include(&mut build, &dir);
+        system_include(&mut build, dir);
         build.define("USE_C10D_NCCL", None);
     }
-    build.compile("speedkit_shim");
+    // Outside release profiles the shim is compiled the way speedkit's own `[profile.dev]` compiles
+    // it (-O1, debug info), whatever opt-level and debug setting speedkit gets in the dependent's
+    // profile: the suite (speedkit a member, -O1), trybuild's project (no profile, -O0) and a crate
+    // of one's own (`package."*"`, -O2) then share one compiled shim (`compile_shim_cached`). The
+    // shim is thin wrappers around libtorch calls, whose work happens inside libtorch.
+    if env::var("PROFILE").as_deref() != Ok("release") {
+        build.opt_level(1).debug(true);
+    }
+    // Identifies the headers from outside speedkit that the shim includes (their directories are
+    // among the compiler's arguments): libtorch's version (with its git hash and CUDA variant), and
+    // the CUDA and NCCL headers'.
+    let external_headers: Vec<PathBuf> = [
+        torch_root.join("version.py"),
+        include.join("torch/version.h"),
+    ]
+    .into_iter()
+    .chain(cuda_headers.map(|dir| dir.join("cuda_runtime_api.h")))
+    .chain(nccl_headers_used.map(|dir| dir.join("nccl.h")))
+    .collect();
+    compile_shim_cached(&mut build, &out_dir, &external_headers);
 
     println!("cargo:rustc-link-search=native={}", lib_dir.display());
     if with_cuda {
@@ -182,4 +202,250 @@ fn find_cuda_headers(torch_root: &Path) -> Option<PathBuf> {
     candidates
         .into_iter()
         .find(|dir| dir.join("cuda_runtime_api.h").exists())
+}
+
+/// Compiles the shim with `build` into `libspeedkit_shim.a` in OUT_DIR, or takes the archive an
+/// earlier run left in the shim cache, and prints the `cargo:` lines that link it, as
+/// `cc::Build::compile` does.
+///
+/// Why a cache: cargo gives every build of speedkit that differs in anything its own OUT_DIR (its
+/// features, the package it is built for, the workspace and that workspace's rustflags), and `cc`
+/// compiled all of the shim's C++ again in each, minutes on 2 cores: the suite builds speedkit with
+/// the `runner` feature, `tests/user_crate.rs`'s crate (in the suite's build dir) without it for its
+/// binary and with it for its tests, and trybuild's project under its own workspace and rustflags.
+/// None of that changes the shim, which depends only on what `shim_cache_key` hashes.
+///
+/// An entry is `<build-dir>/<profile>/build/speedkit-shim.<key>/`, beside the build-script
+/// directories of every build in that build dir (named so that `cargo clean -p speedkit`, which
+/// removes `speedkit-*` there, removes it too). It is filled atomically: compiled in a directory of
+/// its own, then renamed into place, so a concurrent build sees either no entry or a whole one.
+/// OUT_DIR gets a hard link to (or a copy of) the archive, so a build links what its build script
+/// saw even after the entry is evicted: only the `SHIM_CACHE_ENTRIES` most recently used entries
+/// are kept, as every edit of the shim makes a new one (about 190 MB with debug info).
+fn compile_shim_cached(build: &mut cc::Build, out_dir: &Path, external_headers: &[PathBuf]) {
+    const LIBRARY: &str = "speedkit_shim";
+    let archive_name = format!("lib{LIBRARY}.a");
+    let (key, inputs) = shim_cache_key(build, out_dir, external_headers);
+    // What the key was made of, to tell why a build missed the cache.
+    let _ = std::fs::write(out_dir.join("speedkit-shim-key.txt"), &inputs);
+    let shared = shared_build_dir(out_dir).unwrap_or_else(|| out_dir.to_path_buf());
+    let entry = shared.join(format!("speedkit-shim.{key}"));
+    let library = out_dir.join(&archive_name);
+    let _ = std::fs::remove_file(&library);
+    if link_or_copy(&entry.join(&archive_name), &library).is_ok() {
+        touch_shim_cache_entry(&entry);
+    } else {
+        let staging = shared.join(format!(
+            "speedkit-shim.{key}.{}.partial",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&staging);
+        if let Err(e) = std::fs::create_dir_all(&staging) {
+            eprintln!("{}: {e}", staging.display());
+            std::process::exit(1);
+        }
+        build.out_dir(&staging);
+        let compiled = build.try_compile_intermediates().and_then(|objects| {
+            let archive = build.try_create_archive(LIBRARY, &objects)?;
+            // The archive holds copies of the objects.
+            for object in &objects {
+                let _ = std::fs::remove_file(object);
+            }
+            Ok(archive)
+        });
+        let archive = match compiled {
+            Ok(archive) => archive,
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&staging);
+                eprintln!("compiling the shim: {e}");
+                std::process::exit(1);
+            }
+        };
+        if let Err(e) = link_or_copy(&archive, &library) {
+            eprintln!("{} -> {}: {e}", archive.display(), library.display());
+            std::process::exit(1);
+        }
+        let _ = std::fs::write(staging.join("key.txt"), &inputs);
+        touch_shim_cache_entry(&staging);
+        // An entry without its archive (a removed file) is debris: replace it.
+        if entry.exists() && !entry.join(&archive_name).is_file() {
+            let _ = std::fs::remove_dir_all(&entry);
+        }
+        // Fails when a concurrent build of the same shim published its copy first: keep that one.
+        if std::fs::rename(&staging, &entry).is_err() {
+            let _ = std::fs::remove_dir_all(&staging);
+        }
+        evict_shim_cache(&shared);
+    }
+    cc::emit_link_directives(build, &library);
+}
+
+/// How many entries of the shim cache a build dir keeps (the most recently used).
+const SHIM_CACHE_ENTRIES: usize = 4;
+
+/// `to` as a hard link to `from`, or a copy where a link cannot be made.
+fn link_or_copy(from: &Path, to: &Path) -> std::io::Result<()> {
+    std::fs::hard_link(from, to).or_else(|_| std::fs::copy(from, to).map(|_| ()))
+}
+
+/// Marks a shim cache entry as used now (its `used` file's modification time).
+fn touch_shim_cache_entry(entry: &Path) {
+    let _ = std::fs::File::create(entry.join("used"))
+        .and_then(|file| file.set_modified(std::time::SystemTime::now()));
+}
+
+/// Removes all but the `SHIM_CACHE_ENTRIES` most recently used entries of the shim cache in
+/// `shared`, and staging directories of builds stopped a day ago or more.
+fn evict_shim_cache(shared: &Path) {
+    let Ok(dir) = std::fs::read_dir(shared) else {
+        return;
+    };
+    let modified = |path: &Path| {
+        std::fs::metadata(path)
+            .and_then(|m| m.modified())
+            .unwrap_or(std::time::UNIX_EPOCH)
+    };
+    let mut entries = Vec::new();
+    for path in dir.filter_map(|entry| entry.ok().map(|e| e.path())) {
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        if !name.starts_with("speedkit-shim.") {
+            continue;
+        }
+        if name.ends_with(".partial") {
+            let age = modified(&path).elapsed().unwrap_or_default();
+            if age > std::time::Duration::from_secs(24 * 60 * 60) {
+                let _ = std::fs::remove_dir_all(&path);
+            }
+        } else {
+            entries.push((modified(&path.join("used")), path));
+        }
+    }
+    entries.sort_by_key(|(used, _)| std::cmp::Reverse(*used));
+    for (_, path) in entries.into_iter().skip(SHIM_CACHE_ENTRIES) {
+        let _ = std::fs::remove_dir_all(&path);
+    }
+}
+
+/// `<build-dir>/<profile>/build`, the parent of the build-script directories, for the OUT_DIR
+/// `<build-dir>/[<target>/]<profile>/build/speedkit-<hash>/out`: with `--target` (which trybuild
+/// passes) cargo puts OUT_DIRs one level down, under the target's name, and the cache is shared
+/// with builds without it.
+fn shared_build_dir(out_dir: &Path) -> Option<PathBuf> {
+    let build = out_dir
+        .ancestors()
+        .skip(1)
+        .find(|dir| dir.file_name().is_some_and(|name| name == "build"))?;
+    let profile_dir = build.parent()?;
+    let profile = profile_dir.file_name()?;
+    let mut root = profile_dir.parent()?;
+    let target = env::var_os("TARGET");
+    if target.is_some() && root.file_name() == target.as_deref() {
+        root = root.parent()?;
+    }
+    Some(root.join(profile).join("build"))
+}
+
+/// The shim cache's key for this build of the shim, and a readable list of what it hashes: the
+/// compiler (its path, `--version` and the full argument list `cc` gives it, which has the
+/// optimisation and debug flags, the target's flags, every define and include directory, `CXXFLAGS`;
+/// OUT_DIR, where the generated kernel table is, written as `$OUT_DIR`), the environment variables
+/// the compiler reads, the archiver and its flags, every file under `shim/` and `kernels/`, the
+/// generated kernel table, and the files that identify the headers from outside speedkit
+/// (`external_headers`). cargo's OPT_LEVEL and DEBUG count through the flags `cc` makes of them.
+fn shim_cache_key(
+    build: &cc::Build,
+    out_dir: &Path,
+    external_headers: &[PathBuf],
+) -> (String, String) {
+    let mut inputs = String::from("speedkit shim cache 1\n");
+    let mut line = |name: &str, value: &str| {
+        inputs.push_str(name);
+        inputs.push_str(": ");
+        inputs.push_str(&value.replace('\n', "\n  "));
+        inputs.push('\n');
+    };
+    let out = out_dir.to_string_lossy();
+    let compiler = build.get_compiler();
+    line("compiler", &compiler.path().to_string_lossy());
+    let version = std::process::Command::new(compiler.path())
+        .arg("--version")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .unwrap_or_else(|e| format!("unknown ({e})"));
+    line("compiler --version", &version);
+    for arg in compiler.args() {
+        line(
+            "arg",
+            &arg.to_string_lossy().replace(out.as_ref(), "$OUT_DIR"),
+        );
+    }
+    for (name, value) in compiler.get_envs() {
+        line(
+            &format!("compiler env {}", name.to_string_lossy()),
+            &value.to_string_lossy(),
+        );
+    }
+    let archiver = build.get_archiver();
+    line("archiver", &archiver.get_program().to_string_lossy());
+    for arg in archiver.get_args() {
+        line("archiver arg", &arg.to_string_lossy());
+    }
+    for name in [
+        "TARGET",
+        "HOST",
+        "CPATH",
+        "C_INCLUDE_PATH",
+        "CPLUS_INCLUDE_PATH",
+        "COMPILER_PATH",
+        "GCC_EXEC_PREFIX",
+        "SOURCE_DATE_EPOCH",
+    ] {
+        let value = env::var_os(name).map(|v| v.to_string_lossy().into_owned());
+        line(
+            &format!("env {name}"),
+            value.as_deref().unwrap_or("(unset)"),
+        );
+    }
+    let mut files = Vec::new();
+    for dir in ["shim", "kernels"] {
+        files_under(Path::new(dir), &mut files);
+    }
+    files.sort();
+    files.push(out_dir.join("kernel_sources.inc"));
+    files.extend(external_headers.iter().cloned());
+    for file in &files {
+        let name = file.to_string_lossy().replace(out.as_ref(), "$OUT_DIR");
+        match std::fs::read(file) {
+            Ok(bytes) => line(&format!("file {name}"), &hash_hex(&bytes)),
+            Err(_) => line(&format!("file {name}"), "(absent)"),
+        }
+    }
+    (hash_hex(inputs.as_bytes()), inputs)
+}
+
+/// Every file under `dir`, recursively.
+fn files_under(dir: &Path, files: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for path in entries.filter_map(|entry| entry.ok().map(|e| e.path())) {
+        if path.is_dir() {
+            files_under(&path, files);
+        } else {
+            files.push(path);
+        }
+    }
+}
+
+/// A 128-bit hash of `bytes` in hex: two SipHash passes with different prefixes (std's hasher,
+/// stable for a given toolchain, which a build dir has one of).
+fn hash_hex(bytes: &[u8]) -> String {
+    use std::hash::{DefaultHasher, Hasher};
+    let [high, low] = [0u8, 1].map(|seed| {
+        let mut hasher = DefaultHasher::new();
+        hasher.write_u8(seed);
+        hasher.write(bytes);
+        hasher.finish()
+    });
+    format!("{high:016x}{low:016x}")
 }

@@ -7,10 +7,15 @@
 //!
 //! The crate lives in the system temp directory (inside this workspace cargo would take it for an
 //! undeclared member) and is rewritten only where the guide changed. It resolves its dependencies
-//! offline, from this workspace's `Cargo.lock` and the local registry cache, and builds in
-//! `<target>/tmp/user-crate`, kept between runs: the first build compiles torch-sys and speedkit
-//! once more, and its bench and test speedkit again with the `runner` feature that the guide's
-//! `[dev-dependencies]` turn on (minutes on 2 cores); later ones only what changed.
+//! offline, from this workspace's `Cargo.lock` and the local registry cache, so to the versions the
+//! suite is built with. Its executables go to `<build-dir>/tmp/user-crate`, kept between runs, and
+//! its intermediate artifacts to the suite's own build dir (`CARGO_BUILD_BUILD_DIR`: outside the
+//! checkout the crate does not see `.cargo/config.toml`), with the suite's profile, so the suite's
+//! build of tch, torch-sys (with its C++) and the other registry dependencies serves it as built,
+//! and so does the suite's compiled C++ shim (speedkit's build script caches it in the build dir,
+//! for any feature set). What it compiles is its own: speedkit's Rust (twice, without and with the
+//! `runner` feature that the guide's `[dev-dependencies]` turn on for the bench and the test),
+//! the macros and the crate; later runs only what changed.
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::{Path, PathBuf};
@@ -66,6 +71,7 @@ fn readme_files() -> Vec<(String, String)> {
 struct UserCrate {
     dir: PathBuf,
     target: PathBuf,
+    build_dir: PathBuf,
 }
 
 fn user_crate() -> &'static UserCrate {
@@ -102,12 +108,22 @@ impl UserCrate {
         // The workspace's lock file pins every dependency to what this checkout is tested with.
         let lock = std::fs::read_to_string(checkout().join("Cargo.lock")).expect("Cargo.lock");
         write_if_changed(&dir.join("Cargo.lock"), &lock);
-        let target = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("user-crate");
-        UserCrate { dir, target }
+        // cargo makes `<build-dir>/tmp` this test's CARGO_TARGET_TMPDIR.
+        let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        let build_dir = tmp.parent().expect("CARGO_TARGET_TMPDIR has a parent");
+        UserCrate {
+            dir,
+            target: tmp.join("user-crate"),
+            build_dir: build_dir.to_owned(),
+        }
     }
 
     /// Runs cargo in the crate as the guide's user would: `LIBTORCH` names the libtorch this
-    /// package was built against, and nothing sets `LD_LIBRARY_PATH`.
+    /// package was built against, and nothing sets `LD_LIBRARY_PATH`. Two settings are the suite's
+    /// rather than the guide's, and only so that the suite's build serves this one: the build dir,
+    /// and the dev profile's `debug = "line-tables-only"` (the suite's Cargo.toml; the guide's
+    /// profile has the same opt-levels but leaves `debug` at its default, and a dependency built
+    /// with other debug info is a build of its own).
     fn cargo(&self, args: &[&str]) -> Output {
         let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
         let libtorch = libtorch_lib()
@@ -117,6 +133,8 @@ impl UserCrate {
             .args(args)
             .current_dir(&self.dir)
             .env("CARGO_TARGET_DIR", &self.target)
+            .env("CARGO_BUILD_BUILD_DIR", &self.build_dir)
+            .env("CARGO_PROFILE_DEV_DEBUG", "line-tables-only")
             .env("LIBTORCH", libtorch)
             .env_remove("LIBTORCH_USE_PYTORCH")
             .env_remove("LD_LIBRARY_PATH")
