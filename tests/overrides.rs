@@ -190,7 +190,7 @@ fn the_linear_group_registers_a_rust_kernel_under_autocast_cuda_until_its_guard_
 
 #[test]
 fn the_batch_norm_group_registers_rust_kernels_under_cuda_until_its_guard_drops() {
-    assert_registered_while_held(Override::BatchNorm, "CUDA", "overrides/batch_norm.rs");
+    assert_registered_while_held(Override::BatchNorm, "CUDA", "overrides/batch_norm/mod.rs");
 }
 
 #[test]
