@@ -4,7 +4,9 @@
 //! a graphed step, a capture that frees idle cuBLAS workspaces leaves a live graph its own, a
 //! graphed step's forward and backward share one cuBLAS workspace, and a
 //! Linear keeps a weight copy only where its batch is at least as wide as the weight and never
-//! inside a checkpointed function, and saves no weight where its input needs no gradient.
+//! inside a checkpointed function, and saves no weight where its input needs no gradient, and the
+//! classifier's gradient takes the memory of logits nothing else holds, and a reduced
+//! `mse_loss` keeps no memory of its input's size.
 //! Skipped, with the reason printed, without a GPU.
 
 mod common;
@@ -534,4 +536,122 @@ fn a_memory_history_leaves_a_recording_it_did_not_start_running() {
     );
     drop(outer);
     assert!(!MemoryHistory::is_recording().unwrap());
+}
+
+/// Logits `x · w` of `rows` rows over `vocab` classes in bf16 (`w` a leaf that needs its gradient),
+/// with targets.
+fn classifier_inputs(device: Device, rows: i64, vocab: i64) -> (Tensor, Tensor, Tensor) {
+    tch::manual_seed(7);
+    let x = Tensor::randn([rows, 64], (Kind::BFloat16, device));
+    let w = (Tensor::randn([64, vocab], (Kind::BFloat16, device)) * 0.1).set_requires_grad(true);
+    let targets = Tensor::randint(vocab, [rows], (Kind::Int64, device));
+    (x, w, targets)
+}
+
+/// `w`'s gradient through speedkit's cross-entropy of `x · w`, with the logits dropped before the
+/// backward (so its gradient may take their memory) or held by the caller, and how far the
+/// backward's peak rose above what was allocated when it began.
+fn classifier_weight_gradient(
+    device: Device,
+    (x, w, targets): &(Tensor, Tensor, Tensor),
+    hold_logits: bool,
+    flattened: bool,
+) -> (Tensor, Option<(Tensor, Tensor)>, u64) {
+    let logits = x.mm(w);
+    // As a language model's head gives them: [batch, seq, vocab] viewed as [rows, vocab].
+    let rows = if flattened {
+        let vocab = w.size()[1];
+        logits.view([2, -1, vocab]).view([-1, vocab])
+    } else {
+        logits.shallow_clone()
+    };
+    let loss = speedkit::nn::cross_entropy(&rows, targets);
+    drop(rows);
+    let held = hold_logits.then(|| (logits.copy(), logits.shallow_clone()));
+    drop(logits);
+    tch::Cuda::synchronize(0);
+    let before = MemoryUse::now(device).unwrap().allocated;
+    memory::reset_peaks(device).unwrap();
+    let grad = Tensor::run_backward(&[&loss], &[w], false, false).remove(0);
+    tch::Cuda::synchronize(0);
+    let rise = MemoryUse::now(device).unwrap().peak_allocated - before;
+    (grad, held, rise)
+}
+
+#[test]
+fn the_classifiers_gradient_over_its_logits_equals_atens() {
+    let Some(device) = cuda_or_skip("the_classifiers_gradient_over_its_logits_equals_atens") else {
+        return;
+    };
+    let inputs = classifier_inputs(device, 1031, 5003);
+    let (ours, _, _) = classifier_weight_gradient(device, &inputs, false, false);
+    let (x, w, targets) = &inputs;
+    let aten_loss = x.mm(w).log_softmax(-1, Kind::Float).nll_loss(targets);
+    let aten = Tensor::run_backward(&[&aten_loss], &[w], false, false).remove(0);
+    assert!(rel_err(&ours, &aten) < 1e-2, "{}", rel_err(&ours, &aten));
+}
+
+#[test]
+fn the_classifiers_backward_allocates_no_second_logits_matrix() {
+    let Some(device) = cuda_or_skip("the_classifiers_backward_allocates_no_second_logits_matrix")
+    else {
+        return;
+    };
+    let (rows, vocab) = (4096, 32000);
+    let logits_bytes = (rows * vocab * 2) as u64;
+    let inputs = classifier_inputs(device, rows, vocab);
+    for flattened in [false, true] {
+        let (_, _, rise) = classifier_weight_gradient(device, &inputs, false, flattened);
+        assert!(
+            rise < logits_bytes / 2,
+            "the backward rose {rise} bytes above its start (flattened: {flattened}); the \
+             logits are {logits_bytes}"
+        );
+    }
+}
+
+#[test]
+fn logits_the_caller_holds_are_left_unchanged_by_the_backward() {
+    let Some(device) = cuda_or_skip("logits_the_caller_holds_are_left_unchanged_by_the_backward")
+    else {
+        return;
+    };
+    let inputs = classifier_inputs(device, 1031, 5003);
+    let (_, held, _) = classifier_weight_gradient(device, &inputs, true, true);
+    let (copy, logits) = held.unwrap();
+    assert!(logits.equal(&copy));
+}
+
+#[test]
+fn a_kept_graph_gives_the_classifiers_gradient_again() {
+    let Some(device) = cuda_or_skip("a_kept_graph_gives_the_classifiers_gradient_again") else {
+        return;
+    };
+    let (x, w, targets) = classifier_inputs(device, 1031, 5003);
+    let loss = speedkit::nn::cross_entropy(&x.mm(&w), &targets);
+    let first = Tensor::run_backward(&[&loss], &[&w], true, false).remove(0);
+    let second = Tensor::run_backward(&[&loss], &[&w], false, false).remove(0);
+    assert!(first.equal(&second));
+}
+
+#[test]
+fn a_reduced_mse_loss_keeps_no_memory_of_its_inputs_size() {
+    let Some(device) = cuda_or_skip("a_reduced_mse_loss_keeps_no_memory_of_its_inputs_size") else {
+        return;
+    };
+    let _ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
+    let x = Tensor::randn([2048, 4096], (Kind::Float, device)).set_requires_grad(true);
+    let target = Tensor::randn([2048, 4096], (Kind::Float, device));
+    let input_bytes = (2048 * 4096 * 4) as u64;
+    tch::Cuda::synchronize(0);
+    let before = MemoryUse::now(device).unwrap().allocated;
+    let loss = x.mse_loss(&target, tch::Reduction::Mean);
+    tch::Cuda::synchronize(0);
+    let held = MemoryUse::now(device).unwrap().allocated - before;
+    assert!(held < input_bytes / 2, "the loss holds {held} bytes");
+    let reference = (&x - &target).square().mean(Kind::Float);
+    assert!(rel_err(&loss, &reference) < 1e-6);
+    let grad = Tensor::run_backward(&[&loss], &[&x], false, false).remove(0);
+    let expected = (&x - &target) * (2.0 / (2048.0 * 4096.0));
+    assert!(rel_err(&grad, &expected) < 1e-5);
 }

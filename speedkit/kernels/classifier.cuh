@@ -158,9 +158,12 @@ __device__ void cross_entropy_forward(const TL* __restrict__ logits, const long 
 
 // dloss: the gradient of the mean loss (one float); count: the number of rows that count (one float).
 template <typename TL>
-__device__ void cross_entropy_backward(const TL* __restrict__ logits, const long long* __restrict__ targets,
+// dlogits may be logits itself (the shim writes the gradient over the logits where nothing else
+// reads them): each element is read once, by the thread that then writes it, so neither pointer is
+// __restrict__.
+__device__ void cross_entropy_backward(const TL* logits, const long long* __restrict__ targets,
                                        const float* __restrict__ row_lse, const float* __restrict__ dloss,
-                                       const float* __restrict__ count, TL* __restrict__ dlogits, int rows,
+                                       const float* __restrict__ count, TL* dlogits, int rows,
                                        int vocab, long long ignore_index) {
   const int row = blockIdx.x * blockDim.y + threadIdx.y;
   if (row >= rows) return;
@@ -246,10 +249,12 @@ inline Rows forward(const at::Tensor& logits, const at::Tensor& targets, int64_t
 }
 
 // dloss, count: fp32 scalars on the device.
+// The gradient of the mean loss with respect to the logits; written over `logits` when `in_place`.
 inline at::Tensor backward(const at::Tensor& logits, const at::Tensor& targets, const at::Tensor& row_lse,
-                           const at::Tensor& dloss, const at::Tensor& count, int64_t ignore_index) {
+                           const at::Tensor& dloss, const at::Tensor& count, int64_t ignore_index,
+                           bool in_place = false) {
   const int64_t rows = logits.size(0), vocab = logits.size(1);
-  at::Tensor dlogits = at::empty_like(logits);
+  at::Tensor dlogits = in_place ? logits : at::empty_like(logits);
   if (rows == 0) return dlogits;
   launch(get<Backward>({logits.scalar_type()}, logits.device()), {blocks_for(rows), 1, 1}, {32, kRowsPerBlock, 1}, 0,
          Backward{.logits = logits.data_ptr(),

@@ -5,6 +5,8 @@
 #include "classifier.cuh"
 #include "fused_op.h"
 
+#include <torch/csrc/autograd/graph_task.h>
+
 #include <ATen/ops/log_softmax.h>
 #include <ATen/ops/nll_loss.h>
 #include <ATen/ops/div.h>
@@ -15,6 +17,23 @@ namespace sk {
 namespace {
 
 namespace ce = kernels::classifier;
+
+// Whether the gradient may take the logits' memory, as llm.c's fused classifier does: nothing reads
+// the logits after this backward. The step's memory peaks at the start of the backward, with every
+// activation alive, and the [rows, vocab] logits and their gradient are its largest pair (a quarter
+// of a GiB each for the transformer workload); in place, the pair is one matrix. Only where the
+// logits are held by this node's saved variable and `logits` alone (no tensor of the user's, no
+// other view, no other node), and the graph is not kept for a second backward (`retain_graph`),
+// which would read them again. Logits flattened by a view (`[batch, seq, vocab]` to `[rows,
+// vocab]`) qualify when the view is all that holds its base.
+bool logits_are_ours_alone(const at::Tensor& logits) {
+  if (logits.use_count() != 2 || !logits.is_contiguous() || torch::autograd::get_current_graph_task_keep_graph())
+    return false;
+  if (!logits.is_view()) return logits.storage().use_count() == 1;
+  const at::TensorBase& base = logits._base();
+  return !base.is_view() && base.use_count() == 1 && logits.storage().use_count() == 2 &&
+         logits.storage_offset() == 0 && logits.numel() == base.numel();
+}
 
 struct CrossEntropyFunction : torch::autograd::Function<CrossEntropyFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets,
@@ -32,7 +51,9 @@ struct CrossEntropyFunction : torch::autograd::Function<CrossEntropyFunction> {
     auto saved = ctx->get_saved_variables();
     const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
     at::Tensor dloss = grads[0].to(at::kFloat).contiguous();
-    at::Tensor dlogits = ce::backward(saved[0], saved[1], saved[2], dloss, saved[3], ignore_index);
+    at::Tensor logits = std::move(saved[0]);
+    at::Tensor dlogits = ce::backward(logits, saved[1], saved[2], dloss, saved[3], ignore_index,
+                                      logits_are_ours_alone(logits));
     return fused_op_gradients({dlogits, at::Tensor(), at::Tensor()}, "cross-entropy");
   }
 };

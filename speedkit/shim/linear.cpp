@@ -143,7 +143,9 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     const bool with_bias = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
     auto [dy, db] = output_gradient(grads, type, with_bias, bias_type);
     at::Tensor dx, dw;
-    if (ctx->needs_input_grad(0)) dx = at::mm(dy, w);
+    // The weight's gradient first: a GELU's output recomputed for it is freed before the input's
+    // gradient exists, so the two [rows, in] matrices are never alive together (for a wide MLP,
+    // 0.5 GiB at the peak of the step).
     if (ctx->needs_input_grad(1)) {
       // The forward's x_c again: the same ATen GELU on the same input gives the same values.
       const auto gelu = ctx->saved_data.find("gelu");
@@ -152,6 +154,8 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
                                : at::gelu(saved[0], gelu->second.toStringRef()).to(type);
       dw = weight_gradient(dy, x, weight_type);
     }
+    saved[0] = at::Tensor();
+    if (ctx->needs_input_grad(0)) dx = at::mm(dy, w);
     return fused_op_gradients({dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()},
                               "Linear");
   }
