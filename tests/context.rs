@@ -173,13 +173,13 @@ fn the_kernels_setting_comes_back_when_the_training_code_panics() {
 
 #[test]
 fn one_op_switched_off_by_a_guard_runs_aten_and_comes_back_after() {
-    use speedkit::flags::{Flag, FlagGuard, FlagSetting, FlagValue};
+    use speedkit::flags::{FlagGuard, FlagSetting, FlagValue};
     use speedkit::kernels::KernelOp;
     let _lock = common::serial();
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
     let norm = speedkit::nn::layer_norm(vs.root(), 8, Default::default());
     let x = tch::Tensor::randn([2, 8], (tch::Kind::Float, tch::Device::Cpu));
-    let op = Flag::SpeedkitKernel(KernelOp::LayerNorm);
+    let op = KernelOp::LayerNorm.flag();
     let before = op.get().unwrap();
     {
         let _guard =

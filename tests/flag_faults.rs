@@ -11,10 +11,10 @@ use speedkit::flags::{
 
 /// Every flag that has storage of its own, set away from its current value.
 fn every_flag_changed() -> Vec<FlagSetting> {
-    Flag::ALL
-        .iter()
+    Flag::all()
+        .into_iter()
         .filter(|f| !f.is_view())
-        .map(|&flag| {
+        .map(|flag| {
             let value = match flag.get().unwrap() {
                 FlagValue::Bool(b) => FlagValue::Bool(!b),
                 FlagValue::MatmulPrecision(MatmulPrecision::Highest) => {

@@ -25,10 +25,10 @@ fn flipped(flag: Flag) -> FlagValue {
 }
 
 fn every_flag_flipped() -> Vec<FlagSetting> {
-    Flag::ALL
-        .iter()
+    Flag::all()
+        .into_iter()
         .filter(|f| !f.is_view()) // allow_tf32 reads the CUDA matmul entry
-        .map(|&f| FlagSetting::new(f, flipped(f), "test"))
+        .map(|f| FlagSetting::new(f, flipped(f), "test"))
         .collect()
 }
 
@@ -37,7 +37,7 @@ fn every_flag_round_trips_through_the_shim() {
     let _lock = common::serial();
     // PyTorch's setters cannot put back a `none` entry; an empty guard restores it raw at the end.
     let _restore_raw = FlagGuard::apply(&[]).unwrap();
-    for flag in Flag::ALL {
+    for flag in Flag::all() {
         let original = flag.get().unwrap();
         let other = flipped(flag);
         flag.set(other).unwrap();

@@ -134,7 +134,7 @@ fn a_context_with_the_other_kernels_setting_on_another_thread_is_refused() {
     let kernels_before = speedkit::kernels::set_enabled(false);
     let before = FlagState::capture().unwrap();
     let kernels_on = FlagSetting::new(
-        Flag::SpeedkitKernels,
+        speedkit::kernels::flag(),
         FlagValue::Bool(true),
         "thread rule test",
     );

@@ -491,7 +491,8 @@ enum sk_op {
   SK_OP_FP8_CAST = 8,
   SK_OP_BATCH_NORM = 9,
   SK_OP_CONVOLUTION = 10,
-  SK_OP_COUNT = 11
+  SK_OP_MSE_LOSS = 11,
+  SK_OP_COUNT = 12
 };
 
 /// What happened to one op so far in the process: it ran on the kernel (`reason` empty) or took

@@ -11,6 +11,7 @@ use crate::dist::{AveragingSettings, DataParallel, LaunchEnv, ProcessGroup};
 use crate::error::{Result, SpeedkitError};
 use crate::ffi;
 use crate::flags::{FlagGuard, FlagState};
+use crate::graph::{GraphHost, GraphSettings, GraphedStep};
 use crate::hardware::Hardware;
 use crate::kernels;
 use crate::nn::Fp8Scope;
@@ -585,5 +586,40 @@ impl std::fmt::Debug for SpeedContext {
             .field("plan", &self.plan)
             .field("guard", &self.guard)
             .finish()
+    }
+}
+
+impl SpeedContext {
+    /// Wraps a training step for graph mode: see [`GraphedStep`]. `step` gets the static copies of
+    /// the inputs passed to [`GraphedStep::run`] and returns the loss.
+    pub fn graphed<'c, F>(&'c self, step: F) -> GraphedStep<'c, F>
+    where
+        F: FnMut(&[Tensor]) -> Result<Option<Tensor>>,
+    {
+        GraphedStep::new(self, step)
+    }
+}
+
+impl GraphHost for SpeedContext {
+    fn graph_settings(&self) -> GraphSettings {
+        let plan = self.plan();
+        GraphSettings {
+            device_index: plan.cuda_index().filter(|_| plan.compile_graphs),
+            warmup_steps: plan.graph_warmup_steps,
+            max_graphs: plan.max_graphs,
+            nvtx: self.config().profile.nvtx,
+        }
+    }
+
+    fn note(&self, text: String) {
+        SpeedContext::note(self, text);
+    }
+
+    fn after_graph_replay(&self) -> Result<()> {
+        SpeedContext::after_graph_replay(self)
+    }
+
+    fn discard_step(&self) {
+        self.grad_scaler().reset_step_state();
     }
 }

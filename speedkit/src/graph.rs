@@ -41,7 +41,6 @@ use crate::ffi::{
 };
 use crate::memory::{self, MemoryUse};
 use crate::nvtx::NvtxRange;
-use crate::SpeedContext;
 
 type Signature = Vec<(Vec<i64>, Kind, Device)>;
 
@@ -154,6 +153,34 @@ struct Entry {
     last_used: u64,
 }
 
+/// What a [`GraphedStep`] needs from whoever runs it: the plan's graph settings, and the hooks
+/// around a replay. [`SpeedContext`](crate::SpeedContext) is the one implementation, so graph mode
+/// follows the context's plan without this module knowing the context.
+pub trait GraphHost {
+    /// The plan's settings for graph mode.
+    fn graph_settings(&self) -> GraphSettings;
+    /// Records `text` in the audit.
+    fn note(&self, text: String);
+    /// Runs after every replay (and the capture's first): what the step's graph cannot do itself,
+    /// such as data parallelism's bookkeeping.
+    fn after_graph_replay(&self) -> Result<()>;
+    /// Forgets the state a failed capture's step left half-made (the GradScaler's inf check).
+    fn discard_step(&self);
+}
+
+/// The plan's settings for graph mode, as a [`GraphHost`] gives them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GraphSettings {
+    /// The CUDA device to capture on; `None` when graphs are off (by the plan, or on the CPU).
+    pub device_index: Option<usize>,
+    /// Eager steps of each input signature before its capture (`compile.warmup_steps`).
+    pub warmup_steps: usize,
+    /// Graphs kept at once, one per input signature (`compile.max_graphs`).
+    pub max_graphs: usize,
+    /// Whether steps are marked with NVTX ranges (`profile.nvtx`).
+    pub nvtx: bool,
+}
+
 /// The device's memory at the end of one phase of a [`GraphedStep`] (the last eager warm-up step,
 /// the capture with its first replay): where a graph's memory goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -167,7 +194,7 @@ pub struct PhaseMemory {
 /// A training step run as a replayed CUDA graph when the plan enables graphs (see the
 /// [module docs](self)); a plain call otherwise.
 pub struct GraphedStep<'c, F> {
-    ctx: &'c SpeedContext,
+    host: &'c dyn GraphHost,
     step: F,
     enabled: bool,
     pool: Option<GraphPool>,
@@ -181,11 +208,12 @@ impl<'c, F> GraphedStep<'c, F>
 where
     F: FnMut(&[Tensor]) -> Result<Option<Tensor>>,
 {
-    /// Wraps `step`, which receives the (static) input tensors and returns the loss.
-    pub fn new(ctx: &'c SpeedContext, step: F) -> Self {
-        let enabled = ctx.plan().compile_graphs && ctx.plan().cuda_index().is_some();
+    /// Wraps `step`, which receives the (static) input tensors and returns the loss; `host` is the
+    /// [`SpeedContext`](crate::SpeedContext) whose plan it follows.
+    pub fn new(host: &'c dyn GraphHost, step: F) -> Self {
+        let enabled = host.graph_settings().device_index.is_some();
         Self {
-            ctx,
+            host,
             step,
             enabled,
             pool: None,
@@ -227,9 +255,9 @@ where
     /// Runs one step on `inputs`.
     pub fn run(&mut self, inputs: &[&Tensor]) -> Result<Option<Tensor>> {
         let Some(device_index) = self
-            .ctx
-            .plan()
-            .cuda_index()
+            .host
+            .graph_settings()
+            .device_index
             .filter(|_| self.enabled && self.fallback.is_none())
         else {
             note_step_kind(StepKind::Eager);
@@ -256,11 +284,11 @@ where
             Some(i) => i,
             None => self.insert(signature),
         };
-        let warmup = self.ctx.plan().graph_warmup_steps;
+        let warmup = self.host.graph_settings().warmup_steps;
         let entry = &mut self.entries[index];
         entry.last_used = self.clock;
 
-        let nvtx = self.ctx.config().profile.nvtx;
+        let nvtx = self.host.graph_settings().nvtx;
         if let Some(graph) = &entry.graph {
             note_step_kind(StepKind::GraphReplay);
             let _range = NvtxRange::push(nvtx, c"speedkit/graph replay");
@@ -273,7 +301,7 @@ where
             graph
                 .replay()
                 .map_err(|e| self.out_of_memory(StepKind::GraphReplay, device_index, e))?;
-            self.ctx.after_graph_replay()?;
+            self.host.after_graph_replay()?;
             return Ok(output);
         }
         if entry.eager_runs < warmup {
@@ -337,7 +365,7 @@ where
     }
 
     fn insert(&mut self, signature: Signature) -> usize {
-        let max = self.ctx.plan().max_graphs.max(1);
+        let max = self.host.graph_settings().max_graphs.max(1);
         if self.entries.len() >= max {
             if let Some((lru, _)) = self
                 .entries
@@ -346,7 +374,7 @@ where
                 .min_by_key(|(_, e)| e.last_used)
             {
                 let evicted = self.entries.remove(lru);
-                self.ctx.note(format!(
+                self.host.note(format!(
                     "graph cache full (compile.max_graphs = {max}): evicted the graph for input shapes {:?}",
                     evicted.signature.iter().map(|s| &s.0).collect::<Vec<_>>()
                 ));
@@ -414,8 +442,8 @@ where
                 entry.gradients = gradients;
                 graph.replay()?;
                 entry.graph = Some(graph);
-                self.ctx.after_graph_replay()?;
-                self.ctx.note(format!(
+                self.host.after_graph_replay()?;
+                self.host.note(format!(
                     "training step captured as a CUDA graph (input shapes {shapes:?}) after {} eager warm-up step(s)",
                     entry.eager_runs
                 ));
@@ -425,7 +453,7 @@ where
                 drop(graph);
                 // Whatever the partial capture recorded never ran.
                 ffi::device::cuda_synchronize(device_index)?;
-                self.ctx.grad_scaler().reset_step_state();
+                self.host.discard_step();
                 if memory::is_out_of_memory(&e) {
                     // Eager would need the same activations again: say so instead of retrying.
                     self.entries.remove(index);
@@ -439,7 +467,7 @@ where
     }
 
     fn fall_back(&mut self, reason: String, inputs: &[&Tensor]) -> Result<Option<Tensor>> {
-        self.ctx.note(format!("graphs off: {reason}"));
+        self.host.note(format!("graphs off: {reason}"));
         self.fallback = Some(reason);
         self.entries.clear();
         note_step_kind(StepKind::Eager);
@@ -459,12 +487,12 @@ pub struct CompiledStep<'c> {
 impl<'c> CompiledStep<'c> {
     /// Wraps `step`.
     pub fn new(
-        ctx: &'c SpeedContext,
+        host: &'c dyn GraphHost,
         mut step: impl FnMut() -> Result<Option<Tensor>> + 'c,
     ) -> Self {
         let boxed: DynStep<'c> = Box::new(move |_: &[Tensor]| step());
         Self {
-            inner: GraphedStep::new(ctx, boxed),
+            inner: GraphedStep::new(host, boxed),
         }
     }
 
@@ -486,16 +514,5 @@ impl<'c> CompiledStep<'c> {
     /// The device's memory after each phase so far (see [`GraphedStep::memory_phases`]).
     pub fn memory_phases(&self) -> &[PhaseMemory] {
         self.inner.memory_phases()
-    }
-}
-
-impl SpeedContext {
-    /// Wraps a training step for graph mode: see [`GraphedStep`]. `step` gets the static copies of
-    /// the inputs passed to [`GraphedStep::run`] and returns the loss.
-    pub fn graphed<'c, F>(&'c self, step: F) -> GraphedStep<'c, F>
-    where
-        F: FnMut(&[Tensor]) -> Result<Option<Tensor>>,
-    {
-        GraphedStep::new(self, step)
     }
 }

@@ -60,6 +60,8 @@ pub mod graph;
 pub mod hardware;
 pub mod kernels;
 pub mod launch;
+#[cfg(test)]
+mod layering;
 pub mod memory;
 pub mod nn;
 mod nvtx;

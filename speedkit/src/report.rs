@@ -180,9 +180,9 @@ impl Report {
                 drop(guard);
             }
         }
-        let flags = Flag::ALL
-            .iter()
-            .map(|&flag| FlagRow {
+        let flags = Flag::all()
+            .into_iter()
+            .map(|flag| FlagRow {
                 flag: flag.name(),
                 before: before.get(flag).unwrap_or(FlagValue::Bool(false)),
                 applied: applied_state.as_ref().and_then(|s| s.get(flag)),
@@ -226,6 +226,9 @@ impl fmt::Display for Report {
             headers.push("restored");
         }
         headers.push("reason");
+        // A reason shared by several flags (every override group's comes from the one
+        // `overrides` setting) is printed once, and pointed at after.
+        let mut first_with: Vec<(&str, &str)> = Vec::new();
         let rows: Vec<Vec<String>> = self
             .flags
             .iter()
@@ -238,7 +241,15 @@ impl fmt::Display for Report {
                 if let Some(x) = r.restored {
                     row.push(x.to_string());
                 }
-                row.push(r.reason.clone());
+                row.push(
+                    match first_with.iter().find(|(reason, _)| *reason == r.reason) {
+                        Some((_, first)) if !r.reason.is_empty() => format!("as for {first}"),
+                        _ => {
+                            first_with.push((&r.reason, r.flag));
+                            r.reason.clone()
+                        }
+                    },
+                );
                 row
             })
             .collect();

@@ -37,13 +37,34 @@ fn report_apply_restore_reads_well_for_a_person() {
 }
 
 #[test]
+fn a_reason_shared_by_several_flags_is_printed_once() {
+    let out = speedkit(&["report", "--apply", "--restore"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let override_rows: Vec<&str> = stdout
+        .lines()
+        .filter(|l| {
+            l.trim_start_matches([' ', '|'])
+                .starts_with("speedkit.overrides.")
+        })
+        .collect();
+    let groups = speedkit::overrides::Override::ALL.len();
+    assert_eq!(override_rows.len(), groups, "{stdout}");
+    let pointers = override_rows
+        .iter()
+        .filter(|row| row.contains("as for speedkit.overrides.layer_norm"))
+        .count();
+    assert_eq!(pointers, groups - 1, "{stdout}");
+}
+
+#[test]
 fn report_json_parses_and_lists_every_flag() {
     let out = speedkit(&["report", "--apply", "--restore", "--json"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let json: serde_json::Value = serde_json::from_slice(&out.stdout).expect("valid JSON");
     assert_eq!(
         json["flags"].as_array().map(Vec::len),
-        Some(speedkit::flags::Flag::ALL.len())
+        Some(speedkit::flags::Flag::all().len())
     );
     assert_eq!(json["restored_equals_before"], true);
     assert!(json["plan"]["decisions"]

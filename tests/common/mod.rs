@@ -67,13 +67,9 @@ pub fn trained_parameters(vs: &tch::nn::VarStore) -> Vec<tch::Tensor> {
 /// Holds speedkit's override of `o` registered (`on`) or removed while the guard lives.
 #[allow(dead_code)] // not every test file uses it
 pub fn hold_override(o: speedkit::overrides::Override, on: bool) -> speedkit::flags::FlagGuard {
-    use speedkit::flags::{Flag, FlagGuard, FlagSetting, FlagValue};
-    FlagGuard::apply(&[FlagSetting::new(
-        Flag::AtenOverride(o),
-        FlagValue::Bool(on),
-        "test",
-    )])
-    .expect("the override registers")
+    use speedkit::flags::{FlagGuard, FlagSetting, FlagValue};
+    FlagGuard::apply(&[FlagSetting::new(o.flag(), FlagValue::Bool(on), "test")])
+        .expect("the override registers")
 }
 
 /// The largest relative gap, step by step, between a run's losses and the `reference` run's.

@@ -14,7 +14,29 @@ use tch::Tensor;
 
 use super::{c_string, check, handle, panic_text, raw, raw::custom_overrides as abi, Borrowed};
 use super::{raw::sk_override_arg, Result};
-use crate::overrides::Value;
+
+/// One argument of an operator call, as its schema types it.
+#[derive(Clone, Copy, Debug)]
+pub enum Value<'a> {
+    /// An absent optional (`None`).
+    None,
+    /// A tensor.
+    Tensor(&'a Tensor),
+    /// An integer (also a `ScalarType`, as its code: see [`OverrideCall::kind`](crate::overrides::OverrideCall::kind)).
+    Int(i64),
+    /// A float.
+    Double(f64),
+    /// A boolean.
+    Bool(bool),
+    /// A list of integers (sizes, dimensions).
+    Ints(&'a [i64]),
+    /// A list of booleans (an `output_mask`).
+    Bools(&'a [bool]),
+    /// A string (`approximate="tanh"`).
+    Str(&'a str),
+    /// Anything else (a device, a layout, a list of tensors), named by its type.
+    Other(&'a str),
+}
 
 /// What the shim calls: one operator call's arguments (schema name and value, in the schema's
 /// order) in, the operator's results out, or `None` to hand the call to the kernel it replaced.

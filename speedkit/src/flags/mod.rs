@@ -40,8 +40,10 @@
 
 mod guard;
 mod registry;
+mod switch;
 
 pub use guard::{FlagChange, FlagGuard};
+pub use switch::{Switch, SwitchTable};
 
 use serde::Serialize;
 use std::fmt;
@@ -49,8 +51,6 @@ use std::fmt;
 use crate::config::MatmulPrecision;
 use crate::error::{Result, SpeedkitError};
 use crate::ffi::{self, raw};
-use crate::kernels::KernelOp;
-use crate::overrides::Override;
 
 /// Every global flag speedkit may touch, named as PyTorch names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -90,14 +90,11 @@ pub enum Flag {
     SdpCudnn,
     /// `torch.are_deterministic_algorithms_enabled()` (`torch.use_deterministic_algorithms`)
     DeterministicAlgorithms,
-    /// speedkit's own kernels, every op at once (the config's `kernels`;
-    /// [`crate::kernels::set_enabled`] is its raw setter).
-    SpeedkitKernels,
-    /// One op's kernels, within [`Flag::SpeedkitKernels`].
-    SpeedkitKernel(KernelOp),
-    /// speedkit's kernels registered as the CUDA implementations of a group of ATen operators
-    /// ([`crate::overrides`]): `true` while registered.
-    AtenOverride(Override),
+    /// An on/off switch of a layer above the flags: speedkit's kernel switches
+    /// ([`crate::kernels::flag`], [`KernelOp::flag`](crate::kernels::KernelOp::flag)) and
+    /// the operator overrides' registrations
+    /// ([`Override::flag`](crate::overrides::Override::flag)).
+    Switch(&'static Switch),
 }
 
 /// The kind of value a flag holds.
@@ -112,8 +109,8 @@ pub enum FlagKind {
 }
 
 impl Flag {
-    /// Every flag, in the order reports list them.
-    pub const ALL: [Flag; 33] = [
+    /// PyTorch's own flags, in the order reports list them.
+    pub const TORCH: [Flag; 17] = [
         Flag::CudaMatmulAllowTf32,
         Flag::Float32MatmulPrecision,
         Flag::CudaMatmulFp32Precision,
@@ -131,23 +128,23 @@ impl Flag {
         Flag::SdpMath,
         Flag::SdpCudnn,
         Flag::DeterministicAlgorithms,
-        Flag::SpeedkitKernels,
-        Flag::SpeedkitKernel(KernelOp::LayerNorm),
-        Flag::SpeedkitKernel(KernelOp::CrossEntropy),
-        Flag::SpeedkitKernel(KernelOp::BiasGelu),
-        Flag::SpeedkitKernel(KernelOp::Embedding),
-        Flag::SpeedkitKernel(KernelOp::Linear),
-        Flag::SpeedkitKernel(KernelOp::Mlp),
-        Flag::SpeedkitKernel(KernelOp::AdamW),
-        Flag::SpeedkitKernel(KernelOp::Fp8Cast),
-        Flag::SpeedkitKernel(KernelOp::BatchNorm),
-        Flag::SpeedkitKernel(KernelOp::Convolution),
-        Flag::AtenOverride(Override::LayerNorm),
-        Flag::AtenOverride(Override::LogSoftmax),
-        Flag::AtenOverride(Override::Linear),
-        Flag::AtenOverride(Override::BatchNorm),
-        Flag::AtenOverride(Override::Convolution),
     ];
+
+    /// Every flag, in the order reports list them: PyTorch's ([`Flag::TORCH`]), then every
+    /// [`Switch`] of the layers above.
+    ///
+    /// ```
+    /// use speedkit::flags::Flag;
+    /// let all = Flag::all();
+    /// assert!(all.len() > Flag::TORCH.len());
+    /// assert!(all.iter().any(|f| f.name() == "speedkit.kernels"));
+    /// ```
+    pub fn all() -> Vec<Flag> {
+        Flag::TORCH
+            .into_iter()
+            .chain(switch::all().map(Flag::Switch))
+            .collect()
+    }
 
     /// PyTorch's spelling of the flag.
     ///
@@ -177,26 +174,7 @@ impl Flag {
             Flag::SdpMath => "torch.backends.cuda.math_sdp_enabled()",
             Flag::SdpCudnn => "torch.backends.cuda.cudnn_sdp_enabled()",
             Flag::DeterministicAlgorithms => "torch.are_deterministic_algorithms_enabled()",
-            Flag::SpeedkitKernels => "speedkit.kernels",
-            Flag::SpeedkitKernel(op) => match op {
-                KernelOp::LayerNorm => "speedkit.kernels.layer_norm",
-                KernelOp::CrossEntropy => "speedkit.kernels.cross_entropy",
-                KernelOp::BiasGelu => "speedkit.kernels.bias_gelu",
-                KernelOp::Embedding => "speedkit.kernels.embedding",
-                KernelOp::Linear => "speedkit.kernels.linear",
-                KernelOp::Mlp => "speedkit.kernels.mlp",
-                KernelOp::AdamW => "speedkit.kernels.adamw",
-                KernelOp::Fp8Cast => "speedkit.kernels.fp8_cast",
-                KernelOp::BatchNorm => "speedkit.kernels.batch_norm",
-                KernelOp::Convolution => "speedkit.kernels.convolution",
-            },
-            Flag::AtenOverride(o) => match o {
-                Override::LayerNorm => "speedkit.overrides.layer_norm",
-                Override::LogSoftmax => "speedkit.overrides.log_softmax",
-                Override::Linear => "speedkit.overrides.linear",
-                Override::BatchNorm => "speedkit.overrides.batch_norm",
-                Override::Convolution => "speedkit.overrides.convolution",
-            },
+            Flag::Switch(switch) => switch.name,
         }
     }
 
@@ -251,26 +229,14 @@ impl Flag {
         })
     }
 
-    /// The shim's op id of speedkit's kernel switches (speedkit.h's `sk_op`).
-    const fn kernel_op_id(self) -> Option<i32> {
-        match self {
-            Flag::SpeedkitKernels => Some(raw::SK_OP_ALL),
-            Flag::SpeedkitKernel(op) => Some(op.code()),
-            _ => None,
-        }
-    }
-
     /// Reads the flag's current value from libtorch, as stored: never refused, whatever mix of
     /// PyTorch's legacy and new precision APIs set it.
     pub fn get(self) -> Result<FlagValue> {
-        if let Flag::AtenOverride(o) = self {
-            return Ok(FlagValue::Bool(o.is_registered()?));
+        if let Flag::Switch(switch) = self {
+            return Ok(FlagValue::Bool((switch.get)()?));
         }
         if let Some(id) = self.bool_id() {
             return Ok(FlagValue::Bool(ffi::flags::get_bool(id)?));
-        }
-        if let Some(op) = self.kernel_op_id() {
-            return Ok(FlagValue::Bool(ffi::kernels::setting_get(op)?));
         }
         if let Some(id) = self.fp32_precision_id() {
             return Fp32Precision::from_code(ffi::flags::fp32_precision_get(id)?)
@@ -285,21 +251,13 @@ impl Flag {
     /// moves the per-backend matmul entries, so the two APIs stay consistent). Prefer [`FlagGuard`],
     /// which records and restores; this is the raw setter.
     pub fn set(self, value: FlagValue) -> Result<()> {
-        if let (Flag::AtenOverride(o), FlagValue::Bool(on)) = (self, value) {
-            return o.set_registered(on);
-        }
-        match (
-            value,
-            self.bool_id(),
-            self.fp32_precision_id(),
-            self.kernel_op_id(),
-        ) {
-            (FlagValue::Bool(b), Some(id), _, _) => ffi::flags::set_bool(id, b),
-            (FlagValue::Bool(b), _, _, Some(op)) => ffi::kernels::setting_set(op, b),
-            (FlagValue::Fp32Precision(p), _, Some(id), _) => {
+        match (value, self, self.bool_id(), self.fp32_precision_id()) {
+            (FlagValue::Bool(on), Flag::Switch(switch), _, _) => (switch.set)(on),
+            (FlagValue::Bool(b), _, Some(id), _) => ffi::flags::set_bool(id, b),
+            (FlagValue::Fp32Precision(p), _, _, Some(id)) => {
                 ffi::flags::fp32_precision_set(id, p as i32)
             }
-            (FlagValue::MatmulPrecision(p), None, None, None) => {
+            (FlagValue::MatmulPrecision(p), Flag::Float32MatmulPrecision, _, _) => {
                 ffi::flags::matmul_precision_set(matmul_precision_code(p))
             }
             _ => Err(self.wrong_kind(value)),
@@ -310,22 +268,14 @@ impl Flag {
     /// field alone, one table entry alone), so that a captured state, consistent or not, comes
     /// back exactly. A view has nothing of its own to write.
     pub(crate) fn restore(self, value: FlagValue) -> Result<()> {
-        if let (Flag::AtenOverride(o), FlagValue::Bool(on)) = (self, value) {
-            return o.set_registered(on);
-        }
-        match (
-            value,
-            self.bool_id(),
-            self.fp32_precision_id(),
-            self.kernel_op_id(),
-        ) {
+        match (value, self, self.bool_id(), self.fp32_precision_id()) {
             _ if self.is_view() => Ok(()),
-            (FlagValue::Bool(b), Some(id), _, _) => ffi::flags::restore_bool(id, b),
-            (FlagValue::Bool(b), _, _, Some(op)) => ffi::kernels::setting_set(op, b),
-            (FlagValue::Fp32Precision(p), _, Some(id), _) => {
+            (FlagValue::Bool(on), Flag::Switch(switch), _, _) => (switch.set)(on),
+            (FlagValue::Bool(b), _, Some(id), _) => ffi::flags::restore_bool(id, b),
+            (FlagValue::Fp32Precision(p), _, _, Some(id)) => {
                 ffi::flags::fp32_precision_set(id, p as i32)
             }
-            (FlagValue::MatmulPrecision(p), None, None, None) => {
+            (FlagValue::MatmulPrecision(p), Flag::Float32MatmulPrecision, _, _) => {
                 ffi::flags::matmul_precision_restore(matmul_precision_code(p))
             }
             _ => Err(self.wrong_kind(value)),
@@ -446,11 +396,11 @@ impl fmt::Display for FlagValue {
 pub struct FlagState(Vec<(Flag, FlagValue)>);
 
 impl FlagState {
-    /// Reads every flag in [`Flag::ALL`].
+    /// Reads every flag in [`Flag::all`].
     pub fn capture() -> Result<Self> {
-        Flag::ALL
-            .iter()
-            .map(|&f| Ok((f, f.get()?)))
+        Flag::all()
+            .into_iter()
+            .map(|f| Ok((f, f.get()?)))
             .collect::<Result<Vec<_>>>()
             .map(Self)
     }
@@ -460,7 +410,7 @@ impl FlagState {
         self.0.iter().find(|(f, _)| *f == flag).map(|(_, v)| *v)
     }
 
-    /// `(flag, value)` pairs in [`Flag::ALL`] order.
+    /// `(flag, value)` pairs in [`Flag::all`] order.
     pub fn iter(&self) -> impl Iterator<Item = (Flag, FlagValue)> + '_ {
         self.0.iter().copied()
     }
@@ -544,10 +494,11 @@ mod tests {
 
     #[test]
     fn flag_names_are_unique() {
-        let mut names: Vec<_> = Flag::ALL.iter().map(|f| f.name()).collect();
+        let all = Flag::all();
+        let mut names: Vec<_> = all.iter().map(|f| f.name()).collect();
         names.sort_unstable();
         names.dedup();
-        assert_eq!(names.len(), Flag::ALL.len());
+        assert_eq!(names.len(), all.len());
     }
 
     #[test]

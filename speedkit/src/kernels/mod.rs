@@ -4,7 +4,7 @@
 //! The kernels live as CUDA C++ source in `speedkit/kernels/<op>.cuh` (one file per operation: a
 //! params struct per entry point, its forward and backward, and the host launcher), embedded in
 //! the binary and compiled at run time with NVRTC for the GPU in use. More sources can be
-//! registered at run time ([`register_source`]). Each source's cubin is cached on disk under a key
+//! registered at run time ([`CudaModule::new`](crate::cuda::CudaModule::new)). Each source's cubin is cached on disk under a key
 //! of its own (its text, the registered sources it includes, the architecture and NVRTC's version),
 //! under `$SPEEDKIT_KERNEL_CACHE`, else `$XDG_CACHE_HOME/speedkit/kernels`, else
 //! `~/.cache/speedkit/kernels`. NVRTC and the CUDA headers come from the torch wheel next to
@@ -27,16 +27,20 @@
 //! # Ok::<(), speedkit::SpeedkitError>(())
 //! ```
 
-use std::collections::BTreeMap;
 use std::fmt;
-use std::sync::Mutex;
 
-use serde::Serialize;
 use tch::Device;
 
 use crate::error::{Result, SpeedkitError};
 use crate::ffi::{self, raw};
 use crate::flags::{Flag, FlagValue};
+
+mod notes;
+mod op;
+
+pub(crate) use notes::note;
+pub use notes::{fallbacks, notes, take_ops_run, KernelNote, NoteMark, Outcome};
+pub use op::KernelOp;
 
 /// A GPU architecture, compiled for as `sm_<major><minor>`.
 ///
@@ -58,98 +62,6 @@ impl fmt::Display for Arch {
     }
 }
 
-/// One of speedkit's fused ops, as the kernel switch and the notes name it.
-///
-/// ```
-/// use speedkit::kernels::KernelOp;
-/// assert_eq!(KernelOp::LayerNorm.name(), "layer_norm");
-/// assert_eq!(KernelOp::ALL.len(), 10);
-/// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum KernelOp {
-    /// LayerNorm, with the residual add before it ([`crate::nn::LayerNorm`]).
-    LayerNorm,
-    /// The classifier's softmax cross-entropy ([`crate::nn::cross_entropy`]).
-    CrossEntropy,
-    /// Bias + tanh-GELU after a Linear ([`crate::nn::Linear::forward_gelu`]).
-    BiasGelu,
-    /// Token + position embedding ([`crate::nn::embedding`]).
-    Embedding,
-    /// Linear's cheaper backward ([`crate::nn::Linear`]).
-    Linear,
-    /// The transformer MLP on cuBLASLt epilogues ([`crate::nn::Mlp`]).
-    Mlp,
-    /// AdamW writing the weight copies ([`crate::optim::AdamWOptimizer`]).
-    AdamW,
-    /// The FP8 casts ([`crate::nn::quantize_fp8`]).
-    Fp8Cast,
-    /// BatchNorm in training mode over channels-last activations
-    /// ([`Override::BatchNorm`](crate::overrides::Override::BatchNorm)).
-    BatchNorm,
-    /// Convolution under autocast without a kept copy of the weight
-    /// ([`Override::Convolution`](crate::overrides::Override::Convolution)).
-    Convolution,
-}
-
-impl KernelOp {
-    /// Every op, in the shim's order.
-    pub const ALL: [KernelOp; 10] = [
-        KernelOp::LayerNorm,
-        KernelOp::CrossEntropy,
-        KernelOp::BiasGelu,
-        KernelOp::Embedding,
-        KernelOp::Linear,
-        KernelOp::Mlp,
-        KernelOp::AdamW,
-        KernelOp::Fp8Cast,
-        KernelOp::BatchNorm,
-        KernelOp::Convolution,
-    ];
-
-    /// The name the audit and the runner show.
-    pub const fn name(self) -> &'static str {
-        match self {
-            KernelOp::LayerNorm => "layer_norm",
-            KernelOp::CrossEntropy => "cross_entropy",
-            KernelOp::BiasGelu => "bias_gelu",
-            KernelOp::Embedding => "embedding",
-            KernelOp::Linear => "linear",
-            KernelOp::Mlp => "mlp",
-            KernelOp::AdamW => "adamw",
-            KernelOp::Fp8Cast => "fp8 cast",
-            KernelOp::BatchNorm => "batch_norm",
-            KernelOp::Convolution => "convolution",
-        }
-    }
-
-    /// The shim's id (speedkit.h's `sk_op`).
-    pub(crate) const fn code(self) -> i32 {
-        match self {
-            KernelOp::LayerNorm => raw::SK_OP_LAYER_NORM,
-            KernelOp::CrossEntropy => raw::SK_OP_CROSS_ENTROPY,
-            KernelOp::BiasGelu => raw::SK_OP_BIAS_GELU,
-            KernelOp::Embedding => raw::SK_OP_EMBEDDING,
-            KernelOp::Linear => raw::SK_OP_LINEAR,
-            KernelOp::Mlp => raw::SK_OP_MLP,
-            KernelOp::AdamW => raw::SK_OP_ADAMW,
-            KernelOp::Fp8Cast => raw::SK_OP_FP8_CAST,
-            KernelOp::BatchNorm => raw::SK_OP_BATCH_NORM,
-            KernelOp::Convolution => raw::SK_OP_CONVOLUTION,
-        }
-    }
-
-    fn from_code(code: i32) -> Option<Self> {
-        Self::ALL.into_iter().find(|op| op.code() == code)
-    }
-}
-
-impl fmt::Display for KernelOp {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
 /// speedkit's own kernel files (`speedkit/kernels/*.cuh`), by file name, sorted.
 ///
 /// ```
@@ -162,10 +74,11 @@ pub fn files() -> Result<Vec<String>> {
     Ok(names)
 }
 
-/// The sources registered at run time ([`register_source`]), in order of registration.
+/// The sources registered at run time ([`CudaModule::new`](crate::cuda::CudaModule::new)), in
+/// order of registration.
 ///
 /// ```
-/// speedkit::kernels::register_source("doc_empty.cu", "// nothing yet\n")?;
+/// speedkit::cuda::CudaModule::new("doc_empty.cu", "// nothing yet\n")?;
 /// assert!(speedkit::kernels::registered()?.contains(&"doc_empty.cu".to_string()));
 /// # Ok::<(), speedkit::SpeedkitError>(())
 /// ```
@@ -177,21 +90,9 @@ pub fn registered() -> Result<Vec<String>> {
 /// Registers CUDA C++ `source` under the file name `name`, to be compiled with NVRTC on first use
 /// with a cache key of its own; speedkit's sources are available to it as headers by their names
 /// (`#include "common.cuh"`). The same name and text again is the same source; the same name with
-/// other text is an error.
-///
-/// ```
-/// let name = "doc_scale.cu";
-/// speedkit::kernels::register_source(
-///     name,
-///     r#"extern "C" __global__ void scale(float* x, float k, int n) {
-///            int i = blockIdx.x * blockDim.x + threadIdx.x;
-///            if (i < n) x[i] *= k;
-///        }"#,
-/// )?;
-/// assert!(speedkit::kernels::registered()?.contains(&name.to_string()));
-/// # Ok::<(), speedkit::SpeedkitError>(())
-/// ```
-pub fn register_source(name: &str, source: &str) -> Result<()> {
+/// other text is an error. Public through [`CudaModule::new`](crate::cuda::CudaModule::new), the
+/// one way in.
+pub(crate) fn register_source(name: &str, source: &str) -> Result<()> {
     ffi::kernels::register_source(name, source).map(|_| ())
 }
 
@@ -246,10 +147,20 @@ pub fn unavailable_reason(device: Device) -> Result<Option<String>> {
 
 // ----- the kernel switch -------------------------------------------------------------------------
 
+/// The switch of every op's kernels at once (the config's `kernels`), as a flag a
+/// [`FlagGuard`](crate::flags::FlagGuard) sets and restores; [`KernelOp::flag`] is one op's.
+///
+/// ```
+/// assert_eq!(speedkit::kernels::flag().name(), "speedkit.kernels");
+/// ```
+pub fn flag() -> Flag {
+    op::all_ops_flag()
+}
+
 /// Turns speedkit's kernels on or off for every op in the process and returns the previous
-/// setting: the raw setter of [`Flag::SpeedkitKernels`]. A [`crate::SpeedContext`] holds the
-/// config's `kernels` setting in its flag guard instead, with the flags' stacking, restore and
-/// thread rule; prefer that, or a [`FlagGuard`](crate::flags::FlagGuard).
+/// setting: the raw setter of [`flag`]. A [`crate::SpeedContext`] holds the config's `kernels`
+/// setting in its flag guard instead, with the flags' stacking, restore and thread rule; prefer
+/// that, or a [`FlagGuard`](crate::flags::FlagGuard).
 ///
 /// ```
 /// let before = speedkit::kernels::set_enabled(false);   // ATen everywhere
@@ -258,8 +169,8 @@ pub fn unavailable_reason(device: Device) -> Result<Option<String>> {
 /// ```
 pub fn set_enabled(on: bool) -> bool {
     let before = enabled();
-    // Writing the shim's switch fails only for an unknown op id, which ALL excludes.
-    let _ = Flag::SpeedkitKernels.set(FlagValue::Bool(on));
+    // Writing the shim's switch fails only for an unknown op id, which the op table excludes.
+    let _ = flag().set(FlagValue::Bool(on));
     before
 }
 
@@ -269,171 +180,10 @@ pub fn set_enabled(on: bool) -> bool {
 /// println!("kernels on: {}", speedkit::kernels::enabled());
 /// ```
 pub fn enabled() -> bool {
-    ffi::kernels::setting_get(raw::SK_OP_ALL).unwrap_or(false)
+    op::switch_on(raw::SK_OP_ALL).unwrap_or(false)
 }
 
 /// Whether `op`'s kernels are switched on: the switch of every op, and the op's own.
 pub(crate) fn op_enabled(op: KernelOp) -> bool {
-    enabled() && ffi::kernels::setting_get(op.code()).unwrap_or(false)
-}
-
-// ----- the notes ---------------------------------------------------------------------------------
-
-/// What happened to one op: it ran on its kernel, or took ATen's path for a reason.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Outcome {
-    /// The op ran on speedkit's kernel.
-    Ran,
-    /// The op ran ATen's composite, for this reason.
-    FellBack(String),
-}
-
-/// One distinct note of the kernel layer and how often it happened.
-///
-/// ```
-/// for note in speedkit::kernels::notes() {
-///     println!("{}: {:?} ×{}", note.op, note.outcome, note.count);
-/// }
-/// ```
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct KernelNote {
-    /// The op.
-    pub op: KernelOp,
-    /// What happened.
-    pub outcome: Outcome,
-    /// How many calls it happened to.
-    pub count: u64,
-}
-
-impl fmt::Display for KernelNote {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let calls = if self.count == 1 { "call" } else { "calls" };
-        match &self.outcome {
-            Outcome::Ran => write!(
-                f,
-                "{}: ran on speedkit's kernel ({} {calls})",
-                self.op, self.count
-            ),
-            Outcome::FellBack(reason) => write!(
-                f,
-                "{}: {reason}: ran ATen's composite instead ({} {calls})",
-                self.op, self.count
-            ),
-        }
-    }
-}
-
-/// Every distinct note since the process started, in order of first occurrence. An op switched off
-/// is not noted (the plan says so already).
-pub fn notes() -> Vec<KernelNote> {
-    ffi::kernels::notes()
-        .unwrap_or_default()
-        .into_iter()
-        .filter_map(|n| {
-            Some(KernelNote {
-                op: KernelOp::from_code(n.op)?,
-                outcome: n.reason.map_or(Outcome::Ran, Outcome::FellBack),
-                count: n.count,
-            })
-        })
-        .collect()
-}
-
-/// Notes that `op` ran on its kernel (`fell_back` `None`) or took ATen's path for that reason: how
-/// the overrides built in Rust ([`crate::overrides`]) report to the channel the shim's ops use.
-pub(crate) fn note(op: KernelOp, fell_back: Option<&str>) {
-    // Fails only for an op code outside the header's, which KernelOp excludes.
-    let _ = ffi::kernels::note(op.code(), fell_back);
-}
-
-/// The notes as they stand at one moment, to read what happened after it ([`NoteMark::since`]):
-/// what a context's audit shows, and what a test asserts about the calls it made.
-///
-/// ```
-/// use speedkit::kernels::NoteMark;
-/// let mark = NoteMark::now();
-/// // ... run some ops ...
-/// assert!(mark.since().iter().all(|n| n.count > 0));
-/// ```
-#[derive(Clone, Debug, Default)]
-pub struct NoteMark(BTreeMap<(KernelOp, Outcome), u64>);
-
-impl NoteMark {
-    /// The notes now.
-    pub fn now() -> Self {
-        Self(
-            notes()
-                .into_iter()
-                .map(|n| ((n.op, n.outcome), n.count))
-                .collect(),
-        )
-    }
-
-    /// What was noted after this mark, with the counts of those calls only, in order of first
-    /// occurrence.
-    pub fn since(&self) -> Vec<KernelNote> {
-        notes()
-            .into_iter()
-            .filter_map(|mut n| {
-                let before = self.0.get(&(n.op, n.outcome.clone())).copied().unwrap_or(0);
-                n.count = n.count.checked_sub(before).filter(|&c| c > 0)?;
-                Some(n)
-            })
-            .collect()
-    }
-
-    /// The ops that fell back after this mark, as `"op: reason"`, each once.
-    pub fn fallbacks_since(&self) -> Vec<String> {
-        fallback_lines(self.since())
-    }
-}
-
-fn fallback_lines(notes: Vec<KernelNote>) -> Vec<String> {
-    notes
-        .into_iter()
-        .filter_map(|n| match n.outcome {
-            Outcome::FellBack(reason) => Some(format!("{}: {reason}", n.op)),
-            Outcome::Ran => None,
-        })
-        .collect()
-}
-
-/// The distinct reasons an op ran on ATen instead of a kernel so far in the process, each once,
-/// as `"op: reason"`.
-///
-/// ```
-/// for line in speedkit::kernels::fallbacks() {
-///     println!("{line}");
-/// }
-/// ```
-pub fn fallbacks() -> Vec<String> {
-    fallback_lines(notes())
-}
-
-/// Where [`take_ops_run`] counts from.
-static OPS_RUN_MARK: Mutex<Option<NoteMark>> = Mutex::new(None);
-
-/// The ops (`layer_norm`, `cross_entropy`, ...) that ran on speedkit's kernels since the previous
-/// call, each once, and starts counting afresh: the benchmark runner reports them per row.
-///
-/// ```
-/// let _ = speedkit::kernels::take_ops_run();
-/// assert!(speedkit::kernels::take_ops_run().is_empty());   // nothing ran in between
-/// ```
-pub fn take_ops_run() -> Vec<&'static str> {
-    let mut mark = OPS_RUN_MARK
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    let now = NoteMark::now();
-    let ran = mark
-        .take()
-        .unwrap_or_default()
-        .since()
-        .into_iter()
-        .filter(|n| n.outcome == Outcome::Ran)
-        .map(|n| n.op.name())
-        .collect();
-    *mark = Some(now);
-    ran
+    enabled() && op::switch_on(op.code()).unwrap_or(false)
 }

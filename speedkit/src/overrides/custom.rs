@@ -9,6 +9,7 @@ use serde::Serialize;
 use tch::{Kind, Tensor};
 
 use crate::error::{Result, SpeedkitError};
+pub use crate::ffi::custom_overrides::Value;
 use crate::ffi::{self, custom_overrides::OverrideKernel, raw};
 use crate::kernels::{self, KernelOp};
 
@@ -61,29 +62,6 @@ impl fmt::Display for DispatchKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
     }
-}
-
-/// One argument of an operator call, as its schema types it.
-#[derive(Clone, Copy, Debug)]
-pub enum Value<'a> {
-    /// An absent optional (`None`).
-    None,
-    /// A tensor.
-    Tensor(&'a Tensor),
-    /// An integer (also a `ScalarType`, as its code: see [`OverrideCall::kind`]).
-    Int(i64),
-    /// A float.
-    Double(f64),
-    /// A boolean.
-    Bool(bool),
-    /// A list of integers (sizes, dimensions).
-    Ints(&'a [i64]),
-    /// A list of booleans (an `output_mask`).
-    Bools(&'a [bool]),
-    /// A string (`approximate="tanh"`).
-    Str(&'a str),
-    /// Anything else (a device, a layout, a list of tensors), named by its type.
-    Other(&'a str),
 }
 
 /// What a kernel did with one call.

@@ -5,7 +5,7 @@
 //! [`SpeedContext`](crate::SpeedContext) lives, and removes it when the context drops, which brings
 //! ATen's kernel back.
 //!
-//! An override is held like a flag ([`Flag::AtenOverride`](crate::flags::Flag::AtenOverride)): in
+//! An override is held like a flag ([`Override::flag`]): in
 //! the plan with its reason (the config's `overrides`), in the audit with its before and after,
 //! stacked and restored by the flag guard on every exit path, panics included, and under the same
 //! thread rule. A call whose inputs the kernel does not take (a dtype, a layout, a width) runs
@@ -34,6 +34,7 @@ mod convolution;
 mod custom;
 mod linear;
 mod log_softmax;
+mod mse_loss;
 
 pub use custom::{
     DispatchKey, OperatorOverride, Outcome, OverrideCall, OverrideRecord, OverrideRegistration,
@@ -46,97 +47,142 @@ use serde::Serialize;
 
 use crate::error::Result;
 use crate::ffi::{self, raw};
+use crate::flags::{Flag, Switch, SwitchTable};
 use crate::kernels::KernelOp;
 
-/// A group of ATen operators speedkit takes over together.
-///
-/// ```
-/// use speedkit::overrides::Override;
-/// assert_eq!(Override::LayerNorm.operators(), ["aten::native_layer_norm", "aten::native_layer_norm_backward"]);
-/// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Override {
+/// Declares the groups, one row each: `Variant = "name", the kernel op whose switch also turns it
+/// off and under which its calls are noted, where it is registered (`shim(SK_OVERRIDE_...)` for a
+/// group registered in C++, `rust(module)` for one built on [`OperatorOverride`] in that module),
+/// and the ATen operators it takes.
+macro_rules! override_groups {
+    ($(
+        $(#[doc = $doc:literal])*
+        $group:ident = $name:literal, KernelOp::$op:ident, $home:ident($where:ident), [$($operator:literal),+ $(,)?];
+    )+) => {
+        /// A group of ATen operators speedkit takes over together.
+        ///
+        /// ```
+        /// use speedkit::overrides::Override;
+        /// assert_eq!(Override::LayerNorm.operators(), ["aten::native_layer_norm", "aten::native_layer_norm_backward"]);
+        /// ```
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+        #[serde(rename_all = "snake_case")]
+        pub enum Override {
+            $($(#[doc = $doc])* $group,)+
+        }
+
+        impl Override {
+            /// Every group, in the order the plan registers them.
+            pub const ALL: [Override; [$($name),+].len()] = [$(Override::$group),+];
+
+            /// The name the audit and the flags show.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(Override::$group => $name,)+
+                }
+            }
+
+            /// The ATen operators it registers a kernel for.
+            pub const fn operators(self) -> &'static [&'static str] {
+                match self {
+                    $(Override::$group => &[$($operator),+],)+
+                }
+            }
+
+            /// The kernels it runs, whose switch ([`crate::kernels`]) also turns it off.
+            pub const fn kernel_op(self) -> KernelOp {
+                match self {
+                    $(Override::$group => KernelOp::$op,)+
+                }
+            }
+
+            /// The shim's id (speedkit.h's `sk_override`) of a group registered in C++; `None`
+            /// for one built in Rust on [`OperatorOverride`].
+            const fn shim_code(self) -> Option<i32> {
+                match self {
+                    $(Override::$group => override_groups!(@shim_code $home($where)),)+
+                }
+            }
+
+            /// The operator overrides of a group built in Rust.
+            fn built_in_rust(self) -> Vec<OperatorOverride> {
+                match self {
+                    $(Override::$group => override_groups!(@built $home($where)),)+
+                }
+            }
+        }
+
+        /// One switch per group, in the table's order: registered or not.
+        static SWITCHES: &[Switch] = &[
+            $(Switch {
+                name: concat!("speedkit.overrides.", $name),
+                get: || Override::$group.is_registered(),
+                set: |on| Override::$group.set_registered(on),
+            },)+
+        ];
+    };
+    (@shim_code shim($code:ident)) => { Some(raw::$code) };
+    (@shim_code rust($module:ident)) => { None };
+    (@built shim($code:ident)) => { Vec::new() };
+    (@built rust($module:ident)) => { $module::operator_overrides().into() };
+}
+
+override_groups! {
     /// LayerNorm's forward and backward (`nn::layer_norm`, `Tensor::layer_norm`) on speedkit's
     /// LayerNorm kernels: one pass each way, the parameters' gradients in the same pass.
-    LayerNorm,
+    LayerNorm = "layer_norm", KernelOp::LayerNorm, shim(SK_OVERRIDE_LAYER_NORM), ["aten::native_layer_norm", "aten::native_layer_norm_backward"];
     /// `log_softmax` of bf16/fp16 logits under autocast (`log_softmax(-1, Kind::Float)`,
     /// `cross_entropy_for_logits`) on speedkit's kernels: fp32 log-probabilities straight from the
     /// logits and the gradient straight back in their type, where autocast makes an fp32 copy of
     /// the logits and casts the gradient back. Built on the public layer ([`OperatorOverride`],
     /// [`crate::function`], [`crate::cuda`]), as a user would build it.
-    LogSoftmax,
+    LogSoftmax = "log_softmax", KernelOp::CrossEntropy, rust(log_softmax), ["aten::log_softmax.int", "aten::nll_loss"];
     /// `linear` under autocast (`nn::linear`, `Tensor::linear`) on speedkit's Linear, the one
     /// behind `speedkit::nn::Linear`: the weight's and bias's copies in the autocast type kept
     /// across steps (written by speedkit's AdamW) instead of a cast of every weight in every
     /// forward, the weight gradient in fp32 straight from its GEMM, the bias gradient on
     /// speedkit's column-sum kernel.
-    Linear,
+    Linear = "linear", KernelOp::Linear, rust(linear), ["aten::linear"];
     /// BatchNorm in training mode (`nn::batch_norm2d`, `Tensor::batch_norm`) over channels-last
     /// activations on speedkit's kernels: the statistics, the normalisation and the two backward
     /// passes each read their inputs once at close to the memory's bandwidth, where ATen's
     /// channels-last kernels reach a fifth to a half of it. The normalised output is written only
     /// when read: a `relu` of it, or of its sum with a residual (`add`), runs in the normalisation's
     /// own pass. Built on the public layer, as [`LogSoftmax`](Override::LogSoftmax).
-    BatchNorm,
+    BatchNorm = "batch_norm", KernelOp::BatchNorm, rust(batch_norm), [
+        "aten::native_batch_norm",
+        "aten::native_batch_norm_backward",
+        "aten::cudnn_batch_norm",
+        "aten::cudnn_batch_norm_backward",
+        "aten::relu",
+        "aten::add.Tensor",
+    ];
     /// `conv1d`, `conv2d` and `conv3d` under autocast (`nn::conv2d`, `Tensor::conv2d`) without
     /// the weight's copy in the autocast type kept for the backward: the backward casts the fp32
     /// weight again, so no layer's copy is alive at the end of the forward, the memory peak of a
     /// convolutional network. The convolutions are ATen's (cuDNN) on autocast's operands.
-    Convolution,
+    Convolution = "convolution", KernelOp::Convolution, rust(convolution), ["aten::conv1d", "aten::conv2d", "aten::conv3d"];
+    /// `mse_loss` with a reduction (`Tensor::mse_loss`) returning its loss in memory of its own
+    /// size: ATen's CUDA kernel leaves the reduced loss on storage the size of its input (its
+    /// elementwise output, resized), which stays alive as long as the loss, through the backward
+    /// and in a graphed step for good (0.25 GiB for the mlp_block workload). The loss is ATen's.
+    MseLoss = "mse_loss", KernelOp::MseLoss, rust(mse_loss), ["aten::mse_loss"];
+}
+
+inventory::submit! {
+    SwitchTable { order: 2, switches: SWITCHES }
 }
 
 impl Override {
-    /// Every group, in the order the plan registers them.
-    pub const ALL: [Override; 5] = [
-        Override::LayerNorm,
-        Override::LogSoftmax,
-        Override::Linear,
-        Override::BatchNorm,
-        Override::Convolution,
-    ];
-
-    /// The name the audit and the flags show.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Override::LayerNorm => "layer_norm",
-            Override::LogSoftmax => "log_softmax",
-            Override::Linear => "linear",
-            Override::BatchNorm => "batch_norm",
-            Override::Convolution => "convolution",
-        }
-    }
-
-    /// The ATen operators it registers a kernel for.
-    pub const fn operators(self) -> &'static [&'static str] {
-        match self {
-            Override::LayerNorm => &[
-                "aten::native_layer_norm",
-                "aten::native_layer_norm_backward",
-            ],
-            Override::LogSoftmax => &["aten::log_softmax.int", "aten::nll_loss"],
-            Override::Linear => &["aten::linear"],
-            Override::BatchNorm => &[
-                "aten::native_batch_norm",
-                "aten::native_batch_norm_backward",
-                "aten::cudnn_batch_norm",
-                "aten::cudnn_batch_norm_backward",
-                "aten::relu",
-                "aten::add.Tensor",
-            ],
-            Override::Convolution => &["aten::conv1d", "aten::conv2d", "aten::conv3d"],
-        }
-    }
-
-    /// The kernels it runs, whose switch ([`crate::kernels`]) also turns it off.
-    pub const fn kernel_op(self) -> KernelOp {
-        match self {
-            Override::LayerNorm => KernelOp::LayerNorm,
-            Override::LogSoftmax => KernelOp::CrossEntropy,
-            Override::Linear => KernelOp::Linear,
-            Override::BatchNorm => KernelOp::BatchNorm,
-            Override::Convolution => KernelOp::Convolution,
-        }
+    /// Its registration as a flag a [`FlagGuard`](crate::flags::FlagGuard) sets and restores:
+    /// `true` while registered.
+    ///
+    /// ```
+    /// use speedkit::overrides::Override;
+    /// assert_eq!(Override::LayerNorm.flag().name(), "speedkit.overrides.layer_norm");
+    /// ```
+    pub fn flag(self) -> Flag {
+        Flag::Switch(&SWITCHES[self as usize])
     }
 
     /// Whether it is registered with the dispatcher now.
@@ -148,7 +194,7 @@ impl Override {
     }
 
     /// Registers it (`on`) or removes it: the raw setter of
-    /// [`Flag::AtenOverride`](crate::flags::Flag::AtenOverride), which a context's flag guard
+    /// [`Override::flag`], which a context's flag guard
     /// calls and restores.
     pub(crate) fn set_registered(self, on: bool) -> Result<()> {
         if let Some(code) = self.shim_code() {
@@ -173,52 +219,10 @@ impl Override {
         Ok(())
     }
 
-    /// Registers the kernel sources it compiles at run time with the kernel layer, without
-    /// compiling them, and returns their names (for [`crate::kernels::compile`]). Groups whose
-    /// kernels are speedkit's built-in files ([`crate::kernels::files`]) have none.
-    ///
-    /// ```
-    /// use speedkit::overrides::Override;
-    /// assert_eq!(Override::LogSoftmax.register_sources()?, ["log_softmax.cu"]);
-    /// # Ok::<(), speedkit::SpeedkitError>(())
-    /// ```
-    pub fn register_sources(self) -> Result<Vec<&'static str>> {
-        match self {
-            Override::LayerNorm | Override::Linear | Override::Convolution => Ok(Vec::new()),
-            Override::LogSoftmax => {
-                log_softmax::register_source()?;
-                Ok(vec![log_softmax::SOURCE_NAME])
-            }
-            Override::BatchNorm => {
-                batch_norm::register_source()?;
-                Ok(vec![batch_norm::SOURCE_NAME])
-            }
-        }
-    }
-
-    /// The shim's id (speedkit.h's `sk_override`) of a group registered in C++; `None` for one
-    /// built in Rust on [`OperatorOverride`].
-    const fn shim_code(self) -> Option<i32> {
-        match self {
-            Override::LayerNorm => Some(raw::SK_OVERRIDE_LAYER_NORM),
-            Override::LogSoftmax
-            | Override::Linear
-            | Override::BatchNorm
-            | Override::Convolution => None,
-        }
-    }
-
     /// Its registrations, made whole or not at all (one that fails drops, which removes, those
     /// made before it).
     fn registered_in_rust(self) -> Result<Vec<OverrideRegistration>> {
-        let overrides: Vec<OperatorOverride> = match self {
-            Override::LogSoftmax => log_softmax::operator_overrides().into(),
-            Override::Linear => linear::operator_overrides().into(),
-            Override::BatchNorm => batch_norm::operator_overrides().into(),
-            Override::Convolution => convolution::operator_overrides().into(),
-            Override::LayerNorm => unreachable!("registered by the shim"),
-        };
-        overrides
+        self.built_in_rust()
             .into_iter()
             .map(|o| {
                 let noted = o.noted_as(self.kernel_op());
