@@ -555,18 +555,9 @@ fn classifier_weight_gradient(
     device: Device,
     (x, w, targets): &(Tensor, Tensor, Tensor),
     hold_logits: bool,
-    flattened: bool,
 ) -> (Tensor, Option<(Tensor, Tensor)>, u64) {
     let logits = x.mm(w);
-    // As a language model's head gives them: [batch, seq, vocab] viewed as [rows, vocab].
-    let rows = if flattened {
-        let vocab = w.size()[1];
-        logits.view([2, -1, vocab]).view([-1, vocab])
-    } else {
-        logits.shallow_clone()
-    };
-    let loss = speedkit::nn::cross_entropy(&rows, targets);
-    drop(rows);
+    let loss = speedkit::nn::cross_entropy(&logits, targets);
     let held = hold_logits.then(|| (logits.copy(), logits.shallow_clone()));
     drop(logits);
     tch::Cuda::synchronize(0);
@@ -584,7 +575,7 @@ fn the_classifiers_gradient_over_its_logits_equals_atens() {
         return;
     };
     let inputs = classifier_inputs(device, 1031, 5003);
-    let (ours, _, _) = classifier_weight_gradient(device, &inputs, false, false);
+    let (ours, _, _) = classifier_weight_gradient(device, &inputs, false);
     let (x, w, targets) = &inputs;
     let aten_loss = x.mm(w).log_softmax(-1, Kind::Float).nll_loss(targets);
     let aten = Tensor::run_backward(&[&aten_loss], &[w], false, false).remove(0);
@@ -600,14 +591,11 @@ fn the_classifiers_backward_allocates_no_second_logits_matrix() {
     let (rows, vocab) = (4096, 32000);
     let logits_bytes = (rows * vocab * 2) as u64;
     let inputs = classifier_inputs(device, rows, vocab);
-    for flattened in [false, true] {
-        let (_, _, rise) = classifier_weight_gradient(device, &inputs, false, flattened);
-        assert!(
-            rise < logits_bytes / 2,
-            "the backward rose {rise} bytes above its start (flattened: {flattened}); the \
-             logits are {logits_bytes}"
-        );
-    }
+    let (_, _, rise) = classifier_weight_gradient(device, &inputs, false);
+    assert!(
+        rise < logits_bytes / 2,
+        "the backward rose {rise} bytes above its start; the logits are {logits_bytes}"
+    );
 }
 
 #[test]
@@ -617,7 +605,7 @@ fn logits_the_caller_holds_are_left_unchanged_by_the_backward() {
         return;
     };
     let inputs = classifier_inputs(device, 1031, 5003);
-    let (_, held, _) = classifier_weight_gradient(device, &inputs, true, true);
+    let (_, held, _) = classifier_weight_gradient(device, &inputs, true);
     let (copy, logits) = held.unwrap();
     assert!(logits.equal(&copy));
 }

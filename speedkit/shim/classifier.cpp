@@ -20,19 +20,14 @@ namespace ce = kernels::classifier;
 
 // Whether the gradient may take the logits' memory, as llm.c's fused classifier does: nothing reads
 // the logits after this backward. The step's memory peaks at the start of the backward, with every
-// activation alive, and the [rows, vocab] logits and their gradient are its largest pair (a quarter
-// of a GiB each for the transformer workload); in place, the pair is one matrix. Only where the
-// logits are held by this node's saved variable and `logits` alone (no tensor of the user's, no
-// other view, no other node), and the graph is not kept for a second backward (`retain_graph`),
-// which would read them again. Logits flattened by a view (`[batch, seq, vocab]` to `[rows,
-// vocab]`) qualify when the view is all that holds its base.
+// activation alive, and the [rows, vocab] logits and their gradient can be its largest pair; in
+// place, the pair is one matrix. Only where the logits are held by this node's saved variable and
+// `logits` alone (no tensor of the user's, no view, no other node), and the graph is not kept for
+// a second backward (`retain_graph`), which would read them again. Logits flattened by a view
+// (`[batch, seq, vocab]` as `[rows, vocab]`, the transformer workload's) do not qualify yet.
 bool logits_are_ours_alone(const at::Tensor& logits) {
-  if (logits.use_count() != 2 || !logits.is_contiguous() || torch::autograd::get_current_graph_task_keep_graph())
-    return false;
-  if (!logits.is_view()) return logits.storage().use_count() == 1;
-  const at::TensorBase& base = logits._base();
-  return !base.is_view() && base.use_count() == 1 && logits.storage().use_count() == 2 &&
-         logits.storage_offset() == 0 && logits.numel() == base.numel();
+  return logits.use_count() == 2 && logits.storage().use_count() == 1 && logits.is_contiguous() &&
+         !torch::autograd::get_current_graph_task_keep_graph();
 }
 
 struct CrossEntropyFunction : torch::autograd::Function<CrossEntropyFunction> {
