@@ -1,5 +1,6 @@
-//! Compiles the C++ shim (`shim/*.cpp`, one file per concept) against the libtorch that torch-sys found, and
-//! gives this package's executables an rpath to it, so they run without `LD_LIBRARY_PATH`.
+//! Compiles the C++ shim (`shim/*.cpp`, one file per concept, in a few units: `SHIM_UNITS`) against
+//! the libtorch that torch-sys found, and gives this package's executables an rpath to it, so they
+//! run without `LD_LIBRARY_PATH`.
 //!
 //! It also writes the Rust declarations of the shim's C ABI from its one header (`shim/speedkit.h`,
 //! speedkit-build's `abi` module), and embeds speedkit's CUDA kernel files (`kernels/*.cuh`) in the
@@ -49,6 +50,13 @@ fn main() {
         .filter(|dir| dir.join("nccl.h").exists());
     let with_nccl = with_cuda && nccl_headers.is_some();
 
+    let translation_units = match shim_translation_units(&out_dir) {
+        Ok(units) => units,
+        Err(message) => {
+            eprintln!("{message}");
+            std::process::exit(1);
+        }
+    };
     let mut build = cc::Build::new();
     build
         .cpp(true)
@@ -67,13 +75,17 @@ fn main() {
         .warnings(true)
         .extra_warnings(true)
         .flag("-Wno-unused-parameter")
+        // A class of a shim file with a member of a type in its anonymous namespace (GradientSync's
+        // buckets) is defined in one translation unit only; the warning assumes an included file
+        // is a header, which a unit's files are not.
+        .flag("-Wno-subobject-linkage")
         .include("shim")
         // USE_C10D_GLOO as libtorch itself was built.
         .define("USE_C10D_GLOO", None)
         // The kernel files' host parts (their launchers), and the generated source table.
         .include("kernels")
         .include(&out_dir)
-        .files(shim_sources());
+        .files(translation_units);
     system_include(&mut build, &include);
     system_include(&mut build, &include.join("torch/csrc/api/include"));
     // gloo's headers, which ProcessGroupGloo.hpp includes and the torch wheel does not ship
@@ -145,15 +157,81 @@ fn write_abi_bindings(header: &Path, out: &Path) -> Result<(), String> {
     std::fs::write(out, rust).map_err(|e| format!("{}: {e}", out.display()))
 }
 
-/// Every translation unit of the shim, in a stable order.
-fn shim_sources() -> Vec<PathBuf> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir("shim")
-        .expect("speedkit/shim is part of the package")
+/// The shim's files compiled together, one translation unit each. libtorch's headers take most of a
+/// shim file's compile time (18 of `layernorm.cpp`'s 24 s at -O1, on one core), and each unit parses
+/// them once: the fresh shim took about 500 s of CPU as 30 units, about 75 s as these two and five
+/// small files (whose `Api` and `check` helpers have the same names). So the names in a file's
+/// anonymous namespace must not repeat within its unit: the compiler says which when they do.
+const SHIM_UNITS: &[(&str, &[&str])] = &[
+    // Fused ops and overrides: autograd Functions under autocast (`fused_op.h`).
+    (
+        "ops",
+        &[
+            "bias_gelu",
+            "classifier",
+            "convolution",
+            "cublaslt",
+            "custom_overrides",
+            "embedding",
+            "fp8",
+            "function",
+            "layernorm",
+            "linear",
+            "overrides",
+        ],
+    ),
+    // The runtime: c10d, the caching allocator, graphs, the profiler, the optimizer.
+    (
+        "runtime",
+        &[
+            "amp",
+            "autograd",
+            "deferred",
+            "device",
+            "distributed",
+            "gradient_sync",
+            "graphs",
+            "kernels",
+            "memory_history",
+            "optim",
+            "optimizer_shard",
+            "profiler",
+            "replay_watchdog",
+            "weight_casts",
+        ],
+    ),
+];
+
+/// The shim's translation units, in a stable order: one file in OUT_DIR per `SHIM_UNITS` entry,
+/// which includes its files, and every `shim/*.cpp` in no unit.
+fn shim_translation_units(out_dir: &Path) -> Result<Vec<PathBuf>, String> {
+    let mut alone: Vec<PathBuf> = std::fs::read_dir("shim")
+        .map_err(|e| format!("speedkit/shim: {e}"))?
         .filter_map(|entry| entry.ok().map(|e| e.path()))
         .filter(|path| path.extension().is_some_and(|ext| ext == "cpp"))
         .collect();
-    files.sort();
-    files
+    alone.sort();
+    let mut units = Vec::new();
+    for (unit, files) in SHIM_UNITS {
+        let mut text = format!("// The shim's `{unit}` unit (speedkit/build.rs, SHIM_UNITS).\n");
+        for file in *files {
+            let path = Path::new("shim").join(format!("{file}.cpp"));
+            let Some(at) = alone.iter().position(|p| *p == path) else {
+                return Err(format!(
+                    "SHIM_UNITS names {}, which does not exist",
+                    path.display()
+                ));
+            };
+            alone.remove(at);
+            // Found through the shim's include path (`-I shim`).
+            text.push_str(&format!("#include \"{file}.cpp\"\n"));
+        }
+        let path = out_dir.join(format!("shim_unit_{unit}.cpp"));
+        std::fs::write(&path, text).map_err(|e| format!("{}: {e}", path.display()))?;
+        units.push(path);
+    }
+    units.extend(alone);
+    Ok(units)
 }
 
 /// Writes `{"name.cuh", R"…"(text)"…"},` for every `*.cuh` in `dir`, sorted by name: the shim's
@@ -357,7 +435,7 @@ fn shim_cache_key(
     out_dir: &Path,
     external_headers: &[PathBuf],
 ) -> (String, String) {
-    let mut inputs = String::from("speedkit shim cache 1\n");
+    let mut inputs = String::from("speedkit shim cache 2\n");
     let mut line = |name: &str, value: &str| {
         inputs.push_str(name);
         inputs.push_str(": ");
@@ -412,6 +490,13 @@ fn shim_cache_key(
     }
     files.sort();
     files.push(out_dir.join("kernel_sources.inc"));
+    // The units' files, which say what each unit includes.
+    files.extend(
+        build
+            .get_files()
+            .filter(|file| file.starts_with(out_dir))
+            .map(Path::to_path_buf),
+    );
     files.extend(external_headers.iter().cloned());
     for file in &files {
         let name = file.to_string_lossy().replace(out.as_ref(), "$OUT_DIR");

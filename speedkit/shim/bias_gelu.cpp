@@ -25,7 +25,7 @@ struct BiasGeluFunction : torch::autograd::Function<BiasGeluFunction> {
   }
 };
 
-std::string unsupported(const at::Tensor& h, const at::Tensor& bias) {
+std::string bias_gelu_unsupported(const at::Tensor& h, const at::Tensor& bias) {
   if (auto why = sk::ops::unusable(SK_OP_BIAS_GELU, h.device()); !why.empty()) return why;
   if (auto why = sk::ops::first_of({sk::ops::floating("input", h), sk::ops::floating("bias", bias)}); !why.empty())
     return why;
@@ -45,7 +45,7 @@ extern "C" {
 int sk_bias_gelu(sk_tensor h, sk_tensor bias, sk_tensor* y) {
   SK_TRY({
     at::Tensor result = sk::ops::run_or_fall_back(
-        SK_OP_BIAS_GELU, sk::unsupported(*h, *bias),
+        SK_OP_BIAS_GELU, sk::bias_gelu_unsupported(*h, *bias),
         [&] {
           const int64_t width = h->size(-1);
           return sk::BiasGeluFunction::apply(sk::rows_of(*h, width), bias->contiguous()).view(h->sizes());

@@ -74,7 +74,7 @@ struct ConvolutionFunction : torch::autograd::Function<ConvolutionFunction> {
   }
 };
 
-std::string unsupported(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+std::string convolution_unsupported(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   if (auto why = ops::unusable(SK_OP_CONVOLUTION, x.device()); !why.empty()) return why;
   return ops::first_of({ops::floating("input", x), ops::floating("weight", weight),
                         bias.defined() ? ops::floating("bias", bias) : std::string(),
@@ -99,7 +99,7 @@ int sk_convolution(sk_tensor x, sk_tensor weight, sk_tensor bias, const int64_t*
     const auto st = sk::ints(stride, dims), pa = sk::ints(padding, dims), di = sk::ints(dilation, dims);
     const auto t = static_cast<at::ScalarType>(scalar_type);
     *y = sk::give(sk::ops::run_or_fall_back(
-        SK_OP_CONVOLUTION, sk::unsupported(*x, *weight, b),
+        SK_OP_CONVOLUTION, sk::convolution_unsupported(*x, *weight, b),
         [&] {
           return sk::ConvolutionFunction::apply(*x, *weight, sk::placeholder_unless(b.defined(), b, *weight),
                                                 b.defined(), st, pa, di, groups, static_cast<int64_t>(scalar_type));

@@ -379,7 +379,7 @@ struct MlpFunction : torch::autograd::Function<MlpFunction> {
   }
 };
 
-at::Tensor on_kernels(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
+at::Tensor mlp_on_kernels(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                       const at::Tensor& b2) {
   c10::DeviceGuard guard(x.device());
   api();
@@ -395,14 +395,14 @@ at::Tensor on_kernels(const at::Tensor& x, const at::Tensor& w1, const at::Tenso
 
 int fusion_mask = 0;
 
-at::Tensor on_kernels(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
+at::Tensor mlp_on_kernels(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&) {
   throw std::runtime_error("speedkit was built without CUDA, so the fused MLP cannot run");
 }
 
 #endif
 
 // Why the fused path cannot take these inputs, or empty.
-std::string unsupported(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
+std::string mlp_unsupported(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                         const at::Tensor& b2) {
   if (auto why = sk::ops::unusable(SK_OP_MLP, x.device()); !why.empty()) return why;
   const auto compute = sk::autocast_type_for(x);
@@ -429,7 +429,7 @@ std::string unsupported(const at::Tensor& x, const at::Tensor& w1, const at::Ten
   return {};
 }
 
-at::Tensor on_aten(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
+at::Tensor mlp_on_aten(const at::Tensor& x, const at::Tensor& w1, const at::Tensor& b1, const at::Tensor& w2,
                    const at::Tensor& b2) {
   return at::linear(at::gelu(at::linear(x, w1, b1), "tanh"), w2, b2);
 }
@@ -442,13 +442,13 @@ int sk_mlp(sk_tensor x, sk_tensor w1, sk_tensor b1, sk_tensor w2, sk_tensor b2, 
   SK_TRY({
     const at::Tensor bias1 = sk::optional_tensor(b1), bias2 = sk::optional_tensor(b2);
     *y = sk::give(sk::ops::run_or_fall_back(
-        SK_OP_MLP, unsupported(*x, *w1, bias1, *w2, bias2), [&] { return on_kernels(*x, *w1, bias1, *w2, bias2); },
-        [&] { return on_aten(*x, *w1, bias1, *w2, bias2); }));
+        SK_OP_MLP, mlp_unsupported(*x, *w1, bias1, *w2, bias2), [&] { return mlp_on_kernels(*x, *w1, bias1, *w2, bias2); },
+        [&] { return mlp_on_aten(*x, *w1, bias1, *w2, bias2); }));
   })
 }
 
 int sk_mlp_unsupported(sk_tensor x, sk_tensor w1, sk_tensor b1, sk_tensor w2, sk_tensor b2, const char** reason) {
-  SK_TRY(sk::hand_out(unsupported(*x, *w1, sk::optional_tensor(b1), *w2, sk::optional_tensor(b2)), reason))
+  SK_TRY(sk::hand_out(mlp_unsupported(*x, *w1, sk::optional_tensor(b1), *w2, sk::optional_tensor(b2)), reason))
 }
 
 // Sets which parts of the MLP's backward run in cuBLASLt epilogues (a mask of Fusion bits) and

@@ -52,7 +52,7 @@ bool is_autocast(c10::DispatchKey key) {
 }
 
 // One call's state, shared with Rust through the `call` pointer.
-struct Call {
+struct OverrideCall {
   std::vector<at::Tensor> results;
   bool answered = false;
   bool declined = false;
@@ -155,7 +155,7 @@ class RustKernel final : public c10::OperatorKernel {
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
     if (std::find(running.begin(), running.end(), this) != running.end()) return run_replaced(op, keys, stack);
-    Call call;
+    OverrideCall call;
     int status = 0;
     {
       Arguments args(op.schema(), *stack);
@@ -187,7 +187,7 @@ class RustKernel final : public c10::OperatorKernel {
 };
 
 // Why `op` cannot take a Rust kernel under `key`, or empty.
-std::string unsupported(const c10::OperatorHandle& op, c10::DispatchKey key) {
+std::string registration_unsupported(const c10::OperatorHandle& op, c10::DispatchKey key) {
   const c10::FunctionSchema& schema = op.schema();
   for (const c10::Argument& arg : schema.arguments()) {
     if (arg.alias_info() != nullptr && arg.alias_info()->isWrite())
@@ -223,7 +223,7 @@ Registration* register_kernel(const char* name, const char* overload, int key_co
   const auto op = c10::Dispatcher::singleton().findSchema({qualified, overload_name});
   const std::string shown = qualified + (overload_name.empty() ? "" : "." + overload_name);
   TORCH_CHECK(op.has_value(), "no operator ", shown, " is registered with PyTorch's dispatcher");
-  const std::string why = unsupported(*op, key);
+  const std::string why = registration_unsupported(*op, key);
   TORCH_CHECK(why.empty(), "cannot override ", shown, ": ", why);
   kernel->replace(*op, key);
 
@@ -238,9 +238,9 @@ Registration* register_kernel(const char* name, const char* overload, int key_co
   return registration.release();
 }
 
-Call& call_of(void* call) {
+OverrideCall& override_call_of(void* call) {
   TORCH_CHECK(call != nullptr, "no call");
-  return *static_cast<Call*>(call);
+  return *static_cast<OverrideCall*>(call);
 }
 
 }  // namespace
@@ -261,7 +261,7 @@ int sk_custom_override_remove(void* registration) {
 
 int sk_override_call_set_results(void* call, const sk_tensor* results, int64_t n) {
   SK_TRY({
-    sk::Call& c = sk::call_of(call);
+    sk::OverrideCall& c = sk::override_call_of(call);
     c.results.clear();
     for (int64_t i = 0; i < n; ++i) {
       TORCH_CHECK(results[i] != nullptr && results[i]->defined(), "result ", i, " is an undefined tensor");
@@ -273,13 +273,13 @@ int sk_override_call_set_results(void* call, const sk_tensor* results, int64_t n
 
 int sk_override_call_decline(void* call) {
   SK_TRY({
-    sk::Call& c = sk::call_of(call);
+    sk::OverrideCall& c = sk::override_call_of(call);
     c.declined = c.answered = true;
   })
 }
 
 int sk_override_call_fail(void* call, const char* message) {
-  SK_TRY(sk::call_of(call).error = message != nullptr ? message : "")
+  SK_TRY(sk::override_call_of(call).error = message != nullptr ? message : "")
 }
 
 }  // extern "C"

@@ -51,7 +51,7 @@ void check_shapes(const at::Tensor& tokens, const at::Tensor& table, const at::T
   TORCH_CHECK(positions.scalar_type() == table.scalar_type(), "embedding: the positions must be of the table's type");
 }
 
-std::string unsupported(const at::Tensor& tokens, const at::Tensor& table, const at::Tensor& positions) {
+std::string embedding_unsupported(const at::Tensor& tokens, const at::Tensor& table, const at::Tensor& positions) {
   const c10::Device device = table.device();
   if (auto why = sk::ops::unusable(SK_OP_EMBEDDING, device); !why.empty()) return why;
   if (auto why = sk::ops::floating("a table", table); !why.empty()) return why;
@@ -66,7 +66,7 @@ std::string unsupported(const at::Tensor& tokens, const at::Tensor& table, const
   return {};
 }
 
-at::Tensor on_kernels(const at::Tensor& tokens, const at::Tensor& table, const at::Tensor& positions) {
+at::Tensor embedding_on_kernels(const at::Tensor& tokens, const at::Tensor& table, const at::Tensor& positions) {
   const int64_t seq = positions.defined() ? tokens.size(1) : 1;
   at::Tensor result = EmbeddingFunction::apply(
       tokens.reshape({-1}).contiguous(), table.contiguous(),
@@ -77,7 +77,7 @@ at::Tensor on_kernels(const at::Tensor& tokens, const at::Tensor& table, const a
   return result.view(shape);
 }
 
-at::Tensor on_aten(const at::Tensor& tokens, const at::Tensor& table, const at::Tensor& positions) {
+at::Tensor embedding_on_aten(const at::Tensor& tokens, const at::Tensor& table, const at::Tensor& positions) {
   at::Tensor out = at::embedding(table, tokens);
   return positions.defined() ? at::add(out, positions.narrow(0, 0, tokens.size(1))) : out;
 }
@@ -92,13 +92,13 @@ int sk_embedding(sk_tensor tokens, sk_tensor table, sk_tensor positions, sk_tens
     const at::Tensor p = sk::optional_tensor(positions);
     sk::check_shapes(*tokens, *table, p);
     *out = sk::give(sk::ops::run_or_fall_back(
-        SK_OP_EMBEDDING, sk::unsupported(*tokens, *table, p), [&] { return sk::on_kernels(*tokens, *table, p); },
-        [&] { return sk::on_aten(*tokens, *table, p); }));
+        SK_OP_EMBEDDING, sk::embedding_unsupported(*tokens, *table, p), [&] { return sk::embedding_on_kernels(*tokens, *table, p); },
+        [&] { return sk::embedding_on_aten(*tokens, *table, p); }));
   })
 }
 
 int sk_embedding_unsupported(sk_tensor tokens, sk_tensor table, sk_tensor positions, const char** reason) {
-  SK_TRY(sk::hand_out(sk::unsupported(*tokens, *table, sk::optional_tensor(positions)), reason))
+  SK_TRY(sk::hand_out(sk::embedding_unsupported(*tokens, *table, sk::optional_tensor(positions)), reason))
 }
 
 }  // extern "C"

@@ -83,7 +83,7 @@ struct Outputs {
 };
 
 // Why the kernels cannot take these inputs, or empty.
-std::string unsupported(const Inputs& in) {
+std::string layer_norm_unsupported(const Inputs& in) {
   const at::Tensor& x = in.x;
   const c10::Device device = x.device();
   if (auto why = sk::ops::unusable(SK_OP_LAYER_NORM, device); !why.empty()) return why;
@@ -113,7 +113,7 @@ std::string unsupported(const Inputs& in) {
   return {};
 }
 
-Outputs on_kernels(const Inputs& in) {
+Outputs layer_norm_on_kernels(const Inputs& in) {
   const int64_t width = in.x.size(-1);
   at::Tensor x2d = sk::rows_of(in.x, width);
   const int64_t present = (in.residual.defined() ? kResidual : 0) | (in.weight.defined() ? kWeight : 0) |
@@ -128,7 +128,7 @@ Outputs on_kernels(const Inputs& in) {
   return {outputs[0].view(in.x.sizes()), second_output ? outputs[1].view(in.x.sizes()) : at::Tensor()};
 }
 
-Outputs on_aten(const Inputs& in) {
+Outputs layer_norm_on_aten(const Inputs& in) {
   const auto normalise = [&](const at::Tensor& t) {
     return at::layer_norm(t, {t.size(-1)}, in.weight, in.bias, in.eps);
   };
@@ -154,14 +154,14 @@ int sk_layer_norm(sk_tensor x, sk_tensor residual, sk_tensor weight, sk_tensor b
   SK_TRY({
     const sk::Inputs in = sk::inputs(x, residual, weight, bias, eps, keep_input);
     sk::Outputs out = sk::ops::run_or_fall_back(
-        SK_OP_LAYER_NORM, sk::unsupported(in), [&] { return sk::on_kernels(in); }, [&] { return sk::on_aten(in); });
+        SK_OP_LAYER_NORM, sk::layer_norm_unsupported(in), [&] { return sk::layer_norm_on_kernels(in); }, [&] { return sk::layer_norm_on_aten(in); });
     *y = sk::give(out.y);
     *sum = sk::give_or_null(out.second);
   })
 }
 
 int sk_layer_norm_unsupported(sk_tensor x, sk_tensor residual, sk_tensor weight, sk_tensor bias, const char** reason) {
-  SK_TRY(sk::hand_out(sk::unsupported(sk::inputs(x, residual, weight, bias, 0.0, 0)), reason))
+  SK_TRY(sk::hand_out(sk::layer_norm_unsupported(sk::inputs(x, residual, weight, bias, 0.0, 0)), reason))
 }
 
 }  // extern "C"

@@ -170,7 +170,7 @@ void check_linear_arguments(const at::Tensor& x, const at::Tensor& weight, const
               weight.size(0), "], got ", bias.sizes());
 }
 
-std::string unsupported(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
+std::string linear_unsupported(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias) {
   if (auto why = sk::ops::unusable(SK_OP_LINEAR, x.device()); !why.empty()) return why;
   if (auto why = sk::ops::first_of({sk::ops::floating("input", x), sk::ops::floating("weight", weight),
                                     bias.defined() ? sk::ops::floating("bias", bias) : std::string()});
@@ -195,7 +195,7 @@ variable_list linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
                      int64_t type = kAutocastType) {
   const int64_t in = weight.size(1), out = weight.size(0);
   return sk::ops::run_or_fall_back(
-      SK_OP_LINEAR, unsupported(x, weight, bias),
+      SK_OP_LINEAR, linear_unsupported(x, weight, bias),
       [&] {
         const std::optional<GeluSource> gelu = gelu_source(x);
         variable_list outputs = LinearFunction::apply(
