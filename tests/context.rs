@@ -86,6 +86,30 @@ fn the_audit_lists_decisions_with_reasons_and_prints_as_a_table_and_json() {
 }
 
 #[test]
+fn the_audit_prints_a_reason_shared_by_several_flags_once() {
+    let _lock = common::serial();
+    let ctx = SpeedContext::new(&SpeedConfig::from_yaml_str("device: cpu").unwrap()).unwrap();
+    let audit = ctx.audit();
+    // Every override group's flag takes its reason from the one `overrides` setting.
+    let shared = &audit
+        .flag_changes
+        .iter()
+        .find(|c| c.name == "speedkit.overrides.layer_norm")
+        .expect("the layer_norm group's flag is in the audit")
+        .reason;
+    let table = audit.to_string();
+    let flags = table
+        .split("flags changed")
+        .nth(1)
+        .expect("the audit has a flags section");
+    assert_eq!(flags.matches(shared.as_str()).count(), 1, "{table}");
+    assert!(
+        flags.contains("as for speedkit.overrides.layer_norm"),
+        "{table}"
+    );
+}
+
+#[test]
 fn a_config_that_needs_a_missing_gpu_fails_and_changes_nothing() {
     let _lock = common::serial();
     if tch::Cuda::is_available() {

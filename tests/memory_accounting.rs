@@ -26,8 +26,8 @@ fn an_optimizer_counts_its_parameters_gradients_and_state() {
     assert_eq!(before.state, 4);
 
     let x = Tensor::ones([8, 100], (Kind::Float, Device::Cpu));
-    opt.backward_step(&layer.forward(&x).sum(Kind::Float))
-        .unwrap();
+    layer.forward(&x).sum(Kind::Float).backward();
+    opt.step().unwrap();
     let after = opt.memory();
     assert_eq!(after.gradients, parameters);
     // Two fp32 moments per parameter, a float step count per parameter, one learning rate.

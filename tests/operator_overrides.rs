@@ -8,7 +8,7 @@
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use speedkit::overrides::{dispatcher_table, DispatchKey, OperatorOverride, Outcome, Value};
+use speedkit::overrides::{dispatcher_table, DispatchKey, OperatorOverride, Reply, Value};
 use speedkit::{SpeedConfig, SpeedContext};
 use tch::{Device, Kind, Tensor};
 
@@ -33,7 +33,7 @@ fn values(t: &Tensor) -> Vec<f32> {
 fn relu_plus_100() -> OperatorOverride {
     OperatorOverride::new("aten::relu", DispatchKey::Cpu, |call| {
         let x = call.tensor("self")?;
-        Ok(Outcome::Ran(vec![x.clamp_min(0.0) + 100.0]))
+        Ok(Reply::Ran(vec![x.clamp_min(0.0) + 100.0]))
     })
 }
 
@@ -83,9 +83,9 @@ fn a_declined_call_runs_the_kernel_it_replaced_and_is_counted_with_its_reason() 
     let registration = OperatorOverride::new("aten::relu", DispatchKey::Cpu, |call| {
         let x = call.tensor("self")?;
         if x.kind() == Kind::Double {
-            return Ok(Outcome::Declined("fp64".into()));
+            return Ok(Reply::Declined("fp64".into()));
         }
-        Ok(Outcome::Ran(vec![x.clamp_min(0.0) + 100.0]))
+        Ok(Reply::Ran(vec![x.clamp_min(0.0) + 100.0]))
     })
     .register()
     .unwrap();
@@ -100,7 +100,7 @@ fn a_declined_call_runs_the_kernel_it_replaced_and_is_counted_with_its_reason() 
 fn the_operator_called_inside_its_own_kernel_runs_the_kernel_it_replaced() {
     let _serial = serial();
     let _registration = OperatorOverride::new("aten::relu", DispatchKey::Cpu, |call| {
-        Ok(Outcome::Ran(vec![call.tensor("self")?.relu() + 1.0]))
+        Ok(Reply::Ran(vec![call.tensor("self")?.relu() + 1.0]))
     })
     .register()
     .unwrap();
@@ -134,7 +134,7 @@ fn a_kernel_panic_reaches_the_operators_caller_as_an_error_and_the_next_call_wor
         if *n == 1 {
             panic!("first call");
         }
-        Ok(Outcome::Ran(vec![call.tensor("self")?.clamp_min(0.0)]))
+        Ok(Reply::Ran(vec![call.tensor("self")?.clamp_min(0.0)]))
     })
     .register()
     .unwrap();
@@ -152,7 +152,7 @@ fn a_kernel_panic_reaches_the_operators_caller_as_an_error_and_the_next_call_wor
 fn autograd_records_the_operators_own_formula_around_a_backend_kernel() {
     let _serial = serial();
     let registration = OperatorOverride::new("aten::relu", DispatchKey::Cpu, |call| {
-        Ok(Outcome::Ran(vec![call.tensor("self")?.clamp_min(0.0)]))
+        Ok(Reply::Ran(vec![call.tensor("self")?.clamp_min(0.0)]))
     })
     .register()
     .unwrap();
@@ -178,7 +178,7 @@ fn arguments_arrive_by_their_schema_names_and_types() {
                 .collect();
             *record.lock().unwrap() = described;
             assert_eq!(call.kind("dtype")?, None);
-            Ok(Outcome::Declined("only looking".into()))
+            Ok(Reply::Declined("only looking".into()))
         })
         .register()
         .unwrap();
@@ -200,13 +200,13 @@ fn scalars_and_strings_arrive_as_floats_and_text() {
     let _serial = serial();
     let _registration = OperatorOverride::new("aten::gelu", DispatchKey::Cpu, |call| {
         assert_eq!(call.str("approximate")?, "tanh");
-        Ok(Outcome::Declined("only looking".into()))
+        Ok(Reply::Declined("only looking".into()))
     })
     .register()
     .unwrap();
     let _leaky = OperatorOverride::new("aten::leaky_relu", DispatchKey::Cpu, |call| {
         assert_eq!(call.double("negative_slope")?, 0.01);
-        Ok(Outcome::Declined("only looking".into()))
+        Ok(Reply::Declined("only looking".into()))
     })
     .register()
     .unwrap();
@@ -220,7 +220,7 @@ fn a_result_count_other_than_the_schemas_is_an_error() {
     let _serial = serial();
     let _registration = OperatorOverride::new("aten::relu", DispatchKey::Cpu, |call| {
         let x = call.tensor("self")?;
-        Ok(Outcome::Ran(vec![x.shallow_clone(), x.shallow_clone()]))
+        Ok(Reply::Ran(vec![x.shallow_clone(), x.shallow_clone()]))
     })
     .register()
     .unwrap();
@@ -233,7 +233,7 @@ fn a_result_count_other_than_the_schemas_is_an_error() {
 }
 
 fn refusal(operator: &str, key: DispatchKey) -> String {
-    let ok = |_: &speedkit::overrides::OverrideCall<'_>| Ok(Outcome::Declined(String::new()));
+    let ok = |_: &speedkit::overrides::OverrideCall<'_>| Ok(Reply::Declined(String::new()));
     OperatorOverride::new(operator, key, ok)
         .register()
         .unwrap_err()
@@ -261,7 +261,7 @@ fn a_composite_operator_is_refused_under_a_backend_key_and_taken_under_autocast(
     let err = refusal("aten::log_softmax.int", DispatchKey::Cpu);
     assert!(err.contains("composite"), "{err}");
     assert!(!registered_here("aten::log_softmax.int"));
-    let ok = |_: &speedkit::overrides::OverrideCall<'_>| Ok(Outcome::Declined(String::new()));
+    let ok = |_: &speedkit::overrides::OverrideCall<'_>| Ok(Reply::Declined(String::new()));
     let registration =
         OperatorOverride::new("aten::log_softmax.int", DispatchKey::AutocastCuda, ok)
             .register()
@@ -297,7 +297,7 @@ fn an_autocast_kernel_runs_with_autocast_off_for_the_operators_it_calls() {
         "CPU autocast runs mm in bf16"
     );
     let registration = OperatorOverride::new("aten::mm", DispatchKey::AutocastCpu, |call| {
-        Ok(Outcome::Ran(vec![call
+        Ok(Reply::Ran(vec![call
             .tensor("self")?
             .mm(call.tensor("mat2")?)]))
     })
@@ -314,7 +314,7 @@ fn a_declined_autocast_call_keeps_autocasts_own_rule() {
     let _serial = serial();
     let a = Tensor::ones([2, 2], (Kind::Float, Device::Cpu));
     let _registration = OperatorOverride::new("aten::mm", DispatchKey::AutocastCpu, |_| {
-        Ok(Outcome::Declined("not this one".into()))
+        Ok(Reply::Declined("not this one".into()))
     })
     .register()
     .unwrap();

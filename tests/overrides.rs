@@ -178,7 +178,7 @@ fn assert_registered_while_held(group: Override, key: &str, file: &str) {
 #[test]
 fn the_log_softmax_group_registers_rust_kernels_under_autocast_cuda_until_its_guard_drops() {
     assert_registered_under_autocast_cuda_while_held(
-        Override::LogSoftmax,
+        Override::CrossEntropy,
         "overrides/log_softmax.rs",
     );
 }

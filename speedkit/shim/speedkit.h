@@ -321,7 +321,7 @@ int sk_autograd_backward(const sk_tensor* outputs, const sk_tensor* grad_outputs
 int sk_autograd_grad(const sk_tensor* outputs, const sk_tensor* grad_outputs, int64_t n, const sk_tensor* inputs,
                      int64_t m, sk_tensor* out);
 
-// @module distributed: c10d process groups and DDP's Reducer (distributed.cpp)
+// @module distributed: c10d process groups and DDP's Reducer (distributed.cpp), speedkit's gradient sync (gradient_sync.cpp, its replay watchdog in replay_watchdog.cpp) and optimizer shard (optimizer_shard.cpp)
 
 /// Which c10d backend carries the collectives.
 enum sk_dist_backend { SK_DIST_GLOO = 0, SK_DIST_NCCL = 1 };

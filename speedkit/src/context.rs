@@ -461,7 +461,7 @@ impl SpeedContext {
     /// replaced. A kernel that cannot be registered is an error, and nothing changes.
     ///
     /// ```
-    /// use speedkit::overrides::{DispatchKey, OperatorOverride, Outcome};
+    /// use speedkit::overrides::{DispatchKey, OperatorOverride, Reply};
     /// use speedkit::{SpeedConfig, SpeedContext};
     /// use tch::Tensor;
     ///
@@ -470,9 +470,9 @@ impl SpeedContext {
     /// ctx.override_operator(
     ///     OperatorOverride::new("aten::gelu", DispatchKey::Cpu, |call| {
     ///         if call.str("approximate")? != "none" {
-    ///             return Ok(Outcome::Declined("already approximate".into()));
+    ///             return Ok(Reply::Declined("already approximate".into()));
     ///         }
-    ///         Ok(Outcome::Ran(vec![call.tensor("self")?.gelu("tanh")]))
+    ///         Ok(Reply::Ran(vec![call.tensor("self")?.gelu("tanh")]))
     ///     }),
     ///     "the tanh form is within 1e-3 of the exact one and cheaper",
     /// )?;

@@ -321,6 +321,24 @@ impl Drop for KernelHandle {
     }
 }
 
+/// Launches `kernel` on the current stream with `pointers` as its argument array, one pointer per
+/// parameter (a params struct is one).
+fn launch_raw(
+    kernel: &KernelHandle,
+    grid: Dim3,
+    block: Dim3,
+    shared_bytes: u32,
+    pointers: &mut [*mut c_void],
+) -> Result<()> {
+    ffi::kernels::launch(
+        kernel.0,
+        [grid.x, grid.y, grid.z],
+        [block.x, block.y, block.z],
+        shared_bytes,
+        pointers,
+    )
+}
+
 // SAFETY: the handle names a loaded CUfunction, which any thread may launch; the shim's launch reads
 // it only.
 unsafe impl Send for KernelHandle {}
@@ -358,11 +376,10 @@ impl CudaKernel {
             .iter_mut()
             .map(|w| w as *mut u64 as *mut c_void)
             .collect();
-        let (grid, block) = (grid.into(), block.into());
-        ffi::kernels::launch(
-            self.handle.0,
-            [grid.x, grid.y, grid.z],
-            [block.x, block.y, block.z],
+        launch_raw(
+            &self.handle,
+            grid.into(),
+            block.into(),
             shared_bytes,
             &mut pointers,
         )
@@ -531,11 +548,10 @@ impl<P: KernelParams> TypedKernel<P> {
         params: &P,
     ) -> Result<()> {
         let mut pointers = [params as *const P as *mut c_void];
-        let (grid, block) = (grid.into(), block.into());
-        ffi::kernels::launch(
-            self.handle.0,
-            [grid.x, grid.y, grid.z],
-            [block.x, block.y, block.z],
+        launch_raw(
+            &self.handle,
+            grid.into(),
+            block.into(),
             shared_bytes,
             &mut pointers,
         )

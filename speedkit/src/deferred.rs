@@ -2,7 +2,7 @@
 //!
 //! A fused op often makes an intermediate that its usual consumer never needs written: a
 //! classifier's fp32 log-probabilities, which a fused cross-entropy recomputes from the logits
-//! and a log-sum-exp per row (speedkit's own `log_softmax` override does this, 1.6 GB unwritten at
+//! and a log-sum-exp per row (speedkit's own `cross_entropy` override does this for `log_softmax`, 1.6 GB unwritten at
 //! GPT-2's size). Returning it [deferred](tensor) keeps the op exact for every other caller: the
 //! tensor has its sizes, type and device from the start, and the first operator that reads it or
 //! any view of it (every dispatcher call that takes it, except the consumers named as exempt and

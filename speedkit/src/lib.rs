@@ -59,7 +59,7 @@ pub mod function;
 pub mod graph;
 pub mod hardware;
 pub mod kernels;
-pub mod launch;
+pub mod launcher;
 #[cfg(test)]
 mod layering;
 pub mod memory;

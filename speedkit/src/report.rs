@@ -89,18 +89,36 @@ fn changes_table(changes: &[FlagChange]) -> String {
     if changes.is_empty() {
         return "  (none)\n".into();
     }
+    let reasons = reasons_once(changes.iter().map(|c| (c.name, c.reason.as_str())));
     let rows: Vec<Vec<String>> = changes
         .iter()
-        .map(|c| {
+        .zip(reasons)
+        .map(|(c, reason)| {
             let arrow = if c.changed() { "->" } else { "==" };
             vec![
                 c.name.to_string(),
                 format!("{} {arrow} {}", c.before, c.after),
-                c.reason.clone(),
+                reason,
             ]
         })
         .collect();
     table(&["flag", "before -> after", "reason"], &rows)
+}
+
+/// Each `(flag, reason)`'s reason as a table prints it: a reason shared by several flags (every
+/// override group's comes from the one `overrides` setting) in full once, then "as for <flag>".
+fn reasons_once<'a>(rows: impl Iterator<Item = (&'a str, &'a str)>) -> Vec<String> {
+    let mut first_with: Vec<(&str, &str)> = Vec::new();
+    rows.map(
+        |(flag, reason)| match first_with.iter().find(|(seen, _)| *seen == reason) {
+            Some((_, first)) if !reason.is_empty() => format!("as for {first}"),
+            _ => {
+                first_with.push((reason, flag));
+                reason.to_string()
+            }
+        },
+    )
+    .collect()
 }
 
 fn overrides_table(overrides: &[OverrideRecord]) -> String {
@@ -226,13 +244,12 @@ impl fmt::Display for Report {
             headers.push("restored");
         }
         headers.push("reason");
-        // A reason shared by several flags (every override group's comes from the one
-        // `overrides` setting) is printed once, and pointed at after.
-        let mut first_with: Vec<(&str, &str)> = Vec::new();
+        let reasons = reasons_once(self.flags.iter().map(|r| (r.flag, r.reason.as_str())));
         let rows: Vec<Vec<String>> = self
             .flags
             .iter()
-            .map(|r| {
+            .zip(reasons)
+            .map(|(r, reason)| {
                 let mut row = vec![r.flag.to_string(), r.before.to_string()];
                 if let Some(a) = r.applied {
                     let mark = if a != r.before { " *" } else { "" };
@@ -241,15 +258,7 @@ impl fmt::Display for Report {
                 if let Some(x) = r.restored {
                     row.push(x.to_string());
                 }
-                row.push(
-                    match first_with.iter().find(|(reason, _)| *reason == r.reason) {
-                        Some((_, first)) if !r.reason.is_empty() => format!("as for {first}"),
-                        _ => {
-                            first_with.push((&r.reason, r.flag));
-                            r.reason.clone()
-                        }
-                    },
-                );
+                row.push(reason);
                 row
             })
             .collect();

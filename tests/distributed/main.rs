@@ -63,7 +63,7 @@ fn dist_launcher() {
             v
         }),
     };
-    let options = speedkit::launch::LaunchOptions::new(2, command);
-    let status = speedkit::launch::launch(&options).unwrap();
+    let options = speedkit::launcher::LaunchOptions::new(2, command);
+    let status = speedkit::launcher::run(&options).unwrap();
     std::process::exit(status);
 }

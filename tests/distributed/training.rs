@@ -136,7 +136,9 @@ fn single_process_state_bytes() -> speedkit::optim::OptimizerMemory {
     let mut opt = speedkit::optim::AdamWOptimizer::new(&vs, adamw(), false).unwrap();
     let (x, y) = data();
     let loss = net.forward(&x).mse_loss(&y, tch::Reduction::Mean);
-    opt.backward_step(&loss).unwrap();
+    opt.zero_grad().unwrap();
+    loss.backward();
+    opt.step().unwrap();
     opt.memory()
 }
 

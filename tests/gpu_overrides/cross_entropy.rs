@@ -49,12 +49,12 @@ fn nll_loss_after_log_softmax_is_fused_and_matches_aten_on_odd_shapes() {
                 );
                 let case = format!("{kind:?} {rows}x{classes} {reduction:?}");
                 let (loss_aten, dx_aten) = {
-                    let _off = common::hold_override(Override::LogSoftmax, false);
+                    let _off = common::hold_override(Override::CrossEntropy, false);
                     cross_entropy_pass(&x, &target, reduction, false)
                 };
-                let _on = common::hold_override(Override::LogSoftmax, true);
+                let _on = common::hold_override(Override::CrossEntropy, true);
                 let (loss, dx) = cross_entropy_pass(&x, &target, reduction, false);
-                let stats = Override::LogSoftmax.stats("aten::nll_loss").unwrap();
+                let stats = Override::CrossEntropy.stats("aten::nll_loss").unwrap();
                 assert_eq!((stats.ran, stats.declined), (1, 0), "{case}: {stats:?}");
                 let loss_err = common::rel_err(&loss, &loss_aten);
                 assert!(loss_err < 1e-5, "{case} loss: relative error {loss_err}");
@@ -77,12 +77,15 @@ fn log_probabilities_used_beside_the_nll_get_both_gradients() {
     let x = Tensor::randn([9, 1000], (Kind::BFloat16, device));
     let target = Tensor::randint(1000, [9], (Kind::Int64, device));
     let (loss_aten, dx_aten) = {
-        let _off = common::hold_override(Override::LogSoftmax, false);
+        let _off = common::hold_override(Override::CrossEntropy, false);
         cross_entropy_pass(&x, &target, tch::Reduction::Mean, true)
     };
-    let _on = common::hold_override(Override::LogSoftmax, true);
+    let _on = common::hold_override(Override::CrossEntropy, true);
     let (loss, dx) = cross_entropy_pass(&x, &target, tch::Reduction::Mean, true);
-    assert_eq!(Override::LogSoftmax.stats("aten::nll_loss").unwrap().ran, 1);
+    assert_eq!(
+        Override::CrossEntropy.stats("aten::nll_loss").unwrap().ran,
+        1
+    );
     assert!(common::rel_err(&loss, &loss_aten) < 1e-5);
     let dx_err = common::rel_err(&dx, &dx_aten);
     assert!(dx_err < 1e-2, "dx: relative error {dx_err}");
@@ -96,7 +99,7 @@ fn nll_loss_of_other_log_probabilities_runs_autocasts_path() {
     else {
         return;
     };
-    let _on = common::hold_override(Override::LogSoftmax, true);
+    let _on = common::hold_override(Override::CrossEntropy, true);
     let x = Tensor::randn([4, 6, 10], (Kind::BFloat16, device)).set_requires_grad(true);
     let target = Tensor::randint(10, [24], (Kind::Int64, device));
     let loss = speedkit::amp::autocast(device, Kind::BFloat16, || {
@@ -107,7 +110,7 @@ fn nll_loss_of_other_log_probabilities_runs_autocasts_path() {
     })
     .unwrap();
     loss.backward();
-    let stats = Override::LogSoftmax.stats("aten::nll_loss").unwrap();
+    let stats = Override::CrossEntropy.stats("aten::nll_loss").unwrap();
     assert_eq!((stats.ran, stats.declined), (0, 1), "{stats:?}");
     let expected = {
         let x = x.detach().to_kind(Kind::Float).set_requires_grad(true);
@@ -128,7 +131,7 @@ fn the_fused_cross_entropy_keeps_no_fp32_log_probabilities_for_the_backward() {
     ) else {
         return;
     };
-    let _on = common::hold_override(Override::LogSoftmax, true);
+    let _on = common::hold_override(Override::CrossEntropy, true);
     let (rows, classes) = (512, 32768);
     let x = Tensor::randn([rows, classes], (Kind::BFloat16, device)).set_requires_grad(true);
     let target = Tensor::randint(classes, [rows], (Kind::Int64, device));
@@ -139,7 +142,10 @@ fn the_fused_cross_entropy_keeps_no_fp32_log_probabilities_for_the_backward() {
     })
     .unwrap();
     let held = allocated() - before;
-    assert_eq!(Override::LogSoftmax.stats("aten::nll_loss").unwrap().ran, 1);
+    assert_eq!(
+        Override::CrossEntropy.stats("aten::nll_loss").unwrap().ran,
+        1
+    );
     // The log-probabilities alone would be rows × classes × 4 bytes (64 MiB); what the loss keeps
     // is per row (log-sum-exp, targets' count) and the loss itself.
     let log_probs = (rows * classes * 4) as u64;
@@ -159,7 +165,7 @@ fn the_fused_cross_entropy_never_writes_the_fp32_log_probabilities() {
     else {
         return;
     };
-    let _on = common::hold_override(Override::LogSoftmax, true);
+    let _on = common::hold_override(Override::CrossEntropy, true);
     let (rows, classes) = (512, 32768);
     let x = Tensor::randn([rows, classes], (Kind::BFloat16, device)).set_requires_grad(true);
     let target = Tensor::randint(classes, [rows], (Kind::Int64, device));
@@ -223,7 +229,7 @@ fn the_logits_gradient_takes_the_logits_memory_once_nothing_else_holds_them() {
     ) else {
         return;
     };
-    let _log_softmax = common::hold_override(Override::LogSoftmax, true);
+    let _log_softmax = common::hold_override(Override::CrossEntropy, true);
     let (rows, d, classes) = (2048, 32, 32771);
     let h = Tensor::randn([rows, d], (Kind::Float, device));
     let w = Tensor::randn([classes, d], (Kind::Float, device)) * 0.1;
@@ -273,12 +279,15 @@ fn log_probabilities_read_before_the_fused_loss_are_atens_at_that_read() {
         (y.detach(), first_row, loss.detach(), x.grad())
     };
     let aten = {
-        let _off = common::hold_override(Override::LogSoftmax, false);
+        let _off = common::hold_override(Override::CrossEntropy, false);
         run()
     };
-    let _on = common::hold_override(Override::LogSoftmax, true);
+    let _on = common::hold_override(Override::CrossEntropy, true);
     let ours = run();
-    assert_eq!(Override::LogSoftmax.stats("aten::nll_loss").unwrap().ran, 1);
+    assert_eq!(
+        Override::CrossEntropy.stats("aten::nll_loss").unwrap().ran,
+        1
+    );
     assert!(!speedkit::deferred::is_pending(&ours.0).unwrap());
     assert!(
         common::rel_err(&ours.0, &aten.0) < 1e-5,
@@ -300,7 +309,7 @@ fn log_probabilities_read_beside_the_loss_every_step_are_written_in_one_pass_aft
     ) else {
         return;
     };
-    let _on = common::hold_override(Override::LogSoftmax, true);
+    let _on = common::hold_override(Override::CrossEntropy, true);
     // A shape no other test uses: the choice is remembered per shape.
     let x = Tensor::randn([23, 4099], (Kind::BFloat16, device)).set_requires_grad(true);
     let target = Tensor::randint(4099, [23], (Kind::Int64, device));
@@ -329,10 +338,10 @@ fn under_the_fusion_the_log_probabilities_own_gradient_is_undefined_and_the_logi
     let x = Tensor::randn([9, 1000], (Kind::BFloat16, device));
     let target = Tensor::randint(1000, [9], (Kind::Int64, device));
     let (_, dx_aten) = {
-        let _off = common::hold_override(Override::LogSoftmax, false);
+        let _off = common::hold_override(Override::CrossEntropy, false);
         cross_entropy_pass(&x, &target, tch::Reduction::Mean, false)
     };
-    let _on = common::hold_override(Override::LogSoftmax, true);
+    let _on = common::hold_override(Override::CrossEntropy, true);
     let x = x.set_requires_grad(true);
     let (loss, y) = speedkit::amp::autocast(device, Kind::BFloat16, || {
         let y = x.log_softmax(-1, Kind::Float);

@@ -37,12 +37,14 @@ fn log_softmax_under_autocast_matches_atens_forward_and_backward_on_odd_shapes()
             let x = (Tensor::randn(shape.as_slice(), (Kind::Float, device)) * 4.0).to_kind(kind);
             let dy = Tensor::randn(shape.as_slice(), (Kind::Float, device));
             let (y_aten, dx_aten) = {
-                let _off = common::hold_override(Override::LogSoftmax, false);
+                let _off = common::hold_override(Override::CrossEntropy, false);
                 log_softmax_pass(&x, &dy)
             };
-            let _on = common::hold_override(Override::LogSoftmax, true);
+            let _on = common::hold_override(Override::CrossEntropy, true);
             let (y, dx) = log_softmax_pass(&x, &dy);
-            let stats = Override::LogSoftmax.stats("aten::log_softmax.int").unwrap();
+            let stats = Override::CrossEntropy
+                .stats("aten::log_softmax.int")
+                .unwrap();
             assert_eq!(
                 (stats.ran, stats.declined),
                 (1, 0),
@@ -90,13 +92,15 @@ fn log_softmax_calls_its_kernels_do_not_take_run_autocasts_path_and_are_counted(
     ];
     for (why, call) in cases {
         let expected = {
-            let _off = common::hold_override(Override::LogSoftmax, false);
+            let _off = common::hold_override(Override::CrossEntropy, false);
             under_autocast(&*call)
         };
-        let _on = common::hold_override(Override::LogSoftmax, true);
+        let _on = common::hold_override(Override::CrossEntropy, true);
         let got = under_autocast(&*call);
         assert!(got.equal(&expected), "{why}: autocast's own path ran");
-        let stats = Override::LogSoftmax.stats("aten::log_softmax.int").unwrap();
+        let stats = Override::CrossEntropy
+            .stats("aten::log_softmax.int")
+            .unwrap();
         assert_eq!((stats.ran, stats.declined), (0, 1), "{why}: {stats:?}");
         let last = stats.last_declined.unwrap_or_default();
         assert!(last.contains(why), "{why}: declined for {last}");
@@ -112,7 +116,7 @@ fn an_unchanged_tch_classifier_trains_on_the_log_softmax_override_in_a_graph() {
         return;
     };
     let ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
-    assert!(Override::LogSoftmax.is_registered().unwrap());
+    assert!(Override::CrossEntropy.is_registered().unwrap());
     let vs = nn::VarStore::new(device);
     let model = nn::linear(vs.root() / "head", 256, 5000, Default::default());
     let mut opt = nn::Adam::default().build(&vs, 1e-3).unwrap();
@@ -131,8 +135,8 @@ fn an_unchanged_tch_classifier_trains_on_the_log_softmax_override_in_a_graph() {
             losses.push(loss.double_value(&[]));
         }
     }
-    for op in Override::LogSoftmax.operators() {
-        assert!(Override::LogSoftmax.stats(op).unwrap().ran > 0, "{op}");
+    for op in Override::CrossEntropy.operators() {
+        assert!(Override::CrossEntropy.stats(op).unwrap().ran > 0, "{op}");
     }
     let (first, last) = (losses[0], *losses.last().unwrap());
     assert!(last < first, "loss {first} -> {last}");
@@ -143,5 +147,5 @@ fn an_unchanged_tch_classifier_trains_on_the_log_softmax_override_in_a_graph() {
     );
     drop(step);
     drop(ctx);
-    assert!(!Override::LogSoftmax.is_registered().unwrap());
+    assert!(!Override::CrossEntropy.is_registered().unwrap());
 }

@@ -57,7 +57,7 @@ fn a_second_derivative_through_the_linear_and_cross_entropy_overrides_is_an_erro
         );
         assert!(err.contains("kernels: false"), "{err}");
     }
-    let _on = common::hold_override(Override::LogSoftmax, true);
+    let _on = common::hold_override(Override::CrossEntropy, true);
     let err = gradient_penalty(&x, cross_entropy).unwrap_err().to_string();
     assert!(err.contains("CrossEntropy is differentiable once"), "{err}");
 }

@@ -201,7 +201,7 @@ fn transformer_tch_with_the_overrides_follows_fp32_as_closely_as_bf16_over_200_s
         TchModel::Transformer,
         &[
             (Override::Linear, "aten::linear"),
-            (Override::LogSoftmax, "aten::nll_loss"),
+            (Override::CrossEntropy, "aten::nll_loss"),
         ],
     );
 }

@@ -5,7 +5,7 @@ use clap::{Parser, Subcommand};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use speedkit::launch::{launch, LaunchOptions};
+use speedkit::launcher::{self, LaunchOptions};
 use speedkit::report::Report;
 use speedkit::SpeedConfig;
 
@@ -90,7 +90,7 @@ fn main() -> ExitCode {
                 grace: std::time::Duration::from_secs(grace_s),
                 command,
             };
-            match launch(&options) {
+            match launcher::run(&options) {
                 Ok(status) => ExitCode::from(u8::try_from(status).unwrap_or(1)),
                 Err(e) => {
                     eprintln!("error: {e}");

@@ -88,7 +88,7 @@ kernel_ops! {
     LayerNorm = SK_OP_LAYER_NORM, "layer_norm", "layer_norm", ["layernorm.cuh"];
     /// The classifier's softmax cross-entropy ([`crate::nn::cross_entropy`]), and `log_softmax`
     /// with `nll_loss` under autocast
-    /// ([`Override::LogSoftmax`](crate::overrides::Override::LogSoftmax)).
+    /// ([`Override::CrossEntropy`](crate::overrides::Override::CrossEntropy)).
     CrossEntropy = SK_OP_CROSS_ENTROPY, "cross_entropy", "cross_entropy", ["classifier.cuh"];
     /// Bias + tanh-GELU after a Linear ([`crate::nn::Linear::forward_gelu`]).
     BiasGelu = SK_OP_BIAS_GELU, "bias_gelu", "bias_gelu", ["bias_gelu.cuh"];

@@ -186,16 +186,12 @@ impl AdamWOptimizer {
             .flat_map(|b| &b.params)
     }
 
-    /// One AdamW step over parameters that have gradients.
+    /// One AdamW step over parameters that have gradients, as they are: no GradScaler and no
+    /// gradient synchronisation. In training, [`SpeedContext::backward_step`](crate::SpeedContext::backward_step)
+    /// (or [`SpeedContext::step`](crate::SpeedContext::step)) calls this after unscaling, checking for
+    /// infinities and reducing across ranks.
     pub fn step(&mut self) -> Result<()> {
         self.step_impl(None, None)
-    }
-
-    /// `zero_grad` → `loss.backward()` → `step`, as `tch::nn::Optimizer::backward_step`.
-    pub fn backward_step(&mut self, loss: &Tensor) -> Result<()> {
-        self.zero_grad()?;
-        loss.f_backward()?;
-        self.step()
     }
 
     /// Scales all gradients so their global 2-norm is at most `max_norm`; returns the norm before

@@ -19,7 +19,9 @@
 //! let layer = nn::linear(vs.root(), 4, 2, Default::default());
 //! let mut opt = AdamWOptimizer::new(&vs, AdamW { lr: 1e-2, ..Default::default() }, false)?;
 //! let loss = layer.forward(&Tensor::ones([8, 4], (Kind::Float, Device::Cpu))).sum(None);
-//! opt.backward_step(&loss)?;
+//! opt.zero_grad()?;
+//! loss.backward();
+//! opt.step()?;
 //! assert_eq!(opt.steps_taken()?, 1);
 //! # Ok::<(), speedkit::SpeedkitError>(())
 //! ```

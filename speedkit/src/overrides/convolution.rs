@@ -10,7 +10,7 @@
 
 use tch::{Kind, Tensor};
 
-use super::{DispatchKey, OperatorOverride, Outcome, OverrideCall};
+use super::{DispatchKey, OperatorOverride, OverrideCall, Reply};
 use crate::amp::AutocastState;
 use crate::error::Result;
 use crate::ffi::{self, convolution::ConvolutionParams};
@@ -22,13 +22,13 @@ pub(crate) fn operator_overrides() -> [OperatorOverride; 3] {
         .map(|op| OperatorOverride::new(op, DispatchKey::AutocastCuda, convolution))
 }
 
-fn convolution(call: &OverrideCall<'_>) -> Result<Outcome> {
+fn convolution(call: &OverrideCall<'_>) -> Result<Reply> {
     let (x, weight) = (call.tensor("input")?, call.tensor("weight")?);
     let bias = call.optional_tensor("bias")?;
     // Autocast's type, read while its key is excluded (as the override runs): the type is kept.
     let kind = AutocastState::current(x.device())?.dtype;
     if let Some(why) = unsupported([Some(x), Some(weight), bias].into_iter().flatten(), x) {
-        return Ok(Outcome::Declined(why));
+        return Ok(Reply::Declined(why));
     }
     let params = ConvolutionParams {
         stride: call.ints("stride")?,
@@ -37,7 +37,7 @@ fn convolution(call: &OverrideCall<'_>) -> Result<Outcome> {
         groups: call.int("groups")?,
     };
     let y = ffi::convolution::convolution(x, weight, bias, &params, kind)?;
-    Ok(Outcome::Ran(vec![y]))
+    Ok(Reply::Ran(vec![y]))
 }
 
 /// Why speedkit's convolution does not take these operands, or `None`: autocast casts only fp32,

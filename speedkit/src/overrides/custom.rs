@@ -64,9 +64,9 @@ impl fmt::Display for DispatchKey {
     }
 }
 
-/// What a kernel did with one call.
+/// A kernel's reply to one call: its results, or why it does not take the call.
 #[derive(Debug)]
-pub enum Outcome {
+pub enum Reply {
     /// It computed the operator's results: one tensor per return of the operator's schema.
     Ran(Vec<Tensor>),
     /// It does not take this call (a type, a shape), for the reason given: the kernel it replaced
@@ -197,7 +197,7 @@ impl<'a> OverrideCall<'a> {
 }
 
 /// A kernel's signature: the call in, what it did out.
-type KernelFn = dyn Fn(&OverrideCall<'_>) -> Result<Outcome> + Send + Sync;
+type KernelFn = dyn Fn(&OverrideCall<'_>) -> Result<Reply> + Send + Sync;
 
 /// Your kernel as the implementation of an ATen operator under one [`DispatchKey`], what
 /// `torch.library.Library("aten", "IMPL").impl(...)` does in Python: every call of the operator
@@ -211,7 +211,7 @@ type KernelFn = dyn Fn(&OverrideCall<'_>) -> Result<Outcome> + Send + Sync;
 ///
 /// The rules:
 /// - The kernel returns one new tensor per return of the operator's schema, or
-///   [`Outcome::Declined`] for a call it does not take: the kernel it replaced runs that call.
+///   [`Reply::Declined`] for a call it does not take: the kernel it replaced runs that call.
 ///   Calling the operator itself from inside the kernel also runs the replaced kernel, so a kernel
 ///   can adjust ATen's result without recursing.
 /// - Errors and panics in the kernel come back as libtorch's error from the operator's call
@@ -225,13 +225,13 @@ type KernelFn = dyn Fn(&OverrideCall<'_>) -> Result<Outcome> + Send + Sync;
 ///   data-loading threads): it is `Send + Sync`, and its state needs its own synchronisation.
 ///
 /// ```
-/// use speedkit::overrides::{DispatchKey, OperatorOverride, Outcome};
+/// use speedkit::overrides::{DispatchKey, OperatorOverride, Reply};
 /// use tch::Tensor;
 ///
 /// // ReLU on the CPU, written out: max(x, 0).
 /// let relu = OperatorOverride::new("aten::relu", DispatchKey::Cpu, |call| {
 ///     let x = call.tensor("self")?;
-///     Ok(Outcome::Ran(vec![x.clamp_min(0.0)]))
+///     Ok(Reply::Ran(vec![x.clamp_min(0.0)]))
 /// })
 /// .register()?;
 /// let y = Tensor::from_slice(&[-1.0f32, 2.0]).relu();
@@ -255,7 +255,7 @@ impl OperatorOverride {
     #[track_caller]
     pub fn new<F>(operator: &str, key: DispatchKey, kernel: F) -> Self
     where
-        F: Fn(&OverrideCall<'_>) -> Result<Outcome> + Send + Sync + 'static,
+        F: Fn(&OverrideCall<'_>) -> Result<Reply> + Send + Sync + 'static,
     {
         Self {
             operator: operator.to_owned(),
@@ -379,8 +379,8 @@ impl OverrideKernel for Shared {
                 )))
             });
         let counter = match &outcome {
-            Ok(Outcome::Ran(_)) => &self.stats.ran,
-            Ok(Outcome::Declined(why)) => {
+            Ok(Reply::Ran(_)) => &self.stats.ran,
+            Ok(Reply::Declined(why)) => {
                 let mut last = self
                     .stats
                     .last_declined
@@ -394,18 +394,18 @@ impl OverrideKernel for Shared {
         counter.fetch_add(1, Ordering::Relaxed);
         if let Some(op) = self.noted_as {
             match &outcome {
-                Ok(Outcome::Ran(_)) => kernels::note(op, None),
-                Ok(Outcome::Declined(why)) if self.note_declines => {
+                Ok(Reply::Ran(_)) => kernels::note(op, None),
+                Ok(Reply::Declined(why)) if self.note_declines => {
                     kernels::note(op, Some(&format!("{}: {why}", self.operator)));
                 }
-                Ok(Outcome::Declined(_)) => {}
+                Ok(Reply::Declined(_)) => {}
                 // The error reaches the operator's caller; nothing ran in its place.
                 Err(_) => {}
             }
         }
         match outcome? {
-            Outcome::Ran(results) => Ok(Some(results)),
-            Outcome::Declined(_) => Ok(None),
+            Reply::Ran(results) => Ok(Some(results)),
+            Reply::Declined(_) => Ok(None),
         }
     }
 }

@@ -17,7 +17,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::{DispatchKey, OperatorOverride, Outcome, OverrideCall};
+use super::{DispatchKey, OperatorOverride, OverrideCall, Reply};
 use crate::amp::AutocastState;
 use crate::config::{Fp8GradientFormat, Fp8Recipe};
 use crate::error::Result;
@@ -34,20 +34,20 @@ pub(crate) fn operator_overrides() -> [OperatorOverride; 1] {
     )]
 }
 
-fn linear(call: &OverrideCall<'_>) -> Result<Outcome> {
+fn linear(call: &OverrideCall<'_>) -> Result<Reply> {
     let (x, weight) = (call.tensor("input")?, call.tensor("weight")?);
     let bias = call.optional_tensor("bias")?;
     // Autocast's type, read while its key is excluded (as the override runs): the type is kept.
     let kind = AutocastState::current(x.device())?.dtype;
     let operands = [Some(x), Some(weight), bias];
     if let Some(why) = unsupported(operands.iter().flatten().copied(), x.device()) {
-        return Ok(Outcome::Declined(why));
+        return Ok(Reply::Declined(why));
     }
     if let Some(y) = fp8_linear(x, weight, bias)? {
-        return Ok(Outcome::Ran(vec![y]));
+        return Ok(Reply::Ran(vec![y]));
     }
     let y = ffi::linear::linear_in(x, weight, bias, kind)?;
-    Ok(Outcome::Ran(vec![y]))
+    Ok(Reply::Ran(vec![y]))
 }
 
 /// `x Wᵀ + b` in FP8 where an FP8 plan is in force on this thread and allows this GEMM, recording

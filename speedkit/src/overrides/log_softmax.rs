@@ -1,4 +1,4 @@
-//! [`Override::LogSoftmax`](super::Override::LogSoftmax): `log_softmax` of bf16/fp16 logits under
+//! [`Override::CrossEntropy`](super::Override::CrossEntropy): `log_softmax` of bf16/fp16 logits under
 //! autocast on speedkit's kernels, built entirely on the public layer a user has: the kernels
 //! through [`crate::cuda`], the op through [`crate::function`], the registration through
 //! [`OperatorOverride`].
@@ -37,7 +37,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 
 use tch::{Device, Kind, Tensor};
 
-use super::{DispatchKey, OperatorOverride, Outcome, OverrideCall};
+use super::{DispatchKey, OperatorOverride, OverrideCall, Reply};
 use crate::cuda::{type_tag, CudaModule, DevicePtr, KernelParams, TypedKernel};
 use crate::error::{Result, SpeedkitError};
 use crate::ffi;
@@ -59,11 +59,11 @@ pub(crate) fn operator_overrides() -> [OperatorOverride; 2] {
     ]
 }
 
-fn log_softmax(call: &OverrideCall<'_>) -> Result<Outcome> {
+fn log_softmax(call: &OverrideCall<'_>) -> Result<Reply> {
     let x = call.tensor("self")?;
     let fp32_result = matches!(call.kind("dtype"), Ok(None | Some(Kind::Float)));
     if let Some(why) = unsupported(x, call.int("dim")?, fp32_result) {
-        return Ok(Outcome::Declined(why));
+        return Ok(Reply::Declined(why));
     }
     let kernels = Kernels::get(x.device(), x.kind())?;
     let (rows, _) = rows_and_width(x);
@@ -87,22 +87,22 @@ fn log_softmax(call: &OverrideCall<'_>) -> Result<Outcome> {
     if y.requires_grad() {
         links().push(&y, &source)?;
     }
-    Ok(Outcome::Ran(vec![y]))
+    Ok(Reply::Ran(vec![y]))
 }
 
 /// `nll_loss` of log-probabilities the `log_softmax` above wrote, fused with it into one
 /// cross-entropy node over the logits (see the module docs); any other call runs autocast's own
 /// path.
-fn nll_loss(call: &OverrideCall<'_>) -> Result<Outcome> {
+fn nll_loss(call: &OverrideCall<'_>) -> Result<Reply> {
     let (y, target) = (call.tensor("self")?, call.tensor("target")?);
     let reduction = call.int("reduction")?;
     let source = match links().find(y) {
         Some(_) if call.optional_tensor("weight")?.is_some() => {
-            return Ok(Outcome::Declined("class weights".into()))
+            return Ok(Reply::Declined("class weights".into()))
         }
         Some(source) => source,
         None => {
-            return Ok(Outcome::Declined(
+            return Ok(Reply::Declined(
                 "input not from speedkit's log_softmax".into(),
             ))
         }
@@ -110,7 +110,7 @@ fn nll_loss(call: &OverrideCall<'_>) -> Result<Outcome> {
     let rows = y.size().first().copied().unwrap_or(0);
     if y.dim() != 2 || target.dim() != 1 || target.size() != [rows] || target.kind() != Kind::Int64
     {
-        return Ok(Outcome::Declined(format!(
+        return Ok(Reply::Declined(format!(
             "input {:?} and target {:?} {:?} (the fusion takes [rows, classes] and [rows] int64)",
             y.size(),
             target.size(),
@@ -120,7 +120,7 @@ fn nll_loss(call: &OverrideCall<'_>) -> Result<Outcome> {
     let reduction = match reduction {
         1 => Reduction::Mean,
         2 => Reduction::Sum,
-        _ => return Ok(Outcome::Declined("reduction none".into())),
+        _ => return Ok(Reply::Declined("reduction none".into())),
     };
     let (logits, lse) = source.logits_and_lse();
     let function = CrossEntropy {
@@ -130,7 +130,7 @@ fn nll_loss(call: &OverrideCall<'_>) -> Result<Outcome> {
         reduction,
     };
     let loss = apply(function, &[&logits, target])?.remove(0);
-    Ok(Outcome::Ran(vec![loss]))
+    Ok(Reply::Ran(vec![loss]))
 }
 
 /// Why the kernels cannot take this call, or `None`.

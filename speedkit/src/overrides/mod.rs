@@ -37,8 +37,8 @@ mod log_softmax;
 mod mse_loss;
 
 pub use custom::{
-    DispatchKey, OperatorOverride, Outcome, OverrideCall, OverrideRecord, OverrideRegistration,
-    OverrideStats, Value,
+    DispatchKey, OperatorOverride, OverrideCall, OverrideRecord, OverrideRegistration,
+    OverrideStats, Reply, Value,
 };
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -136,7 +136,7 @@ override_groups! {
     /// logits and the gradient straight back in their type, where autocast makes an fp32 copy of
     /// the logits and casts the gradient back. Built on the public layer ([`OperatorOverride`],
     /// [`crate::function`], [`crate::cuda`]), as a user would build it.
-    LogSoftmax = "log_softmax", KernelOp::CrossEntropy, rust(log_softmax), ["aten::log_softmax.int", "aten::nll_loss"];
+    CrossEntropy = "cross_entropy", KernelOp::CrossEntropy, rust(log_softmax), ["aten::log_softmax.int", "aten::nll_loss"];
     /// `linear` under autocast (`nn::linear`, `Tensor::linear`) on speedkit's Linear, the one
     /// behind `speedkit::nn::Linear`: the weight's and bias's copies in the autocast type kept
     /// across steps (written by speedkit's AdamW) instead of a cast of every weight in every
@@ -148,7 +148,7 @@ override_groups! {
     /// passes each read their inputs once at close to the memory's bandwidth, where ATen's
     /// channels-last kernels reach a fifth to a half of it. The normalised output is written only
     /// when read: a `relu` of it, or of its sum with a residual (`add`), runs in the normalisation's
-    /// own pass. Built on the public layer, as [`LogSoftmax`](Override::LogSoftmax).
+    /// own pass. Built on the public layer, as [`CrossEntropy`](Override::CrossEntropy).
     BatchNorm = "batch_norm", KernelOp::BatchNorm, rust(batch_norm), [
         "aten::native_batch_norm",
         "aten::native_batch_norm_backward",
@@ -247,7 +247,7 @@ impl Override {
     ///
     /// ```
     /// use speedkit::overrides::Override;
-    /// assert_eq!(Override::LogSoftmax.stats("aten::nll_loss"), None); // not registered
+    /// assert_eq!(Override::CrossEntropy.stats("aten::nll_loss"), None); // not registered
     /// ```
     pub fn stats(self, operator: &str) -> Option<OverrideStats> {
         held()

@@ -9,7 +9,7 @@
 //! it replaced) and returns a copy of the few bytes of the loss, so the storage is freed before the
 //! backward begins.
 
-use super::{DispatchKey, OperatorOverride, Outcome, OverrideCall};
+use super::{DispatchKey, OperatorOverride, OverrideCall, Reply};
 use crate::error::Result;
 use crate::kernels::KernelOp;
 
@@ -22,22 +22,22 @@ pub(crate) fn operator_overrides() -> [OperatorOverride; 1] {
     )]
 }
 
-fn mse_loss(call: &OverrideCall<'_>) -> Result<Outcome> {
+fn mse_loss(call: &OverrideCall<'_>) -> Result<Reply> {
     let (input, target) = (call.tensor("self")?, call.tensor("target")?);
     let reduction = call.int("reduction")?;
     if !crate::kernels::op_enabled(KernelOp::MseLoss) {
-        return Ok(Outcome::Declined(
+        return Ok(Reply::Declined(
             "speedkit's kernels are switched off".into(),
         ));
     }
     let loss = input.f_mse_loss(target, reduction_of(reduction))?;
     // Without a reduction the loss is the input's size and owns its storage already.
     if loss.dim() == input.dim() {
-        return Ok(Outcome::Ran(vec![loss]));
+        return Ok(Reply::Ran(vec![loss]));
     }
     let mut compact = loss.f_empty_like()?;
     compact.f_copy_(&loss)?;
-    Ok(Outcome::Ran(vec![compact]))
+    Ok(Reply::Ran(vec![compact]))
 }
 
 /// ATen's reduction code (`at::Reduction`) as tch's.

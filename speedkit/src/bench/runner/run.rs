@@ -450,16 +450,16 @@ mod tests {
     use super::*;
     use crate::config::SpeedConfig;
     use crate::kernels::KernelOp;
-    use crate::overrides::{DispatchKey, OperatorOverride, Outcome};
+    use crate::overrides::{DispatchKey, OperatorOverride, Reply};
 
     /// An override at the CPU key on an operator no other test calls, noted as `op`, that
     /// declines every call (`ran: false`) or computes it.
     fn erfinv_override(op: KernelOp, ran: bool) -> crate::overrides::OverrideRegistration {
         OperatorOverride::new("aten::erfinv", DispatchKey::Cpu, move |call| {
             Ok(if ran {
-                Outcome::Ran(vec![call.tensor("self")?.f_erfinv()?])
+                Reply::Ran(vec![call.tensor("self")?.f_erfinv()?])
             } else {
-                Outcome::Declined("the runner test declines it".into())
+                Reply::Declined("the runner test declines it".into())
             })
         })
         .noted_as(op)

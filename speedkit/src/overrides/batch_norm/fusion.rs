@@ -9,54 +9,50 @@ use tch::{Kind, Tensor};
 use super::launch::Layout;
 use super::params::Normalize;
 use crate::error::Result;
-use crate::overrides::{Outcome, OverrideCall};
+use crate::overrides::{OverrideCall, Reply};
 
 /// `relu` of a pending output of the forward above (or of an `add` below): the normalisation, the
 /// addition and the ReLU in one pass over the inputs, the normalised tensor and the sum never
 /// written. Any other call runs ATen's kernel.
-pub(super) fn relu(call: &OverrideCall<'_>) -> Result<Outcome> {
+pub(super) fn relu(call: &OverrideCall<'_>) -> Result<Reply> {
     let y = call.tensor("self")?;
     let Some(pointwise) = Pointwise::of(y)? else {
-        return Ok(Outcome::Declined(
+        return Ok(Reply::Declined(
             "input not a pending BatchNorm output".into(),
         ));
     };
     if !pointwise.normalized.layout.is_whole(y) {
-        return Ok(Outcome::Declined("a view of a BatchNorm output".into()));
+        return Ok(Reply::Declined("a view of a BatchNorm output".into()));
     }
-    Ok(Outcome::Ran(vec![pointwise.write(true)?]))
+    Ok(Reply::Ran(vec![pointwise.write(true)?]))
 }
 
 /// `add(self, other, alpha=1)` where one side is a pending BatchNorm output and the other a tensor
 /// laid out as it, or another pending BatchNorm output (a residual block's sum): the sum pending
 /// too, for the `relu` that usually follows. Any other call runs ATen's kernel.
-pub(super) fn add(call: &OverrideCall<'_>) -> Result<Outcome> {
+pub(super) fn add(call: &OverrideCall<'_>) -> Result<Reply> {
     let (a, b) = (call.tensor("self")?, call.tensor("other")?);
     let (first, other) = match (Pointwise::of(a)?, Pointwise::of(b)?) {
         (Some(p), _) if p.addend.is_none() => (p, b),
         (_, Some(p)) if p.addend.is_none() => (p, a),
-        _ => {
-            return Ok(Outcome::Declined(
-                "no side a pending BatchNorm output".into(),
-            ))
-        }
+        _ => return Ok(Reply::Declined("no side a pending BatchNorm output".into())),
     };
     let layout = &first.normalized.layout;
     if call.double("alpha")? != 1.0 || !layout.is_whole(a) || !layout.is_whole(b) {
-        return Ok(Outcome::Declined(
+        return Ok(Reply::Declined(
             "a scaled sum, or sides in other shapes, types or layouts".into(),
         ));
     }
     let addend = match Pointwise::of(other)? {
         Some(p) if p.addend.is_none() => Addend::Normalized(Arc::clone(&p.normalized)),
-        Some(_) => return Ok(Outcome::Declined("a side that is a pending sum".into())),
+        Some(_) => return Ok(Reply::Declined("a side that is a pending sum".into())),
         None => Addend::Tensor(Mutex::new(other.shallow_clone())),
     };
     let sum = Arc::new(Pointwise {
         normalized: Arc::clone(&first.normalized),
         addend: Some(addend),
     });
-    Ok(Outcome::Ran(vec![sum.deferred()?]))
+    Ok(Reply::Ran(vec![sum.deferred()?]))
 }
 
 /// A training-mode forward's input and normalisation coefficients.

@@ -12,22 +12,22 @@ use super::params::{
     GRAD_BIAS, GRAD_WEIGHT, RUNNING, WEIGHT,
 };
 use crate::error::Result;
-use crate::overrides::{Outcome, OverrideCall};
+use crate::overrides::{OverrideCall, Reply};
 
 /// A call's result, or why the kernels do not take it.
 type Computed<const N: usize> = std::result::Result<[Tensor; N], String>;
 
 /// The override's answer for a computed call (with `extra`, a last result, appended).
-fn outcome<const N: usize>(computed: Computed<N>, extra: Option<Tensor>) -> Outcome {
+fn reply<const N: usize>(computed: Computed<N>, extra: Option<Tensor>) -> Reply {
     match computed {
-        Ok(results) => Outcome::Ran(results.into_iter().chain(extra).collect()),
-        Err(why) => Outcome::Declined(why),
+        Ok(results) => Reply::Ran(results.into_iter().chain(extra).collect()),
+        Err(why) => Reply::Declined(why),
     }
 }
 
 /// `native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)`
 /// → (output, save_mean, save_invstd).
-pub(super) fn native_forward(call: &OverrideCall<'_>) -> Result<Outcome> {
+pub(super) fn native_forward(call: &OverrideCall<'_>) -> Result<Reply> {
     let args = ForwardArgs {
         x: call.tensor("input")?,
         weight: call.optional_tensor("weight")?,
@@ -38,13 +38,13 @@ pub(super) fn native_forward(call: &OverrideCall<'_>) -> Result<Outcome> {
         momentum: call.double("momentum")?,
         eps: call.double("eps")?,
     };
-    Ok(outcome(args.run()?, None))
+    Ok(reply(args.run()?, None))
 }
 
 /// `cudnn_batch_norm(input, weight, bias, running_mean, running_var, training,
 /// exponential_average_factor, epsilon)` → (output, save_mean, save_invstd, reserve): the same
 /// values, and an empty reserve (the backward below needs none).
-pub(super) fn cudnn_forward(call: &OverrideCall<'_>) -> Result<Outcome> {
+pub(super) fn cudnn_forward(call: &OverrideCall<'_>) -> Result<Reply> {
     let x = call.tensor("input")?;
     let args = ForwardArgs {
         x,
@@ -57,18 +57,18 @@ pub(super) fn cudnn_forward(call: &OverrideCall<'_>) -> Result<Outcome> {
         eps: call.double("epsilon")?,
     };
     let reserve = Tensor::f_empty([0], (Kind::Uint8, x.device()))?;
-    Ok(outcome(args.run()?, Some(reserve)))
+    Ok(reply(args.run()?, Some(reserve)))
 }
 
 /// `native_batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean,
 /// save_invstd, train, eps, output_mask)` → (grad_input, grad_weight, grad_bias). A call that
 /// does not ask for the input's gradient runs ATen's kernel.
-pub(super) fn native_backward(call: &OverrideCall<'_>) -> Result<Outcome> {
+pub(super) fn native_backward(call: &OverrideCall<'_>) -> Result<Reply> {
     if !call.bool("train")? {
-        return Ok(Outcome::Declined("eval mode".into()));
+        return Ok(Reply::Declined("eval mode".into()));
     }
     if !call.bools("output_mask")?.first().copied().unwrap_or(false) {
-        return Ok(Outcome::Declined("no input gradient asked for".into()));
+        return Ok(Reply::Declined("no input gradient asked for".into()));
     }
     let args = BackwardArgs {
         dy: call.tensor("grad_out")?,
@@ -77,13 +77,13 @@ pub(super) fn native_backward(call: &OverrideCall<'_>) -> Result<Outcome> {
         save_mean: call.optional_tensor("save_mean")?,
         save_invstd: call.optional_tensor("save_invstd")?,
     };
-    Ok(outcome(args.run()?, None))
+    Ok(reply(args.run()?, None))
 }
 
 /// `cudnn_batch_norm_backward(input, grad_output, weight, running_mean, running_var, save_mean,
 /// save_var, epsilon, reserveSpace)` → (grad_input, grad_weight, grad_bias); cuDNN's `save_var`
 /// is the inverse standard deviation.
-pub(super) fn cudnn_backward(call: &OverrideCall<'_>) -> Result<Outcome> {
+pub(super) fn cudnn_backward(call: &OverrideCall<'_>) -> Result<Reply> {
     let args = BackwardArgs {
         dy: call.tensor("grad_output")?,
         x: call.tensor("input")?,
@@ -91,7 +91,7 @@ pub(super) fn cudnn_backward(call: &OverrideCall<'_>) -> Result<Outcome> {
         save_mean: call.optional_tensor("save_mean")?,
         save_invstd: call.optional_tensor("save_var")?,
     };
-    Ok(outcome(args.run()?, None))
+    Ok(reply(args.run()?, None))
 }
 
 /// A forward call's arguments.

@@ -17,9 +17,9 @@ use crate::error::{Result, SpeedkitError};
 /// What to start, and where the ranks meet.
 ///
 /// ```no_run
-/// use speedkit::launch::{launch, LaunchOptions};
+/// use speedkit::launcher::{self, LaunchOptions};
 /// let options = LaunchOptions::new(2, vec!["./train".into(), "--epochs".into(), "3".into()]);
-/// let status = launch(&options)?;   // 0 when every rank succeeded, else the failed rank's
+/// let status = launcher::run(&options)?;   // 0 when every rank succeeded, else the failed rank's
 /// std::process::exit(status);
 /// # Ok::<(), speedkit::SpeedkitError>(())
 /// ```
@@ -98,7 +98,7 @@ fn install_signal_forwarding() {
 /// Runs `options.command` as `nproc_per_node` ranks and waits for them; returns the exit status
 /// for the launcher: 0 when every rank exited 0, else the first failed rank's code (128 + the
 /// signal for a rank killed by one).
-pub fn launch(options: &LaunchOptions) -> Result<i32> {
+pub fn run(options: &LaunchOptions) -> Result<i32> {
     options.validate()?;
     let port = match options.master_port {
         Some(p) => p,
