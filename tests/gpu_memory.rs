@@ -548,18 +548,43 @@ fn classifier_inputs(device: Device, rows: i64, vocab: i64) -> (Tensor, Tensor, 
     (x, w, targets)
 }
 
+/// How the loss gets the logits.
+#[derive(Clone, Copy)]
+enum Logits {
+    /// `x · w` itself, `[rows, vocab]`.
+    Matrix,
+    /// A `[rows, vocab]` view of `[1, rows, vocab]` logits, as a transformer's loss flattens its
+    /// `[batch, seq, vocab]` ones.
+    FlattenedView,
+}
+
 /// `w`'s gradient through speedkit's cross-entropy of `x · w`, with the logits dropped before the
-/// backward (so its gradient may take their memory) or held by the caller, and how far the
-/// backward's peak rose above what was allocated when it began.
+/// backward (so its gradient may take their memory) or held by the caller (the 3-D ones, for a
+/// flattened view), and how far the backward's peak rose above what was allocated when it began.
 fn classifier_weight_gradient(
     device: Device,
     (x, w, targets): &(Tensor, Tensor, Tensor),
+    logits: Logits,
     hold_logits: bool,
 ) -> (Tensor, Option<(Tensor, Tensor)>, u64) {
-    let logits = x.mm(w);
-    let loss = speedkit::nn::cross_entropy(&logits, targets);
-    let held = hold_logits.then(|| (logits.copy(), logits.shallow_clone()));
-    drop(logits);
+    let (caller_logits, loss) = match logits {
+        Logits::Matrix => {
+            let logits = x.mm(w);
+            let loss = speedkit::nn::cross_entropy(&logits, targets);
+            (logits, loss)
+        }
+        Logits::FlattenedView => {
+            let logits = x.unsqueeze(0).matmul(w);
+            let loss = speedkit::nn::cross_entropy(&logits.view([-1, w.size()[1]]), targets);
+            (logits, loss)
+        }
+    };
+    let held = if hold_logits {
+        Some((caller_logits.copy(), caller_logits))
+    } else {
+        drop(caller_logits);
+        None
+    };
     tch::Cuda::synchronize(0);
     let before = MemoryUse::now(device).unwrap().allocated;
     memory::reset_peaks(device).unwrap();
@@ -569,17 +594,28 @@ fn classifier_weight_gradient(
     (grad, held, rise)
 }
 
+/// The rise of the classifier's backward over its start, for a large vocabulary, and the bytes of
+/// its logits.
+fn classifier_backward_rise(device: Device, logits: Logits) -> (u64, u64) {
+    let (rows, vocab) = (4096, 32000);
+    let inputs = classifier_inputs(device, rows, vocab);
+    let (_, _, rise) = classifier_weight_gradient(device, &inputs, logits, false);
+    (rise, (rows * vocab * 2) as u64)
+}
+
 #[test]
 fn the_classifiers_gradient_over_its_logits_equals_atens() {
     let Some(device) = cuda_or_skip("the_classifiers_gradient_over_its_logits_equals_atens") else {
         return;
     };
     let inputs = classifier_inputs(device, 1031, 5003);
-    let (ours, _, _) = classifier_weight_gradient(device, &inputs, false);
     let (x, w, targets) = &inputs;
     let aten_loss = x.mm(w).log_softmax(-1, Kind::Float).nll_loss(targets);
     let aten = Tensor::run_backward(&[&aten_loss], &[w], false, false).remove(0);
-    assert!(rel_err(&ours, &aten) < 1e-2, "{}", rel_err(&ours, &aten));
+    for logits in [Logits::Matrix, Logits::FlattenedView] {
+        let (ours, _, _) = classifier_weight_gradient(device, &inputs, logits, false);
+        assert!(rel_err(&ours, &aten) < 1e-2, "{}", rel_err(&ours, &aten));
+    }
 }
 
 #[test]
@@ -588,10 +624,19 @@ fn the_classifiers_backward_allocates_no_second_logits_matrix() {
     else {
         return;
     };
-    let (rows, vocab) = (4096, 32000);
-    let logits_bytes = (rows * vocab * 2) as u64;
-    let inputs = classifier_inputs(device, rows, vocab);
-    let (_, _, rise) = classifier_weight_gradient(device, &inputs, false);
+    let (rise, logits_bytes) = classifier_backward_rise(device, Logits::Matrix);
+    assert!(
+        rise < logits_bytes / 2,
+        "the backward rose {rise} bytes above its start; the logits are {logits_bytes}"
+    );
+}
+
+#[test]
+fn flattened_logits_take_their_gradient_in_place_too() {
+    let Some(device) = cuda_or_skip("flattened_logits_take_their_gradient_in_place_too") else {
+        return;
+    };
+    let (rise, logits_bytes) = classifier_backward_rise(device, Logits::FlattenedView);
     assert!(
         rise < logits_bytes / 2,
         "the backward rose {rise} bytes above its start; the logits are {logits_bytes}"
@@ -605,9 +650,11 @@ fn logits_the_caller_holds_are_left_unchanged_by_the_backward() {
         return;
     };
     let inputs = classifier_inputs(device, 1031, 5003);
-    let (_, held, _) = classifier_weight_gradient(device, &inputs, true);
-    let (copy, logits) = held.unwrap();
-    assert!(logits.equal(&copy));
+    for logits in [Logits::Matrix, Logits::FlattenedView] {
+        let (_, held, _) = classifier_weight_gradient(device, &inputs, logits, true);
+        let (copy, logits) = held.unwrap();
+        assert!(logits.equal(&copy));
+    }
 }
 
 #[test]

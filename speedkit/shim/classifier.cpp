@@ -22,12 +22,18 @@ namespace ce = kernels::classifier;
 // the logits after this backward. The step's memory peaks at the start of the backward, with every
 // activation alive, and the [rows, vocab] logits and their gradient can be its largest pair; in
 // place, the pair is one matrix. Only where the logits are held by this node's saved variable and
-// `logits` alone (no tensor of the user's, no view, no other node), and the graph is not kept for
-// a second backward (`retain_graph`), which would read them again. Logits flattened by a view
-// (`[batch, seq, vocab]` as `[rows, vocab]`, the transformer workload's) do not qualify yet.
+// `logits` alone (no tensor of the user's, no other view, no other node), and the graph is not kept
+// for a second backward (`retain_graph`), which would read them again.
 bool logits_are_ours_alone(const at::Tensor& logits) {
-  return logits.use_count() == 2 && logits.storage().use_count() == 1 && logits.is_contiguous() &&
-         !torch::autograd::get_current_graph_task_keep_graph();
+  if (logits.use_count() != 2 || !logits.is_contiguous() || torch::autograd::get_current_graph_task_keep_graph())
+    return false;
+  if (!logits.is_view()) return logits.storage().use_count() == 1;
+  // Logits flattened by a view (`[batch, seq, vocab]` as `[rows, vocab]`, as a transformer's loss
+  // takes them): the view keeps its base alive, so the base must be held by the view alone (the
+  // caller dropped the 3-D logits), and the storage by the two of them, all of it in the view.
+  const at::TensorBase& base = logits._base();
+  return !base.is_view() && base.use_count() == 1 && logits.storage().use_count() == 2 &&
+         logits.storage_offset() == 0 && logits.numel() == base.numel();
 }
 
 struct CrossEntropyFunction : torch::autograd::Function<CrossEntropyFunction> {
@@ -53,7 +59,7 @@ struct CrossEntropyFunction : torch::autograd::Function<CrossEntropyFunction> {
   }
 };
 
-std::string unsupported(const at::Tensor& logits, const at::Tensor& targets) {
+std::string classifier_unsupported(const at::Tensor& logits, const at::Tensor& targets) {
   if (auto why = sk::ops::unusable(SK_OP_CROSS_ENTROPY, logits.device()); !why.empty()) return why;
   if (auto why = sk::ops::floating("logits", logits); !why.empty()) return why;
   if (logits.dim() != 2 || targets.dim() != 1 || targets.size(0) != logits.size(0))
@@ -73,7 +79,7 @@ extern "C" {
 int sk_cross_entropy(sk_tensor logits, sk_tensor targets, int64_t ignore_index, sk_tensor* loss) {
   SK_TRY({
     at::Tensor result = sk::ops::run_or_fall_back(
-        SK_OP_CROSS_ENTROPY, sk::unsupported(*logits, *targets),
+        SK_OP_CROSS_ENTROPY, sk::classifier_unsupported(*logits, *targets),
         [&] { return sk::CrossEntropyFunction::apply(logits->contiguous(), targets->contiguous(), ignore_index); },
         [&] { return at::nll_loss(at::log_softmax(*logits, -1, at::kFloat), *targets, {}, at::Reduction::Mean, ignore_index); });
     *loss = sk::give(result);
@@ -81,7 +87,7 @@ int sk_cross_entropy(sk_tensor logits, sk_tensor targets, int64_t ignore_index, 
 }
 
 int sk_cross_entropy_unsupported(sk_tensor logits, sk_tensor targets, const char** reason) {
-  SK_TRY(sk::hand_out(sk::unsupported(*logits, *targets), reason))
+  SK_TRY(sk::hand_out(sk::classifier_unsupported(*logits, *targets), reason))
 }
 
 }  // extern "C"
