@@ -63,7 +63,15 @@ fn dist_launcher() {
             v
         }),
     };
-    let options = speedkit::launcher::LaunchOptions::new(2, command);
+    let mut options = speedkit::launcher::LaunchOptions::new(2, command);
+    // One launcher per machine, one rank each (`processes::run_node_launchers`).
+    if let Ok(nodes) = std::env::var("SK_TEST_NNODES") {
+        let var = |name: &str| std::env::var(name).unwrap().parse::<usize>().unwrap();
+        options.nproc_per_node = 1;
+        options.nnodes = nodes.parse().unwrap();
+        options.node_rank = var("SK_TEST_NODE_RANK");
+        options.master_port = Some(var("SK_TEST_MASTER_PORT") as u16);
+    }
     let status = speedkit::launcher::run(&options).unwrap();
     std::process::exit(status);
 }

@@ -53,6 +53,40 @@ pub fn run_launcher_of(scenario: &str, out: &Path, command: Option<&[String]>) -
     wait_bounded(child, Duration::from_secs(120))
 }
 
+/// `nodes` launchers of one rank each, as on `nodes` machines (`speedkit launch --nnodes N
+/// --node-rank R --master-port P`), meeting at rank 0's store on the loopback; their outputs in
+/// node order.
+pub fn run_node_launchers(scenario: &str, out: &Path, nodes: usize) -> Vec<Output> {
+    let exe = std::env::current_exe().unwrap();
+    let port = free_port();
+    let launchers: Vec<Child> = (0..nodes)
+        .map(|node| {
+            Command::new(&exe)
+                .args([
+                    "--exact",
+                    "dist_launcher",
+                    "--ignored",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env("SK_TEST_SCENARIO", scenario)
+                .env("SK_TEST_OUT", out)
+                .env("SK_TEST_NNODES", nodes.to_string())
+                .env("SK_TEST_NODE_RANK", node.to_string())
+                .env("SK_TEST_MASTER_PORT", port.to_string())
+                .env_remove("MASTER_PORT")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    launchers
+        .into_iter()
+        .map(|child| wait_bounded(child, Duration::from_secs(120)))
+        .collect()
+}
+
 /// A rank started directly (no launcher) with an explicit environment.
 pub fn spawn_rank(scenario: &str, out: &Path, vars: &[(&str, String)]) -> Child {
     let exe = std::env::current_exe().unwrap();

@@ -2,7 +2,7 @@
 
 use crate::common;
 use crate::fixture::{adamw, config, data, model, PER_RANK_BATCH, STEPS, WORLD};
-use crate::processes::{load, run_launcher, scratch, text};
+use crate::processes::{load, run_launcher, run_node_launchers, scratch, text};
 use speedkit::apply_speedups;
 use tch::nn::{self, Module};
 use tch::{Device, Tensor};
@@ -56,6 +56,28 @@ fn two_ranks_match_one_process_on_the_concatenated_batches() {
             assert!(
                 err < 1e-5,
                 "{scenario}: {name}: relative difference {err:e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn two_launchers_of_one_rank_each_train_as_one_process() {
+    let single = single_process_reference();
+    let out = scratch("two-nodes");
+    let outputs = run_node_launchers("train", &out, WORLD as usize);
+    for (node, output) in outputs.iter().enumerate() {
+        let log = text(output);
+        assert!(output.status.success(), "node {node}: {log}");
+        assert!(log.contains(&format!("[rank {node}] step 5 done")), "{log}");
+    }
+    for rank in 0..WORLD {
+        let distributed = load(&out.join(format!("rank{rank}.ot")));
+        for ((name, d), (_, s)) in distributed.iter().zip(&single) {
+            let err = common::rel_err(d, s);
+            assert!(
+                err < 1e-5,
+                "rank {rank}: {name}: relative difference {err:e}"
             );
         }
     }
