@@ -54,14 +54,22 @@ pub fn run_launcher_of(scenario: &str, out: &Path, command: Option<&[String]>) -
 }
 
 /// `nodes` launchers of one rank each, as on `nodes` machines (`speedkit launch --nnodes N
-/// --node-rank R --master-port P`), meeting at rank 0's store on the loopback; their outputs in
-/// node order.
-pub fn run_node_launchers(scenario: &str, out: &Path, nodes: usize) -> Vec<Output> {
+/// --node-rank R --master-port P`), meeting at rank 0's store on the loopback, each with `env` and
+/// `node_env(node)` set; their outputs in node order.
+pub fn run_node_launchers(
+    scenario: &str,
+    out: &Path,
+    nodes: usize,
+    env: &[(&str, &str)],
+    node_env: impl Fn(usize) -> Vec<(&'static str, String)>,
+) -> Vec<Output> {
     let exe = std::env::current_exe().unwrap();
     let port = free_port();
     let launchers: Vec<Child> = (0..nodes)
         .map(|node| {
             Command::new(&exe)
+                .envs(env.iter().copied())
+                .envs(node_env(node))
                 .args([
                     "--exact",
                     "dist_launcher",

@@ -65,7 +65,7 @@ fn two_ranks_match_one_process_on_the_concatenated_batches() {
 fn two_launchers_of_one_rank_each_train_as_one_process() {
     let single = single_process_reference();
     let out = scratch("two-nodes");
-    let outputs = run_node_launchers("train", &out, WORLD as usize);
+    let outputs = run_node_launchers("train", &out, WORLD as usize, &[], |_| Vec::new());
     for (node, output) in outputs.iter().enumerate() {
         let log = text(output);
         assert!(output.status.success(), "node {node}: {log}");
@@ -190,6 +190,49 @@ fn single_process_reference_and_norms() -> (Vec<(String, Tensor)>, Vec<f64>) {
     let mut single: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
     single.sort_by(|a, b| a.0.cmp(&b.0));
     (single, norms)
+}
+
+#[test]
+fn two_launchers_of_one_gpu_each_train_as_one_process_over_nccl_sockets() {
+    if tch::Cuda::device_count() < 2 {
+        eprintln!(
+            "skipped two_launchers_of_one_gpu_each_train_as_one_process_over_nccl_sockets: \
+             needs 2 CUDA devices"
+        );
+        return;
+    }
+    let single = single_process_reference();
+    let out = scratch("two-nodes-nccl");
+    // NCCL as between two machines: no peer-to-peer or shared-memory transport, only sockets.
+    let sockets = [
+        ("NCCL_P2P_DISABLE", "1"),
+        ("NCCL_SHM_DISABLE", "1"),
+        ("NCCL_IB_DISABLE", "1"),
+        ("NCCL_DEBUG", "INFO"),
+    ];
+    let one_gpu_each = |node: usize| vec![("CUDA_VISIBLE_DEVICES", node.to_string())];
+    let outputs = run_node_launchers("nccl_graphs_auto", &out, 2, &sockets, one_gpu_each);
+    for (node, output) in outputs.iter().enumerate() {
+        let log = text(output);
+        assert!(output.status.success(), "node {node}: {log}");
+        // Rank 0 alone prints the audit.
+        assert!(node == 1 || log.contains("over nccl"), "{log}");
+        assert!(
+            log.contains("via NET/Socket"),
+            "node {node} did not use sockets: {log}"
+        );
+        assert!(log.contains("graphed: true (no fallback)"), "{log}");
+    }
+    for rank in 0..WORLD {
+        let distributed = load(&out.join(format!("rank{rank}.ot")));
+        for ((name, d), (_, s)) in distributed.iter().zip(&single) {
+            let err = common::rel_err(d, s);
+            assert!(
+                err < 1e-4,
+                "rank {rank}: {name}: relative difference {err:e}"
+            );
+        }
+    }
 }
 
 #[test]
