@@ -522,7 +522,7 @@ int sk_kernel_source_name(int index, const char** out);
 /// Registers CUDA C++ source `text` under `name` (both copied), compiled on first use with its
 /// own cache key; *index receives its index. A name already registered with other text is an error.
 int sk_kernel_source_register(const char* name, const char* text, int* index);
-/// Compiles source `index` for sm_<major><minor>, bypassing the cache; the cubin's size.
+/// Compiles source `index` for `sm_<major><minor>`, bypassing the cache; the cubin's size.
 int sk_kernel_compile(int index, int major, int minor, int64_t* cubin_bytes);
 /// NVRTC's version as major * 1000 + minor * 10.
 int sk_nvrtc_version(int* out);

@@ -106,7 +106,7 @@ fn changes_table(changes: &[FlagChange]) -> String {
 }
 
 /// Each `(flag, reason)`'s reason as a table prints it: a reason shared by several flags (every
-/// override group's comes from the one `overrides` setting) in full once, then "as for <flag>".
+/// override group's comes from the one `overrides` setting) in full once, then "as for `<flag>`".
 fn reasons_once<'a>(rows: impl Iterator<Item = (&'a str, &'a str)>) -> Vec<String> {
     let mut first_with: Vec<(&str, &str)> = Vec::new();
     rows.map(

@@ -8,7 +8,7 @@
 //! named, that steady-state peak. PyTorch's reference (`docs/benchmarks/pytorch_reference.py`)
 //! measures the same three the same way.
 //!
-//! [`MemoryBreakdown`](crate::memory::MemoryBreakdown) says where that memory went: what stays allocated between steps (parameters,
+//! [`crate::memory::MemoryBreakdown`] says where that memory went: what stays allocated between steps (parameters,
 //! gradients and optimizer state, from the optimizers the context made; speedkit's weight copies;
 //! the rest), the step's own transient peak (activations), and what the allocator reserves beyond
 //! (the CUDA graphs' pools, cached and fragmented blocks).

@@ -101,7 +101,7 @@ pub(crate) fn register_source(name: &str, source: &str) -> Result<usize> {
     Ok(usize::try_from(index).unwrap_or(0))
 }
 
-/// Compiles source `index` with NVRTC for sm_<major><minor>; the cubin's size in bytes.
+/// Compiles source `index` with NVRTC for `sm_<major><minor>`; the cubin's size in bytes.
 pub(crate) fn compile(index: usize, major: u32, minor: u32) -> Result<usize> {
     let to_int = |v: u64| {
         c_int::try_from(v).map_err(|_| SpeedkitError::Misuse(format!("{v} is out of range")))

@@ -2,8 +2,9 @@
 
 use tch::Tensor;
 
-/// AdamW hyper-parameters (PyTorch's defaults). Pass to [`crate::SpeedContext::adamw`] or
-/// [`AdamWOptimizer::new`].
+/// AdamW's hyper-parameters (PyTorch's defaults): its configuration, as `tch::nn::Adam` is tch's.
+/// The optimizer is [`AdamWOptimizer`](crate::optim::AdamWOptimizer), made by
+/// [`crate::SpeedContext::adamw`] or [`AdamWOptimizer::new`](crate::optim::AdamWOptimizer::new).
 #[derive(Clone, Debug, PartialEq)]
 pub struct AdamW {
     /// Learning rate (1e-3).
