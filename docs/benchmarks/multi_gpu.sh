@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
-# Data parallel on 2 GPUs of one host, in one device session: speedkit's runner on `transformer`
-# and `linear3` with 1 GPU and with 2 GPUs under `speedkit launch` (each all-reduce path), PyTorch
-# DDP (pytorch_reference.py --ddp under torchrun, eager AMP and torch.compile) with 1 and 2
-# processes, and the NCCL equality test. Run from the project root on the CUDA host, after the
-# executables were packed (bench, speedkit, toy_transformer and the distributed test; see README,
-# "Benchmarks"):
+# Data parallel on N GPUs of one host (2 unless --nproc-per-node says otherwise), in one device
+# session: speedkit's runner on `transformer` and `linear3` with 1 GPU and with N under `speedkit
+# launch` (each all-reduce path), PyTorch DDP (pytorch_reference.py --ddp under torchrun, eager AMP
+# and torch.compile) with 1 and N processes, and the NCCL equality test (two ranks). Run from the
+# project root on the CUDA host, after the executables were packed (bench, speedkit,
+# toy_transformer and the distributed test; see README, "Benchmarks"):
 #
-#   bash docs/benchmarks/multi_gpu.sh PACKDIR OUTDIR [PART...]
-#   e.g.  bash docs/benchmarks/multi_gpu.sh .gpu "$OUT"
+#   bash docs/benchmarks/multi_gpu.sh [--nproc-per-node N] PACKDIR OUTDIR [PART...]
+#   e.g.  bash docs/benchmarks/multi_gpu.sh --nproc-per-node 4 .gpu "$OUT"
 #
 # PARTs (all by default): speedkit ddp ddp_compile equality toy — two device commands can share
 # the parts where one would not fit in 600 s.
 #
 # Everything lands in OUTDIR: one log per part, the runners' and the reference's JSON, and
-# multi_gpu_summary.md (tokens/s per configuration and the scaling from 1 to 2 GPUs). Each part is
+# multi_gpu_summary.md (tokens/s per configuration and the scaling from 1 to N GPUs). Each part is
 # bounded by a timeout, 580 s in all, so that the whole fits one 600 s device command and one hang
 # cannot take the session's device time.
 set -uo pipefail
-pack=${1:?usage: multi_gpu.sh PACKDIR OUTDIR [PART...]}
-out=${2:?usage: multi_gpu.sh PACKDIR OUTDIR [PART...]}
+usage="usage: multi_gpu.sh [--nproc-per-node N] PACKDIR OUTDIR [PART...]"
+gpus=2
+if [ "${1:-}" = --nproc-per-node ]; then
+  gpus=${2:?$usage}
+  shift 2
+fi
+[[ $gpus =~ ^[1-9][0-9]*$ ]] || { echo "--nproc-per-node takes a number of GPUs, not '$gpus'" >&2; exit 2; }
+pack=${1:?$usage}
+out=${2:?$usage}
 shift 2
 parts=" ${*:-speedkit ddp ddp_compile equality toy} "
 wanted() { [[ $parts == *" $1 "* ]]; }
@@ -41,11 +48,11 @@ part() { # part NAME SECONDS COMMAND...: runs COMMAND into OUTDIR/NAME.log, says
 } >"$out/environment.txt" 2>&1
 cat "$out/environment.txt"
 
-# Per-GPU batch unchanged from 1 to 2 GPUs (the workloads' bench size on every rank). `auto` is
-# one CUDA graph per step, on 2 GPUs with speedkit's all-reduce inside it, started during the
-# backward pass; auto_eager is the eager step (on 2 GPUs, c10d's Reducer); dp_after_backward
+# Per-GPU batch unchanged from 1 to N GPUs (the workloads' bench size on every rank). `auto` is
+# one CUDA graph per step, on N GPUs with speedkit's all-reduce inside it, started during the
+# backward pass; auto_eager is the eager step (on N GPUs, c10d's Reducer); dp_after_backward
 # all-reduces after the backward pass, dp_bf16 sends bf16 gradients, dp_sharded shards the
-# optimizer state (ZeRO-1). Every 2-GPU row is compared with its own config on 1 GPU, or with
+# optimizer state (ZeRO-1). Every N-GPU row is compared with its own config on 1 GPU, or with
 # `auto` where the config only matters on several.
 configs=(--config auto --config examples/configs/auto_eager.yaml)
 dp_configs=(--config examples/configs/dp_after_backward.yaml --config examples/configs/dp_bf16.yaml
@@ -53,13 +60,13 @@ dp_configs=(--config examples/configs/dp_after_backward.yaml --config examples/c
 work=(--exact --filter transformer --filter linear3 --size bench)
 if wanted speedkit; then
   part speedkit_1gpu 90 "${sk[@]}" bench "${work[@]}" "${configs[@]}" --json "$out/speedkit_1gpu.json"
-  part speedkit_2gpu 200 "${sk[@]}" speedkit launch --nproc-per-node 2 -- \
-    bash "$pack/run" bench "${work[@]}" "${configs[@]}" "${dp_configs[@]}" --json "$out/speedkit_2gpu.json"
+  part "speedkit_${gpus}gpu" 200 "${sk[@]}" speedkit launch --nproc-per-node "$gpus" -- \
+    bash "$pack/run" bench "${work[@]}" "${configs[@]}" "${dp_configs[@]}" --json "$out/speedkit_${gpus}gpu.json"
 fi
 
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 ref=(python3 -m torch.distributed.run --standalone)
-for n in 1 2; do
+for n in 1 "$gpus"; do
   wanted ddp && part "pytorch_ddp_${n}gpu" 80 "${ref[@]}" --nproc-per-node "$n" \
     "$here/pytorch_reference.py" --ddp --only transformer,linear3 --json "$out/pytorch_ddp_${n}gpu.json"
   wanted ddp_compile && part "pytorch_ddp_compile_${n}gpu" 200 "${ref[@]}" --nproc-per-node "$n" \
@@ -70,12 +77,12 @@ done
 wanted equality && part nccl_equality 150 "${sk[@]}" distributed.test --exact \
   nccl_ranks_match_one_process_eager_on_the_reducer_and_graphed_on_speedkits_all_reduce \
   --nocapture --test-threads=1
-wanted toy && part toy_transformer_2gpu 50 "${sk[@]}" speedkit launch --nproc-per-node 2 -- \
+wanted toy && part "toy_transformer_${gpus}gpu" 50 "${sk[@]}" speedkit launch --nproc-per-node "$gpus" -- \
   bash "$pack/run" toy_transformer --size bench --steps 100
 
-python3 - "$out" <<'PY' | tee "$out/multi_gpu_summary.md"
+python3 - "$out" "$gpus" <<'PY' | tee "$out/multi_gpu_summary.md"
 import json, os, sys
-out = sys.argv[1]
+out, n = sys.argv[1], int(sys.argv[2])
 def load(name):
     try:
         return json.load(open(os.path.join(out, name)))
@@ -98,27 +105,27 @@ def speedkit_rates(report):
                   gib((mem.get("breakdown") or {}).get("optimizer_state")))
         rates[(r["workload"], r["config"])] = (total, unit, m["median_ms"], memory)
     return rates
-one, two = speedkit_rates(load("speedkit_1gpu.json")), speedkit_rates(load("speedkit_2gpu.json"))
-print("| workload | config | 1 GPU | 2 GPUs, total | scaling | ms/step 1 → 2 | "
-      "peak alloc GiB per GPU 1 → 2 | optimizer state GiB per GPU 1 → 2 |")
+one, two = speedkit_rates(load("speedkit_1gpu.json")), speedkit_rates(load(f"speedkit_{n}gpu.json"))
+print(f"| workload | config | 1 GPU | {n} GPUs, total | scaling | ms/step 1 → {n} | "
+      f"peak alloc GiB per GPU 1 → {n} | optimizer state GiB per GPU 1 → {n} |")
 print("|---|---|---|---|---|---|---|---|")
 for key in sorted(set(one) | set(two)):
     # A config that only matters on several GPUs is compared with `auto` on one.
     r1 = one.get(key) or one.get((key[0], "auto"))
     r2 = two.get(key)
     if r1 is None or r2 is None:
-        print(f"| {key[0]} | speedkit {key[1]} | (missing: 1 GPU {r1 is not None}, 2 GPUs "
+        print(f"| {key[0]} | speedkit {key[1]} | (missing: 1 GPU {r1 is not None}, {n} GPUs "
               f"{r2 is not None}) | | | | | |")
         continue
     print(f"| {key[0]} | speedkit {key[1]} | {r1[0]:.0f} {r1[1]}/s | {r2[0]:.0f} {r2[1]}/s | "
           f"{r2[0] / r1[0]:.3f}x | {r1[2]:.3f} → {r2[2]:.3f} | {r1[3][0]} → {r2[3][0]} | "
           f"{r1[3][1]} → {r2[3][1]} |")
 for label, stem in (("PyTorch DDP AMP", "pytorch_ddp"), ("PyTorch DDP + torch.compile", "pytorch_ddp_compile")):
-    ddp = {n: load(f"{stem}_{n}gpu.json") for n in (1, 2)}
-    rows = {n: {r["workload"]: r for r in (d or {}).get("results", []) if "throughput" in r}
-            for n, d in ddp.items()}
+    ddp = {k: load(f"{stem}_{k}gpu.json") for k in (1, n)}
+    rows = {k: {r["workload"]: r for r in (d or {}).get("results", []) if "throughput" in r}
+            for k, d in ddp.items()}
     for name in sorted(rows[1]):
-        a, b = rows[1][name], rows[2].get(name)
+        a, b = rows[1][name], rows[n].get(name)
         t1 = a["throughput"]
         if b is None:
             print(f"| {name} | {label} | {t1['total']:.0f} {t1['unit']}/s | - | - | - | | |")
