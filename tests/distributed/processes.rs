@@ -16,6 +16,15 @@ pub fn worker_args() -> [&'static str; 5] {
     ]
 }
 
+/// This executable's arguments that run its `dist_launcher`.
+const LAUNCHER_ARGS: [&str; 5] = [
+    "--exact",
+    "dist_launcher",
+    "--ignored",
+    "--nocapture",
+    "--test-threads=1",
+];
+
 pub fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("speedkit-dist-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -36,13 +45,7 @@ pub fn run_launcher_of(scenario: &str, out: &Path, command: Option<&[String]>) -
         launcher.env("SK_TEST_COMMAND", command.join("\n"));
     }
     let child = launcher
-        .args([
-            "--exact",
-            "dist_launcher",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
+        .args(LAUNCHER_ARGS)
         .env("SK_TEST_SCENARIO", scenario)
         .env("SK_TEST_OUT", out)
         .env_remove("MASTER_PORT")
@@ -70,13 +73,7 @@ pub fn run_node_launchers(
             Command::new(&exe)
                 .envs(env.iter().copied())
                 .envs(node_env(node))
-                .args([
-                    "--exact",
-                    "dist_launcher",
-                    "--ignored",
-                    "--nocapture",
-                    "--test-threads=1",
-                ])
+                .args(LAUNCHER_ARGS)
                 .env("SK_TEST_SCENARIO", scenario)
                 .env("SK_TEST_OUT", out)
                 .env("SK_TEST_NNODES", nodes.to_string())

@@ -71,16 +71,7 @@ fn two_launchers_of_one_rank_each_train_as_one_process() {
         assert!(output.status.success(), "node {node}: {log}");
         assert!(log.contains(&format!("[rank {node}] step 5 done")), "{log}");
     }
-    for rank in 0..WORLD {
-        let distributed = load(&out.join(format!("rank{rank}.ot")));
-        for ((name, d), (_, s)) in distributed.iter().zip(&single) {
-            let err = common::rel_err(d, s);
-            assert!(
-                err < 1e-5,
-                "rank {rank}: {name}: relative difference {err:e}"
-            );
-        }
-    }
+    assert_every_rank_matches(&out, &single, 1e-5);
 }
 
 #[test]
@@ -98,16 +89,7 @@ fn a_sharded_optimizer_trains_as_one_process_with_half_the_state_on_each_rank() 
         "{log}"
     );
     // Every step's replica check passed; now both ranks' saved parameters against one process.
-    for rank in 0..WORLD {
-        let distributed = load(&out.join(format!("rank{rank}.ot")));
-        for ((name, d), (_, s)) in distributed.iter().zip(&single) {
-            let err = common::rel_err(d, s);
-            assert!(
-                err < 1e-5,
-                "rank {rank}: {name}: relative difference {err:e}"
-            );
-        }
-    }
+    assert_every_rank_matches(&out, &single, 1e-5);
     for (step, reference) in norms.iter().enumerate() {
         for rank in 0..WORLD {
             let (prefix, line) = (format!("[rank {rank}] "), format!("gradient norm {step}: "));
@@ -223,16 +205,7 @@ fn two_launchers_of_one_gpu_each_train_as_one_process_over_nccl_sockets() {
         );
         assert!(log.contains("graphed: true (no fallback)"), "{log}");
     }
-    for rank in 0..WORLD {
-        let distributed = load(&out.join(format!("rank{rank}.ot")));
-        for ((name, d), (_, s)) in distributed.iter().zip(&single) {
-            let err = common::rel_err(d, s);
-            assert!(
-                err < 1e-4,
-                "rank {rank}: {name}: relative difference {err:e}"
-            );
-        }
-    }
+    assert_every_rank_matches(&out, &single, 1e-4);
 }
 
 #[test]
@@ -291,6 +264,20 @@ fn nccl_ranks_match_one_process_eager_on_the_reducer_and_graphed_on_speedkits_al
             assert!(
                 err < tolerance,
                 "{variant}: {name}: relative difference {err:e}"
+            );
+        }
+    }
+}
+
+/// Every rank's saved parameters (`rank<R>.ot` in `out`) within `tolerance` of one process's.
+fn assert_every_rank_matches(out: &std::path::Path, single: &[(String, Tensor)], tolerance: f64) {
+    for rank in 0..WORLD {
+        let distributed = load(&out.join(format!("rank{rank}.ot")));
+        for ((name, d), (_, s)) in distributed.iter().zip(single) {
+            let err = common::rel_err(d, s);
+            assert!(
+                err < tolerance,
+                "rank {rank}: {name}: relative difference {err:e}"
             );
         }
     }
