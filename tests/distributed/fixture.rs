@@ -5,9 +5,18 @@ use speedkit::optim::AdamW;
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
 
-pub const PER_RANK_BATCH: i64 = 8;
+/// Rows of one step over all ranks, and of one step of the one-process reference: however many
+/// ranks share it, they train on the same global batch.
+pub const GLOBAL_BATCH: i64 = 16;
 pub const STEPS: i64 = 6;
+/// Ranks, where a test does not say otherwise.
 pub const WORLD: i64 = 2;
+
+/// The rows of `step`'s global batch that `rank` of `world` ranks trains on.
+pub fn rows_of(t: &Tensor, step: i64, rank: i64, world: i64) -> Tensor {
+    let per_rank = GLOBAL_BATCH / world;
+    t.narrow(0, step * GLOBAL_BATCH + rank * per_rank, per_rank)
+}
 
 pub fn config(bucket_mb: u32) -> SpeedConfig {
     let mut c = SpeedConfig::auto();
@@ -32,10 +41,10 @@ pub fn model(vs: &nn::VarStore) -> impl Module {
         .add(nn::linear(vs.root() / "l2", HIDDEN, 1, Default::default()))
 }
 
-/// The whole data set, the same in every process: STEPS global batches of WORLD × PER_RANK_BATCH.
+/// The whole data set, the same in every process: STEPS global batches.
 pub fn data() -> (Tensor, Tensor) {
     tch::manual_seed(1234);
-    let n = STEPS * WORLD * PER_RANK_BATCH;
+    let n = STEPS * GLOBAL_BATCH;
     let x = Tensor::randn([n, 8], (Kind::Float, Device::Cpu));
     let y = x.sum_dim_intlist(1, true, Kind::Float).sin();
     (x, y)

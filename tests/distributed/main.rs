@@ -63,7 +63,8 @@ fn dist_launcher() {
             v
         }),
     };
-    let mut options = speedkit::launcher::LaunchOptions::new(2, command);
+    let ranks = std::env::var("SK_TEST_NPROC").map_or(2, |n| n.parse().unwrap());
+    let mut options = speedkit::launcher::LaunchOptions::new(ranks, command);
     // One launcher per machine, one rank each (`processes::run_node_launchers`).
     if let Ok(nodes) = std::env::var("SK_TEST_NNODES") {
         let var = |name: &str| std::env::var(name).unwrap().parse::<usize>().unwrap();

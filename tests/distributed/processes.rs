@@ -32,28 +32,41 @@ pub fn scratch(name: &str) -> PathBuf {
     dir
 }
 
-/// Runs the launcher for `scenario`; fails the test instead of hanging if it never ends.
+/// Runs the launcher of two ranks for `scenario`; fails the test instead of hanging if it never
+/// ends.
 pub fn run_launcher(scenario: &str, out: &Path) -> Output {
     run_launcher_of(scenario, out, None)
 }
 
+/// [`run_launcher`] with `ranks` ranks.
+pub fn run_launcher_of_ranks(scenario: &str, out: &Path, ranks: usize) -> Output {
+    let child = launcher_command(scenario, out)
+        .env("SK_TEST_NPROC", ranks.to_string())
+        .spawn()
+        .unwrap();
+    wait_bounded(child, Duration::from_secs(120))
+}
+
 /// [`run_launcher`], of `command` instead of this executable's `dist_worker` when given.
 pub fn run_launcher_of(scenario: &str, out: &Path, command: Option<&[String]>) -> Output {
-    let exe = std::env::current_exe().unwrap();
-    let mut launcher = Command::new(exe);
+    let mut launcher = launcher_command(scenario, out);
     if let Some(command) = command {
         launcher.env("SK_TEST_COMMAND", command.join("\n"));
     }
-    let child = launcher
+    wait_bounded(launcher.spawn().unwrap(), Duration::from_secs(120))
+}
+
+/// This executable's `dist_launcher` for `scenario`, its output piped.
+fn launcher_command(scenario: &str, out: &Path) -> Command {
+    let mut launcher = Command::new(std::env::current_exe().unwrap());
+    launcher
         .args(LAUNCHER_ARGS)
         .env("SK_TEST_SCENARIO", scenario)
         .env("SK_TEST_OUT", out)
         .env_remove("MASTER_PORT")
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    wait_bounded(child, Duration::from_secs(120))
+        .stderr(Stdio::piped());
+    launcher
 }
 
 /// `nodes` launchers of one rank each, as on `nodes` machines (`speedkit launch --nnodes N

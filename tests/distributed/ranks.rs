@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::fixture::{adamw, config, data, model, PER_RANK_BATCH, STEPS, WORLD};
+use crate::fixture::{adamw, config, data, model, rows_of, GLOBAL_BATCH, STEPS, WORLD};
 use speedkit::config::{AllReduce, DistributedBackend, SpeedConfig};
 use speedkit::dist::LaunchEnv;
 use speedkit::{apply_speedups, SpeedkitError};
@@ -12,6 +12,7 @@ use tch::{Device, Tensor};
 pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
     let env = LaunchEnv::from_env()?;
     let rank = env.as_ref().map_or(0, |e| e.rank);
+    let world = env.as_ref().map_or(1, |e| e.world_size) as i64;
     if scenario == "fail_before_joining" && rank == 1 {
         std::process::exit(3);
     }
@@ -60,9 +61,8 @@ pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
         STEPS
     };
     for step in 0..steps {
-        let start = (step % STEPS) * WORLD * PER_RANK_BATCH + rank as i64 * PER_RANK_BATCH;
-        let xb = x.narrow(0, start, PER_RANK_BATCH);
-        let yb = y.narrow(0, start, PER_RANK_BATCH);
+        let xb = rows_of(&x, step % STEPS, rank as i64, world);
+        let yb = rows_of(&y, step % STEPS, rank as i64, world);
         let loss = ctx.autocast(|| net.forward(&xb).mse_loss(&yb, tch::Reduction::Mean));
         if scenario == "drift" && rank == 1 && step == 3 {
             // An edit outside the step, on one rank only: the next check must catch it.
@@ -142,9 +142,8 @@ fn train_nccl_rank(rank: usize, out: &Path, variant: &str) -> Result<(), Speedki
         Ok(Some(loss))
     });
     for s in 0..STEPS {
-        let start = s * WORLD * PER_RANK_BATCH + rank as i64 * PER_RANK_BATCH;
-        let xb = x.narrow(0, start, PER_RANK_BATCH).to_device(device);
-        let yb = y.narrow(0, start, PER_RANK_BATCH).to_device(device);
+        let xb = rows_of(&x, s, rank as i64, WORLD).to_device(device);
+        let yb = rows_of(&y, s, rank as i64, WORLD).to_device(device);
         step.run(&[&xb, &yb])?;
     }
     println!(
@@ -171,8 +170,9 @@ fn train_accelerated(
         .build(vs, 0.1)
         .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
     for step in 0..STEPS {
-        let xb = x.narrow(0, step * PER_RANK_BATCH, PER_RANK_BATCH);
-        let yb = y.narrow(0, step * PER_RANK_BATCH, PER_RANK_BATCH);
+        let rows = GLOBAL_BATCH / WORLD;
+        let xb = x.narrow(0, step * rows, rows);
+        let yb = y.narrow(0, step * rows, rows);
         #[speedkit::forward]
         let loss = net.forward(&xb).mse_loss(&yb, tch::Reduction::Mean);
         opt.backward_step(&loss);

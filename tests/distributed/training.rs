@@ -1,8 +1,10 @@
 //! Ranks train to equal parameters, equal to one process's, over Gloo and NCCL, sharded or not.
 
 use crate::common;
-use crate::fixture::{adamw, config, data, model, PER_RANK_BATCH, STEPS, WORLD};
-use crate::processes::{load, run_launcher, run_node_launchers, scratch, text};
+use crate::fixture::{adamw, config, data, model, GLOBAL_BATCH, STEPS, WORLD};
+use crate::processes::{
+    load, run_launcher, run_launcher_of_ranks, run_node_launchers, scratch, text,
+};
 use speedkit::apply_speedups;
 use tch::nn::{self, Module};
 use tch::{Device, Tensor};
@@ -71,7 +73,7 @@ fn two_launchers_of_one_rank_each_train_as_one_process() {
         assert!(output.status.success(), "node {node}: {log}");
         assert!(log.contains(&format!("[rank {node}] step 5 done")), "{log}");
     }
-    assert_every_rank_matches(&out, &single, 1e-5);
+    assert_every_rank_matches(&out, WORLD, &single, 1e-5);
 }
 
 #[test]
@@ -89,7 +91,7 @@ fn a_sharded_optimizer_trains_as_one_process_with_half_the_state_on_each_rank() 
         "{log}"
     );
     // Every step's replica check passed; now both ranks' saved parameters against one process.
-    assert_every_rank_matches(&out, &single, 1e-5);
+    assert_every_rank_matches(&out, WORLD, &single, 1e-5);
     for (step, reference) in norms.iter().enumerate() {
         for rank in 0..WORLD {
             let (prefix, line) = (format!("[rank {rank}] "), format!("gradient norm {step}: "));
@@ -107,9 +109,29 @@ fn a_sharded_optimizer_trains_as_one_process_with_half_the_state_on_each_rank() 
             );
         }
     }
-    // AdamW keeps two moments per parameter: each rank keeps them for its half.
+    assert_each_rank_holds_its_share_of_the_state(&log, WORLD);
+}
+
+#[test]
+fn four_ranks_train_as_one_process_with_a_quarter_of_the_state_each() {
+    let single = single_process_reference();
+    let out = scratch("four-sharded");
+    let output = run_launcher_of_ranks("train_sharded", &out, 4);
+    let log = text(&output);
+    assert!(output.status.success(), "{log}");
+    assert!(log.contains("rank 0 of 4 over gloo"), "{log}");
+    assert!(log.contains("optimizer state sharded (ZeRO-1)"), "{log}");
+    // Each rank trained on a quarter of the global batch the one process trained on.
+    assert_every_rank_matches(&out, 4, &single, 1e-5);
+    assert_each_rank_holds_its_share_of_the_state(&log, 4);
+}
+
+/// AdamW keeps two moments per parameter: each of `ranks` sharded ranks keeps them for its
+/// 1/`ranks` of the parameters, and every parameter, as its log's memory line says.
+fn assert_each_rank_holds_its_share_of_the_state(log: &str, ranks: i64) {
     let whole = single_process_state_bytes();
-    for rank in 0..WORLD {
+    let share = whole.state / ranks as u64;
+    for rank in 0..ranks {
         let held = log
             .lines()
             .find_map(|l| l.strip_prefix(&format!("[rank {rank}] optimizer holds ")))
@@ -117,10 +139,9 @@ fn a_sharded_optimizer_trains_as_one_process_with_half_the_state_on_each_rank() 
         let numbers: Vec<u64> = held.split(' ').filter_map(|w| w.parse().ok()).collect();
         let (parameters, state) = (numbers[0], numbers[1]);
         assert_eq!(parameters, whole.parameters, "{held}");
-        let half = whole.state / WORLD as u64;
         assert!(
-            state.abs_diff(half) < half / 50,
-            "rank {rank} keeps {state} state bytes, half the whole is {half}"
+            state.abs_diff(share) < share / 25,
+            "rank {rank} keeps {state} state bytes, 1/{ranks} of the whole is {share}"
         );
     }
 }
@@ -158,7 +179,7 @@ fn single_process_reference_and_norms() -> (Vec<(String, Tensor)>, Vec<f64>) {
     let mut opt = ctx.adamw(&vs, adamw()).unwrap();
     let mut norms = Vec::new();
     for step in 0..STEPS {
-        let rows = WORLD * PER_RANK_BATCH;
+        let rows = GLOBAL_BATCH;
         let (xb, yb) = (
             x.narrow(0, step * rows, rows),
             y.narrow(0, step * rows, rows),
@@ -205,7 +226,7 @@ fn two_launchers_of_one_gpu_each_train_as_one_process_over_nccl_sockets() {
         );
         assert!(log.contains("graphed: true (no fallback)"), "{log}");
     }
-    assert_every_rank_matches(&out, &single, 1e-4);
+    assert_every_rank_matches(&out, WORLD, &single, 1e-4);
 }
 
 #[test]
@@ -270,8 +291,13 @@ fn nccl_ranks_match_one_process_eager_on_the_reducer_and_graphed_on_speedkits_al
 }
 
 /// Every rank's saved parameters (`rank<R>.ot` in `out`) within `tolerance` of one process's.
-fn assert_every_rank_matches(out: &std::path::Path, single: &[(String, Tensor)], tolerance: f64) {
-    for rank in 0..WORLD {
+fn assert_every_rank_matches(
+    out: &std::path::Path,
+    ranks: i64,
+    single: &[(String, Tensor)],
+    tolerance: f64,
+) {
+    for rank in 0..ranks {
         let distributed = load(&out.join(format!("rank{rank}.ot")));
         for ((name, d), (_, s)) in distributed.iter().zip(single) {
             let err = common::rel_err(d, s);
