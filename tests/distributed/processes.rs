@@ -79,22 +79,15 @@ pub fn run_node_launchers(
     env: &[(&str, &str)],
     node_env: impl Fn(usize) -> Vec<(&'static str, String)>,
 ) -> Vec<Output> {
-    let exe = std::env::current_exe().unwrap();
     let port = free_port();
     let launchers: Vec<Child> = (0..nodes)
         .map(|node| {
-            Command::new(&exe)
+            launcher_command(scenario, out)
                 .envs(env.iter().copied())
                 .envs(node_env(node))
-                .args(LAUNCHER_ARGS)
-                .env("SK_TEST_SCENARIO", scenario)
-                .env("SK_TEST_OUT", out)
                 .env("SK_TEST_NNODES", nodes.to_string())
                 .env("SK_TEST_NODE_RANK", node.to_string())
                 .env("SK_TEST_MASTER_PORT", port.to_string())
-                .env_remove("MASTER_PORT")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
                 .spawn()
                 .unwrap()
         })
