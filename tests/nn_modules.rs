@@ -1,9 +1,6 @@
 //! speedkit::nn's drop-in modules on the ATen path (the CPU, or kernels off) equal tch's own ops,
 //! keep tch's parameter names, and handle the shapes the kernels must never get wrong.
 
-mod common;
-
-use speedkit::kernels::{KernelNote, KernelOp, NoteMark, Outcome};
 use speedkit::nn::{cross_entropy, embedding, layer_norm, Linear, Mlp};
 use tch::nn::{self, Module};
 use tch::{Device, Kind, Tensor};
@@ -91,58 +88,6 @@ fn cross_entropy_on_the_cpu_equals_tch_with_ignored_rows() {
     loss.backward();
     want.backward();
     assert!(logits.grad().equal(&reference.grad()));
-}
-
-/// The one note of `op` falling back for a CPU tensor since `mark`: there must be exactly one, and
-/// it counts the calls.
-fn cpu_fallback_count(mark: &NoteMark, op: KernelOp) -> u64 {
-    let notes: Vec<KernelNote> = mark
-        .since()
-        .into_iter()
-        .filter(|n| {
-            n.op == op && matches!(&n.outcome, Outcome::FellBack(r) if r.contains("not on cpu"))
-        })
-        .collect();
-    assert_eq!(notes.len(), 1, "{notes:?}");
-    notes[0].count
-}
-
-#[test]
-fn fallbacks_are_noted_once_with_their_reason_and_counted() {
-    let _serial = common::serial();
-    let vs = nn::VarStore::new(Device::Cpu);
-    let ours = layer_norm(vs.root(), 8, Default::default());
-    let mark = NoteMark::now();
-    for _ in 0..3 {
-        let _ = ours.forward(&Tensor::randn([2, 8], CPU));
-    }
-    assert_eq!(cpu_fallback_count(&mark, KernelOp::LayerNorm), 3);
-}
-
-#[test]
-fn kernels_switched_off_say_so() {
-    let _serial = common::serial();
-    let before = speedkit::kernels::set_enabled(false);
-    let vs = nn::VarStore::new(Device::Cpu);
-    let ours = layer_norm(vs.root(), 8, Default::default());
-    let reason = ours.fallback_reason(&Tensor::randn([2, 8], CPU));
-    speedkit::kernels::set_enabled(before);
-    assert!(reason.is_some_and(|r| r.contains("kernels: false")));
-}
-
-#[test]
-fn nothing_is_noted_while_the_kernels_are_switched_off() {
-    let _serial = common::serial();
-    let before = speedkit::kernels::set_enabled(false);
-    let vs = nn::VarStore::new(Device::Cpu);
-    let ours = layer_norm(vs.root(), 13, Default::default());
-    let _ = ours.forward(&Tensor::randn([2, 13], CPU));
-    speedkit::kernels::set_enabled(before);
-    let notes = speedkit::kernels::fallbacks();
-    assert!(
-        !notes.iter().any(|n| n.contains("kernels: false")),
-        "{notes:?}"
-    );
 }
 
 // ----- FP8 quantisation (ATen's composite on the CPU; the fused kernel is in gpu_fp8.rs) ---------
@@ -310,7 +255,6 @@ fn mlp_on_the_cpu_says_why_it_is_not_fused_and_rejects_a_wrong_width() {
 
 #[test]
 fn linear_on_the_cpu_equals_tch_linear_forward_and_backward() {
-    let _serial = common::serial();
     let vs = nn::VarStore::new(Device::Cpu);
     let ours = Linear::new(&(vs.root() / "fc"), 13, 7, true);
     let theirs = nn::Linear {
@@ -331,18 +275,6 @@ fn linear_on_the_cpu_equals_tch_linear_forward_and_backward() {
         .allclose(&theirs.ws.grad(), 1e-5, 1e-5, false));
     let (b, tb) = (ours.bs.as_ref().unwrap(), theirs.bs.as_ref().unwrap());
     assert!(b.grad().allclose(&tb.grad(), 1e-5, 1e-5, false));
-}
-
-#[test]
-fn linear_on_the_cpu_says_once_why_it_runs_aten() {
-    let _serial = common::serial();
-    let vs = nn::VarStore::new(Device::Cpu);
-    let fc = Linear::new(&(vs.root() / "fc"), 8, 4, true);
-    let mark = NoteMark::now();
-    for _ in 0..3 {
-        let _ = fc.forward_t(&Tensor::randn([2, 8], CPU)).unwrap();
-    }
-    assert_eq!(cpu_fallback_count(&mark, KernelOp::Linear), 3);
 }
 
 #[test]
@@ -407,18 +339,6 @@ fn embedding_of_tokens_that_are_not_int64_is_a_misuse_error() {
     let tokens = Tensor::zeros([2, 5], (Kind::Int, Device::Cpu));
     let err = embedding(&tokens, &table, None).unwrap_err();
     assert!(err.to_string().contains("int64"), "{err}");
-}
-
-#[test]
-fn embedding_on_the_cpu_says_once_why_it_runs_aten() {
-    let _serial = common::serial();
-    let table = Tensor::randn([10, 4], CPU);
-    let tokens = Tensor::from_slice(&[1i64, 2]);
-    let mark = NoteMark::now();
-    for _ in 0..3 {
-        let _ = embedding(&tokens, &table, None).unwrap();
-    }
-    assert_eq!(cpu_fallback_count(&mark, KernelOp::Embedding), 3);
 }
 
 #[test]
