@@ -47,6 +47,14 @@ fn benchmark_runner_under_the_launcher_reports_every_rank_and_the_total() {
             medians[0],
             row["measurement"]["median_ms"].as_f64().unwrap()
         );
+        // Collectives are timed from CUDA kernels: a Gloo row on the CPU has no figure (null).
+        for column in ["collectives_ms_per_rank", "exposed_ms_per_rank"] {
+            assert_eq!(
+                dp[column],
+                serde_json::json!([null, null]),
+                "{name}: {column}"
+            );
+        }
         let items = row["measurement"]["items_per_step"][0].as_f64().unwrap();
         let t = &dp["throughput"];
         let per_rank: Vec<f64> = serde_json::from_value(t["per_rank"].clone()).unwrap();

@@ -23,7 +23,7 @@ pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
         return run_bench_rank(out, scenario == "bench_runner_peer");
     }
     if let Some(variant) = scenario.strip_prefix("nccl_") {
-        return train_nccl_rank(rank, out, variant);
+        return train_nccl_rank(rank, world, out, variant);
     }
     let bucket_mb = if scenario == "mismatched_config" && rank == 1 {
         2
@@ -102,7 +102,12 @@ pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
 /// `after_backward` (graphed, all-reduced after the backward pass), `reducer` (graphs on auto, the
 /// Reducer asked for: eager), `bf16` (graphed, gradients sent in bf16), `sharded` (graphed, the
 /// optimizer state sharded: gradients reduce-scattered, parameters all-gathered).
-fn train_nccl_rank(rank: usize, out: &Path, variant: &str) -> Result<(), SpeedkitError> {
+fn train_nccl_rank(
+    rank: usize,
+    world: i64,
+    out: &Path,
+    variant: &str,
+) -> Result<(), SpeedkitError> {
     use speedkit::config::{AutoBool, GradientCompression, MatmulPrecisionChoice, Precision};
     let mut config = SpeedConfig::auto();
     config.precision = Precision::Fp32;
@@ -142,8 +147,8 @@ fn train_nccl_rank(rank: usize, out: &Path, variant: &str) -> Result<(), Speedki
         Ok(Some(loss))
     });
     for s in 0..STEPS {
-        let xb = rows_of(&x, s, rank as i64, WORLD).to_device(device);
-        let yb = rows_of(&y, s, rank as i64, WORLD).to_device(device);
+        let xb = rows_of(&x, s, rank as i64, world).to_device(device);
+        let yb = rows_of(&y, s, rank as i64, world).to_device(device);
         step.run(&[&xb, &yb])?;
     }
     println!(

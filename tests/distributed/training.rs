@@ -229,9 +229,19 @@ fn two_launchers_of_one_gpu_each_train_as_one_process_over_nccl_sockets() {
     assert_every_rank_matches(&out, WORLD, &single, 1e-4);
 }
 
+/// Every CUDA device of the machine trains as one rank (as many as divide the global batch).
+fn nccl_ranks() -> i64 {
+    let devices = tch::Cuda::device_count();
+    (2..=devices)
+        .rev()
+        .find(|n| GLOBAL_BATCH % n == 0)
+        .unwrap_or(0)
+}
+
 #[test]
 fn nccl_ranks_match_one_process_eager_on_the_reducer_and_graphed_on_speedkits_all_reduce() {
-    if tch::Cuda::device_count() < 2 {
+    let ranks = nccl_ranks();
+    if ranks < 2 {
         eprintln!(
             "skipped nccl_ranks_match_one_process_eager_on_the_reducer_and_graphed_on_speedkits_\
              all_reduce: needs 2 CUDA devices"
@@ -259,34 +269,40 @@ fn nccl_ranks_match_one_process_eager_on_the_reducer_and_graphed_on_speedkits_al
         ("sharded", true, "optimizer state sharded (ZeRO-1)", 1e-4),
     ] {
         let out = scratch(&format!("nccl-{variant}"));
-        let output = run_launcher(&format!("nccl_{variant}"), &out);
+        let output = run_launcher_of_ranks(&format!("nccl_{variant}"), &out, ranks as usize);
         let log = text(&output);
         assert!(output.status.success(), "{log}");
         assert!(log.contains("over nccl"), "{log}");
+        assert!(
+            log.contains(&format!("rank 0 of {ranks}")),
+            "{variant}: {log}"
+        );
         assert!(log.contains(all_reduce), "{variant}: {log}");
         // (libtest's own "test dist_worker ... " may precede the line: the ranks run --nocapture.)
         assert_eq!(
             log.matches(&format!("graphed: {graphed} (no fallback)"))
                 .count(),
-            2,
+            ranks as usize,
             "{variant}: {log}"
         );
         println!(
-            "{variant}: {}",
+            "{variant} on {ranks} ranks: {}",
             log.lines()
                 .filter(|l| l.contains("graphed:"))
                 .collect::<Vec<_>>()
                 .join(" | ")
         );
-        let (a, b) = (load(&out.join("rank0.ot")), load(&out.join("rank1.ot")));
-        for (((name, pa), (_, pb)), (_, ps)) in a.iter().zip(&b).zip(&single) {
-            assert!(pa.equal(pb), "{variant}: {name} differs between the ranks");
-            let err = common::rel_err(pa, ps);
-            assert!(
-                err < tolerance,
-                "{variant}: {name}: relative difference {err:e}"
-            );
+        let first = load(&out.join("rank0.ot"));
+        for rank in 1..ranks {
+            let other = load(&out.join(format!("rank{rank}.ot")));
+            for ((name, a), (_, b)) in first.iter().zip(&other) {
+                assert!(
+                    a.equal(b),
+                    "{variant}: {name} differs between ranks 0 and {rank}"
+                );
+            }
         }
+        assert_every_rank_matches(&out, ranks, &single, tolerance);
     }
 }
 

@@ -62,7 +62,7 @@ use tch::{Device, Tensor};
 use crate::error::SpeedkitError;
 use crate::ffi;
 use crate::graph::CompiledStep;
-use crate::profile::Profile;
+use crate::profile::{Communication, Profile};
 use crate::SpeedContext;
 use memory::MemoryProbe;
 
@@ -265,6 +265,9 @@ pub struct Measurement {
     pub final_loss: Option<f64>,
     /// Whether the step ran as a replayed CUDA graph.
     pub graphed: bool,
+    /// A data-parallel step's collectives on CUDA, and how much of them the step waited for: the
+    /// median step, by exposed time, of [`COMMUNICATION_STEPS`] profiled after the timed ones.
+    pub communication: Option<Communication>,
     /// Timing method: `cuda-events` or `host-clock`.
     pub timer: &'static str,
 }
@@ -295,6 +298,10 @@ pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     let rank = ((p / 100.0) * (sorted.len() - 1) as f64).round() as usize;
     sorted[rank.min(sorted.len() - 1)]
 }
+
+/// Steps profiled after a data-parallel run's timed steps on CUDA, for its
+/// [`communication`](Measurement::communication).
+pub const COMMUNICATION_STEPS: usize = 3;
 
 /// Hands a workload its size, device and context, and measures its step.
 pub struct Bencher<'a> {
@@ -422,25 +429,36 @@ impl<'a> Bencher<'a> {
         R: IntoStepResult,
     {
         let ctx = self.ctx;
-        if ctx.plan().compile_graphs {
+        let profile_steps = self.profile_steps.or_else(|| {
+            let data_parallel = ctx.process_group().is_some() && ctx.plan().cuda_index().is_some();
+            data_parallel.then_some(COMMUNICATION_STEPS)
+        });
+        let (mut measurement, profile) = if ctx.plan().compile_graphs {
             let mut compiled = CompiledStep::new(ctx, || {
                 step()
                     .into_step_result()
                     .map_err(|e| SpeedkitError::Graph(e.to_string()))
             });
             let m = self.measure(|| compiled.run().map_err(BenchError::from))?;
-            self.measurement = Some(Measurement {
+            let m = Measurement {
                 graphed: compiled.is_graphed(),
                 ..m
-            });
-            if let Some(steps) = self.profile_steps {
-                self.profile = Some(ctx.profile(steps, || compiled.run())?);
-            }
+            };
+            let profile = profile_steps
+                .map(|steps| ctx.profile(steps, || compiled.run()))
+                .transpose()?;
+            (m, profile)
         } else {
-            self.measurement = Some(self.measure(|| step().into_step_result())?);
-            if let Some(steps) = self.profile_steps {
-                self.profile = Some(profile_eager(ctx, steps, &mut step)?);
-            }
+            let m = self.measure(|| step().into_step_result())?;
+            let profile = profile_steps
+                .map(|steps| profile_eager(ctx, steps, &mut step))
+                .transpose()?;
+            (m, profile)
+        };
+        measurement.communication = profile.as_ref().and_then(median_communication);
+        self.measurement = Some(measurement);
+        if self.profile_steps.is_some() {
+            self.profile = profile;
         }
         Ok(())
     }
@@ -517,6 +535,7 @@ impl<'a> Bencher<'a> {
             memory,
             final_loss,
             graphed: false,
+            communication: None,
             timer: if cuda.is_some() {
                 "cuda-events"
             } else {
@@ -524,6 +543,18 @@ impl<'a> Bencher<'a> {
             },
         })
     }
+}
+
+/// The profiled step with the median exposed communication, where the steps ran collectives.
+fn median_communication(profile: &Profile) -> Option<Communication> {
+    let mut steps: Vec<Communication> = profile
+        .steps
+        .iter()
+        .filter_map(|s| s.communication.clone())
+        .collect();
+    steps.sort_by(|a, b| a.exposed_ms.total_cmp(&b.exposed_ms));
+    let middle = steps.len() / 2;
+    steps.into_iter().nth(middle)
 }
 
 /// Profiles an eager workload step, handing back the step's own error if it fails.

@@ -4,7 +4,9 @@
 use std::collections::BTreeMap;
 
 use super::recording::{range_name, StepTiming};
-use super::{shorten_kernel_name, Category, CategoryRow, IdleGaps, OpRow, StepProfile};
+use super::{
+    shorten_kernel_name, Category, CategoryRow, Communication, IdleGaps, OpRow, StepProfile,
+};
 use crate::error::{Result, SpeedkitError};
 use crate::ffi::profiler::ProfilerEvent;
 
@@ -38,6 +40,7 @@ pub(super) fn analyse_step(
         cuda_event_ms: t.cuda_event_ms,
         device_busy_ms: None,
         idle_gaps: None,
+        communication: None,
         peak_memory_bytes: t.peak_memory_bytes,
         rows: Vec::new(),
         categories: Vec::new(),
@@ -52,9 +55,14 @@ pub(super) fn analyse_step(
             .iter()
             .map(|e| (e.start_ns, e.start_ns + e.duration_ns))
             .collect();
-        let (busy_ns, gaps) = busy_and_gaps(intervals);
+        let (busy_ns, gaps) = busy_and_gaps(intervals.clone());
         step.device_busy_ms = Some(busy_ns as f64 / 1e6);
         step.idle_gaps = Some(gaps);
+        let collective: Vec<bool> = device
+            .iter()
+            .map(|e| Category::of(&e.name) == Category::Communication)
+            .collect();
+        step.communication = communication(&intervals, &collective);
         device
             .iter()
             .map(|e| (e.name.clone(), e.duration_ns as f64 / 1e6))
@@ -162,6 +170,33 @@ fn busy_and_gaps(mut intervals: Vec<(u64, u64)>) -> (u64, IdleGaps) {
     (busy, gaps)
 }
 
+/// The collectives among `intervals` (`collective[i]` says whether interval `i` is one) and the
+/// time they ran with nothing else beside them: the time of all intervals together less that of
+/// the others. `None` where there is no collective.
+fn communication(intervals: &[(u64, u64)], collective: &[bool]) -> Option<Communication> {
+    let pick = |want: bool| -> Vec<(u64, u64)> {
+        intervals
+            .iter()
+            .zip(collective)
+            .filter(|&(_, &c)| c == want)
+            .map(|(&i, _)| i)
+            .collect()
+    };
+    let collectives = pick(true);
+    if collectives.is_empty() {
+        return None;
+    }
+    let calls = collectives.len();
+    let (all_ns, _) = busy_and_gaps(intervals.to_vec());
+    let (others_ns, _) = busy_and_gaps(pick(false));
+    let (collectives_ns, _) = busy_and_gaps(collectives);
+    Some(Communication {
+        calls,
+        busy_ms: collectives_ns as f64 / 1e6,
+        exposed_ms: all_ns.saturating_sub(others_ns) as f64 / 1e6,
+    })
+}
+
 /// Each op's duration minus the durations of the ops directly nested in it (same thread), so that
 /// `aten::linear` is not counted again inside its `aten::addmm`.
 fn self_times(ops: &[&ProfilerEvent]) -> Vec<u64> {
@@ -229,6 +264,21 @@ mod tests {
         assert_eq!(gaps.count, 2);
         assert!((gaps.total_ms - 15e-6).abs() < 1e-12);
         assert!((gaps.largest_ms - 10e-6).abs() < 1e-12);
+    }
+
+    #[test]
+    fn collectives_are_exposed_only_where_no_other_kernel_runs() {
+        // A collective at 10..40 beside compute at 0..20 and 30..35, another alone at 50..60.
+        let intervals = [(0, 20), (10, 40), (30, 35), (50, 60)];
+        let c = communication(&intervals, &[false, true, false, true]).unwrap();
+        assert_eq!(c.calls, 2);
+        assert!((c.busy_ms - 40e-6).abs() < 1e-12);
+        assert!((c.exposed_ms - 25e-6).abs() < 1e-12, "{c:?}");
+    }
+
+    #[test]
+    fn a_step_without_collectives_has_no_communication() {
+        assert!(communication(&[(0, 10)], &[false]).is_none());
     }
 
     #[test]

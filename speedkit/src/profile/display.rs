@@ -44,6 +44,13 @@ impl fmt::Display for StepProfile {
                 g.largest_ms * 1e3
             );
         }
+        if let Some(c) = &self.communication {
+            let _ = write!(
+                head,
+                ", collectives {:.3} ms ({:.3} ms exposed)",
+                c.busy_ms, c.exposed_ms
+            );
+        }
         if let Some(peak) = self.peak_memory_bytes {
             let _ = write!(head, ", peak memory {}", format_bytes(peak));
         }

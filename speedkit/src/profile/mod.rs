@@ -97,6 +97,30 @@ pub struct IdleGaps {
     pub largest_ms: f64,
 }
 
+/// The collectives of a step between ranks (NCCL kernels) and how much of their time the step
+/// waited for: what data parallelism costs beyond the single-GPU step.
+///
+/// ```no_run
+/// # fn f(profile: &speedkit::profile::Profile) {
+/// for step in &profile.steps {
+///     if let Some(c) = &step.communication {
+///         println!("collectives {:.3} ms, {:.3} ms exposed", c.busy_ms, c.exposed_ms);
+///     }
+/// }
+/// # }
+/// ```
+#[derive(Clone, Debug, Serialize)]
+pub struct Communication {
+    /// Kernels of the collectives in the step.
+    pub calls: usize,
+    /// Time at least one collective ran, ms.
+    pub busy_ms: f64,
+    /// Of that, the time no other kernel, copy or fill ran beside it, ms: communication not hidden
+    /// under compute, including the wait for a slower rank (a collective's kernel runs until every
+    /// rank joins).
+    pub exposed_ms: f64,
+}
+
 /// One profiled step.
 #[derive(Clone, Debug, Serialize)]
 pub struct StepProfile {
@@ -112,6 +136,8 @@ pub struct StepProfile {
     pub device_busy_ms: Option<f64>,
     /// Idle time between the step's first and last kernel (CUDA only).
     pub idle_gaps: Option<IdleGaps>,
+    /// The collectives between ranks, where the step ran any (CUDA only).
+    pub communication: Option<Communication>,
     /// Peak memory allocated by the caching allocator during the step, bytes (CUDA only).
     pub peak_memory_bytes: Option<u64>,
     /// Kernels (or CPU ops), longest total first.

@@ -22,13 +22,15 @@ pub enum Category {
     Optimizer,
     /// Memory copies, fills and dtype casts.
     Copy,
+    /// Collectives between ranks: NCCL's kernels, and c10d's and Gloo's ops on the CPU.
+    Communication,
     /// Everything else (embedding lookups, indexing, ...).
     Other,
 }
 
 impl Category {
     /// Every category, in table order.
-    pub const ALL: [Category; 8] = [
+    pub const ALL: [Category; 9] = [
         Category::Gemm,
         Category::Attention,
         Category::Normalisation,
@@ -36,6 +38,7 @@ impl Category {
         Category::Reduction,
         Category::Optimizer,
         Category::Copy,
+        Category::Communication,
         Category::Other,
     ];
 
@@ -45,13 +48,17 @@ impl Category {
     /// use speedkit::profile::Category;
     /// assert_eq!(Category::of("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64"), Category::Gemm);
     /// assert_eq!(Category::of("aten::layer_norm"), Category::Normalisation);
+    /// assert_eq!(Category::of("ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)"), Category::Communication);
     /// ```
     pub fn of(name: &str) -> Category {
         let lower = name.to_ascii_lowercase();
         let has = |patterns: &[&str]| patterns.iter().any(|p| lower.contains(p));
         // Order matters: a cuDNN attention kernel also says "wgmma", a layer-norm kernel also
-        // says "norm", an autocast cast is an "elementwise_kernel" running a copy.
-        if has(&[
+        // says "norm", an autocast cast is an "elementwise_kernel" running a copy, an NCCL
+        // all-reduce says "reduce".
+        if has(&["nccl", "c10d::", "gloo"]) {
+            Category::Communication
+        } else if has(&[
             "adam",
             "multi_tensor_apply",
             "_foreach_",
@@ -159,6 +166,7 @@ impl Category {
             Category::Reduction => "reduction",
             Category::Optimizer => "optimizer",
             Category::Copy => "copy",
+            Category::Communication => "communication",
             Category::Other => "other",
         }
     }
@@ -347,6 +355,9 @@ mod tests {
             ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::TensorListMetadata<5>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, 5, (at::native::ADAM_MODE)1, false>, float*, double, double, double, double, double, bool, float const*, float const*>(...)", Category::Optimizer),
             ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda()#7}::operator()() const::{lambda(float)#1}, at::detail::Array<char*, 2>, TrivialOffsetCalculator<1, unsigned int>, TrivialOffsetCalculator<1, unsigned int>, at::native::memory::LoadWithCast<1>, at::native::memory::StoreWithCast<1> >(...)", Category::Copy),
             ("Memset (Device)", Category::Copy),
+            ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", Category::Communication),
+            ("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", Category::Communication),
+            ("c10d::allreduce_", Category::Communication),
             ("void at::native::(anonymous namespace)::indexSelectLargeIndex<float, long, unsigned int, 2, 2, -2, true>(...)", Category::Other),
             ("aten::addmm", Category::Gemm),
             ("aten::mm", Category::Gemm),

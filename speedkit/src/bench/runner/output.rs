@@ -189,11 +189,19 @@ fn data_parallel_table(report: &RunReport) -> String {
         .iter()
         .filter_map(|r| Some((r, r.data_parallel.as_ref()?)))
         .map(|(r, d)| {
-            let medians: Vec<String> = d
-                .median_ms_per_rank
-                .iter()
-                .map(|ms| format!("{ms:.3}"))
-                .collect();
+            let per_rank = |values: &[f64]| -> String {
+                let shown: Vec<String> = values
+                    .iter()
+                    .map(|ms| {
+                        if ms.is_nan() {
+                            "-".into()
+                        } else {
+                            format!("{ms:.3}")
+                        }
+                    })
+                    .collect();
+                shown.join(" ")
+            };
             let rate = |pick: fn(&Throughput) -> f64| {
                 d.throughput
                     .as_ref()
@@ -202,7 +210,9 @@ fn data_parallel_table(report: &RunReport) -> String {
             vec![
                 r.workload.clone(),
                 r.config.clone(),
-                medians.join(" "),
+                per_rank(&d.median_ms_per_rank),
+                per_rank(&d.collectives_ms_per_rank),
+                per_rank(&d.exposed_ms_per_rank),
                 rate(|t| t.per_gpu),
                 rate(|t| t.total),
             ]
@@ -216,10 +226,19 @@ fn data_parallel_table(report: &RunReport) -> String {
             (d.world_size, d.backend.clone())
         });
     format!(
-        "\ndata parallel over {world} ranks ({backend}): median ms of each rank, throughput per \
-         GPU and in total\n{}",
+        "\ndata parallel over {world} ranks ({backend}): each rank's median ms, its ms per step in \
+         collectives and of those exposed (no other kernel beside them; CUDA only), throughput \
+         per GPU and in total\n{}",
         table(
-            &["workload", "config", "median per rank", "per GPU", "total"],
+            &[
+                "workload",
+                "config",
+                "median ms per rank",
+                "collectives ms",
+                "exposed ms",
+                "per GPU",
+                "total"
+            ],
             &rows
         )
     )

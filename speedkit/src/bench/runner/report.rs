@@ -71,6 +71,11 @@ pub struct DataParallelRow {
     pub median_ms_per_rank: Vec<f64>,
     /// Items/s per rank, per GPU and in total, when the workload declares its items per step.
     pub throughput: Option<Throughput>,
+    /// Each rank's time in collectives per step, ms (NaN where it has no figure: on the CPU).
+    pub collectives_ms_per_rank: Vec<f64>,
+    /// Of that, each rank's time no other kernel ran beside the collectives, ms: the
+    /// communication its step waited for ([`Communication`](crate::profile::Communication)).
+    pub exposed_ms_per_rank: Vec<f64>,
 }
 
 impl DataParallelRow {
@@ -85,11 +90,18 @@ impl DataParallelRow {
                 .collect();
             Throughput::from_rates(unit, rates)
         });
+        let communication = mine.and_then(|m| m.communication.as_ref());
+        let collectives_ms_per_rank =
+            group.all_gather_f64(communication.map_or(f64::NAN, |c| c.busy_ms))?;
+        let exposed_ms_per_rank =
+            group.all_gather_f64(communication.map_or(f64::NAN, |c| c.exposed_ms))?;
         Ok(Self {
             world_size: group.world_size(),
             backend: group.backend().to_string(),
             median_ms_per_rank,
             throughput,
+            collectives_ms_per_rank,
+            exposed_ms_per_rank,
         })
     }
 }
