@@ -329,3 +329,45 @@ fn state_saved_before_the_first_step_is_what_that_step_starts_from() {
     }
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Three parameters with gradients, `c` in the first part, `a` in the second, `b` in none.
+fn three_parameters_with_gradients() -> (nn::VarStore, [Tensor; 3]) {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let params = ["a", "b", "c"].map(|name| vs.root().ones(name, &[4]));
+    for (i, p) in params.iter().enumerate() {
+        (p * (i as f64 + 1.0)).sum(None).backward();
+    }
+    (vs, params)
+}
+
+#[test]
+fn stepping_in_parts_reads_each_part_only_after_it_is_ready_and_equals_one_step() {
+    use speedkit::amp::ScaledOptimizer;
+    for fused in [false, true] {
+        let (whole_vs, whole) = three_parameters_with_gradients();
+        let mut opt = AdamWOptimizer::new(&whole_vs, config(), fused).unwrap();
+        opt.step().unwrap();
+
+        let (vs, [a, b, c]) = three_parameters_with_gradients();
+        let mut opt = AdamWOptimizer::new(&vs, config(), fused).unwrap();
+        let parts = [vec![c.shallow_clone()], vec![a.shallow_clone()]];
+        let one = Tensor::ones([4], (Kind::Float, Device::Cpu));
+        let mut updated_when_ready = Vec::new();
+        opt.step_in_parts(&parts, &mut |k| {
+            updated_when_ready.push((k, [&a, &b, &c].map(|p| *p != one)));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(
+            updated_when_ready,
+            [(0, [false, false, false]), (1, [false, false, true])],
+            "fused {fused}: a part is updated after its ready, not before"
+        );
+        for (name, (got, want)) in ["a", "b", "c"].iter().zip([&a, &b, &c].iter().zip(&whole)) {
+            assert!(
+                got.equal(want),
+                "fused {fused}: {name} differs from one step"
+            );
+        }
+    }
+}

@@ -55,6 +55,7 @@ fn auto_picks_nccl_and_this_ranks_gpu_under_a_launcher() {
     assert_eq!(settings.backend, Backend::Nccl);
     assert_eq!(settings.bucket_bytes, 25 << 20);
     assert!(decision(&plan).contains("rank 1 of 2"));
+    assert!(decision(&plan).contains("its stream at high priority"));
 }
 
 #[test]
@@ -256,4 +257,50 @@ fn the_optimizer_state_is_whole_unless_the_config_shards_it() {
         Plan::resolve_launched(&SpeedConfig::auto(), &two_h200(), Some(&rank(0, 2))).unwrap();
     assert!(!plan.distributed.as_ref().unwrap().shard_optimizer);
     assert!(!plan.decisions.iter().any(|d| d.key == "optimizer_state"));
+}
+
+fn optimizer_step(plan: &Plan) -> (bool, String) {
+    let d = plan
+        .decisions
+        .iter()
+        .find(|d| d.key == "optimizer_step")
+        .unwrap();
+    (
+        plan.distributed.as_ref().unwrap().overlap_optimizer,
+        format!("{}: {}", d.value, d.reason),
+    )
+}
+
+#[test]
+fn the_optimizer_steps_each_bucket_as_it_lands_under_speedkits_all_reduce() {
+    let plan =
+        Plan::resolve_launched(&SpeedConfig::auto(), &two_h200(), Some(&rank(0, 2))).unwrap();
+    let (on, why) = optimizer_step(&plan);
+    assert!(on, "{why}");
+    assert!(
+        why.starts_with("as buckets land: speedkit's AdamW"),
+        "{why}"
+    );
+}
+
+#[test]
+fn the_optimizer_steps_after_all_buckets_under_the_reducer_a_sharded_optimizer_or_the_config() {
+    let mut reducer = SpeedConfig::auto();
+    reducer.distributed.all_reduce = AllReduce::Reducer;
+    reducer.compile.enabled = speedkit::config::AutoBool::Off;
+    let mut sharded = SpeedConfig::auto();
+    sharded.distributed.shard_optimizer = true;
+    let mut off = SpeedConfig::auto();
+    off.distributed.overlap_optimizer = false;
+    for (config, reason) in [
+        (reducer, "c10d's Reducer"),
+        (sharded, "sharded optimizer"),
+        (off, "set in the config"),
+    ] {
+        let plan = Plan::resolve_launched(&config, &two_h200(), Some(&rank(0, 2))).unwrap();
+        let (on, why) = optimizer_step(&plan);
+        assert!(!on, "{why}");
+        assert!(why.starts_with("after all buckets: "), "{why}");
+        assert!(why.contains(reason), "{why}");
+    }
 }

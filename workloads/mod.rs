@@ -27,11 +27,13 @@ use speedkit_suite::REFERENCE_ADAMW;
 use tch::nn::VarStore;
 use tch::Tensor;
 
-/// Times one full training step per call, as `docs/workloads.md` defines it: `zero_grad` → forward
-/// and loss (`loss()`, under the plan's autocast) → backward (scaled when the plan has a GradScaler)
-/// → AdamW step over `vs` (fused or foreach as the plan says). Under `speedkit launch` every rank
-/// trains its replica data-parallel: `vs` takes rank 0's values and its gradients are averaged
-/// across ranks in each backward (a single process: nothing changes).
+/// Times one full training step per call, as `docs/workloads.md` defines it: forward and loss
+/// (`loss()`, under the plan's autocast) → `zero_grad` → backward (scaled when the plan has a
+/// GradScaler) → AdamW step over `vs` (fused or foreach as the plan says), the last three through
+/// `SpeedContext::backward_step`, as a user's step. Under `speedkit launch` every rank trains its
+/// replica data-parallel: `vs` takes rank 0's values and its gradients are averaged across ranks in
+/// each backward, the optimizer stepping each bucket as it lands (a single process: nothing
+/// changes).
 ///
 /// The step reads nothing on the host and returns the loss tensor, so the runner can capture it
 /// as a CUDA graph when the plan enables graphs; `loss` must use static tensors made beforehand.
@@ -44,10 +46,8 @@ fn train_step(
     ctx.data_parallel(vs)?;
     let mut opt = ctx.adamw(vs, REFERENCE_ADAMW)?;
     b.run(|| -> speedkit::Result<Tensor> {
-        opt.zero_grad()?;
         let loss = ctx.autocast(&mut loss)?;
-        ctx.backward(&loss)?;
-        ctx.step(&mut opt)?;
+        ctx.backward_step(&loss, &mut opt)?;
         Ok(loss)
     })?;
     Ok(())

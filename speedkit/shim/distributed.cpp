@@ -76,7 +76,10 @@ c10::intrusive_ptr<c10d::Backend> make_nccl(const c10::intrusive_ptr<c10d::Store
                                             int world, int local_rank,
                                             std::chrono::milliseconds timeout) {
   c10::cuda::set_device(static_cast<c10::DeviceIndex>(local_rank));
-  auto options = c10d::ProcessGroupNCCL::Options::create();
+  // NCCL's stream at high priority: a collective issued during the backward pass or beside the
+  // optimizer step gets its thread blocks scheduled ahead of the compute kernels' waiting blocks,
+  // rather than after a whole grid of them (TORCH_NCCL_HIGH_PRIORITY=1 does the same in PyTorch).
+  auto options = c10d::ProcessGroupNCCL::Options::create(/*is_high_priority_stream=*/true);
   options->timeout = timeout;
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, world, options);
 }

@@ -209,8 +209,10 @@ void finish_whole(GradientSync& sync, GradientBucket& b) {
   for (size_t i = 0; i < b.params.size(); ++i) b.params[i].mutable_grad() = views[i];
 }
 
-// Joins a started all-reduce (or reduce-scatter) into the current stream and finishes the average.
+// Joins a started all-reduce (or reduce-scatter) into the current stream and finishes the average;
+// nothing for a bucket joined already.
 void finish(GradientSync& sync, GradientBucket& b) {
+  if (!b.work) return;
   wait(b.work);
   b.work.reset();
   if (sync.sharded) {
@@ -267,9 +269,8 @@ void arm(GradientSync& sync) {
 }
 
 // Armed: fills in what did not arrive (a parameter the loss does not reach: zeros, or a gradient
-// set by hand), starts the rest and joins everything. Unarmed: the same from the gradients as
-// they are.
-void run(GradientSync& sync) {
+// set by hand) and starts the rest. Unarmed: the same from the gradients as they are.
+void start_rest(GradientSync& sync) {
   std::lock_guard<std::mutex> lock(sync.mutex);
   if (!sync.armed) {
     for (GradientBucket& b : sync.buckets) b.arrived.assign(b.params.size(), false);
@@ -299,6 +300,16 @@ void run(GradientSync& sync) {
     start(sync, b);
   }
   sync.next = sync.buckets.size();
+}
+
+// Joins bucket `k` (every bucket where `k` is negative) into the current stream.
+void join(GradientSync& sync, int64_t k) {
+  std::lock_guard<std::mutex> lock(sync.mutex);
+  TORCH_CHECK(k < static_cast<int64_t>(sync.buckets.size()), "no gradient bucket ", k, " of ", sync.buckets.size());
+  if (k >= 0) {
+    finish(sync, sync.buckets[static_cast<size_t>(k)]);
+    return;
+  }
   for (GradientBucket& b : sync.buckets) finish(sync, b);
 }
 
@@ -372,7 +383,27 @@ int sk_grad_sync_new(void* group, const sk_tensor* params, int64_t n, int64_t bu
 
 int sk_grad_sync_arm(void* sync) { SK_TRY(arm(*static_cast<GradientSync*>(sync))) }
 
-int sk_grad_sync_run(void* sync) { SK_TRY(run(*static_cast<GradientSync*>(sync))) }
+int sk_grad_sync_run(void* sync) {
+  SK_TRY({
+    auto* s = static_cast<GradientSync*>(sync);
+    start_rest(*s);
+    join(*s, -1);
+  })
+}
+
+int sk_grad_sync_start(void* sync) { SK_TRY(start_rest(*static_cast<GradientSync*>(sync))) }
+
+int sk_grad_sync_join(void* sync, int64_t bucket) { SK_TRY(join(*static_cast<GradientSync*>(sync), bucket)) }
+
+int sk_grad_sync_bucket_members(void* sync, int64_t bucket, int64_t* params, int64_t capacity, int64_t* count) {
+  SK_TRY({
+    auto* s = static_cast<GradientSync*>(sync);
+    TORCH_CHECK(bucket >= 0 && bucket < static_cast<int64_t>(s->buckets.size()), "no gradient bucket ", bucket);
+    const std::vector<size_t>& index = s->buckets[static_cast<size_t>(bucket)].index;
+    *count = static_cast<int64_t>(index.size());
+    for (int64_t i = 0; i < std::min(capacity, *count); ++i) params[i] = static_cast<int64_t>(index[static_cast<size_t>(i)]);
+  })
+}
 
 int sk_grad_sync_watch_replay(void* sync, int64_t timeout_ms, const char* rank) {
   SK_TRY({

@@ -359,6 +359,15 @@ int sk_grad_sync_arm(void* sync);
 /// stream; afterwards each parameter's gradient is a view of its bucket, the average across the
 /// ranks (a parameter without one gets the average of the others').
 int sk_grad_sync_run(void* sync);
+/// sk_grad_sync_run in two halves, so that work can go between the joins: starts the all-reduces
+/// not started, and joins none.
+int sk_grad_sync_start(void* sync);
+/// Joins bucket `bucket` (every bucket where negative) into the current stream and finishes its
+/// average, as sk_grad_sync_run does; a bucket joined already is left as it is.
+int sk_grad_sync_join(void* sync, int64_t bucket);
+/// The parameters of bucket `bucket` (buckets start in index order), as indices into the list
+/// sk_grad_sync_new was given: at most `capacity` written, *count receives how many there are.
+int sk_grad_sync_bucket_members(void* sync, int64_t bucket, int64_t* params, int64_t capacity, int64_t* count);
 /// After a replay of a CUDA graph that captured the run: ends the process with a message naming
 /// `rank` (and NCCL's communicators aborted) if the replay's work on the current stream is not
 /// done within `timeout_ms`, as c10d's watchdog does for the collectives it launches itself.

@@ -161,6 +161,7 @@ impl SpeedContext {
                 bf16_gradients: settings.bf16_gradients,
                 check_replicas_every: settings.check_replicas_every,
                 shard_optimizer: settings.shard_optimizer,
+                overlap_optimizer: settings.overlap_optimizer,
             },
         )?;
         let how = if dp.in_step() {
@@ -384,6 +385,12 @@ impl SpeedContext {
     /// `loss.backward()`, scaled by the GradScaler when the plan has one. Under data parallelism
     /// the gradients are averaged across ranks when it returns.
     pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        self.backward_joining(loss, true)
+    }
+
+    /// [`backward`](Self::backward); under speedkit's all-reduce, with every bucket joined
+    /// (`join`) or only started, for [`step_as_buckets_land`](Self::step_as_buckets_land).
+    fn backward_joining(&self, loss: &Tensor, join: bool) -> Result<()> {
         let _range = self.nvtx_range(c"speedkit/backward");
         if self.group.is_some() {
             match self.data_parallel.borrow().as_ref() {
@@ -401,7 +408,7 @@ impl SpeedContext {
         }
         let result = self.scaler.scale(loss)?.f_backward().map_err(Into::into);
         let result = result.and_then(|()| match self.data_parallel.borrow().as_ref() {
-            Some(dp) => dp.after_backward(),
+            Some(dp) => dp.after_backward(join),
             None => Ok(()),
         });
         result.map_err(|e: SpeedkitError| match &self.group {
@@ -434,11 +441,49 @@ impl SpeedContext {
             };
             self.scaler.update()?;
         }
-        // A captured step counts when its graph replays (`after_graph_replay`).
+        self.count_optimizer_step()
+    }
+
+    /// Counts an optimizer step for the replicas' check; a captured step counts when its graph
+    /// replays (`after_graph_replay`).
+    fn count_optimizer_step(&self) -> Result<()> {
         if crate::graph::is_capturing() {
             return Ok(());
         }
         self.with_data_parallel(|group, dp| dp.after_optimizer_step(group))
+    }
+
+    /// Whether [`backward_step`](Self::backward_step) leaves the buckets to the optimizer step
+    /// (`distributed.overlap_optimizer`): under speedkit's all-reduce of whole gradients, with no
+    /// GradScaler (which needs every gradient before any step).
+    fn steps_as_buckets_land(&self) -> bool {
+        !self.scaler.is_enabled()
+            && self
+                .data_parallel
+                .borrow()
+                .as_ref()
+                .is_some_and(|dp| dp.landing().is_some())
+    }
+
+    /// The optimizer step after [`backward_joining`](Self::backward_joining) left the buckets
+    /// started: the optimizer waits for each bucket just before it updates that bucket's
+    /// parameters, so the all-reduces still running overlap the update of those that landed.
+    fn step_as_buckets_land<O: ScaledOptimizer + ?Sized>(&self, opt: &mut O) -> Result<()> {
+        {
+            let _range = self.nvtx_range(c"speedkit/optimizer step (as buckets land)");
+            let dp = self.data_parallel.borrow();
+            let Some(sync) = dp.as_ref().and_then(DataParallel::landing) else {
+                return Err(SpeedkitError::Misuse(
+                    "no gradient all-reduce to step beside".into(),
+                ));
+            };
+            let stepped = opt.step_in_parts(sync.bucket_params(), &mut |k| sync.join_bucket(k));
+            // Whatever the optimizer did not wait for (also where it failed): no all-reduce may
+            // outlive the step unjoined.
+            let joined = sync.join_all();
+            stepped.and(joined)?;
+        }
+        self.count_optimizer_step()
     }
 
     /// zero_grad → scale → backward → unscale/inf-check → step → update.
@@ -450,6 +495,10 @@ impl SpeedContext {
         {
             let _range = self.nvtx_range(c"speedkit/zero_grad");
             opt.zero_gradients()?;
+        }
+        if self.steps_as_buckets_land() {
+            self.backward_joining(loss, false)?;
+            return self.step_as_buckets_land(opt);
         }
         self.backward(loss)?;
         self.step(opt)

@@ -45,6 +45,11 @@ pub struct DistributedConfig {
     /// the updated parameters all-gathered, which together send what one all-reduce sends. Needs
     /// speedkit's all-reduce (`all_reduce` other than `reducer`).
     pub shard_optimizer: bool,
+    /// speedkit's AdamW steps each bucket's parameters as soon as that bucket's average lands,
+    /// beside the all-reduces still running, instead of after the last one. Applies to speedkit's
+    /// all-reduce with whole gradients (not `shard_optimizer`) and no GradScaler, which needs
+    /// every gradient before any step.
+    pub overlap_optimizer: bool,
 }
 
 /// How gradients are all-reduced (`distributed.all_reduce`).
@@ -92,6 +97,7 @@ impl Default for DistributedConfig {
             compress: GradientCompression::None,
             check_replicas_every: 1000,
             shard_optimizer: false,
+            overlap_optimizer: true,
         }
     }
 }

@@ -30,6 +30,18 @@ pub trait ScaledOptimizer {
     fn zero_gradients(&mut self) -> Result<()>;
     /// One plain optimizer step.
     fn optimizer_step(&mut self) -> Result<()>;
+    /// One plain step (no GradScaler) over the parameters, whose gradients become ready in
+    /// `parts`, in order: `ready(k)` must be called before any parameter of part `k` is read, and
+    /// may be called as late as that. The default waits for every part, then steps; an optimizer
+    /// that updates parameters in groups can step each part as it lands.
+    fn step_in_parts(
+        &mut self,
+        parts: &[Vec<Tensor>],
+        ready: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        (0..parts.len()).try_for_each(&mut *ready)?;
+        self.optimizer_step()
+    }
     /// Whether [`step_with_device_scaling`](Self::step_with_device_scaling) is supported: the
     /// optimizer unscales by `grad_scale` and skips on `found_inf` on the device.
     fn supports_device_scaling(&self) -> bool {

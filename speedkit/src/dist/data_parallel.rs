@@ -27,7 +27,11 @@ use crate::ffi::distributed::{RawGradientSync, RawReducer};
 /// How a [`DataParallel`] averages gradients.
 enum Averaging {
     Reducer(RawReducer),
-    InStep { sync: GradientSync, overlap: bool },
+    InStep {
+        sync: GradientSync,
+        overlap: bool,
+        overlap_optimizer: bool,
+    },
 }
 
 /// The gradient-averaging state of one model (see the module docs). Made by
@@ -50,6 +54,7 @@ pub(crate) struct AveragingSettings {
     pub bf16_gradients: bool,
     pub check_replicas_every: u64,
     pub shard_optimizer: bool,
+    pub overlap_optimizer: bool,
 }
 
 impl DataParallel {
@@ -86,6 +91,7 @@ impl DataParallel {
                 GradientSync::new(group, &trainable, settings.bucket_bytes, wire)?
             };
             Averaging::InStep {
+                overlap_optimizer: settings.overlap_optimizer && !sync.is_sharded(),
                 sync,
                 overlap: settings.all_reduce == AllReduce::InBackward,
             }
@@ -182,16 +188,33 @@ impl DataParallel {
             Averaging::InStep {
                 sync,
                 overlap: true,
+                ..
             } => sync.overlap_next_backward(),
             Averaging::InStep { overlap: false, .. } => Ok(()),
         }
     }
 
     /// Finishes the averaging of speedkit's all-reduce; called right after the backward pass.
-    pub(crate) fn after_backward(&self) -> Result<()> {
+    /// After the backward pass: every gradient averaged (`join`), or the all-reduces started and
+    /// left for [`landing`](Self::landing)'s optimizer step to join bucket by bucket.
+    pub(crate) fn after_backward(&self, join: bool) -> Result<()> {
         match &self.averaging {
             Averaging::Reducer(_) => Ok(()),
-            Averaging::InStep { sync, .. } => sync.run(),
+            Averaging::InStep { sync, .. } if join => sync.run(),
+            Averaging::InStep { sync, .. } => sync.start_rest(),
+        }
+    }
+
+    /// The gradient all-reduce whose buckets an optimizer may step one by one as they land
+    /// (`distributed.overlap_optimizer`): speedkit's, of whole gradients.
+    pub(crate) fn landing(&self) -> Option<&GradientSync> {
+        match &self.averaging {
+            Averaging::InStep {
+                sync,
+                overlap_optimizer: true,
+                ..
+            } => Some(sync),
+            _ => None,
         }
     }
 
@@ -280,6 +303,8 @@ impl std::fmt::Debug for DataParallel {
 /// ```
 pub struct GradientSync {
     raw: RawGradientSync,
+    /// Each bucket's parameters, in the order the buckets start.
+    bucket_params: Vec<Vec<Tensor>>,
     buckets: i64,
     wire_bytes: i64,
     /// Sharded: the parameters, in order, and the number of ranks.
@@ -324,12 +349,19 @@ impl GradientSync {
         let raw = RawGradientSync::new(group.raw(), params, bucket_bytes.max(1), wire, shard)
             .map_err(failed("gradient all-reduce"))?;
         let (buckets, wire_bytes) = raw.shape()?;
+        let bucket_params = (0..usize::try_from(buckets).unwrap_or(0))
+            .map(|k| {
+                let members = raw.bucket_members(k)?;
+                Ok(members.iter().map(|&i| params[i].shallow_clone()).collect())
+            })
+            .collect::<Result<Vec<Vec<Tensor>>>>()?;
         let sharded = shard.then(|| {
             let params = params.iter().map(Tensor::shallow_clone).collect();
             (params, group.world_size())
         });
         Ok(Self {
             raw,
+            bucket_params,
             buckets,
             wire_bytes,
             sharded,
@@ -362,6 +394,32 @@ impl GradientSync {
     /// Averages the parameters' gradients across the ranks (a collective: every rank calls it).
     pub fn run(&self) -> Result<()> {
         self.raw.run().map_err(failed("gradient all-reduce"))
+    }
+
+    /// [`run`](Self::run)'s first half: starts every all-reduce not started yet, and joins none,
+    /// so that work can go between [`join_bucket`](Self::join_bucket)s.
+    pub fn start_rest(&self) -> Result<()> {
+        self.raw.start().map_err(failed("gradient all-reduce"))
+    }
+
+    /// Makes the current stream wait for bucket `k`'s all-reduce and finishes its average: its
+    /// parameters' gradients are then the average across the ranks. Nothing for a bucket joined
+    /// already.
+    pub fn join_bucket(&self, k: usize) -> Result<()> {
+        self.raw
+            .join(Some(k))
+            .map_err(failed("gradient all-reduce"))
+    }
+
+    /// [`join_bucket`](Self::join_bucket) for every bucket not joined yet.
+    pub fn join_all(&self) -> Result<()> {
+        self.raw.join(None).map_err(failed("gradient all-reduce"))
+    }
+
+    /// Each bucket's parameters, in the order the buckets start and land (the backward pass's:
+    /// the last layers first).
+    pub fn bucket_params(&self) -> &[Vec<Tensor>] {
+        &self.bucket_params
     }
 
     /// After each replay of a CUDA graph that captured [`run`](Self::run) (the caller's duty;

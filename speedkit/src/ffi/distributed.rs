@@ -192,6 +192,44 @@ impl RawGradientSync {
         check(unsafe { abi::sk_grad_sync_run(self.0) })
     }
 
+    /// [`run`](Self::run)'s first half: starts the all-reduces not started, joins none.
+    pub(crate) fn start(&self) -> Result<()> {
+        // SAFETY: live object.
+        check(unsafe { abi::sk_grad_sync_start(self.0) })
+    }
+
+    /// Joins bucket `bucket` into the current stream (every bucket where `None`), its average
+    /// finished; a bucket joined already is left as it is.
+    pub(crate) fn join(&self, bucket: Option<usize>) -> Result<()> {
+        let bucket = bucket.map_or(-1, |b| b as i64);
+        // SAFETY: live object.
+        check(unsafe { abi::sk_grad_sync_join(self.0, bucket) })
+    }
+
+    /// The parameters of bucket `bucket`, as indices into the list the sync was made over.
+    pub(crate) fn bucket_members(&self, bucket: usize) -> Result<Vec<usize>> {
+        let mut count = 0i64;
+        // SAFETY: a live object; capacity 0 writes nothing but the count.
+        check(unsafe {
+            abi::sk_grad_sync_bucket_members(self.0, bucket as i64, ptr::null_mut(), 0, &mut count)
+        })?;
+        let mut members = vec![0i64; usize::try_from(count).unwrap_or(0)];
+        // SAFETY: the buffer holds `members.len()` entries, the capacity passed.
+        check(unsafe {
+            abi::sk_grad_sync_bucket_members(
+                self.0,
+                bucket as i64,
+                members.as_mut_ptr(),
+                members.len() as i64,
+                &mut count,
+            )
+        })?;
+        Ok(members
+            .into_iter()
+            .map(|i| usize::try_from(i).unwrap_or(0))
+            .collect())
+    }
+
     /// After a graph replay: the process ends, naming `rank`, if the replay is not done within
     /// `timeout_ms`.
     pub(crate) fn watch_replay(&self, timeout_ms: i64, rank: &str) -> Result<()> {

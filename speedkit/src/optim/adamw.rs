@@ -1,5 +1,6 @@
 //! [`AdamWOptimizer`]: making it, its learning rates and gradients, and its step.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Weak};
 
 use tch::{nn::VarStore, Device, Tensor};
@@ -280,67 +281,13 @@ impl AdamWOptimizer {
         let _no_grad = tch::no_grad_guard();
         crate::graph::record_gradients(self.params());
         self.make_state()?;
+        let scaling = Scaling {
+            grad_scale,
+            found_inf,
+        };
         for g in &self.groups {
             for b in &g.buckets {
-                // Parameters without a gradient this step are skipped, as in PyTorch.
-                let mut idx = Vec::with_capacity(b.params.len());
-                let mut grads = Vec::with_capacity(b.params.len());
-                for (i, p) in b.params.iter().enumerate() {
-                    let grad = p.grad();
-                    if grad.defined() {
-                        idx.push(i);
-                        grads.push(grad);
-                    }
-                }
-                if grads.is_empty() {
-                    continue;
-                }
-                let state = &b.state;
-                let pick = |v: &[Tensor]| -> Vec<Tensor> {
-                    idx.iter().map(|&i| v[i].shallow_clone()).collect()
-                };
-                let (params, m, v, s);
-                let lists = if idx.len() == b.params.len() {
-                    AdamWLists {
-                        params: &b.params,
-                        grads: &grads,
-                        exp_avgs: &state.exp_avgs,
-                        exp_avg_sqs: &state.exp_avg_sqs,
-                        steps: &state.steps,
-                    }
-                } else {
-                    params = pick(&b.params);
-                    m = pick(&state.exp_avgs);
-                    v = pick(&state.exp_avg_sqs);
-                    s = pick(&state.steps);
-                    AdamWLists {
-                        params: &params,
-                        grads: &grads,
-                        exp_avgs: &m,
-                        exp_avg_sqs: &v,
-                        steps: &s,
-                    }
-                };
-                let hyper = AdamWHyper {
-                    lr: &b.lr,
-                    beta1: self.beta1,
-                    beta2: self.beta2,
-                    weight_decay: g.weight_decay,
-                    eps: self.eps,
-                };
-                if self.fused {
-                    let scale = grad_scale
-                        .map(|t| t.f_to_device(b.lr.device()))
-                        .transpose()?;
-                    let inf = found_inf
-                        .map(|t| t.f_to_device(b.lr.device()))
-                        .transpose()?;
-                    // With speedkit's kernels on, its AdamW kernel updates every parameter in one
-                    // launch (the shim decides); with them off, ATen's fused AdamW.
-                    ffi::optim::fused_adamw_(&lists, &hyper, scale.as_ref(), inf.as_ref())?;
-                } else {
-                    ffi::optim::foreach_adamw_(&lists, &hyper)?;
-                }
+                self.update(g, b, |_| true, &scaling)?;
             }
         }
         match &self.shard {
@@ -348,6 +295,121 @@ impl AdamWOptimizer {
             None => Ok(()),
         }
     }
+
+    /// [`ScaledOptimizer::step_in_parts`]: each part's parameters updated as soon as `ready` says
+    /// their gradients are in, the parameters of no part last. Sharded, every part is waited for
+    /// first (the pieces' gradients come from every bucket).
+    fn step_parts(
+        &mut self,
+        parts: &[Vec<Tensor>],
+        ready: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        if self.shard.is_some() {
+            (0..parts.len()).try_for_each(&mut *ready)?;
+            return self.step_impl(None, None);
+        }
+        let _no_grad = tch::no_grad_guard();
+        self.make_state()?;
+        let part_of: HashMap<usize, usize> = parts
+            .iter()
+            .enumerate()
+            .flat_map(|(k, ps)| ps.iter().map(move |p| (p.data_ptr() as usize, k)))
+            .collect();
+        let part_of = &part_of;
+        let in_part = |want: Option<usize>| {
+            move |p: &Tensor| part_of.get(&(p.data_ptr() as usize)).copied() == want
+        };
+        let scaling = Scaling::default();
+        for k in (0..parts.len()).map(Some).chain([None]) {
+            if let Some(k) = k {
+                ready(k)?;
+            }
+            for g in &self.groups {
+                for b in &g.buckets {
+                    self.update(g, b, in_part(k), &scaling)?;
+                }
+            }
+        }
+        crate::graph::record_gradients(self.params());
+        Ok(())
+    }
+
+    /// One AdamW update of the parameters of bucket `b` (of group `g`) that `selected` picks and
+    /// that have a gradient (as in PyTorch, the others are skipped).
+    fn update(
+        &self,
+        g: &Group,
+        b: &Bucket,
+        selected: impl Fn(&Tensor) -> bool,
+        scaling: &Scaling,
+    ) -> Result<()> {
+        let mut idx = Vec::with_capacity(b.params.len());
+        let mut grads = Vec::with_capacity(b.params.len());
+        for (i, p) in b.params.iter().enumerate() {
+            if !selected(p) {
+                continue;
+            }
+            let grad = p.grad();
+            if grad.defined() {
+                idx.push(i);
+                grads.push(grad);
+            }
+        }
+        if grads.is_empty() {
+            return Ok(());
+        }
+        let state = &b.state;
+        let pick =
+            |v: &[Tensor]| -> Vec<Tensor> { idx.iter().map(|&i| v[i].shallow_clone()).collect() };
+        let (params, m, v, s);
+        let lists = if idx.len() == b.params.len() {
+            AdamWLists {
+                params: &b.params,
+                grads: &grads,
+                exp_avgs: &state.exp_avgs,
+                exp_avg_sqs: &state.exp_avg_sqs,
+                steps: &state.steps,
+            }
+        } else {
+            params = pick(&b.params);
+            m = pick(&state.exp_avgs);
+            v = pick(&state.exp_avg_sqs);
+            s = pick(&state.steps);
+            AdamWLists {
+                params: &params,
+                grads: &grads,
+                exp_avgs: &m,
+                exp_avg_sqs: &v,
+                steps: &s,
+            }
+        };
+        let hyper = AdamWHyper {
+            lr: &b.lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            weight_decay: g.weight_decay,
+            eps: self.eps,
+        };
+        if !self.fused {
+            return ffi::optim::foreach_adamw_(&lists, &hyper);
+        }
+        let on_device = |t: Option<&Tensor>| t.map(|t| t.f_to_device(b.lr.device())).transpose();
+        let (scale, inf) = (
+            on_device(scaling.grad_scale)?,
+            on_device(scaling.found_inf)?,
+        );
+        // With speedkit's kernels on, its AdamW kernel updates every parameter in one launch (the
+        // shim decides); with them off, ATen's fused AdamW.
+        ffi::optim::fused_adamw_(&lists, &hyper, scale.as_ref(), inf.as_ref())
+    }
+}
+
+/// The GradScaler's device tensors for a fused step: the scale to divide the gradients by, and
+/// the flag that skips the step.
+#[derive(Default)]
+struct Scaling<'a> {
+    grad_scale: Option<&'a Tensor>,
+    found_inf: Option<&'a Tensor>,
 }
 
 impl ScaledOptimizer for AdamWOptimizer {
@@ -365,6 +427,13 @@ impl ScaledOptimizer for AdamWOptimizer {
     }
     fn supports_device_scaling(&self) -> bool {
         self.fused
+    }
+    fn step_in_parts(
+        &mut self,
+        parts: &[Vec<Tensor>],
+        ready: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<()> {
+        self.step_parts(parts, ready)
     }
     fn step_with_device_scaling(
         &mut self,

@@ -66,6 +66,8 @@ pub(super) fn resolve_distributed(
         ),
     );
     let all_reduce = resolve_all_reduce(cfg, graphs, d)?;
+    let shard_optimizer = resolve_shard_optimizer(cfg, env.world_size, d);
+    let overlap_optimizer = resolve_overlap_optimizer(cfg, all_reduce, d);
     const MIB: i64 = 1 << 20;
     Ok(Some(DistributedSettings {
         backend,
@@ -76,7 +78,8 @@ pub(super) fn resolve_distributed(
         all_reduce,
         bf16_gradients: cfg.compress == GradientCompression::Bf16,
         check_replicas_every: u64::from(cfg.check_replicas_every),
-        shard_optimizer: resolve_shard_optimizer(cfg, env.world_size, d),
+        shard_optimizer,
+        overlap_optimizer,
     }))
 }
 
@@ -101,7 +104,11 @@ fn resolve_backend(
             );
             return Ok(None);
         }
-        DistributedBackend::Auto if on_cuda => (Backend::Nccl, "CUDA tensors: NCCL"),
+        DistributedBackend::Auto if on_cuda => (
+            Backend::Nccl,
+            "CUDA tensors: NCCL, its stream at high priority so that collectives beside the \
+             backward pass and the optimizer step are scheduled ahead of compute",
+        ),
         DistributedBackend::Auto => (Backend::Gloo, "CPU tensors: Gloo"),
         DistributedBackend::Nccl if !on_cuda => {
             return Err(SpeedkitError::Unsupported(
@@ -110,7 +117,11 @@ fn resolve_backend(
                     .into(),
             ))
         }
-        DistributedBackend::Nccl => (Backend::Nccl, "set in the config"),
+        DistributedBackend::Nccl => (
+            Backend::Nccl,
+            "set in the config; its stream at high priority so that collectives beside the \
+             backward pass and the optimizer step are scheduled ahead of compute",
+        ),
         DistributedBackend::Gloo if on_cuda => {
             return Err(SpeedkitError::Unsupported(
                 "distributed.backend is gloo, but this run is on CUDA, where speedkit drives \
@@ -136,6 +147,48 @@ fn resolve_shard_optimizer(cfg: &DistributedConfig, world_size: usize, d: &mut D
         );
     }
     cfg.shard_optimizer
+}
+
+/// Whether speedkit's AdamW steps each bucket as soon as its average lands, and why: only
+/// speedkit's all-reduce of whole gradients lets it wait for one bucket at a time.
+fn resolve_overlap_optimizer(
+    cfg: &DistributedConfig,
+    all_reduce: AllReduce,
+    d: &mut Decisions,
+) -> bool {
+    let (on, why) = if !cfg.overlap_optimizer {
+        (
+            false,
+            "set in the config: the optimizer steps after the last bucket's all-reduce",
+        )
+    } else if all_reduce == AllReduce::Reducer {
+        (
+            false,
+            "c10d's Reducer joins every bucket before the optimizer step",
+        )
+    } else if cfg.shard_optimizer {
+        (
+            false,
+            "the sharded optimizer steps after the last reduce-scatter, then all-gathers",
+        )
+    } else {
+        (
+            true,
+            "speedkit's AdamW updates each bucket's parameters as soon as that bucket's average \
+             lands, beside the all-reduces still running (under a GradScaler, which needs every \
+             gradient first, and for other optimizers, after the last one)",
+        )
+    };
+    d.push(
+        "optimizer_step",
+        if on {
+            "as buckets land"
+        } else {
+            "after all buckets"
+        },
+        why,
+    );
+    on
 }
 
 /// How gradients are all-reduced, given whether the step is planned as a CUDA graph: speedkit's

@@ -245,6 +245,9 @@ pub struct DistributedSettings {
     /// ZeRO-1: gradients reduce-scattered, each rank's AdamW state covering its part of the
     /// parameters only, and the updated parameters all-gathered.
     pub shard_optimizer: bool,
+    /// speedkit's AdamW steps each bucket's parameters as soon as that bucket's average lands
+    /// (speedkit's all-reduce of whole gradients, no GradScaler).
+    pub overlap_optimizer: bool,
 }
 
 fn serialize_device<S: serde::Serializer>(d: &Device, s: S) -> Result<S::Ok, S::Error> {

@@ -108,7 +108,8 @@ impl DataParallelRow {
 
 /// Version of the layout of [`RunReport`]'s JSON; bumped whenever a field changes meaning or
 /// moves. 2: memory as [`DeviceMemory`](crate::bench::DeviceMemory), baselines and peers (later
-/// additions: `world_size`, rows' `data_parallel`).
+/// additions: `world_size`, rows' `data_parallel` with, later, its `collectives_ms_per_rank` and
+/// `exposed_ms_per_rank`, and the measurement's `communication`).
 pub const REPORT_SCHEMA_VERSION: u32 = 2;
 
 /// The whole run, as written by `--json` and `--save-baseline`.
