@@ -5,7 +5,8 @@
 use speedkit_suite::data;
 use speedkit_suite::models::resnet::channels_last;
 use speedkit_suite::models::{
-    Linear3, Linear3Config, Mlp, MlpConfig, ResNet, ResNetConfig, Transformer, TransformerConfig,
+    Linear3, Linear3Config, LlamaConfig, LlamaTch, Mlp, MlpConfig, ResNet, ResNetConfig,
+    Transformer, TransformerConfig, UnetConfig, UnetTch,
 };
 use std::sync::{Mutex, MutexGuard};
 use tch::nn::{self, OptimizerConfig};
@@ -250,6 +251,131 @@ fn random_batches_are_made_with_seed_zero() {
     assert!(a.equal(&b));
     tch::manual_seed(0);
     assert!(a.equal(&Tensor::randn([4, 8], (Kind::Float, CPU))));
+}
+
+// ----- the unchanged-idiom models of other families: llama_tch and unet_tch -----------------------
+
+/// Trainable parameters of `vs`.
+fn parameter_count(vs: &nn::VarStore) -> i64 {
+    vs.trainable_variables()
+        .iter()
+        .map(Tensor::numel)
+        .sum::<usize>() as i64
+}
+
+#[test]
+fn llama_flops_match_the_reference() {
+    // pytorch_reference.py's Llama.flops at the bench size.
+    assert_eq!(LlamaConfig::bench().flops_per_step(), 7_073_811_136_512.0);
+}
+
+#[test]
+fn unet_flops_match_the_reference() {
+    // pytorch_reference.py's Unet.flops at the bench size.
+    assert_eq!(UnetConfig::bench().flops_per_step(), 1_413_111_349_248.0);
+}
+
+#[test]
+fn llama_has_its_pytorch_twins_parameters_and_learns() {
+    let _rng = serial();
+    let config = LlamaConfig::tiny();
+    let vs = nn::VarStore::new(CPU);
+    let model = LlamaTch::new(&vs.root(), &config).unwrap();
+    // pytorch_reference.py's Llama at the tiny size holds 33,440.
+    assert_eq!(parameter_count(&vs), 33_440);
+    let (tokens, targets) = data::tokens(config.batch, config.seq_len, config.vocab, CPU).unwrap();
+    assert_eq!(
+        model.forward(&tokens).unwrap().size(),
+        [config.batch, config.seq_len, config.vocab]
+    );
+    let initial = model.loss(&tokens, &targets).unwrap().double_value(&[]);
+    let uniform = (config.vocab as f64).ln();
+    assert!(
+        initial > uniform - 0.5 && initial < uniform + 1.5,
+        "{initial} vs ln(vocab) = {uniform}"
+    );
+    assert_learns(&vs, || model.loss(&tokens, &targets).unwrap());
+}
+
+#[test]
+fn llama_is_causal() {
+    let _rng = serial();
+    let config = LlamaConfig::tiny();
+    let vs = nn::VarStore::new(CPU);
+    let model = LlamaTch::new(&vs.root(), &config).unwrap();
+    let (tokens, _) = data::tokens(1, config.seq_len, config.vocab, CPU).unwrap();
+    let last = config.seq_len - 1;
+    let changed = tokens.copy();
+    changed
+        .narrow(1, last, 1)
+        .copy_(&(tokens.narrow(1, last, 1) + 1).remainder(config.vocab));
+    let (a, b) = (
+        model.forward(&tokens).unwrap(),
+        model.forward(&changed).unwrap(),
+    );
+    assert!(!a
+        .narrow(1, last, 1)
+        .allclose(&b.narrow(1, last, 1), 1e-5, 1e-6, false));
+    assert!(a
+        .narrow(1, 0, last)
+        .allclose(&b.narrow(1, 0, last), 1e-5, 1e-6, false));
+}
+
+#[test]
+fn llama_rejects_heads_of_odd_width_and_long_inputs() {
+    let _rng = serial();
+    let vs = nn::VarStore::new(CPU);
+    let odd = LlamaConfig {
+        d_model: 30,
+        heads: 2,
+        ..LlamaConfig::tiny()
+    };
+    let err = LlamaTch::new(&vs.root(), &odd).unwrap_err().to_string();
+    assert!(err.contains("even width"), "{err}");
+    let config = LlamaConfig::tiny();
+    let model = LlamaTch::new(&(vs.root() / "ok"), &config).unwrap();
+    let too_long = Tensor::zeros([1, config.seq_len + 1], (Kind::Int64, CPU));
+    let err = model.forward(&too_long).unwrap_err().to_string();
+    assert!(err.contains("at most 16"), "{err}");
+}
+
+#[test]
+fn unet_has_its_pytorch_twins_parameters_predicts_an_image_and_learns() {
+    let _rng = serial();
+    let config = UnetConfig::tiny();
+    let vs = nn::VarStore::new(CPU);
+    let model = UnetTch::new(&vs.root(), &config).unwrap();
+    // pytorch_reference.py's Unet at the tiny size holds 65,707.
+    assert_eq!(parameter_count(&vs), 65_707);
+    let shape = [
+        config.batch,
+        config.channels,
+        config.image_size,
+        config.image_size,
+    ];
+    let images = Tensor::randn(shape, (Kind::Float, CPU));
+    let noise = Tensor::randn(shape, (Kind::Float, CPU));
+    assert_eq!(model.forward(&images).unwrap().size(), shape);
+    assert_learns(&vs, || model.loss(&images, &noise).unwrap());
+}
+
+#[test]
+fn unet_rejects_widths_the_groups_do_not_divide_and_wrong_images() {
+    let _rng = serial();
+    let vs = nn::VarStore::new(CPU);
+    let bad = UnetConfig {
+        base: 6,
+        ..UnetConfig::tiny()
+    };
+    let err = UnetTch::new(&vs.root(), &bad).unwrap_err().to_string();
+    assert!(err.contains("divisible by the groups"), "{err}");
+    let config = UnetConfig::tiny();
+    let model = UnetTch::new(&(vs.root() / "ok"), &config).unwrap();
+    let err = model
+        .forward(&Tensor::zeros([1, 3, 8, 8], (Kind::Float, CPU)))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("images must be [batch, 3, 16, 16]"), "{err}");
 }
 
 /// A few AdamW steps lower the loss.

@@ -13,6 +13,7 @@
 mod contiguity;
 mod gpt2_tch;
 mod linear3;
+mod llama_tch;
 mod matmul;
 mod mlp;
 mod mlp_block;
@@ -21,6 +22,7 @@ mod sync_points;
 mod transformer;
 mod transformer_checkpointed;
 mod transformer_tch;
+mod unet_tch;
 
 use speedkit::bench::Bencher;
 use speedkit_suite::REFERENCE_ADAMW;

@@ -8,7 +8,9 @@ inside the compiled model, as the strongest PyTorch user would write it); with -
 one whole-step CUDA graph of the eager kernels (forward, backward and optimizer captured with
 torch.cuda.graph: what speedkit's graph mode does, so the two show the same kernels' cost).
 `resnet` runs channels-last. `transformer_tch` and `gpt2_tch` (speedkit's GPT written with tch's
-own modules alone) train this same plain-PyTorch `Transformer`, the second at GPT-2 small's size. With --torchao-fp8 also torchao's FP8 training (`Float8Linear` on
+own modules alone) train this same plain-PyTorch `Transformer`, the second at GPT-2 small's size;
+`llama_tch` (RMSNorm, rotary embeddings, SwiGLU) and `unet_tch` (GroupNorm, SiLU, skip
+concatenation) train their twins here, `Llama` and `Unet`, as a PyTorch user writes them. With --torchao-fp8 also torchao's FP8 training (`Float8Linear` on
 every nn.Linear, tensorwise dynamic scaling, under torch.compile's default mode: the peer of
 speedkit's `fp8` config; torchao is not in requirements-torch.txt, install it beside torch), and
 with --torchao-fp8-rowwise the same with torchao's row-wise recipe (speedkit's `fp8.recipe:
@@ -38,7 +40,8 @@ above, on the same fixed batch on every rank (as speedkit's workloads under the 
 rank times its own steps; rank 0 gathers every rank's median and prints and writes the rows, each
 with `world_size`, `median_ms_per_rank` and `throughput` (items/s per rank, `total` and `per_gpu`,
 the fields of speedkit's report). With --compile the replica runs under torch.compile's default
-mode (DDP's recommended pairing). --size tiny (transformer, linear3, mlp) is for a CPU check.
+mode (DDP's recommended pairing). --size tiny (transformer, linear3, mlp, llama_tch, unet_tch) is
+for a CPU check.
 
     torchrun --nproc-per-node 2 docs/benchmarks/pytorch_reference.py --ddp --only transformer,linear3 --json ddp.json
 """
@@ -62,7 +65,7 @@ except ImportError as error:
     sys.exit(4)
 
 # One line: speedkit/src/bench/peer.rs checks it against REFERENCE_WORKLOADS, joined by ", ".
-WORKLOADS = ("transformer", "linear3", "mlp", "resnet", "mlp_block", "transformer_checkpointed", "transformer_tch", "gpt2_tch")
+WORKLOADS = ("transformer", "linear3", "mlp", "resnet", "mlp_block", "transformer_checkpointed", "transformer_tch", "gpt2_tch", "llama_tch", "unet_tch")
 
 
 class Block(nn.Module):
@@ -101,6 +104,128 @@ class Transformer(nn.Module):
                 x = block(x)
         logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+class RMSNorm(nn.Module):
+    """Meta's reference RMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, cast back, times a scale."""
+
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, d, heads, hidden):
+        super().__init__()
+        self.heads = heads
+        self.attention_norm, self.ffn_norm = RMSNorm(d), RMSNorm(d)
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(d, d, bias=False) for _ in range(4))
+        self.w1, self.w3 = nn.Linear(d, hidden, bias=False), nn.Linear(d, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, d = x.shape
+        h = self.attention_norm(x)
+        q, k, v = (w(h).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        cos, sin = cos[:t].to(q.dtype), sin[:t].to(q.dtype)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.wo(y.transpose(1, 2).reshape(b, t, d))
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Llama(nn.Module):
+    """speedkit_suite::models::LlamaTch: RMSNorm, rotary embeddings, SwiGLU, no biases."""
+
+    def __init__(self, vocab=32000, d=1024, heads=16, layers=8, hidden=2816, seq=1024):
+        super().__init__()
+        self.tok = nn.Parameter(torch.randn(vocab, d) * 0.02)
+        self.blocks = nn.ModuleList(LlamaBlock(d, heads, hidden) for _ in range(layers))
+        self.norm = RMSNorm(d)
+        self.output = nn.Linear(d, vocab, bias=False)
+        head_dim = d // heads
+        inv_freq = torch.exp(torch.arange(0, head_dim, 2).float() / head_dim * -math.log(10000.0))
+        freqs = torch.outer(torch.arange(seq).float(), inv_freq)
+        both = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", both.cos(), persistent=False)
+        self.register_buffer("sin", both.sin(), persistent=False)
+
+    def forward(self, tokens, targets):
+        x = F.embedding(tokens, self.tok)
+        for block in self.blocks:
+            x = block(x, self.cos, self.sin)
+        logits = self.output(self.norm(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+    @staticmethod
+    def flops(batch, seq, vocab, d, layers, hidden, **_):
+        """LlamaConfig::flops_per_step."""
+        return (6 * batch * seq * (layers * (4 * d * d + 3 * d * hidden) + d * vocab)
+                + 3 * layers * 2 * batch * seq**2 * d)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, cin, cout, groups):
+        super().__init__()
+        self.norm1, self.conv1 = nn.GroupNorm(groups, cin), nn.Conv2d(cin, cout, 3, padding=1)
+        self.norm2, self.conv2 = nn.GroupNorm(groups, cout), nn.Conv2d(cout, cout, 3, padding=1)
+        self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x):
+        h = self.conv1(F.silu(self.norm1(x)))
+        return self.conv2(F.silu(self.norm2(h))) + self.skip(x)
+
+
+class Unet(nn.Module):
+    """speedkit_suite::models::UnetTch: GroupNorm + SiLU residual blocks, stride-2 down, nearest up,
+    skip concatenation; MSE against noise."""
+
+    def __init__(self, channels=3, base=64, groups=32):
+        super().__init__()
+        c = base
+        self.conv_in = nn.Conv2d(channels, c, 3, padding=1)
+        self.down1, self.downsample1 = ResBlock(c, c, groups), nn.Conv2d(c, c, 3, stride=2, padding=1)
+        self.down2 = ResBlock(c, 2 * c, groups)
+        self.downsample2 = nn.Conv2d(2 * c, 2 * c, 3, stride=2, padding=1)
+        self.mid1, self.mid2 = ResBlock(2 * c, 4 * c, groups), ResBlock(4 * c, 4 * c, groups)
+        self.up2, self.dec2 = nn.Conv2d(4 * c, 4 * c, 3, padding=1), ResBlock(6 * c, 2 * c, groups)
+        self.up1, self.dec1 = nn.Conv2d(2 * c, 2 * c, 3, padding=1), ResBlock(3 * c, c, groups)
+        self.norm_out, self.conv_out = nn.GroupNorm(groups, c), nn.Conv2d(c, channels, 3, padding=1)
+
+    def forward(self, images, noise):
+        skip1 = self.down1(self.conv_in(images))
+        skip2 = self.down2(self.downsample1(skip1))
+        mid = self.mid2(self.mid1(self.downsample2(skip2)))
+        x = self.dec2(torch.cat((self.up2(F.interpolate(mid, scale_factor=2, mode="nearest")), skip2), 1))
+        x = self.dec1(torch.cat((self.up1(F.interpolate(x, scale_factor=2, mode="nearest")), skip1), 1))
+        return F.mse_loss(self.conv_out(F.silu(self.norm_out(x))), noise)
+
+    @staticmethod
+    def flops(batch, size, channels, base, **_):
+        """UnetConfig::flops_per_step."""
+        def conv(cin, cout, k, side):
+            return 2 * batch * cin * cout * k * k * side * side
+
+        def res(cin, cout, side):
+            return conv(cin, cout, 3, side) + conv(cout, cout, 3, side) + (conv(cin, cout, 1, side) if cin != cout else 0)
+
+        c, s = base, size
+        return 3 * (conv(channels, c, 3, s) + res(c, c, s) + conv(c, c, 3, s // 2) + res(c, 2 * c, s // 2)
+                    + conv(2 * c, 2 * c, 3, s // 4) + res(2 * c, 4 * c, s // 4) + res(4 * c, 4 * c, s // 4)
+                    + conv(4 * c, 4 * c, 3, s // 2) + res(6 * c, 2 * c, s // 2) + conv(2 * c, 2 * c, 3, s)
+                    + res(3 * c, c, s) + conv(c, channels, 3, s))
 
 
 class Linear3(nn.Module):
@@ -195,7 +320,9 @@ class ResNet18(nn.Module):
 
 # The tiny sizes of speedkit_suite's models (src/models/), for a data-parallel check on the CPU.
 TINY = dict(transformer=dict(vocab=128, d=32, heads=2, layers=2, seq=16, batch=2),
-            linear3=dict(width=64, batch=8), mlp=dict(inputs=32, hidden=64, classes=10, batch=16))
+            linear3=dict(width=64, batch=8), mlp=dict(inputs=32, hidden=64, classes=10, batch=16),
+            llama_tch=dict(vocab=128, d=32, heads=2, layers=2, hidden=88, seq=16, batch=2),
+            unet_tch=dict(batch=2, size=16, channels=3, base=8, groups=4))
 
 
 def transformer_flops(batch, seq, vocab, d, layers, **_):
@@ -225,6 +352,22 @@ def workload(name, device, size="bench", batch=None):
                  torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device=device))
         flops = transformer_flops(**c)
         items = (c["batch"] * c["seq"], "tokens")
+    elif name == "llama_tch":
+        c = TINY[name] if size == "tiny" else dict(vocab=32000, d=1024, heads=16, layers=8,
+                                                   hidden=2816, seq=1024, batch=8)
+        c = dict(c, batch=batch or c["batch"])
+        model = Llama(c["vocab"], c["d"], c["heads"], c["layers"], c["hidden"], c["seq"])
+        batch = (torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device=device),
+                 torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device=device))
+        flops = Llama.flops(**c)
+        items = (c["batch"] * c["seq"], "tokens")
+    elif name == "unet_tch":
+        c = TINY[name] if size == "tiny" else dict(batch=64, size=64, channels=3, base=64, groups=32)
+        model = Unet(c["channels"], c["base"], c["groups"])
+        shape = (c["batch"], c["channels"], c["size"], c["size"])
+        batch = (torch.randn(shape, device=device), torch.randn(shape, device=device))
+        flops = Unet.flops(**c)
+        items = (c["batch"], "images")
     elif name == "linear3":
         width, rows = (64, 8) if size == "tiny" else (8192, 512)
         model = Linear3(width)
@@ -486,7 +629,7 @@ def measure_ddp(name, device, size, world, warmup, steps, sync_every_step=True, 
                 median_ms_per_rank=medians, throughput=throughput)
 
 
-BATCHED = ("transformer", "transformer_checkpointed", "transformer_tch", "gpt2_tch")
+BATCHED = ("transformer", "transformer_checkpointed", "transformer_tch", "gpt2_tch", "llama_tch")
 
 
 def trains_at(name, mode, device, batch):

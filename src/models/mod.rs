@@ -7,18 +7,22 @@
 //! bench-size model.
 
 mod linear3;
+pub mod llama_tch;
 mod mlp;
 mod mlp_block;
 pub mod resnet;
 pub mod tch_transformer;
 mod transformer;
+pub mod unet_tch;
 
 pub use linear3::{Linear3, Linear3Config};
+pub use llama_tch::{LlamaConfig, LlamaTch};
 pub use mlp::{Mlp, MlpConfig};
 pub use mlp_block::{MlpBlock, MlpBlockConfig};
 pub use resnet::{ResNet, ResNetConfig};
 pub use tch_transformer::{gpt2_small, TchTransformer};
 pub use transformer::{Transformer, TransformerConfig};
+pub use unet_tch::{UnetConfig, UnetTch};
 
 use speedkit::Result;
 use tch::{nn, Tensor};

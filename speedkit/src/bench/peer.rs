@@ -31,7 +31,7 @@ use crate::report::table;
 pub const REFERENCE_SCRIPT: &str = include_str!("../../../docs/benchmarks/pytorch_reference.py");
 
 /// The workloads the reference has a PyTorch version of (its `WORKLOADS`).
-pub const REFERENCE_WORKLOADS: [&str; 8] = [
+pub const REFERENCE_WORKLOADS: [&str; 10] = [
     "transformer",
     "linear3",
     "mlp",
@@ -40,6 +40,8 @@ pub const REFERENCE_WORKLOADS: [&str; 8] = [
     "transformer_checkpointed",
     "transformer_tch",
     "gpt2_tch",
+    "llama_tch",
+    "unet_tch",
 ];
 
 /// The reference's modes, in column order, with their column headers.
