@@ -284,19 +284,26 @@ fn the_optimizer_steps_each_bucket_as_it_lands_under_speedkits_all_reduce() {
 }
 
 #[test]
-fn the_optimizer_steps_after_all_buckets_under_the_reducer_a_sharded_optimizer_or_the_config() {
+fn a_sharded_optimizer_steps_each_buckets_pieces_as_it_lands_and_gathers_it_right_after() {
+    let mut sharded = SpeedConfig::auto();
+    sharded.distributed.shard_optimizer = true;
+    let plan = Plan::resolve_launched(&sharded, &two_h200(), Some(&rank(0, 2))).unwrap();
+    let (on, why) = optimizer_step(&plan);
+    assert!(on, "{why}");
+    assert!(
+        why.contains("reduce-scatter lands and starts its all-gather"),
+        "{why}"
+    );
+}
+
+#[test]
+fn the_optimizer_steps_after_all_buckets_under_the_reducer_or_the_config() {
     let mut reducer = SpeedConfig::auto();
     reducer.distributed.all_reduce = AllReduce::Reducer;
     reducer.compile.enabled = speedkit::config::AutoBool::Off;
-    let mut sharded = SpeedConfig::auto();
-    sharded.distributed.shard_optimizer = true;
     let mut off = SpeedConfig::auto();
     off.distributed.overlap_optimizer = false;
-    for (config, reason) in [
-        (reducer, "c10d's Reducer"),
-        (sharded, "sharded optimizer"),
-        (off, "set in the config"),
-    ] {
+    for (config, reason) in [(reducer, "c10d's Reducer"), (off, "set in the config")] {
         let plan = Plan::resolve_launched(&config, &two_h200(), Some(&rank(0, 2))).unwrap();
         let (on, why) = optimizer_step(&plan);
         assert!(!on, "{why}");

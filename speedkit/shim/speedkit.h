@@ -385,6 +385,12 @@ int sk_optimizer_shard_pieces(void* shard, sk_tensor* pieces, int64_t* params, i
 /// After the optimizer updated this rank's pieces: every rank's pieces all-gathered, bucket by
 /// bucket, into the whole parameters (a collective, on the current stream; capturable).
 int sk_optimizer_shard_gather(void* shard);
+/// sk_optimizer_shard_gather in parts: starts the all-gather of bucket `bucket` alone (buckets as
+/// the sync's, in index order on every rank), to be joined by sk_optimizer_shard_finish_gather.
+int sk_optimizer_shard_gather_bucket(void* shard, int64_t bucket);
+/// Joins every all-gather sk_optimizer_shard_gather_bucket started into the current stream and
+/// refreshes the parameters' kept autocast copies.
+int sk_optimizer_shard_finish_gather(void* shard);
 /// `tensor` reduced in place across the ranks (SK_REDUCE_SUM or SK_REDUCE_MAX), on the current stream.
 int sk_optimizer_shard_all_reduce_(void* shard, sk_tensor tensor, int op);
 void sk_optimizer_shard_free(void* shard);

@@ -38,11 +38,11 @@ pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
     if let Some(all_reduce) = scenario.strip_prefix("train_") {
         config.distributed.all_reduce = match all_reduce {
             "in_backward" => AllReduce::InBackward,
-            "sharded" => AllReduce::Auto,
+            "sharded" | "sharded_landing" => AllReduce::Auto,
             _ => AllReduce::AfterBackward,
         };
     }
-    config.distributed.shard_optimizer = scenario == "train_sharded";
+    config.distributed.shard_optimizer = scenario.starts_with("train_sharded");
     let ctx = apply_speedups(&mut vs, &config)?;
     ctx.print_main(ctx.audit());
     let mut opt = ctx.adamw(&vs, adamw())?;
@@ -71,7 +71,7 @@ pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
                 .shallow_clone()
                 .f_add_scalar_(1e-3)?;
         }
-        if config.distributed.shard_optimizer {
+        if scenario == "train_sharded" {
             // Clipping far above the norm multiplies by exactly 1: the same training, and the
             // norm, which each rank must compute over the whole gradient, printed.
             opt.zero_grad()?;

@@ -113,6 +113,24 @@ fn a_sharded_optimizer_trains_as_one_process_with_half_the_state_on_each_rank() 
 }
 
 #[test]
+fn a_sharded_optimizer_stepping_each_bucket_as_it_lands_trains_as_one_process() {
+    let single = single_process_reference();
+    let out = scratch("sharded-landing");
+    let output = run_launcher("train_sharded_landing", &out);
+    let log = text(&output);
+    assert!(output.status.success(), "{log}");
+    assert!(log.contains("optimizer state sharded (ZeRO-1)"), "{log}");
+    assert!(
+        log.contains("reduce-scatter lands and starts its all-gather"),
+        "{log}"
+    );
+    // Two buckets (l1's weight alone, the rest together): the pieces of the first are updated and
+    // gathered while the second's reduce-scatter may still run.
+    assert_every_rank_matches(&out, WORLD, &single, 1e-5);
+    assert_each_rank_holds_its_share_of_the_state(&log, WORLD);
+}
+
+#[test]
 fn four_ranks_train_as_one_process_with_a_quarter_of_the_state_each() {
     let single = single_process_reference();
     let out = scratch("four-sharded");

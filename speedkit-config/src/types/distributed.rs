@@ -46,9 +46,9 @@ pub struct DistributedConfig {
     /// speedkit's all-reduce (`all_reduce` other than `reducer`).
     pub shard_optimizer: bool,
     /// speedkit's AdamW steps each bucket's parameters as soon as that bucket's average lands,
-    /// beside the all-reduces still running, instead of after the last one. Applies to speedkit's
-    /// all-reduce with whole gradients (not `shard_optimizer`) and no GradScaler, which needs
-    /// every gradient before any step.
+    /// beside the all-reduces still running, instead of after the last one (sharded: this rank's
+    /// pieces, each bucket's all-gather started right after). Applies to speedkit's all-reduce
+    /// (not `reducer`) without a GradScaler, which needs every gradient before any step.
     pub overlap_optimizer: bool,
 }
 

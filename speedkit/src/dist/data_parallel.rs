@@ -91,7 +91,7 @@ impl DataParallel {
                 GradientSync::new(group, &trainable, settings.bucket_bytes, wire)?
             };
             Averaging::InStep {
-                overlap_optimizer: settings.overlap_optimizer && !sync.is_sharded(),
+                overlap_optimizer: settings.overlap_optimizer,
                 sync,
                 overlap: settings.all_reduce == AllReduce::InBackward,
             }
@@ -206,7 +206,7 @@ impl DataParallel {
     }
 
     /// The gradient all-reduce whose buckets an optimizer may step one by one as they land
-    /// (`distributed.overlap_optimizer`): speedkit's, of whole gradients.
+    /// (`distributed.overlap_optimizer`): speedkit's, of whole or sharded gradients.
     pub(crate) fn landing(&self) -> Option<&GradientSync> {
         match &self.averaging {
             Averaging::InStep {

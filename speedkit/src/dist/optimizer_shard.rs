@@ -85,6 +85,18 @@ impl OptimizerShard {
         self.raw.gather().map_err(failed)
     }
 
+    /// Starts the all-gather of the sync's bucket `k` alone, once this rank updated its pieces of
+    /// it; [`finish_gather`](Self::finish_gather) joins them. Every rank must start the same
+    /// buckets in the same order.
+    pub(crate) fn gather_bucket(&self, k: usize) -> Result<()> {
+        self.raw.gather_bucket(k).map_err(failed)
+    }
+
+    /// Joins the all-gathers [`gather_bucket`](Self::gather_bucket) started.
+    pub(crate) fn finish_gather(&self) -> Result<()> {
+        self.raw.finish_gather().map_err(failed)
+    }
+
     /// The 2-norm of the whole gradient, from each rank's `local` norm of its pieces' gradients
     /// (a collective).
     pub(crate) fn global_norm(&self, local: Option<Tensor>) -> Result<Tensor> {

@@ -303,6 +303,19 @@ impl RawOptimizerShard {
         // SAFETY: live object.
         check(unsafe { abi::sk_optimizer_shard_gather(self.0) })
     }
+    /// Starts the all-gather of bucket `bucket`'s parameters alone (see
+    /// [`finish_gather`](Self::finish_gather)).
+    pub(crate) fn gather_bucket(&self, bucket: usize) -> Result<()> {
+        // SAFETY: live object.
+        check(unsafe { abi::sk_optimizer_shard_gather_bucket(self.0, bucket as i64) })
+    }
+
+    /// Joins the all-gathers [`gather_bucket`](Self::gather_bucket) started and refreshes the
+    /// parameters' autocast copies.
+    pub(crate) fn finish_gather(&self) -> Result<()> {
+        // SAFETY: live object.
+        check(unsafe { abi::sk_optimizer_shard_finish_gather(self.0) })
+    }
 
     /// `tensor` reduced in place across the ranks.
     pub(crate) fn all_reduce_(&self, tensor: &Tensor, op: RawReduceOp) -> Result<()> {

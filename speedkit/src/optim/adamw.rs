@@ -297,26 +297,19 @@ impl AdamWOptimizer {
     }
 
     /// [`ScaledOptimizer::step_in_parts`]: each part's parameters updated as soon as `ready` says
-    /// their gradients are in, the parameters of no part last. Sharded, every part is waited for
-    /// first (the pieces' gradients come from every bucket).
+    /// their gradients are in, the parameters of no part last. Sharded, the parts are the sync's
+    /// buckets: this rank's pieces of each are updated as its reduce-scatter lands, and its
+    /// all-gather starts right after, beside the update of the next.
     fn step_parts(
         &mut self,
         parts: &[Vec<Tensor>],
         ready: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<()> {
-        if self.shard.is_some() {
-            (0..parts.len()).try_for_each(&mut *ready)?;
-            return self.step_impl(None, None);
-        }
         let _no_grad = tch::no_grad_guard();
         self.make_state()?;
-        let part_of: HashMap<usize, usize> = parts
-            .iter()
-            .enumerate()
-            .flat_map(|(k, ps)| ps.iter().map(move |p| (p.data_ptr() as usize, k)))
-            .collect();
-        let part_of = &part_of;
+        let part_of = self.part_of_each_parameter(parts);
         let in_part = |want: Option<usize>| {
+            let part_of = &part_of;
             move |p: &Tensor| part_of.get(&(p.data_ptr() as usize)).copied() == want
         };
         let scaling = Scaling::default();
@@ -329,9 +322,38 @@ impl AdamWOptimizer {
                     self.update(g, b, in_part(k), &scaling)?;
                 }
             }
+            if let (Some(shard), Some(k)) = (&self.shard, k) {
+                shard.gather_bucket(k)?;
+            }
         }
         crate::graph::record_gradients(self.params());
-        Ok(())
+        match &self.shard {
+            Some(shard) => shard.finish_gather(),
+            None => Ok(()),
+        }
+    }
+
+    /// The part of `parts` each of this optimizer's parameters belongs to, keyed by the
+    /// parameter's data pointer: its own part, or, sharded, that of the whole parameter a piece
+    /// is cut from.
+    fn part_of_each_parameter(&self, parts: &[Vec<Tensor>]) -> HashMap<usize, usize> {
+        let part_of: HashMap<usize, usize> = parts
+            .iter()
+            .enumerate()
+            .flat_map(|(k, ps)| ps.iter().map(move |p| (p.data_ptr() as usize, k)))
+            .collect();
+        let Some(shard) = &self.shard else {
+            return part_of;
+        };
+        let whole = shard.parameters();
+        shard
+            .pieces()
+            .iter()
+            .filter_map(|(piece, i)| {
+                let k = part_of.get(&(whole.get(*i)?.data_ptr() as usize))?;
+                Some((piece.data_ptr() as usize, *k))
+            })
+            .collect()
     }
 
     /// One AdamW update of the parameters of bucket `b` (of group `g`) that `selected` picks and

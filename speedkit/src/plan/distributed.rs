@@ -150,7 +150,7 @@ fn resolve_shard_optimizer(cfg: &DistributedConfig, world_size: usize, d: &mut D
 }
 
 /// Whether speedkit's AdamW steps each bucket as soon as its average lands, and why: only
-/// speedkit's all-reduce of whole gradients lets it wait for one bucket at a time.
+/// speedkit's all-reduce lets it wait for one bucket at a time.
 fn resolve_overlap_optimizer(
     cfg: &DistributedConfig,
     all_reduce: AllReduce,
@@ -168,8 +168,10 @@ fn resolve_overlap_optimizer(
         )
     } else if cfg.shard_optimizer {
         (
-            false,
-            "the sharded optimizer steps after the last reduce-scatter, then all-gathers",
+            true,
+            "speedkit's AdamW updates this rank's pieces of each bucket as soon as that bucket's \
+             reduce-scatter lands and starts its all-gather right after, beside the update of the \
+             next (under a GradScaler, which needs every gradient first, after the last one)",
         )
     } else {
         (
