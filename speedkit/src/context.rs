@@ -454,7 +454,7 @@ impl SpeedContext {
     }
 
     /// Whether [`backward_step`](Self::backward_step) leaves the buckets to the optimizer step
-    /// (`distributed.overlap_optimizer`): under speedkit's all-reduce of whole gradients, with no
+    /// (`distributed.overlap_optimizer`): under speedkit's all-reduce, whole or sharded, with no
     /// GradScaler (which needs every gradient before any step).
     fn steps_as_buckets_land(&self) -> bool {
         !self.scaler.is_enabled()
@@ -486,7 +486,11 @@ impl SpeedContext {
         self.count_optimizer_step()
     }
 
-    /// zero_grad → scale → backward → unscale/inf-check → step → update.
+    /// zero_grad → scale → backward → unscale/inf-check → step → update. Under speedkit's
+    /// data-parallel all-reduce without a GradScaler, the optimizer updates each gradient bucket's
+    /// parameters as soon as that bucket's average lands (`distributed.overlap_optimizer`), which
+    /// [`backward`](Self::backward) then [`step`](Self::step) cannot: code between them may read
+    /// any gradient.
     pub fn backward_step<O: ScaledOptimizer + ?Sized>(
         &self,
         loss: &Tensor,

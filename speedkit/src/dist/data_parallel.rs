@@ -351,8 +351,17 @@ impl GradientSync {
         let (buckets, wire_bytes) = raw.shape()?;
         let bucket_params = (0..usize::try_from(buckets).unwrap_or(0))
             .map(|k| {
-                let members = raw.bucket_members(k)?;
-                Ok(members.iter().map(|&i| params[i].shallow_clone()).collect())
+                raw.bucket_members(k)?
+                    .into_iter()
+                    .map(|i| {
+                        params.get(i).map(Tensor::shallow_clone).ok_or_else(|| {
+                            SpeedkitError::Distributed(format!(
+                                "gradient bucket {k} names parameter {i} of {}",
+                                params.len()
+                            ))
+                        })
+                    })
+                    .collect()
             })
             .collect::<Result<Vec<Vec<Tensor>>>>()?;
         let sharded = shard.then(|| {
