@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use crate::processes::{run_launcher, run_launcher_of, scratch, text};
-use crate::ranks::write_bench_configs;
+use crate::ranks::{write_bench_configs, write_nccl_bench_config};
 
 #[test]
 fn benchmark_runner_under_the_launcher_reports_every_rank_and_the_total() {
@@ -82,6 +82,54 @@ fn benchmark_runner_under_the_launcher_reports_every_rank_and_the_total() {
             })
             .unwrap_or_else(|| panic!("{name}: no line with the total {total:.0}\n{stdout}"));
         assert!(line.starts_with("[rank 0]"), "{line}");
+    }
+}
+
+#[test]
+fn nccl_runner_rows_report_each_ranks_collectives_and_their_exposed_part() {
+    if tch::Cuda::device_count() < 2 {
+        eprintln!(
+            "skipped nccl_runner_rows_report_each_ranks_collectives_and_their_exposed_part: needs \
+             2 CUDA devices"
+        );
+        return;
+    }
+    let out = scratch("runner-nccl");
+    write_nccl_bench_config(&out);
+    let output = run_launcher("bench_runner", &out);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{}", text(&output));
+    assert!(
+        stdout.contains("data parallel over 2 ranks (nccl)"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("exposed ms"), "{stdout}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    let rows = report["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "transformer and linear3");
+    for row in rows {
+        let name = row["workload"].to_string();
+        assert!(row["error"].is_null(), "{name}: {}", row["error"]);
+        let per_rank = |column: &str| -> Vec<f64> {
+            serde_json::from_value(row["data_parallel"][column].clone())
+                .unwrap_or_else(|e| panic!("{name}: {column}: {e}"))
+        };
+        let (collectives, exposed) = (
+            per_rank("collectives_ms_per_rank"),
+            per_rank("exposed_ms_per_rank"),
+        );
+        assert_eq!(collectives.len(), 2, "{name}");
+        for (c, e) in collectives.iter().zip(&exposed) {
+            // Every step all-reduces its gradients; what shows of it is at most all of it.
+            assert!(*c > 0.0, "{name}: collectives {collectives:?}");
+            assert!(
+                *e >= 0.0 && *e <= c + 1e-9,
+                "{name}: exposed {exposed:?} of {collectives:?}"
+            );
+        }
+        let mine = &row["measurement"]["communication"];
+        assert_eq!(mine["busy_ms"].as_f64(), Some(collectives[0]), "{name}");
     }
 }
 

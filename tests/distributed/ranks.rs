@@ -210,14 +210,30 @@ pub fn write_bench_configs(out: &Path) -> [PathBuf; 2] {
     [cpu, bf16]
 }
 
-/// One rank of the benchmark runner: `transformer` and `linear3` at the tiny size under both
-/// configs of [`write_bench_configs`]; rank 0 writes `report.json`. With `peer`, also
-/// `--peer pytorch` (which a data-parallel run refuses).
+/// One NCCL config, on each rank's own GPU.
+pub fn write_nccl_bench_config(out: &Path) -> PathBuf {
+    let nccl = out.join("nccl.yaml");
+    std::fs::write(&nccl, "distributed: {backend: nccl, timeout_s: 60}\n").unwrap();
+    nccl
+}
+
+/// One rank of the benchmark runner: `transformer` and `linear3` at the tiny size under every
+/// config in `out` (`*.yaml`, by name: [`write_bench_configs`] or [`write_nccl_bench_config`]);
+/// rank 0 writes `report.json`. With `peer`, also `--peer pytorch` (which a data-parallel run
+/// refuses).
 fn run_bench_rank(out: &Path, peer: bool) -> Result<(), SpeedkitError> {
     use clap::Parser;
     use speedkit::bench::runner::{main_with, Args};
     use speedkit::bench::Workload;
-    let [cpu, bf16] = [out.join("cpu.yaml"), out.join("cpu_bf16.yaml")];
+    let mut configs: Vec<PathBuf> = std::fs::read_dir(out)
+        .map_err(|e| SpeedkitError::Misuse(format!("{}: {e}", out.display())))?
+        .filter_map(|entry| Some(entry.ok()?.path()))
+        .filter(|path| path.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    configs.sort();
+    let config_args = configs
+        .iter()
+        .flat_map(|c| ["--config".to_string(), c.display().to_string()]);
     let json = out.join("report.json");
     let peer_args = if peer {
         &["--peer", "pytorch"][..]
@@ -238,15 +254,13 @@ fn run_bench_rank(out: &Path, peer: bool) -> Result<(), SpeedkitError> {
             "1",
             "--steps",
             "3",
-            "--config",
-            cpu.to_str().unwrap(),
-            "--config",
-            bf16.to_str().unwrap(),
             "--json",
             json.to_str().unwrap(),
         ]
         .iter()
-        .chain(peer_args),
+        .chain(peer_args)
+        .map(|a| a.to_string())
+        .chain(config_args),
     )
     .map_err(|e| SpeedkitError::Misuse(e.to_string()))?;
     match main_with(&args, &Workload::all()) {
