@@ -236,3 +236,68 @@ fn cuda_prepare_moves_parameters_and_lays_conv_weights_channels_last() {
         .iter()
         .any(|n| n.contains("channels-last")));
 }
+
+/// The first backward of a conv → norm → SiLU block as a tch user writes it, under `config`:
+/// the conv layer (its weight as the context left it) and the context's audit notes.
+fn first_backward_of_a_conv_block(config: &SpeedConfig, group_norm: bool) -> (nn::Conv2D, String) {
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let conv = nn::conv2d(vs.root() / "conv", 8, 32, 3, Default::default());
+    let ctx = speedkit::apply_speedups(&mut vs, config).unwrap();
+    assert!(speedkit::nn::is_channels_last(&conv.ws).unwrap());
+    let images = Tensor::randn([4, 8, 16, 16], (Kind::Float, ctx.device()));
+    let x = ctx.autocast(|| images.apply(&conv));
+    let normalised = if group_norm {
+        x.group_norm(8, None::<Tensor>, None::<Tensor>, 1e-5, false)
+    } else {
+        let none = || None::<Tensor>;
+        x.batch_norm(none(), none(), none(), none(), true, 0.1, 1e-5, false)
+    };
+    ctx.backward(&normalised.silu().square().mean(Kind::Float))
+        .unwrap();
+    (conv, ctx.audit().notes.join("\n"))
+}
+
+#[test]
+fn conv_weights_go_back_to_nchw_when_the_first_step_runs_group_norm_on_channels_last() {
+    let _lock = common::serial();
+    let test = "conv_weights_go_back_to_nchw_when_the_first_step_runs_group_norm_on_channels_last";
+    if common::cuda_or_skip(test).is_none() {
+        return;
+    }
+    let (conv, notes) = first_backward_of_a_conv_block(&SpeedConfig::auto(), true);
+    assert!(!speedkit::nn::is_channels_last(&conv.ws).unwrap());
+    assert!(conv.ws.is_contiguous() && conv.ws.grad().is_contiguous());
+    assert!(
+        notes.contains(
+            "1 conv weight(s) laid out NCHW again after the first backward: 1 GroupNorm call(s)"
+        ),
+        "{notes}"
+    );
+}
+
+#[test]
+fn conv_weights_stay_channels_last_when_the_first_step_runs_batch_norm() {
+    let _lock = common::serial();
+    let test = "conv_weights_stay_channels_last_when_the_first_step_runs_batch_norm";
+    if common::cuda_or_skip(test).is_none() {
+        return;
+    }
+    let (conv, notes) = first_backward_of_a_conv_block(&SpeedConfig::auto(), false);
+    assert!(speedkit::nn::is_channels_last(&conv.ws).unwrap());
+    assert!(!notes.contains("NCHW again"), "{notes}");
+}
+
+#[test]
+fn channels_last_set_in_the_config_stays_with_group_norm() {
+    let _lock = common::serial();
+    let test = "channels_last_set_in_the_config_stays_with_group_norm";
+    if common::cuda_or_skip(test).is_none() {
+        return;
+    }
+    let config = SpeedConfig {
+        channels_last: speedkit::config::AutoBool::On,
+        ..SpeedConfig::auto()
+    };
+    let (conv, _) = first_backward_of_a_conv_block(&config, true);
+    assert!(speedkit::nn::is_channels_last(&conv.ws).unwrap());
+}

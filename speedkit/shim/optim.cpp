@@ -1,5 +1,6 @@
 // AdamW (fused and multi-tensor, both capturable) and the parameter-list helpers of the optimizer and
-// the context: gradients dropped or re-pointed, channels-last weights, foreach norms and scaling.
+// the context: gradients dropped or re-pointed, channels-last weights (and the census that decides
+// whether they stay), foreach norms and scaling.
 // tch's generated API has no in-place TensorList ops, hence these.
 #include "adamw.cuh"
 #include "kernels.h"
@@ -7,7 +8,12 @@
 #include <ATen/Functions.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
 
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <optional>
 #include <tuple>
 
 namespace {
@@ -71,6 +77,30 @@ std::vector<at::Tensor> pick(const std::vector<at::Tensor>& list, const std::vec
 }
 
 }  // namespace
+
+namespace sk {
+
+// The channels-last census (sk_channels_last_census_start): GroupNorm calls on channels-last input.
+// A call of group_norm that reaches native_group_norm is counted once: by then the input is NCHW.
+std::mutex census_mutex;
+std::optional<at::CallbackHandle> census;
+std::atomic<int64_t> census_calls{0};
+
+// aten::group_norm makes the NCHW copy (input.contiguous()) before aten::native_group_norm; a
+// direct call of the latter with channels-last input has it made inside.
+std::unique_ptr<at::ObserverContext> count_group_norm(const at::RecordFunction& fn) {
+  if (std::strcmp(fn.name(), "aten::group_norm") != 0 && std::strcmp(fn.name(), "aten::native_group_norm") != 0)
+    return nullptr;
+  const auto inputs = fn.inputs();
+  if (!inputs.empty() && inputs[0].isTensor()) {
+    const at::Tensor& input = inputs[0].toTensor();
+    if (input.dim() == 4 && !input.is_contiguous() && input.is_contiguous(at::MemoryFormat::ChannelsLast))
+      census_calls.fetch_add(1);
+  }
+  return nullptr;
+}
+
+}  // namespace sk
 
 extern "C" {
 
@@ -145,6 +175,38 @@ int sk_to_channels_last_(sk_tensor tensor) {
 
 int sk_is_channels_last(sk_tensor tensor, int* out) {
   SK_TRY(*out = tensor->dim() == 4 && tensor->is_contiguous(at::MemoryFormat::ChannelsLast) ? 1 : 0)
+}
+
+int sk_to_contiguous_(sk_tensor tensor) {
+  SK_TRY({
+    at::NoGradGuard no_grad;
+    tensor->set_data(tensor->contiguous());
+  })
+}
+
+// The channels-last census: a RecordFunction callback while it counts. Its state is static, so a
+// call in flight on another thread when it stops finds valid memory.
+int sk_channels_last_census_start(void) {
+  SK_TRY({
+    std::lock_guard<std::mutex> lock(sk::census_mutex);
+    TORCH_CHECK(at::isRecordFunctionEnabled(), "the channels-last census needs RecordFunction, switched off here");
+    if (!sk::census) {
+      sk::census_calls = 0;
+      sk::census = at::addGlobalCallback(
+          at::RecordFunctionCallback(&sk::count_group_norm).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
+    }
+  })
+}
+
+int sk_channels_last_census_stop(int64_t* calls) {
+  SK_TRY({
+    std::lock_guard<std::mutex> lock(sk::census_mutex);
+    if (sk::census) {
+      at::removeCallback(*sk::census);
+      sk::census.reset();
+    }
+    *calls = sk::census_calls.exchange(0);
+  })
 }
 
 // Drops the gradients of a parameter list (`param.grad = None`), as PyTorch's

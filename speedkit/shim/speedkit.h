@@ -255,6 +255,13 @@ int sk_foreach_adamw_(const sk_adamw_lists* lists, const sk_adamw_hyper* hyper);
 /// Lays a 4-d parameter out channels-last in place (the same parameter object).
 int sk_to_channels_last_(sk_tensor tensor);
 int sk_is_channels_last(sk_tensor tensor, int* out);
+/// Lays a tensor (a parameter, a gradient) out contiguous (NCHW) again, keeping the same object.
+int sk_to_contiguous_(sk_tensor tensor);
+/// Starts counting, process-wide, the GroupNorm calls (aten::group_norm, aten::native_group_norm)
+/// whose input is a channels-last activation, which ATen copies to NCHW first.
+int sk_channels_last_census_start(void);
+/// Stops the count; *calls receives it.
+int sk_channels_last_census_stop(int64_t* calls);
 /// Drops every tensor's gradient (`grad = None`).
 int sk_clear_grads(const sk_tensor* tensors, int64_t n);
 /// params[i].grad = grads[i].

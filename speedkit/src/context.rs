@@ -6,7 +6,8 @@ use std::time::Duration;
 use tch::{nn::VarStore, Device, Tensor};
 
 use crate::amp::{AutocastGuard, GradScaler, ScaledOptimizer};
-use crate::config::SpeedConfig;
+use crate::channels_last::ChannelsLastProbe;
+use crate::config::{AutoBool, SpeedConfig};
 use crate::dist::{AveragingSettings, DataParallel, LaunchEnv, ProcessGroup};
 use crate::error::{Result, SpeedkitError};
 use crate::ffi;
@@ -63,6 +64,9 @@ pub struct SpeedContext {
     kernel_notes: kernels::NoteMark,
     /// Operator overrides the user registered, with their reasons; removed before the flags.
     operator_overrides: RefCell<Vec<(OverrideRegistration, String)>>,
+    /// Under `channels_last: auto`, the census of the first backward that decides whether the conv
+    /// weights `prepare` laid out channels-last stay so.
+    channels_last_probe: RefCell<Option<ChannelsLastProbe>>,
     _release: ReleaseOnDrop,
     // Declared last so it drops last: everything above may still use the flags while dropping.
     guard: FlagGuard,
@@ -107,6 +111,7 @@ impl SpeedContext {
             group,
             kernel_notes: kernels::NoteMark::now(),
             operator_overrides: RefCell::default(),
+            channels_last_probe: RefCell::new(None),
             _release: ReleaseOnDrop,
             guard,
         })
@@ -135,6 +140,10 @@ impl SpeedContext {
                     "{} conv weight(s) laid out channels-last",
                     conv_weights.len()
                 ));
+                if self.config.channels_last == AutoBool::Auto {
+                    *self.channels_last_probe.borrow_mut() =
+                        Some(ChannelsLastProbe::start(conv_weights)?);
+                }
             }
         }
         self.data_parallel(vs)
@@ -407,6 +416,7 @@ impl SpeedContext {
             }
         }
         let result = self.scaler.scale(loss)?.f_backward().map_err(Into::into);
+        let result = result.and_then(|()| self.settle_channels_last());
         let result = result.and_then(|()| match self.data_parallel.borrow().as_ref() {
             Some(dp) => dp.after_backward(join),
             None => Ok(()),
@@ -421,6 +431,35 @@ impl SpeedContext {
             )),
             None => e,
         })
+    }
+
+    /// After the first backward under `channels_last: auto`: the conv weights go back to NCHW
+    /// when GroupNorm read channels-last activations, which ATen copies to NCHW ([`ChannelsLastProbe`]).
+    fn settle_channels_last(&self) -> Result<()> {
+        let Some(mut probe) = self.channels_last_probe.borrow_mut().take() else {
+            return Ok(());
+        };
+        let calls = probe.stop()?;
+        if calls == 0 {
+            return Ok(());
+        }
+        let why = format!(
+            "{calls} GroupNorm call(s) of the first step read channels-last activations, which ATen \
+             copies to NCHW first"
+        );
+        if self.group.is_some() || crate::graph::is_capturing() {
+            self.note(format!(
+                "channels_last kept although {why}: the gradient buckets (data parallel) or the \
+                 graph being captured hold the layout; `channels_last: false` lays them out NCHW"
+            ));
+            return Ok(());
+        }
+        probe.revert()?;
+        self.note(format!(
+            "{} conv weight(s) laid out NCHW again after the first backward: {why}",
+            probe.len()
+        ));
+        Ok(())
     }
 
     /// The optimizer step through the GradScaler (skipped on inf/NaN gradients), then the scale update.

@@ -47,6 +47,7 @@ mod advice;
 pub mod amp;
 pub mod autograd;
 pub mod bench;
+mod channels_last;
 pub mod checkpoint;
 mod context;
 pub mod cuda;

@@ -157,6 +157,25 @@ pub(crate) fn to_channels_last_(tensor: &Tensor) -> Result<()> {
     check(unsafe { abi::sk_to_channels_last_(handle(tensor)) })
 }
 
+pub(crate) fn to_contiguous_(tensor: &Tensor) -> Result<()> {
+    // SAFETY: live handle; the shim keeps the same object.
+    check(unsafe { abi::sk_to_contiguous_(handle(tensor)) })
+}
+
+/// Starts counting GroupNorm calls on channels-last input (process-wide).
+pub(crate) fn channels_last_census_start() -> Result<()> {
+    // SAFETY: no arguments.
+    check(unsafe { abi::sk_channels_last_census_start() })
+}
+
+/// Stops the count and returns it.
+pub(crate) fn channels_last_census_stop() -> Result<i64> {
+    let mut calls = 0;
+    // SAFETY: valid out-pointer.
+    check(unsafe { abi::sk_channels_last_census_stop(&mut calls) })?;
+    Ok(calls)
+}
+
 pub(crate) fn is_channels_last(tensor: &Tensor) -> Result<bool> {
     let mut out = 0;
     // SAFETY: live handle, valid out-pointer.

@@ -91,7 +91,9 @@ pub(super) fn resolve_channels_last(
             d.push(
                 "channels_last",
                 "true",
-                "Tensor Core convolutions are fastest in NHWC (applies to 4-d conv weights only)",
+                "Tensor Core convolutions are fastest in NHWC (applies to 4-d conv weights only; back \
+                 to NCHW after the first backward where GroupNorm, which ATen runs in NCHW, reads \
+                 channels-last activations)",
             );
             true
         }
