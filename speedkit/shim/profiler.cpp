@@ -1,9 +1,12 @@
 // The step profiler: libtorch's Kineto profiler (what torch.profiler drives from Python), its
-// events flattened for Rust, its Chrome trace, and user-scope ranges that mark each profiled step.
+// events flattened for Rust, its Chrome trace, and user-scope ranges that mark each profiled step;
+// and PyTorch's execution trace (the operator graph of a step, which speedkit::trace reads).
 #include "shim.h"
 
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
+#include <torch/csrc/profiler/standalone/execution_trace_observer.h>
+#include <c10/util/Logging.h>
 
 #include <memory>
 #include <set>
@@ -24,6 +27,19 @@ struct Profile {
 struct Range {
   std::string name;
   at::RecordFunction record{at::RecordScope::USER_SCOPE};
+};
+
+// c10's log level at ERROR for the life of the object (c10::LOG(WARNING) lines held back), then
+// as it was.
+class QuietLog {
+ public:
+  QuietLog() : was_(FLAGS_caffe2_log_level) { FLAGS_caffe2_log_level = 2; }
+  ~QuietLog() { FLAGS_caffe2_log_level = was_; }
+  QuietLog(const QuietLog&) = delete;
+  QuietLog& operator=(const QuietLog&) = delete;
+
+ private:
+  int was_;
 };
 
 }  // namespace
@@ -103,5 +119,29 @@ int sk_record_range_close(void* range) {
   std::unique_ptr<Range> owned(static_cast<Range*>(range));
   SK_TRY(owned->record.end())
 }
+
+// The execution trace observer is one per process (a global RecordFunction callback): it is added
+// and enabled here, and disabled and removed at the stop, which also writes the file's end. Its
+// log lines ("Enabling Execution Trace Observer") are held back: c10's log level is raised for the
+// call and put back before it returns.
+int sk_execution_trace_start(const char* path) {
+  SK_TRY({
+    const QuietLog quiet;
+    TORCH_CHECK(profiler_impl::addExecutionTraceObserver(path),
+                "an execution trace is already recording (one at a time per process), or ", path,
+                " cannot be written");
+    profiler_impl::enableExecutionTraceObserver();
+  })
+}
+
+int sk_execution_trace_stop(void) {
+  SK_TRY({
+    const QuietLog quiet;
+    profiler_impl::disableExecutionTraceObserver();
+    profiler_impl::removeExecutionTraceObserver();
+  })
+}
+
+int sk_record_function_thread_id(uint64_t* out) { SK_TRY(*out = at::RecordFunction::currentThreadId()) }
 
 }  // extern "C"

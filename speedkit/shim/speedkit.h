@@ -271,7 +271,7 @@ int sk_foreach_zero_(const sk_tensor* tensors, int64_t n);
 int sk_foreach_norm(const sk_tensor* tensors, int64_t n, double ord, sk_tensor* out);
 int sk_foreach_mul_scalar_tensor_(const sk_tensor* tensors, int64_t n, sk_tensor factor);
 
-// @module profiler: the Kineto step profiler and user-scope ranges (profiler.cpp)
+// @module profiler: the Kineto step profiler, user-scope ranges and the execution trace (profiler.cpp)
 
 /// One profiler event; `name` lives as long as its profile.
 typedef struct sk_profiler_event {
@@ -297,6 +297,14 @@ void sk_profiler_free(void* profile);
 /// Opens a user-scope range an active profiler records (closed by sk_record_range_close).
 int sk_record_range_open(const char* name, void** out);
 int sk_record_range_close(void* range);
+/// Records every operator call of the process (PyTorch's execution trace: names, schemas, tensor
+/// ids, shapes, strides and types, nesting) into the JSON file `path` until
+/// sk_execution_trace_stop; refused while another trace records.
+int sk_execution_trace_start(const char* path);
+/// Stops the trace started by sk_execution_trace_start and finishes its file.
+int sk_execution_trace_stop(void);
+/// The id RecordFunction (and so the execution trace, as `tid`) gives the calling thread.
+int sk_record_function_thread_id(uint64_t* out);
 
 // @module nvtx: NVTX ranges for timeline tools (nvtx.cpp)
 

@@ -57,6 +57,7 @@ pub mod error;
 mod ffi;
 pub mod flags;
 pub mod function;
+pub mod fusion;
 pub mod graph;
 pub mod hardware;
 pub mod kernels;
@@ -71,6 +72,7 @@ pub mod overrides;
 pub mod plan;
 pub mod profile;
 pub mod report;
+pub mod trace;
 
 /// The speed configuration (re-exported from `speedkit-config`, which the macros also use to check
 /// configs at compile time).

@@ -61,8 +61,10 @@ use tch::{Device, Tensor};
 
 use crate::error::SpeedkitError;
 use crate::ffi;
+use crate::fusion::FusionPlan;
 use crate::graph::CompiledStep;
 use crate::profile::{Communication, Profile};
+use crate::trace::StepTrace;
 use crate::SpeedContext;
 use memory::MemoryProbe;
 
@@ -314,6 +316,8 @@ pub struct Bencher<'a> {
     on_step: Option<&'a dyn Fn()>,
     profile_steps: Option<usize>,
     profile: Option<Profile>,
+    fusion_traced: bool,
+    fusion_plan: Option<FusionPlan>,
     batch: Option<i64>,
     default_batch: Option<i64>,
 }
@@ -331,6 +335,8 @@ impl<'a> Bencher<'a> {
             on_step: None,
             profile_steps: None,
             profile: None,
+            fusion_traced: false,
+            fusion_plan: None,
             batch: None,
             default_batch: None,
         }
@@ -377,6 +383,19 @@ impl<'a> Bencher<'a> {
     /// asked for one.
     pub fn take_profile(&mut self) -> Option<Profile> {
         self.profile.take()
+    }
+
+    /// Before the warm-up, run two eager steps, the second with its operators traced, and plan its
+    /// fusion groups ([`crate::fusion`]); taken with [`take_fusion_plan`](Self::take_fusion_plan).
+    pub fn with_fusion_plan(mut self, on: bool) -> Self {
+        self.fusion_traced = on;
+        self
+    }
+
+    /// Takes the fusion plan of the step traced by [`run`](Self::run) when
+    /// [`with_fusion_plan`](Self::with_fusion_plan) asked for one.
+    pub fn take_fusion_plan(&mut self) -> Option<FusionPlan> {
+        self.fusion_plan.take()
     }
 
     /// Called after every warm-up and timed step (the runner's progress bar).
@@ -429,6 +448,13 @@ impl<'a> Bencher<'a> {
         R: IntoStepResult,
     {
         let ctx = self.ctx;
+        if self.fusion_traced {
+            // The second step: the first also makes the optimizer's state, which later steps do not.
+            step().into_step_result()?;
+            let (result, trace) = StepTrace::record(|| step().into_step_result())?;
+            result?;
+            self.fusion_plan = Some(FusionPlan::from_trace(&trace));
+        }
         let profile_steps = self.profile_steps.or_else(|| {
             let data_parallel = ctx.process_group().is_some() && ctx.plan().cuda_index().is_some();
             data_parallel.then_some(COMMUNICATION_STEPS)

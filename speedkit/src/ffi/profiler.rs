@@ -113,3 +113,24 @@ impl Drop for RecordRange {
         }
     }
 }
+
+/// Starts PyTorch's execution trace, written to `path` (one per process).
+pub(crate) fn execution_trace_start(path: &std::path::Path) -> Result<()> {
+    let path = c_string(&path.to_string_lossy())?;
+    // SAFETY: NUL-terminated path for the call; the observer copies it.
+    check(unsafe { abi::sk_execution_trace_start(path.as_ptr()) })
+}
+
+/// Stops the execution trace and finishes its file.
+pub(crate) fn execution_trace_stop() -> Result<()> {
+    // SAFETY: no arguments; stopping with no trace recording is a no-op in the observer.
+    check(unsafe { abi::sk_execution_trace_stop() })
+}
+
+/// The calling thread's id in RecordFunction's numbering (the execution trace's `tid`).
+pub(crate) fn record_function_thread_id() -> Result<u64> {
+    let mut id = 0;
+    // SAFETY: valid out-pointer.
+    check(unsafe { abi::sk_record_function_thread_id(&mut id) })?;
+    Ok(id)
+}

@@ -89,6 +89,10 @@ pub struct Args {
     /// JSON and Chrome trace written to speedkit-profile/.
     #[arg(long, value_name = "STEPS", num_args = 0..=1, default_missing_value = "3")]
     pub profile: Option<usize>,
+    /// Before timing, trace the second eager step of each run and print its fusion plan: which of
+    /// its kernels one generated kernel could run together, and which stay ATen's.
+    #[arg(long)]
+    pub fusion_plan: bool,
     /// Record the CUDA caching allocator's history over each run (model built, warm-up, capture,
     /// timed steps) and write it to DIR/WORKLOAD-CONFIG.pickle, for PyTorch's memory visualiser
     /// (see speedkit::memory::MemoryHistory). Allocation is slower while it records.

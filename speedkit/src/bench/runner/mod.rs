@@ -4,7 +4,7 @@
 //! cargo bench --bench workloads -- [--list] [--filter PAT]... [--exact] [--config NAME|FILE]... [--size tiny|bench]
 //!     [--steps N] [--warmup N] [--paranoid-sync|--no-paranoid-sync] [--json FILE] [--csv FILE] [--svg FILE]
 //!     [--save-baseline NAME] [--baseline NAME|FILE [--noise-threshold PCT] [--fail-above PCT]]
-//!     [--peer pytorch [--python PATH]] [--profile [STEPS]]
+//!     [--peer pytorch [--python PATH]] [--profile [STEPS]] [--fusion-plan]
 //! ```
 //! Configurations run side by side in one process (comparisons are only valid within one run); the
 //! first is the one the speedup column divides by. `--config` takes a preset (`fp32_strict`,

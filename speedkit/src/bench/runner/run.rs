@@ -364,6 +364,7 @@ fn run_one(
     let mut b = Bencher::new(size, &ctx, protocol.clone())
         .with_progress(&tick)
         .with_profile(args.profile)
+        .with_fusion_plan(args.fusion_plan)
         .with_batch(args.batch);
     let _ = crate::kernels::take_ops_run();
     let (history, mut history_note) = start_memory_history(args);
@@ -377,6 +378,9 @@ fn run_one(
         .collect();
     bar.finish();
     let profile = b.take_profile();
+    if let Some(plan) = b.take_fusion_plan().filter(|_| ctx.is_main()) {
+        println!("{} / {}: {plan}", w.name, nc.name);
+    }
     let measurement = b.take_measurement();
     if let Some(group) = ctx.process_group() {
         match DataParallelRow::gather(group, measurement.as_ref()) {

@@ -1,0 +1,435 @@
+//! CUDA source for a fused group of pointwise operators: one thread per element of the group's
+//! results, each operator an inlined device function of the element's storage index, each
+//! operator's inputs found by index arithmetic through the views between them (so a `view`, a
+//! `permute` or an `expand` costs no copy). Every operator computes in fp32 and rounds its result to
+//! its own type, as ATen's kernels do, so the fused kernel gives ATen's values.
+
+use std::collections::HashMap;
+use std::fmt::Write;
+
+use tch::Kind;
+
+use crate::cuda::Param;
+use crate::trace::{TracedOp, TracedTensor, TracedValue};
+
+use super::OpKind;
+
+/// A generated kernel: its source, its entry point and the arguments it takes, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GeneratedKernel {
+    /// The entry point's name (`extern "C"`), unique to the group's structure.
+    pub name: String,
+    /// CUDA C++ for NVRTC; includes speedkit's `common.cuh`.
+    pub source: String,
+    /// The arguments, in the entry point's order; the element count (`long long`) comes last.
+    pub args: Vec<KernelArg>,
+    /// Elements of each result: the launch's element count.
+    pub numel: u64,
+}
+
+/// One argument of a [`GeneratedKernel`], with the traced tensor it stands for.
+#[derive(Clone, Debug, PartialEq)]
+pub enum KernelArg {
+    /// A tensor the group reads (`const T*`), laid out as traced.
+    Input(TracedTensor),
+    /// A one-element CPU tensor the group reads as a number (`double`): a Python-style scalar.
+    Scalar(TracedTensor),
+    /// A result the group writes (`T*`), laid out as traced.
+    Output(TracedTensor),
+}
+
+impl KernelArg {
+    /// The traced tensor it stands for.
+    pub fn tensor(&self) -> &TracedTensor {
+        match self {
+            KernelArg::Input(t) | KernelArg::Scalar(t) | KernelArg::Output(t) => t,
+        }
+    }
+}
+
+impl GeneratedKernel {
+    /// The parameter list to declare it with ([`crate::cuda::CudaModule::kernel`]).
+    pub fn params(&self) -> Vec<Param> {
+        let mut params: Vec<Param> = self
+            .args
+            .iter()
+            .map(|a| match a {
+                KernelArg::Scalar(_) => Param::F64,
+                KernelArg::Input(t) | KernelArg::Output(t) => {
+                    Param::Tensor(kind_of(&t.dtype).unwrap_or(Kind::Float))
+                }
+            })
+            .collect();
+        params.push(Param::I64);
+        params
+    }
+}
+
+/// The storage types a generated kernel reads and writes.
+pub(crate) fn kind_of(dtype: &str) -> Option<Kind> {
+    match dtype {
+        "float" => Some(Kind::Float),
+        "c10::BFloat16" => Some(Kind::BFloat16),
+        "c10::Half" => Some(Kind::Half),
+        "bool" => Some(Kind::Bool),
+        _ => None,
+    }
+}
+
+fn c_type(kind: Kind) -> &'static str {
+    match kind {
+        Kind::BFloat16 => "sk::bf16",
+        Kind::Half => "sk::f16",
+        Kind::Bool => "bool",
+        _ => "float",
+    }
+}
+
+/// Generates the kernel of `ops` (a group's operators in step order) writing `results` (the keys
+/// of the group's tensors read after it). The error says why a group is not generated.
+pub(crate) fn generate(
+    ops: &[&TracedOp],
+    results: &[(u64, u64)],
+) -> Result<GeneratedKernel, String> {
+    let mut g = Generator::default();
+    for op in ops {
+        match OpKind::of(&op.name) {
+            Some(OpKind::View) => continue,
+            Some(OpKind::Pointwise) if !op.name.ends_with('_') => {}
+            _ => {
+                return Err(format!(
+                    "{} is not generated yet (pointwise groups only)",
+                    op.name
+                ))
+            }
+        }
+        g.operator(op)?;
+    }
+    g.kernel(results)
+}
+
+#[derive(Default)]
+struct Generator {
+    /// Device functions, one per operator, in step order, and how many.
+    functions: String,
+    function_count: usize,
+    /// Storage id → the function computing that storage's elements, as of the operator being
+    /// generated (storage ids are reused with addresses, so a later result may take an id over).
+    producers: HashMap<u64, (usize, TracedTensor)>,
+    /// Result key → its function, for the group's results.
+    results: HashMap<(u64, u64), (usize, TracedTensor)>,
+    /// Arguments so far, and where each external tensor's key is among them.
+    args: Vec<KernelArg>,
+    arg_of: HashMap<(u64, u64), usize>,
+    /// Operator names, in order, for the entry point's name.
+    signature: String,
+}
+
+impl Generator {
+    fn operator(&mut self, op: &TracedOp) -> Result<(), String> {
+        let out = match op.outputs.as_slice() {
+            [TracedValue::Tensor(t)] => t.clone(),
+            _ => return Err(format!("{} has other than one tensor result", op.name)),
+        };
+        let out_kind =
+            kind_of(&out.dtype).ok_or_else(|| format!("{} writes {}", op.name, out.dtype))?;
+        check_dense(&out).map_err(|e| format!("{}'s result {e}", op.name))?;
+        let index = self.function_count;
+        self.function_count += 1;
+        let mut body = String::new();
+        writeln!(body, "  long long c[{}];", out.shape.len().max(1)).unwrap();
+        for (d, (&size, &stride)) in out.shape.iter().zip(&out.strides).enumerate() {
+            let coordinate = if size == 1 {
+                "0".to_string()
+            } else {
+                format!("(p / {stride}LL) % {size}LL")
+            };
+            writeln!(body, "  c[{d}] = {coordinate};").unwrap();
+        }
+        let mut operands = Vec::new();
+        for value in &op.inputs {
+            operands.push(match value {
+                TracedValue::Tensor(t) => Operand::Value(self.read(t, &out)?),
+                TracedValue::Tensors(_) => {
+                    return Err(format!("{} takes a list of tensors", op.name))
+                }
+                TracedValue::Other { value, .. } => Operand::Literal(value.clone()),
+            });
+        }
+        let expression = expression(op, &operands)
+            .ok_or_else(|| format!("{} is not generated yet", op.schema))?;
+        writeln!(
+            body,
+            "  return round_to<{}>({expression});",
+            c_type(out_kind)
+        )
+        .unwrap();
+        writeln!(
+            self.functions,
+            "// {}\n__device__ __forceinline__ float v{index}(const Args& a, long long p) {{\n{body}}}\n",
+            op.schema
+        )
+        .unwrap();
+        self.results.insert(out.key(), (index, out.clone()));
+        self.producers.insert(out.storage, (index, out));
+        write!(self.signature, "{};", op.schema).unwrap();
+        Ok(())
+    }
+
+    /// The expression of `t`'s element at the coordinates `c` of a result shaped `out`.
+    fn read(&mut self, t: &TracedTensor, out: &TracedTensor) -> Result<String, String> {
+        let rank = out.shape.len();
+        if t.shape.len() > rank {
+            return Err("an input of more dimensions than its result".into());
+        }
+        let offset: Vec<String> = t
+            .shape
+            .iter()
+            .zip(&t.strides)
+            .enumerate()
+            .filter(|(_, (&size, _))| size != 1)
+            .map(|(d, (_, &stride))| format!("c[{}] * {stride}LL", d + rank - t.shape.len()))
+            .collect();
+        let offset = if offset.is_empty() {
+            "0LL".to_string()
+        } else {
+            offset.join(" + ")
+        };
+        if let Some((index, _)) = self.producers.get(&t.storage) {
+            return Ok(format!("v{index}(a, {}LL + {offset})", t.offset));
+        }
+        if t.device == "cpu" && t.shape.is_empty() {
+            let i = self.argument(t, KernelArg::Scalar(t.clone()));
+            return Ok(format!("(float)a.s{i}"));
+        }
+        kind_of(&t.dtype).ok_or_else(|| format!("an input of type {}", t.dtype))?;
+        let i = self.argument(t, KernelArg::Input(t.clone()));
+        Ok(format!("to_float_any(a.in{i}[{offset}])"))
+    }
+
+    fn argument(&mut self, t: &TracedTensor, arg: KernelArg) -> usize {
+        *self.arg_of.entry(t.key()).or_insert_with(|| {
+            self.args.push(arg);
+            self.args.len() - 1
+        })
+    }
+
+    fn kernel(mut self, results: &[(u64, u64)]) -> Result<GeneratedKernel, String> {
+        let mut writes = String::new();
+        let mut numel = None;
+        for key in results {
+            let Some((index, out)) = self.results.get(key).cloned() else {
+                return Err("a result the group does not compute".into());
+            };
+            if *numel.get_or_insert(out.numel) != out.numel {
+                return Err("results of different sizes".into());
+            }
+            self.args.push(KernelArg::Output(out.clone()));
+            let i = self.args.len() - 1;
+            writeln!(
+                writes,
+                "    a.out{i}[p] = store_as<{}>(v{index}(a, p));",
+                c_type(kind_of(&out.dtype).unwrap_or(Kind::Float))
+            )
+            .unwrap();
+        }
+        let numel = numel.ok_or("a group with no result")?;
+        let mut fields = String::new();
+        for (i, arg) in self.args.iter().enumerate() {
+            let t = arg.tensor();
+            let ty = c_type(kind_of(&t.dtype).unwrap_or(Kind::Float));
+            match arg {
+                KernelArg::Input(_) => writeln!(fields, "  const {ty}* in{i};"),
+                KernelArg::Scalar(_) => writeln!(fields, "  double s{i};"),
+                KernelArg::Output(_) => writeln!(fields, "  {ty}* out{i};"),
+            }
+            .unwrap();
+        }
+        let params: Vec<String> = self
+            .args
+            .iter()
+            .enumerate()
+            .map(|(i, arg)| {
+                let ty = c_type(kind_of(&arg.tensor().dtype).unwrap_or(Kind::Float));
+                match arg {
+                    KernelArg::Input(_) => format!("const {ty}* in{i}"),
+                    KernelArg::Scalar(_) => format!("double s{i}"),
+                    KernelArg::Output(_) => format!("{ty}* out{i}"),
+                }
+            })
+            .collect();
+        let names: Vec<String> = self
+            .args
+            .iter()
+            .enumerate()
+            .map(|(i, arg)| match arg {
+                KernelArg::Input(_) => format!("in{i}"),
+                KernelArg::Scalar(_) => format!("s{i}"),
+                KernelArg::Output(_) => format!("out{i}"),
+            })
+            .collect();
+        // Named by everything the source says (shapes and strides included): one name, one text.
+        let name = format!(
+            "sk_fused_{:016x}",
+            fnv1a(&format!(
+                "{}{fields}{}{writes}",
+                self.signature, self.functions
+            ))
+        );
+        let source = format!(
+            "{PRELUDE}\nstruct Args {{\n{fields}}};\n\n{functions}extern \"C\" __global__ void {name}({params}, long long n) {{\n  const Args a{{{names}}};\n  for (long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x; p < n; p += (long long)gridDim.x * blockDim.x) {{\n{writes}  }}\n}}\n",
+            functions = self.functions,
+            params = params.join(", "),
+            names = names.join(", "),
+        );
+        Ok(GeneratedKernel {
+            name,
+            source,
+            args: self.args,
+            numel,
+        })
+    }
+}
+
+enum Operand {
+    Value(String),
+    Literal(String),
+}
+
+/// Helpers every generated kernel starts with.
+const PRELUDE: &str = r#"#include "common.cuh"
+using namespace sk;
+__device__ __forceinline__ float to_float_any(float v) { return v; }
+__device__ __forceinline__ float to_float_any(bf16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float_any(f16 v) { return __half2float(v); }
+__device__ __forceinline__ float to_float_any(bool v) { return v ? 1.f : 0.f; }
+template <typename T> __device__ __forceinline__ T store_as(float v) { return from_float<T>(v); }
+template <> __device__ __forceinline__ bool store_as<bool>(float v) { return v != 0.f; }
+template <typename T> __device__ __forceinline__ float round_to(float v) { return to_float(store_as<T>(v)); }
+template <> __device__ __forceinline__ float round_to<bool>(float v) { return v != 0.f ? 1.f : 0.f; }
+__device__ __forceinline__ float sigmoid_of(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ float gelu_erf(float x) { return 0.5f * x * (1.f + erff(x * 0.70710678118654752f)); }
+__device__ __forceinline__ float gelu_erf_grad(float x) {
+  return 0.5f * (1.f + erff(x * 0.70710678118654752f)) + x * 0.39894228040143268f * expf(-0.5f * x * x);
+}
+__device__ __forceinline__ float gelu_tanh(float x) {
+  const float k = 0.79788456080286536f * (x + 0.044715f * x * x * x);
+  return 0.5f * x * (1.f + tanhf(k));
+}
+__device__ __forceinline__ float gelu_tanh_grad(float x) {
+  const float k = 0.79788456080286536f * (x + 0.044715f * x * x * x);
+  const float t = tanhf(k);
+  return 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * 0.79788456080286536f * (1.f + 3.f * 0.044715f * x * x);
+}
+"#;
+
+/// The fp32 expression of `op` over its operands, or `None` for an operator or overload not
+/// generated yet.
+fn expression(op: &TracedOp, operands: &[Operand]) -> Option<String> {
+    let v = |i: usize| match operands.get(i)? {
+        Operand::Value(e) => Some(format!("({e})")),
+        Operand::Literal(l) => literal(l),
+    };
+    let name = op.name.strip_prefix("aten::")?;
+    let scalar_alpha = || v(2).unwrap_or_else(|| "1.f".into());
+    Some(match name {
+        "add" => format!("{} + {} * {}", v(0)?, scalar_alpha(), v(1)?),
+        "sub" => format!("{} - {} * {}", v(0)?, scalar_alpha(), v(1)?),
+        "rsub" => format!("{} - {} * {}", v(1)?, scalar_alpha(), v(0)?),
+        "mul" => format!("{} * {}", v(0)?, v(1)?),
+        "div" if operands.len() == 2 => format!("{} / {}", v(0)?, v(1)?),
+        "neg" => format!("-{}", v(0)?),
+        "exp" => format!("expf({})", v(0)?),
+        "log" => format!("logf({})", v(0)?),
+        "sqrt" => format!("sqrtf({})", v(0)?),
+        "rsqrt" => format!("rsqrtf({})", v(0)?),
+        "reciprocal" => format!("1.f / {}", v(0)?),
+        "tanh" => format!("tanhf({})", v(0)?),
+        "sigmoid" => format!("sigmoid_of({})", v(0)?),
+        "abs" => format!("fabsf({})", v(0)?),
+        "sin" => format!("sinf({})", v(0)?),
+        "cos" => format!("cosf({})", v(0)?),
+        "erf" => format!("erff({})", v(0)?),
+        "square" => format!("{0} * {0}", v(0)?),
+        "relu" => format!("fmaxf({}, 0.f)", v(0)?),
+        "silu" => format!("{0} * sigmoid_of({0})", v(0)?),
+        "silu_backward" => format!(
+            "{g} * sigmoid_of({x}) * (1.f + {x} * (1.f - sigmoid_of({x})))",
+            g = v(0)?,
+            x = v(1)?
+        ),
+        "sigmoid_backward" => format!("{g} * {y} * (1.f - {y})", g = v(0)?, y = v(1)?),
+        "tanh_backward" => format!("{g} * (1.f - {y} * {y})", g = v(0)?, y = v(1)?),
+        "threshold_backward" => {
+            format!("({x} <= {t}) ? 0.f : {g}", g = v(0)?, x = v(1)?, t = v(2)?)
+        }
+        "gelu" => match operands.get(1) {
+            Some(Operand::Literal(l)) if l.contains("tanh") => format!("gelu_tanh({})", v(0)?),
+            _ => format!("gelu_erf({})", v(0)?),
+        },
+        "gelu_backward" => match operands.get(2) {
+            Some(Operand::Literal(l)) if l.contains("tanh") => {
+                format!("{} * gelu_tanh_grad({})", v(0)?, v(1)?)
+            }
+            _ => format!("{} * gelu_erf_grad({})", v(0)?, v(1)?),
+        },
+        "pow" if op.schema.starts_with("aten::pow.Tensor_Scalar") => match v(1)?.as_str() {
+            "2.0f" => format!("{0} * {0}", v(0)?),
+            e => format!("powf({}, {e})", v(0)?),
+        },
+        "maximum" => format!("fmaxf({}, {})", v(0)?, v(1)?),
+        "minimum" => format!("fminf({}, {})", v(0)?, v(1)?),
+        "clamp_min" => format!("fmaxf({}, {})", v(0)?, v(1)?),
+        "clamp_max" => format!("fminf({}, {})", v(0)?, v(1)?),
+        "where" => format!("({} != 0.f) ? {} : {}", v(0)?, v(1)?, v(2)?),
+        "ge" => format!("({} >= {}) ? 1.f : 0.f", v(0)?, v(1)?),
+        "gt" => format!("({} > {}) ? 1.f : 0.f", v(0)?, v(1)?),
+        "le" => format!("({} <= {}) ? 1.f : 0.f", v(0)?, v(1)?),
+        "lt" => format!("({} < {}) ? 1.f : 0.f", v(0)?, v(1)?),
+        "eq" => format!("({} == {}) ? 1.f : 0.f", v(0)?, v(1)?),
+        "ne" => format!("({} != {}) ? 1.f : 0.f", v(0)?, v(1)?),
+        // A cast: the round to the result's type is the whole operator.
+        "_to_copy" | "clone" => v(0)?,
+        _ => return None,
+    })
+}
+
+/// A traced non-tensor argument as an fp32 literal: numbers only.
+fn literal(json: &str) -> Option<String> {
+    let number: f64 = json.trim_matches('"').parse().ok()?;
+    if !number.is_finite() {
+        return None;
+    }
+    Some(format!("{:?}f", number as f32))
+}
+
+/// Whether `t` covers its storage densely from its offset (any order of dimensions).
+fn check_dense(t: &TracedTensor) -> Result<(), String> {
+    let mut dims: Vec<(i64, i64)> = t
+        .shape
+        .iter()
+        .copied()
+        .zip(t.strides.iter().copied())
+        .filter(|&(size, _)| size != 1)
+        .collect();
+    dims.sort_by_key(|&(_, stride)| stride);
+    let mut expected = 1;
+    for (size, stride) in dims {
+        if stride != expected {
+            return Err("is not dense in memory".into());
+        }
+        expected *= size;
+    }
+    if t.offset != 0 {
+        return Err("starts inside its storage".into());
+    }
+    Ok(())
+}
+
+/// FNV-1a, 64 bits: the entry point's name from the group's structure (stable across runs, so the
+/// kernel cache finds the same source again).
+fn fnv1a(text: &str) -> u64 {
+    text.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}

@@ -1,0 +1,229 @@
+//! Grouping a traced step's kernels the way Inductor's scheduler does: vertical fusion of
+//! pointwise, layout and view operators with at most one reduction, within the forward or the
+//! backward pass, never across a call that sits between two members in the data flow.
+
+use std::collections::{HashMap, HashSet};
+
+use super::OpKind;
+use crate::trace::TracedOp;
+
+/// A node of the data flow: one kernel-level call.
+pub(super) struct Node<'a> {
+    pub op: &'a TracedOp,
+    pub kind: Option<OpKind>,
+    /// The nodes whose results it reads, by index.
+    pub deps: Vec<usize>,
+    /// What it reads of them: (node, storage) per tensor argument that a node wrote.
+    pub reads: Vec<(usize, u64)>,
+}
+
+/// A group under construction.
+#[derive(Clone, Debug)]
+pub(super) struct Group {
+    pub members: Vec<usize>,
+    /// Elements the group's kernel iterates over (a reduction's input size), once known.
+    pub space: Option<u64>,
+    /// Elements of the reduction's result, when the group has one.
+    pub reduced: Option<u64>,
+    pub backward: bool,
+    /// A layout node alone (`cat`, padding): its inputs are parts of its output, so producers of a
+    /// smaller size join it.
+    pub assembles: bool,
+}
+
+/// The data flow of `ops`: each call's producers, by tensor and by storage for in-place writes.
+pub(super) fn data_flow<'a>(ops: &[&'a TracedOp]) -> Vec<Node<'a>> {
+    let mut producer: HashMap<(u64, u64), usize> = HashMap::new();
+    let mut last_write: HashMap<u64, usize> = HashMap::new();
+    let mut nodes = Vec::with_capacity(ops.len());
+    for (i, op) in ops.iter().enumerate() {
+        let reads: Vec<(usize, u64)> = if OpKind::reads_values(&op.name) {
+            op.input_tensors()
+                .flat_map(|t| {
+                    [producer.get(&t.key()), last_write.get(&t.storage)]
+                        .into_iter()
+                        .flatten()
+                        .map(|&p| (p, t.storage))
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let mut deps: Vec<usize> = reads.iter().map(|&(p, _)| p).collect();
+        deps.sort_unstable();
+        deps.dedup();
+        let inputs: HashSet<(u64, u64)> = op.input_tensors().map(|t| t.key()).collect();
+        let storages: HashSet<u64> = op.input_tensors().map(|t| t.storage).collect();
+        for t in op.output_tensors() {
+            producer.insert(t.key(), i);
+            if inputs.contains(&t.key()) {
+                // Its input handed back (`add_`, `copy_`, `out=`): it wrote that memory.
+                last_write.insert(t.storage, i);
+            } else if !storages.contains(&t.storage) {
+                // New memory (the trace's storage ids are reused with addresses): no writes yet.
+                last_write.remove(&t.storage);
+            }
+        }
+        nodes.push(Node {
+            op,
+            kind: OpKind::of(&op.name),
+            deps,
+            reads,
+        });
+    }
+    nodes
+}
+
+/// Groups the fusable nodes; returns each node's group (`None` for the rest) and the groups
+/// (a group merged into another is left empty, so that indices keep their meaning).
+pub(super) fn group(nodes: &[Node]) -> (Vec<Option<usize>>, Vec<Group>) {
+    let mut group_of: Vec<Option<usize>> = vec![None; nodes.len()];
+    let mut groups: Vec<Group> = Vec::new();
+    for (n, node) in nodes.iter().enumerate() {
+        let Some(kind) = node.kind.filter(|k| k.fusable()) else {
+            continue;
+        };
+        let mut joined = Group {
+            members: vec![n],
+            space: None,
+            reduced: None,
+            backward: node.op.backward,
+            assembles: kind == OpKind::Layout,
+        };
+        if !admit(&mut joined, node, kind) {
+            continue;
+        }
+        let mut candidates: Vec<usize> = node.deps.iter().filter_map(|&d| group_of[d]).collect();
+        candidates.sort_unstable();
+        candidates.dedup();
+        let mut home: Option<usize> = None;
+        for g in candidates {
+            let mut merged = groups[g].clone();
+            if merged.backward != joined.backward
+                || !merge(&mut merged, &joined)
+                || closes_a_cycle(nodes, &merged.members)
+            {
+                continue;
+            }
+            for &m in &merged.members {
+                group_of[m] = Some(g);
+            }
+            if let Some(previous) = home {
+                groups[previous].members.clear();
+            }
+            merged.members.sort_unstable();
+            groups[g] = merged;
+            joined = groups[g].clone();
+            home = Some(g);
+        }
+        if home.is_none() {
+            group_of[n] = Some(groups.len());
+            groups.push(joined);
+        }
+    }
+    (group_of, groups)
+}
+
+/// Sets up a one-node group for `node`; false when its sizes cannot be known.
+fn admit(group: &mut Group, node: &Node, kind: OpKind) -> bool {
+    let input = node.op.input_tensors().map(|t| t.numel).max();
+    let output = node.op.output_tensors().map(|t| t.numel).max();
+    match kind {
+        OpKind::View => true,
+        OpKind::Reduction => {
+            group.space = input;
+            group.reduced = output;
+            input.is_some()
+        }
+        _ => {
+            group.space = output.or(input);
+            true
+        }
+    }
+}
+
+/// Merges `b` into `a` when their iteration spaces agree and they hold at most one reduction, or
+/// when `b` assembles its output from `a`'s (a `cat` of smaller pointwise results).
+fn merge(a: &mut Group, b: &Group) -> bool {
+    let assembled = b.assembles && a.reduced.is_none() && a.space <= b.space;
+    let (space, reduced) = match ((a.space, a.reduced), (b.space, b.reduced)) {
+        _ if assembled => (b.space, None),
+        ((None, _), (s, r)) | ((s, r), (None, _)) => (s, r),
+        ((Some(sa), ra), (Some(sb), None)) if Some(sb) == ra || sb == sa => (Some(sa), ra),
+        ((Some(sa), None), (Some(sb), rb)) if Some(sa) == rb || sa == sb => (Some(sb), rb),
+        _ => return false,
+    };
+    a.space = space;
+    a.reduced = reduced;
+    a.assembles = false;
+    a.members.extend(&b.members);
+    true
+}
+
+/// Whether `members` as one kernel would make a cycle: a member reads, through a call outside
+/// them, a result of another member.
+fn closes_a_cycle(nodes: &[Node], members: &[usize]) -> bool {
+    let inside: HashSet<usize> = members.iter().copied().collect();
+    let first = members.iter().copied().min().unwrap_or(0);
+    let mut seen = HashSet::new();
+    let mut stack: Vec<usize> = members
+        .iter()
+        .flat_map(|&m| nodes[m].deps.iter().copied())
+        .filter(|d| !inside.contains(d))
+        .collect();
+    while let Some(d) = stack.pop() {
+        if d < first || !seen.insert(d) {
+            continue;
+        }
+        if inside.contains(&d) {
+            return true;
+        }
+        stack.extend(nodes[d].deps.iter().copied());
+    }
+    false
+}
+
+/// Per node: whether a call outside its group reads its result (`Some(true)`), only calls inside
+/// it do (`Some(false)`), or nothing does (`None`).
+pub(super) fn read_outside(nodes: &[Node], group_of: &[Option<usize>]) -> Vec<Option<bool>> {
+    let mut read: Vec<Option<bool>> = vec![None; nodes.len()];
+    for (j, node) in nodes.iter().enumerate() {
+        for &(d, _) in &node.reads {
+            let outside = group_of[d].is_none() || group_of[d] != group_of[j];
+            read[d] = Some(read[d].unwrap_or(false) || outside);
+        }
+    }
+    read
+}
+
+/// The keys of a group's results: of its members (views aside) that a call outside the group
+/// reads, directly or through views of them, or whose results nothing reads.
+pub(super) fn results(
+    nodes: &[Node],
+    members: &[usize],
+    read_after: &[Option<bool>],
+) -> Vec<(u64, u64)> {
+    let inside: HashSet<usize> = members.iter().copied().collect();
+    let mut wanted: Vec<usize> = Vec::new();
+    for &m in members {
+        if read_after[m] == Some(false) {
+            continue;
+        }
+        // Through views, to the member that computed the memory.
+        let mut source = m;
+        while nodes[source].kind == Some(OpKind::View) {
+            match nodes[source].reads.iter().find(|(p, _)| inside.contains(p)) {
+                Some(&(p, _)) => source = p,
+                None => break,
+            }
+        }
+        if nodes[source].kind != Some(OpKind::View) && !wanted.contains(&source) {
+            wanted.push(source);
+        }
+    }
+    wanted.sort_unstable();
+    wanted
+        .into_iter()
+        .flat_map(|m| nodes[m].op.output_tensors().map(|t| t.key()))
+        .collect()
+}

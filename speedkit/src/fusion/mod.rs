@@ -1,0 +1,231 @@
+//! The fusion planner: which of a step's kernels one generated kernel could run together.
+//!
+//! An unchanged tch model runs one ATen kernel per operator: a Llama-style decoder's RMSNorm is
+//! six kernels forward (`pow`, `mean`, `add`, `rsqrt`, `mul`, `mul`) and more backward, each
+//! reading and writing the whole activation. torch.compile's Inductor fuses such chains into one
+//! kernel each. The planner finds the same groups in a [traced step](crate::trace): chains of
+//! pointwise, layout and view operators with at most one reduction, within the forward or the
+//! backward pass, where running the members as one kernel would not reorder anything outside
+//! them. What is left runs ATen's (or a library's) kernel, with the reason.
+//!
+//! The plan is what the fusion engine will generate kernels for; today it is a measurement: how
+//! many of a step's kernels are fusable, and which.
+//!
+//! ```
+//! use speedkit::fusion::FusionPlan;
+//! use speedkit::trace::StepTrace;
+//! use tch::{Device, Kind, Tensor};
+//!
+//! let x = Tensor::randn([64, 32], (Kind::Float, Device::Cpu));
+//! let w = Tensor::randn([32], (Kind::Float, Device::Cpu));
+//! // RMSNorm as a tch user writes it: five kernels in ATen, one group here.
+//! let (_, trace) = StepTrace::record(|| {
+//!     let rms = (x.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float) + 1e-6).rsqrt();
+//!     &x * rms * &w
+//! })?;
+//! let plan = FusionPlan::from_trace(&trace);
+//! assert_eq!(plan.groups().len(), 1);
+//! assert_eq!(plan.kernels_after(), 1);
+//! # Ok::<(), speedkit::SpeedkitError>(())
+//! ```
+
+mod codegen;
+mod grouping;
+mod ops;
+
+pub use codegen::{GeneratedKernel, KernelArg};
+pub use ops::OpKind;
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::Serialize;
+
+use crate::trace::{StepTrace, TracedOp};
+
+/// Kernels of a traced step that one generated kernel could run: see the [module docs](self).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct FusionPlan {
+    groups: Vec<FusedGroup>,
+    left_to_aten: Vec<LeftToAten>,
+    kernels_before: usize,
+}
+
+/// One group: the operators (in the step's order) whose kernels would run as one.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct FusedGroup {
+    /// Its operators in the order the step calls them, views included.
+    pub operators: Vec<String>,
+    /// How many kernels ATen runs for it (its operators but the views).
+    pub aten_kernels: usize,
+    /// Its reduction, if it has one.
+    pub reduction: Option<String>,
+    /// Whether it belongs to the backward pass.
+    pub backward: bool,
+    /// Its operators' calls, as traced.
+    #[serde(skip)]
+    calls: Vec<TracedOp>,
+    /// The keys ([`TracedTensor::key`](crate::trace::TracedTensor::key)) of its results that
+    /// the step reads after it, or that nothing in the step reads (the step's own results).
+    #[serde(skip)]
+    results: Vec<(u64, u64)>,
+}
+
+impl FusedGroup {
+    /// Its operators' calls, as traced, in step order.
+    pub fn calls(&self) -> &[TracedOp] {
+        &self.calls
+    }
+
+    /// The CUDA kernel that computes the group ([`GeneratedKernel`]), or why it is not generated
+    /// (today: groups of pointwise operators and views, fp32, bf16 and fp16, dense results).
+    pub fn kernel(&self) -> Result<GeneratedKernel, String> {
+        let calls: Vec<&TracedOp> = self.calls.iter().collect();
+        codegen::generate(&calls, &self.results)
+    }
+}
+
+/// An operator whose kernels stay ATen's, with how many calls and why.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct LeftToAten {
+    /// The operator.
+    pub operator: String,
+    /// Its kernel-running calls in the step.
+    pub calls: usize,
+    /// Why it is not fused.
+    pub reason: &'static str,
+}
+
+const LIBRARY: &str = "a library kernel (GEMM, convolution, attention, embedding, optimizer)";
+const NOT_MODELLED: &str = "not modelled by the planner";
+const ALONE: &str = "nothing to fuse with where it runs";
+
+impl FusionPlan {
+    /// Groups the kernels of `trace`.
+    pub fn from_trace(trace: &StepTrace) -> FusionPlan {
+        let kernels = trace.kernels();
+        let nodes = grouping::data_flow(&kernels);
+        let (group_of, groups) = grouping::group(&nodes);
+        let launches = |i: usize| nodes[i].kind.is_none_or(OpKind::launches_kernel);
+        let mut plan = FusionPlan {
+            kernels_before: (0..nodes.len()).filter(|&i| launches(i)).count(),
+            ..FusionPlan::default()
+        };
+        let mut left: BTreeMap<(&'static str, String), usize> = BTreeMap::new();
+        let read_after = grouping::read_outside(&nodes, &group_of);
+        for group in &groups {
+            let aten_kernels = group.members.iter().filter(|&&m| launches(m)).count();
+            if aten_kernels >= 2 {
+                let name = |m: &usize| nodes[*m].op.name.clone();
+                plan.groups.push(FusedGroup {
+                    calls: group.members.iter().map(|&m| nodes[m].op.clone()).collect(),
+                    results: grouping::results(&nodes, &group.members, &read_after),
+                    operators: group.members.iter().map(name).collect(),
+                    aten_kernels,
+                    reduction: group
+                        .members
+                        .iter()
+                        .find(|&&m| nodes[m].kind == Some(OpKind::Reduction))
+                        .map(name),
+                    backward: group.backward,
+                });
+            }
+        }
+        for (i, node) in nodes.iter().enumerate() {
+            let fused = group_of[i]
+                .is_some_and(|g| groups[g].members.iter().filter(|&&m| launches(m)).count() >= 2);
+            if fused || !launches(i) {
+                continue;
+            }
+            let reason = match node.kind {
+                Some(kind) if kind.fusable() => ALONE,
+                Some(_) => LIBRARY,
+                None => NOT_MODELLED,
+            };
+            *left.entry((reason, node.op.name.clone())).or_default() += 1;
+        }
+        plan.left_to_aten = left
+            .into_iter()
+            .map(|((reason, operator), calls)| LeftToAten {
+                operator,
+                calls,
+                reason,
+            })
+            .collect();
+        plan
+    }
+
+    /// The groups, in the order the step reaches them.
+    pub fn groups(&self) -> &[FusedGroup] {
+        &self.groups
+    }
+
+    /// The operators left to ATen, by reason and name.
+    pub fn left_to_aten(&self) -> &[LeftToAten] {
+        &self.left_to_aten
+    }
+
+    /// Kernels ATen runs for the step (calls that launch one: views and allocations do not).
+    pub fn kernels_before(&self) -> usize {
+        self.kernels_before
+    }
+
+    /// Kernels the step would run with every group fused: one per group, plus those left to ATen.
+    pub fn kernels_after(&self) -> usize {
+        self.groups.len() + self.left_to_aten.iter().map(|l| l.calls).sum::<usize>()
+    }
+}
+
+impl fmt::Display for FusionPlan {
+    /// A summary line, the operators left to ATen by reason, and the groups by how often the same
+    /// operator sequence recurs (a model's layers repeat theirs).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let fused: usize = self.groups.iter().map(|g| g.aten_kernels).sum();
+        writeln!(
+            f,
+            "fusion: {} kernels in the step; {} of them in {} fused groups: {} kernels with every group fused",
+            self.kernels_before,
+            fused,
+            self.groups.len(),
+            self.kernels_after()
+        )?;
+        for reason in [LIBRARY, NOT_MODELLED, ALONE] {
+            let rows: Vec<&LeftToAten> = self
+                .left_to_aten
+                .iter()
+                .filter(|l| l.reason == reason)
+                .collect();
+            if rows.is_empty() {
+                continue;
+            }
+            let calls: usize = rows.iter().map(|l| l.calls).sum();
+            let mut rows = rows;
+            rows.sort_by(|a, b| b.calls.cmp(&a.calls).then(a.operator.cmp(&b.operator)));
+            let names: Vec<String> = rows
+                .iter()
+                .map(|l| format!("{} {}", l.operator, l.calls))
+                .collect();
+            writeln!(
+                f,
+                "  left to ATen, {reason}: {calls} ({})",
+                names.join(", ")
+            )?;
+        }
+        let mut kinds: BTreeMap<(bool, &[String]), usize> = BTreeMap::new();
+        for g in &self.groups {
+            *kinds.entry((g.backward, &g.operators)).or_default() += 1;
+        }
+        let mut kinds: Vec<_> = kinds.into_iter().collect();
+        // By the kernels they hold in all: the groups that matter most first.
+        kinds.sort_by_key(|((_, operators), count)| std::cmp::Reverse(count * operators.len()));
+        for ((backward, operators), count) in kinds {
+            let pass = if backward { "backward" } else { "forward" };
+            let ops: Vec<&str> = operators
+                .iter()
+                .map(|o| o.trim_start_matches("aten::"))
+                .collect();
+            writeln!(f, "  {count} x {pass}: {}", ops.join(" > "))?;
+        }
+        Ok(())
+    }
+}

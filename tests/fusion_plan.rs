@@ -1,0 +1,358 @@
+//! The step trace and the fusion planner on the CPU: what a traced step holds, which of its
+//! kernels the planner groups and which it leaves to ATen, and that both are the same on every
+//! recording of the same step.
+//!
+//! Each test holds `common::serial()`: PyTorch's execution trace observer must not see another
+//! thread's operator in flight when a recording ends (`StepTrace::record`'s docs).
+
+mod common;
+
+use speedkit::fusion::{FusionPlan, GeneratedKernel, KernelArg, OpKind};
+use speedkit::trace::StepTrace;
+use speedkit_suite::data;
+use speedkit_suite::models::llama_tch::{LlamaConfig, LlamaTch};
+use tch::{nn, Device, Kind, Tensor};
+
+const CPU: Device = Device::Cpu;
+
+fn names(plan_group: &[String]) -> Vec<&str> {
+    plan_group
+        .iter()
+        .map(|o| o.trim_start_matches("aten::"))
+        .collect()
+}
+
+/// One training step of the tiny Llama-style decoder (RMSNorm, rotary embeddings, SwiGLU),
+/// forward and backward, traced.
+fn llama_step_trace() -> StepTrace {
+    tch::manual_seed(0);
+    let config = LlamaConfig::tiny();
+    let vs = nn::VarStore::new(CPU);
+    let model = LlamaTch::new(&vs.root(), &config).unwrap();
+    let (tokens, targets) = data::tokens(config.batch, config.seq_len, config.vocab, CPU).unwrap();
+    let (_, trace) = StepTrace::record(|| {
+        model.loss(&tokens, &targets).unwrap().backward();
+    })
+    .unwrap();
+    trace
+}
+
+#[test]
+fn a_traced_step_holds_its_forward_and_backward_kernels_with_their_tensors() {
+    let _serial = common::serial();
+    let x = Tensor::randn([3, 5], (Kind::Float, CPU)).set_requires_grad(true);
+    let (_, trace) = StepTrace::record(|| x.silu().sum(Kind::Float).backward()).unwrap();
+    let kernels = trace.kernels();
+    let silu = kernels.iter().find(|op| op.name == "aten::silu").unwrap();
+    assert!(!silu.backward);
+    let input = silu.input_tensors().next().unwrap();
+    assert_eq!(
+        (input.shape.as_slice(), input.strides.as_slice()),
+        (&[3, 5][..], &[5, 1][..])
+    );
+    assert_eq!(
+        (input.dtype.as_str(), input.device.as_str()),
+        ("float", "cpu")
+    );
+    let backward = kernels
+        .iter()
+        .find(|op| op.name == "aten::silu_backward")
+        .unwrap();
+    assert!(backward.backward);
+    // The backward reads the forward's input: the same tensor.
+    assert!(backward.input_tensors().any(|t| t.key() == input.key()));
+}
+
+#[test]
+fn composite_operators_appear_as_the_kernels_they_run() {
+    let _serial = common::serial();
+    let x = Tensor::randn([4, 6], (Kind::Float, CPU));
+    let w = Tensor::randn([3, 6], (Kind::Float, CPU));
+    let (_, trace) = StepTrace::record(|| x.linear(&w, None::<Tensor>)).unwrap();
+    let kernels: Vec<&str> = trace.kernels().iter().map(|op| op.name.as_str()).collect();
+    assert!(!kernels.contains(&"aten::linear"), "{kernels:?}");
+    assert!(
+        kernels.contains(&"aten::mm") || kernels.contains(&"aten::matmul"),
+        "{kernels:?}"
+    );
+    assert!(trace.ops().iter().any(|op| op.name == "aten::linear"));
+}
+
+#[test]
+fn rms_norm_forward_and_backward_are_one_group_each() {
+    let _serial = common::serial();
+    let x = Tensor::randn([16, 32], (Kind::Float, CPU)).set_requires_grad(true);
+    let w = Tensor::ones([32], (Kind::Float, CPU));
+    let (_, trace) = StepTrace::record(|| {
+        let rms = (x.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float) + 1e-6).rsqrt();
+        (&x * rms * &w).sum(Kind::Float).backward();
+    })
+    .unwrap();
+    let plan = FusionPlan::from_trace(&trace);
+    let forward: Vec<_> = plan.groups().iter().filter(|g| !g.backward).collect();
+    assert_eq!(forward.len(), 1, "{plan}");
+    assert_eq!(
+        names(&forward[0].operators),
+        ["pow", "mean", "add", "rsqrt", "mul", "mul"],
+        "{plan}"
+    );
+    assert_eq!(forward[0].reduction.as_deref(), Some("aten::mean"));
+    assert!(plan.groups().iter().any(|g| g.backward), "{plan}");
+}
+
+#[test]
+fn library_kernels_stay_atens_with_the_reason() {
+    let _serial = common::serial();
+    let x = Tensor::randn([8, 8], (Kind::Float, CPU));
+    let (_, trace) = StepTrace::record(|| (x.mm(&x) * 2.0).relu()).unwrap();
+    let plan = FusionPlan::from_trace(&trace);
+    let mm = plan
+        .left_to_aten()
+        .iter()
+        .find(|l| l.operator == "aten::mm")
+        .unwrap();
+    assert_eq!(mm.calls, 1);
+    assert!(mm.reason.starts_with("a library kernel"), "{plan}");
+    assert_eq!(OpKind::of("aten::mm"), Some(OpKind::Library));
+    assert_eq!(
+        names(&plan.groups()[0].operators),
+        ["mul", "relu"],
+        "{plan}"
+    );
+}
+
+#[test]
+fn a_chain_is_not_fused_across_a_call_between_its_members() {
+    let _serial = common::serial();
+    let x = Tensor::randn([8, 8], (Kind::Float, CPU));
+    // mul → mm → add, and mul → add: one kernel for mul and add would have to run before and
+    // after the mm.
+    let (_, trace) = StepTrace::record(|| {
+        let y = &x * 2.0;
+        y.mm(&x) + &y
+    })
+    .unwrap();
+    let plan = FusionPlan::from_trace(&trace);
+    assert!(plan.groups().is_empty(), "{plan}");
+    assert_eq!(plan.kernels_after(), plan.kernels_before());
+}
+
+#[test]
+fn the_trace_and_the_plan_of_a_small_model_are_the_same_on_every_recording() {
+    let _serial = common::serial();
+    let first = llama_step_trace();
+    let second = llama_step_trace();
+    let kernels = |t: &StepTrace| -> Vec<(String, bool)> {
+        t.kernels()
+            .iter()
+            .map(|op| (op.name.clone(), op.backward))
+            .collect()
+    };
+    assert_eq!(kernels(&first), kernels(&second));
+    let (a, b) = (
+        FusionPlan::from_trace(&first),
+        FusionPlan::from_trace(&second),
+    );
+    // Tensor ids differ between recordings; the groups and their kernels do not.
+    let structure = |p: &FusionPlan| -> Vec<(Vec<String>, bool, Option<String>)> {
+        let groups = p.groups().iter();
+        let source = |g: &speedkit::fusion::FusedGroup| g.kernel().ok().map(|k| k.source);
+        groups
+            .map(|g| (g.operators.clone(), g.backward, source(g)))
+            .collect()
+    };
+    assert_eq!(structure(&a), structure(&b));
+    assert_eq!(a.to_string(), b.to_string());
+    // The decoder's RMSNorm, rotary embeddings and SwiGLU give groups in both passes.
+    assert!(
+        a.groups().iter().any(|g| g.backward) && a.groups().iter().any(|g| !g.backward),
+        "{a}"
+    );
+    assert!(a.kernels_after() < a.kernels_before(), "{a}");
+    println!("{a}");
+}
+
+#[test]
+fn a_panic_in_the_traced_closure_leaves_no_trace_recording() {
+    let _serial = common::serial();
+    let caught = std::panic::catch_unwind(|| StepTrace::record(|| panic!("in the step")));
+    assert!(caught.is_err());
+    // The observer was removed: a new recording starts and sees only its own calls.
+    let x = Tensor::ones([2], (Kind::Float, CPU));
+    let (_, trace) = StepTrace::record(|| x.exp()).unwrap();
+    let kernels: Vec<&str> = trace.kernels().iter().map(|op| op.name.as_str()).collect();
+    assert_eq!(kernels, ["aten::exp"]);
+}
+
+#[test]
+fn a_bencher_asked_for_a_fusion_plan_traces_the_second_eager_step_before_timing() {
+    let _serial = common::serial();
+    use speedkit::bench::{Bencher, Protocol, Size};
+    use speedkit::config::{DeviceChoice, SpeedConfig};
+    let config = SpeedConfig {
+        device: DeviceChoice::Cpu,
+        ..SpeedConfig::auto()
+    };
+    let ctx = speedkit::SpeedContext::new(&config).unwrap();
+    let protocol = Protocol {
+        warmup: 1,
+        steps: 2,
+        paranoid_sync: false,
+    };
+    let x = Tensor::randn([8, 16], (Kind::Float, CPU)).set_requires_grad(true);
+    let mut steps = 0;
+    let mut bencher = Bencher::new(Size::Tiny, &ctx, protocol).with_fusion_plan(true);
+    bencher
+        .run(|| -> speedkit::Result<Tensor> {
+            steps += 1;
+            let loss = (x.sigmoid() * 3.0 + 1.0).sum(Kind::Float);
+            loss.backward();
+            Ok(loss)
+        })
+        .unwrap();
+    // An untraced step (the optimizer's state is made there), the traced one, the warm-up step
+    // and the timed ones.
+    assert_eq!(steps, 2 + 1 + 2);
+    let plan = bencher.take_fusion_plan().unwrap();
+    let forward = plan.groups().iter().find(|g| !g.backward).unwrap();
+    assert_eq!(
+        names(&forward.operators),
+        ["sigmoid", "mul", "add", "sum"],
+        "{plan}"
+    );
+    assert!(bencher.take_fusion_plan().is_none());
+}
+
+// ----- the generated kernels ---------------------------------------------------------------------
+
+const HOPPER: speedkit::kernels::Arch = speedkit::kernels::Arch { major: 9, minor: 0 };
+
+/// Registers `kernel`'s source under its own name (the name every launch finds it by).
+fn module_of(kernel: &GeneratedKernel) -> speedkit::cuda::CudaModule {
+    speedkit::cuda::CudaModule::new(&format!("{}.cu", kernel.name), &kernel.source).unwrap()
+}
+
+#[test]
+fn every_pointwise_group_of_a_small_model_generates_a_kernel_that_nvrtc_compiles() {
+    let _serial = common::serial();
+    let plan = FusionPlan::from_trace(&llama_step_trace());
+    let mut generated = 0;
+    for group in plan.groups() {
+        let Ok(kernel) = group.kernel() else { continue };
+        let module = module_of(&kernel);
+        let bytes = speedkit::kernels::compile(module.name(), HOPPER)
+            .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
+        assert!(bytes > 0);
+        generated += 1;
+    }
+    // The decoder's SwiGLU, rotary and backward chains; the groups with a reduction or a layout
+    // copy wait for the next generator.
+    assert!(
+        generated >= 4,
+        "{generated} of {} groups:\n{plan}",
+        plan.groups().len()
+    );
+}
+
+#[test]
+fn a_group_with_a_reduction_says_why_no_kernel_is_generated() {
+    let _serial = common::serial();
+    let x = Tensor::randn([16, 32], (Kind::Float, CPU));
+    let (_, trace) = StepTrace::record(|| {
+        (x.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float) + 1e-6).rsqrt()
+    })
+    .unwrap();
+    let plan = FusionPlan::from_trace(&trace);
+    let why = plan.groups()[0].kernel().unwrap_err();
+    assert!(why.contains("aten::mean is not generated yet"), "{why}");
+}
+
+#[test]
+fn a_generated_kernel_is_named_by_its_source() {
+    let _serial = common::serial();
+    let kernel_of = |rows: i64| {
+        let x = Tensor::randn([rows, 8], (Kind::Float, CPU));
+        let (_, trace) = StepTrace::record(|| (&x * 2.0).exp()).unwrap();
+        FusionPlan::from_trace(&trace).groups()[0].kernel().unwrap()
+    };
+    let (a, b, c) = (kernel_of(4), kernel_of(4), kernel_of(5));
+    assert_eq!(a, b);
+    assert_ne!(a.name, c.name);
+    assert!(a.source.contains(&format!("void {}(", a.name)));
+}
+
+/// `chain` traced on `inputs` (in `kind`) on the GPU, its one group generated, compiled and run on
+/// the same inputs; its result against ATen's.
+fn generated_matches_aten(
+    kind: Kind,
+    inputs: &[Tensor],
+    chain: impl Fn(&[Tensor]) -> Tensor,
+) -> f64 {
+    let (expected, trace) = StepTrace::record(|| chain(inputs)).unwrap();
+    let plan = FusionPlan::from_trace(&trace);
+    assert_eq!(plan.groups().len(), 1, "{plan}");
+    let kernel = plan.groups()[0].kernel().unwrap();
+    let device = expected.device();
+    let launcher = module_of(&kernel)
+        .kernel(&kernel.name, &kernel.params(), device)
+        .unwrap();
+    // The kernel writes each result in its traced layout (a transposed read may give a
+    // transposed result): a dense buffer, seen through the result's strides.
+    let buffer = Tensor::empty([expected.numel() as i64], (expected.kind(), device));
+    let output = buffer.as_strided(expected.size(), expected.stride(), 0);
+    let by_shape = |t: &speedkit::trace::TracedTensor| {
+        inputs
+            .iter()
+            .find(|i| i.size() == t.shape && i.device() == device)
+            .unwrap()
+    };
+    let mut args: Vec<speedkit::cuda::Arg> = Vec::new();
+    for arg in &kernel.args {
+        args.push(match arg {
+            KernelArg::Input(t) => by_shape(t).into(),
+            KernelArg::Scalar(_) => panic!("no CPU scalar in these chains"),
+            KernelArg::Output(_) => (&buffer).into(),
+        });
+    }
+    args.push((kernel.numel as i64).into());
+    launcher.launch(132, 256, 0, &args).unwrap();
+    assert_eq!(output.kind(), kind);
+    let gap = (&output.to_kind(Kind::Float) - expected.to_kind(Kind::Float))
+        .abs()
+        .max();
+    gap.double_value(&[])
+}
+
+#[test]
+fn generated_pointwise_kernels_give_atens_values_in_fp32_bf16_and_fp16() {
+    let _serial = common::serial();
+    let Some(device) =
+        common::cuda_or_skip("generated_pointwise_kernels_give_atens_values_in_fp32_bf16_and_fp16")
+    else {
+        return;
+    };
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+        // Odd sizes, a broadcast row, and a transposed view of a result inside the group (index
+        // arithmetic, no copy). The inputs differ in shape: the test finds them by it.
+        let x = Tensor::randn([37, 53], (kind, device));
+        let row = Tensor::randn([53], (kind, device));
+        let other = Tensor::randn([53, 37], (kind, device));
+        let inputs = [x, row, other];
+        let forward = generated_matches_aten(kind, &inputs, |t| {
+            let y = (&t[0] * &t[1] + 1.5).silu() - (&t[2] * 2.0).tr().sigmoid();
+            y.where_self(&t[0].gt(0.0), &(&t[0] * 0.5)).tanh()
+        });
+        let backward = generated_matches_aten(kind, &inputs, |t| {
+            let g = &t[0] * &t[1];
+            let u = (&t[2] - 0.25).tr();
+            g.silu_backward(&u) * Tensor::sigmoid_backward(&t[0], &u.sigmoid())
+        });
+        // ATen rounds each operator's result to `kind` as the kernel does; what is left is the
+        // last bit of the transcendental functions.
+        let tolerance = if kind == Kind::Float { 1e-5 } else { 1e-2 };
+        assert!(
+            forward < tolerance && backward < tolerance,
+            "{kind:?}: {forward} {backward}"
+        );
+    }
+}
