@@ -191,6 +191,7 @@ const SHIM_UNITS: &[(&str, &[&str])] = &[
             "distributed",
             "gradient_sync",
             "graphs",
+            "heartbeat",
             "kernels",
             "memory_history",
             "optim",

@@ -9,7 +9,7 @@
 #   bash docs/benchmarks/multi_gpu.sh [--nproc-per-node N] PACKDIR OUTDIR [PART...]
 #   e.g.  bash docs/benchmarks/multi_gpu.sh --nproc-per-node 4 .gpu "$OUT"
 #
-# PARTs (all by default): speedkit ddp ddp_compile equality toy — two device commands can share
+# PARTs (all by default): speedkit ddp ddp_compile equality fault toy — two device commands can share
 # the parts where one would not fit in 600 s.
 #
 # Everything lands in OUTDIR: one log per part, the runners' and the reference's JSON, and
@@ -26,7 +26,7 @@ fi
 pack=${1:?$usage}
 out=${2:?$usage}
 shift 2
-parts=" ${*:-speedkit ddp ddp_compile equality toy} "
+parts=" ${*:-speedkit ddp ddp_compile equality fault toy} "
 wanted() { [[ $parts == *" $1 "* ]]; }
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
@@ -80,6 +80,15 @@ if wanted equality; then
   # A test name that matches nothing passes with "0 passed": say so.
   grep -q "test result: ok. 1 passed" "$out/nccl_equality.log" ||
     echo "== nccl_equality: the equality test did not run and pass" | tee -a "$out/nccl_equality.log"
+fi
+# The fault row: rank 1 killed (SIGKILL) while the step's graph is replayed; rank 0 must exit with
+# status 1 within the 10 s timeout, naming rank 1 by its heartbeat.
+if wanted fault; then
+  part fault 150 "${sk[@]}" distributed.test --exact \
+    faults::a_rank_killed_while_the_step_is_replayed_is_named_by_the_other_which_exits \
+    --nocapture --test-threads=1
+  grep -q "test result: ok. 1 passed" "$out/fault.log" ||
+    echo "== fault: the fault test did not run and pass" | tee -a "$out/fault.log"
 fi
 wanted toy && part "toy_transformer_${gpus}gpu" 50 "${sk[@]}" speedkit launch --nproc-per-node "$gpus" -- \
   bash "$pack/run" toy_transformer --size bench --steps 100

@@ -33,6 +33,7 @@
 
 using sk::dist::blocking_all_reduce;
 using sk::dist::Group;
+using sk::dist::Heartbeat;
 using sk::dist::kGloo;
 using sk::dist::wait;
 
@@ -104,8 +105,15 @@ struct SharedStore {
 std::mutex shared_store_mutex;
 SharedStore* shared_store = nullptr;
 
-// The store for the next group at host:port, and that group's key prefix.
-std::pair<c10::intrusive_ptr<c10d::Store>, c10::intrusive_ptr<c10d::TCPStore>> next_group_store(
+// The store for the next group at host:port: the group's view (its key prefix), the shared store
+// under it, and the prefix.
+struct GroupStore {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<c10d::TCPStore> tcp;
+  std::string prefix;
+};
+
+GroupStore next_group_store(
     const std::string& host, int port, int rank, int world, std::chrono::milliseconds timeout) {
   std::lock_guard<std::mutex> lock(shared_store_mutex);
   const bool same = shared_store && shared_store->host == host && shared_store->port == port &&
@@ -123,7 +131,7 @@ std::pair<c10::intrusive_ptr<c10d::Store>, c10::intrusive_ptr<c10d::TCPStore>> n
   }
   shared_store->tcp->setTimeout(timeout);
   const std::string prefix = "speedkit/" + std::to_string(shared_store->groups++) + "/";
-  return {c10::make_intrusive<c10d::PrefixStore>(prefix, shared_store->tcp), shared_store->tcp};
+  return {c10::make_intrusive<c10d::PrefixStore>(prefix, shared_store->tcp), shared_store->tcp, prefix};
 }
 
 }  // namespace
@@ -145,7 +153,7 @@ int sk_dist_init(int backend, const char* master_addr, int port, int rank, int w
   SK_TRY({
     const std::string host(master_addr);
     const std::chrono::milliseconds timeout(timeout_ms);
-    auto [store, tcp] = next_group_store(host, port, rank, world, timeout);
+    auto [store, tcp, prefix] = next_group_store(host, port, rank, world, timeout);
 
     auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, world);
     if (backend == kGloo) {
@@ -163,7 +171,7 @@ int sk_dist_init(int backend, const char* master_addr, int port, int rank, int w
                   "headers (nvidia/nccl/include next to torch)");
 #endif
     }
-    *out = new Group{tcp, pg, backend};
+    *out = new Group{tcp, pg, backend, std::make_shared<Heartbeat>(host, port, prefix, rank, world)};
   })
 }
 
@@ -175,6 +183,10 @@ void sk_dist_free(void* group) {
     // A peer already gone makes shutdown report it; the group is released either way.
   }
   delete g;
+}
+
+int sk_dist_lost_ranks(void* group, const char** text) {
+  SK_TRY(sk::hand_out(static_cast<Group*>(group)->heartbeat->lost_ranks(), text))
 }
 
 int sk_dist_broadcast_(void* group, const sk_tensor* tensors, int64_t n, int root) {

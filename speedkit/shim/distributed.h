@@ -5,9 +5,12 @@
 
 #include "shim.h"
 
+#include "heartbeat.h"
+
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace sk::dist {
@@ -20,6 +23,8 @@ struct Group {
   c10::intrusive_ptr<c10d::Store> store;
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
   int backend;
+  // This rank's heartbeat, which names the lost ranks when a collective fails (heartbeat.h).
+  std::shared_ptr<Heartbeat> heartbeat;
 };
 
 inline void wait(const c10::intrusive_ptr<c10d::Work>& work) { work->wait(); }

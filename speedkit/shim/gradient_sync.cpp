@@ -91,6 +91,7 @@ struct ArrivalHook : torch::autograd::PostAccumulateGradHook {
 // What a `void* sync` of speedkit.h points at (sk_grad_sync_new).
 struct sk::dist::GradientSync {
   c10::intrusive_ptr<c10d::ProcessGroup> pg;
+  std::shared_ptr<Heartbeat> heartbeat;  // the group's, for the replay watchdog's message
   int backend;
   bool sharded = false;
   std::vector<GradientBucket> buckets;
@@ -337,6 +338,7 @@ int sk_grad_sync_new(void* group, const sk_tensor* params, int64_t n, int64_t bu
     auto* g = static_cast<sk::dist::Group*>(group);
     auto sync = std::make_unique<GradientSync>();
     sync->pg = g->pg;
+    sync->heartbeat = g->heartbeat;
     sync->backend = g->backend;
     sync->sharded = shard != 0;
     std::optional<at::ScalarType> wire;
@@ -408,7 +410,7 @@ int sk_grad_sync_bucket_members(void* sync, int64_t bucket, int64_t* params, int
 int sk_grad_sync_watch_replay(void* sync, int64_t timeout_ms, const char* rank) {
   SK_TRY({
     auto* s = static_cast<GradientSync*>(sync);
-    s->watchdog.watch(s->pg, std::chrono::milliseconds(timeout_ms), rank);
+    s->watchdog.watch(s->pg, std::chrono::milliseconds(timeout_ms), rank, s->heartbeat);
   })
 }
 

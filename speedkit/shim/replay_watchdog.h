@@ -2,6 +2,8 @@
 // (gradient_sync.cpp) keeps for the collectives captured inside the step.
 #pragma once
 
+#include "heartbeat.h"
+
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
@@ -22,9 +24,10 @@ class ReplayWatchdog {
   ReplayWatchdog& operator=(const ReplayWatchdog&) = delete;
 
   // After a replay on the current stream: ends the process unless the replay is done within
-  // `limit` (the first call's `group`, `limit` and `rank` hold for every later one).
+  // `limit`, naming the lost ranks by their `heartbeat` (the first call's `group`, `limit`, `rank`
+  // and `heartbeat` hold for every later one).
   void watch(const c10::intrusive_ptr<c10d::ProcessGroup>& group, std::chrono::milliseconds limit,
-             const std::string& rank);
+             const std::string& rank, std::shared_ptr<Heartbeat> heartbeat);
 
  private:
   struct State;

@@ -348,6 +348,9 @@ enum sk_reduce_op { SK_REDUCE_SUM = 0, SK_REDUCE_MAX = 1 };
 int sk_dist_init(int backend, const char* master_addr, int port, int rank, int world, int local_rank,
                  int64_t timeout_ms, void** out);
 void sk_dist_free(void* group);
+/// Which ranks are lost, in a sentence: those whose heartbeat in the rendezvous store stopped
+/// (this call waits three beats, 3 s, to tell), or rank 0 when its store does not answer.
+int sk_dist_lost_ranks(void* group, const char** text);
 int sk_dist_broadcast_(void* group, const sk_tensor* tensors, int64_t n, int root);
 int sk_dist_all_reduce_(void* group, sk_tensor tensor, int op);
 int sk_dist_all_gather(void* group, sk_tensor tensor, sk_tensor* out);

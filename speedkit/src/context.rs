@@ -421,16 +421,23 @@ impl SpeedContext {
             Some(dp) => dp.after_backward(join),
             None => Ok(()),
         });
-        result.map_err(|e: SpeedkitError| match &self.group {
+        result.map_err(|e| self.collective_failure("backward", e))
+    }
+
+    /// `e`, from `what` (a pass whose gradients are all-reduced), as the error a data-parallel
+    /// rank reports: its rank, the timeout, and the ranks that are lost (by their heartbeats).
+    fn collective_failure(&self, what: &str, e: SpeedkitError) -> SpeedkitError {
+        match &self.group {
             Some(g) => SpeedkitError::Distributed(format!(
-                "backward on rank {} of {} (gradients are all-reduced during it; a rank that died \
-                 or hung past the {} s timeout fails it): {e}",
+                "{what} on rank {} of {} (gradients are all-reduced during it; a rank that died \
+                 or hung past the {} s timeout fails it; {}): {e}",
                 g.rank(),
                 g.world_size(),
-                g.timeout().as_secs()
+                g.timeout().as_secs(),
+                g.lost_ranks()
             )),
             None => e,
-        })
+        }
     }
 
     /// After the first backward under `channels_last: auto`: the conv weights go back to NCHW
@@ -520,7 +527,9 @@ impl SpeedContext {
             // Whatever the optimizer did not wait for (also where it failed): no all-reduce may
             // outlive the step unjoined.
             let joined = sync.join_all();
-            stepped.and(joined)?;
+            stepped
+                .and(joined)
+                .map_err(|e| self.collective_failure("optimizer step as the buckets land", e))?;
         }
         self.count_optimizer_step()
     }

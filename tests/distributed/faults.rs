@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::processes::{free_port, rank_env, scratch, spawn_rank, text, wait_bounded};
 
 #[test]
-fn killed_rank_makes_the_other_fail_with_a_clear_error() {
+fn a_killed_rank_makes_the_other_fail_with_an_error_naming_it() {
     let out = scratch("killed");
     let port = free_port();
     let rank0 = spawn_rank("train_until_killed", &out, &rank_env(0, port));
@@ -25,6 +25,10 @@ fn killed_rank_makes_the_other_fail_with_a_clear_error() {
     assert_eq!(output.status.code(), Some(1), "{log}");
     assert!(log.contains("error: distributed:"), "{log}");
     assert!(log.contains("rank 0 of 2"), "{log}");
+    assert!(
+        log.contains("rank(s) [1] lost: no heartbeat in the rendezvous store"),
+        "{log}"
+    );
     assert!(log.contains("flags restored"), "{log}");
 }
 
@@ -64,4 +68,43 @@ fn a_replica_edited_outside_the_step_is_named_on_every_rank() {
         );
         assert!(log.contains("flags restored"), "rank {rank}: {log}");
     }
+}
+
+#[test]
+fn a_rank_killed_while_the_step_is_replayed_is_named_by_the_other_which_exits() {
+    if crate::training::nccl_ranks() < 2 {
+        eprintln!(
+            "skipped a_rank_killed_while_the_step_is_replayed_is_named_by_the_other_which_exits: \
+             needs two CUDA devices (NCCL)"
+        );
+        return;
+    }
+    let out = scratch("killed-replay");
+    let port = free_port();
+    let rank0 = spawn_rank("nccl_until_killed", &out, &rank_env(0, port));
+    let mut rank1 = spawn_rank("nccl_until_killed", &out, &rank_env(1, port));
+    // Steps 0-2 warm up, 3 is captured: from step 5 on, both ranks replay the graph.
+    let lines = BufReader::new(rank1.stdout.take().unwrap());
+    for line in lines.lines() {
+        if line.unwrap().contains("step 5 done") {
+            break;
+        }
+    }
+    let killed_at = std::time::Instant::now();
+    rank1.kill().unwrap();
+    let _ = rank1.wait();
+    // The configured timeout is 10 s; the bound is only against a hang.
+    let output = wait_bounded(rank0, Duration::from_secs(120));
+    let log = text(&output);
+    println!(
+        "rank 0 exited {:.1} s after rank 1 was killed",
+        killed_at.elapsed().as_secs_f64()
+    );
+    assert_eq!(output.status.code(), Some(1), "{log}");
+    assert!(log.contains("rank 0 of 2"), "{log}");
+    assert!(log.contains("within the 10 s timeout"), "{log}");
+    assert!(
+        log.contains("rank(s) [1] lost: no heartbeat in the rendezvous store"),
+        "{log}"
+    );
 }

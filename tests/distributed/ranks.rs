@@ -101,7 +101,8 @@ pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
 /// `graphs_auto` (one CUDA graph with the all-reduce inside, started during the backward pass),
 /// `after_backward` (graphed, all-reduced after the backward pass), `reducer` (graphs on auto, the
 /// Reducer asked for: eager), `bf16` (graphed, gradients sent in bf16), `sharded` (graphed, the
-/// optimizer state sharded: gradients reduce-scattered, parameters all-gathered).
+/// optimizer state sharded: gradients reduce-scattered, parameters all-gathered), `until_killed`
+/// (graphed, replayed until the test kills a rank).
 fn train_nccl_rank(
     rank: usize,
     world: i64,
@@ -131,6 +132,12 @@ fn train_nccl_rank(
     config.distributed.bucket_mb = 1;
     // Compared after every step, replays included.
     config.distributed.check_replicas_every = 1;
+    // `until_killed`: replays until the test kills a rank; only the replay watchdog waits then.
+    let until_killed = variant == "until_killed";
+    if until_killed {
+        config.distributed.timeout_s = 10;
+        config.distributed.check_replicas_every = 0;
+    }
     let (x, y) = data();
     tch::manual_seed(100 + rank as i64);
     let mut vs = nn::VarStore::new(Device::Cpu);
@@ -146,10 +153,13 @@ fn train_nccl_rank(
         ctx.backward_step(&loss, &mut opt)?;
         Ok(Some(loss))
     });
-    for s in 0..STEPS {
-        let xb = rows_of(&x, s, rank as i64, world).to_device(device);
-        let yb = rows_of(&y, s, rank as i64, world).to_device(device);
+    for s in 0..if until_killed { 100_000 } else { STEPS } {
+        let xb = rows_of(&x, s % STEPS, rank as i64, world).to_device(device);
+        let yb = rows_of(&y, s % STEPS, rank as i64, world).to_device(device);
         step.run(&[&xb, &yb])?;
+        if until_killed && s < STEPS {
+            println!("step {s} done");
+        }
     }
     println!(
         "graphed: {} ({})",

@@ -248,7 +248,7 @@ fn two_launchers_of_one_gpu_each_train_as_one_process_over_nccl_sockets() {
 }
 
 /// Every CUDA device of the machine trains as one rank (as many as divide the global batch).
-fn nccl_ranks() -> i64 {
+pub fn nccl_ranks() -> i64 {
     let devices = tch::Cuda::device_count();
     (2..=devices)
         .rev()

@@ -175,15 +175,25 @@ impl ProcessGroup {
         &self.raw
     }
 
+    /// Which ranks are lost, in a sentence, from their heartbeats in the rendezvous store: those
+    /// that stopped beating, or rank 0 when its store does not answer. Takes about 3 s (three
+    /// beats), so only failures ask it.
+    pub fn lost_ranks(&self) -> String {
+        self.raw
+            .lost_ranks()
+            .unwrap_or_else(|e| format!("the lost ranks could not be told ({e})"))
+    }
+
     fn failed(&self, e: SpeedkitError, what: &str) -> SpeedkitError {
         collective_error(
             e,
             &format!(
                 "{what} on rank {} of {} failed (a rank died, hung past the {} s timeout, or \
-                 called a different collective)",
+                 called a different collective; {})",
                 self.env.rank,
                 self.env.world_size,
-                self.timeout.as_secs()
+                self.timeout.as_secs(),
+                self.lost_ranks()
             ),
         )
     }

@@ -1,11 +1,11 @@
 //! c10d process groups and DDP's Reducer (`shim/distributed.cpp`).
 
-use std::ffi::{c_int, c_void};
+use std::ffi::{c_char, c_int, c_void};
 use std::ptr;
 
 use tch::{Kind, Tensor};
 
-use super::{c_string, check, handle, handles, owned, raw, raw::distributed as abi, Result};
+use super::{c_string, check, handle, handles, owned, raw, raw::distributed as abi, text, Result};
 
 /// Which c10d backend carries the collectives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,6 +67,15 @@ impl RawProcessGroup {
             )
         })?;
         Ok(Self(group))
+    }
+
+    /// Which ranks are lost, in a sentence (their heartbeats stopped); takes about 3 s.
+    pub(crate) fn lost_ranks(&self) -> Result<String> {
+        let mut out: *const c_char = ptr::null();
+        // SAFETY: live group; valid out-pointer to the shim's per-thread string, copied at once.
+        check(unsafe { abi::sk_dist_lost_ranks(self.0, &mut out) })?;
+        // SAFETY: NUL-terminated, alive until this thread's next call.
+        Ok(unsafe { text(out) }.unwrap_or_default())
     }
 
     pub(crate) fn broadcast_(&self, tensors: &[Tensor], root: usize) -> Result<()> {
