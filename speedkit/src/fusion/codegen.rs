@@ -23,7 +23,8 @@ pub struct GeneratedKernel {
     pub source: String,
     /// The arguments, in the entry point's order; the element count (`long long`) comes last.
     pub args: Vec<KernelArg>,
-    /// Elements of each result: the launch's element count.
+    /// The count the launch passes last (`n`): the elements of each result, or for a group with
+    /// a reduction its rows (a block each).
     pub numel: u64,
 }
 
@@ -95,15 +96,15 @@ pub(crate) fn generate(
     for op in ops {
         match OpKind::of(&op.name) {
             Some(OpKind::View) => continue,
-            Some(OpKind::Pointwise) if !op.name.ends_with('_') => {}
+            Some(OpKind::Pointwise) if !op.name.ends_with('_') => g.operator(op)?,
+            Some(OpKind::Reduction) => g.reduction(op)?,
             _ => {
                 return Err(format!(
-                    "{} is not generated yet (pointwise groups only)",
+                    "{} is not generated yet (pointwise operators and row reductions only)",
                     op.name
                 ))
             }
         }
-        g.operator(op)?;
     }
     g.kernel(results)
 }
@@ -123,6 +124,20 @@ struct Generator {
     arg_of: HashMap<(u64, u64), usize>,
     /// Operator names, in order, for the entry point's name.
     signature: String,
+    /// The group's one reduction, once generated.
+    reduction: Option<RowReduction>,
+}
+
+/// A reduction over the last dimension: one block per row reduces `in_red(a, row, col, 0)` over
+/// its `width` columns, and every function reads the row's result as `red`.
+#[derive(Clone, Debug)]
+struct RowReduction {
+    /// The reduced input's shape: the results written per column have it.
+    shape: Vec<i64>,
+    rows: u64,
+    width: u64,
+    /// `sum`, `mean` (a sum divided by the width) or `amax`.
+    op: &'static str,
 }
 
 impl Generator {
@@ -166,10 +181,79 @@ impl Generator {
         .unwrap();
         writeln!(
             self.functions,
-            "// {}\n__device__ __forceinline__ float v{index}(const Args& a, long long p) {{\n{body}}}\n",
+            "// {}\n__device__ __forceinline__ float v{index}(const Args& a, long long p, float red) {{\n{body}}}\n",
             op.schema
         )
         .unwrap();
+        self.results.insert(out.key(), (index, out.clone()));
+        self.producers.insert(out.storage, (index, out));
+        write!(self.signature, "{};", op.schema).unwrap();
+        Ok(())
+    }
+
+    /// A `sum`, `mean` or `amax` over the last dimension: `in_red` reads its input at a row and a
+    /// column, and its function returns the row's result (`red`), rounded to its type.
+    fn reduction(&mut self, op: &TracedOp) -> Result<(), String> {
+        let kind = match op.schema.split('(').next().unwrap_or("") {
+            "aten::sum.dim_IntList" => "sum",
+            "aten::mean.dim" => "mean",
+            "aten::amax" => "amax",
+            _ => return Err(format!("{} is not generated yet", op.schema)),
+        };
+        if self.reduction.is_some() {
+            return Err("a second reduction in one group".into());
+        }
+        let (Some(TracedValue::Tensor(input)), Some(TracedValue::Other { value: dims, .. })) =
+            (op.inputs.first(), op.inputs.get(1))
+        else {
+            return Err(format!("{} without its input and dimensions", op.name));
+        };
+        let out = match op.outputs.as_slice() {
+            [TracedValue::Tensor(t)] => t.clone(),
+            _ => return Err(format!("{} has other than one tensor result", op.name)),
+        };
+        let out_kind =
+            kind_of(&out.dtype).ok_or_else(|| format!("{} writes {}", op.name, out.dtype))?;
+        let rank = input.shape.len() as i64;
+        let dims: Vec<i64> = serde_json::from_str(dims).map_err(|_| "dimensions not a list")?;
+        if rank == 0 || dims.len() != 1 || (dims[0] + rank) % rank != rank - 1 {
+            return Err(format!("{} over other than the last dimension", op.name));
+        }
+        check_contiguous(&out).map_err(|e| format!("{}'s result {e}", op.name))?;
+        let width = input.shape[input.shape.len() - 1].max(1) as u64;
+        let rows = input.numel / width;
+        // The input at (row, col): the row's coordinates over the leading dimensions.
+        let mut body = String::new();
+        writeln!(body, "  long long c[{}];", input.shape.len()).unwrap();
+        writeln!(body, "  long long r = row;").unwrap();
+        for d in (0..input.shape.len() - 1).rev() {
+            let size = input.shape[d];
+            writeln!(body, "  c[{d}] = r % {size}LL; r /= {size}LL;").unwrap();
+        }
+        writeln!(body, "  c[{}] = col;", input.shape.len() - 1).unwrap();
+        let value = self.read(input, input)?;
+        writeln!(body, "  return {value};").unwrap();
+        let index = self.function_count;
+        self.function_count += 1;
+        write!(
+            self.functions,
+            "// the input of {}\n__device__ __forceinline__ float in_red(const Args& a, long long row, long long col, float red) {{\n{body}}}\n\n",
+            op.schema
+        )
+        .unwrap();
+        writeln!(
+            self.functions,
+            "// {}\n__device__ __forceinline__ float v{index}(const Args& a, long long p, float red) {{\n  return round_to<{}>(red);\n}}\n",
+            op.schema,
+            c_type(out_kind)
+        )
+        .unwrap();
+        self.reduction = Some(RowReduction {
+            shape: input.shape.clone(),
+            rows,
+            width,
+            op: kind,
+        });
         self.results.insert(out.key(), (index, out.clone()));
         self.producers.insert(out.storage, (index, out));
         write!(self.signature, "{};", op.schema).unwrap();
@@ -196,7 +280,7 @@ impl Generator {
             offset.join(" + ")
         };
         if let Some((index, _)) = self.producers.get(&t.storage) {
-            return Ok(format!("v{index}(a, {}LL + {offset})", t.offset));
+            return Ok(format!("v{index}(a, {}LL + {offset}, red)", t.offset));
         }
         if t.device == "cpu" && t.shape.is_empty() {
             let i = self.argument(t, KernelArg::Scalar(t.clone()));
@@ -215,25 +299,50 @@ impl Generator {
     }
 
     fn kernel(mut self, results: &[(u64, u64)]) -> Result<GeneratedKernel, String> {
-        let mut writes = String::new();
+        // Each result's store, by the space it is written in: whole (every element) or, with a
+        // reduction, one per row.
+        let (mut whole, mut per_row) = (String::new(), String::new());
         let mut numel = None;
         for key in results {
             let Some((index, out)) = self.results.get(key).cloned() else {
                 return Err("a result the group does not compute".into());
             };
-            if *numel.get_or_insert(out.numel) != out.numel {
+            let per_row_result = match &self.reduction {
+                Some(r) if out.numel == r.rows && out.numel != r.rows * r.width => true,
+                Some(r) if out.shape == r.shape => false,
+                Some(_) => {
+                    return Err("a result of neither the rows' nor the row count's size".into())
+                }
+                None => false,
+            };
+            if self.reduction.is_some() {
+                check_contiguous(&out).map_err(|e| format!("a result {e}"))?;
+            } else if *numel.get_or_insert(out.numel) != out.numel {
                 return Err("results of different sizes".into());
             }
             self.args.push(KernelArg::Output(out.clone()));
             let i = self.args.len() - 1;
-            writeln!(
-                writes,
-                "    a.out{i}[p] = store_as<{}>(v{index}(a, p));",
-                c_type(kind_of(&out.dtype).unwrap_or(Kind::Float))
-            )
-            .unwrap();
+            let ty = c_type(kind_of(&out.dtype).unwrap_or(Kind::Float));
+            let store = format!("a.out{i}[p] = store_as<{ty}>(v{index}(a, p, red));");
+            if per_row_result {
+                writeln!(per_row, "      {store}").unwrap();
+            } else {
+                writeln!(whole, "      {store}").unwrap();
+            }
         }
-        let numel = numel.ok_or("a group with no result")?;
+        if results.is_empty() {
+            return Err("a group with no result".into());
+        }
+        let (numel, body) = match &self.reduction {
+            Some(r) => (r.rows, row_loop(r, &whole, &per_row)),
+            None => (
+                numel.unwrap_or(0),
+                format!(
+                    "  const float red = 0.f;\n  for (long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x; p < n; p += (long long)gridDim.x * blockDim.x) {{\n{whole}  }}\n"
+                ),
+            ),
+        };
+        let writes = format!("{whole}{per_row}");
         let mut fields = String::new();
         for (i, arg) in self.args.iter().enumerate() {
             let t = arg.tensor();
@@ -277,7 +386,7 @@ impl Generator {
             ))
         );
         let source = format!(
-            "{PRELUDE}\nstruct Args {{\n{fields}}};\n\n{functions}extern \"C\" __global__ void {name}({params}, long long n) {{\n  const Args a{{{names}}};\n  for (long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x; p < n; p += (long long)gridDim.x * blockDim.x) {{\n{writes}  }}\n}}\n",
+            "{PRELUDE}\nstruct Args {{\n{fields}}};\n\n{functions}extern \"C\" __global__ void {name}({params}, long long n) {{\n  const Args a{{{names}}};\n{body}}}\n",
             functions = self.functions,
             params = params.join(", "),
             names = names.join(", "),
@@ -401,6 +510,64 @@ fn literal(json: &str) -> Option<String> {
         return None;
     }
     Some(format!("{:?}f", number as f32))
+}
+
+/// The body of a kernel with a row reduction: a block per row (`n` rows) reduces the row, then
+/// writes the results of the whole space (`whole`, one per column) and of the rows (`per_row`).
+fn row_loop(r: &RowReduction, whole: &str, per_row: &str) -> String {
+    let (init, combine, warp) = match r.op {
+        "amax" => ("-infinity()", "fmaxf(acc, v)", "warp_max"),
+        _ => ("0.f", "acc + v", "warp_sum"),
+    };
+    let finish = if r.op == "mean" {
+        format!("partial[0] / {}.f", r.width)
+    } else {
+        "partial[0]".to_string()
+    };
+    format!(
+        "  __shared__ float partial[32];
+  for (long long row = blockIdx.x; row < n; row += gridDim.x) {{
+    float acc = {init};
+    for (long long col = threadIdx.x; col < {width}LL; col += blockDim.x) {{
+      const float v = in_red(a, row, col, 0.f);
+      acc = {combine};
+    }}
+    acc = {warp}(acc);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x < 32) {{
+      acc = threadIdx.x < (blockDim.x + 31) / 32 ? partial[threadIdx.x] : {init};
+      acc = {warp}(acc);
+      if (threadIdx.x == 0) partial[0] = acc;
+    }}
+    __syncthreads();
+    const float red = {finish};
+    for (long long col = threadIdx.x; col < {width}LL; col += blockDim.x) {{
+      const long long p = row * {width}LL + col;
+{whole}    }}
+    if (threadIdx.x == 0) {{
+      const long long p = row;
+{per_row}    }}
+    __syncthreads();
+  }}
+",
+        width = r.width
+    )
+}
+
+/// Whether `t` is contiguous (row-major) from the start of its storage.
+fn check_contiguous(t: &TracedTensor) -> Result<(), String> {
+    let mut expected = 1;
+    for (&size, &stride) in t.shape.iter().zip(&t.strides).rev() {
+        if size != 1 && stride != expected {
+            return Err("is not contiguous".into());
+        }
+        expected *= size;
+    }
+    if t.offset != 0 {
+        return Err("starts inside its storage".into());
+    }
+    Ok(())
 }
 
 /// Whether `t` covers its storage densely from its offset (any order of dimensions).

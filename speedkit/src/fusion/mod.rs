@@ -78,7 +78,8 @@ impl FusedGroup {
     }
 
     /// The CUDA kernel that computes the group ([`GeneratedKernel`]), or why it is not generated
-    /// (today: groups of pointwise operators and views, fp32, bf16 and fp16, dense results).
+    /// (today: pointwise operators and views with at most one `sum`, `mean` or `amax` over the
+    /// last dimension; fp32, bf16 and fp16; dense results).
     pub fn kernel(&self) -> Result<GeneratedKernel, String> {
         let calls: Vec<&TracedOp> = self.calls.iter().collect();
         codegen::generate(&calls, &self.results)
