@@ -73,23 +73,20 @@ for n in 1 "$gpus"; do
     --json "$out/pytorch_ddp_compile_${n}gpu.json"
 done
 
-if wanted equality; then
-  part nccl_equality 200 "${sk[@]}" distributed.test --exact \
-    training::nccl_ranks_match_one_process_eager_on_the_reducer_and_graphed_on_speedkits_all_reduce \
-    --nocapture --test-threads=1
-  # A test name that matches nothing passes with "0 passed": say so.
-  grep -q "test result: ok. 1 passed" "$out/nccl_equality.log" ||
-    echo "== nccl_equality: the equality test did not run and pass" | tee -a "$out/nccl_equality.log"
-fi
+# test_part NAME SECONDS TEST: one test of the distributed executable; a test name that matches
+# nothing passes with "0 passed", so say so.
+test_part() {
+  local name=$1 limit=$2 test=$3
+  part "$name" "$limit" "${sk[@]}" distributed.test --exact "$test" --nocapture --test-threads=1
+  grep -q "test result: ok. 1 passed" "$out/$name.log" ||
+    echo "== $name: the test did not run and pass" | tee -a "$out/$name.log"
+}
+wanted equality && test_part nccl_equality 200 \
+  training::nccl_ranks_match_one_process_eager_on_the_reducer_and_graphed_on_speedkits_all_reduce
 # The fault row: rank 1 killed (SIGKILL) while the step's graph is replayed; rank 0 must exit with
 # status 1 within the 10 s timeout, naming rank 1 by its heartbeat.
-if wanted fault; then
-  part fault 150 "${sk[@]}" distributed.test --exact \
-    faults::a_rank_killed_while_the_step_is_replayed_is_named_by_the_other_which_exits \
-    --nocapture --test-threads=1
-  grep -q "test result: ok. 1 passed" "$out/fault.log" ||
-    echo "== fault: the fault test did not run and pass" | tee -a "$out/fault.log"
-fi
+wanted fault && test_part fault 150 \
+  faults::a_rank_killed_while_the_step_is_replayed_is_named_by_the_other_which_exits
 wanted toy && part "toy_transformer_${gpus}gpu" 50 "${sk[@]}" speedkit launch --nproc-per-node "$gpus" -- \
   bash "$pack/run" toy_transformer --size bench --steps 100
 
