@@ -4,7 +4,7 @@
 //! `permute` or an `expand` costs no copy). Every operator computes in fp32 and rounds its result to
 //! its own type, as ATen's kernels do, so the fused kernel gives ATen's values.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
 
 use tch::Kind;
@@ -88,12 +88,19 @@ fn c_type(kind: Kind) -> &'static str {
 
 /// Generates the kernel of `ops` (a group's operators in step order) writing `results` (the keys
 /// of the group's tensors read after it). The error says why a group is not generated.
+/// `inside` holds, per operator call, the storages it reads that an operator of the group wrote:
+/// the data flow's answer, which storage ids alone cannot give (they are reused with addresses).
 pub(crate) fn generate(
     ops: &[&TracedOp],
     results: &[(u64, u64)],
+    inside: &HashSet<(u64, u64)>,
 ) -> Result<GeneratedKernel, String> {
-    let mut g = Generator::default();
+    let mut g = Generator {
+        inside: inside.clone(),
+        ..Generator::default()
+    };
     for op in ops {
+        g.call = op.id;
         match OpKind::of(&op.name) {
             Some(OpKind::View) => continue,
             Some(OpKind::Pointwise) if !op.name.ends_with('_') => g.operator(op)?,
@@ -109,6 +116,9 @@ pub(crate) fn generate(
     g.kernel(results)
 }
 
+/// Storage, offset, sizes, strides and type: how a kernel argument reads memory.
+type MemoryKey = (u64, u64, Vec<i64>, Vec<i64>, String);
+
 #[derive(Default)]
 struct Generator {
     /// Device functions, one per operator, in step order, and how many.
@@ -119,13 +129,16 @@ struct Generator {
     producers: HashMap<u64, (usize, TracedTensor)>,
     /// Result key → its function, for the group's results.
     results: HashMap<(u64, u64), (usize, TracedTensor)>,
-    /// Arguments so far, and where each external tensor's key is among them.
+    /// Arguments so far, and where each external tensor's memory is among them.
     args: Vec<KernelArg>,
-    arg_of: HashMap<(u64, u64), usize>,
+    arg_of: HashMap<MemoryKey, usize>,
     /// Operator names, in order, for the entry point's name.
     signature: String,
     /// The group's one reduction, once generated.
     reduction: Option<RowReduction>,
+    /// (call, storage) read from inside the group ([`generate`]), and the call being generated.
+    inside: HashSet<(u64, u64)>,
+    call: u64,
 }
 
 /// A reduction over the last dimension: one block per row reduces `in_red(a, row, col, 0)` over
@@ -149,18 +162,7 @@ impl Generator {
         let out_kind =
             kind_of(&out.dtype).ok_or_else(|| format!("{} writes {}", op.name, out.dtype))?;
         check_dense(&out).map_err(|e| format!("{}'s result {e}", op.name))?;
-        let index = self.function_count;
-        self.function_count += 1;
-        let mut body = String::new();
-        writeln!(body, "  long long c[{}];", out.shape.len().max(1)).unwrap();
-        for (d, (&size, &stride)) in out.shape.iter().zip(&out.strides).enumerate() {
-            let coordinate = if size == 1 {
-                "0".to_string()
-            } else {
-                format!("(p / {stride}LL) % {size}LL")
-            };
-            writeln!(body, "  c[{d}] = {coordinate};").unwrap();
-        }
+        let mut body = coordinates_of(&out);
         let mut operands = Vec::new();
         for value in &op.inputs {
             operands.push(match value {
@@ -179,6 +181,14 @@ impl Generator {
             c_type(out_kind)
         )
         .unwrap();
+        self.define(op, &out, &body);
+        Ok(())
+    }
+
+    /// Adds `op`'s device function (of `body`) computing `out`.
+    fn define(&mut self, op: &TracedOp, out: &TracedTensor, body: &str) {
+        let index = self.function_count;
+        self.function_count += 1;
         writeln!(
             self.functions,
             "// {}\n__device__ __forceinline__ float v{index}(const Args& a, long long p, float red) {{\n{body}}}\n",
@@ -186,9 +196,8 @@ impl Generator {
         )
         .unwrap();
         self.results.insert(out.key(), (index, out.clone()));
-        self.producers.insert(out.storage, (index, out));
+        self.producers.insert(out.storage, (index, out.clone()));
         write!(self.signature, "{};", op.schema).unwrap();
-        Ok(())
     }
 
     /// A `sum`, `mean` or `amax` over the last dimension: `in_red` reads its input at a row and a
@@ -279,7 +288,10 @@ impl Generator {
         } else {
             offset.join(" + ")
         };
-        if let Some((index, _)) = self.producers.get(&t.storage) {
+        if self.inside.contains(&(self.call, t.storage)) {
+            let Some((index, _)) = self.producers.get(&t.storage) else {
+                return Err("an input computed in the group by an operator not generated".into());
+            };
             return Ok(format!("v{index}(a, {}LL + {offset}, red)", t.offset));
         }
         if t.device == "cpu" && t.shape.is_empty() {
@@ -291,8 +303,17 @@ impl Generator {
         Ok(format!("to_float_any(a.in{i}[{offset}])"))
     }
 
+    /// The index of `t`'s argument, added on its first read. Reads of the same memory the same
+    /// way share one argument, whatever tensor object the trace saw (views are remade per read).
     fn argument(&mut self, t: &TracedTensor, arg: KernelArg) -> usize {
-        *self.arg_of.entry(t.key()).or_insert_with(|| {
+        let same_memory = (
+            t.storage,
+            t.offset,
+            t.shape.clone(),
+            t.strides.clone(),
+            t.dtype.clone(),
+        );
+        *self.arg_of.entry(same_memory).or_insert_with(|| {
             self.args.push(arg);
             self.args.len() - 1
         })
@@ -510,6 +531,20 @@ fn literal(json: &str) -> Option<String> {
         return None;
     }
     Some(format!("{:?}f", number as f32))
+}
+
+/// The declaration of `c`, the coordinates of the element at storage index `p` of `out` (dense,
+/// in any order of dimensions).
+fn coordinates_of(out: &TracedTensor) -> String {
+    let mut body = format!("  long long c[{}];\n", out.shape.len().max(1));
+    for (d, (&size, &stride)) in out.shape.iter().zip(&out.strides).enumerate() {
+        if size == 1 {
+            body.push_str(&format!("  c[{d}] = 0;\n"));
+        } else {
+            body.push_str(&format!("  c[{d}] = (p / {stride}LL) % {size}LL;\n"));
+        }
+    }
+    body
 }
 
 /// The body of a kernel with a row reduction: a block per row (`n` rows) reduces the row, then

@@ -227,3 +227,30 @@ pub(super) fn results(
         .flat_map(|m| nodes[m].op.output_tensors().map(|t| t.key()))
         .collect()
 }
+
+/// (call id, storage) of each read by a member of a result another member computed, through any
+/// views of it in the group (a view in the group of a tensor from outside is a read from outside).
+pub(super) fn inside_reads(nodes: &[Node], members: &[usize]) -> HashSet<(u64, u64)> {
+    let inside: HashSet<usize> = members.iter().copied().collect();
+    let computed_inside = |mut p: usize| loop {
+        if !inside.contains(&p) {
+            return false;
+        }
+        if nodes[p].kind != Some(OpKind::View) {
+            return true;
+        }
+        match nodes[p].reads.first() {
+            Some(&(q, _)) => p = q,
+            None => return false,
+        }
+    };
+    let mut reads = HashSet::new();
+    for &m in members {
+        for &(p, storage) in &nodes[m].reads {
+            if computed_inside(p) {
+                reads.insert((nodes[m].op.id, storage));
+            }
+        }
+    }
+    reads
+}

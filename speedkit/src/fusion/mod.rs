@@ -36,7 +36,7 @@ mod ops;
 pub use codegen::{GeneratedKernel, KernelArg};
 pub use ops::OpKind;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 
 use serde::Serialize;
@@ -69,6 +69,9 @@ pub struct FusedGroup {
     /// the step reads after it, or that nothing in the step reads (the step's own results).
     #[serde(skip)]
     results: Vec<(u64, u64)>,
+    /// (call id, storage) of every read of a result computed in the group.
+    #[serde(skip)]
+    inside: HashSet<(u64, u64)>,
 }
 
 impl FusedGroup {
@@ -82,7 +85,7 @@ impl FusedGroup {
     /// last dimension; fp32, bf16 and fp16; dense results).
     pub fn kernel(&self) -> Result<GeneratedKernel, String> {
         let calls: Vec<&TracedOp> = self.calls.iter().collect();
-        codegen::generate(&calls, &self.results)
+        codegen::generate(&calls, &self.results, &self.inside)
     }
 }
 
@@ -121,6 +124,7 @@ impl FusionPlan {
                 plan.groups.push(FusedGroup {
                     calls: group.members.iter().map(|&m| nodes[m].op.clone()).collect(),
                     results: grouping::results(&nodes, &group.members, &read_after),
+                    inside: grouping::inside_reads(&nodes, &group.members),
                     operators: group.members.iter().map(name).collect(),
                     aten_kernels,
                     reduction: group
