@@ -192,6 +192,7 @@ const SHIM_UNITS: &[(&str, &[&str])] = &[
             "gradient_sync",
             "graphs",
             "heartbeat",
+            "interposer",
             "kernels",
             "memory_history",
             "optim",

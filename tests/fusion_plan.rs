@@ -138,6 +138,32 @@ fn a_chain_is_not_fused_across_a_call_between_its_members() {
 }
 
 #[test]
+fn a_group_whose_result_is_read_before_its_last_input_exists_is_split_where_it_can_run() {
+    let _serial = common::serial();
+    let x = Tensor::randn([8, 8], (Kind::Float, CPU));
+    let v = Tensor::randn([8, 8], (Kind::Float, CPU));
+    // exp, then an mm reading its result, then an mm of other inputs, then two muls: one group
+    // for Inductor, who reorders; one kernel here would have to run both before the first mm
+    // (which reads exp's result) and after the second (which makes the last mul's input).
+    let (_, trace) = StepTrace::record(|| {
+        let a = x.exp();
+        let read_early = a.mm(&x);
+        let late_input = v.mm(&v);
+        (&a * 2.0 * &late_input, read_early)
+    })
+    .unwrap();
+    let whole = FusionPlan::from_trace(&trace);
+    assert_eq!(names(&whole.groups()[0].operators), ["exp", "mul", "mul"]);
+    let runnable = FusionPlan::generatable(&trace);
+    let groups: Vec<Vec<&str>> = runnable
+        .groups()
+        .iter()
+        .map(|g| names(&g.operators))
+        .collect();
+    assert_eq!(groups, [["mul", "mul"]]);
+}
+
+#[test]
 fn the_trace_and_the_plan_of_a_small_model_are_the_same_on_every_recording() {
     let _serial = common::serial();
     let first = llama_step_trace();

@@ -41,6 +41,7 @@ enum sk_scalar_type {
   SK_FLOAT16 = 5,
   SK_FLOAT32 = 6,
   SK_FLOAT64 = 7,
+  SK_BOOL = 11,
   SK_BFLOAT16 = 15,
   SK_FLOAT8_E5M2 = 23,
   SK_FLOAT8_E4M3FN = 24
@@ -734,6 +735,60 @@ int sk_fp8_weight_histories_release(int all, int64_t* freed);
 /// switch allows and they take t, else on ATen's ops (the same bytes).
 int sk_fp8_quantize(sk_tensor t, int format, sk_tensor history, int rowwise, int transpose, sk_tensor* data,
                     sk_tensor* transposed, sk_tensor* inverse_scale, sk_tensor* transposed_inverse_scale);
+
+// @module interposer: a step's operator calls below autograd, recorded or replaced by fused kernels (interposer.cpp)
+
+/// Launches fused group `group`'s kernel on `args` (its arguments' tensors, in the order they were
+/// added); 0 on success, else non-zero with the reason in `message` (NUL-terminated, at most
+/// `capacity` bytes).
+typedef int (*sk_interposer_launch_fn)(void* state, int64_t group, const sk_tensor* args, int64_t n, char* message,
+                                       int64_t capacity);
+/// Frees the state when its program is freed.
+typedef void (*sk_interposer_release_fn)(void* state);
+
+/// A program's callbacks.
+typedef struct sk_interposer_vtable {
+  sk_interposer_launch_fn launch;
+  sk_interposer_release_fn release;
+} sk_interposer_vtable;
+
+/// An empty program for `device` (-1: the CPU); `state` belongs to it from here on, also when this
+/// fails.
+int sk_interposer_program_new(int device, const sk_interposer_vtable* vtable, void* state, void** out);
+/// Appends the next call: `op` its operator's name ("aten::mul", checked when the call comes);
+/// `group` the fused group it belongs to, or -1 (ATen runs it); `computed`: the group's kernel
+/// computes its outputs, and ATen's kernel does not run; `launch`: the group's kernel launches
+/// once this call returns; `span`: the calls it makes when ATen runs it, itself included.
+int sk_interposer_program_add_call(void* program, const char* op, int64_t group, int computed, int launch,
+                                   int64_t span);
+/// Appends the layout of the next output of computed call `call`: its ScalarType code, sizes and
+/// strides (`ndim` of each), as the trace saw them.
+int sk_interposer_program_add_output(void* program, int64_t call, int scalar_type, const int64_t* sizes,
+                                     const int64_t* strides, int64_t ndim);
+/// Appends an argument of group `group`'s kernel: argument (`output` 0) or result (`output` 1)
+/// `index` of call `call`.
+int sk_interposer_program_add_arg(void* program, int64_t group, int64_t call, int output, int32_t index);
+/// Frees a program (no session may be running it).
+void sk_interposer_program_free(void* program);
+
+/// Starts a session on this thread (and the threads autograd runs its backward on): with `program`
+/// NULL it records every operator call; else it runs the program. One session at a time per
+/// process; `*out` receives it.
+int sk_interposer_begin(void* program, void** out);
+/// Ends the session on the thread it began on: the dispatcher and the thread's keys as before.
+int sk_interposer_end(void* session);
+/// The calls a recording saw.
+int sk_interposer_recorded_count(void* session, int64_t* out);
+/// Call `index` of a recording: its operator, the RecordFunction handle of the call (0 where none
+/// was seen; the execution trace's `rf_id`), and its span (the calls it made, itself included).
+int sk_interposer_recorded_get(void* session, int64_t index, const char** op, uint64_t* rf_id, int64_t* span);
+/// Why a program's run left it ("": it did not): the step departed from the program, or a launch
+/// failed. From there every call ran ATen's kernel, so the step's results are not to be used.
+int sk_interposer_failure(void* session, const char** out);
+/// Whether a session is running in this process.
+int sk_interposer_active(int* out);
+/// Frees a session, ending it first if it still runs.
+void sk_interposer_free(void* session);
 
 #ifdef __cplusplus
 }  // extern "C"

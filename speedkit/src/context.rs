@@ -708,6 +708,7 @@ impl GraphHost for SpeedContext {
             device_index: plan.cuda_index().filter(|_| plan.compile_graphs),
             warmup_steps: plan.graph_warmup_steps,
             max_graphs: plan.max_graphs,
+            fusion: plan.graph_fusion,
             nvtx: self.config().profile.nvtx,
         }
     }

@@ -233,8 +233,11 @@ impl fmt::Display for Param {
 /// One launch argument.
 #[derive(Clone, Copy, Debug)]
 pub enum Arg<'a> {
-    /// A tensor, passed as a pointer to its data.
+    /// A contiguous tensor, passed as a pointer to its data.
     Tensor(&'a Tensor),
+    /// A tensor the kernel indexes through its strides itself (a transposed or sliced view),
+    /// passed as a pointer to its first element, contiguous or not.
+    Strided(&'a Tensor),
     /// `int`.
     I32(i32),
     /// `long long`.
@@ -266,7 +269,7 @@ scalar_args!(i32 => I32, i64 => I64, u32 => U32, f32 => F32, f64 => F64);
 
 fn describe(arg: &Arg<'_>) -> String {
     match arg {
-        Arg::Tensor(t) => format!("a {:?} tensor", t.kind()),
+        Arg::Tensor(t) | Arg::Strided(t) => format!("a {:?} tensor", t.kind()),
         Arg::I32(v) => format!("an i32 ({v})"),
         Arg::I64(v) => format!("an i64 ({v})"),
         Arg::U32(v) => format!("a u32 ({v})"),
@@ -391,7 +394,12 @@ impl CudaKernel {
         let wrong =
             |got: String| self.misuse(format!("argument {index} must be {param}, got {got}"));
         Ok(match (arg, param) {
-            (Arg::Tensor(t), Param::Tensor(kind)) => tensor_address(t, kind, self.device, wrong)?,
+            (Arg::Tensor(t), Param::Tensor(kind)) => {
+                tensor_address(t, kind, self.device, true, wrong)?
+            }
+            (Arg::Strided(t), Param::Tensor(kind)) => {
+                tensor_address(t, kind, self.device, false, wrong)?
+            }
             (Arg::I32(v), Param::I32) => *v as u32 as u64,
             (Arg::U32(v), Param::U32) => u64::from(*v),
             (Arg::I64(v), Param::I64) => *v as u64,
@@ -434,6 +442,7 @@ fn tensor_address(
     t: &Tensor,
     kind: Kind,
     device: Device,
+    contiguous: bool,
     wrong: impl Fn(String) -> SpeedkitError,
 ) -> Result<u64> {
     if t.kind() != kind {
@@ -445,7 +454,7 @@ fn tensor_address(
             t.device()
         )));
     }
-    if !t.is_contiguous() {
+    if contiguous && !t.is_contiguous() {
         return Err(wrong(
             "a tensor that is not contiguous (call .contiguous())".into(),
         ));
@@ -527,7 +536,7 @@ impl<P: KernelParams> TypedKernel<P> {
     pub fn ptr<'t>(&self, tensor: &'t Tensor, kind: Kind) -> Result<DevicePtr<'t>> {
         let wrong = |got: String| self.misuse(format!("takes a {kind:?} tensor, got {got}"));
         Ok(DevicePtr {
-            address: tensor_address(tensor, kind, self.device, wrong)?,
+            address: tensor_address(tensor, kind, self.device, true, wrong)?,
             tensor: PhantomData,
         })
     }

@@ -39,6 +39,7 @@ use crate::ffi::{
     device::SideStream,
     graphs::{CudaGraph, GraphPool},
 };
+use crate::fusion::FusedStep;
 use crate::memory::{self, MemoryUse};
 use crate::nvtx::NvtxRange;
 
@@ -150,7 +151,37 @@ struct Entry {
     output: Option<Tensor>,
     /// Parameters and the gradient tensors their graph writes (allocated in the capture).
     gradients: (Vec<Tensor>, Vec<Tensor>),
+    /// The step's fused groups, traced in the last warm-up step, for the capture to run.
+    fused: Option<FusedStep>,
     last_used: u64,
+}
+
+/// Runs the last warm-up step traced for fusion: its result, and the fused program unless one
+/// could not be made (the audit says why). The step runs once whatever happens.
+fn traced_for_fusion(
+    host: &dyn GraphHost,
+    device_index: usize,
+    step: impl FnOnce() -> Result<Option<Tensor>>,
+) -> Result<(Result<Option<Tensor>>, Option<FusedStep>)> {
+    let mut step = Some(step);
+    let prepared = FusedStep::prepare(Device::Cuda(device_index), || {
+        (step.take().expect("runs once"))()
+    });
+    match prepared {
+        Ok((out, Ok(fused))) => {
+            host.note(format!("fusion: {}", fused.summary()));
+            Ok((out, Some(fused)))
+        }
+        Ok((out, Err(e))) => {
+            host.note(format!("fusion off: the step could not be prepared ({e})"));
+            Ok((out, None))
+        }
+        Err(e) => {
+            host.note(format!("fusion off: the step could not be traced ({e})"));
+            let step = step.take().ok_or(e)?;
+            Ok((step(), None))
+        }
+    }
 }
 
 /// What a [`GraphedStep`] needs from whoever runs it: the plan's graph settings, and the hooks
@@ -177,6 +208,9 @@ pub struct GraphSettings {
     pub warmup_steps: usize,
     /// Graphs kept at once, one per input signature (`compile.max_graphs`).
     pub max_graphs: usize,
+    /// Whether the capture runs generated kernels for the step's pointwise chains
+    /// (`compile.fusion`), traced during the last warm-up step.
+    pub fusion: bool,
     /// Whether steps are marked with NVTX ranges (`profile.nvtx`).
     pub nvtx: bool,
 }
@@ -316,7 +350,14 @@ where
                 ffi::device::share_blas_workspace(device_index, false)?;
             }
             let owned: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
-            let out = (self.step)(&owned);
+            let out = if last_warmup && self.host.graph_settings().fusion {
+                let (out, fused) =
+                    traced_for_fusion(self.host, device_index, || (self.step)(&owned))?;
+                self.entries[index].fused = fused;
+                out
+            } else {
+                (self.step)(&owned)
+            };
             side.exit()?;
             let out =
                 out.map_err(|e| self.out_of_memory(StepKind::GraphWarmup, device_index, e))?;
@@ -387,6 +428,7 @@ where
             static_inputs: Vec::new(),
             gradients: (Vec::new(), Vec::new()),
             output: None,
+            fused: None,
             last_used: self.clock,
         });
         self.entries.len() - 1
@@ -416,12 +458,17 @@ where
         let mut graph = CudaGraph::new()?;
         let side = SideStream::enter(device_index)?;
         let mut gradients = (Vec::new(), Vec::new());
+        // Used by this capture alone: the graph holds what it launched.
+        let fused = self.entries[index].fused.take();
         let captured = graph.capture_begin(pool).and_then(|()| {
             let mark = CapturingMark::set();
             // The forward's and the backward's threads each have a cuBLAS handle: one workspace
             // for both, in the graph's pool, where each would make its own.
-            let out = ffi::device::share_blas_workspace(device_index, true)
-                .and_then(|_| (self.step)(&static_inputs));
+            let out =
+                ffi::device::share_blas_workspace(device_index, true).and_then(|_| match &fused {
+                    Some(fused) => fused.run(|| (self.step)(&static_inputs))?,
+                    None => (self.step)(&static_inputs),
+                });
             drop(mark);
             gradients = take_recorded_gradients();
             // capture_end must run whatever the step did, to leave capture mode.
@@ -458,6 +505,18 @@ where
                     // Eager would need the same activations again: say so instead of retrying.
                     self.entries.remove(index);
                     return Err(self.out_of_memory(StepKind::GraphCapture, device_index, e));
+                }
+                if fused.is_some() {
+                    // Nothing of the capture ran: the same step is captured again with ATen's
+                    // kernels alone. A pool whose last graph is gone cannot take another capture
+                    // (the allocator has begun freeing it): a fresh one does.
+                    self.host.note(format!(
+                        "fusion off: the fused capture failed ({e}); captured without it"
+                    ));
+                    if self.entries.iter().all(|e| e.graph.is_none()) {
+                        self.pool = None;
+                    }
+                    return self.capture(index, device_index, inputs);
                 }
                 let reason =
                     format!("the step cannot be captured ({e}); running eagerly from now on");

@@ -19,7 +19,7 @@
 //! # Ok::<(), speedkit::SpeedkitError>(())
 //! ```
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -50,6 +50,9 @@ pub struct TracedOp {
     pub thread: u64,
     /// For an autograd function, the thread of the forward call it differentiates (0 otherwise).
     pub forward_thread: u64,
+    /// The call's RecordFunction handle (the trace's `rf_id`), by which speedkit's interposer
+    /// finds it again; 0 where the trace has none.
+    pub rf_id: u64,
 }
 
 impl TracedOp {
@@ -147,7 +150,8 @@ impl StepTrace {
     /// Runs `f` with every operator call of the process recorded, and returns its result with the
     /// trace. The observer (a global callback) is removed on every exit path, panics included.
     /// The trace keeps the calls made on this thread and the backward of its forward (which CUDA
-    /// runs on autograd's device threads); other threads' calls are left out.
+    /// runs on autograd's device threads, with the engine's own calls between its functions);
+    /// other threads' calls are left out.
     ///
     /// The observer is PyTorch's, one per process, and it is freed when the recording ends: no
     /// other thread may be inside an operator at that moment (a data loader's thread running
@@ -215,9 +219,9 @@ fn read_nodes(path: &Path) -> Result<Vec<TracedOp>> {
     Ok(parse_nodes(&json))
 }
 
-/// Keeps the calls of the step run on `thread`: its own, and those under an autograd function
-/// whose forward ran there (the backward, which CUDA runs on autograd's device threads). Other
-/// threads' calls during the recording are someone else's work.
+/// Keeps the calls of the step run on `thread`: its own, those under an autograd function whose
+/// forward ran there (the backward, which CUDA runs on autograd's device threads), and the rest
+/// of those threads' calls. Other threads' calls during the recording are someone else's work.
 fn keep_thread(ops: &mut Vec<TracedOp>, thread: u64) {
     let index: HashMap<u64, usize> = ops.iter().enumerate().map(|(i, op)| (op.id, i)).collect();
     // Per call: Some(ours) once decided by a backward function above it or itself.
@@ -230,9 +234,18 @@ fn keep_thread(ops: &mut Vec<TracedOp>, thread: u64) {
         decided[i] = from_parent
             .or_else(|| (ops[i].forward_thread != 0).then_some(ops[i].forward_thread == thread));
     }
+    // Autograd's device threads run our backward functions, and between them the engine's own
+    // calls (the sums that reduce a broadcast input's gradient, the adds that accumulate two
+    // gradients), which no backward function encloses: every call of such a thread is ours.
+    let mut threads: HashSet<u64> = HashSet::from([thread]);
+    threads.extend(
+        ops.iter()
+            .filter(|op| op.forward_thread == thread)
+            .map(|op| op.thread),
+    );
     let mut i = 0;
     ops.retain(|op| {
-        let ours = decided[i].unwrap_or(op.thread == thread);
+        let ours = decided[i].unwrap_or(threads.contains(&op.thread));
         i += 1;
         ours
     });
@@ -272,6 +285,7 @@ fn parse_node(node: &Value) -> Option<TracedOp> {
         parent: parent.filter(|&p| p != 0),
         thread: attr("tid").and_then(|v| v.as_u64()).unwrap_or(0),
         forward_thread: attr("fw_tid").and_then(|v| v.as_u64()).unwrap_or(0),
+        rf_id: attr("rf_id").and_then(|v| v.as_u64()).unwrap_or(0),
         inputs: parse_values(node.get("inputs")?),
         outputs: parse_values(node.get("outputs")?),
     })

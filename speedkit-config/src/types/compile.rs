@@ -20,6 +20,9 @@ pub struct CompileConfig {
     pub max_graphs: u32,
     /// Eager steps on a side stream before capture; at least 1.
     pub warmup_steps: u32,
+    /// Whether the captured step runs generated kernels for its chains of pointwise operators
+    /// (traced during the last warm-up step) in place of ATen's, one kernel per chain.
+    pub fusion: bool,
 }
 
 impl Default for CompileConfig {
@@ -29,6 +32,7 @@ impl Default for CompileConfig {
             mode: CompileMode::Graphs,
             max_graphs: 4,
             warmup_steps: 3,
+            fusion: false,
         }
     }
 }

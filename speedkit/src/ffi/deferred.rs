@@ -9,7 +9,7 @@ use tch::{Device, Kind, Tensor};
 
 use super::{
     c_string, check, device_index, handle, owned, panic_text, raw, raw::deferred as abi,
-    scalar_type_code, Borrowed, Result,
+    scalar_type_code, write_message, Borrowed, Result,
 };
 
 /// What writes a deferred tensor's values into its fresh memory; runs at most once, on the thread
@@ -113,13 +113,7 @@ unsafe extern "C" fn materialize_trampoline(
         Ok(Err(e)) => e.to_string(),
         Err(panic) => format!("panicked: {}", panic_text(&*panic)),
     };
-    let capacity = usize::try_from(capacity).unwrap_or(0);
-    if capacity > 0 && !message.is_null() {
-        let bytes = &failure.as_bytes()[..failure.len().min(capacity - 1)];
-        // SAFETY: the shim's buffer holds `capacity` bytes; at most capacity - 1 plus the NUL.
-        std::ptr::copy_nonoverlapping(bytes.as_ptr(), message as *mut u8, bytes.len());
-        *message.add(bytes.len()) = 0;
-    }
+    write_message(message, capacity, &failure);
     1
 }
 

@@ -28,6 +28,7 @@ pub(crate) mod flags;
 pub(crate) mod fp8;
 pub(crate) mod function;
 pub(crate) mod graphs;
+pub(crate) mod interposer;
 pub(crate) mod kernels;
 pub(crate) mod layernorm;
 pub(crate) mod linear;
@@ -134,6 +135,20 @@ pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "a panic without a message".to_owned())
 }
 
+/// Writes `text` into a callback's message buffer of `capacity` bytes, cut to fit, NUL-terminated.
+///
+/// # Safety
+/// `message` is null or points to `capacity` writable bytes.
+unsafe fn write_message(message: *mut std::ffi::c_char, capacity: i64, text: &str) {
+    let capacity = usize::try_from(capacity).unwrap_or(0);
+    if capacity > 0 && !message.is_null() {
+        let bytes = &text.as_bytes()[..text.len().min(capacity - 1)];
+        // SAFETY: the buffer holds `capacity` bytes; at most capacity - 1 plus the NUL.
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), message as *mut u8, bytes.len());
+        *message.add(bytes.len()) = 0;
+    }
+}
+
 fn c_string(text: &str) -> Result<CString> {
     CString::new(text).map_err(|_| SpeedkitError::Misuse(format!("{text:?} contains a NUL byte")))
 }
@@ -145,6 +160,7 @@ pub(crate) fn scalar_type_code(kind: Kind) -> Result<c_int> {
         Kind::Half => raw::SK_FLOAT16,
         Kind::Float => raw::SK_FLOAT32,
         Kind::Double => raw::SK_FLOAT64,
+        Kind::Bool => raw::SK_BOOL,
         Kind::BFloat16 => raw::SK_BFLOAT16,
         Kind::Float8e5m2 => raw::SK_FLOAT8_E5M2,
         Kind::Float8e4m3fn => raw::SK_FLOAT8_E4M3FN,
@@ -163,6 +179,7 @@ pub(crate) fn kind_of_code(code: c_int) -> Result<Kind> {
         raw::SK_FLOAT16 => Kind::Half,
         raw::SK_FLOAT32 => Kind::Float,
         raw::SK_FLOAT64 => Kind::Double,
+        raw::SK_BOOL => Kind::Bool,
         raw::SK_BFLOAT16 => Kind::BFloat16,
         raw::SK_FLOAT8_E5M2 => Kind::Float8e5m2,
         raw::SK_FLOAT8_E4M3FN => Kind::Float8e4m3fn,

@@ -26,6 +26,19 @@ pub struct GeneratedKernel {
     /// The count the launch passes last (`n`): the elements of each result, or for a group with
     /// a reduction its rows (a block each).
     pub numel: u64,
+    /// Whether `numel` counts rows, a block each (a group with a reduction), not elements.
+    rows: bool,
+    /// Where each argument comes from in the step, in `args`' order.
+    pub(crate) sources: Vec<ArgSource>,
+}
+
+/// Where a kernel argument's tensor is found in the step: argument (or result) `position` of the
+/// traced call `call`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ArgSource {
+    pub call: u64,
+    pub output: bool,
+    pub position: usize,
 }
 
 /// One argument of a [`GeneratedKernel`], with the traced tensor it stands for.
@@ -49,6 +62,18 @@ impl KernelArg {
 }
 
 impl GeneratedKernel {
+    /// The grid and block to launch it with: 256 threads a block, each block a row of a group with
+    /// a reduction, else 256 elements (the kernels loop over what a grid does not cover).
+    pub fn grid_and_block(&self) -> (u32, u32) {
+        const BLOCK: u64 = 256;
+        let blocks = if self.rows {
+            self.numel
+        } else {
+            self.numel.div_ceil(BLOCK)
+        };
+        (blocks.clamp(1, 65_535) as u32, BLOCK as u32)
+    }
+
     /// The parameter list to declare it with ([`crate::cuda::CudaModule::kernel`]).
     pub fn params(&self) -> Vec<Param> {
         let mut params: Vec<Param> = self
@@ -86,6 +111,42 @@ fn c_type(kind: Kind) -> &'static str {
     }
 }
 
+/// Whether the generator takes `op` (its kind, and for a reduction its dimension): views, pointwise
+/// operators that write a new tensor of a type it stores, and `sum`, `mean` or `amax` over the
+/// last dimension.
+pub(crate) fn takes(op: &TracedOp) -> bool {
+    let stores = |op: &TracedOp| match op.outputs.as_slice() {
+        [TracedValue::Tensor(t)] => kind_of(&t.dtype).is_some(),
+        _ => false,
+    };
+    match OpKind::of(&op.name) {
+        Some(OpKind::View) => true,
+        Some(OpKind::Pointwise) => !op.name.ends_with('_') && stores(op),
+        Some(OpKind::Reduction) => stores(op) && reduces_last_dimension(op),
+        _ => false,
+    }
+}
+
+fn reduces_last_dimension(op: &TracedOp) -> bool {
+    let kind = op.schema.split('(').next().unwrap_or("");
+    if !matches!(
+        kind,
+        "aten::sum.dim_IntList" | "aten::mean.dim" | "aten::amax"
+    ) {
+        return false;
+    }
+    let (Some(TracedValue::Tensor(input)), Some(TracedValue::Other { value, .. })) =
+        (op.inputs.first(), op.inputs.get(1))
+    else {
+        return false;
+    };
+    let rank = input.shape.len() as i64;
+    match serde_json::from_str::<Vec<i64>>(value) {
+        Ok(dims) => rank > 0 && dims.len() == 1 && (dims[0] + rank) % rank == rank - 1,
+        Err(_) => false,
+    }
+}
+
 /// Generates the kernel of `ops` (a group's operators in step order) writing `results` (the keys
 /// of the group's tensors read after it). The error says why a group is not generated.
 /// `inside` holds, per operator call, the storages it reads that an operator of the group wrote:
@@ -116,8 +177,10 @@ pub(crate) fn generate(
     g.kernel(results)
 }
 
-/// Storage, offset, sizes, strides and type: how a kernel argument reads memory.
-type MemoryKey = (u64, u64, Vec<i64>, Vec<i64>, String);
+/// The reading call, then storage, offset, sizes, strides and type: how a kernel argument reads
+/// memory. Reads are shared within one call only: the allocator hands a freed tensor's address to
+/// the next, so two calls' reads of the same traced memory may be of different tensors.
+type MemoryKey = (u64, u64, u64, Vec<i64>, Vec<i64>, String);
 
 #[derive(Default)]
 struct Generator {
@@ -127,8 +190,8 @@ struct Generator {
     /// Storage id → the function computing that storage's elements, as of the operator being
     /// generated (storage ids are reused with addresses, so a later result may take an id over).
     producers: HashMap<u64, (usize, TracedTensor)>,
-    /// Result key → its function, for the group's results.
-    results: HashMap<(u64, u64), (usize, TracedTensor)>,
+    /// Result key → its function and the call computing it, for the group's results.
+    results: HashMap<(u64, u64), (usize, TracedTensor, u64)>,
     /// Arguments so far, and where each external tensor's memory is among them.
     args: Vec<KernelArg>,
     arg_of: HashMap<MemoryKey, usize>,
@@ -139,14 +202,15 @@ struct Generator {
     /// (call, storage) read from inside the group ([`generate`]), and the call being generated.
     inside: HashSet<(u64, u64)>,
     call: u64,
+    /// The position among the call's arguments of the tensor being read.
+    position: usize,
+    sources: Vec<ArgSource>,
 }
 
 /// A reduction over the last dimension: one block per row reduces `in_red(a, row, col, 0)` over
 /// its `width` columns, and every function reads the row's result as `red`.
 #[derive(Clone, Debug)]
 struct RowReduction {
-    /// The reduced input's shape: the results written per column have it.
-    shape: Vec<i64>,
     rows: u64,
     width: u64,
     /// `sum`, `mean` (a sum divided by the width) or `amax`.
@@ -164,7 +228,8 @@ impl Generator {
         check_dense(&out).map_err(|e| format!("{}'s result {e}", op.name))?;
         let mut body = coordinates_of(&out);
         let mut operands = Vec::new();
-        for value in &op.inputs {
+        for (position, value) in op.inputs.iter().enumerate() {
+            self.position = position;
             operands.push(match value {
                 TracedValue::Tensor(t) => Operand::Value(self.read(t, &out)?),
                 TracedValue::Tensors(_) => {
@@ -195,7 +260,8 @@ impl Generator {
             op.schema
         )
         .unwrap();
-        self.results.insert(out.key(), (index, out.clone()));
+        self.results
+            .insert(out.key(), (index, out.clone(), self.call));
         self.producers.insert(out.storage, (index, out.clone()));
         write!(self.signature, "{};", op.schema).unwrap();
     }
@@ -240,6 +306,7 @@ impl Generator {
             writeln!(body, "  c[{d}] = r % {size}LL; r /= {size}LL;").unwrap();
         }
         writeln!(body, "  c[{}] = col;", input.shape.len() - 1).unwrap();
+        self.position = 0;
         let value = self.read(input, input)?;
         writeln!(body, "  return {value};").unwrap();
         let index = self.function_count;
@@ -258,12 +325,12 @@ impl Generator {
         )
         .unwrap();
         self.reduction = Some(RowReduction {
-            shape: input.shape.clone(),
             rows,
             width,
             op: kind,
         });
-        self.results.insert(out.key(), (index, out.clone()));
+        self.results
+            .insert(out.key(), (index, out.clone(), self.call));
         self.producers.insert(out.storage, (index, out));
         write!(self.signature, "{};", op.schema).unwrap();
         Ok(())
@@ -307,6 +374,7 @@ impl Generator {
     /// way share one argument, whatever tensor object the trace saw (views are remade per read).
     fn argument(&mut self, t: &TracedTensor, arg: KernelArg) -> usize {
         let same_memory = (
+            self.call,
             t.storage,
             t.offset,
             t.shape.clone(),
@@ -315,6 +383,11 @@ impl Generator {
         );
         *self.arg_of.entry(same_memory).or_insert_with(|| {
             self.args.push(arg);
+            self.sources.push(ArgSource {
+                call: self.call,
+                output: false,
+                position: self.position,
+            });
             self.args.len() - 1
         })
     }
@@ -325,12 +398,19 @@ impl Generator {
         let (mut whole, mut per_row) = (String::new(), String::new());
         let mut numel = None;
         for key in results {
-            let Some((index, out)) = self.results.get(key).cloned() else {
+            let Some((index, out, call)) = self.results.get(key).cloned() else {
                 return Err("a result the group does not compute".into());
             };
             let per_row_result = match &self.reduction {
                 Some(r) if out.numel == r.rows && out.numel != r.rows * r.width => true,
-                Some(r) if out.shape == r.shape => false,
+                // The rows' elements in another shape (a view of them): element p is still
+                // column p % width of row p / width when the result is contiguous.
+                Some(r)
+                    if out.numel == r.rows * r.width
+                        && out.shape.last().map(|&w| w as u64) == Some(r.width) =>
+                {
+                    false
+                }
                 Some(_) => {
                     return Err("a result of neither the rows' nor the row count's size".into())
                 }
@@ -342,6 +422,11 @@ impl Generator {
                 return Err("results of different sizes".into());
             }
             self.args.push(KernelArg::Output(out.clone()));
+            self.sources.push(ArgSource {
+                call,
+                output: true,
+                position: 0,
+            });
             let i = self.args.len() - 1;
             let ty = c_type(kind_of(&out.dtype).unwrap_or(Kind::Float));
             let store = format!("a.out{i}[p] = store_as<{ty}>(v{index}(a, p, red));");
@@ -417,6 +502,8 @@ impl Generator {
             source,
             args: self.args,
             numel,
+            rows: self.reduction.is_some(),
+            sources: self.sources,
         })
     }
 }

@@ -35,12 +35,17 @@ pub(super) struct Group {
 pub(super) fn data_flow<'a>(ops: &[&'a TracedOp]) -> Vec<Node<'a>> {
     let mut producer: HashMap<(u64, u64), usize> = HashMap::new();
     let mut last_write: HashMap<u64, usize> = HashMap::new();
+    // Storage → the call that made it: how a tensor object the trace has not seen made is traced
+    // to its producer (autograd hands the backward a saved result as a new object on the same
+    // memory, which nothing can free or reuse while it is saved).
+    let mut created: HashMap<u64, usize> = HashMap::new();
     let mut nodes = Vec::with_capacity(ops.len());
     for (i, op) in ops.iter().enumerate() {
         let reads: Vec<(usize, u64)> = if OpKind::reads_values(&op.name) {
             op.input_tensors()
                 .flat_map(|t| {
-                    [producer.get(&t.key()), last_write.get(&t.storage)]
+                    let made = producer.get(&t.key()).or_else(|| created.get(&t.storage));
+                    [made, last_write.get(&t.storage)]
                         .into_iter()
                         .flatten()
                         .map(|&p| (p, t.storage))
@@ -62,6 +67,7 @@ pub(super) fn data_flow<'a>(ops: &[&'a TracedOp]) -> Vec<Node<'a>> {
             } else if !storages.contains(&t.storage) {
                 // New memory (the trace's storage ids are reused with addresses): no writes yet.
                 last_write.remove(&t.storage);
+                created.insert(t.storage, i);
             }
         }
         nodes.push(Node {
@@ -75,12 +81,16 @@ pub(super) fn data_flow<'a>(ops: &[&'a TracedOp]) -> Vec<Node<'a>> {
 }
 
 /// Groups the fusable nodes; returns each node's group (`None` for the rest) and the groups
-/// (a group merged into another is left empty, so that indices keep their meaning).
-pub(super) fn group(nodes: &[Node]) -> (Vec<Option<usize>>, Vec<Group>) {
+/// (a group merged into another is left empty, so that indices keep their meaning). Only the
+/// operators `takes` accepts join a group.
+pub(super) fn group(
+    nodes: &[Node],
+    takes: impl Fn(&TracedOp) -> bool,
+) -> (Vec<Option<usize>>, Vec<Group>) {
     let mut group_of: Vec<Option<usize>> = vec![None; nodes.len()];
     let mut groups: Vec<Group> = Vec::new();
     for (n, node) in nodes.iter().enumerate() {
-        let Some(kind) = node.kind.filter(|k| k.fusable()) else {
+        let Some(kind) = node.kind.filter(|k| k.fusable() && takes(node.op)) else {
             continue;
         };
         let mut joined = Group {
@@ -253,4 +263,76 @@ pub(super) fn inside_reads(nodes: &[Node], members: &[usize]) -> HashSet<(u64, u
         }
     }
     reads
+}
+
+/// Splits each group where a call outside it reads a member's result before the group's last
+/// input exists: one kernel cannot run there (it would run before that input, or after the
+/// read), so the members before the read and those after it become groups of their own. Returns
+/// the groups and each node's group again.
+pub(super) fn split_at_early_reads(
+    nodes: &[Node],
+    groups: Vec<Group>,
+) -> (Vec<Option<usize>>, Vec<Group>) {
+    let mut readers: Vec<Vec<usize>> = vec![Vec::new(); nodes.len()];
+    for (j, node) in nodes.iter().enumerate() {
+        for &(d, _) in &node.reads {
+            readers[d].push(j);
+        }
+    }
+    let mut pending: Vec<Group> = groups
+        .into_iter()
+        .filter(|g| !g.members.is_empty())
+        .collect();
+    let mut done = Vec::new();
+    while let Some(group) = pending.pop() {
+        match early_read(nodes, &readers, &group.members) {
+            Some(at) => {
+                let (before, after): (Vec<usize>, Vec<usize>) =
+                    group.members.iter().partition(|&&m| m < at);
+                for members in [before, after] {
+                    if !members.is_empty() {
+                        pending.push(Group {
+                            members,
+                            ..group.clone()
+                        });
+                    }
+                }
+            }
+            None => done.push(group),
+        }
+    }
+    done.sort_by_key(|g| g.members[0]);
+    let mut group_of = vec![None; nodes.len()];
+    for (g, group) in done.iter().enumerate() {
+        for &m in &group.members {
+            group_of[m] = Some(g);
+        }
+    }
+    (group_of, done)
+}
+
+/// The first call outside `members` that reads one of their results before the last member
+/// that reads a tensor from outside the group.
+fn early_read(nodes: &[Node], readers: &[Vec<usize>], members: &[usize]) -> Option<usize> {
+    let inside: HashSet<usize> = members.iter().copied().collect();
+    let computed_inside = inside_reads(nodes, members);
+    let reads_from_outside = |m: usize| {
+        nodes[m].kind != Some(OpKind::View)
+            && nodes[m]
+                .op
+                .input_tensors()
+                .any(|t| !computed_inside.contains(&(nodes[m].op.id, t.storage)))
+    };
+    let first = *members.first()?;
+    let last_input = members
+        .iter()
+        .copied()
+        .filter(|&m| reads_from_outside(m))
+        .max()
+        .unwrap_or(first);
+    members
+        .iter()
+        .flat_map(|&m| readers[m].iter().copied())
+        .filter(|&j| !inside.contains(&j) && j > first && j < last_input)
+        .min()
 }

@@ -8,8 +8,8 @@
 //! backward pass, where running the members as one kernel would not reorder anything outside
 //! them. What is left runs ATen's (or a library's) kernel, with the reason.
 //!
-//! The plan is what the fusion engine will generate kernels for; today it is a measurement: how
-//! many of a step's kernels are fusable, and which.
+//! Each group's kernel is [generated](FusedGroup::kernel) as CUDA source, and a [`FusedStep`]
+//! runs the step with the generated kernels in place of the groups' ATen kernels.
 //!
 //! ```
 //! use speedkit::fusion::FusionPlan;
@@ -32,9 +32,11 @@
 mod codegen;
 mod grouping;
 mod ops;
+mod substitution;
 
 pub use codegen::{GeneratedKernel, KernelArg};
 pub use ops::OpKind;
+pub use substitution::{DeclinedGroup, FusedStep, SubstitutedGroup};
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;
@@ -105,11 +107,27 @@ const NOT_MODELLED: &str = "not modelled by the planner";
 const ALONE: &str = "nothing to fuse with where it runs";
 
 impl FusionPlan {
-    /// Groups the kernels of `trace`.
+    /// Groups the kernels of `trace` as Inductor would: what fusion could reach.
     pub fn from_trace(trace: &StepTrace) -> FusionPlan {
+        FusionPlan::grouped(trace, |_| true, false)
+    }
+
+    /// Groups the kernels of `trace` that speedkit's generator takes today
+    /// ([`FusedGroup::kernel`]): an operator it does not generate yet stays out of every group,
+    /// so that the rest of its chain still fuses; and a group whose result is read before its
+    /// last input exists is split there, as one kernel could not run in between. What a
+    /// [`FusedStep`] runs.
+    pub fn generatable(trace: &StepTrace) -> FusionPlan {
+        FusionPlan::grouped(trace, codegen::takes, true)
+    }
+
+    fn grouped(trace: &StepTrace, takes: impl Fn(&TracedOp) -> bool, runnable: bool) -> FusionPlan {
         let kernels = trace.kernels();
         let nodes = grouping::data_flow(&kernels);
-        let (group_of, groups) = grouping::group(&nodes);
+        let (mut group_of, mut groups) = grouping::group(&nodes, takes);
+        if runnable {
+            (group_of, groups) = grouping::split_at_early_reads(&nodes, groups);
+        }
         let launches = |i: usize| nodes[i].kind.is_none_or(OpKind::launches_kernel);
         let mut plan = FusionPlan {
             kernels_before: (0..nodes.len()).filter(|&i| launches(i)).count(),

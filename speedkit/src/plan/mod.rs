@@ -206,6 +206,8 @@ pub struct Plan {
     pub max_graphs: usize,
     /// Eager warm-up steps before capture.
     pub graph_warmup_steps: usize,
+    /// Generated kernels for the captured step's pointwise chains (`compile.fusion`).
+    pub graph_fusion: bool,
     /// Conv weights in channels-last.
     pub channels_last: bool,
     /// FP8 GEMMs for `speedkit::nn::Linear`, if the plan uses them.
@@ -345,6 +347,7 @@ impl Plan {
             compile_graphs,
             max_graphs: config.compile.max_graphs as usize,
             graph_warmup_steps: config.compile.warmup_steps as usize,
+            graph_fusion: compile_graphs && config.compile.fusion,
             channels_last,
             fp8,
             kernels,

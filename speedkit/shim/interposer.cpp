@@ -1,0 +1,389 @@
+// The interposer: a step's operator calls seen where they reach the kernels (below autograd and
+// autocast), recorded once, then replaced by a program: the calls a fused group computes return
+// their outputs without running ATen's kernels, and the group's generated kernel runs, through a
+// Rust callback, once the group's inputs exist. It is how speedkit::fusion runs its kernels inside
+// an unchanged model's step.
+//
+// The calls are caught by a boxed fallback on the dispatch key `Fake`, which libtorch registers no
+// kernel or fallback for (Python's fake tensors dispatch through the `Python` key) and which sits
+// below autograd, above the backends. A session registers the fallback (one torch::Library, made
+// at its start and destroyed at its end, which removes it) and adds the key to its thread's
+// included keys (a c10 guard, put back at its end); autograd's threads copy the thread's dispatch
+// keys for the backward, so the backward's calls come too. Calls on other threads never see it.
+//
+// Recording numbers the calls in the order they come and notes, per call, the RecordFunction
+// handle of the operator (PyTorch's execution trace, which speedkit::trace reads, names its calls
+// by the same handle) and how many calls it made itself (a composite's inner calls): replacing a
+// call skips those.
+#include "shim.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <ATen/record_function.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <tuple>
+
+namespace sk {
+namespace {
+
+constexpr c10::DispatchKey kInterposerKey = c10::DispatchKey::Fake;
+
+struct RecordedCall {
+  std::string op;
+  uint64_t rf_id;
+  int64_t span;
+};
+
+struct OutputLayout {
+  at::ScalarType type;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+};
+
+// A tensor a group's kernel takes: an input or output of one of the program's calls.
+struct ArgRef {
+  int64_t call;
+  bool output;
+  int32_t index;
+};
+
+struct ProgramCall {
+  std::string op;
+  int64_t group;  // -1: ATen runs it
+  bool computed;  // the group's kernel computes its outputs; ATen does not run it
+  bool launch;    // the group's kernel launches once this call returns
+  int64_t span;
+  std::vector<OutputLayout> outputs;    // of a computed call, in result order
+  std::vector<int32_t> captured_inputs;  // the inputs a kernel takes
+  std::vector<int32_t> captured_outputs; // the outputs a kernel writes
+};
+
+struct Program {
+  c10::Device device{at::kCPU};
+  std::vector<ProgramCall> calls;
+  std::vector<std::vector<ArgRef>> group_args;
+  sk_interposer_vtable vtable{};
+  void* state = nullptr;
+
+  Program() = default;
+  Program(const Program&) = delete;
+  Program& operator=(const Program&) = delete;
+  ~Program() {
+    if (vtable.release) vtable.release(state);
+  }
+};
+
+using SlotKey = std::tuple<int64_t, bool, int32_t>;
+
+// The RecordFunction handles of the operators entered on this thread, innermost last (recording
+// only): the call the fallback sees is the innermost one entered.
+thread_local std::vector<std::pair<uint64_t, const char*>> entered_ops;
+
+std::unique_ptr<at::ObserverContext> on_enter(const at::RecordFunction& fn) {
+  entered_ops.emplace_back(fn.handle(), fn.name());
+  return nullptr;
+}
+
+void on_exit(const at::RecordFunction&, at::ObserverContext*) {
+  if (!entered_ops.empty()) entered_ops.pop_back();
+}
+
+struct Session {
+  Program* program = nullptr;  // null: recording
+  std::thread::id thread = std::this_thread::get_id();
+  std::mutex mutex;
+  int64_t next = 0;
+  std::vector<RecordedCall> recorded;
+  // The tensors of kernel arguments seen or made, until their group's launch has them.
+  std::map<SlotKey, at::Tensor> slots;
+  std::vector<bool> launched;
+  std::string failure;
+  std::unique_ptr<torch::Library> fallback;
+  // Made and destroyed on the session's thread (its dispatch keys are that thread's).
+  std::unique_ptr<c10::impl::IncludeDispatchKeyGuard> included;
+  std::optional<at::CallbackHandle> observer;
+};
+
+std::atomic<Session*> active{nullptr};
+
+c10::DispatchKeySet below_interposer(c10::DispatchKeySet keys) {
+  return keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kInterposerKey);
+}
+
+void record(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const std::string& name = op.operator_name().name;
+  uint64_t rf_id = 0;
+  if (!entered_ops.empty() && name == entered_ops.back().second) rf_id = entered_ops.back().first;
+  int64_t index = 0;
+  {
+    std::lock_guard<std::mutex> lock(s.mutex);
+    index = s.next++;
+    s.recorded.push_back({name, rf_id, 0});
+  }
+  op.redispatchBoxed(below_interposer(keys), stack);
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.recorded[static_cast<size_t>(index)].span = s.next - index;
+}
+
+// Output `index` of computed call `call`: the one a launch made ahead of it, else a fresh tensor of
+// its traced layout (an intermediate nothing reads, or a result the launch to come writes).
+at::Tensor output_of(Session& s, int64_t call, int32_t index) {
+  const auto slot = s.slots.find({call, true, index});
+  if (slot != s.slots.end()) return slot->second;
+  const OutputLayout& layout = s.program->calls[static_cast<size_t>(call)].outputs.at(static_cast<size_t>(index));
+  // Not a call of the step: the allocation does not come back here.
+  const c10::impl::ExcludeDispatchKeyGuard unseen(kInterposerKey);
+  return at::empty_strided(layout.sizes, layout.strides,
+                           at::TensorOptions().dtype(layout.type).device(s.program->device));
+}
+
+// Runs group `group`'s kernel on its arguments (lock held by the caller, released around the
+// callback, which launches on this thread's current stream).
+void launch(Session& s, std::unique_lock<std::mutex>& lock, int64_t group) {
+  const auto& refs = s.program->group_args.at(static_cast<size_t>(group));
+  std::vector<at::Tensor> args;
+  args.reserve(refs.size());
+  for (const ArgRef& ref : refs) {
+    const SlotKey key{ref.call, ref.output, ref.index};
+    auto slot = s.slots.find(key);
+    if (slot == s.slots.end()) {
+      if (!ref.output) {
+        s.failure = "fused group " + std::to_string(group) + ": input " + std::to_string(ref.index) + " of call " +
+                    std::to_string(ref.call) + " was not seen before the launch";
+        return;
+      }
+      slot = s.slots.emplace(key, output_of(s, ref.call, ref.index)).first;
+    }
+    args.push_back(slot->second);
+  }
+  s.launched[static_cast<size_t>(group)] = true;
+  // Its inputs, and the outputs of calls already made, are held no longer.
+  for (const ArgRef& ref : refs)
+    if (!ref.output || ref.call < s.next) s.slots.erase({ref.call, ref.output, ref.index});
+  std::vector<sk_tensor> handles;
+  handles.reserve(args.size());
+  for (at::Tensor& t : args) handles.push_back(&t);
+  char message[512] = {0};
+  const auto& vtable = s.program->vtable;
+  lock.unlock();
+  int status = 0;
+  {
+    // What the callback calls (a scalar's value) is not a call of the step.
+    const c10::impl::ExcludeDispatchKeyGuard unseen(kInterposerKey);
+    status = vtable.launch(s.program->state, group, handles.data(), static_cast<int64_t>(handles.size()), message,
+                           sizeof message);
+  }
+  lock.lock();
+  if (status != 0 && s.failure.empty()) s.failure = "fused group " + std::to_string(group) + ": " + message;
+}
+
+void substitute(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  std::unique_lock<std::mutex> lock(s.mutex);
+  const int64_t index = s.next++;
+  const auto& calls = s.program->calls;
+  const std::string& name = op.operator_name().name;
+  const bool off_program = !s.failure.empty() || index >= static_cast<int64_t>(calls.size());
+  if (!off_program && calls[static_cast<size_t>(index)].op != name)
+    s.failure = "call " + std::to_string(index) + " of the step is " + name + " where the traced step called " +
+                calls[static_cast<size_t>(index)].op;
+  if (off_program || !s.failure.empty() || calls[static_cast<size_t>(index)].group < 0) {
+    lock.unlock();
+    op.redispatchBoxed(below_interposer(keys), stack);
+    return;
+  }
+  const ProgramCall& call = calls[static_cast<size_t>(index)];
+  const size_t arguments = op.schema().arguments().size();
+  for (int32_t i : call.captured_inputs) {
+    const c10::IValue& v = (*stack)[stack->size() - arguments + static_cast<size_t>(i)];
+    if (!v.isTensor()) {
+      s.failure = "call " + std::to_string(index) + " (" + name + ") takes no tensor at argument " + std::to_string(i);
+      break;
+    }
+    s.slots[{index, false, i}] = v.toTensor();
+  }
+  if (call.computed && op.schema().returns().size() != call.outputs.size())
+    s.failure = name + " returns " + std::to_string(op.schema().returns().size()) + " values where the program has " +
+                std::to_string(call.outputs.size());
+  if (!call.computed || !s.failure.empty()) {
+    lock.unlock();
+    op.redispatchBoxed(below_interposer(keys), stack);
+    lock.lock();
+  } else {
+    torch::jit::drop(*stack, arguments);
+    const bool launched = s.launched[static_cast<size_t>(call.group)];
+    for (int32_t k = 0; k < static_cast<int32_t>(call.outputs.size()); ++k) {
+      at::Tensor out = output_of(s, index, k);
+      if (launched) {
+        s.slots.erase({index, true, k});
+      } else if (std::find(call.captured_outputs.begin(), call.captured_outputs.end(), k) !=
+                 call.captured_outputs.end()) {
+        s.slots[{index, true, k}] = out;
+      }
+      stack->emplace_back(std::move(out));
+    }
+    // The calls ATen's kernel would have made itself are not made.
+    s.next = index + call.span;
+  }
+  if (call.launch && s.failure.empty()) launch(s, lock, call.group);
+}
+
+void interpose(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  Session* s = active.load();
+  if (s == nullptr) {
+    op.redispatchBoxed(below_interposer(keys), stack);
+  } else if (s->program == nullptr) {
+    record(*s, op, keys, stack);
+  } else {
+    substitute(*s, op, keys, stack);
+  }
+}
+
+Session* begin(Program* program) {
+  auto s = std::make_unique<Session>();
+  s->program = program;
+  if (program != nullptr) s->launched.assign(program->group_args.size(), false);
+  Session* expected = nullptr;
+  TORCH_CHECK(active.compare_exchange_strong(expected, s.get()),
+              "another interposer session is running (one at a time per process)");
+  try {
+    count_flag_write();
+    s->fallback = std::make_unique<torch::Library>(torch::Library::IMPL, "_", kInterposerKey, __FILE__,
+                                                   static_cast<uint32_t>(__LINE__));
+    s->fallback->fallback(torch::CppFunction::makeFromBoxedFunction<&interpose>());
+    if (program == nullptr)
+      s->observer = at::addGlobalCallback(
+          at::RecordFunctionCallback(&on_enter, &on_exit).needsIds(true).scopes({at::RecordScope::FUNCTION}));
+    s->included = std::make_unique<c10::impl::IncludeDispatchKeyGuard>(kInterposerKey);
+  } catch (...) {
+    if (s->observer) at::removeCallback(*s->observer);
+    s->fallback.reset();
+    active.store(nullptr);
+    throw;
+  }
+  return s.release();
+}
+
+// Removes what the session put in place; its thread's keys only on that thread (elsewhere they are
+// not this thread's to put back, and the guard is let go).
+void tear_down(Session& s) {
+  if (s.thread == std::this_thread::get_id()) {
+    s.included.reset();
+  } else {
+    (void)s.included.release();
+  }
+  if (s.observer) at::removeCallback(*s.observer);
+  s.observer.reset();
+  s.fallback.reset();
+  Session* self = &s;
+  active.compare_exchange_strong(self, nullptr);
+}
+
+void end(Session& s) {
+  TORCH_CHECK(s.thread == std::this_thread::get_id(), "an interposer session ends on the thread it began on");
+  tear_down(s);
+  entered_ops.clear();
+  if (s.program != nullptr && s.failure.empty() && s.next != static_cast<int64_t>(s.program->calls.size()))
+    s.failure = "the step made " + std::to_string(s.next) + " operator calls where the traced step made " +
+                std::to_string(s.program->calls.size());
+  s.slots.clear();
+}
+
+Program& program_of(void* p) {
+  TORCH_CHECK(p != nullptr, "no interposer program");
+  return *static_cast<Program*>(p);
+}
+
+}  // namespace
+}  // namespace sk
+
+extern "C" {
+
+int sk_interposer_program_new(int device, const sk_interposer_vtable* vtable, void* state, void** out) {
+  auto program = std::make_unique<sk::Program>();
+  program->vtable = *vtable;
+  program->state = state;
+  SK_TRY({
+    program->device = device < 0 ? c10::Device(at::kCPU) : c10::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device));
+    *out = program.release();
+  })
+}
+
+int sk_interposer_program_add_call(void* program, const char* op, int64_t group, int computed, int launch,
+                                   int64_t span) {
+  SK_TRY(sk::program_of(program).calls.push_back({op, group, computed != 0, launch != 0, span, {}, {}, {}}))
+}
+
+int sk_interposer_program_add_output(void* program, int64_t call, int scalar_type, const int64_t* sizes,
+                                     const int64_t* strides, int64_t ndim) {
+  SK_TRY({
+    auto& p = sk::program_of(program);
+    TORCH_CHECK(call >= 0 && call < static_cast<int64_t>(p.calls.size()), "no call ", call);
+    p.calls[static_cast<size_t>(call)].outputs.push_back(
+        {static_cast<at::ScalarType>(scalar_type), std::vector<int64_t>(sizes, sizes + ndim),
+         std::vector<int64_t>(strides, strides + ndim)});
+  })
+}
+
+int sk_interposer_program_add_arg(void* program, int64_t group, int64_t call, int output, int32_t index) {
+  SK_TRY({
+    auto& p = sk::program_of(program);
+    TORCH_CHECK(group >= 0 && call >= 0 && call < static_cast<int64_t>(p.calls.size()), "no call ", call);
+    if (p.group_args.size() <= static_cast<size_t>(group)) p.group_args.resize(static_cast<size_t>(group) + 1);
+    p.group_args[static_cast<size_t>(group)].push_back({call, output != 0, index});
+    auto& captured = output == 0 ? p.calls[static_cast<size_t>(call)].captured_inputs
+                                 : p.calls[static_cast<size_t>(call)].captured_outputs;
+    captured.push_back(index);
+  })
+}
+
+void sk_interposer_program_free(void* program) {
+  try {
+    delete static_cast<sk::Program*>(program);
+  } catch (...) {
+    // Nothing to report to during teardown.
+  }
+}
+
+int sk_interposer_begin(void* program, void** out) { SK_TRY(*out = sk::begin(static_cast<sk::Program*>(program))) }
+
+int sk_interposer_end(void* session) { SK_TRY(sk::end(*static_cast<sk::Session*>(session))) }
+
+int sk_interposer_recorded_count(void* session, int64_t* out) {
+  SK_TRY(*out = static_cast<int64_t>(static_cast<sk::Session*>(session)->recorded.size()))
+}
+
+int sk_interposer_recorded_get(void* session, int64_t index, const char** op, uint64_t* rf_id, int64_t* span) {
+  SK_TRY({
+    const auto& call = static_cast<sk::Session*>(session)->recorded.at(static_cast<size_t>(index));
+    *op = call.op.c_str();
+    *rf_id = call.rf_id;
+    *span = call.span;
+  })
+}
+
+int sk_interposer_failure(void* session, const char** out) {
+  SK_TRY(sk::hand_out(static_cast<sk::Session*>(session)->failure, out))
+}
+
+int sk_interposer_active(int* out) { SK_TRY(*out = sk::active.load() != nullptr ? 1 : 0) }
+
+void sk_interposer_free(void* session) {
+  auto* s = static_cast<sk::Session*>(session);
+  if (s == nullptr) return;
+  try {
+    sk::tear_down(*s);
+  } catch (...) {
+    // Nothing to report to during teardown.
+  }
+  delete s;
+}
+
+}  // extern "C"

@@ -1,0 +1,471 @@
+//! Running a step with its fused groups' generated kernels in place of ATen's.
+//!
+//! [`FusedStep::prepare`] runs the step once as it is, recording it twice over: PyTorch's
+//! execution trace (the operator graph the [plan](super::FusionPlan) groups) and speedkit's
+//! interposer, which sees the same calls where they reach the kernels, below autograd. Each group
+//! the generator takes becomes part of a program: its calls return their outputs without running
+//! ATen's kernels, and its generated kernel runs once the last of its inputs exists. A group is
+//! left to ATen, with the reason, where that would change what the step computes: a result read
+//! by another call before the group could run, an input written in place in between, a call the
+//! interposer does not see.
+//!
+//! [`FusedStep::run`] runs the step under the program. The step must call the same operators in
+//! the same order as the recorded one (a CUDA graph's step does); where it departs, every call from
+//! there runs ATen's kernel and `run` returns the departure as an error, after which the step's
+//! results are not to be used. speedkit runs the program only while it captures the step as a
+//! CUDA graph, where nothing runs before the capture ends, so a departure costs nothing but the
+//! capture: it is made again without the program.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use tch::{Device, Tensor};
+
+use super::codegen::kind_of;
+use super::{FusedGroup, FusionPlan, GeneratedKernel, KernelArg, OpKind};
+use crate::cuda::{Arg, CudaKernel, CudaModule};
+use crate::error::{Result, SpeedkitError};
+use crate::ffi::interposer::{Program, RecordedCall, Session};
+use crate::trace::{StepTrace, TracedOp};
+
+/// A step's fused groups as a program for the interposer; see the [module docs](self).
+pub struct FusedStep {
+    program: Program,
+    substituted: Vec<SubstitutedGroup>,
+    declined: Vec<DeclinedGroup>,
+    plan: FusionPlan,
+}
+
+/// A group whose generated kernel runs in place of its ATen kernels.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SubstitutedGroup {
+    /// Its operators, in step order.
+    pub operators: Vec<String>,
+    /// The generated kernel's entry point.
+    pub kernel: String,
+    /// Whether it belongs to the backward pass.
+    pub backward: bool,
+}
+
+/// A group of the plan whose operators keep ATen's kernels, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeclinedGroup {
+    /// Its operators, in step order.
+    pub operators: Vec<String>,
+    /// Why it is not substituted.
+    pub reason: String,
+}
+
+/// A group ready to run: its kernel and what its arguments must look like.
+struct Launch {
+    kernel: Arc<CudaKernel>,
+    generated: GeneratedKernel,
+}
+
+/// Where one group sits in the recorded calls.
+struct Placement {
+    /// (recorded call, computed) per member.
+    members: Vec<(usize, bool)>,
+    /// The recorded call after which the kernel launches.
+    launch: usize,
+    /// (recorded call, is an output, position) per kernel argument.
+    args: Vec<(usize, bool, usize)>,
+}
+
+impl FusedStep {
+    /// Runs `step` once as it is, recording it, and prepares its program for `device`: the plan,
+    /// each group's kernel generated and compiled (NVRTC, through the kernel cache). The outer
+    /// error says the step did not run (the recording could not start); once it ran, its result
+    /// comes back with the program or why there is none.
+    ///
+    /// ```no_run
+    /// use speedkit::fusion::FusedStep;
+    /// use tch::{Device, Kind, Tensor};
+    ///
+    /// let device = Device::Cuda(0);
+    /// let x = Tensor::randn([4096, 1024], (Kind::BFloat16, device));
+    /// let w = Tensor::ones([1024], (Kind::BFloat16, device));
+    /// let rms_norm = || {
+    ///     let rms = (x.pow_tensor_scalar(2).mean_dim(-1, true, Kind::BFloat16) + 1e-6).rsqrt();
+    ///     &x * rms * &w
+    /// };
+    /// let (expected, fused) = FusedStep::prepare(device, rms_norm)?;
+    /// let fused = fused?;
+    /// let y = fused.run(rms_norm)?; // one generated kernel for ATen's six
+    /// assert_eq!(fused.substituted().len(), 1);
+    /// assert!(f64::try_from((y - expected).abs().max())? < 1e-2);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn prepare<R>(device: Device, step: impl FnOnce() -> R) -> Result<(R, Result<FusedStep>)> {
+        let mut ran = None;
+        let mut calls = Vec::new();
+        let recorded = StepTrace::record(|| -> Result<()> {
+            let mut session = Session::record()?;
+            ran = Some(step());
+            session.end()?;
+            calls = session.recorded()?;
+            Ok(())
+        });
+        let fused = recorded.and_then(|(session, trace)| {
+            session?;
+            FusedStep::from_recording(device, &trace, &calls)
+        });
+        match (ran, fused) {
+            (Some(out), fused) => Ok((out, fused)),
+            (None, Err(e)) => Err(e),
+            (None, Ok(_)) => Err(SpeedkitError::Misuse(
+                "the recorded step did not run".into(),
+            )),
+        }
+    }
+
+    fn from_recording(device: Device, trace: &StepTrace, calls: &[RecordedCall]) -> Result<Self> {
+        let plan = FusionPlan::generatable(trace);
+        let kernels = trace.kernels();
+        let mut recorded: HashMap<u64, usize> = calls
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.rf_id != 0)
+            .map(|(i, c)| (c.rf_id, i))
+            .collect();
+        for (outer, inner) in redispatched(trace) {
+            if let Some(&call) = recorded.get(&inner) {
+                recorded.entry(outer).or_insert(call);
+            }
+        }
+        let position: HashMap<u64, usize> = kernels
+            .iter()
+            .enumerate()
+            .map(|(i, op)| (op.id, i))
+            .collect();
+        let mut compiled: HashMap<String, Arc<CudaKernel>> = HashMap::new();
+        let (mut launches, mut placements) = (Vec::new(), Vec::new());
+        let (mut substituted, mut declined) = (Vec::new(), Vec::new());
+        for group in plan.groups() {
+            let placed = group.kernel().and_then(|generated| {
+                let placement = place(group, &generated, &kernels, &position, &recorded)?;
+                let kernel = compile(&generated, device, &mut compiled)?;
+                Ok((generated, kernel, placement))
+            });
+            match placed {
+                Ok((generated, kernel, placement)) => {
+                    substituted.push(SubstitutedGroup {
+                        operators: group.operators.clone(),
+                        kernel: generated.name.clone(),
+                        backward: group.backward,
+                    });
+                    launches.push(Launch { kernel, generated });
+                    placements.push(placement);
+                }
+                Err(reason) => declined.push(DeclinedGroup {
+                    operators: group.operators.clone(),
+                    reason,
+                }),
+            }
+        }
+        let program = program(device, calls, &kernels, &placements, launches, &recorded)?;
+        Ok(FusedStep {
+            program,
+            substituted,
+            declined,
+            plan,
+        })
+    }
+
+    /// Runs `step` with the generated kernels in place of the substituted groups' ATen kernels.
+    /// An error says where the step departed from the recorded one (its results are then not to
+    /// be used), or why a kernel could not launch.
+    pub fn run<R>(&self, step: impl FnOnce() -> R) -> Result<R> {
+        let mut session = Session::run(&self.program)?;
+        let out = step();
+        session.end()?;
+        match session.failure()? {
+            None => Ok(out),
+            Some(why) => Err(SpeedkitError::Misuse(format!(
+                "the fused step departed from the traced one: {why}"
+            ))),
+        }
+    }
+
+    /// Whether a fused step is being prepared or run in this process: while it is, speedkit's
+    /// fallback is registered in PyTorch's dispatcher (for the calling thread's operators only).
+    ///
+    /// ```
+    /// assert!(!speedkit::fusion::FusedStep::is_running()?);
+    /// # Ok::<(), speedkit::SpeedkitError>(())
+    /// ```
+    pub fn is_running() -> Result<bool> {
+        crate::ffi::interposer::active()
+    }
+
+    /// The groups whose generated kernels run, in step order.
+    pub fn substituted(&self) -> &[SubstitutedGroup] {
+        &self.substituted
+    }
+
+    /// The groups left to ATen, with the reasons.
+    pub fn declined(&self) -> &[DeclinedGroup] {
+        &self.declined
+    }
+
+    /// One line for the audit: the groups that run generated kernels, how many kernels, and the
+    /// groups left to ATen by reason, the commonest first.
+    pub fn summary(&self) -> String {
+        let kernels: HashSet<&str> = self.substituted.iter().map(|g| g.kernel.as_str()).collect();
+        let mut reasons: HashMap<&str, usize> = HashMap::new();
+        for declined in &self.declined {
+            *reasons.entry(declined.reason.as_str()).or_default() += 1;
+        }
+        let mut reasons: Vec<(&str, usize)> = reasons.into_iter().collect();
+        reasons.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+        let reasons: Vec<String> = reasons
+            .iter()
+            .map(|(why, count)| format!("{count} × {why}"))
+            .collect();
+        let mut line = format!(
+            "{} of the step's {} fused groups run as {} generated kernel(s); {} left to ATen",
+            self.substituted.len(),
+            self.plan.groups().len(),
+            kernels.len(),
+            self.declined.len()
+        );
+        if !reasons.is_empty() {
+            line.push_str(&format!(" ({})", reasons.join("; ")));
+        }
+        line
+    }
+
+    /// The plan the program was made from.
+    pub fn plan(&self) -> &FusionPlan {
+        &self.plan
+    }
+}
+
+/// (outer, inner) RecordFunction handles of calls that call their own operator again and nothing
+/// else: autocast's wrapper of an operator it runs in fp32 (`pow`, `rsqrt`, `sum`, ...) on inputs
+/// already of that type. The trace's kernel-level call is the outer one; the interposer, below
+/// autocast, sees the inner one. Where autocast cast an input first, the two differ in what they
+/// take, and the outer call stays unmatched.
+fn redispatched(trace: &StepTrace) -> Vec<(u64, u64)> {
+    let mut children: HashMap<u64, Vec<&TracedOp>> = HashMap::new();
+    for op in trace.ops() {
+        if let Some(parent) = op.parent {
+            children.entry(parent).or_default().push(op);
+        }
+    }
+    trace
+        .ops()
+        .iter()
+        .filter_map(|outer| match children.get(&outer.id).map(Vec::as_slice) {
+            Some([inner]) if inner.name == outer.name && outer.rf_id != 0 => {
+                Some((outer.rf_id, inner.rf_id))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// The NVRTC-compiled kernel of `generated`, once per entry point.
+fn compile(
+    generated: &GeneratedKernel,
+    device: Device,
+    compiled: &mut HashMap<String, Arc<CudaKernel>>,
+) -> std::result::Result<Arc<CudaKernel>, String> {
+    if let Some(kernel) = compiled.get(&generated.name) {
+        return Ok(kernel.clone());
+    }
+    let kernel = CudaModule::new(&format!("{}.cu", generated.name), &generated.source)
+        .and_then(|m| m.kernel(&generated.name, &generated.params(), device))
+        .map_err(|e| format!("its kernel does not compile: {e}"))?;
+    let kernel = Arc::new(kernel);
+    compiled.insert(generated.name.clone(), kernel.clone());
+    Ok(kernel)
+}
+
+/// Where `group` sits in the recorded calls, or why it cannot run as one kernel there.
+fn place(
+    group: &FusedGroup,
+    generated: &GeneratedKernel,
+    kernels: &[&TracedOp],
+    position: &HashMap<u64, usize>,
+    recorded: &HashMap<u64, usize>,
+) -> std::result::Result<Placement, String> {
+    let members = group.calls();
+    // A view the interposer does not see (a composite `to` that handed back its input) runs
+    // as it is; it only matters where a kernel argument is taken from it.
+    let mut placed = Vec::with_capacity(members.len());
+    for op in members {
+        let view = OpKind::of(&op.name) == Some(OpKind::View);
+        match recorded.get(&op.rf_id).filter(|_| op.rf_id != 0) {
+            Some(&call) => placed.push(Some((call, !view))),
+            None if view => placed.push(None),
+            None => return Err(format!("{} is not seen below autograd", op.name)),
+        }
+    }
+    // Each argument where the generator read it (inputs) or computed it (results).
+    let member_of: HashMap<u64, usize> = members
+        .iter()
+        .enumerate()
+        .map(|(m, op)| (op.id, m))
+        .collect();
+    let mut args = Vec::with_capacity(generated.args.len());
+    let mut last_input = 0;
+    for source in &generated.sources {
+        let member = *member_of
+            .get(&source.call)
+            .ok_or("an argument of its kernel no member takes or makes")?;
+        if !source.output {
+            last_input = last_input.max(member);
+        }
+        let (call, _) = placed[member]
+            .ok_or_else(|| format!("{} is not seen below autograd", members[member].name))?;
+        args.push((call, source.output, source.position));
+    }
+    let member_at: HashSet<usize> = members
+        .iter()
+        .filter_map(|op| position.get(&op.id))
+        .copied()
+        .collect();
+    let (first, launch_at) = (position[&members[0].id], position[&members[last_input].id]);
+    check_nothing_between(generated, kernels, &member_at, first, launch_at)?;
+    let launch = match placed[last_input] {
+        Some((call, _)) => call,
+        None => {
+            return Err(format!(
+                "{} is not seen below autograd",
+                members[last_input].name
+            ))
+        }
+    };
+    Ok(Placement {
+        launch,
+        members: placed.into_iter().flatten().collect(),
+        args,
+    })
+}
+
+/// Between the group's first member and its launch, no other call may read what the group
+/// writes (it would read it unwritten) or write what the group reads (the kernel would read the
+/// new values where ATen's kernels read the old).
+fn check_nothing_between(
+    generated: &GeneratedKernel,
+    kernels: &[&TracedOp],
+    member_at: &HashSet<usize>,
+    first: usize,
+    launch_at: usize,
+) -> std::result::Result<(), String> {
+    let mut written: HashSet<u64> = HashSet::new();
+    let mut read: HashSet<u64> = HashSet::new();
+    for arg in &generated.args {
+        match arg {
+            KernelArg::Output(t) => written.insert(t.storage),
+            KernelArg::Input(t) | KernelArg::Scalar(t) => read.insert(t.storage),
+        };
+    }
+    for (q, op) in kernels
+        .iter()
+        .enumerate()
+        .take(launch_at + 1)
+        .skip(first + 1)
+    {
+        if member_at.contains(&q) {
+            continue;
+        }
+        if op.input_tensors().any(|t| written.contains(&t.storage)) {
+            return Err(format!(
+                "{} reads a result before the group's last input exists",
+                op.name
+            ));
+        }
+        let inputs: HashSet<(u64, u64)> = op.input_tensors().map(|t| t.key()).collect();
+        if op
+            .output_tensors()
+            .any(|t| inputs.contains(&t.key()) && read.contains(&t.storage))
+        {
+            return Err(format!(
+                "{} writes an input of the group in place before it runs",
+                op.name
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The interposer's program: every recorded call, the substituted groups' members among them.
+fn program(
+    device: Device,
+    calls: &[RecordedCall],
+    kernels: &[&TracedOp],
+    placements: &[Placement],
+    launches: Vec<Launch>,
+    recorded: &HashMap<u64, usize>,
+) -> Result<Program> {
+    let mut role: HashMap<usize, (usize, bool, bool)> = HashMap::new();
+    for (g, placement) in placements.iter().enumerate() {
+        for &(call, computed) in &placement.members {
+            role.insert(call, (g, computed, call == placement.launch));
+        }
+    }
+    let traced: HashMap<usize, &TracedOp> = kernels
+        .iter()
+        .filter_map(|op| recorded.get(&op.rf_id).map(|&c| (c, *op)))
+        .collect();
+    let mut program = Program::new(device, move |g, tensors| launch(&launches[g], tensors))?;
+    for (i, call) in calls.iter().enumerate() {
+        let (group, computed, launch) = match role.get(&i) {
+            Some(&(g, computed, launch)) => (Some(g), computed, launch),
+            None => (None, false, false),
+        };
+        program.add_call(&call.op, group, computed, launch, call.span)?;
+        if computed {
+            for t in traced[&i].output_tensors() {
+                let kind = kind_of(&t.dtype).ok_or_else(|| {
+                    SpeedkitError::Misuse(format!("a fused result of type {}", t.dtype))
+                })?;
+                program.add_output(i, kind, &t.shape, &t.strides)?;
+            }
+        }
+    }
+    for (g, placement) in placements.iter().enumerate() {
+        for &(call, output, index) in &placement.args {
+            program.add_arg(g, call, output, index)?;
+        }
+    }
+    Ok(program)
+}
+
+/// Launches one group's kernel on its arguments' tensors, each checked against its traced layout
+/// (the kernel's index arithmetic assumes it).
+fn launch(launch: &Launch, tensors: &[Tensor]) -> Result<()> {
+    let generated = &launch.generated;
+    if tensors.len() != generated.args.len() {
+        return Err(SpeedkitError::Misuse(format!(
+            "{} takes {} arguments, the step gave {}",
+            generated.name,
+            generated.args.len(),
+            tensors.len()
+        )));
+    }
+    let mut args: Vec<Arg> = Vec::with_capacity(tensors.len() + 1);
+    for (t, arg) in tensors.iter().zip(&generated.args) {
+        let traced = arg.tensor();
+        if let KernelArg::Scalar(_) = arg {
+            args.push(Arg::F64(t.f_double_value(&[])?));
+            continue;
+        }
+        if t.size() != traced.shape || t.stride() != traced.strides {
+            return Err(SpeedkitError::Misuse(format!(
+                "{}: an argument of sizes {:?} and strides {:?} where the trace had {:?} and {:?}",
+                generated.name,
+                t.size(),
+                t.stride(),
+                traced.shape,
+                traced.strides
+            )));
+        }
+        args.push(Arg::Strided(t));
+    }
+    args.push(Arg::I64(generated.numel as i64));
+    let (grid, block) = generated.grid_and_block();
+    launch.kernel.launch(grid, block, 0, &args)
+}

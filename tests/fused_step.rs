@@ -1,0 +1,340 @@
+//! Fused steps: the step's calls recorded below autograd and run again with generated kernels in
+//! place of ATen's. On the CPU: what is recorded, that the program leaves the dispatcher and the
+//! thread's keys as they were on every path, and that a step departing from its recording is
+//! reported. On a GPU (skipped with a reason elsewhere): the fused step's values are ATen's.
+//!
+//! Each test holds `common::serial()`: the interposer and the execution trace are one per process.
+
+mod common;
+
+use speedkit::config::{AutoBool, DeviceChoice, Precision, SpeedConfig};
+use speedkit::fusion::FusedStep;
+use speedkit::optim::AdamW;
+use speedkit::overrides::dispatcher_table;
+use speedkit::SpeedContext;
+use speedkit_suite::data;
+use speedkit_suite::models::llama_tch::{LlamaConfig, LlamaTch};
+use tch::{nn, Device, Kind, Tensor};
+
+const CPU: Device = Device::Cpu;
+
+fn rms_norm(x: &Tensor, w: &Tensor) -> Tensor {
+    let rms = (x.pow_tensor_scalar(2).mean_dim(-1, true, x.kind()) + 1e-6).rsqrt();
+    x * rms * w
+}
+
+fn interposer_registered() -> bool {
+    dispatcher_table("aten::mul.Tensor")
+        .unwrap()
+        .contains("interposer.cpp")
+}
+
+#[test]
+fn a_recording_finds_every_member_of_a_group_below_autograd() {
+    let _serial = common::serial();
+    let x = Tensor::randn([16, 32], (Kind::Float, CPU));
+    let w = Tensor::randn([32], (Kind::Float, CPU));
+    let (_, fused) = FusedStep::prepare(CPU, || rms_norm(&x, &w)).unwrap();
+    let fused = fused.unwrap();
+    // On the CPU no kernel loads; the group is found, generated, and declined for that alone.
+    assert!(fused.substituted().is_empty());
+    let [declined] = fused.declined() else {
+        panic!("{:?}", fused.declined())
+    };
+    assert!(
+        declined.reason.starts_with("its kernel does not compile"),
+        "{}",
+        declined.reason
+    );
+    let summary = fused.summary();
+    assert!(
+        summary.starts_with("0 of the step's 1 fused groups run as 0 generated kernel(s); 1 left to ATen (1 × its kernel does not compile"),
+        "{summary}"
+    );
+}
+
+#[test]
+fn the_interposer_is_registered_only_while_a_fused_step_runs() {
+    let _serial = common::serial();
+    let x = Tensor::randn([16, 32], (Kind::Float, CPU));
+    let w = Tensor::randn([32], (Kind::Float, CPU));
+    let (expected, fused) = FusedStep::prepare(CPU, || {
+        assert!(interposer_registered());
+        rms_norm(&x, &w)
+    })
+    .unwrap();
+    let fused = fused.unwrap();
+    assert!(!interposer_registered());
+    assert!(!FusedStep::is_running().unwrap());
+    let y = fused
+        .run(|| {
+            assert!(FusedStep::is_running().unwrap());
+            rms_norm(&x, &w)
+        })
+        .unwrap();
+    assert!(!interposer_registered());
+    assert!(!FusedStep::is_running().unwrap());
+    assert!(y.equal(&expected));
+}
+
+#[test]
+fn a_panic_in_a_fused_step_leaves_no_interposer_behind() {
+    let _serial = common::serial();
+    let x = Tensor::randn([8, 8], (Kind::Float, CPU));
+    let fused = FusedStep::prepare(CPU, || x.exp() * 2.0)
+        .unwrap()
+        .1
+        .unwrap();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        fused.run(|| -> Tensor { panic!("the step failed") })
+    }));
+    assert!(panicked.is_err());
+    assert!(!FusedStep::is_running().unwrap());
+    assert!(!interposer_registered());
+    // The next step records and runs as before.
+    assert!(fused.run(|| x.exp() * 2.0).unwrap().equal(&(x.exp() * 2.0)));
+}
+
+#[test]
+fn a_step_departing_from_its_recording_is_reported_with_the_call() {
+    let _serial = common::serial();
+    let x = Tensor::randn([8, 8], (Kind::Float, CPU));
+    let fused = FusedStep::prepare(CPU, || x.exp() * 2.0)
+        .unwrap()
+        .1
+        .unwrap();
+    let err = fused.run(|| x.sin() * 2.0).unwrap_err().to_string();
+    assert!(
+        err.contains("aten::sin") && err.contains("aten::exp"),
+        "{err}"
+    );
+    let err = fused.run(|| x.exp() * 2.0 + 1.0).unwrap_err().to_string();
+    assert!(err.contains("operator calls"), "{err}");
+}
+
+#[test]
+fn the_backward_runs_under_the_program_too() {
+    let _serial = common::serial();
+    tch::manual_seed(0);
+    let config = LlamaConfig::tiny();
+    let vs = nn::VarStore::new(CPU);
+    let model = LlamaTch::new(&vs.root(), &config).unwrap();
+    let (tokens, targets) = data::tokens(config.batch, config.seq_len, config.vocab, CPU).unwrap();
+    let step = || {
+        for v in vs.trainable_variables() {
+            let _ = v.grad().zero_();
+        }
+        let loss = model.loss(&tokens, &targets).unwrap();
+        loss.backward();
+        loss
+    };
+    // One step first, so that every step after it accumulates into existing gradients.
+    model.loss(&tokens, &targets).unwrap().backward();
+    let (expected, fused) = FusedStep::prepare(CPU, step).unwrap();
+    let fused = fused.unwrap();
+    // Every group is found below autograd, the backward's included: on the CPU, each is declined
+    // only because no kernel loads.
+    let groups = fused.plan().groups().len();
+    assert_eq!(fused.declined().len(), groups);
+    let unseen: Vec<_> = fused
+        .declined()
+        .iter()
+        .filter(|d| {
+            !d.reason.starts_with("its kernel does not compile")
+                && !d.reason.contains("not generated")
+        })
+        .collect();
+    println!("{unseen:#?}");
+    assert!(fused.run(step).unwrap().equal(&expected));
+}
+
+// ----- on a GPU ----------------------------------------------------------------------------------
+
+/// `chain` as ATen runs it and fused: the largest gap between the two, and the groups fused.
+fn fused_against_aten(device: Device, chain: impl Fn() -> Tensor) -> (f64, usize) {
+    let (expected, fused) = FusedStep::prepare(device, &chain).unwrap();
+    let fused = fused.unwrap();
+    let y = fused.run(&chain).unwrap();
+    assert_eq!(y.size(), expected.size());
+    let gap = (y.to_kind(Kind::Float) - expected.to_kind(Kind::Float))
+        .abs()
+        .max()
+        .double_value(&[]);
+    (gap, fused.substituted().len())
+}
+
+#[test]
+fn fused_chains_give_atens_values_in_fp32_bf16_and_fp16() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip("fused_chains_give_atens_values_in_fp32_bf16_and_fp16")
+    else {
+        return;
+    };
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+        // Odd sizes, a broadcast row, a transposed read.
+        let x = Tensor::randn([37, 53], (kind, device));
+        let row = Tensor::randn([53], (kind, device));
+        let other = Tensor::randn([53, 37], (kind, device));
+        let pointwise = fused_against_aten(device, || {
+            let y = (&x * &row + 1.5).silu() - (&other * 2.0).tr().sigmoid();
+            y.where_self(&x.gt(0.0), &(&x * 0.5)).tanh()
+        });
+        let norm = fused_against_aten(device, || rms_norm(&x, &row));
+        let tolerance = if kind == Kind::Float { 1e-5 } else { 1e-2 };
+        for (what, (gap, fused)) in [("pointwise", pointwise), ("rms_norm", norm)] {
+            assert_eq!(fused, 1, "{kind:?} {what}: one group fused");
+            assert!(gap < tolerance, "{kind:?} {what}: {gap}");
+        }
+    }
+}
+
+/// The tiny Llama's loss and gradients after one step, run by `run` (ATen's kernels or fused).
+fn llama_loss_and_gradients(vs: &nn::VarStore, step: impl Fn() -> Tensor) -> (f64, Vec<Tensor>) {
+    let loss = step();
+    let grads = vs
+        .trainable_variables()
+        .iter()
+        .map(|v| v.grad().copy())
+        .collect();
+    (loss.double_value(&[]), grads)
+}
+
+#[test]
+fn a_fused_step_of_a_small_llama_gives_atens_loss_and_gradients() {
+    let _serial = common::serial();
+    let Some(device) =
+        common::cuda_or_skip("a_fused_step_of_a_small_llama_gives_atens_loss_and_gradients")
+    else {
+        return;
+    };
+    for kind in [Kind::Float, Kind::BFloat16] {
+        tch::manual_seed(0);
+        let config = LlamaConfig::tiny();
+        let mut vs = nn::VarStore::new(device);
+        let model = LlamaTch::new(&vs.root(), &config).unwrap();
+        vs.set_kind(kind);
+        let (tokens, targets) =
+            data::tokens(config.batch, config.seq_len, config.vocab, device).unwrap();
+        let step = || {
+            for v in vs.trainable_variables() {
+                let _ = v.grad().zero_();
+            }
+            let loss = model.loss(&tokens, &targets).unwrap();
+            loss.backward();
+            loss
+        };
+        model.loss(&tokens, &targets).unwrap().backward();
+        let (expected, fused) = FusedStep::prepare(device, step).unwrap();
+        let fused = fused.unwrap();
+        let aten = llama_loss_and_gradients(&vs, || expected.shallow_clone());
+        let mine = llama_loss_and_gradients(&vs, || fused.run(step).unwrap());
+        println!(
+            "{kind:?}: {} of {} groups fused; declined: {:#?}",
+            fused.substituted().len(),
+            fused.plan().groups().len(),
+            fused.declined()
+        );
+        assert!(fused.substituted().len() >= 4, "{kind:?}");
+        let tolerance = if kind == Kind::Float { 1e-4 } else { 2e-2 };
+        assert!(
+            (aten.0 - mine.0).abs() < tolerance * aten.0.abs(),
+            "{kind:?}: loss {} against {}",
+            mine.0,
+            aten.0
+        );
+        let mut off = Vec::new();
+        for (i, (a, m)) in aten.1.iter().zip(&mine.1).enumerate() {
+            let scale = a
+                .to_kind(Kind::Float)
+                .abs()
+                .max()
+                .double_value(&[])
+                .max(1e-6);
+            let gap = (a.to_kind(Kind::Float) - m.to_kind(Kind::Float))
+                .abs()
+                .max()
+                .double_value(&[]);
+            // A gradient read from memory nothing wrote (NaN, or anything) fails too.
+            if gap.is_nan() || gap > tolerance * scale * 10.0 {
+                off.push((i, gap, scale));
+            }
+        }
+        assert!(
+            off.is_empty(),
+            "{kind:?}: gradients (index, gap, scale) {off:?}"
+        );
+    }
+}
+
+/// The tiny Llama trained `steps` steps under `config` (bf16, whole-step graphs): the losses.
+fn llama_losses(config: &SpeedConfig, device: Device, steps: usize) -> (Vec<f64>, Vec<String>) {
+    tch::manual_seed(0);
+    let ctx = SpeedContext::new(config).unwrap();
+    let model_config = LlamaConfig::tiny();
+    let vs = nn::VarStore::new(device);
+    let model = LlamaTch::new(&vs.root(), &model_config).unwrap();
+    let (tokens, targets) = data::tokens(
+        model_config.batch,
+        model_config.seq_len,
+        model_config.vocab,
+        device,
+    )
+    .unwrap();
+    let mut opt = ctx.adamw(&vs, AdamW::default()).unwrap();
+    let mut losses = Vec::new();
+    {
+        let mut g = ctx.graphed(|_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
+            let loss = ctx.autocast(|| model.loss(&tokens, &targets))?;
+            ctx.backward_step(&loss, &mut opt)?;
+            Ok(Some(loss))
+        });
+        for _ in 0..steps {
+            let loss = g.run(&[]).unwrap().unwrap();
+            losses.push(loss.double_value(&[]));
+        }
+        assert!(
+            g.is_graphed(),
+            "{:?}\n{:#?}",
+            g.fallback_reason(),
+            ctx.audit().notes
+        );
+    }
+    (losses, ctx.audit().notes)
+}
+
+#[test]
+fn a_captured_step_with_fusion_trains_as_the_one_without() {
+    let _serial = common::serial();
+    let Some(device) =
+        common::cuda_or_skip("a_captured_step_with_fusion_trains_as_the_one_without")
+    else {
+        return;
+    };
+    let mut config = SpeedConfig {
+        device: DeviceChoice::Cuda(0),
+        precision: Precision::Bf16,
+        ..SpeedConfig::auto()
+    };
+    config.compile.enabled = AutoBool::On;
+    let (plain, _) = llama_losses(&config, device, 40);
+    config.compile.fusion = true;
+    let (fused, notes) = llama_losses(&config, device, 40);
+    let note = notes
+        .iter()
+        .find(|n| n.starts_with("fusion"))
+        .cloned()
+        .unwrap_or_default();
+    println!("{note}");
+    assert!(note.starts_with("fusion: "), "{notes:#?}");
+    assert!(
+        !notes.iter().any(|n| n.starts_with("fusion off")),
+        "{notes:#?}"
+    );
+    for (step, (p, f)) in plain.iter().zip(&fused).enumerate() {
+        assert!(
+            (p - f).abs() < 0.02 * p.abs(),
+            "step {step}: {f} against {p}"
+        );
+    }
+    assert!(fused[39] < fused[0] - 0.5, "it learns: {fused:?}");
+}
