@@ -278,10 +278,8 @@ impl Generator {
         if self.reduction.is_some() {
             return Err("a second reduction in one group".into());
         }
-        let (Some(TracedValue::Tensor(input)), Some(TracedValue::Other { value: dims, .. })) =
-            (op.inputs.first(), op.inputs.get(1))
-        else {
-            return Err(format!("{} without its input and dimensions", op.name));
+        let Some(TracedValue::Tensor(input)) = op.inputs.first() else {
+            return Err(format!("{} without its input", op.name));
         };
         let out = match op.outputs.as_slice() {
             [TracedValue::Tensor(t)] => t.clone(),
@@ -289,9 +287,7 @@ impl Generator {
         };
         let out_kind =
             kind_of(&out.dtype).ok_or_else(|| format!("{} writes {}", op.name, out.dtype))?;
-        let rank = input.shape.len() as i64;
-        let dims: Vec<i64> = serde_json::from_str(dims).map_err(|_| "dimensions not a list")?;
-        if rank == 0 || dims.len() != 1 || (dims[0] + rank) % rank != rank - 1 {
+        if !reduces_last_dimension(op) {
             return Err(format!("{} over other than the last dimension", op.name));
         }
         check_contiguous(&out).map_err(|e| format!("{}'s result {e}", op.name))?;
