@@ -305,30 +305,22 @@ impl Generator {
         self.position = 0;
         let value = self.read(input, input)?;
         writeln!(body, "  return {value};").unwrap();
-        let index = self.function_count;
-        self.function_count += 1;
         write!(
             self.functions,
             "// the input of {}\n__device__ __forceinline__ float in_red(const Args& a, long long row, long long col, float red) {{\n{body}}}\n\n",
             op.schema
         )
         .unwrap();
-        writeln!(
-            self.functions,
-            "// {}\n__device__ __forceinline__ float v{index}(const Args& a, long long p, float red) {{\n  return round_to<{}>(red);\n}}\n",
-            op.schema,
-            c_type(out_kind)
-        )
-        .unwrap();
+        self.define(
+            op,
+            &out,
+            &format!("  return round_to<{}>(red);\n", c_type(out_kind)),
+        );
         self.reduction = Some(RowReduction {
             rows,
             width,
             op: kind,
         });
-        self.results
-            .insert(out.key(), (index, out.clone(), self.call));
-        self.producers.insert(out.storage, (index, out));
-        write!(self.signature, "{};", op.schema).unwrap();
         Ok(())
     }
 

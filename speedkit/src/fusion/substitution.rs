@@ -26,7 +26,7 @@ use super::{FusedGroup, FusionPlan, GeneratedKernel, KernelArg, OpKind};
 use crate::cuda::{Arg, CudaKernel, CudaModule};
 use crate::error::{Result, SpeedkitError};
 use crate::ffi::interposer::{Program, RecordedCall, Session};
-use crate::trace::{StepTrace, TracedOp};
+use crate::trace::{StepTrace, TracedOp, TracedTensor};
 
 /// A step's fused groups as a program for the interposer; see the [module docs](self).
 pub struct FusedStep {
@@ -62,10 +62,18 @@ struct Launch {
     generated: GeneratedKernel,
 }
 
+/// A member of a group among the recorded calls.
+struct PlacedMember {
+    call: usize,
+    /// For a member the kernel computes (not a view), its results as traced: the layouts the
+    /// interposer allocates for it.
+    computed: Option<Vec<TracedTensor>>,
+}
+
 /// Where one group sits in the recorded calls.
 struct Placement {
-    /// (recorded call, computed) per member.
-    members: Vec<(usize, bool)>,
+    /// Its members the interposer sees.
+    members: Vec<PlacedMember>,
     /// The recorded call after which the kernel launches.
     launch: usize,
     /// (recorded call, is an output, position) per kernel argument.
@@ -163,7 +171,7 @@ impl FusedStep {
                 }),
             }
         }
-        let program = program(device, calls, &kernels, &placements, launches, &recorded)?;
+        let program = program(device, calls, &placements, launches)?;
         Ok(FusedStep {
             program,
             substituted,
@@ -297,7 +305,10 @@ fn place(
     for op in members {
         let view = OpKind::of(&op.name) == Some(OpKind::View);
         match recorded.get(&op.rf_id).filter(|_| op.rf_id != 0) {
-            Some(&call) => placed.push(Some((call, !view))),
+            Some(&call) => placed.push(Some(PlacedMember {
+                call,
+                computed: (!view).then(|| op.output_tensors().cloned().collect()),
+            })),
             None if view => placed.push(None),
             None => return Err(format!("{} is not seen below autograd", op.name)),
         }
@@ -317,9 +328,10 @@ fn place(
         if !source.output {
             last_input = last_input.max(member);
         }
-        let (call, _) = placed[member]
+        let placed_member = placed[member]
+            .as_ref()
             .ok_or_else(|| format!("{} is not seen below autograd", members[member].name))?;
-        args.push((call, source.output, source.position));
+        args.push((placed_member.call, source.output, source.position));
     }
     let member_at: HashSet<usize> = members
         .iter()
@@ -328,8 +340,8 @@ fn place(
         .collect();
     let (first, launch_at) = (position[&members[0].id], position[&members[last_input].id]);
     check_nothing_between(generated, kernels, &member_at, first, launch_at)?;
-    let launch = match placed[last_input] {
-        Some((call, _)) => call,
+    let launch = match &placed[last_input] {
+        Some(member) => member.call,
         None => {
             return Err(format!(
                 "{} is not seen below autograd",
@@ -395,30 +407,24 @@ fn check_nothing_between(
 fn program(
     device: Device,
     calls: &[RecordedCall],
-    kernels: &[&TracedOp],
     placements: &[Placement],
     launches: Vec<Launch>,
-    recorded: &HashMap<u64, usize>,
 ) -> Result<Program> {
-    let mut role: HashMap<usize, (usize, bool, bool)> = HashMap::new();
+    let mut role: HashMap<usize, (usize, &PlacedMember, bool)> = HashMap::new();
     for (g, placement) in placements.iter().enumerate() {
-        for &(call, computed) in &placement.members {
-            role.insert(call, (g, computed, call == placement.launch));
+        for member in &placement.members {
+            role.insert(member.call, (g, member, member.call == placement.launch));
         }
     }
-    let traced: HashMap<usize, &TracedOp> = kernels
-        .iter()
-        .filter_map(|op| recorded.get(&op.rf_id).map(|&c| (c, *op)))
-        .collect();
     let mut program = Program::new(device, move |g, tensors| launch(&launches[g], tensors))?;
     for (i, call) in calls.iter().enumerate() {
         let (group, computed, launch) = match role.get(&i) {
-            Some(&(g, computed, launch)) => (Some(g), computed, launch),
-            None => (None, false, false),
+            Some(&(g, member, launch)) => (Some(g), member.computed.as_deref(), launch),
+            None => (None, None, false),
         };
-        program.add_call(&call.op, group, computed, launch, call.span)?;
-        if computed {
-            for t in traced[&i].output_tensors() {
+        program.add_call(&call.op, group, computed.is_some(), launch, call.span)?;
+        if let Some(outputs) = computed {
+            for t in outputs {
                 let kind = kind_of(&t.dtype).ok_or_else(|| {
                     SpeedkitError::Misuse(format!("a fused result of type {}", t.dtype))
                 })?;
