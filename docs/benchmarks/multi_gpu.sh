@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Data parallel on N GPUs of one host (2 unless --nproc-per-node says otherwise), in one device
 # session: speedkit's runner on `transformer` and `linear3` with 1 GPU and with N under `speedkit
-# launch` (each all-reduce path), PyTorch DDP (pytorch_reference.py --ddp under torchrun, eager AMP
-# and torch.compile) with 1 and N processes, and the NCCL equality test (one rank per GPU of the host). Run from the
+# launch` (each all-reduce path), PyTorch DDP and FSDP2 (pytorch_reference.py --ddp and --fsdp under
+# torchrun, eager AMP and torch.compile) with 1 and N processes, and the NCCL equality test (one rank per GPU of the host). Run from the
 # project root on the CUDA host, after the executables were packed (bench, speedkit,
 # toy_transformer and the distributed test; see README, "Benchmarks"):
 #
 #   bash docs/benchmarks/multi_gpu.sh [--nproc-per-node N] PACKDIR OUTDIR [PART...]
 #   e.g.  bash docs/benchmarks/multi_gpu.sh --nproc-per-node 4 .gpu "$OUT"
 #
-# PARTs (all by default): speedkit ddp ddp_compile equality fault toy — two device commands can share
+# PARTs (all by default): speedkit ddp ddp_compile fsdp fsdp_compile equality fault toy — two device commands can share
 # the parts where one would not fit in 600 s.
 #
 # Everything lands in OUTDIR: one log per part, the runners' and the reference's JSON, and
@@ -26,7 +26,7 @@ fi
 pack=${1:?$usage}
 out=${2:?$usage}
 shift 2
-parts=" ${*:-speedkit ddp ddp_compile equality fault toy} "
+parts=" ${*:-speedkit ddp ddp_compile fsdp fsdp_compile equality fault toy} "
 wanted() { [[ $parts == *" $1 "* ]]; }
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
@@ -71,6 +71,11 @@ for n in 1 "$gpus"; do
   wanted ddp_compile && part "pytorch_ddp_compile_${n}gpu" 200 "${ref[@]}" --nproc-per-node "$n" \
     "$here/pytorch_reference.py" --ddp --compile --only transformer,linear3 \
     --json "$out/pytorch_ddp_compile_${n}gpu.json"
+  wanted fsdp && part "pytorch_fsdp2_${n}gpu" 80 "${ref[@]}" --nproc-per-node "$n" \
+    "$here/pytorch_reference.py" --fsdp --only transformer,linear3 --json "$out/pytorch_fsdp2_${n}gpu.json"
+  wanted fsdp_compile && part "pytorch_fsdp2_compile_${n}gpu" 200 "${ref[@]}" --nproc-per-node "$n" \
+    "$here/pytorch_reference.py" --fsdp --compile --only transformer,linear3 \
+    --json "$out/pytorch_fsdp2_compile_${n}gpu.json"
 done
 
 # test_part NAME SECONDS TEST: one test of the distributed executable; a test name that matches
@@ -133,7 +138,13 @@ for key in sorted(set(one) | set(two)):
     print(f"| {key[0]} | speedkit {key[1]} | {r1[0]:.0f} {r1[1]}/s | {r2[0]:.0f} {r2[1]}/s | "
           f"{r2[0] / r1[0]:.3f}x | {r1[2]:.3f} → {r2[2]:.3f} | {r1[3][0]} → {r2[3][0]} | "
           f"{r1[3][1]} → {r2[3][1]} | {r2[4]} |")
-for label, stem in (("PyTorch DDP AMP", "pytorch_ddp"), ("PyTorch DDP + torch.compile", "pytorch_ddp_compile")):
+def peer_memory(row):
+    gib = lambda b: f"{b / 2**30:.2f}" if b is not None else "?"
+    return (gib((row.get("memory") or {}).get("peak_allocated_bytes")),
+            gib(row.get("optimizer_state_bytes")))
+for label, stem in (("PyTorch DDP AMP", "pytorch_ddp"), ("PyTorch DDP + torch.compile", "pytorch_ddp_compile"),
+                    ("PyTorch FSDP2 AMP", "pytorch_fsdp2"),
+                    ("PyTorch FSDP2 + torch.compile", "pytorch_fsdp2_compile")):
     ddp = {k: load(f"{stem}_{k}gpu.json") for k in (1, n)}
     rows = {k: {r["workload"]: r for r in (d or {}).get("results", []) if "throughput" in r}
             for k, d in ddp.items()}
@@ -144,8 +155,9 @@ for label, stem in (("PyTorch DDP AMP", "pytorch_ddp"), ("PyTorch DDP + torch.co
             print(f"| {name} | {label} | {t1['total']:.0f} {t1['unit']}/s | - | - | - | | | |")
             continue
         t2 = b["throughput"]
+        m1, m2 = peer_memory(a), peer_memory(b)
         print(f"| {name} | {label} | {t1['total']:.0f} {t1['unit']}/s | {t2['total']:.0f} "
               f"{t2['unit']}/s | {t2['total'] / t1['total']:.3f}x | {a['median_ms']:.3f} → "
-              f"{b['median_ms']:.3f} | | | |")
+              f"{b['median_ms']:.3f} | {m1[0]} → {m2[0]} | {m1[1]} → {m2[1]} | |")
 PY
 grep -h "== .*: exit" "$out"/*.log

@@ -40,10 +40,15 @@ above, on the same fixed batch on every rank (as speedkit's workloads under the 
 rank times its own steps; rank 0 gathers every rank's median and prints and writes the rows, each
 with `world_size`, `median_ms_per_rank` and `throughput` (items/s per rank, `total` and `per_gpu`,
 the fields of speedkit's report). With --compile the replica runs under torch.compile's default
-mode (DDP's recommended pairing). --size tiny (transformer, linear3, mlp, llama_tch, unet_tch) is
+mode (DDP's recommended pairing). --fsdp is the same under PyTorch's FSDP2 instead (`fully_shard`
+on each block, then on the model: parameters, gradients and optimizer state sharded over the ranks,
+ZeRO-3), parameters gathered in bf16 and gradients reduced in fp32, with --compile each block
+compiled before it is sharded (torchtitan's order); its rows add `optimizer_state_bytes`, rank 0's
+shard of the AdamW state. --size tiny (transformer, linear3, mlp, llama_tch, unet_tch) is
 for a CPU check.
 
     torchrun --nproc-per-node 2 docs/benchmarks/pytorch_reference.py --ddp --only transformer,linear3 --json ddp.json
+    torchrun --nproc-per-node 2 docs/benchmarks/pytorch_reference.py --fsdp --only transformer,linear3 --json fsdp.json
 """
 
 import argparse
@@ -582,16 +587,41 @@ def time_steps_host(step, warmup, steps):
     return times, None
 
 
-def ddp_train_step(model, batch, device, compiled=False):
+def shard_units(model):
+    """The submodules FSDP2 shards one by one: the items of the model's first list of layers
+    (Transformer.blocks, Linear3.layers), or none (the model is then one unit)."""
+    for child in model.children():
+        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) > 1:
+            return list(child)
+    return []
+
+
+def fsdp2(model, compiled):
+    """`model` under FSDP2 (fully_shard per unit, then the root), bf16 parameters for compute and
+    fp32 gradient reduction; with `compiled`, each unit compiled before it is sharded."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for unit in shard_units(model):
+        if compiled:
+            unit.compile()
+        fully_shard(unit, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
+
+def ddp_train_step(model, batch, device, compiled=False, sharded=False):
     """The AMP step of train_step, on a DistributedDataParallel replica (gradients averaged in
     25 MiB buckets during backward, as speedkit's default): eager, or under torch.compile's default
     mode where `compiled` (DDP's recommended pairing: its DDPOptimizer splits the graph at bucket
-    boundaries so the all-reduce still overlaps the backward pass)."""
+    boundaries so the all-reduce still overlaps the backward pass). With `sharded`, FSDP2 in place
+    of DDP (see fsdp2). Returns (step, optimizer)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-    ids = [device.index] if device.type == "cuda" else None
-    replica = DDP(model, device_ids=ids, bucket_cap_mb=25)
-    if compiled:
-        replica = torch.compile(replica)
+    if sharded:
+        replica = fsdp2(model, compiled)
+    else:
+        ids = [device.index] if device.type == "cuda" else None
+        replica = DDP(model, device_ids=ids, bucket_cap_mb=25)
+        if compiled:
+            replica = torch.compile(replica)
     opt = torch.optim.AdamW(replica.parameters(), lr=3e-4, weight_decay=0.1,
                             fused=device.type == "cuda", foreach=device.type != "cuda" or None)
 
@@ -602,14 +632,21 @@ def ddp_train_step(model, batch, device, compiled=False):
         loss.backward()
         opt.step()
 
-    return step
+    return step, opt
 
 
-def measure_ddp(name, device, size, world, warmup, steps, sync_every_step=True, compiled=False):
-    """One rank's run of `name` under DDP; every rank returns the row with every rank's median."""
+def local_bytes(tensors):
+    """Bytes this rank holds of `tensors` (a DTensor's local shard, not its global size)."""
+    return tensor_bytes(t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+
+
+def measure_ddp(name, device, size, world, warmup, steps, sync_every_step=True, compiled=False,
+                sharded=False):
+    """One rank's run of `name` under DDP (FSDP2 where `sharded`); every rank returns the row with
+    every rank's median."""
     import torch.distributed as dist
     model, batch, flops, (items, unit) = workload(name, device, size)
-    step = ddp_train_step(model, batch, device, compiled)
+    step, opt = ddp_train_step(model, batch, device, compiled, sharded)
     if device.type == "cuda":
         start_memory()
         times, memory = time_steps(step, warmup, steps, sync_every_step)
@@ -623,10 +660,12 @@ def measure_ddp(name, device, size, world, warmup, steps, sync_every_step=True, 
     rates = [items / (ms * 1e-3) for ms in medians]
     throughput = dict(unit=unit, world_size=world, per_rank=rates, total=sum(rates),
                       per_gpu=sum(rates) / world)
-    return dict(workload=name, mode="ddp_compile" if compiled else "ddp", median_ms=median,
+    mode = ("fsdp2" if sharded else "ddp") + ("_compile" if compiled else "")
+    state = local_bytes(t for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    return dict(workload=name, mode=mode, median_ms=median,
                 p10_ms=p10, p90_ms=p90,
                 tflops=flops / median / 1e9, times_ms=times, memory=memory, world_size=world,
-                median_ms_per_rank=medians, throughput=throughput)
+                median_ms_per_rank=medians, throughput=throughput, optimizer_state_bytes=state)
 
 
 BATCHED = ("transformer", "transformer_checkpointed", "transformer_tch", "gpt2_tch", "llama_tch")
@@ -696,7 +735,9 @@ def describe(row):
                 f"in total over {t['world_size']} rank{'s' if t['world_size'] > 1 else ''}")
         if m is None:
             return head
-        return head + f"  peak {gib(m['peak_allocated_bytes']):.2f} GiB"
+        state = row.get("optimizer_state_bytes")
+        return (head + f"  peak {gib(m['peak_allocated_bytes']):.2f} GiB"
+                + (f", optimizer state {gib(state):.2f} GiB" if state is not None else ""))
     return (f"{row['workload']:12} {row['mode']:16} {row['median_ms']:8.3f} ms  "
             f"p10 {row['p10_ms']:.3f}  p90 {row['p90_ms']:.3f}  {row['tflops']:.1f} TFLOP/s  "
             f"peak {gib(m['peak_allocated_bytes']):.2f} GiB  reserved "
@@ -722,11 +763,13 @@ def main():
     parser.add_argument("--json-lines", action="store_true")
     parser.add_argument("--ddp", action="store_true",
                         help="data-parallel under torchrun (DistributedDataParallel, eager AMP)")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="as --ddp, under FSDP2 (fully_shard) instead of DDP")
     parser.add_argument("--largest-batch", metavar="MODE[,MODE]",
                         help="instead of timing, find the largest batch the transformers train at "
                              "in each MODE (eager, default, reduce-overhead)")
     args = parser.parse_args()
-    if args.ddp:
+    if args.ddp or args.fsdp:
         return main_ddp(args)
     if not torch.cuda.is_available():
         print(f"the PyTorch reference times CUDA work and torch {torch.__version__} sees no CUDA "
@@ -810,10 +853,15 @@ def selected(args, known=WORKLOADS, quiet=False):
 
 
 def main_ddp(args):
-    """--ddp: every rank runs every workload; rank 0 prints and writes (see the module docs)."""
+    """--ddp and --fsdp: every rank runs every workload; rank 0 prints and writes (see the module
+    docs)."""
     import torch.distributed as dist
+    if args.ddp and args.fsdp:
+        print("--ddp and --fsdp are two peers: give one", file=sys.stderr)
+        sys.exit(2)
+    wrapper, flag = ("FSDP2", "--fsdp") if args.fsdp else ("DDP", "--ddp")
     if args.graph or args.profile or args.json_lines:
-        print("--ddp times eager AMP (and with --compile, torch.compile's default mode): leave "
+        print(f"{flag} times eager AMP (and with --compile, torch.compile's default mode): leave "
               "out --graph, --profile and --json-lines", file=sys.stderr)
         sys.exit(2)
     if args.size not in ("bench", "tiny"):
@@ -830,12 +878,12 @@ def main_ddp(args):
                cuda=torch.version.cuda,
                cudnn=torch.backends.cudnn.version() if device.type == "cuda" else None)
     if rank == 0:
-        print(f"torch {env['torch']}, {env['gpu']}, DDP over {world} rank(s) ({env['backend']})",
+        print(f"torch {env['torch']}, {env['gpu']}, {wrapper} over {world} rank(s) ({env['backend']})",
               flush=True)
     results = []
     for name in names:
         row = measure_ddp(name, device, args.size, world, args.warmup, args.steps,
-                          not args.no_paranoid_sync, compiled=args.compile)
+                          not args.no_paranoid_sync, compiled=args.compile, sharded=args.fsdp)
         results.append(row)
         if rank == 0:
             print(describe(row), flush=True)
@@ -846,7 +894,7 @@ def main_ddp(args):
         sync = "queued back to back" if args.no_paranoid_sync else "synchronised after every step"
         with open(args.json, "w") as f:
             json.dump(dict(environment=env, world_size=world,
-                           protocol=f"DDP over {world} rank(s), each timing its own steps: "
+                           protocol=f"{wrapper} over {world} rank(s), each timing its own steps: "
                            f"{args.warmup} warm-up + {args.steps} timed steps, {timer}, {sync}; "
                            "the row's figures are rank 0's, median_ms_per_rank every rank's",
                            results=results), f, indent=2)
