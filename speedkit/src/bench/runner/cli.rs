@@ -180,7 +180,8 @@ pub(super) fn check_peer(args: &Args, world_size: usize) -> Result<()> {
         return Err(SpeedkitError::Misuse(
             "--peer pytorch times single-process PyTorch, not a data-parallel run: under a \
              launcher, time the peer with `torchrun --nproc-per-node N \
-             docs/benchmarks/pytorch_reference.py --ddp` (docs/benchmarks/multi_gpu.sh runs both)"
+             docs/benchmarks/pytorch_reference.py --ddp` (or `--fsdp`; \
+             docs/benchmarks/multi_gpu.sh runs them all)"
                 .into(),
         ));
     }
