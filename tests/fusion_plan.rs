@@ -277,7 +277,7 @@ fn every_generated_kernel_of_a_small_model_compiles_with_nvrtc() {
         assert!(bytes > 0);
         generated += 1;
     }
-    // The decoder's RMSNorm, SwiGLU and backward chains; the groups with a layout copy, in-place
+    // The decoder's RMSNorm, SwiGLU, rotary and backward chains; the groups with in-place
     // accumulation or a column reduction wait for the next generator.
     println!("{generated} of {} groups generated", plan.groups().len());
     assert!(
@@ -285,6 +285,42 @@ fn every_generated_kernel_of_a_small_model_compiles_with_nvrtc() {
         "{generated} of {} groups:\n{plan}",
         plan.groups().len()
     );
+}
+
+/// Rotary embeddings as the Llama model writes them: the halves swapped by `narrow`, `neg` and
+/// `cat`, then mixed with `cos` and `sin`.
+fn rotary(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let half = x.size()[x.dim() - 1] / 2;
+    let rotated = Tensor::cat(&[-x.narrow(-1, half, half), x.narrow(-1, 0, half)], -1);
+    x * cos + rotated * sin
+}
+
+/// The kernel of the group of `chain`'s trace that holds operator `op`, compiled with NVRTC.
+fn compiles_the_group_holding(op: &str, chain: impl FnOnce() -> Tensor) {
+    let (_, trace) = StepTrace::record(chain).unwrap();
+    let plan = FusionPlan::from_trace(&trace);
+    let group = plan
+        .groups()
+        .iter()
+        .find(|g| g.calls().iter().any(|c| c.name == format!("aten::{op}")))
+        .unwrap_or_else(|| panic!("no group holds {op}:\n{plan}"));
+    let kernel = group.kernel().unwrap_or_else(|e| panic!("{op}: {e}"));
+    let bytes = speedkit::kernels::compile(module_of(&kernel).name(), HOPPER)
+        .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
+    assert!(bytes > 0);
+}
+
+#[test]
+fn cat_and_slice_backward_are_generated_as_index_arithmetic_that_nvrtc_compiles() {
+    let _serial = common::serial();
+    let x = Tensor::randn([5, 7, 10], (Kind::Float, CPU));
+    let (cos, sin) = (Tensor::randn([7, 10], (Kind::Float, CPU)), x.sin());
+    let g = Tensor::randn([5, 7, 3], (Kind::Float, CPU));
+    compiles_the_group_holding("cat", || rotary(&x, &cos, &sin));
+    // A strided slice's gradient whose end is past the dimension, as `x[..., 1::3]` gives it.
+    compiles_the_group_holding("slice_backward", || {
+        Tensor::slice_backward(&(&g * 2.0), [5, 7, 10], -1, 1, i64::MAX, 3).neg()
+    });
 }
 
 #[test]

@@ -48,12 +48,17 @@ struct OutputLayout {
   std::vector<int64_t> strides;
 };
 
-// A tensor a group's kernel takes: an input or output of one of the program's calls.
+// A tensor a group's kernel takes: an input or output of one of the program's calls, or element
+// `element` of a list of tensors the call takes (-1: the argument is one tensor).
 struct ArgRef {
   int64_t call;
   bool output;
   int32_t index;
+  int32_t element;
 };
+
+// An argument of a call that a kernel takes: (argument, element of a list or -1).
+using CapturedInput = std::pair<int32_t, int32_t>;
 
 struct ProgramCall {
   std::string op;
@@ -62,7 +67,7 @@ struct ProgramCall {
   bool launch;    // the group's kernel launches once this call returns
   int64_t span;
   std::vector<OutputLayout> outputs;    // of a computed call, in result order
-  std::vector<int32_t> captured_inputs;  // the inputs a kernel takes
+  std::vector<CapturedInput> captured_inputs;  // the inputs a kernel takes
   std::vector<int32_t> captured_outputs; // the outputs a kernel writes
 };
 
@@ -81,7 +86,7 @@ struct Program {
   }
 };
 
-using SlotKey = std::tuple<int64_t, bool, int32_t>;
+using SlotKey = std::tuple<int64_t, bool, int32_t, int32_t>;
 
 // The RecordFunction handles of the operators entered on this thread, innermost last (recording
 // only): the call the fallback sees is the innermost one entered.
@@ -136,7 +141,7 @@ void record(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet keys,
 // Output `index` of computed call `call`: the one a launch made ahead of it, else a fresh tensor of
 // its traced layout (an intermediate nothing reads, or a result the launch to come writes).
 at::Tensor output_of(Session& s, int64_t call, int32_t index) {
-  const auto slot = s.slots.find({call, true, index});
+  const auto slot = s.slots.find({call, true, index, -1});
   if (slot != s.slots.end()) return slot->second;
   const OutputLayout& layout = s.program->calls[static_cast<size_t>(call)].outputs.at(static_cast<size_t>(index));
   // Not a call of the step: the allocation does not come back here.
@@ -152,7 +157,7 @@ void launch(Session& s, std::unique_lock<std::mutex>& lock, int64_t group) {
   std::vector<at::Tensor> args;
   args.reserve(refs.size());
   for (const ArgRef& ref : refs) {
-    const SlotKey key{ref.call, ref.output, ref.index};
+    const SlotKey key{ref.call, ref.output, ref.index, ref.element};
     auto slot = s.slots.find(key);
     if (slot == s.slots.end()) {
       if (!ref.output) {
@@ -167,7 +172,7 @@ void launch(Session& s, std::unique_lock<std::mutex>& lock, int64_t group) {
   s.launched[static_cast<size_t>(group)] = true;
   // Its inputs, and the outputs of calls already made, are held no longer.
   for (const ArgRef& ref : refs)
-    if (!ref.output || ref.call < s.next) s.slots.erase({ref.call, ref.output, ref.index});
+    if (!ref.output || ref.call < s.next) s.slots.erase({ref.call, ref.output, ref.index, ref.element});
   std::vector<sk_tensor> handles;
   handles.reserve(args.size());
   for (at::Tensor& t : args) handles.push_back(&t);
@@ -201,13 +206,17 @@ void substitute(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet k
   }
   const ProgramCall& call = calls[static_cast<size_t>(index)];
   const size_t arguments = op.schema().arguments().size();
-  for (int32_t i : call.captured_inputs) {
+  for (const auto& [i, element] : call.captured_inputs) {
     const c10::IValue& v = (*stack)[stack->size() - arguments + static_cast<size_t>(i)];
-    if (!v.isTensor()) {
-      s.failure = "call " + std::to_string(index) + " (" + name + ") takes no tensor at argument " + std::to_string(i);
+    if (element < 0 && v.isTensor()) {
+      s.slots[{index, false, i, element}] = v.toTensor();
+    } else if (element >= 0 && v.isTensorList() && static_cast<size_t>(element) < v.toTensorList().size()) {
+      s.slots[{index, false, i, element}] = v.toTensorList().get(static_cast<size_t>(element));
+    } else {
+      s.failure = "call " + std::to_string(index) + " (" + name + ") takes no tensor at argument " + std::to_string(i) +
+                  (element < 0 ? "" : ", element " + std::to_string(element));
       break;
     }
-    s.slots[{index, false, i}] = v.toTensor();
   }
   if (call.computed && op.schema().returns().size() != call.outputs.size())
     s.failure = name + " returns " + std::to_string(op.schema().returns().size()) + " values where the program has " +
@@ -222,10 +231,10 @@ void substitute(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet k
     for (int32_t k = 0; k < static_cast<int32_t>(call.outputs.size()); ++k) {
       at::Tensor out = output_of(s, index, k);
       if (launched) {
-        s.slots.erase({index, true, k});
+        s.slots.erase({index, true, k, -1});
       } else if (std::find(call.captured_outputs.begin(), call.captured_outputs.end(), k) !=
                  call.captured_outputs.end()) {
-        s.slots[{index, true, k}] = out;
+        s.slots[{index, true, k, -1}] = out;
       }
       stack->emplace_back(std::move(out));
     }
@@ -332,15 +341,20 @@ int sk_interposer_program_add_output(void* program, int64_t call, int scalar_typ
   })
 }
 
-int sk_interposer_program_add_arg(void* program, int64_t group, int64_t call, int output, int32_t index) {
+int sk_interposer_program_add_arg(void* program, int64_t group, int64_t call, int output, int32_t index,
+                                  int32_t element) {
   SK_TRY({
     auto& p = sk::program_of(program);
     TORCH_CHECK(group >= 0 && call >= 0 && call < static_cast<int64_t>(p.calls.size()), "no call ", call);
     if (p.group_args.size() <= static_cast<size_t>(group)) p.group_args.resize(static_cast<size_t>(group) + 1);
-    p.group_args[static_cast<size_t>(group)].push_back({call, output != 0, index});
-    auto& captured = output == 0 ? p.calls[static_cast<size_t>(call)].captured_inputs
-                                 : p.calls[static_cast<size_t>(call)].captured_outputs;
-    captured.push_back(index);
+    TORCH_CHECK(output == 0 || element < 0, "a result is one tensor, not an element of a list");
+    p.group_args[static_cast<size_t>(group)].push_back({call, output != 0, index, element});
+    auto& c = p.calls[static_cast<size_t>(call)];
+    if (output == 0) {
+      c.captured_inputs.emplace_back(index, element);
+    } else {
+      c.captured_outputs.push_back(index);
+    }
   })
 }
 

@@ -766,8 +766,10 @@ int sk_interposer_program_add_call(void* program, const char* op, int64_t group,
 int sk_interposer_program_add_output(void* program, int64_t call, int scalar_type, const int64_t* sizes,
                                      const int64_t* strides, int64_t ndim);
 /// Appends an argument of group `group`'s kernel: argument (`output` 0) or result (`output` 1)
-/// `index` of call `call`.
-int sk_interposer_program_add_arg(void* program, int64_t group, int64_t call, int output, int32_t index);
+/// `index` of call `call`; of an argument that is a list of tensors, its element `element` (-1: the
+/// argument is one tensor).
+int sk_interposer_program_add_arg(void* program, int64_t group, int64_t call, int output, int32_t index,
+                                  int32_t element);
 /// Frees a program (no session may be running it).
 void sk_interposer_program_free(void* program);
 

@@ -115,8 +115,16 @@ impl Program {
         })
     }
 
-    /// Appends an argument of `group`'s kernel: argument or result `index` of call `call`.
-    pub fn add_arg(&mut self, group: usize, call: usize, output: bool, index: usize) -> Result<()> {
+    /// Appends an argument of `group`'s kernel: argument or result `index` of call `call`, or of
+    /// an argument that is a list of tensors, its `element`.
+    pub fn add_arg(
+        &mut self,
+        group: usize,
+        call: usize,
+        output: bool,
+        index: usize,
+        element: Option<usize>,
+    ) -> Result<()> {
         // SAFETY: a live program.
         check(unsafe {
             abi::sk_interposer_program_add_arg(
@@ -125,6 +133,7 @@ impl Program {
                 call as i64,
                 c_int::from(output),
                 index as i32,
+                element.map_or(-1, |e| e as i32),
             )
         })
     }

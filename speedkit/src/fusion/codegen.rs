@@ -4,7 +4,7 @@
 //! `permute` or an `expand` costs no copy). Every operator computes in fp32 and rounds its result to
 //! its own type, as ATen's kernels do, so the fused kernel gives ATen's values.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write;
 
 use tch::Kind;
@@ -28,17 +28,23 @@ pub struct GeneratedKernel {
     pub numel: u64,
     /// Whether `numel` counts rows, a block each (a group with a reduction), not elements.
     rows: bool,
+    /// Elements each thread computes per tile (a pointwise kernel's unrolling, else 1).
+    unroll: u64,
+    /// Per argument, the bytes its pointer must be aligned to (0: any), for a vectorised kernel's
+    /// loads and stores of four elements; the launch checks it.
+    pub(crate) alignment: Vec<usize>,
     /// Where each argument comes from in the step, in `args`' order.
     pub(crate) sources: Vec<ArgSource>,
 }
 
 /// Where a kernel argument's tensor is found in the step: argument (or result) `position` of the
-/// traced call `call`.
+/// traced call `call`, and of an argument that is a list of tensors (`cat`'s), its `element`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct ArgSource {
     pub call: u64,
     pub output: bool,
     pub position: usize,
+    pub element: Option<usize>,
 }
 
 /// One argument of a [`GeneratedKernel`], with the traced tensor it stands for.
@@ -63,13 +69,14 @@ impl KernelArg {
 
 impl GeneratedKernel {
     /// The grid and block to launch it with: 256 threads a block, each block a row of a group with
-    /// a reduction, else 256 elements (the kernels loop over what a grid does not cover).
+    /// a reduction, else 256 × the unrolling elements (the kernels loop over what a grid does
+    /// not cover).
     pub fn grid_and_block(&self) -> (u32, u32) {
         const BLOCK: u64 = 256;
         let blocks = if self.rows {
             self.numel
         } else {
-            self.numel.div_ceil(BLOCK)
+            self.numel.div_ceil(BLOCK * self.unroll)
         };
         (blocks.clamp(1, 65_535) as u32, BLOCK as u32)
     }
@@ -123,7 +130,23 @@ pub(crate) fn takes(op: &TracedOp) -> bool {
         Some(OpKind::View) => true,
         Some(OpKind::Pointwise) => !op.name.ends_with('_') && stores(op),
         Some(OpKind::Reduction) => stores(op) && reduces_last_dimension(op),
+        Some(OpKind::Layout) => stores(op) && generates_layout(op),
         _ => false,
+    }
+}
+
+/// The layout copies the generator writes as index arithmetic: `cat` (each part read at its
+/// coordinates less the part's start) and `slice_backward` (the gradient where the slice took its
+/// elements, zero elsewhere).
+fn generates_layout(op: &TracedOp) -> bool {
+    matches!(op.name.as_str(), "aten::cat" | "aten::slice_backward")
+}
+
+/// A traced integer argument (a dimension, a slice's bound).
+fn integer(value: Option<&TracedValue>) -> Option<i64> {
+    match value? {
+        TracedValue::Other { value, .. } => value.trim_matches('"').parse().ok(),
+        _ => None,
     }
 }
 
@@ -158,6 +181,7 @@ pub(crate) fn generate(
 ) -> Result<GeneratedKernel, String> {
     let mut g = Generator {
         inside: inside.clone(),
+        coords: "c".into(),
         ..Generator::default()
     };
     for op in ops {
@@ -166,9 +190,11 @@ pub(crate) fn generate(
             Some(OpKind::View) => continue,
             Some(OpKind::Pointwise) if !op.name.ends_with('_') => g.operator(op)?,
             Some(OpKind::Reduction) => g.reduction(op)?,
+            Some(OpKind::Layout) if generates_layout(op) => g.layout(op)?,
             _ => {
                 return Err(format!(
-                    "{} is not generated yet (pointwise operators and row reductions only)",
+                    "{} is not generated yet (pointwise operators, row reductions, cat and \
+                     slice_backward only)",
                     op.name
                 ))
             }
@@ -202,9 +228,18 @@ struct Generator {
     /// (call, storage) read from inside the group ([`generate`]), and the call being generated.
     inside: HashSet<(u64, u64)>,
     call: u64,
-    /// The position among the call's arguments of the tensor being read.
+    /// The position among the call's arguments of the tensor being read, and its element where
+    /// that argument is a list of tensors.
     position: usize,
+    element: Option<usize>,
     sources: Vec<ArgSource>,
+    /// One past the largest element index any tensor of the group reaches: whether 32-bit
+    /// indices (`idx_t`) suffice.
+    extent: u64,
+    /// The coordinates reads index with: the result's (`c`), or a layout copy's shifted ones.
+    coords: String,
+    /// The arguments read at each element's own index through `LOAD`, with their elements.
+    vector_reads: BTreeMap<usize, u64>,
 }
 
 /// A reduction over the last dimension: one block per row reduces `in_red(a, row, col, 0)` over
@@ -250,16 +285,126 @@ impl Generator {
         Ok(())
     }
 
+    /// A layout copy ([`generates_layout`]): its result's element read from the input element it
+    /// copies, through coordinates of its own.
+    fn layout(&mut self, op: &TracedOp) -> Result<(), String> {
+        let out = match op.outputs.as_slice() {
+            [TracedValue::Tensor(t)] => t.clone(),
+            _ => return Err(format!("{} has other than one tensor result", op.name)),
+        };
+        let out_kind =
+            kind_of(&out.dtype).ok_or_else(|| format!("{} writes {}", op.name, out.dtype))?;
+        check_dense(&out).map_err(|e| format!("{}'s result {e}", op.name))?;
+        let mut body = coordinates_of(&out);
+        let expression = if op.name == "aten::cat" {
+            self.cat(op, &out, &mut body)
+        } else {
+            self.slice_backward(op, &out, &mut body)
+        };
+        self.coords = "c".into();
+        self.element = None;
+        writeln!(
+            body,
+            "  return round_to<{}>({});",
+            c_type(out_kind),
+            expression?
+        )
+        .unwrap();
+        self.define(op, &out, &body);
+        Ok(())
+    }
+
+    /// `cat`: part k's element at the result's coordinates less the parts before it along `dim`.
+    fn cat(
+        &mut self,
+        op: &TracedOp,
+        out: &TracedTensor,
+        body: &mut String,
+    ) -> Result<String, String> {
+        let Some(TracedValue::Tensors(parts)) = op.inputs.first() else {
+            return Err("cat without its list of tensors".into());
+        };
+        let rank = out.shape.len();
+        let dim = normalized_dim(integer(op.inputs.get(1)).unwrap_or(0), rank)?;
+        let mut choices = Vec::new();
+        let mut start = 0;
+        self.position = 0;
+        for (k, part) in parts.iter().enumerate() {
+            if part.shape.len() != rank {
+                return Err("cat of a part of another rank".into());
+            }
+            let size = part.shape[dim];
+            if size == 0 {
+                continue;
+            }
+            writeln!(
+                body,
+                "  idx_t k{k}[{rank}];\n  for (int d = 0; d < {rank}; ++d) k{k}[d] = c[d];\n  k{k}[{dim}] -= {start};"
+            )
+            .unwrap();
+            self.coords = format!("k{k}");
+            self.element = Some(k);
+            let value = self.read(part, out)?;
+            start += size;
+            choices.push((start, value));
+        }
+        if start != out.shape[dim] {
+            return Err("cat whose parts do not add up to its result".into());
+        }
+        // The last part is what no earlier one covers; each other is chosen by its end.
+        let (_, last) = choices.pop().ok_or("cat of no elements")?;
+        Ok(choices.iter().rev().fold(last, |rest, (end, value)| {
+            format!("(c[{dim}] < {end} ? {value} : {rest})")
+        }))
+    }
+
+    /// `slice_backward`: the gradient's element where the slice `start:end:step` along `dim` took
+    /// this one, zero elsewhere.
+    fn slice_backward(
+        &mut self,
+        op: &TracedOp,
+        out: &TracedTensor,
+        body: &mut String,
+    ) -> Result<String, String> {
+        let Some(TracedValue::Tensor(grad)) = op.inputs.first() else {
+            return Err("slice_backward without its gradient".into());
+        };
+        let rank = out.shape.len();
+        let bound = |i: usize| integer(op.inputs.get(i)).ok_or("slice_backward's bounds unknown");
+        let dim = normalized_dim(bound(2)?, rank)?;
+        let size = out.shape[dim];
+        let clamp = |v: i64| (if v < 0 { v + size } else { v }).clamp(0, size);
+        let (start, end, step) = (clamp(bound(3)?), clamp(bound(4)?), bound(5)?);
+        if step < 1
+            || grad.shape.len() != rank
+            || grad.shape[dim] != (end - start + step - 1).max(0) / step
+        {
+            return Err("slice_backward of a gradient the slice does not give".into());
+        }
+        writeln!(
+            body,
+            "  idx_t g[{rank}];\n  for (int d = 0; d < {rank}; ++d) g[d] = c[d];\n  g[{dim}] = (c[{dim}] - {start}) / {step};"
+        )
+        .unwrap();
+        self.coords = "g".into();
+        self.position = 0;
+        let value = self.read(grad, out)?;
+        Ok(format!(
+            "(c[{dim}] >= {start} && c[{dim}] < {end} && (c[{dim}] - {start}) % {step} == 0 ? {value} : 0.f)"
+        ))
+    }
+
     /// Adds `op`'s device function (of `body`) computing `out`.
     fn define(&mut self, op: &TracedOp, out: &TracedTensor, body: &str) {
         let index = self.function_count;
         self.function_count += 1;
         writeln!(
             self.functions,
-            "// {}\n__device__ __forceinline__ float v{index}(const Args& a, long long p, float red) {{\n{body}}}\n",
+            "// {}\n__device__ __forceinline__ float v{index}(const Args& a, idx_t p, float red) {{\n{body}}}\n",
             op.schema
         )
         .unwrap();
+        self.note_extent(out);
         self.results
             .insert(out.key(), (index, out.clone(), self.call));
         self.producers.insert(out.storage, (index, out.clone()));
@@ -295,19 +440,22 @@ impl Generator {
         let rows = input.numel / width;
         // The input at (row, col): the row's coordinates over the leading dimensions.
         let mut body = String::new();
-        writeln!(body, "  long long c[{}];", input.shape.len()).unwrap();
-        writeln!(body, "  long long r = row;").unwrap();
+        // `p` is the element's index in the rows' space, which a contiguous input reads as it
+        // is (its coordinates are then dead code, which the compiler drops).
+        writeln!(body, "  const idx_t p = row * {width} + col;").unwrap();
+        writeln!(body, "  idx_t c[{}];", input.shape.len()).unwrap();
+        writeln!(body, "  idx_t r = row;").unwrap();
         for d in (0..input.shape.len() - 1).rev() {
             let size = input.shape[d];
-            writeln!(body, "  c[{d}] = r % {size}LL; r /= {size}LL;").unwrap();
+            writeln!(body, "  c[{d}] = r % {size}; r /= {size};").unwrap();
         }
         writeln!(body, "  c[{}] = col;", input.shape.len() - 1).unwrap();
         self.position = 0;
-        let value = self.read(input, input)?;
+        let value = self.read(input, &row_major(input))?;
         writeln!(body, "  return {value};").unwrap();
         write!(
             self.functions,
-            "// the input of {}\n__device__ __forceinline__ float in_red(const Args& a, long long row, long long col, float red) {{\n{body}}}\n\n",
+            "// the input of {}\n__device__ __forceinline__ float in_red(const Args& a, idx_t row, idx_t col, float red) {{\n{body}}}\n\n",
             op.schema
         )
         .unwrap();
@@ -336,10 +484,15 @@ impl Generator {
             .zip(&t.strides)
             .enumerate()
             .filter(|(_, (&size, _))| size != 1)
-            .map(|(d, (_, &stride))| format!("c[{}] * {stride}LL", d + rank - t.shape.len()))
+            .map(|(d, (_, &stride))| {
+                format!("{}[{}] * {stride}", self.coords, d + rank - t.shape.len())
+            })
             .collect();
-        let offset = if offset.is_empty() {
-            "0LL".to_string()
+        self.note_extent(t);
+        let offset = if self.coords == "c" && reads_as_laid_out(t, out) {
+            "p".to_string()
+        } else if offset.is_empty() {
+            "0".to_string()
         } else {
             offset.join(" + ")
         };
@@ -347,15 +500,33 @@ impl Generator {
             let Some((index, _)) = self.producers.get(&t.storage) else {
                 return Err("an input computed in the group by an operator not generated".into());
             };
-            return Ok(format!("v{index}(a, {}LL + {offset}, red)", t.offset));
+            return Ok(format!("v{index}(a, {} + {offset}, red)", t.offset));
         }
         if t.device == "cpu" && t.shape.is_empty() {
             let i = self.argument(t, KernelArg::Scalar(t.clone()));
             return Ok(format!("(float)a.s{i}"));
         }
-        kind_of(&t.dtype).ok_or_else(|| format!("an input of type {}", t.dtype))?;
+        let kind = kind_of(&t.dtype).ok_or_else(|| format!("an input of type {}", t.dtype))?;
         let i = self.argument(t, KernelArg::Input(t.clone()));
+        // Read at the element's own index from the start of a group of four: a vectorised kernel
+        // loads the four at once (`LOAD`, defined per kernel).
+        if offset == "p" && t.offset % UNROLL == 0 && kind != Kind::Bool {
+            self.vector_reads.insert(i, t.numel);
+            return Ok(format!("LOAD({i}, a.in{i}, p)"));
+        }
         Ok(format!("to_float_any(a.in{i}[{offset}])"))
+    }
+
+    /// Widens [`Self::extent`] to cover `t`'s elements.
+    fn note_extent(&mut self, t: &TracedTensor) {
+        let last: i64 = t
+            .shape
+            .iter()
+            .zip(&t.strides)
+            .map(|(&size, &stride)| (size - 1).max(0) * stride.abs())
+            .sum();
+        let extent = (t.offset + last.max(0) as u64 + 1).max(t.numel);
+        self.extent = self.extent.max(extent);
     }
 
     /// The index of `t`'s argument, added on its first read. Reads of the same memory the same
@@ -375,21 +546,133 @@ impl Generator {
                 call: self.call,
                 output: false,
                 position: self.position,
+                element: self.element,
             });
             self.args.len() - 1
         })
     }
 
     fn kernel(mut self, results: &[(u64, u64)]) -> Result<GeneratedKernel, String> {
-        // Each result's store, by the space it is written in: whole (every element) or, with a
-        // reduction, one per row.
-        let (mut whole, mut per_row) = (String::new(), String::new());
-        let mut numel = None;
+        let stored = self.stored_results(results)?;
+        // Four neighbouring elements a thread, loaded and stored four at once, where the space
+        // the kernel runs over (each result's, or the rows') comes in whole groups of four and no
+        // result of it is bool.
+        let space = match &self.reduction {
+            Some(r) => r.rows * r.width,
+            None => self.results[&results[0]].1.numel,
+        };
+        let vectorised = space % UNROLL == 0
+            && self
+                .reduction
+                .as_ref()
+                .is_none_or(|r| r.width % UNROLL == 0)
+            && stored.iter().all(|r| r.per_row || r.ty != "bool");
+        let groups = self.vector_groups(space, vectorised);
+        let (numel, unroll, body) = match &self.reduction {
+            Some(r) => (r.rows, 1, row_loop(r, &stored, vectorised, &groups)),
+            None => (space, UNROLL, pointwise_loop(&stored, vectorised, &groups)),
+        };
+        let alignment: Vec<usize> = (0..self.args.len())
+            .map(|i| match &self.args[i] {
+                KernelArg::Input(t) if vectorised && groups.contains(&i) => vector_bytes(t),
+                KernelArg::Output(t) if vectorised => vector_bytes(t),
+                _ => 0,
+            })
+            .collect();
+        // A vectorised kernel's thread holds the group of four of each such input from `a.first`
+        // (its elements' own, which the compiler sees); other indices (a view of an intermediate)
+        // read memory.
+        let load = "((unsigned)((p) - a.first) < 4u ? group_element(ptr, a.g##i, (p) - a.first) : to_float_any((ptr)[p]))";
+        let mut fields = String::new();
+        let (mut params, mut names) = (Vec::new(), Vec::new());
+        for (i, arg) in self.args.iter().enumerate() {
+            let ty = c_type(kind_of(&arg.tensor().dtype).unwrap_or(Kind::Float));
+            let (field, param, name) = match arg {
+                KernelArg::Input(_) => (
+                    format!("const {ty}* in{i}"),
+                    format!("const {ty}* in{i}"),
+                    format!("in{i}"),
+                ),
+                KernelArg::Scalar(_) => (
+                    format!("double s{i}"),
+                    format!("double s{i}"),
+                    format!("s{i}"),
+                ),
+                KernelArg::Output(_) => (
+                    format!("{ty}* out{i}"),
+                    format!("{ty}* out{i}"),
+                    format!("out{i}"),
+                ),
+            };
+            writeln!(fields, "  {field};").unwrap();
+            params.push(param);
+            names.push(name);
+        }
+        if vectorised {
+            fields.push_str("  idx_t first;\n");
+            for i in &groups {
+                writeln!(fields, "  uint4 g{i};").unwrap();
+            }
+        }
+        let entry = format!(
+            "({}, long long n) {{\n  Args a{{{}}};\n{body}}}\n",
+            params.join(", "),
+            names.join(", ")
+        );
+        // Named by everything the source says (shapes and strides included): one name, one text.
+        let name = format!(
+            "sk_fused_{:016x}",
+            fnv1a(&format!(
+                "{}{load}{fields}{}{entry}",
+                self.signature, self.functions
+            ))
+        );
+        let source = format!(
+            "{PRELUDE}\ntypedef {index} idx_t;\n#define LOAD(i, ptr, p) {load}\nstruct Args {{\n{fields}}};\n\n{functions}extern \"C\" __global__ void {name}{entry}",
+            functions = self.functions,
+            index = index_type(self.extent),
+        );
+        Ok(GeneratedKernel {
+            name,
+            source,
+            args: self.args,
+            numel,
+            rows: self.reduction.is_some(),
+            unroll,
+            alignment,
+            sources: self.sources,
+        })
+    }
+
+    /// The inputs a vectorised kernel of `numel` elements a result loads four at a time: those
+    /// `LOAD` reads that hold at least as many elements, so that a thread's group of four (from its
+    /// first element) lies inside them. Every other `LOAD` becomes a plain read.
+    fn vector_groups(&mut self, numel: u64, vectorised: bool) -> Vec<usize> {
+        let (groups, plain): (Vec<usize>, Vec<usize>) = self
+            .vector_reads
+            .keys()
+            .partition(|i| vectorised && self.vector_reads[i] >= numel);
+        for i in plain {
+            self.functions = self.functions.replace(
+                &format!("LOAD({i}, a.in{i}, p)"),
+                &format!("to_float_any(a.in{i}[p])"),
+            );
+        }
+        groups
+    }
+
+    /// Adds each of `results` as an output argument, and says how it is stored: its argument, its
+    /// function, its type, and whether it is one value per row of the reduction.
+    fn stored_results(&mut self, results: &[(u64, u64)]) -> Result<Vec<StoredResult>, String> {
+        if results.is_empty() {
+            return Err("a group with no result".into());
+        }
+        let mut stored = Vec::with_capacity(results.len());
         for key in results {
             let Some((index, out, call)) = self.results.get(key).cloned() else {
                 return Err("a result the group does not compute".into());
             };
-            let per_row_result = match &self.reduction {
+            let per_row = match &self.reduction {
                 Some(r) if out.numel == r.rows && out.numel != r.rows * r.width => true,
                 // The rows' elements in another shape (a view of them): element p is still
                 // column p % width of row p / width when the result is contiguous.
@@ -406,7 +689,7 @@ impl Generator {
             };
             if self.reduction.is_some() {
                 check_contiguous(&out).map_err(|e| format!("a result {e}"))?;
-            } else if *numel.get_or_insert(out.numel) != out.numel {
+            } else if out.numel != self.results[&results[0]].1.numel {
                 return Err("results of different sizes".into());
             }
             self.args.push(KernelArg::Output(out.clone()));
@@ -414,86 +697,88 @@ impl Generator {
                 call,
                 output: true,
                 position: 0,
+                element: None,
             });
-            let i = self.args.len() - 1;
-            let ty = c_type(kind_of(&out.dtype).unwrap_or(Kind::Float));
-            let store = format!("a.out{i}[p] = store_as<{ty}>(v{index}(a, p, red));");
-            if per_row_result {
-                writeln!(per_row, "      {store}").unwrap();
-            } else {
-                writeln!(whole, "      {store}").unwrap();
-            }
+            stored.push(StoredResult {
+                arg: self.args.len() - 1,
+                function: index,
+                ty: c_type(kind_of(&out.dtype).unwrap_or(Kind::Float)),
+                per_row,
+            });
         }
-        if results.is_empty() {
-            return Err("a group with no result".into());
+        Ok(stored)
+    }
+}
+
+/// How a kernel stores one result: argument `out{arg}` takes function `v{function}`'s values as
+/// `ty`, one per element or, with `per_row`, one per row of the reduction.
+struct StoredResult {
+    arg: usize,
+    function: usize,
+    ty: &'static str,
+    per_row: bool,
+}
+
+/// Elements each thread of a pointwise kernel computes per tile, a block apart (ATen's unrolled
+/// elementwise kernels do the same): every load is coalesced across the warp, and each thread has
+/// this many in flight.
+const UNROLL: u64 = 4;
+
+/// The bytes of four of `t`'s elements.
+fn vector_bytes(t: &TracedTensor) -> usize {
+    kind_of(&t.dtype).unwrap_or(Kind::Float).elt_size_in_bytes() * UNROLL as usize
+}
+
+/// The body of a pointwise kernel. `vectorised`: each thread computes four neighbouring elements
+/// of every result, whose inputs `LOAD` reads four at a time, and stores each result's four at
+/// once. Else a block takes tiles of `UNROLL` × its threads elements, a thread's a block apart
+/// (as ATen's unrolled kernels). Either way every value comes first, then the stores: a load after
+/// a store through another pointer could not be shared, as the compiler cannot rule out aliasing.
+fn pointwise_loop(stored: &[StoredResult], vectorised: bool, groups: &[usize]) -> String {
+    let (mut declare, mut values, mut stores) = (String::new(), String::new(), String::new());
+    if vectorised {
+        writeln!(declare, "    a.first = q * {UNROLL};").unwrap();
+        for i in groups {
+            writeln!(declare, "    a.g{i} = load_group(a.in{i} + a.first);").unwrap();
         }
-        let (numel, body) = match &self.reduction {
-            Some(r) => (r.rows, row_loop(r, &whole, &per_row)),
-            None => (
-                numel.unwrap_or(0),
-                format!(
-                    "  const float red = 0.f;\n  for (long long p = blockIdx.x * (long long)blockDim.x + threadIdx.x; p < n; p += (long long)gridDim.x * blockDim.x) {{\n{whole}  }}\n"
-                ),
-            ),
-        };
-        let writes = format!("{whole}{per_row}");
-        let mut fields = String::new();
-        for (i, arg) in self.args.iter().enumerate() {
-            let t = arg.tensor();
-            let ty = c_type(kind_of(&t.dtype).unwrap_or(Kind::Float));
-            match arg {
-                KernelArg::Input(_) => writeln!(fields, "  const {ty}* in{i};"),
-                KernelArg::Scalar(_) => writeln!(fields, "  double s{i};"),
-                KernelArg::Output(_) => writeln!(fields, "  {ty}* out{i};"),
-            }
+    }
+    for r in stored {
+        let (i, f, ty) = (r.arg, r.function, r.ty);
+        writeln!(declare, "    float r{i}[{UNROLL}];").unwrap();
+        if vectorised {
+            writeln!(values, "      r{i}[k] = v{f}(a, p, red);").unwrap();
+            writeln!(stores, "    store4(a.out{i} + a.first, r{i});").unwrap();
+        } else {
+            writeln!(values, "      if (p < (idx_t)n) r{i}[k] = v{f}(a, p, red);").unwrap();
+            writeln!(
+                stores,
+                "      if (p < (idx_t)n) a.out{i}[p] = store_as<{ty}>(r{i}[k]);"
+            )
             .unwrap();
         }
-        let params: Vec<String> = self
-            .args
-            .iter()
-            .enumerate()
-            .map(|(i, arg)| {
-                let ty = c_type(kind_of(&arg.tensor().dtype).unwrap_or(Kind::Float));
-                match arg {
-                    KernelArg::Input(_) => format!("const {ty}* in{i}"),
-                    KernelArg::Scalar(_) => format!("double s{i}"),
-                    KernelArg::Output(_) => format!("{ty}* out{i}"),
-                }
-            })
-            .collect();
-        let names: Vec<String> = self
-            .args
-            .iter()
-            .enumerate()
-            .map(|(i, arg)| match arg {
-                KernelArg::Input(_) => format!("in{i}"),
-                KernelArg::Scalar(_) => format!("s{i}"),
-                KernelArg::Output(_) => format!("out{i}"),
-            })
-            .collect();
-        // Named by everything the source says (shapes and strides included): one name, one text.
-        let name = format!(
-            "sk_fused_{:016x}",
-            fnv1a(&format!(
-                "{}{fields}{}{writes}",
-                self.signature, self.functions
-            ))
-        );
-        let source = format!(
-            "{PRELUDE}\nstruct Args {{\n{fields}}};\n\n{functions}extern \"C\" __global__ void {name}({params}, long long n) {{\n  const Args a{{{names}}};\n{body}}}\n",
-            functions = self.functions,
-            params = params.join(", "),
-            names = names.join(", "),
-        );
-        Ok(GeneratedKernel {
-            name,
-            source,
-            args: self.args,
-            numel,
-            rows: self.reduction.is_some(),
-            sources: self.sources,
-        })
     }
+    let each = |p: &str| {
+        format!("#pragma unroll\n    for (int k = 0; k < {UNROLL}; ++k) {{\n      const idx_t p = {p};\n")
+    };
+    if vectorised {
+        return format!(
+            "  const float red = 0.f;
+  for (idx_t q = blockIdx.x * (idx_t)blockDim.x + threadIdx.x; q < (idx_t)(n / {UNROLL}); q += (idx_t)gridDim.x * blockDim.x) {{
+{declare}{}{values}    }}
+{stores}  }}
+",
+            each("a.first + k")
+        );
+    }
+    let each = each("tile + k * (idx_t)blockDim.x");
+    format!(
+        "  const float red = 0.f;
+  for (idx_t tile = blockIdx.x * (idx_t)blockDim.x * {UNROLL} + threadIdx.x; tile < (idx_t)n; tile += (idx_t)gridDim.x * blockDim.x * {UNROLL}) {{
+{declare}{each}{values}    }}
+{each}{stores}    }}
+  }}
+"
+    )
 }
 
 enum Operand {
@@ -509,6 +794,21 @@ __device__ __forceinline__ float to_float_any(bf16 v) { return __bfloat162float(
 __device__ __forceinline__ float to_float_any(f16 v) { return __half2float(v); }
 __device__ __forceinline__ float to_float_any(bool v) { return v ? 1.f : 0.f; }
 template <typename T> __device__ __forceinline__ T store_as(float v) { return from_float<T>(v); }
+// A vectorised kernel's group of four elements of an input, loaded at once (16 bytes of fp32, 8 of
+// bf16/fp16), and element j of it: selects, not an indexed array, which would live in local memory.
+__device__ __forceinline__ uint4 load_group(const float* g) { return *reinterpret_cast<const uint4*>(g); }
+template <typename T> __device__ __forceinline__ uint4 load_group(const T* g) {
+  const uint2 v = *reinterpret_cast<const uint2*>(g);
+  return make_uint4(v.x, v.y, 0, 0);
+}
+__device__ __forceinline__ float group_element(const float*, uint4 g, int j) {
+  return __uint_as_float(j == 0 ? g.x : j == 1 ? g.y : j == 2 ? g.z : g.w);
+}
+template <typename T> __device__ __forceinline__ float group_element(const T*, uint4 g, int j) {
+  const unsigned w = (j & 2) ? g.y : g.x;
+  const unsigned short bits = (j & 1) ? (unsigned short)(w >> 16) : (unsigned short)(w & 0xffffu);
+  return to_float_any(*reinterpret_cast<const T*>(&bits));
+}
 template <> __device__ __forceinline__ bool store_as<bool>(float v) { return v != 0.f; }
 template <typename T> __device__ __forceinline__ float round_to(float v) { return to_float(store_as<T>(v)); }
 template <> __device__ __forceinline__ float round_to<bool>(float v) { return v != 0.f ? 1.f : 0.f; }
@@ -578,8 +878,16 @@ fn expression(op: &TracedOp, operands: &[Operand]) -> Option<String> {
             }
             _ => format!("{} * gelu_erf_grad({})", v(0)?, v(1)?),
         },
+        // ATen's own special cases (pow_tensor_scalar_optimized_kernel): the same values, and a
+        // multiplication where powf would take a logarithm and an exponential.
         "pow" if op.schema.starts_with("aten::pow.Tensor_Scalar") => match v(1)?.as_str() {
+            "1.0f" => v(0)?,
             "2.0f" => format!("{0} * {0}", v(0)?),
+            "3.0f" => format!("{0} * {0} * {0}", v(0)?),
+            "0.5f" => format!("sqrtf({})", v(0)?),
+            "-0.5f" => format!("rsqrtf({})", v(0)?),
+            "-1.0f" => format!("1.f / {}", v(0)?),
+            "-2.0f" => format!("1.f / ({0} * {0})", v(0)?),
             e => format!("powf({}, {e})", v(0)?),
         },
         "maximum" => format!("fmaxf({}, {})", v(0)?, v(1)?),
@@ -611,12 +919,12 @@ fn literal(json: &str) -> Option<String> {
 /// The declaration of `c`, the coordinates of the element at storage index `p` of `out` (dense,
 /// in any order of dimensions).
 fn coordinates_of(out: &TracedTensor) -> String {
-    let mut body = format!("  long long c[{}];\n", out.shape.len().max(1));
+    let mut body = format!("  idx_t c[{}];\n", out.shape.len().max(1));
     for (d, (&size, &stride)) in out.shape.iter().zip(&out.strides).enumerate() {
         if size == 1 {
             body.push_str(&format!("  c[{d}] = 0;\n"));
         } else {
-            body.push_str(&format!("  c[{d}] = (p / {stride}LL) % {size}LL;\n"));
+            body.push_str(&format!("  c[{d}] = (p / {stride}) % {size};\n"));
         }
     }
     body
@@ -624,24 +932,75 @@ fn coordinates_of(out: &TracedTensor) -> String {
 
 /// The body of a kernel with a row reduction: a block per row (`n` rows) reduces the row, then
 /// writes the results of the whole space (`whole`, one per column) and of the rows (`per_row`).
-fn row_loop(r: &RowReduction, whole: &str, per_row: &str) -> String {
+fn row_loop(
+    r: &RowReduction,
+    stored: &[StoredResult],
+    vectorised: bool,
+    groups: &[usize],
+) -> String {
+    let width = r.width;
+    // A thread's columns: one at a time a block apart, or four neighbours at a time, their inputs'
+    // groups loaded first (as in pointwise_loop).
+    let (step, mut load) = if vectorised {
+        (UNROLL, format!("      a.first = row * {width} + col;\n"))
+    } else {
+        (1, String::new())
+    };
+    for i in groups {
+        writeln!(load, "      a.g{i} = load_group(a.in{i} + a.first);").unwrap();
+    }
+    let columns = format!(
+        "for (idx_t col = threadIdx.x * {step}; col < {width}; col += blockDim.x * {step}) {{\n{load}"
+    );
+    // Every value of the element first, then the stores (as in pointwise_loop).
+    let (mut whole, mut whole_stores) = (String::new(), String::new());
+    let (mut per_row, mut per_row_stores) = (String::new(), String::new());
+    for s in stored {
+        let (i, f, ty) = (s.arg, s.function, s.ty);
+        if s.per_row {
+            writeln!(per_row, "      const float r{i} = v{f}(a, p, red);").unwrap();
+            writeln!(per_row_stores, "      a.out{i}[p] = store_as<{ty}>(r{i});").unwrap();
+        } else if vectorised {
+            writeln!(whole, "      float r{i}[{UNROLL}];").unwrap();
+            writeln!(whole_stores, "      store4(a.out{i} + a.first, r{i});").unwrap();
+        } else {
+            writeln!(whole, "      const float r{i} = v{f}(a, p, red);").unwrap();
+            writeln!(whole_stores, "      a.out{i}[p] = store_as<{ty}>(r{i});").unwrap();
+        }
+    }
+    let whole = if vectorised {
+        let values: String = stored
+            .iter()
+            .filter(|s| !s.per_row)
+            .map(|s| format!("        r{}[k] = v{}(a, p, red);\n", s.arg, s.function))
+            .collect();
+        format!(
+            "{whole}#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n        const idx_t p = a.first + k;\n{values}      }}\n{whole_stores}"
+        )
+    } else {
+        format!("      const idx_t p = row * {width} + col;\n{whole}{whole_stores}")
+    };
+    let per_row = per_row + &per_row_stores;
+    let read = if vectorised {
+        format!("#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n        const float v = in_red(a, row, col + k, 0.f);\n        acc = COMBINE;\n      }}\n")
+    } else {
+        "      const float v = in_red(a, row, col, 0.f);\n      acc = COMBINE;\n".to_string()
+    };
     let (init, combine, warp) = match r.op {
         "amax" => ("-infinity()", "fmaxf(acc, v)", "warp_max"),
         _ => ("0.f", "acc + v", "warp_sum"),
     };
+    let read = read.replace("COMBINE", combine);
     let finish = if r.op == "mean" {
-        format!("partial[0] / {}.f", r.width)
+        format!("partial[0] / {width}.f")
     } else {
         "partial[0]".to_string()
     };
     format!(
         "  __shared__ float partial[32];
-  for (long long row = blockIdx.x; row < n; row += gridDim.x) {{
+  for (idx_t row = blockIdx.x; row < (idx_t)n; row += gridDim.x) {{
     float acc = {init};
-    for (long long col = threadIdx.x; col < {width}LL; col += blockDim.x) {{
-      const float v = in_red(a, row, col, 0.f);
-      acc = {combine};
-    }}
+    {columns}{read}    }}
     acc = {warp}(acc);
     if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = acc;
     __syncthreads();
@@ -652,17 +1011,69 @@ fn row_loop(r: &RowReduction, whole: &str, per_row: &str) -> String {
     }}
     __syncthreads();
     const float red = {finish};
-    for (long long col = threadIdx.x; col < {width}LL; col += blockDim.x) {{
-      const long long p = row * {width}LL + col;
-{whole}    }}
+    {columns}{whole}    }}
     if (threadIdx.x == 0) {{
-      const long long p = row;
+      const idx_t p = row;
 {per_row}    }}
     __syncthreads();
   }}
-",
-        width = r.width
+"
     )
+}
+
+/// The index type of a kernel whose tensors reach `extent` elements: 32-bit where every index and
+/// every grid-stride step past the last fits, since 64-bit division by the strides' constants
+/// costs several times the instructions; signed, so that the compiler may take an index plus a
+/// small constant not to wrap, and see neighbouring elements' addresses as neighbours.
+fn index_type(extent: u64) -> &'static str {
+    if extent < 1 << 30 {
+        "int"
+    } else {
+        "long long"
+    }
+}
+
+/// Whether `t`, read at the coordinates of an element of `out`, is at that element's own index:
+/// the same sizes and strides over every dimension where `out` is not of size 1.
+fn reads_as_laid_out(t: &TracedTensor, out: &TracedTensor) -> bool {
+    let rank = out.shape.len();
+    let lead = rank as isize - t.shape.len() as isize;
+    out.shape.iter().enumerate().all(|(d, &size)| {
+        let td = d as isize - lead;
+        if td < 0 {
+            return size == 1;
+        }
+        let td = td as usize;
+        size == 1 || (t.shape[td] == size && t.strides[td] == out.strides[d])
+    }) && t
+        .shape
+        .iter()
+        .enumerate()
+        .all(|(td, &size)| size == 1 || (td as isize + lead) >= 0)
+}
+
+/// `t`'s sizes in row-major order from offset 0: the space a row reduction's `(row, col)` index.
+fn row_major(t: &TracedTensor) -> TracedTensor {
+    let mut strides = vec![1i64; t.shape.len()];
+    for d in (0..t.shape.len().saturating_sub(1)).rev() {
+        strides[d] = strides[d + 1] * t.shape[d + 1].max(1);
+    }
+    TracedTensor {
+        strides,
+        offset: 0,
+        ..t.clone()
+    }
+}
+
+/// `dim` counted from the front of `rank` dimensions.
+fn normalized_dim(dim: i64, rank: usize) -> Result<usize, String> {
+    let rank = rank as i64;
+    let d = if dim < 0 { dim + rank } else { dim };
+    if (0..rank).contains(&d) {
+        Ok(d as usize)
+    } else {
+        Err(format!("dimension {dim} of a tensor of {rank}"))
+    }
 }
 
 /// Whether `t` is contiguous (row-major) from the start of its storage.

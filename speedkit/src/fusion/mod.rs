@@ -36,7 +36,7 @@ mod substitution;
 
 pub use codegen::{GeneratedKernel, KernelArg};
 pub use ops::OpKind;
-pub use substitution::{DeclinedGroup, FusedStep, SubstitutedGroup};
+pub use substitution::{DeclinedGroup, FusedStep, SubstitutedGroup, SOURCES_VARIABLE};
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt;

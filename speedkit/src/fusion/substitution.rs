@@ -76,8 +76,8 @@ struct Placement {
     members: Vec<PlacedMember>,
     /// The recorded call after which the kernel launches.
     launch: usize,
-    /// (recorded call, is an output, position) per kernel argument.
-    args: Vec<(usize, bool, usize)>,
+    /// (recorded call, is an output, position, element of a list) per kernel argument.
+    args: Vec<(usize, bool, usize, Option<usize>)>,
 }
 
 impl FusedStep {
@@ -273,7 +273,18 @@ fn redispatched(trace: &StepTrace) -> Vec<(u64, u64)> {
         .collect()
 }
 
-/// The NVRTC-compiled kernel of `generated`, once per entry point.
+/// The environment variable naming a directory where each generated kernel's source is written
+/// as it is compiled (`<entry point>.cu`, the name the profiler shows), to read what a fused group
+/// runs.
+///
+/// ```
+/// // SPEEDKIT_FUSION_SOURCES=target/fused cargo run --release --example ...
+/// assert_eq!(speedkit::fusion::SOURCES_VARIABLE, "SPEEDKIT_FUSION_SOURCES");
+/// ```
+pub const SOURCES_VARIABLE: &str = "SPEEDKIT_FUSION_SOURCES";
+
+/// The NVRTC-compiled kernel of `generated`, once per entry point (its source written to
+/// [`SOURCES_VARIABLE`]'s directory where that is set).
 fn compile(
     generated: &GeneratedKernel,
     device: Device,
@@ -281,6 +292,11 @@ fn compile(
 ) -> std::result::Result<Arc<CudaKernel>, String> {
     if let Some(kernel) = compiled.get(&generated.name) {
         return Ok(kernel.clone());
+    }
+    if let Some(dir) = std::env::var_os(SOURCES_VARIABLE) {
+        let path = std::path::Path::new(&dir).join(format!("{}.cu", generated.name));
+        std::fs::write(&path, &generated.source)
+            .map_err(|e| format!("cannot write its source to {}: {e}", path.display()))?;
     }
     let kernel = CudaModule::new(&format!("{}.cu", generated.name), &generated.source)
         .and_then(|m| m.kernel(&generated.name, &generated.params(), device))
@@ -331,7 +347,12 @@ fn place(
         let placed_member = placed[member]
             .as_ref()
             .ok_or_else(|| format!("{} is not seen below autograd", members[member].name))?;
-        args.push((placed_member.call, source.output, source.position));
+        args.push((
+            placed_member.call,
+            source.output,
+            source.position,
+            source.element,
+        ));
     }
     let member_at: HashSet<usize> = members
         .iter()
@@ -433,8 +454,8 @@ fn program(
         }
     }
     for (g, placement) in placements.iter().enumerate() {
-        for &(call, output, index) in &placement.args {
-            program.add_arg(g, call, output, index)?;
+        for &(call, output, index, element) in &placement.args {
+            program.add_arg(g, call, output, index, element)?;
         }
     }
     Ok(program)
@@ -453,7 +474,11 @@ fn launch(launch: &Launch, tensors: &[Tensor]) -> Result<()> {
         )));
     }
     let mut args: Vec<Arg> = Vec::with_capacity(tensors.len() + 1);
-    for (t, arg) in tensors.iter().zip(&generated.args) {
+    for ((t, arg), &alignment) in tensors
+        .iter()
+        .zip(&generated.args)
+        .zip(&generated.alignment)
+    {
         let traced = arg.tensor();
         if let KernelArg::Scalar(_) = arg {
             args.push(Arg::F64(t.f_double_value(&[])?));
@@ -467,6 +492,13 @@ fn launch(launch: &Launch, tensors: &[Tensor]) -> Result<()> {
                 t.stride(),
                 traced.shape,
                 traced.strides
+            )));
+        }
+        if alignment > 0 && t.data_ptr() as usize % alignment != 0 {
+            return Err(SpeedkitError::Misuse(format!(
+                "{}: an argument at an address not aligned to the {alignment} bytes its \
+                 vectorised loads assume",
+                generated.name
             )));
         }
         args.push(Arg::Strided(t));
