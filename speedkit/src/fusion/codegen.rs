@@ -254,13 +254,7 @@ struct RowReduction {
 
 impl Generator {
     fn operator(&mut self, op: &TracedOp) -> Result<(), String> {
-        let out = match op.outputs.as_slice() {
-            [TracedValue::Tensor(t)] => t.clone(),
-            _ => return Err(format!("{} has other than one tensor result", op.name)),
-        };
-        let out_kind =
-            kind_of(&out.dtype).ok_or_else(|| format!("{} writes {}", op.name, out.dtype))?;
-        check_dense(&out).map_err(|e| format!("{}'s result {e}", op.name))?;
+        let (out, out_kind) = dense_result(op)?;
         let mut body = coordinates_of(&out);
         let mut operands = Vec::new();
         for (position, value) in op.inputs.iter().enumerate() {
@@ -288,13 +282,7 @@ impl Generator {
     /// A layout copy ([`generates_layout`]): its result's element read from the input element it
     /// copies, through coordinates of its own.
     fn layout(&mut self, op: &TracedOp) -> Result<(), String> {
-        let out = match op.outputs.as_slice() {
-            [TracedValue::Tensor(t)] => t.clone(),
-            _ => return Err(format!("{} has other than one tensor result", op.name)),
-        };
-        let out_kind =
-            kind_of(&out.dtype).ok_or_else(|| format!("{} writes {}", op.name, out.dtype))?;
-        check_dense(&out).map_err(|e| format!("{}'s result {e}", op.name))?;
+        let (out, out_kind) = dense_result(op)?;
         let mut body = coordinates_of(&out);
         let expression = if op.name == "aten::cat" {
             self.cat(op, &out, &mut body)
@@ -931,71 +919,30 @@ fn coordinates_of(out: &TracedTensor) -> String {
 }
 
 /// The body of a kernel with a row reduction: a block per row (`n` rows) reduces the row, then
-/// writes the results of the whole space (`whole`, one per column) and of the rows (`per_row`).
+/// writes the results of the whole space (one per column) and of the rows (one per row). Vectorised,
+/// a thread takes four neighbouring columns at a time, as [`pointwise_loop`] takes elements.
 fn row_loop(
     r: &RowReduction,
     stored: &[StoredResult],
     vectorised: bool,
     groups: &[usize],
 ) -> String {
-    let width = r.width;
-    // A thread's columns: one at a time a block apart, or four neighbours at a time, their inputs'
-    // groups loaded first (as in pointwise_loop).
-    let (step, mut load) = if vectorised {
-        (UNROLL, format!("      a.first = row * {width} + col;\n"))
-    } else {
-        (1, String::new())
-    };
-    for i in groups {
-        writeln!(load, "      a.g{i} = load_group(a.in{i} + a.first);").unwrap();
-    }
-    let columns = format!(
-        "for (idx_t col = threadIdx.x * {step}; col < {width}; col += blockDim.x * {step}) {{\n{load}"
-    );
-    // Every value of the element first, then the stores (as in pointwise_loop).
-    let (mut whole, mut whole_stores) = (String::new(), String::new());
-    let (mut per_row, mut per_row_stores) = (String::new(), String::new());
-    for s in stored {
-        let (i, f, ty) = (s.arg, s.function, s.ty);
-        if s.per_row {
-            writeln!(per_row, "      const float r{i} = v{f}(a, p, red);").unwrap();
-            writeln!(per_row_stores, "      a.out{i}[p] = store_as<{ty}>(r{i});").unwrap();
-        } else if vectorised {
-            writeln!(whole, "      float r{i}[{UNROLL}];").unwrap();
-            writeln!(whole_stores, "      store4(a.out{i} + a.first, r{i});").unwrap();
-        } else {
-            writeln!(whole, "      const float r{i} = v{f}(a, p, red);").unwrap();
-            writeln!(whole_stores, "      a.out{i}[p] = store_as<{ty}>(r{i});").unwrap();
-        }
-    }
-    let whole = if vectorised {
-        let values: String = stored
-            .iter()
-            .filter(|s| !s.per_row)
-            .map(|s| format!("        r{}[k] = v{}(a, p, red);\n", s.arg, s.function))
-            .collect();
-        format!(
-            "{whole}#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n        const idx_t p = a.first + k;\n{values}      }}\n{whole_stores}"
-        )
-    } else {
-        format!("      const idx_t p = row * {width} + col;\n{whole}{whole_stores}")
-    };
-    let per_row = per_row + &per_row_stores;
-    let read = if vectorised {
-        format!("#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n        const float v = in_red(a, row, col + k, 0.f);\n        acc = COMBINE;\n      }}\n")
-    } else {
-        "      const float v = in_red(a, row, col, 0.f);\n      acc = COMBINE;\n".to_string()
-    };
     let (init, combine, warp) = match r.op {
         "amax" => ("-infinity()", "fmaxf(acc, v)", "warp_max"),
         _ => ("0.f", "acc + v", "warp_sum"),
     };
-    let read = read.replace("COMBINE", combine);
     let finish = if r.op == "mean" {
-        format!("partial[0] / {width}.f")
+        format!("partial[0] / {}.f", r.width)
     } else {
         "partial[0]".to_string()
     };
+    let columns = column_loop(r.width, vectorised, groups);
+    let read = if vectorised {
+        format!("#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n        const float v = in_red(a, row, col + k, 0.f);\n        acc = {combine};\n      }}\n")
+    } else {
+        format!("      const float v = in_red(a, row, col, 0.f);\n      acc = {combine};\n")
+    };
+    let (whole, per_row) = row_stores(stored, r.width, vectorised);
     format!(
         "  __shared__ float partial[32];
   for (idx_t row = blockIdx.x; row < (idx_t)n; row += gridDim.x) {{
@@ -1019,6 +966,49 @@ fn row_loop(
   }}
 "
     )
+}
+
+/// The head of a row's loop over its `width` columns: one at a time a block apart, or (vectorised)
+/// four neighbours at a time, the inputs' groups of four loaded first.
+fn column_loop(width: u64, vectorised: bool, groups: &[usize]) -> String {
+    if !vectorised {
+        return format!("for (idx_t col = threadIdx.x; col < {width}; col += blockDim.x) {{\n");
+    }
+    let mut head = format!(
+        "for (idx_t col = threadIdx.x * {UNROLL}; col < {width}; col += blockDim.x * {UNROLL}) {{\n      a.first = row * {width} + col;\n"
+    );
+    for i in groups {
+        writeln!(head, "      a.g{i} = load_group(a.in{i} + a.first);").unwrap();
+    }
+    head
+}
+
+/// The stores of a row-reduction kernel: those of its column loop (every value first, then the
+/// stores, as in [`pointwise_loop`]) and those of the row's one thread.
+fn row_stores(stored: &[StoredResult], width: u64, vectorised: bool) -> (String, String) {
+    let (mut values, mut stores) = (String::new(), String::new());
+    let (mut per_row, mut per_row_stores) = (String::new(), String::new());
+    let mut columns = String::new();
+    for s in stored {
+        let (i, f, ty) = (s.arg, s.function, s.ty);
+        if s.per_row {
+            writeln!(per_row, "      const float r{i} = v{f}(a, p, red);").unwrap();
+            writeln!(per_row_stores, "      a.out{i}[p] = store_as<{ty}>(r{i});").unwrap();
+        } else if vectorised {
+            writeln!(values, "      float r{i}[{UNROLL}];").unwrap();
+            writeln!(columns, "        r{i}[k] = v{f}(a, p, red);").unwrap();
+            writeln!(stores, "      store4(a.out{i} + a.first, r{i});").unwrap();
+        } else {
+            writeln!(values, "      const float r{i} = v{f}(a, p, red);").unwrap();
+            writeln!(stores, "      a.out{i}[p] = store_as<{ty}>(r{i});").unwrap();
+        }
+    }
+    let whole = if vectorised {
+        format!("{values}#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n        const idx_t p = a.first + k;\n{columns}      }}\n{stores}")
+    } else {
+        format!("      const idx_t p = row * {width} + col;\n{values}{stores}")
+    };
+    (whole, per_row + &per_row_stores)
 }
 
 /// The index type of a kernel whose tensors reach `extent` elements: 32-bit where every index and
@@ -1063,6 +1053,18 @@ fn row_major(t: &TracedTensor) -> TracedTensor {
         offset: 0,
         ..t.clone()
     }
+}
+
+/// `op`'s one tensor result and its type, checked to be dense from the start of its storage (the
+/// space a generated function indexes).
+fn dense_result(op: &TracedOp) -> Result<(TracedTensor, Kind), String> {
+    let out = match op.outputs.as_slice() {
+        [TracedValue::Tensor(t)] => t.clone(),
+        _ => return Err(format!("{} has other than one tensor result", op.name)),
+    };
+    let kind = kind_of(&out.dtype).ok_or_else(|| format!("{} writes {}", op.name, out.dtype))?;
+    check_dense(&out).map_err(|e| format!("{}'s result {e}", op.name))?;
+    Ok((out, kind))
 }
 
 /// `dim` counted from the front of `rank` dimensions.
