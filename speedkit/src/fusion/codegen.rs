@@ -325,12 +325,13 @@ impl Generator {
             if size == 0 {
                 continue;
             }
-            writeln!(
-                body,
-                "  idx_t k{k}[{rank}];\n  for (int d = 0; d < {rank}; ++d) k{k}[d] = c[d];\n  k{k}[{dim}] -= {start};"
-            )
-            .unwrap();
             self.coords = format!("k{k}");
+            body.push_str(&moved_coordinates(
+                &self.coords,
+                rank,
+                dim,
+                &format!("c[{dim}] - {start}"),
+            ));
             self.element = Some(k);
             let value = self.read(part, out)?;
             start += size;
@@ -369,12 +370,13 @@ impl Generator {
         {
             return Err("slice_backward of a gradient the slice does not give".into());
         }
-        writeln!(
-            body,
-            "  idx_t g[{rank}];\n  for (int d = 0; d < {rank}; ++d) g[d] = c[d];\n  g[{dim}] = (c[{dim}] - {start}) / {step};"
-        )
-        .unwrap();
         self.coords = "g".into();
+        body.push_str(&moved_coordinates(
+            &self.coords,
+            rank,
+            dim,
+            &format!("(c[{dim}] - {start}) / {step}"),
+        ));
         self.position = 0;
         let value = self.read(grad, out)?;
         Ok(format!(
@@ -1025,21 +1027,22 @@ fn index_type(extent: u64) -> &'static str {
 
 /// Whether `t`, read at the coordinates of an element of `out`, is at that element's own index:
 /// the same sizes and strides over every dimension where `out` is not of size 1.
+/// `t` has no more dimensions than `out` (its own are `out`'s last ones), as [`Generator::read`]
+/// checks first.
 fn reads_as_laid_out(t: &TracedTensor, out: &TracedTensor) -> bool {
-    let rank = out.shape.len();
-    let lead = rank as isize - t.shape.len() as isize;
+    let lead = out.shape.len() - t.shape.len();
     out.shape.iter().enumerate().all(|(d, &size)| {
-        let td = d as isize - lead;
-        if td < 0 {
-            return size == 1;
-        }
-        let td = td as usize;
-        size == 1 || (t.shape[td] == size && t.strides[td] == out.strides[d])
-    }) && t
-        .shape
-        .iter()
-        .enumerate()
-        .all(|(td, &size)| size == 1 || (td as isize + lead) >= 0)
+        size == 1
+            || (d >= lead && t.shape[d - lead] == size && t.strides[d - lead] == out.strides[d])
+    })
+}
+
+/// The declaration of `name`, the result's coordinates `c` with dimension `dim` moved to `at`: where
+/// a layout copy reads its input.
+fn moved_coordinates(name: &str, rank: usize, dim: usize, at: &str) -> String {
+    format!(
+        "  idx_t {name}[{rank}];\n  for (int d = 0; d < {rank}; ++d) {name}[d] = c[d];\n  {name}[{dim}] = {at};\n"
+    )
 }
 
 /// `t`'s sizes in row-major order from offset 0: the space a row reduction's `(row, col)` index.
