@@ -197,6 +197,7 @@ const SHIM_UNITS: &[(&str, &[&str])] = &[
             "memory_history",
             "optim",
             "optimizer_shard",
+            "parameter_residency",
             "profiler",
             "replay_watchdog",
             "weight_casts",

@@ -68,6 +68,14 @@ fn batched(b: &mut Bencher) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A step tagged `large` (too large for one GPU at bench size, in a real workload): trivial here.
+#[speedkit::bench(tags = ["large"])]
+fn outsized(b: &mut Bencher) -> anyhow::Result<()> {
+    let x = Tensor::f_ones([4], (Kind::Float, b.device()))?;
+    b.run(|| -> anyhow::Result<Tensor> { Ok(x.f_sum(Kind::Float)?) })?;
+    Ok(())
+}
+
 fn sleepy_only() -> Vec<&'static Workload> {
     vec![Workload::named("sleepy").expect("sleepy is registered")]
 }
@@ -370,6 +378,23 @@ fn the_reference_measures_a_row_the_runner_reads() {
         (memory.peak_allocated_bytes, memory.peak_reserved_bytes),
         (2048, 4096)
     );
+}
+
+#[test]
+fn a_large_workload_runs_at_bench_size_only_where_a_filter_names_it() {
+    let outsized = [Workload::named("outsized").expect("outsized is registered")];
+    assert_eq!(outsized[0].tags, [speedkit::bench::LARGE_TAG]);
+    let by_tag = args(&["--size", "bench", "--filter", "large"]);
+    let report = runner::run_with(&by_tag, &outsized).expect("the run succeeds");
+    assert!(report.rows.is_empty(), "{:?}", report.rows);
+    let named = args(&["--size", "bench", "--filter", "outsized"]);
+    let report = runner::run_with(&named, &outsized).expect("the run succeeds");
+    assert_eq!(report.rows.len(), 1);
+    assert!(report.rows[0].measurement.is_some(), "{:?}", report.rows);
+    // The tiny size runs with the others.
+    let tiny = args(&["--size", "tiny"]);
+    let report = runner::run_with(&tiny, &outsized).expect("the run succeeds");
+    assert_eq!(report.rows.len(), 1);
 }
 
 #[test]

@@ -311,3 +311,92 @@ fn the_optimizer_steps_after_all_buckets_under_the_reducer_or_the_config() {
         assert!(why.contains(reason), "{why}");
     }
 }
+
+fn sharded_parameters() -> SpeedConfig {
+    let mut cfg = SpeedConfig::auto();
+    cfg.distributed.shard_parameters = true;
+    cfg
+}
+
+#[test]
+fn sharded_parameters_compute_in_bf16_on_speedkits_all_reduce_and_say_so() {
+    let plan =
+        Plan::resolve_launched(&sharded_parameters(), &two_h200(), Some(&rank(0, 2))).unwrap();
+    let settings = plan.distributed.as_ref().unwrap();
+    assert_eq!(settings.shard_parameters, Some(tch::Kind::BFloat16));
+    assert!(
+        settings.shard_optimizer,
+        "ZeRO-3 shards the optimizer state too"
+    );
+    assert_eq!(settings.all_reduce, AllReduce::InBackward);
+    let d = plan.decision("parameters").unwrap();
+    assert!(
+        d.reason.contains("ZeRO-3") && d.reason.contains("bf16"),
+        "{}",
+        d.reason
+    );
+    assert!(all_reduce(&plan).contains("each block's gradients, sent in fp32"));
+}
+
+#[test]
+fn sharded_parameters_run_the_step_eagerly_on_atens_kernels_and_say_why() {
+    let plan =
+        Plan::resolve_launched(&sharded_parameters(), &two_h200(), Some(&rank(0, 2))).unwrap();
+    assert!(!plan.compile_graphs && !plan.graph_fusion);
+    assert!(!plan.kernels && plan.overrides.is_empty() && plan.fp8.is_none());
+    for key in ["compile", "kernels"] {
+        let last = plan.decisions.iter().rev().find(|d| d.key == key).unwrap();
+        assert_eq!(last.value, "off");
+        assert!(
+            last.reason.contains("distributed.shard_parameters"),
+            "{}",
+            last.reason
+        );
+    }
+    let replicas = plan.decision("check_replicas_every").unwrap();
+    assert_eq!(replicas.value, "0");
+    assert_eq!(plan.distributed.as_ref().unwrap().check_replicas_every, 0);
+}
+
+#[test]
+fn sharded_parameters_turn_on_expandable_segments_on_cuda_only() {
+    let plan =
+        Plan::resolve_launched(&sharded_parameters(), &two_h200(), Some(&rank(0, 2))).unwrap();
+    assert_eq!(plan.cuda_expandable_segments, Some(true));
+    assert!(plan
+        .flag_settings()
+        .iter()
+        .any(|s| s.flag == speedkit::flags::Flag::CudaExpandableSegments));
+    let mut cpu = sharded_parameters();
+    cpu.device = DeviceChoice::Cpu;
+    let plan = Plan::resolve_launched(&cpu, &two_h200(), Some(&rank(0, 2))).unwrap();
+    assert_eq!(
+        plan.distributed.as_ref().unwrap().shard_parameters,
+        Some(tch::Kind::Float)
+    );
+    assert_eq!(plan.cuda_expandable_segments, None);
+}
+
+#[test]
+fn sharded_parameters_are_refused_with_fp16_the_reducer_or_graphs_asked_for() {
+    use speedkit::config::{AutoBool, Precision};
+    let mut fp16 = sharded_parameters();
+    fp16.precision = Precision::Fp16;
+    let mut reducer = sharded_parameters();
+    reducer.distributed.all_reduce = AllReduce::Reducer;
+    let mut graphs = sharded_parameters();
+    graphs.compile.enabled = AutoBool::On;
+    for (cfg, names) in [
+        (fp16, "precision to bf16 or fp32"),
+        (reducer, "set all_reduce to auto"),
+        (graphs, "set compile.enabled to auto"),
+    ] {
+        let err = Plan::resolve_launched(&cfg, &two_h200(), Some(&rank(0, 2)))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("shard_parameters") && err.contains(names),
+            "{err}"
+        );
+    }
+}

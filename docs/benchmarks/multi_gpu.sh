@@ -51,11 +51,11 @@ cat "$out/environment.txt"
 # one CUDA graph per step, on N GPUs with speedkit's all-reduce inside it, started during the
 # backward pass; auto_eager is the eager step (on N GPUs, c10d's Reducer); dp_after_backward
 # all-reduces after the backward pass, dp_bf16 sends bf16 gradients, dp_sharded shards the
-# optimizer state (ZeRO-1). Every N-GPU row is compared with its own config on 1 GPU, or with
+# optimizer state (ZeRO-1), dp_zero3 the parameters too (ZeRO-3, eager). Every N-GPU row is compared with its own config on 1 GPU, or with
 # `auto` where the config only matters on several.
 configs=(--config auto --config examples/configs/auto_eager.yaml)
 dp_configs=(--config examples/configs/dp_after_backward.yaml --config examples/configs/dp_bf16.yaml
-  --config examples/configs/dp_sharded.yaml)
+  --config examples/configs/dp_sharded.yaml --config examples/configs/dp_zero3.yaml)
 work=(--exact --filter transformer --filter linear3 --size bench)
 if wanted speedkit; then
   part speedkit_1gpu 90 "${sk[@]}" bench "${work[@]}" "${configs[@]}" --json "$out/speedkit_1gpu.json"

@@ -70,7 +70,7 @@ except ImportError as error:
     sys.exit(4)
 
 # One line: speedkit/src/bench/peer.rs checks it against REFERENCE_WORKLOADS, joined by ", ".
-WORKLOADS = ("transformer", "linear3", "mlp", "resnet", "mlp_block", "transformer_checkpointed", "transformer_tch", "gpt2_tch", "llama_tch", "unet_tch")
+WORKLOADS = ("transformer", "linear3", "mlp", "resnet", "mlp_block", "transformer_checkpointed", "transformer_tch", "gpt2_tch", "llama_tch", "unet_tch", "llama_large")
 
 
 class Block(nn.Module):
@@ -357,9 +357,13 @@ def workload(name, device, size="bench", batch=None):
                  torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device=device))
         flops = transformer_flops(**c)
         items = (c["batch"] * c["seq"], "tokens")
-    elif name == "llama_tch":
-        c = TINY[name] if size == "tiny" else dict(vocab=32000, d=1024, heads=16, layers=8,
-                                                   hidden=2816, seq=1024, batch=8)
+    elif name in ("llama_tch", "llama_large"):
+        # llama_large: Llama 2 7B's shape (6.74 B parameters), too large for one GPU with AdamW:
+        # it runs under --fsdp over several.
+        large = dict(vocab=32000, d=4096, heads=32, layers=32, hidden=11008, seq=512, batch=2)
+        c = (TINY["llama_tch"] if size == "tiny" else
+             large if name == "llama_large" else
+             dict(vocab=32000, d=1024, heads=16, layers=8, hidden=2816, seq=1024, batch=8))
         c = dict(c, batch=batch or c["batch"])
         model = Llama(c["vocab"], c["d"], c["heads"], c["layers"], c["hidden"], c["seq"])
         batch = (torch.randint(0, c["vocab"], (c["batch"], c["seq"]), device=device),
@@ -668,7 +672,9 @@ def measure_ddp(name, device, size, world, warmup, steps, sync_every_step=True, 
                 median_ms_per_rank=medians, throughput=throughput, optimizer_state_bytes=state)
 
 
-BATCHED = ("transformer", "transformer_checkpointed", "transformer_tch", "gpt2_tch", "llama_tch")
+LARGE = ("llama_large",)
+BATCHED = ("transformer", "transformer_checkpointed", "transformer_tch", "gpt2_tch", "llama_tch",
+           "llama_large")
 
 
 def trains_at(name, mode, device, batch):
@@ -843,7 +849,8 @@ def selected(args, known=WORKLOADS, quiet=False):
     """The workloads of --only that have a PyTorch version here at --size (a note for each other
     one, unless quiet)."""
     if not args.only:
-        return list(known)
+        # Too large for one GPU: run only where named (under --fsdp over several).
+        return [n for n in known if n not in LARGE]
     asked = [n for n in args.only.split(",") if n]
     for n in asked:
         if n not in known and not quiet:

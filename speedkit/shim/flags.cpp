@@ -10,6 +10,7 @@
 #include "shim.h"
 
 #include <ATen/Context.h>
+#include <c10/core/AllocatorConfig.h>
 
 #include <atomic>
 #include <stdexcept>
@@ -130,6 +131,9 @@ int sk_flag_get_bool(int flag, int* out) {
       case SK_FLAG_SDP_MATH: value = ctx.userEnabledMathSDP(); break;
       case SK_FLAG_SDP_CUDNN: value = ctx.userEnabledCuDNNSDP(); break;
       case SK_FLAG_USE_DETERMINISTIC_ALGORITHMS: value = ctx.deterministicAlgorithms(); break;
+      case SK_FLAG_CUDA_EXPANDABLE_SEGMENTS:
+        value = c10::CachingAllocator::AcceleratorAllocatorConfig::use_expandable_segments();
+        break;
       default: throw std::invalid_argument("unknown speedkit flag id " + std::to_string(flag));
     }
     *out = value ? 1 : 0;
@@ -158,6 +162,10 @@ int sk_flag_set_bool(int flag, int value) {
       case SK_FLAG_USE_DETERMINISTIC_ALGORITHMS:
         // Keep the current warn_only setting: speedkit only toggles the mode itself.
         ctx.setDeterministicAlgorithms(b, ctx.deterministicAlgorithmsWarnOnly());
+        break;
+      // As torch.cuda.memory._set_allocator_settings: segments made from now on grow in place.
+      case SK_FLAG_CUDA_EXPANDABLE_SEGMENTS:
+        c10::CachingAllocator::setAllocatorSettings(b ? "expandable_segments:True" : "expandable_segments:False");
         break;
       default: throw std::invalid_argument("unknown speedkit flag id " + std::to_string(flag));
     }

@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -39,6 +40,7 @@
 #include <vector>
 
 using sk::dist::GradientSync;
+using sk::dist::views_of;
 using sk::dist::kNccl;
 using sk::dist::wait;
 
@@ -95,6 +97,7 @@ struct sk::dist::GradientSync {
   int backend;
   bool sharded = false;
   std::vector<GradientBucket> buckets;
+  std::shared_ptr<sk::dist::Residency> residency;  // sharded over parameters (ZeRO-3)
   std::mutex mutex;  // the hooks run on autograd's device threads
   bool armed = false;
   size_t next = 0;   // armed: the next bucket to start
@@ -110,16 +113,6 @@ struct sk::dist::GradientSync {
 };
 
 namespace {
-
-std::vector<at::Tensor> views_of(const at::Tensor& flat, const std::vector<at::Tensor>& like) {
-  std::vector<at::Tensor> views;
-  int64_t offset = 0;
-  for (const at::Tensor& p : like) {
-    views.push_back(flat.narrow(0, offset, p.numel()).view(p.sizes()));
-    offset += p.numel();
-  }
-  return views;
-}
 
 GradientBucket make_bucket(std::vector<at::Tensor> params, std::vector<size_t> index,
                            std::optional<at::ScalarType> wire_type) {
@@ -168,6 +161,47 @@ void shard_bucket(GradientBucket& b, int rank, int world) {
   }
 }
 
+// ZeRO-3: the bucket's parameters become a unit of `residency`, and this rank's pieces are
+// stretches of the unit's fp32 part.
+void shard_unit(GradientSync& sync, GradientBucket& b, at::ScalarType compute, bool pinned) {
+  const size_t unit = sk::dist::add_unit(*sync.residency, b.params, compute, pinned);
+  const at::Tensor& master = sk::dist::master_of(*sync.residency, unit);
+  const int64_t chunk = master.numel(), lo = sync.pg->getRank() * chunk, hi = lo + chunk;
+  b.padded = chunk * sync.pg->getSize();
+  b.direct = false;
+  b.flat = master;
+  int64_t offset = 0;
+  for (size_t i = 0; i < b.params.size(); ++i) {
+    const int64_t begin = std::max(offset, lo), end = std::min(offset + b.params[i].numel(), hi);
+    if (begin < end) b.shard.push_back({i, begin - lo, master.narrow(0, begin - lo, end - begin)});
+    offset += b.params[i].numel();
+  }
+}
+
+// Buckets of the parameters by unit (`units[i]`: parameter i's; negative: the pinned one), each
+// unit's bucket placed by its first parameter, the last first: a unit's gradients are all in once
+// the backward pass reaches its first parameter (the pinned unit, with the embedding, goes last).
+std::vector<GradientBucket> unit_buckets(const std::vector<at::Tensor>& list, const int64_t* units,
+                                         std::optional<at::ScalarType> wire) {
+  std::map<int64_t, std::pair<std::vector<at::Tensor>, std::vector<size_t>>> by_unit;
+  std::map<int64_t, size_t> first;
+  for (size_t k = 0; k < list.size(); ++k) {
+    auto& [params, index] = by_unit[units[k]];
+    params.push_back(list[k]);
+    index.push_back(k);
+    first.emplace(units[k], k);
+  }
+  std::vector<std::pair<size_t, int64_t>> order;
+  for (const auto& [unit, k] : first) order.emplace_back(k, unit);
+  std::sort(order.rbegin(), order.rend());
+  std::vector<GradientBucket> buckets;
+  for (const auto& [k, unit] : order) {
+    auto& [params, index] = by_unit[unit];
+    buckets.push_back(make_bucket(std::move(params), std::move(index), wire));
+  }
+  return buckets;
+}
+
 // The bucket's flat buffer, made at first use in this backward pass (its padding zeroed).
 void make_wire(GradientBucket& b) {
   if (b.wire.defined()) return;
@@ -184,6 +218,12 @@ void start(GradientSync& sync, GradientBucket& b) {
     options.reduceOp = op;
     at::Tensor input = b.wire.view({-1});  // (direct: the gradient, in its parameter's shape)
     b.work = sync.pg->_reduce_scatter_base(b.reduced, input, options);
+    if (sync.residency) {
+      // ZeRO-3 holds no whole gradient past its reduce-scatter: the collective keeps what it
+      // reads alive (NCCL's stream use is recorded with the allocator; Gloo's work holds it).
+      b.wire = at::Tensor();
+      b.wire_views.clear();
+    }
     return;
   }
   std::vector<at::Tensor> one{b.wire};
@@ -195,7 +235,8 @@ void start(GradientSync& sync, GradientBucket& b) {
 // Sharded: this rank's averaged part becomes its pieces' gradients; the whole gradients go.
 void finish_shard(GradientSync& sync, GradientBucket& b) {
   if (sync.backend != kNccl) b.reduced.div_(sync.pg->getSize());
-  const at::Tensor grads = b.reduced.to(b.params[0].scalar_type());
+  // The pieces' type: the parameters' under ZeRO-1, fp32 (their master copy) under ZeRO-3.
+  const at::Tensor grads = b.shard.empty() ? b.reduced : b.reduced.to(b.shard[0].view.scalar_type());
   for (ShardPiece& piece : b.shard) piece.view.mutable_grad() = grads.narrow(0, piece.begin, piece.view.numel());
   for (at::Tensor& p : b.params) p.mutable_grad().reset();
   b.reduced = at::Tensor();
@@ -318,7 +359,7 @@ void join(GradientSync& sync, int64_t k) {
 
 sk::dist::ShardedParams sk::dist::sharded_params(const GradientSync& sync) {
   TORCH_CHECK(sync.sharded, "this gradient sync was not made sharded");
-  ShardedParams out{sync.backend, sync.pg, {}, {}, {}, {}};
+  ShardedParams out{sync.backend, sync.pg, {}, {}, {}, {}, sync.residency};
   for (const GradientBucket& b : sync.buckets) {
     out.flats.push_back(b.flat);
     out.params.insert(out.params.end(), b.params.begin(), b.params.end());
@@ -332,8 +373,8 @@ sk::dist::ShardedParams sk::dist::sharded_params(const GradientSync& sync) {
 
 extern "C" {
 
-int sk_grad_sync_new(void* group, const sk_tensor* params, int64_t n, int64_t bucket_bytes, int wire_type,
-                     int shard, void** out) {
+int sk_grad_sync_new(void* group, const sk_tensor* params, int64_t n, const int64_t* units, int64_t bucket_bytes,
+                     int wire_type, int shard, int param_type, void** out) {
   SK_TRY({
     auto* g = static_cast<sk::dist::Group*>(group);
     auto sync = std::make_unique<GradientSync>();
@@ -341,10 +382,13 @@ int sk_grad_sync_new(void* group, const sk_tensor* params, int64_t n, int64_t bu
     sync->heartbeat = g->heartbeat;
     sync->backend = g->backend;
     sync->sharded = shard != 0;
+    TORCH_CHECK(shard != 2 || units != nullptr, "sharding the parameters needs their units");
     std::optional<at::ScalarType> wire;
     if (wire_type >= 0) wire = static_cast<at::ScalarType>(wire_type);
-    // Reverse registration order, as the Reducer's buckets: the last layers' gradients first.
     std::vector<at::Tensor> list = sk::tensor_list(params, n);
+    if (units != nullptr) sync->buckets = unit_buckets(list, units, wire);
+    // Otherwise by size, in reverse registration order, as the Reducer's buckets: the last layers'
+    // gradients first.
     std::vector<at::Tensor> pending;
     std::vector<size_t> pending_index;
     int64_t bytes = 0;
@@ -354,7 +398,7 @@ int sk_grad_sync_new(void* group, const sk_tensor* params, int64_t n, int64_t bu
       pending_index.clear();
       bytes = 0;
     };
-    for (size_t k = list.size(); k-- > 0;) {
+    for (size_t k = units != nullptr ? 0 : list.size(); k-- > 0;) {
       // The parameter itself, not a detached alias: its gradient lives on it.
       const at::Tensor& p = list[k];
       const int64_t size = p.numel() * static_cast<int64_t>(p.element_size());
@@ -368,8 +412,17 @@ int sk_grad_sync_new(void* group, const sk_tensor* params, int64_t n, int64_t bu
       if (alone) flush();
     }
     flush();
-    if (sync->sharded)
+    if (shard == 2) {
+      const auto compute = param_type >= 0 ? static_cast<at::ScalarType>(param_type) : list.at(0).scalar_type();
+      sync->residency = sk::dist::make_residency(sync->pg, sync->backend);
+      for (size_t k = 0; k < sync->buckets.size(); ++k) {
+        GradientBucket& b = sync->buckets[k];
+        const bool pinned = units[b.index[0]] < 0;
+        shard_unit(*sync, b, compute, pinned);
+      }
+    } else if (sync->sharded) {
       for (GradientBucket& b : sync->buckets) shard_bucket(b, sync->pg->getRank(), sync->pg->getSize());
+    }
     for (size_t k = 0; k < sync->buckets.size(); ++k)
       for (size_t i = 0; i < sync->buckets[k].params.size(); ++i) {
         const at::Tensor& p = sync->buckets[k].params[i];
@@ -379,6 +432,7 @@ int sk_grad_sync_new(void* group, const sk_tensor* params, int64_t n, int64_t bu
                     "torch's own): speedkit's in-step all-reduce needs it");
         torch::autograd::impl::set_post_acc_grad_hooks(p, std::make_unique<ArrivalHook>(Slot{sync.get(), k, i}));
       }
+    if (sync->residency) sk::dist::start_observing(*sync->residency);
     *out = sync.release();
   })
 }
@@ -421,6 +475,36 @@ int sk_grad_sync_shape(void* sync, int64_t* buckets, int64_t* wire_bytes) {
     *wire_bytes = 0;
     for (const auto& b : s->buckets)
       *wire_bytes += b.padded * static_cast<int64_t>(c10::elementSize(b.wire_type));
+  })
+}
+
+int sk_grad_sync_resident_bytes(void* sync, int64_t* bytes) {
+  SK_TRY({
+    auto* s = static_cast<GradientSync*>(sync);
+    TORCH_CHECK(s->residency, "this gradient sync does not shard the parameters");
+    *bytes = sk::dist::resident_bytes(*s->residency);
+  })
+}
+
+int sk_grad_sync_gather_parameters(void* sync, sk_tensor* out, int64_t capacity) {
+  SK_TRY({
+    auto* s = static_cast<GradientSync*>(sync);
+    TORCH_CHECK(s->residency, "this gradient sync does not shard the parameters");
+    std::vector<at::Tensor> whole = sk::dist::gather_masters(*s->residency);
+    size_t next = 0;
+    for (const GradientBucket& b : s->buckets)
+      for (size_t i = 0; i < b.params.size(); ++i, ++next) {
+        const auto k = static_cast<int64_t>(b.index[i]);
+        TORCH_CHECK(k < capacity, "room for ", capacity, " parameters, not ", k + 1);
+        out[k] = sk::give(whole.at(next));
+      }
+  })
+}
+
+int sk_grad_sync_unshard(void* sync, int gather) {
+  SK_TRY({
+    auto* s = static_cast<GradientSync*>(sync);
+    if (s->residency) sk::dist::unshard(*s->residency, gather != 0);
   })
 }
 

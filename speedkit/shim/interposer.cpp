@@ -17,6 +17,8 @@
 // call skips those.
 #include "shim.h"
 
+#include "interposer.h"
+
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/record_function.h>
@@ -34,7 +36,7 @@
 namespace sk {
 namespace {
 
-constexpr c10::DispatchKey kInterposerKey = c10::DispatchKey::Fake;
+constexpr c10::DispatchKey kInterposerKey = interposer::kKey;
 
 struct RecordedCall {
   std::string op;
@@ -111,13 +113,37 @@ struct Session {
   std::map<SlotKey, at::Tensor> slots;
   std::vector<bool> launched;
   std::string failure;
-  std::unique_ptr<torch::Library> fallback;
+  bool holds_fallback = false;
   // Made and destroyed on the session's thread (its dispatch keys are that thread's).
   std::unique_ptr<c10::impl::IncludeDispatchKeyGuard> included;
   std::optional<at::CallbackHandle> observer;
 };
 
 std::atomic<Session*> active{nullptr};
+std::atomic<interposer::CallObserver*> call_observer{nullptr};
+
+// The fallback, registered while a session or an observer needs it (one registration per key).
+std::mutex fallback_mutex;
+int fallback_users = 0;
+std::unique_ptr<torch::Library> fallback_library;
+
+void interpose(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack);
+
+void acquire_fallback() {
+  std::lock_guard<std::mutex> lock(fallback_mutex);
+  if (fallback_users == 0) {
+    count_flag_write();
+    fallback_library = std::make_unique<torch::Library>(torch::Library::IMPL, "_", kInterposerKey, __FILE__,
+                                                        static_cast<uint32_t>(__LINE__));
+    fallback_library->fallback(torch::CppFunction::makeFromBoxedFunction<&interpose>());
+  }
+  ++fallback_users;
+}
+
+void release_fallback() {
+  std::lock_guard<std::mutex> lock(fallback_mutex);
+  if (--fallback_users == 0) fallback_library.reset();
+}
 
 c10::DispatchKeySet below_interposer(c10::DispatchKeySet keys) {
   return keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kInterposerKey);
@@ -245,6 +271,7 @@ void substitute(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet k
 }
 
 void interpose(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  if (interposer::CallObserver* o = call_observer.load()) o->before(op, *stack);
   Session* s = active.load();
   if (s == nullptr) {
     op.redispatchBoxed(below_interposer(keys), stack);
@@ -263,17 +290,15 @@ Session* begin(Program* program) {
   TORCH_CHECK(active.compare_exchange_strong(expected, s.get()),
               "another interposer session is running (one at a time per process)");
   try {
-    count_flag_write();
-    s->fallback = std::make_unique<torch::Library>(torch::Library::IMPL, "_", kInterposerKey, __FILE__,
-                                                   static_cast<uint32_t>(__LINE__));
-    s->fallback->fallback(torch::CppFunction::makeFromBoxedFunction<&interpose>());
+    acquire_fallback();
+    s->holds_fallback = true;
     if (program == nullptr)
       s->observer = at::addGlobalCallback(
           at::RecordFunctionCallback(&on_enter, &on_exit).needsIds(true).scopes({at::RecordScope::FUNCTION}));
     s->included = std::make_unique<c10::impl::IncludeDispatchKeyGuard>(kInterposerKey);
   } catch (...) {
     if (s->observer) at::removeCallback(*s->observer);
-    s->fallback.reset();
+    if (s->holds_fallback) release_fallback();
     active.store(nullptr);
     throw;
   }
@@ -290,7 +315,8 @@ void tear_down(Session& s) {
   }
   if (s.observer) at::removeCallback(*s.observer);
   s.observer.reset();
-  s.fallback.reset();
+  if (s.holds_fallback) release_fallback();
+  s.holds_fallback = false;
   Session* self = &s;
   active.compare_exchange_strong(self, nullptr);
 }
@@ -311,6 +337,23 @@ Program& program_of(void* p) {
 }
 
 }  // namespace
+
+void interposer::observe(CallObserver* o) {
+  CallObserver* expected = nullptr;
+  TORCH_CHECK(call_observer.compare_exchange_strong(expected, o), "another interposer observer is in place (one at a time per process)");
+  try {
+    acquire_fallback();
+  } catch (...) {
+    call_observer.store(nullptr);
+    throw;
+  }
+}
+
+void interposer::stop_observing(CallObserver* o) {
+  CallObserver* expected = o;
+  if (call_observer.compare_exchange_strong(expected, nullptr)) release_fallback();
+}
+
 }  // namespace sk
 
 extern "C" {

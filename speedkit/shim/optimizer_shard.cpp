@@ -25,10 +25,15 @@ struct OptimizerShard {
 };
 
 // Starts the all-gather of bucket `k`'s flat parameter buffer from every rank's part of it.
+// (ZeRO-3: the bucket's unit is refreshed instead, to be gathered where the next step uses it.)
 void gather_bucket(OptimizerShard& s, int64_t k) {
   at::NoGradGuard no_grad;
   const auto& sharded = s.sharded;
   TORCH_CHECK(k >= 0 && k < static_cast<int64_t>(sharded.flats.size()), "no parameter bucket ", k);
+  if (sharded.residency) {
+    sk::dist::refresh(*sharded.residency, static_cast<size_t>(k));
+    return;
+  }
   at::Tensor& flat = const_cast<at::Tensor&>(sharded.flats[static_cast<size_t>(k)]);
   const int64_t world = sharded.pg->getSize(), rank = sharded.pg->getRank();
   const int64_t chunk = flat.numel() / world;
@@ -45,6 +50,10 @@ void gather_bucket(OptimizerShard& s, int64_t k) {
 // Joins every started all-gather into the current stream; the parameters' kept autocast copies
 // are then refreshed from the gathered values.
 void finish_gather(OptimizerShard& s) {
+  if (s.sharded.residency) {
+    sk::dist::after_step(*s.sharded.residency);
+    return;
+  }
   for (auto& work : s.started) wait(work);
   s.started.clear();
   s.sent.clear();
@@ -52,6 +61,10 @@ void finish_gather(OptimizerShard& s) {
 }
 
 void gather(OptimizerShard& s) {
+  if (s.sharded.residency) {
+    sk::dist::after_step(*s.sharded.residency);
+    return;
+  }
   for (int64_t k = 0; k < static_cast<int64_t>(s.sharded.flats.size()); ++k) gather_bucket(s, k);
   finish_gather(s);
 }

@@ -62,7 +62,8 @@ enum sk_bool_flag {
   SK_FLAG_SDP_MEM_EFFICIENT = 8,
   SK_FLAG_SDP_MATH = 9,
   SK_FLAG_SDP_CUDNN = 10,
-  SK_FLAG_USE_DETERMINISTIC_ALGORITHMS = 11
+  SK_FLAG_USE_DETERMINISTIC_ALGORITHMS = 11,
+  SK_FLAG_CUDA_EXPANDABLE_SEGMENTS = 12
 };
 
 /// The entries of the per-backend fp32 precision table speedkit moves.
@@ -368,9 +369,14 @@ void sk_reducer_free(void* reducer);
 /// parameters' own type), all-reduced and averaged. With `shard` (ZeRO-1) each bucket is instead
 /// padded to a multiple of the world size and reduce-scattered: this rank keeps the average of its
 /// contiguous part only, as the gradients of its pieces of the parameters (sk_optimizer_shard_new).
-/// *out freed by sk_grad_sync_free.
-int sk_grad_sync_new(void* group, const sk_tensor* params, int64_t n, int64_t bucket_bytes, int wire_type,
-                     int shard, void** out);
+/// With `shard` 2 (ZeRO-3) the parameters are sharded too: each bucket is a unit of parameters
+/// (`units[i]`: parameter i's unit; negative: the unit kept gathered through the step), whose
+/// parameters become views, in `param_type` (a ScalarType code, -1: their own), of a buffer
+/// gathered where a call of the step takes them; this rank keeps its part in fp32, which its
+/// pieces are stretches of (parameter_residency.cpp). `units` may be null otherwise (buckets by
+/// size). *out freed by sk_grad_sync_free.
+int sk_grad_sync_new(void* group, const sk_tensor* params, int64_t n, const int64_t* units, int64_t bucket_bytes,
+                     int wire_type, int shard, int param_type, void** out);
 /// Before a backward pass: its gradients go into their buckets as autograd produces them, and each
 /// bucket's all-reduce starts when it is full, overlapping the rest of the backward pass.
 int sk_grad_sync_arm(void* sync);
@@ -393,6 +399,14 @@ int sk_grad_sync_bucket_members(void* sync, int64_t bucket, int64_t* params, int
 int sk_grad_sync_watch_replay(void* sync, int64_t timeout_ms, const char* rank);
 /// How many buckets (all-reduces) a run makes, and the bytes they send in all.
 int sk_grad_sync_shape(void* sync, int64_t* buckets, int64_t* wire_bytes);
+/// ZeRO-3: the bytes of parameters this rank holds now (its fp32 parts and the units gathered).
+int sk_grad_sync_resident_bytes(void* sync, int64_t* bytes);
+/// ZeRO-3: every parameter's whole fp32 value (a collective), in the order sk_grad_sync_new was
+/// given them: `out` has room for `capacity`, and receives fresh tensors.
+int sk_grad_sync_gather_parameters(void* sync, sk_tensor* out, int64_t capacity);
+/// ZeRO-3: ends the sharding. With `gather` (a collective) the parameters become whole fp32 tensors
+/// of their values again; without, empty tensors, which a later use reports (after a failure).
+int sk_grad_sync_unshard(void* sync, int gather);
 void sk_grad_sync_free(void* sync);
 /// The optimizer's side of a sharded sync: this rank's pieces of the parameters (detached views,
 /// whose gradients the sync's run sets) and the all-gather of the updated pieces. It holds its own

@@ -170,6 +170,7 @@ impl SpeedContext {
                 bf16_gradients: settings.bf16_gradients,
                 check_replicas_every: settings.check_replicas_every,
                 shard_optimizer: settings.shard_optimizer,
+                shard_parameters: settings.shard_parameters,
                 overlap_optimizer: settings.overlap_optimizer,
             },
         )?;
@@ -190,7 +191,14 @@ impl SpeedContext {
                 settings.bucket_bytes >> 20
             )
         };
-        let sharded = if settings.shard_optimizer {
+        let sharded = if settings.shard_parameters.is_some() {
+            format!(
+                "; parameters sharded (ZeRO-3): each rank keeps 1/{} of every block in fp32 with \
+                 its AdamW state, blocks gathered where the step uses them, gradients \
+                 reduce-scattered per block",
+                group.world_size()
+            )
+        } else if settings.shard_optimizer {
             format!(
                 "; optimizer state sharded (ZeRO-1): gradients reduce-scattered, each rank's AdamW \
                  state 1/{} of the parameters, updated parameters all-gathered",
@@ -238,6 +246,56 @@ impl SpeedContext {
     fn optimizer_shard(&self) -> Result<Option<crate::dist::OptimizerShard>> {
         match self.data_parallel.borrow().as_ref() {
             Some(dp) => dp.optimizer_shard(),
+            None => Ok(None),
+        }
+    }
+
+    /// Every variable of `vs` by name, in name order, with its whole value: under
+    /// `distributed.shard_parameters` (ZeRO-3) the trainable ones are gathered from every rank's
+    /// part in fp32 (a collective: every rank calls it, every rank receives them); otherwise they
+    /// are the variables themselves. What a checkpoint of the model saves, on rank 0:
+    ///
+    /// ```
+    /// use speedkit::{SpeedConfig, SpeedContext};
+    /// use tch::{nn, Device};
+    /// let ctx = SpeedContext::new(&SpeedConfig::from_yaml_str("device: cpu\n")?)?;
+    /// let vs = nn::VarStore::new(Device::Cpu);
+    /// let _layer = nn::linear(vs.root() / "layer", 4, 2, Default::default());
+    /// let state = ctx.model_state(&vs)?;
+    /// assert_eq!(state.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(), ["layer.bias", "layer.weight"]);
+    /// if ctx.is_main() {
+    ///     tch::Tensor::save_multi(&state, std::env::temp_dir().join("model.ot"))?;
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn model_state(&self, vs: &VarStore) -> Result<Vec<(String, Tensor)>> {
+        let mut state: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        state.sort_by(|a, b| a.0.cmp(&b.0));
+        let gathered = match self.data_parallel.borrow().as_ref() {
+            Some(dp) => dp.gather_parameters()?,
+            None => None,
+        };
+        for (name, value) in gathered.into_iter().flatten() {
+            if let Some(entry) = state.iter_mut().find(|(n, _)| *n == name) {
+                entry.1 = value;
+            }
+        }
+        Ok(state)
+    }
+
+    /// Under `distributed.shard_parameters` (ZeRO-3), the bytes of parameters this rank holds
+    /// now: its fp32 part of every unit and the units gathered at the moment (none between
+    /// steps). `None` where the parameters are not sharded.
+    ///
+    /// ```
+    /// use speedkit::{SpeedConfig, SpeedContext};
+    /// let ctx = SpeedContext::new(&SpeedConfig::from_yaml_str("device: cpu\n")?)?;
+    /// assert_eq!(ctx.resident_parameter_bytes()?, None);   // one process: nothing sharded
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn resident_parameter_bytes(&self) -> Result<Option<i64>> {
+        match self.data_parallel.borrow().as_ref() {
+            Some(dp) => dp.resident_parameter_bytes(),
             None => Ok(None),
         }
     }
@@ -534,7 +592,9 @@ impl SpeedContext {
         self.count_optimizer_step()
     }
 
-    /// zero_grad → scale → backward → unscale/inf-check → step → update. Under speedkit's
+    /// zero_grad → scale → backward → unscale/inf-check → step → update; with the parameters
+    /// sharded (`distributed.shard_parameters`), the gradients are dropped again once the step used
+    /// them, so that the next forward pass does not hold them beside its activations. Under speedkit's
     /// data-parallel all-reduce without a GradScaler, the optimizer updates each gradient bucket's
     /// parameters as soon as that bucket's average lands (`distributed.overlap_optimizer`), which
     /// [`backward`](Self::backward) then [`step`](Self::step) cannot: code between them may read
@@ -550,10 +610,25 @@ impl SpeedContext {
         }
         if self.steps_as_buckets_land() {
             self.backward_joining(loss, false)?;
-            return self.step_as_buckets_land(opt);
+            self.step_as_buckets_land(opt)?;
+        } else {
+            self.backward(loss)?;
+            self.step(opt)?;
         }
-        self.backward(loss)?;
-        self.step(opt)
+        if self.shards_parameters() {
+            // The step used them: the next forward pass does not hold them beside its activations.
+            let _range = self.nvtx_range(c"speedkit/zero_grad");
+            opt.zero_gradients()?;
+        }
+        Ok(())
+    }
+
+    /// Whether the plan shards the parameters (ZeRO-3) over the ranks of a data-parallel run.
+    fn shards_parameters(&self) -> bool {
+        self.plan
+            .distributed
+            .as_ref()
+            .is_some_and(|d| d.shard_parameters.is_some())
     }
 
     /// Registers your kernel as an operator's implementation ([`OperatorOverride`]) while this

@@ -44,6 +44,28 @@ impl LlamaConfig {
         }
     }
 
+    /// Llama 2 7B's shape on short sequences: d 4096, 32 heads of 128, 32 blocks, SwiGLU width
+    /// 11008, vocabulary 32000 (6.74 B parameters), 2 × 512 tokens. Its fp32 weights, gradients
+    /// and AdamW state, 16 bytes a parameter, do not fit one 80 GB GPU.
+    pub const fn large() -> Self {
+        Self {
+            vocab: 32000,
+            d_model: 4096,
+            heads: 32,
+            layers: 32,
+            hidden: 11008,
+            seq_len: 512,
+            batch: 2,
+        }
+    }
+
+    /// Parameters of the model: the embedding and the head, and per block four d × d
+    /// projections, three d × hidden ones and two norms' scales; the final norm's.
+    pub fn parameters(&self) -> i64 {
+        let (d, h) = (self.d_model, self.hidden);
+        2 * self.vocab * d + self.layers * (4 * d * d + 3 * d * h + 2 * d) + d
+    }
+
     /// A CPU-test size: d 32, 2 heads, 2 blocks, width 88, vocabulary 128, 2 × 16 tokens.
     pub const fn tiny() -> Self {
         Self {

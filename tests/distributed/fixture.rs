@@ -41,6 +41,20 @@ pub fn model(vs: &nn::VarStore) -> impl Module {
         .add(nn::linear(vs.root() / "l2", HIDDEN, 1, Default::default()))
 }
 
+/// The model of the ZeRO-3 scenarios: two numbered blocks (a unit each) between an input and an
+/// output layer outside any block (one more unit, kept through the step).
+pub fn blocks_model(vs: &nn::VarStore) -> nn::Sequential {
+    let root = vs.root();
+    let block = |i: i64| nn::linear(&root / "blocks" / i, 64, 64, Default::default());
+    nn::seq()
+        .add(nn::linear(&root / "input", 8, 64, Default::default()))
+        .add(block(0))
+        .add_fn(|x| x.tanh())
+        .add(block(1))
+        .add_fn(|x| x.tanh())
+        .add(nn::linear(&root / "output", 64, 1, Default::default()))
+}
+
 /// The whole data set, the same in every process: STEPS global batches.
 pub fn data() -> (Tensor, Tensor) {
     tch::manual_seed(1234);

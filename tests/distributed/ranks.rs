@@ -2,7 +2,9 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::fixture::{adamw, config, data, model, rows_of, GLOBAL_BATCH, STEPS, WORLD};
+use crate::fixture::{
+    adamw, blocks_model, config, data, model, rows_of, GLOBAL_BATCH, STEPS, WORLD,
+};
 use speedkit::config::{AllReduce, DistributedBackend, SpeedConfig};
 use speedkit::dist::LaunchEnv;
 use speedkit::{apply_speedups, SpeedkitError};
@@ -33,16 +35,22 @@ pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
     let (x, y) = data();
     tch::manual_seed(100 + rank as i64);
     let mut vs = nn::VarStore::new(Device::Cpu);
-    let net = model(&vs);
+    let sharded_parameters = scenario == "train_sharded_parameters";
+    let net: Box<dyn Module> = if sharded_parameters {
+        Box::new(blocks_model(&vs))
+    } else {
+        Box::new(model(&vs))
+    };
     let mut config = config(bucket_mb);
     if let Some(all_reduce) = scenario.strip_prefix("train_") {
         config.distributed.all_reduce = match all_reduce {
             "in_backward" => AllReduce::InBackward,
-            "sharded" | "sharded_landing" => AllReduce::Auto,
+            "sharded" | "sharded_landing" | "sharded_parameters" => AllReduce::Auto,
             _ => AllReduce::AfterBackward,
         };
     }
     config.distributed.shard_optimizer = scenario.starts_with("train_sharded");
+    config.distributed.shard_parameters = sharded_parameters;
     let ctx = apply_speedups(&mut vs, &config)?;
     ctx.print_main(ctx.audit());
     let mut opt = ctx.adamw(&vs, adamw())?;
@@ -82,6 +90,9 @@ pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
         } else {
             ctx.backward_step(&loss, &mut opt)?;
         }
+        if let Some(bytes) = ctx.resident_parameter_bytes()? {
+            println!("resident parameter bytes after step {step}: {bytes}");
+        }
         if step < STEPS {
             println!("step {step} done");
         }
@@ -91,7 +102,8 @@ pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
         "optimizer holds {} parameter bytes, {} state bytes",
         held.parameters, held.state
     );
-    vs.save(out.join(format!("rank{rank}.ot")))
+    // Gathered from every rank's part where the parameters are sharded.
+    Tensor::save_multi(&ctx.model_state(&vs)?, out.join(format!("rank{rank}.ot")))
         .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
     Ok(())
 }
@@ -101,7 +113,8 @@ pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
 /// `graphs_auto` (one CUDA graph with the all-reduce inside, started during the backward pass),
 /// `after_backward` (graphed, all-reduced after the backward pass), `reducer` (graphs on auto, the
 /// Reducer asked for: eager), `bf16` (graphed, gradients sent in bf16), `sharded` (graphed, the
-/// optimizer state sharded: gradients reduce-scattered, parameters all-gathered), `until_killed`
+/// optimizer state sharded: gradients reduce-scattered, parameters all-gathered),
+/// `sharded_parameters` (ZeRO-3 on [`blocks_model`], eager), `until_killed`
 /// (graphed, replayed until the test kills a rank).
 fn train_nccl_rank(
     rank: usize,
@@ -138,10 +151,16 @@ fn train_nccl_rank(
         config.distributed.timeout_s = 10;
         config.distributed.check_replicas_every = 0;
     }
+    let sharded_parameters = variant == "sharded_parameters";
+    config.distributed.shard_parameters = sharded_parameters;
     let (x, y) = data();
     tch::manual_seed(100 + rank as i64);
     let mut vs = nn::VarStore::new(Device::Cpu);
-    let net = model(&vs);
+    let net: Box<dyn Module> = if sharded_parameters {
+        Box::new(blocks_model(&vs))
+    } else {
+        Box::new(model(&vs))
+    };
     let ctx = apply_speedups(&mut vs, &config)?;
     let device = ctx.device();
     let mut opt = ctx.adamw(&vs, adamw())?;
@@ -168,8 +187,12 @@ fn train_nccl_rank(
     );
     drop(step);
     ctx.print_main(ctx.audit());
-    vs.set_device(Device::Cpu);
-    vs.save(out.join(format!("rank{rank}.ot")))
+    let state = ctx
+        .model_state(&vs)?
+        .into_iter()
+        .map(|(name, t)| (name, t.to_device(Device::Cpu)))
+        .collect::<Vec<_>>();
+    Tensor::save_multi(&state, out.join(format!("rank{rank}.ot")))
         .map_err(|e| SpeedkitError::Torch(e.to_string()))
 }
 

@@ -1,7 +1,7 @@
 //! Ranks train to equal parameters, equal to one process's, over Gloo and NCCL, sharded or not.
 
 use crate::common;
-use crate::fixture::{adamw, config, data, model, GLOBAL_BATCH, STEPS, WORLD};
+use crate::fixture::{adamw, blocks_model, config, data, model, GLOBAL_BATCH, STEPS, WORLD};
 use crate::processes::{
     load, run_launcher, run_launcher_of_ranks, run_node_launchers, scratch, text,
 };
@@ -144,6 +144,38 @@ fn four_ranks_train_as_one_process_with_a_quarter_of_the_state_each() {
     assert_each_rank_holds_its_share_of_the_state(&log, 4);
 }
 
+#[test]
+fn sharded_parameters_train_as_one_process_with_half_the_parameters_on_each_rank() {
+    let (single, _) = single_process_reference_of(|vs| Box::new(blocks_model(vs)));
+    let out = scratch("sharded-parameters");
+    let output = run_launcher("train_sharded_parameters", &out);
+    let log = text(&output);
+    assert!(output.status.success(), "{log}");
+    assert!(log.contains("parameters sharded (ZeRO-3)"), "{log}");
+    // Gathered from both ranks' parts for the save.
+    assert_every_rank_matches(&out, WORLD, &single, 1e-5);
+    // Between steps each rank holds its half of every unit, in fp32, and nothing gathered.
+    let whole: i64 = single.iter().map(|(_, t)| 4 * t.numel() as i64).sum();
+    for rank in 0..WORLD {
+        let line = format!(
+            "[rank {rank}] resident parameter bytes after step {}: ",
+            STEPS - 1
+        );
+        let held: i64 = log
+            .lines()
+            .find_map(|l| l.strip_prefix(&line))
+            .unwrap_or_else(|| panic!("no `{line}` in {log}"))
+            .trim()
+            .parse()
+            .unwrap();
+        // Each unit is padded to a multiple of the ranks: at most one element more per unit.
+        assert!(
+            (held - whole / WORLD).abs() <= 4 * 3,
+            "rank {rank} holds {held} parameter bytes of {whole}"
+        );
+    }
+}
+
 /// AdamW keeps two moments per parameter: each of `ranks` sharded ranks keeps them for its
 /// 1/`ranks` of the parameters, and every parameter, as its log's memory line says.
 fn assert_each_rank_holds_its_share_of_the_state(log: &str, ranks: i64) {
@@ -187,11 +219,18 @@ fn single_process_state_bytes() -> speedkit::optim::OptimizerMemory {
 
 /// [`single_process_reference`], with the gradient's norm at each step.
 fn single_process_reference_and_norms() -> (Vec<(String, Tensor)>, Vec<f64>) {
+    single_process_reference_of(|vs| Box::new(model(vs)))
+}
+
+/// [`single_process_reference_and_norms`] of the model `build` makes.
+fn single_process_reference_of(
+    build: fn(&nn::VarStore) -> Box<dyn Module>,
+) -> (Vec<(String, Tensor)>, Vec<f64>) {
     let _lock = common::serial();
     let (x, y) = data();
     tch::manual_seed(100); // rank 0's initialisation, which the ranks broadcast
     let mut vs = nn::VarStore::new(Device::Cpu);
-    let net = model(&vs);
+    let net = build(&vs);
     let ctx = apply_speedups(&mut vs, &config(1)).unwrap();
     assert_eq!(ctx.world_size(), 1);
     let mut opt = ctx.adamw(&vs, adamw()).unwrap();
@@ -322,6 +361,24 @@ fn nccl_ranks_match_one_process_eager_on_the_reducer_and_graphed_on_speedkits_al
         }
         assert_every_rank_matches(&out, ranks, &single, tolerance);
     }
+}
+
+#[test]
+fn nccl_ranks_with_sharded_parameters_match_one_process() {
+    let ranks = nccl_ranks();
+    if ranks < 2 {
+        eprintln!(
+            "skipped nccl_ranks_with_sharded_parameters_match_one_process: needs 2 CUDA devices"
+        );
+        return;
+    }
+    let (single, _) = single_process_reference_of(|vs| Box::new(blocks_model(vs)));
+    let out = scratch("nccl-sharded-parameters");
+    let output = run_launcher_of_ranks("nccl_sharded_parameters", &out, ranks as usize);
+    let log = text(&output);
+    assert!(output.status.success(), "{log}");
+    assert!(log.contains("parameters sharded (ZeRO-3)"), "{log}");
+    assert_every_rank_matches(&out, ranks, &single, 1e-4);
 }
 
 /// Every rank's saved parameters (`rank<R>.ot` in `out`) within `tolerance` of one process's.

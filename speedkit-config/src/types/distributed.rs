@@ -45,6 +45,15 @@ pub struct DistributedConfig {
     /// the updated parameters all-gathered, which together send what one all-reduce sends. Needs
     /// speedkit's all-reduce (`all_reduce` other than `reducer`).
     pub shard_optimizer: bool,
+    /// ZeRO-3, as PyTorch's FSDP2: the parameters and gradients are sharded too. Each numbered
+    /// block of the model (`layers.3.…`, `block3.…`) is one unit, all-gathered where the step
+    /// first uses it (in the forward pass, and again in the backward pass), the next unit's gather
+    /// started ahead, and let go when the step moves on; the parameters outside the blocks are one
+    /// more unit, kept through the step. Each rank keeps its part of every unit in fp32 with its
+    /// AdamW state; the parameters compute in bf16 under bf16 precision. Implies
+    /// `shard_optimizer`; needs speedkit's all-reduce. The step runs eagerly for now, on ATen's
+    /// kernels (without speedkit's kernels, overrides and FP8).
+    pub shard_parameters: bool,
     /// speedkit's AdamW steps each bucket's parameters as soon as that bucket's average lands,
     /// beside the all-reduces still running, instead of after the last one (sharded: this rank's
     /// pieces, each bucket's all-gather started right after). Applies to speedkit's all-reduce
@@ -97,6 +106,7 @@ impl Default for DistributedConfig {
             compress: GradientCompression::None,
             check_replicas_every: 1000,
             shard_optimizer: false,
+            shard_parameters: false,
             overlap_optimizer: true,
         }
     }

@@ -103,6 +103,10 @@ impl fmt::Display for Size {
     }
 }
 
+/// The tag of workloads too large for one GPU at bench size (they train with their parameters
+/// sharded over several): a run includes them at that size only where a filter names them.
+pub const LARGE_TAG: &str = "large";
+
 /// A registered workload (what `#[speedkit::bench]` submits to `inventory`).
 #[derive(Debug)]
 pub struct Workload {

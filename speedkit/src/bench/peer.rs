@@ -31,7 +31,7 @@ use crate::report::table;
 pub const REFERENCE_SCRIPT: &str = include_str!("../../../docs/benchmarks/pytorch_reference.py");
 
 /// The workloads the reference has a PyTorch version of (its `WORKLOADS`).
-pub const REFERENCE_WORKLOADS: [&str; 10] = [
+pub const REFERENCE_WORKLOADS: [&str; 11] = [
     "transformer",
     "linear3",
     "mlp",
@@ -42,6 +42,7 @@ pub const REFERENCE_WORKLOADS: [&str; 10] = [
     "gpt2_tch",
     "llama_tch",
     "unet_tch",
+    "llama_large",
 ];
 
 /// The reference's modes, in column order, with their column headers.

@@ -22,7 +22,7 @@ use tch::{nn::VarStore, Kind, Tensor};
 use super::{OptimizerShard, ProcessGroup};
 use crate::config::{AllReduce, SpeedConfig};
 use crate::error::{Result, SpeedkitError};
-use crate::ffi::distributed::{RawGradientSync, RawReducer};
+use crate::ffi::distributed::{RawGradientSync, RawReducer, RawSharding};
 
 /// How a [`DataParallel`] averages gradients.
 enum Averaging {
@@ -43,6 +43,8 @@ pub struct DataParallel {
     parameter_bytes: i64,
     check_replicas_every: u64,
     steps: Cell<u64>,
+    /// ZeRO-3: the optimizer steps counted when the parameters were last gathered for their values.
+    gathered_at: Cell<Option<u64>>,
 }
 
 /// Where and how a [`DataParallel`] averages gradients (the plan's `distributed` settings).
@@ -54,6 +56,8 @@ pub(crate) struct AveragingSettings {
     pub bf16_gradients: bool,
     pub check_replicas_every: u64,
     pub shard_optimizer: bool,
+    /// ZeRO-3: the parameters sharded too, gathered in this type where the step uses them.
+    pub shard_parameters: Option<Kind>,
     pub overlap_optimizer: bool,
 }
 
@@ -79,13 +83,16 @@ impl DataParallel {
             .iter()
             .map(|t| t.numel() as i64 * t.kind().elt_size_in_bytes() as i64)
             .sum();
+        let names = names_of(&trainable, &variables);
         let named_trainable = variables
             .into_iter()
             .filter(|(_, t)| t.requires_grad())
             .collect();
         let averaging = if settings.all_reduce != AllReduce::Reducer {
             let wire = settings.bf16_gradients.then_some(Kind::BFloat16);
-            let sync = if settings.shard_optimizer {
+            let sync = if let Some(compute) = settings.shard_parameters {
+                GradientSync::sharded_parameters(group, &trainable, &names, compute, wire)?
+            } else if settings.shard_optimizer {
                 GradientSync::sharded(group, &trainable, settings.bucket_bytes, wire)?
             } else {
                 GradientSync::new(group, &trainable, settings.bucket_bytes, wire)?
@@ -112,6 +119,7 @@ impl DataParallel {
             parameter_bytes,
             check_replicas_every: settings.check_replicas_every,
             steps: Cell::new(0),
+            gathered_at: Cell::new(None),
         })
     }
 
@@ -239,6 +247,30 @@ impl DataParallel {
         }
     }
 
+    /// Under ZeRO-3 (`distributed.shard_parameters`), the bytes of parameters this rank holds now:
+    /// its fp32 part of each unit and the units gathered at the moment (none between steps).
+    /// `None` otherwise.
+    pub fn resident_parameter_bytes(&self) -> Result<Option<i64>> {
+        match &self.averaging {
+            Averaging::InStep { sync, .. } => sync.resident_parameter_bytes(),
+            Averaging::Reducer(_) => Ok(None),
+        }
+    }
+
+    /// Under ZeRO-3, every trainable parameter's whole fp32 value, by name (a collective: every
+    /// rank calls it, and every rank receives them), for a checkpoint; `None` otherwise, where the
+    /// parameters themselves are whole.
+    pub fn gather_parameters(&self) -> Result<Option<Vec<(String, Tensor)>>> {
+        match &self.averaging {
+            Averaging::InStep { sync, .. } if sync.shards_parameters() => {
+                let gathered = sync.gather_parameters()?;
+                self.gathered_at.set(Some(self.steps.get()));
+                Ok(Some(gathered))
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// Whether gradients are averaged by speedkit's all-reduce, as stream work of the step that a
     /// CUDA graph captures, rather than by the Reducer's hooks.
     pub fn in_step(&self) -> bool {
@@ -253,6 +285,20 @@ impl DataParallel {
     /// Their total size in bytes (what each step all-reduces).
     pub fn parameter_bytes(&self) -> i64 {
         self.parameter_bytes
+    }
+}
+
+impl Drop for DataParallel {
+    fn drop(&mut self) {
+        let sharded =
+            matches!(&self.averaging, Averaging::InStep { sync, .. } if sync.shards_parameters());
+        if sharded && self.steps.get() > 0 && self.gathered_at.get() != Some(self.steps.get()) {
+            eprintln!(
+                "speedkit: the parameters were sharded across the ranks (distributed.shard_parameters) \
+                 and are empty now that the context has ended; to keep the trained values, take \
+                 them with `ctx.model_state(&vs)` (every rank) before it ends"
+            );
+        }
     }
 }
 
@@ -309,6 +355,8 @@ pub struct GradientSync {
     wire_bytes: i64,
     /// Sharded: the parameters, in order, and the number of ranks.
     sharded: Option<(Vec<Tensor>, usize)>,
+    /// ZeRO-3: the parameters' names, in order.
+    sharded_names: Option<Vec<String>>,
 }
 
 impl GradientSync {
@@ -320,7 +368,7 @@ impl GradientSync {
         bucket_bytes: i64,
         wire: Option<Kind>,
     ) -> Result<Self> {
-        Self::build(group, params, bucket_bytes, wire, false)
+        Self::build(group, params, bucket_bytes, wire, RawSharding::None)
     }
 
     /// As [`new`](Self::new), for ZeRO-1: each bucket is reduce-scattered rather than all-reduced,
@@ -336,7 +384,63 @@ impl GradientSync {
         bucket_bytes: i64,
         wire: Option<Kind>,
     ) -> Result<Self> {
-        Self::build(group, params, bucket_bytes, wire, true)
+        Self::build(group, params, bucket_bytes, wire, RawSharding::Optimizer)
+    }
+
+    /// ZeRO-3, as PyTorch's FSDP2: the parameters are sharded too. Each unit of parameters (the
+    /// parameters of one numbered block, `layers.3.…` or `block3.…`, by `names`; those outside any block form
+    /// one more unit, kept gathered through the step) becomes one flat buffer in `compute` whose
+    /// memory exists only while the step uses it: it is all-gathered where a call first takes one
+    /// of its parameters, in the forward and again in the backward pass, the next unit's gather
+    /// started ahead, and let go when the step moves on. This rank keeps its part of each unit in
+    /// fp32, the pieces of its [`optimizer_shard`](Self::optimizer_shard); the gradients of a
+    /// unit are reduce-scattered (in `wire`, fp32 where `None`) as soon as they are all in. The
+    /// parameters stay the same tensors, of the same shapes, in `compute`.
+    ///
+    /// Every rank must then run the same calls on the parameters, in the same order (each gather
+    /// is a collective); for their values, use [`gather_parameters`](Self::gather_parameters)
+    /// while the sync lives: dropping it leaves the parameters empty (a collective in a drop
+    /// would hang a rank that drops it on an error path).
+    ///
+    /// ```no_run
+    /// use speedkit::dist::{Backend, GradientSync, LaunchEnv, ProcessGroup};
+    /// use speedkit::optim::{AdamW, AdamWOptimizer};
+    /// use std::time::Duration;
+    /// use tch::{nn, Device, Kind};
+    /// let env = LaunchEnv::from_env()?.expect("run under `speedkit launch` or torchrun");
+    /// let group = ProcessGroup::init(&env, Backend::Nccl, Duration::from_secs(60))?;
+    /// let vs = nn::VarStore::new(Device::Cuda(env.local_rank));
+    /// let _a = nn::linear(vs.root() / "blocks" / 0, 64, 64, Default::default());
+    /// let _b = nn::linear(vs.root() / "blocks" / 1, 64, 64, Default::default());
+    /// let names = ["blocks.0.weight", "blocks.0.bias", "blocks.1.weight", "blocks.1.bias"]
+    ///     .map(String::from);
+    /// let sync = GradientSync::sharded_parameters(
+    ///     &group, &vs.trainable_variables(), &names, Kind::BFloat16, None)?;
+    /// let mut opt = AdamWOptimizer::sharded(sync.optimizer_shard()?, AdamW::default(), true)?;
+    /// // ... autocast forward, loss.backward(); sync.run()?; opt.step()?;
+    /// # Ok::<(), speedkit::SpeedkitError>(())
+    /// ```
+    pub fn sharded_parameters(
+        group: &ProcessGroup,
+        params: &[Tensor],
+        names: &[String],
+        compute: Kind,
+        wire: Option<Kind>,
+    ) -> Result<Self> {
+        let units = units_of(names);
+        let sharding = RawSharding::Parameters {
+            units,
+            compute: Some(compute),
+        };
+        let mut sync = Self::build(
+            group,
+            params,
+            i64::MAX,
+            Some(wire.unwrap_or(Kind::Float)),
+            sharding,
+        )?;
+        sync.sharded_names = Some(names.to_vec());
+        Ok(sync)
     }
 
     fn build(
@@ -344,9 +448,10 @@ impl GradientSync {
         params: &[Tensor],
         bucket_bytes: i64,
         wire: Option<Kind>,
-        shard: bool,
+        sharding: RawSharding,
     ) -> Result<Self> {
-        let raw = RawGradientSync::new(group.raw(), params, bucket_bytes.max(1), wire, shard)
+        let shard = !matches!(sharding, RawSharding::None);
+        let raw = RawGradientSync::new(group.raw(), params, bucket_bytes.max(1), wire, &sharding)
             .map_err(failed("gradient all-reduce"))?;
         let (buckets, wire_bytes) = raw.shape()?;
         let bucket_params = (0..usize::try_from(buckets).unwrap_or(0))
@@ -374,7 +479,41 @@ impl GradientSync {
             buckets,
             wire_bytes,
             sharded,
+            sharded_names: None,
         })
+    }
+
+    /// Whether it was made [`sharded_parameters`](Self::sharded_parameters) (ZeRO-3).
+    pub fn shards_parameters(&self) -> bool {
+        self.sharded_names.is_some()
+    }
+
+    /// Under ZeRO-3, the bytes of parameters this rank holds now (see
+    /// [`DataParallel::resident_parameter_bytes`]); `None` otherwise.
+    pub fn resident_parameter_bytes(&self) -> Result<Option<i64>> {
+        if !self.shards_parameters() {
+            return Ok(None);
+        }
+        self.raw
+            .resident_bytes()
+            .map(Some)
+            .map_err(failed("sharded parameters"))
+    }
+
+    /// Under ZeRO-3, every parameter's whole fp32 value, by name (a collective); an error for a
+    /// sync that does not shard the parameters.
+    pub fn gather_parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        let Some(names) = &self.sharded_names else {
+            return Err(SpeedkitError::Misuse(
+                "gather_parameters() needs a GradientSync made by GradientSync::sharded_parameters"
+                    .into(),
+            ));
+        };
+        let values = self
+            .raw
+            .gather_parameters(names.len())
+            .map_err(failed("sharded parameters"))?;
+        Ok(names.iter().cloned().zip(values).collect())
     }
 
     /// Whether it was made [`sharded`](Self::sharded).
@@ -455,6 +594,17 @@ impl GradientSync {
     }
 }
 
+impl Drop for GradientSync {
+    fn drop(&mut self) {
+        if self.shards_parameters() {
+            // No collective here: a rank that drops the sync on an error path would wait for
+            // peers that never come. The parameters become empty, which a later use reports,
+            // never views of memory that is gone.
+            let _ = self.raw.unshard(false);
+        }
+    }
+}
+
 impl std::fmt::Debug for GradientSync {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GradientSync")
@@ -467,6 +617,45 @@ impl std::fmt::Debug for GradientSync {
 /// A shim error of `what` as a distributed-training error naming it.
 fn failed(what: &'static str) -> impl Fn(SpeedkitError) -> SpeedkitError {
     move |e| SpeedkitError::Distributed(format!("{what}: {e}"))
+}
+
+/// Each parameter's unit under ZeRO-3, from its name: the name through its first part that holds a
+/// number (`layers.3.attn.q.weight` → `layers.3`, `block3.ln1.weight` → `block3`), numbered in
+/// order of first appearance; `-1` for names with none (embeddings, a final norm, the head), the
+/// unit kept gathered through the step.
+fn units_of(names: &[String]) -> Vec<i64> {
+    let mut seen: Vec<String> = Vec::new();
+    names
+        .iter()
+        .map(|name| {
+            let parts: Vec<&str> = name.split('.').collect();
+            let Some(at) = parts
+                .iter()
+                .position(|p| p.bytes().any(|b| b.is_ascii_digit()))
+            else {
+                return -1;
+            };
+            let block = parts[..=at].join(".");
+            let id = seen.iter().position(|b| *b == block).unwrap_or_else(|| {
+                seen.push(block);
+                seen.len() - 1
+            });
+            id as i64
+        })
+        .collect()
+}
+
+/// The names of `params` among `variables` (the same tensors: same data and shape).
+fn names_of(params: &[Tensor], variables: &[(String, Tensor)]) -> Vec<String> {
+    params
+        .iter()
+        .map(|p| {
+            variables
+                .iter()
+                .find(|(_, v)| v.data_ptr() == p.data_ptr() && v.size() == p.size())
+                .map_or_else(String::new, |(name, _)| name.clone())
+        })
+        .collect()
 }
 
 /// Ranks whose fingerprint differs from rank 0's.

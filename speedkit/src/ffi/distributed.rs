@@ -6,6 +6,7 @@ use std::ptr;
 use tch::{Kind, Tensor};
 
 use super::{c_string, check, handle, handles, owned, raw, raw::distributed as abi, text, Result};
+use crate::error::SpeedkitError;
 
 /// Which c10d backend carries the collectives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -159,30 +160,42 @@ pub(crate) struct RawGradientSync(*mut c_void);
 
 impl RawGradientSync {
     /// Buckets of at most `bucket_bytes` over `params` (the last ones first), sent in `wire`
-    /// (`None`: the parameters' own type); `shard`: reduce-scattered for a sharded optimizer
-    /// ([`RawOptimizerShard`]) rather than all-reduced.
+    /// (`None`: the parameters' own type); sharded as `shard` says.
     pub(crate) fn new(
         group: &RawProcessGroup,
         params: &[Tensor],
         bucket_bytes: i64,
         wire: Option<Kind>,
-        shard: bool,
+        shard: &RawSharding,
     ) -> Result<Self> {
         let p = handles(params);
-        let wire = match wire {
-            Some(kind) => super::scalar_type_code(kind)?,
-            None => -1,
+        let code = |kind: Option<Kind>| match kind {
+            Some(kind) => super::scalar_type_code(kind),
+            None => Ok(-1),
         };
+        let (level, units, compute) = match shard {
+            RawSharding::None => (0, None, None),
+            RawSharding::Optimizer => (1, None, None),
+            RawSharding::Parameters { units, compute } => (2, Some(units.as_slice()), *compute),
+        };
+        if units.is_some_and(|u| u.len() != params.len()) {
+            return Err(SpeedkitError::Misuse(
+                "one unit per parameter is needed to shard the parameters".into(),
+            ));
+        }
         let mut sync = ptr::null_mut();
-        // SAFETY: live group and handles; `sync` receives an object we own.
+        // SAFETY: live group and handles; `units`, where given, holds one entry per parameter;
+        // `sync` receives an object we own.
         check(unsafe {
             abi::sk_grad_sync_new(
                 group.0,
                 p.as_ptr(),
                 p.len() as i64,
+                units.map_or(ptr::null(), <[i64]>::as_ptr),
                 bucket_bytes,
-                wire,
-                c_int::from(shard),
+                code(wire)?,
+                level,
+                code(compute)?,
                 &mut sync,
             )
         })?;
@@ -254,6 +267,50 @@ impl RawGradientSync {
         check(unsafe { abi::sk_grad_sync_shape(self.0, &mut buckets, &mut bytes) })?;
         Ok((buckets, bytes))
     }
+}
+
+impl RawGradientSync {
+    /// ZeRO-3: the bytes of parameters this rank holds now.
+    pub(crate) fn resident_bytes(&self) -> Result<i64> {
+        let mut bytes = 0;
+        // SAFETY: live object; one out-parameter.
+        check(unsafe { abi::sk_grad_sync_resident_bytes(self.0, &mut bytes) })?;
+        Ok(bytes)
+    }
+
+    /// ZeRO-3: every parameter's whole fp32 value (a collective), one per parameter of the `n`
+    /// the sync was made over, in that order.
+    pub(crate) fn gather_parameters(&self, n: usize) -> Result<Vec<Tensor>> {
+        let mut out = vec![ptr::null_mut(); n];
+        // SAFETY: a live object; the buffer holds `n` entries, the capacity passed.
+        check(unsafe { abi::sk_grad_sync_gather_parameters(self.0, out.as_mut_ptr(), n as i64) })?;
+        if out.iter().any(|t| t.is_null()) {
+            return Err(SpeedkitError::Distributed(
+                "the gathered parameters miss one".into(),
+            ));
+        }
+        // SAFETY: fresh tensors from the shim, one per entry.
+        Ok(out.into_iter().map(|t| unsafe { owned(t) }).collect())
+    }
+
+    /// ZeRO-3: ends the sharding (`gather`: the parameters' whole values back, a collective;
+    /// otherwise empty parameters).
+    pub(crate) fn unshard(&self, gather: bool) -> Result<()> {
+        // SAFETY: live object.
+        check(unsafe { abi::sk_grad_sync_unshard(self.0, c_int::from(gather)) })
+    }
+}
+
+/// How a [`RawGradientSync`] shards: not at all (all-reduced), the optimizer's state (ZeRO-1:
+/// reduce-scattered), or the parameters too (ZeRO-3: one unit id per parameter, negative for the
+/// unit kept gathered through the step, and the type the parameters compute in).
+pub(crate) enum RawSharding {
+    None,
+    Optimizer,
+    Parameters {
+        units: Vec<i64>,
+        compute: Option<Kind>,
+    },
 }
 
 impl Drop for RawGradientSync {

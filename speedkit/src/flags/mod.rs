@@ -90,6 +90,11 @@ pub enum Flag {
     SdpCudnn,
     /// `torch.are_deterministic_algorithms_enabled()` (`torch.use_deterministic_algorithms`)
     DeterministicAlgorithms,
+    /// The CUDA caching allocator's `expandable_segments` (`PYTORCH_CUDA_ALLOC_CONF`,
+    /// `torch.cuda.memory._set_allocator_settings`): segments made from then on grow in place
+    /// instead of new ones being made, which keeps large, changing allocations from fragmenting
+    /// memory.
+    CudaExpandableSegments,
     /// An on/off switch of a layer above the flags: speedkit's kernel switches
     /// ([`crate::kernels::flag`], [`KernelOp::flag`](crate::kernels::KernelOp::flag)) and
     /// the operator overrides' registrations
@@ -110,7 +115,7 @@ pub enum FlagKind {
 
 impl Flag {
     /// PyTorch's own flags, in the order reports list them.
-    pub const TORCH: [Flag; 17] = [
+    pub const TORCH: [Flag; 18] = [
         Flag::CudaMatmulAllowTf32,
         Flag::Float32MatmulPrecision,
         Flag::CudaMatmulFp32Precision,
@@ -128,6 +133,7 @@ impl Flag {
         Flag::SdpMath,
         Flag::SdpCudnn,
         Flag::DeterministicAlgorithms,
+        Flag::CudaExpandableSegments,
     ];
 
     /// Every flag, in the order reports list them: PyTorch's ([`Flag::TORCH`]), then every
@@ -174,6 +180,7 @@ impl Flag {
             Flag::SdpMath => "torch.backends.cuda.math_sdp_enabled()",
             Flag::SdpCudnn => "torch.backends.cuda.cudnn_sdp_enabled()",
             Flag::DeterministicAlgorithms => "torch.are_deterministic_algorithms_enabled()",
+            Flag::CudaExpandableSegments => "PYTORCH_CUDA_ALLOC_CONF expandable_segments",
             Flag::Switch(switch) => switch.name,
         }
     }
@@ -213,6 +220,7 @@ impl Flag {
             Flag::SdpMath => raw::SK_FLAG_SDP_MATH,
             Flag::SdpCudnn => raw::SK_FLAG_SDP_CUDNN,
             Flag::DeterministicAlgorithms => raw::SK_FLAG_USE_DETERMINISTIC_ALGORITHMS,
+            Flag::CudaExpandableSegments => raw::SK_FLAG_CUDA_EXPANDABLE_SEGMENTS,
             _ => return None,
         })
     }

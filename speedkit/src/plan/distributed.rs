@@ -5,12 +5,13 @@
 use tch::Device;
 
 use super::decisions::Decisions;
-use super::DistributedSettings;
+use super::{DistributedSettings, Fp8Plan, ResolvedPrecision};
 use crate::config::{
     AllReduce, AutoBool, DistributedBackend, DistributedConfig, GradientCompression, SpeedConfig,
 };
 use crate::dist::{Backend, LaunchEnv};
 use crate::error::{Result, SpeedkitError};
+use crate::overrides::Override;
 
 /// The launch this process takes part in, if any.
 pub(super) fn group_launch<'l>(
@@ -41,6 +42,7 @@ pub(super) fn resolve_distributed(
     config: &SpeedConfig,
     device: Device,
     launch: Option<&LaunchEnv>,
+    precision: ResolvedPrecision,
     graphs: bool,
     d: &mut Decisions,
 ) -> Result<Option<DistributedSettings>> {
@@ -66,8 +68,21 @@ pub(super) fn resolve_distributed(
         ),
     );
     let all_reduce = resolve_all_reduce(cfg, graphs, d)?;
-    let shard_optimizer = resolve_shard_optimizer(cfg, env.world_size, d);
+    let shard_parameters = resolve_shard_parameters(cfg, env.world_size, precision, d)?;
+    let shard_optimizer =
+        shard_parameters.is_some() || resolve_shard_optimizer(cfg, env.world_size, d);
     let overlap_optimizer = resolve_overlap_optimizer(cfg, all_reduce, d);
+    let check_replicas_every = if shard_parameters.is_some() {
+        d.push(
+            "check_replicas_every",
+            "0",
+            "the parameters are sharded: each rank holds its own part, there are no replicas to \
+             compare",
+        );
+        0
+    } else {
+        u64::from(cfg.check_replicas_every)
+    };
     const MIB: i64 = 1 << 20;
     Ok(Some(DistributedSettings {
         backend,
@@ -77,10 +92,122 @@ pub(super) fn resolve_distributed(
         timeout_s: u64::from(cfg.timeout_s),
         all_reduce,
         bf16_gradients: cfg.compress == GradientCompression::Bf16,
-        check_replicas_every: u64::from(cfg.check_replicas_every),
+        check_replicas_every,
         shard_optimizer,
+        shard_parameters,
         overlap_optimizer,
     }))
+}
+
+/// Under `distributed.shard_parameters` (ZeRO-3), the type the gathered parameters compute in:
+/// bf16 under bf16 precision, as FSDP2's mixed-precision policy, else fp32.
+fn resolve_shard_parameters(
+    cfg: &DistributedConfig,
+    world_size: usize,
+    precision: ResolvedPrecision,
+    d: &mut Decisions,
+) -> Result<Option<tch::Kind>> {
+    if !cfg.shard_parameters {
+        return Ok(None);
+    }
+    let kind = match precision {
+        ResolvedPrecision::Bf16 => tch::Kind::BFloat16,
+        ResolvedPrecision::Fp32 => tch::Kind::Float,
+        ResolvedPrecision::Fp16 => {
+            return Err(SpeedkitError::Unsupported(
+                "distributed.shard_parameters computes in bf16 or fp32, and the precision is \
+                 fp16 (its GradScaler would need the whole gradient on every rank); set \
+                 precision to bf16 or fp32, or shard_parameters to false (shard_optimizer \
+                 shards the optimizer state with fp16)"
+                    .into(),
+            ))
+        }
+    };
+    d.push(
+        "parameters",
+        "sharded",
+        format!(
+            "set in the config (ZeRO-3): each of the {world_size} ranks keeps 1/{world_size} of \
+             every block's parameters in fp32 with their AdamW state; a block is all-gathered in \
+             {} where the step first uses it, forward and backward, the next one's gather \
+             started ahead, and let go after; gradients reduce-scattered per block",
+            if kind == tch::Kind::BFloat16 {
+                "bf16"
+            } else {
+                "fp32"
+            }
+        ),
+    );
+    Ok(Some(kind))
+}
+
+/// What ZeRO-3 leaves of the rest of the plan: the step runs eagerly, on ATen's kernels: speedkit's
+/// own kernels, its overrides and FP8 read the parameters outside the calls that gather them (an
+/// error where the config asked for the step's CUDA graph).
+pub(super) fn resolve_beside_sharded_parameters(
+    config: &SpeedConfig,
+    sharded: bool,
+    planned: BesideSharding,
+    d: &mut Decisions,
+) -> Result<BesideSharding> {
+    if !sharded {
+        return Ok(planned);
+    }
+    if config.compile.enabled == AutoBool::On {
+        return Err(SpeedkitError::Unsupported(
+            "compile.enabled: true cannot be combined with distributed.shard_parameters yet: \
+             the sharded parameters are gathered by the eager step; set compile.enabled to auto \
+             or false, or shard_parameters to false"
+                .into(),
+        ));
+    }
+    let why = "distributed.shard_parameters: the sharded parameters are gathered by the eager \
+               step, which runs ATen's kernels on them";
+    for (key, on) in [
+        ("compile", planned.graphs),
+        ("kernels", planned.kernels),
+        ("overrides", !planned.overrides.is_empty()),
+        ("fp8", planned.fp8.is_some()),
+    ] {
+        if on {
+            d.push(key, "off", why);
+        }
+    }
+    Ok(BesideSharding {
+        graphs: false,
+        kernels: false,
+        overrides: Vec::new(),
+        fp8: None,
+    })
+}
+
+/// The CUDA caching allocator's expandable segments under ZeRO-3: each unit's gathered parameters
+/// and gradient buffers are large blocks made and freed many times a step beside the activations,
+/// which fragment fixed segments until an allocation no longer fits (PyTorch's advice for FSDP).
+pub(super) fn resolve_expandable_segments(
+    sharded: bool,
+    device: Device,
+    d: &mut Decisions,
+) -> Option<bool> {
+    if !sharded || !device.is_cuda() {
+        return None;
+    }
+    d.push(
+        "cuda.expandable_segments",
+        "true",
+        "distributed.shard_parameters: the gathered blocks and their gradient buffers come and go \
+         in large allocations every step; segments that grow in place keep them from fragmenting \
+         memory",
+    );
+    Some(true)
+}
+
+/// The parts of a plan that ZeRO-3 turns off (see [`resolve_beside_sharded_parameters`]).
+pub(super) struct BesideSharding {
+    pub graphs: bool,
+    pub kernels: bool,
+    pub overrides: Vec<Override>,
+    pub fp8: Option<Fp8Plan>,
 }
 
 /// The transport and why, or `None` where the config keeps the processes apart (recorded here):
@@ -202,13 +329,22 @@ fn resolve_all_reduce(
     d: &mut Decisions,
 ) -> Result<AllReduce> {
     let bf16 = cfg.compress == GradientCompression::Bf16;
-    let wire = if bf16 {
-        "sent in bf16"
-    } else {
-        "sent in their own type"
+    let wire = match (bf16, cfg.shard_parameters) {
+        (true, _) => "sent in bf16",
+        (false, true) => "sent in fp32",
+        (false, false) => "sent in their own type",
     };
     let buckets = cfg.bucket_mb;
     let (path, reason) = match cfg.all_reduce {
+        AllReduce::Reducer if cfg.shard_parameters => {
+            return Err(SpeedkitError::Unsupported(
+                "distributed.shard_parameters reduce-scatters gradients through speedkit's \
+                 all-reduce, and distributed.all_reduce is reducer (c10d's Reducer all-reduces \
+                 whole gradients); set all_reduce to auto, in_backward or after_backward, or \
+                 shard_parameters to false"
+                    .into(),
+            ))
+        }
         AllReduce::Reducer if cfg.shard_optimizer => {
             return Err(SpeedkitError::Unsupported(
                 "distributed.shard_optimizer reduce-scatters gradients through speedkit's \
@@ -236,7 +372,7 @@ fn resolve_all_reduce(
             cfg.all_reduce,
             format!("set in the config: {buckets} MiB buckets {wire}"),
         ),
-        AllReduce::Auto if graphs || bf16 || cfg.shard_optimizer => (
+        AllReduce::Auto if graphs || bf16 || cfg.shard_optimizer || cfg.shard_parameters => (
             AllReduce::InBackward,
             in_step_reason(cfg, graphs, bf16, wire),
         ),
@@ -255,6 +391,12 @@ fn resolve_all_reduce(
 /// Why `auto` picks speedkit's in-step all-reduce: the first of the graph, bf16 gradients and a
 /// sharded optimizer that needs it.
 fn in_step_reason(cfg: &DistributedConfig, graphs: bool, bf16: bool, wire: &str) -> String {
+    if cfg.shard_parameters {
+        return format!(
+            "sharded parameters: each block's gradients, {wire}, are reduce-scattered as soon as \
+             they are all in, on the collectives' stream beside the rest of the backward pass"
+        );
+    }
     let buckets = cfg.bucket_mb;
     format!(
         "{}: each {buckets} MiB bucket, {wire}, is {} as soon as its gradients are in, \

@@ -41,6 +41,11 @@ impl Plan {
             self.deterministic_algorithms,
             "deterministic",
         );
+        push_bool(
+            Flag::CudaExpandableSegments,
+            self.cuda_expandable_segments,
+            "cuda.expandable_segments",
+        );
         let rpr = self.reduced_precision_reduction;
         push_bool(
             Flag::CudaMatmulAllowBf16ReducedPrecisionReduction,

@@ -50,7 +50,8 @@ use backends::{
 use decisions::Decisions;
 use device::{resolve_device, resolve_rank_device};
 use distributed::{
-    data_parallel_rank, group_launch, resolve_distributed, resolve_graphs_beside_reducer,
+    data_parallel_rank, group_launch, resolve_beside_sharded_parameters, resolve_distributed,
+    resolve_expandable_segments, resolve_graphs_beside_reducer, BesideSharding,
 };
 use fp8::resolve_fp8;
 use fused_kernels::{resolve_kernels, resolve_overrides};
@@ -219,6 +220,9 @@ pub struct Plan {
     pub overrides: Vec<Override>,
     /// Data-parallel training over several processes, when on.
     pub distributed: Option<DistributedSettings>,
+    /// The CUDA caching allocator's expandable segments (`None` = left as they are): on under
+    /// sharded parameters, whose gathers and gradient buffers come and go in large blocks.
+    pub cuda_expandable_segments: Option<bool>,
     /// Every decision with its reason, in config-key order.
     pub decisions: Vec<Decision>,
 }
@@ -247,9 +251,20 @@ pub struct DistributedSettings {
     /// ZeRO-1: gradients reduce-scattered, each rank's AdamW state covering its part of the
     /// parameters only, and the updated parameters all-gathered.
     pub shard_optimizer: bool,
+    /// ZeRO-3: the parameters sharded too, in units gathered where the step uses them, computing
+    /// in this type (bf16 under bf16 precision, else fp32).
+    #[serde(serialize_with = "serialize_kind")]
+    pub shard_parameters: Option<tch::Kind>,
     /// speedkit's AdamW steps each bucket's parameters as soon as that bucket's average lands
     /// (speedkit's all-reduce of whole gradients, no GradScaler).
     pub overlap_optimizer: bool,
+}
+
+fn serialize_kind<S: serde::Serializer>(k: &Option<tch::Kind>, s: S) -> Result<S::Ok, S::Error> {
+    match k {
+        Some(kind) => s.serialize_str(&format!("{kind:?}")),
+        None => s.serialize_none(),
+    }
 }
 
 fn serialize_device<S: serde::Serializer>(d: &Device, s: S) -> Result<S::Ok, S::Error> {
@@ -323,11 +338,32 @@ impl Plan {
         let channels_last = resolve_channels_last(config.channels_last, gpu, &mut d);
 
         // The all-reduce is chosen for the step as planned, and may then take its graph away.
-        let distributed = resolve_distributed(config, device, launch, compile_graphs, &mut d)?;
+        let distributed =
+            resolve_distributed(config, device, launch, precision, compile_graphs, &mut d)?;
         let compile_graphs = resolve_graphs_beside_reducer(
             config.compile.enabled,
             distributed.as_ref(),
             compile_graphs,
+            &mut d,
+        )?;
+        let sharded = distributed
+            .as_ref()
+            .is_some_and(|dp| dp.shard_parameters.is_some());
+        let cuda_expandable_segments = resolve_expandable_segments(sharded, device, &mut d);
+        let BesideSharding {
+            graphs: compile_graphs,
+            kernels,
+            overrides,
+            fp8,
+        } = resolve_beside_sharded_parameters(
+            config,
+            sharded,
+            BesideSharding {
+                graphs: compile_graphs,
+                kernels,
+                overrides,
+                fp8,
+            },
             &mut d,
         )?;
 
@@ -353,6 +389,7 @@ impl Plan {
             kernels,
             overrides,
             distributed,
+            cuda_expandable_segments,
             decisions: d.0,
         })
     }

@@ -11,7 +11,7 @@ use super::output::{self, Progress};
 use super::report::{DataParallelRow, Row, RunReport, REPORT_SCHEMA_VERSION};
 use crate::bench::baseline::{self, Baseline};
 use crate::bench::peer::{self, PeerReport};
-use crate::bench::{percentile, Bencher, Protocol, Size, Workload};
+use crate::bench::{percentile, Bencher, Protocol, Size, Workload, LARGE_TAG};
 use crate::dist::LaunchEnv;
 use crate::error::{Result, SpeedkitError};
 use crate::ffi;
@@ -246,6 +246,13 @@ fn measure_all(
             Some("needs a CUDA device".to_string())
         } else if !w.sizes.contains(&size) {
             Some(format!("no {size} size"))
+        } else if size == Size::Bench && w.tags.contains(&LARGE_TAG) && !named(w, args) {
+            Some(format!(
+                "tagged `{LARGE_TAG}`: too large for one GPU, it runs only where named (`--filter \
+                 {}`), under `speedkit launch` with its parameters sharded \
+                 (examples/configs/dp_zero3.yaml)",
+                w.name
+            ))
         } else {
             None
         };
@@ -276,6 +283,11 @@ fn measure_all(
         }
     }
     rows
+}
+
+/// Whether a filter of the run names `w` whole.
+fn named(w: &Workload, args: &Args) -> bool {
+    args.filters.iter().any(|f| w.matches_exactly(f))
 }
 
 /// Before the first workload (see [`crate::bench::settle_library_workspaces`]); a failure only
