@@ -219,8 +219,8 @@ void start(GradientSync& sync, GradientBucket& b) {
     at::Tensor input = b.wire.view({-1});  // (direct: the gradient, in its parameter's shape)
     b.work = sync.pg->_reduce_scatter_base(b.reduced, input, options);
     if (sync.residency) {
-      // ZeRO-3 holds no whole gradient past its reduce-scatter: the collective keeps what it
-      // reads alive (NCCL's stream use is recorded with the allocator; Gloo's work holds it).
+      // ZeRO-3 holds no whole gradient past its reduce-scatter: c10d's work keeps what it reads
+      // until it is joined (start_ready joins all but the last kUnitsInFlight).
       b.wire = at::Tensor();
       b.wire_views.clear();
     }
@@ -275,9 +275,16 @@ void take_direct(GradientBucket& b, const at::Tensor& param) {
   b.wire = taken;
 }
 
+// Reduce-scatters ZeRO-3 lets run at once: c10d keeps each one's input, a unit's whole gradient,
+// until it is joined, so a backward pass that outruns the wire would otherwise hold them all.
+constexpr size_t kUnitsInFlight = 2;
+
 // Starts, in index order, every bucket from `next` on whose gradients have all arrived.
 void start_ready(GradientSync& sync) {
-  while (sync.next < sync.buckets.size() && sync.buckets[sync.next].pending == 0) start(sync, sync.buckets[sync.next++]);
+  while (sync.next < sync.buckets.size() && sync.buckets[sync.next].pending == 0) {
+    start(sync, sync.buckets[sync.next++]);
+    if (sync.residency && sync.next > kUnitsInFlight) finish(sync, sync.buckets[sync.next - kUnitsInFlight - 1]);
+  }
 }
 
 void ArrivalHook::operator()(const torch::autograd::Variable& param) {

@@ -336,23 +336,18 @@ fn resolve_all_reduce(
     };
     let buckets = cfg.bucket_mb;
     let (path, reason) = match cfg.all_reduce {
-        AllReduce::Reducer if cfg.shard_parameters => {
-            return Err(SpeedkitError::Unsupported(
-                "distributed.shard_parameters reduce-scatters gradients through speedkit's \
-                 all-reduce, and distributed.all_reduce is reducer (c10d's Reducer all-reduces \
-                 whole gradients); set all_reduce to auto, in_backward or after_backward, or \
-                 shard_parameters to false"
-                    .into(),
-            ))
-        }
-        AllReduce::Reducer if cfg.shard_optimizer => {
-            return Err(SpeedkitError::Unsupported(
-                "distributed.shard_optimizer reduce-scatters gradients through speedkit's \
-                 all-reduce, and distributed.all_reduce is reducer (c10d's Reducer all-reduces \
-                 whole gradients); set all_reduce to auto, in_backward or after_backward, or \
-                 shard_optimizer to false"
-                    .into(),
-            ))
+        AllReduce::Reducer if cfg.shard_parameters || cfg.shard_optimizer => {
+            let setting = if cfg.shard_parameters {
+                "shard_parameters"
+            } else {
+                "shard_optimizer"
+            };
+            return Err(SpeedkitError::Unsupported(format!(
+                "distributed.{setting} reduce-scatters gradients through speedkit's all-reduce, \
+                 and distributed.all_reduce is reducer (c10d's Reducer all-reduces whole \
+                 gradients); set all_reduce to auto, in_backward or after_backward, or {setting} \
+                 to false"
+            )));
         }
         AllReduce::Reducer if bf16 => {
             return Err(SpeedkitError::Unsupported(
