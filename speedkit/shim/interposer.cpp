@@ -2,14 +2,16 @@
 // autocast), recorded once, then replaced by a program: the calls a fused group computes return
 // their outputs without running ATen's kernels, and the group's generated kernel runs, through a
 // Rust callback, once the group's inputs exist. It is how speedkit::fusion runs its kernels inside
-// an unchanged model's step.
+// an unchanged model's step. An observer (interposer.h) is told of every call before it runs:
+// ZeRO-3's parameter residency (parameter_residency.cpp) gathers parameters that way.
 //
 // The calls are caught by a boxed fallback on the dispatch key `Fake`, which libtorch registers no
 // kernel or fallback for (Python's fake tensors dispatch through the `Python` key) and which sits
-// below autograd, above the backends. A session registers the fallback (one torch::Library, made
-// at its start and destroyed at its end, which removes it) and adds the key to its thread's
-// included keys (a c10 guard, put back at its end); autograd's threads copy the thread's dispatch
-// keys for the backward, so the backward's calls come too. Calls on other threads never see it.
+// below autograd, above the backends. The fallback (one torch::Library) is registered while a
+// session or an observer needs it, and destroyed, which removes it, when the last one ends. Each
+// adds the key to its thread's included keys (a c10 guard, put back at its end); autograd's threads
+// copy the thread's dispatch keys for the backward, so the backward's calls come too. Calls on
+// other threads never see it.
 //
 // Recording numbers the calls in the order they come and notes, per call, the RecordFunction
 // handle of the operator (PyTorch's execution trace, which speedkit::trace reads, names its calls

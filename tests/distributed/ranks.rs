@@ -105,6 +105,18 @@ pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
     // Gathered from every rank's part where the parameters are sharded.
     Tensor::save_multi(&ctx.model_state(&vs)?, out.join(format!("rank{rank}.ot")))
         .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
+    if sharded_parameters {
+        // A load into the sharded parameters, as `VarStore::copy` does it (every rank, the same
+        // order): each unit is gathered, written, and this rank's part taken back.
+        let _no_grad = tch::no_grad_guard();
+        let mut named: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+        named.sort_by(|a, b| a.0.cmp(&b.0));
+        for (i, (_, p)) in named.iter().enumerate() {
+            let _filled = p.shallow_clone().f_fill_(i as f64)?;
+        }
+        Tensor::save_multi(&ctx.model_state(&vs)?, out.join(format!("loaded{rank}.ot")))
+            .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
+    }
     Ok(())
 }
 

@@ -176,6 +176,26 @@ fn sharded_parameters_train_as_one_process_with_half_the_parameters_on_each_rank
     }
 }
 
+#[test]
+fn a_load_into_sharded_parameters_reaches_every_ranks_part() {
+    let out = scratch("sharded-parameters-load");
+    let output = run_launcher("train_sharded_parameters", &out);
+    assert!(output.status.success(), "{}", text(&output));
+    // Each variable was filled with its index in name order, which `load` returns them in.
+    for rank in 0..WORLD {
+        let loaded = load(&out.join(format!("loaded{rank}.ot")));
+        assert_eq!(loaded.len(), 8);
+        for (index, (name, value)) in loaded.into_iter().enumerate() {
+            let index = index as f64;
+            let (min, max) = (value.min().double_value(&[]), value.max().double_value(&[]));
+            assert!(
+                min == index && max == index,
+                "rank {rank}: {name} holds [{min}, {max}], not {index}"
+            );
+        }
+    }
+}
+
 /// AdamW keeps two moments per parameter: each of `ranks` sharded ranks keeps them for its
 /// 1/`ranks` of the parameters, and every parameter, as its log's memory line says.
 fn assert_each_rank_holds_its_share_of_the_state(log: &str, ranks: i64) {
