@@ -63,14 +63,7 @@ class Residency : public interposer::CallObserver {
   Residency(const Residency&) = delete;
   Residency& operator=(const Residency&) = delete;
 
-  ~Residency() override {
-    interposer::stop_observing(this);
-    if (thread_ == std::this_thread::get_id()) {
-      included_.reset();
-    } else {
-      (void)included_.release();  // not this thread's keys to put back
-    }
-  }
+  ~Residency() override { stop_observing(); }
 
   size_t add_unit(const std::vector<at::Tensor>& params, at::ScalarType compute, bool pinned) {
     TORCH_CHECK(!params.empty(), "a unit of parameters needs at least one");
@@ -106,6 +99,18 @@ class Residency : public interposer::CallObserver {
     thread_ = std::this_thread::get_id();
     interposer::observe(this);
     included_ = std::make_unique<c10::impl::IncludeDispatchKeyGuard>(interposer::kKey);
+  }
+
+  // The observer taken away, and the key from the thread that included it: with no fallback left
+  // registered, a call through the key would fail.
+  void stop_observing() {
+    interposer::stop_observing(this);
+    if (!included_) return;
+    if (thread_ == std::this_thread::get_id()) {
+      included_.reset();
+    } else {
+      (void)included_.release();  // not this thread's keys to put back
+    }
   }
 
   void before(const c10::OperatorHandle& op, const torch::jit::Stack& stack) override {
@@ -152,7 +157,7 @@ class Residency : public interposer::CallObserver {
   // Ends the sharding: the parameters take their whole fp32 values back (`gather`, a collective), or
   // become empty tensors, which any later use reports, rather than views of memory that is gone.
   void unshard(bool gather) {
-    interposer::stop_observing(this);
+    stop_observing();
     std::vector<at::Tensor> whole;
     if (gather) whole = gather_masters();
     std::lock_guard<std::mutex> lock(mutex_);

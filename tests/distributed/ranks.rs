@@ -116,6 +116,15 @@ pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
         }
         Tensor::save_multi(&ctx.model_state(&vs)?, out.join(format!("loaded{rank}.ot")))
             .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
+        // The optimizer (which shares the shard) outlives the context: this thread's calls run
+        // as before, and the parameters are empty.
+        drop(ctx);
+        let two = Tensor::ones([2], (tch::Kind::Float, Device::Cpu)).f_sum(tch::Kind::Float)?;
+        println!(
+            "after the context: {}, a parameter of {} elements",
+            two.f_double_value(&[])?,
+            vs.trainable_variables()[0].numel()
+        );
     }
     Ok(())
 }

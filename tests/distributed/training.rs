@@ -180,7 +180,12 @@ fn sharded_parameters_train_as_one_process_with_half_the_parameters_on_each_rank
 fn a_load_into_sharded_parameters_reaches_every_ranks_part() {
     let out = scratch("sharded-parameters-load");
     let output = run_launcher("train_sharded_parameters", &out);
-    assert!(output.status.success(), "{}", text(&output));
+    let log = text(&output);
+    assert!(output.status.success(), "{log}");
+    assert!(
+        log.contains("[rank 1] after the context: 2, a parameter of 0 elements"),
+        "{log}"
+    );
     // Each variable was filled with its index in name order, which `load` returns them in.
     for rank in 0..WORLD {
         let loaded = load(&out.join(format!("loaded{rank}.ot")));
