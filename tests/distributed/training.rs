@@ -154,9 +154,30 @@ fn sharded_parameters_train_as_one_process_with_half_the_parameters_on_each_rank
     assert!(log.contains("parameters sharded (ZeRO-3)"), "{log}");
     // Gathered from both ranks' parts for the save.
     assert_every_rank_matches(&out, WORLD, &single, 1e-5);
-    // Between steps each rank holds its half of every unit, in fp32, and nothing gathered.
+    assert_each_rank_holds_its_share_of_the_parameters(&log, WORLD, &single);
+}
+
+#[test]
+fn four_ranks_with_sharded_parameters_train_as_one_process_with_a_quarter_each() {
+    let (single, _) = single_process_reference_of(|vs| Box::new(blocks_model(vs)));
+    let out = scratch("four-sharded-parameters");
+    let output = run_launcher_of_ranks("train_sharded_parameters", &out, 4);
+    let log = text(&output);
+    assert!(output.status.success(), "{log}");
+    assert!(log.contains("rank 0 of 4 over gloo"), "{log}");
+    assert_every_rank_matches(&out, 4, &single, 1e-5);
+    assert_each_rank_holds_its_share_of_the_parameters(&log, 4, &single);
+}
+
+/// Between steps each of `ranks` ranks holds its 1/`ranks` of every unit of [`blocks_model`], in
+/// fp32, and nothing gathered, as its log's last `resident parameter bytes` line says.
+fn assert_each_rank_holds_its_share_of_the_parameters(
+    log: &str,
+    ranks: i64,
+    single: &[(String, Tensor)],
+) {
     let whole: i64 = single.iter().map(|(_, t)| 4 * t.numel() as i64).sum();
-    for rank in 0..WORLD {
+    for rank in 0..ranks {
         let line = format!(
             "[rank {rank}] resident parameter bytes after step {}: ",
             STEPS - 1
@@ -168,9 +189,9 @@ fn sharded_parameters_train_as_one_process_with_half_the_parameters_on_each_rank
             .trim()
             .parse()
             .unwrap();
-        // Each unit is padded to a multiple of the ranks: at most one element more per unit.
+        // Each of the 3 units is padded to a multiple of the ranks: fewer than `ranks` elements.
         assert!(
-            (held - whole / WORLD).abs() <= 4 * 3,
+            (held - whole / ranks).abs() <= 4 * 3 * (ranks - 1),
             "rank {rank} holds {held} parameter bytes of {whole}"
         );
     }
