@@ -58,6 +58,8 @@ const at::Tensor& master_of(const Residency& r, size_t unit);
 void start_observing(Residency& r);
 // After the optimizer updated unit `unit`'s part: the gathered copy, now stale, is let go.
 void refresh(Residency& r, size_t unit);
+// The backward pass is done with `unit` (its gradients are all in): let it go, unless pinned.
+void done_with(Residency& r, size_t unit);
 // After the optimizer step: every unit refreshed; the next step gathers them again.
 void after_step(Residency& r);
 // Bytes of parameters this rank holds now: its fp32 parts and the units gathered.
@@ -77,6 +79,7 @@ struct ShardedParams {
   std::vector<at::Tensor> params;  // the parameters, for their autocast copies
   std::vector<at::Tensor> pieces;  // every piece, in bucket order
   std::vector<int64_t> piece_params;  // each piece's parameter, as sk_grad_sync_new was given them
+  std::vector<int64_t> piece_offsets;  // each piece's first element in its parameter's flattened values
   std::shared_ptr<Residency> residency;  // ZeRO-3: the parameters' units; null for ZeRO-1
 };
 

@@ -51,6 +51,7 @@ struct ShardPiece {
   size_t param;     // its index in the bucket
   int64_t begin;    // its offset in this rank's part
   at::Tensor view;  // flat, detached: the optimizer's "parameter"
+  int64_t offset;   // its first element's place in its parameter's flattened values
 };
 
 struct GradientBucket {
@@ -70,7 +71,14 @@ struct GradientBucket {
   // parameters hold their gradients, views of it, as they would hold autograd's own.
   at::Tensor wire;                  // flat, in the wire type; direct: the gradient itself
   std::vector<at::Tensor> wire_views;  // one per parameter, shaped like it
-  std::vector<bool> arrived;        // armed: whose gradient is in `wire` this backward pass
+  std::vector<bool> arrived;        // armed: whose gradient arrived this backward pass
+  // ZeRO-3's pinned unit keeps its arrived gradients on their parameters (in the compute type)
+  // until its last one arrives, and only then fills the wire: its first gradient (the head's) comes
+  // at the start of the backward pass and its last (the embedding's) at the end, so it holds half
+  // the bytes through the pass. A block's gradients arrive together: they go into the wire one by
+  // one, which never holds them all beside it.
+  bool hold_until_complete = false;
+  bool filled = false;
   size_t pending = 0;               // armed: how many have not arrived
   c10::intrusive_ptr<c10d::Work> work;  // its all-reduce, once started
   at::Tensor reduced;                   // sharded: this rank's averaged part, once started
@@ -156,7 +164,7 @@ void shard_bucket(GradientBucket& b, int rank, int world) {
   for (size_t i = 0; i < b.params.size(); ++i) {
     const at::Tensor& p = b.params[i];
     const int64_t begin = std::max(offset, lo), end = std::min(offset + p.numel(), hi);
-    if (begin < end) b.shard.push_back({i, begin - lo, b.flat.narrow(0, begin, end - begin)});
+    if (begin < end) b.shard.push_back({i, begin - lo, b.flat.narrow(0, begin, end - begin), begin - offset});
     offset += p.numel();
   }
 }
@@ -173,7 +181,7 @@ void shard_unit(GradientSync& sync, GradientBucket& b, at::ScalarType compute, b
   int64_t offset = 0;
   for (size_t i = 0; i < b.params.size(); ++i) {
     const int64_t begin = std::max(offset, lo), end = std::min(offset + b.params[i].numel(), hi);
-    if (begin < end) b.shard.push_back({i, begin - lo, master.narrow(0, begin - lo, end - begin)});
+    if (begin < end) b.shard.push_back({i, begin - lo, master.narrow(0, begin - lo, end - begin), begin - offset});
     offset += b.params[i].numel();
   }
 }
@@ -266,6 +274,25 @@ void finish(GradientSync& sync, GradientBucket& b) {
   b.wire_views.clear();
 }
 
+// The bucket's wire made and filled from every gradient its parameters hold (zeros for one without),
+// which they then let go.
+void fill_wire(GradientBucket& b) {
+  make_wire(b);
+  std::vector<at::Tensor> from, to;
+  for (size_t i = 0; i < b.params.size(); ++i) {
+    const at::Tensor& grad = b.params[i].grad();
+    if (grad.defined()) {
+      from.push_back(grad);
+      to.push_back(b.wire_views[i]);
+    } else {
+      b.wire_views[i].zero_();
+    }
+  }
+  if (!from.empty()) at::_foreach_copy_(to, from);
+  for (at::Tensor& p : b.params) p.mutable_grad().reset();
+  b.filled = true;
+}
+
 // A direct bucket's gradient: the parameter's own, made contiguous where it is not, or zeros where
 // it has none; the parameter keeps it as its gradient.
 void take_direct(GradientBucket& b, const at::Tensor& param) {
@@ -276,8 +303,10 @@ void take_direct(GradientBucket& b, const at::Tensor& param) {
 }
 
 // Reduce-scatters ZeRO-3 lets run at once: c10d keeps each one's input, a unit's whole gradient,
-// until it is joined, so a backward pass that outruns the wire would otherwise hold them all.
-constexpr size_t kUnitsInFlight = 2;
+// until it is joined, so a backward pass that outruns the wire would otherwise hold them all. One,
+// as FSDP2: on two H200s `llama_large`'s step took as long as with two in flight, with 0.75 GiB
+// less at its peak (docs/benchmarks/README.md).
+constexpr size_t kUnitsInFlight = 1;
 
 // Starts, in index order, every bucket from `next` on whose gradients have all arrived.
 void start_ready(GradientSync& sync) {
@@ -296,7 +325,7 @@ void ArrivalHook::operator()(const torch::autograd::Variable& param) {
   if (!grad.defined() || b.arrived[slot.index]) return;
   if (b.direct) {
     take_direct(b, param);
-  } else {
+  } else if (!b.hold_until_complete) {
     make_wire(b);
     b.wire_views[slot.index].copy_(grad);
     // The bucket holds it now; the step's averaged gradient will be a view of the bucket.
@@ -304,6 +333,10 @@ void ArrivalHook::operator()(const torch::autograd::Variable& param) {
   }
   b.arrived[slot.index] = true;
   --b.pending;
+  if (sync.residency && b.pending == 0) {
+    if (b.hold_until_complete) fill_wire(b);
+    sk::dist::done_with(*sync.residency, slot.bucket);
+  }
   start_ready(sync);
 }
 
@@ -312,6 +345,7 @@ void arm(GradientSync& sync) {
   for (GradientBucket& b : sync.buckets) {
     b.arrived.assign(b.params.size(), false);
     b.pending = b.params.size();
+    b.filled = false;
   }
   sync.next = 0;
   sync.armed = true;
@@ -322,7 +356,10 @@ void arm(GradientSync& sync) {
 void start_rest(GradientSync& sync) {
   std::lock_guard<std::mutex> lock(sync.mutex);
   if (!sync.armed) {
-    for (GradientBucket& b : sync.buckets) b.arrived.assign(b.params.size(), false);
+    for (GradientBucket& b : sync.buckets) {
+      b.arrived.assign(b.params.size(), false);
+      b.filled = false;
+    }
     sync.next = 0;
   }
   sync.armed = false;
@@ -330,6 +367,12 @@ void start_rest(GradientSync& sync) {
     GradientBucket& b = sync.buckets[k];
     if (b.direct) {
       if (!b.arrived[0]) take_direct(b, b.params[0]);
+      start(sync, b);
+      continue;
+    }
+    if (b.hold_until_complete) {
+      // The arrived gradients are still on their parameters unless the unit was complete.
+      if (!b.filled) fill_wire(b);
       start(sync, b);
       continue;
     }
@@ -366,13 +409,14 @@ void join(GradientSync& sync, int64_t k) {
 
 sk::dist::ShardedParams sk::dist::sharded_params(const GradientSync& sync) {
   TORCH_CHECK(sync.sharded, "this gradient sync was not made sharded");
-  ShardedParams out{sync.backend, sync.pg, {}, {}, {}, {}, sync.residency};
+  ShardedParams out{sync.backend, sync.pg, {}, {}, {}, {}, {}, sync.residency};
   for (const GradientBucket& b : sync.buckets) {
     out.flats.push_back(b.flat);
     out.params.insert(out.params.end(), b.params.begin(), b.params.end());
     for (const ShardPiece& piece : b.shard) {
       out.pieces.push_back(piece.view);
       out.piece_params.push_back(static_cast<int64_t>(b.index[piece.param]));
+      out.piece_offsets.push_back(piece.offset);
     }
   }
   return out;
@@ -426,6 +470,7 @@ int sk_grad_sync_new(void* group, const sk_tensor* params, int64_t n, const int6
         GradientBucket& b = sync->buckets[k];
         const bool pinned = units[b.index[0]] < 0;
         shard_unit(*sync, b, compute, pinned);
+        b.hold_until_complete = pinned;
       }
     } else if (sync->sharded) {
       for (GradientBucket& b : sync->buckets) shard_bucket(b, sync->pg->getRank(), sync->pg->getSize());
@@ -505,6 +550,14 @@ int sk_grad_sync_gather_parameters(void* sync, sk_tensor* out, int64_t capacity)
         TORCH_CHECK(k < capacity, "room for ", capacity, " parameters, not ", k + 1);
         out[k] = sk::give(whole.at(next));
       }
+  })
+}
+
+int sk_grad_sync_refresh_parameters(void* sync) {
+  SK_TRY({
+    auto* s = static_cast<GradientSync*>(sync);
+    TORCH_CHECK(s->residency, "this gradient sync does not shard the parameters");
+    for (size_t k = 0; k < s->buckets.size(); ++k) sk::dist::refresh(*s->residency, k);
   })
 }
 

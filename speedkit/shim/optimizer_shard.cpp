@@ -79,13 +79,15 @@ int sk_optimizer_shard_new(void* sync, void** out) {
   })
 }
 
-int sk_optimizer_shard_pieces(void* shard, sk_tensor* pieces, int64_t* params, int64_t capacity, int64_t* count) {
+int sk_optimizer_shard_pieces(void* shard, sk_tensor* pieces, int64_t* params, int64_t* offsets, int64_t capacity,
+                              int64_t* count) {
   SK_TRY({
     const auto& s = static_cast<OptimizerShard*>(shard)->sharded;
     *count = static_cast<int64_t>(s.pieces.size());
     for (int64_t i = 0; i < std::min(capacity, *count); ++i) {
       pieces[i] = sk::give(s.pieces[i]);
       params[i] = s.piece_params[i];
+      offsets[i] = s.piece_offsets[i];
     }
   })
 }

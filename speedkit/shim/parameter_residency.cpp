@@ -134,6 +134,17 @@ class Residency : public interposer::CallObserver {
     refresh_unit(units_.at(unit));
   }
 
+  // A unit whose gradients are all in is not used again before the optimizer step: as FSDP2
+  // reshards after a block's backward, its memory goes now rather than when the step moves on.
+  void done_with(size_t unit) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const c10::impl::ExcludeDispatchKeyGuard unseen(interposer::kKey);
+    ResidentUnit& u = units_.at(unit);
+    if (u.pinned) return;
+    release(u);
+    if (current_ == static_cast<int64_t>(unit)) current_ = -1;
+  }
+
   void after_step() {
     std::lock_guard<std::mutex> lock(mutex_);
     const c10::impl::ExcludeDispatchKeyGuard unseen(interposer::kKey);
@@ -289,6 +300,8 @@ const at::Tensor& master_of(const Residency& r, size_t unit) { return r.master(u
 void start_observing(Residency& r) { r.start_observing(); }
 
 void refresh(Residency& r, size_t unit) { r.refresh(unit); }
+
+void done_with(Residency& r, size_t unit) { r.done_with(unit); }
 
 void after_step(Residency& r) { r.after_step(); }
 

@@ -404,6 +404,9 @@ int sk_grad_sync_resident_bytes(void* sync, int64_t* bytes);
 /// ZeRO-3: every parameter's whole fp32 value (a collective), in the order sk_grad_sync_new was
 /// given them: `out` has room for `capacity`, and receives fresh tensors.
 int sk_grad_sync_gather_parameters(void* sync, sk_tensor* out, int64_t capacity);
+/// ZeRO-3: every gathered unit let go without its values taken back, so that the next use gathers
+/// what this rank's fp32 parts hold now (after a checkpoint was read into them). No collective.
+int sk_grad_sync_refresh_parameters(void* sync);
 /// ZeRO-3: ends the sharding. With `gather` (a collective) the parameters become whole fp32 tensors
 /// of their values again; without, empty tensors, which a later use reports (after a failure).
 int sk_grad_sync_unshard(void* sync, int gather);
@@ -413,8 +416,10 @@ void sk_grad_sync_free(void* sync);
 /// references, so it may outlive the sync. *out freed by sk_optimizer_shard_free.
 int sk_optimizer_shard_new(void* sync, void** out);
 /// This rank's pieces (at most `capacity` written, fresh handles) and, for each, the index of its
-/// parameter in the list sk_grad_sync_new was given; *count receives how many there are.
-int sk_optimizer_shard_pieces(void* shard, sk_tensor* pieces, int64_t* params, int64_t capacity, int64_t* count);
+/// parameter in the list sk_grad_sync_new was given and the place of its first element in that
+/// parameter's flattened values; *count receives how many there are.
+int sk_optimizer_shard_pieces(void* shard, sk_tensor* pieces, int64_t* params, int64_t* offsets, int64_t capacity,
+                              int64_t* count);
 /// After the optimizer updated this rank's pieces: every rank's pieces all-gathered, bucket by
 /// bucket, into the whole parameters (a collective, on the current stream; capturable).
 int sk_optimizer_shard_gather(void* shard);

@@ -283,6 +283,78 @@ impl SpeedContext {
         Ok(state)
     }
 
+    /// Writes a sharded checkpoint of `vs` (and of `optimizer`'s state) into the directory `dir`:
+    /// every rank its own file, at the same time, with no rank gathering the model (a collective:
+    /// every rank calls it, and it returns once every rank's file is written). Under sharded
+    /// parameters or a sharded optimizer each rank writes the pieces it owns; otherwise each
+    /// writes its N-th of every variable. [`load_sharded`](Self::load_sharded) reads it back, on
+    /// any number of ranks, and [`read_sharded_checkpoint`](crate::dist::read_sharded_checkpoint)
+    /// assembles the whole model from it (see [`crate::dist`]'s sharded checkpoints).
+    ///
+    /// ```
+    /// use speedkit::{SpeedConfig, SpeedContext};
+    /// use tch::{nn, Device};
+    /// let ctx = SpeedContext::new(&SpeedConfig::from_yaml_str("device: cpu\n")?)?;
+    /// let vs = nn::VarStore::new(Device::Cpu);
+    /// let _layer = nn::linear(vs.root() / "layer", 4, 2, Default::default());
+    /// let opt = ctx.adamw(&vs, Default::default())?;
+    /// let dir = std::env::temp_dir().join("speedkit-doc-save-sharded");
+    /// ctx.save_sharded(&vs, Some(&opt), &dir)?;
+    /// assert!(dir.join("rank00000-of-00001.safetensors").exists());
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn save_sharded(
+        &self,
+        vs: &VarStore,
+        optimizer: Option<&AdamWOptimizer>,
+        dir: impl AsRef<std::path::Path>,
+    ) -> Result<()> {
+        let dp = self.data_parallel.borrow();
+        crate::dist::save_sharded(
+            dp.as_ref(),
+            self.rank(),
+            self.world_size(),
+            vs,
+            optimizer,
+            dir.as_ref(),
+        )?;
+        match &self.group {
+            Some(group) => group.barrier(),
+            None => Ok(()),
+        }
+    }
+
+    /// Reads a checkpoint [`save_sharded`](Self::save_sharded) wrote, by any number of ranks, into
+    /// `vs` (and `optimizer`'s state and learning rates): each rank reads only the stretches of the
+    /// files its own part needs (under sharded parameters, its pieces; otherwise the whole model).
+    /// No collective. The model's variables and the checkpoint's must be the same names and
+    /// shapes; a checkpoint missing a rank's file, or the optimizer's state where an optimizer is
+    /// given, is an error that names what is missing.
+    ///
+    /// ```
+    /// use speedkit::{SpeedConfig, SpeedContext};
+    /// use tch::{nn, Device, Kind};
+    /// let ctx = SpeedContext::new(&SpeedConfig::from_yaml_str("device: cpu\n")?)?;
+    /// let vs = nn::VarStore::new(Device::Cpu);
+    /// let layer = nn::linear(vs.root() / "layer", 4, 2, Default::default());
+    /// let dir = std::env::temp_dir().join("speedkit-doc-load-sharded");
+    /// ctx.save_sharded(&vs, None, &dir)?;
+    /// let saved = layer.ws.copy();
+    /// tch::no_grad(|| layer.ws.shallow_clone().fill_(0.0));
+    /// ctx.load_sharded(&vs, None, &dir)?;
+    /// assert!(layer.ws.allclose(&saved, 0.0, 0.0, false));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn load_sharded(
+        &self,
+        vs: &VarStore,
+        optimizer: Option<&mut AdamWOptimizer>,
+        dir: impl AsRef<std::path::Path>,
+    ) -> Result<()> {
+        let dp = self.data_parallel.borrow();
+        crate::dist::load_sharded(dp.as_ref(), vs, optimizer, dir.as_ref())
+    }
+
     /// Under `distributed.shard_parameters` (ZeRO-3), the bytes of parameters this rank holds
     /// now: its fp32 part of every unit and the units gathered at the moment (none between
     /// steps). `None` where the parameters are not sharded.

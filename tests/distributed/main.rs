@@ -13,6 +13,7 @@ mod common;
 mod workloads;
 
 mod benchmarks;
+mod checkpoints;
 mod faults;
 mod fixture;
 mod gradient_sync;

@@ -24,6 +24,9 @@ pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
     if scenario == "bench_runner" || scenario == "bench_runner_peer" {
         return run_bench_rank(out, scenario == "bench_runner_peer");
     }
+    if scenario == "resume_sharded_parameters" {
+        return resume_sharded_parameters_rank(rank, world, out);
+    }
     if let Some(variant) = scenario.strip_prefix("nccl_") {
         return train_nccl_rank(rank, world, out, variant);
     }
@@ -106,6 +109,8 @@ pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
     Tensor::save_multi(&ctx.model_state(&vs)?, out.join(format!("rank{rank}.ot")))
         .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
     if sharded_parameters {
+        // Each rank writes its own part, which no rank gathers.
+        ctx.save_sharded(&vs, Some(&opt), out.join("sharded"))?;
         // A load into the sharded parameters, as `VarStore::copy` does it (every rank, the same
         // order): each unit is gathered, written, and this rank's part taken back.
         let _no_grad = tch::no_grad_guard();
@@ -127,6 +132,33 @@ pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
         );
     }
     Ok(())
+}
+
+/// ZeRO-3 resuming from the sharded checkpoint one process wrote halfway through the training
+/// (`out/one`, model and AdamW state): the second half of the steps, then this rank's model
+/// gathered into `rank{R}.ot`.
+fn resume_sharded_parameters_rank(
+    rank: usize,
+    world: i64,
+    out: &Path,
+) -> Result<(), SpeedkitError> {
+    let (x, y) = data();
+    tch::manual_seed(100 + rank as i64);
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let net = blocks_model(&vs);
+    let mut config = config(1);
+    config.distributed.shard_parameters = true;
+    let ctx = apply_speedups(&mut vs, &config)?;
+    let mut opt = ctx.adamw(&vs, adamw())?;
+    ctx.load_sharded(&vs, Some(&mut opt), out.join("one"))?;
+    for step in STEPS / 2..STEPS {
+        let xb = rows_of(&x, step, rank as i64, world);
+        let yb = rows_of(&y, step, rank as i64, world);
+        let loss = ctx.autocast(|| net.forward(&xb).mse_loss(&yb, tch::Reduction::Mean));
+        ctx.backward_step(&loss, &mut opt)?;
+    }
+    Tensor::save_multi(&ctx.model_state(&vs)?, out.join(format!("rank{rank}.ot")))
+        .map_err(|e| SpeedkitError::Torch(e.to_string()))
 }
 
 /// The training of `train_rank` on this rank's GPU over NCCL in fp32, through the graph-mode API,
@@ -214,7 +246,21 @@ fn train_nccl_rank(
         .map(|(name, t)| (name, t.to_device(Device::Cpu)))
         .collect::<Vec<_>>();
     Tensor::save_multi(&state, out.join(format!("rank{rank}.ot")))
-        .map_err(|e| SpeedkitError::Torch(e.to_string()))
+        .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
+    if sharded_parameters {
+        // Written from the GPU's fp32 parts, read back into them: the gathered model unchanged.
+        let dir = out.join("sharded");
+        ctx.save_sharded(&vs, Some(&opt), &dir)?;
+        ctx.load_sharded(&vs, Some(&mut opt), &dir)?;
+        let state = ctx
+            .model_state(&vs)?
+            .into_iter()
+            .map(|(name, t)| (name, t.to_device(Device::Cpu)))
+            .collect::<Vec<_>>();
+        Tensor::save_multi(&state, out.join(format!("reloaded{rank}.ot")))
+            .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
+    }
+    Ok(())
 }
 
 /// The same training written as an ordinary `#[accelerate]` function: no distributed code.

@@ -194,6 +194,18 @@ fn assert_each_rank_holds_its_share_of_the_parameters(
             (held - whole / ranks).abs() <= 4 * 3 * (ranks - 1),
             "rank {rank} holds {held} parameter bytes of {whole}"
         );
+        // The optimizer's memory (the runner's `params` column) counts that part, not the
+        // parameters' whole shapes.
+        let counted: i64 = log
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("[rank {rank}] optimizer holds ")))
+            .and_then(|l| l.split(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no memory line of rank {rank} in {log}"));
+        assert!(
+            (counted - whole / ranks).abs() <= 4 * 3 * (ranks - 1),
+            "rank {rank}'s optimizer counts {counted} parameter bytes of {whole}"
+        );
     }
 }
 
@@ -425,6 +437,17 @@ fn nccl_ranks_with_sharded_parameters_match_one_process() {
     assert!(output.status.success(), "{log}");
     assert!(log.contains("parameters sharded (ZeRO-3)"), "{log}");
     assert_every_rank_matches(&out, ranks, &single, 1e-4);
+    // The sharded checkpoint the ranks wrote from their GPUs: whole, it is the model they
+    // trained, and read back into the ranks it changes nothing.
+    let trained = load(&out.join("rank0.ot"));
+    let mut assembled = speedkit::dist::read_sharded_checkpoint(out.join("sharded")).unwrap();
+    assembled.sort_by(|a, b| a.0.cmp(&b.0));
+    for rank in 0..ranks {
+        let reloaded = load(&out.join(format!("reloaded{rank}.ot")));
+        for (((name, t), (_, a)), (_, r)) in trained.iter().zip(&assembled).zip(&reloaded) {
+            assert!(t.equal(a) && t.equal(r), "rank {rank}: {name} differs");
+        }
+    }
 }
 
 /// Every rank's saved parameters (`rank<R>.ot` in `out`) within `tolerance` of one process's.

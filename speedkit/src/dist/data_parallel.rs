@@ -40,11 +40,22 @@ pub struct DataParallel {
     averaging: Averaging,
     /// The trainable variables, by name (the order every rank shares).
     trainable: Vec<(String, Tensor)>,
+    /// Their names in the order the gradient sync was given them.
+    sync_names: Vec<String>,
     parameter_bytes: i64,
     check_replicas_every: u64,
     steps: Cell<u64>,
     /// ZeRO-3: the optimizer steps counted when the parameters were last gathered for their values.
     gathered_at: Cell<Option<u64>>,
+}
+
+/// The pieces of the parameters one rank owns under ZeRO-1 or ZeRO-3 ([`DataParallel::owned_pieces`]).
+pub(crate) struct OwnedPieces {
+    pub shard: OptimizerShard,
+    /// The parameters' names, as indexed by the shard's pieces.
+    pub names: Vec<String>,
+    /// ZeRO-3: the pieces are the only values of the parameters this rank holds between steps.
+    pub parameters_sharded: bool,
 }
 
 /// Where and how a [`DataParallel`] averages gradients (the plan's `distributed` settings).
@@ -88,6 +99,7 @@ impl DataParallel {
             .into_iter()
             .filter(|(_, t)| t.requires_grad())
             .collect();
+        let sync_names = names.clone();
         let averaging = if settings.all_reduce != AllReduce::Reducer {
             let wire = settings.bf16_gradients.then_some(Kind::BFloat16);
             let sync = if let Some(compute) = settings.shard_parameters {
@@ -116,6 +128,7 @@ impl DataParallel {
         Ok(Self {
             averaging,
             trainable: named_trainable,
+            sync_names,
             parameter_bytes,
             check_replicas_every: settings.check_replicas_every,
             steps: Cell::new(0),
@@ -268,6 +281,32 @@ impl DataParallel {
                 Ok(Some(gathered))
             }
             _ => Ok(None),
+        }
+    }
+
+    /// Under a sharded optimizer (ZeRO-1) or sharded parameters (ZeRO-3), the pieces of the
+    /// parameters this rank owns, with the parameters' names; `None` where every rank holds the
+    /// whole model.
+    pub(crate) fn owned_pieces(&self) -> Result<Option<OwnedPieces>> {
+        match &self.averaging {
+            Averaging::InStep { sync, .. } if sync.is_sharded() => Ok(Some(OwnedPieces {
+                shard: sync.optimizer_shard()?,
+                names: self.sync_names.clone(),
+                parameters_sharded: sync.shards_parameters(),
+            })),
+            _ => Ok(None),
+        }
+    }
+
+    /// Under ZeRO-3, lets every gathered unit go without taking its values back, so that the
+    /// step gathers what this rank's fp32 parts hold now (after a checkpoint was read into them).
+    pub(crate) fn refresh_parameters(&self) -> Result<()> {
+        match &self.averaging {
+            Averaging::InStep { sync, .. } if sync.shards_parameters() => sync
+                .raw
+                .refresh_parameters()
+                .map_err(failed("sharded parameters")),
+            _ => Ok(()),
         }
     }
 
@@ -530,7 +569,7 @@ impl GradientSync {
                 "optimizer_shard() needs a GradientSync made by GradientSync::sharded".into(),
             ));
         };
-        OptimizerShard::of(&self.raw, params, *world_size)
+        OptimizerShard::of(&self.raw, params, *world_size, self.shards_parameters())
     }
 
     /// Makes the next backward pass start each bucket's all-reduce as soon as the bucket is full;

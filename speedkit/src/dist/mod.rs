@@ -39,6 +39,7 @@ mod env;
 mod group;
 mod optimizer_shard;
 mod shard;
+mod sharded_checkpoint;
 mod throughput;
 
 pub(crate) use data_parallel::AveragingSettings;
@@ -47,6 +48,8 @@ pub use env::LaunchEnv;
 pub use group::{Backend, ProcessGroup};
 pub use optimizer_shard::OptimizerShard;
 pub use shard::Shard;
+pub use sharded_checkpoint::read_sharded_checkpoint;
+pub(crate) use sharded_checkpoint::{load as load_sharded, save as save_sharded};
 pub use throughput::Throughput;
 
 /// Whether this process is rank 0 (or the only one): the process that should print and save.

@@ -35,19 +35,35 @@ pub struct OptimizerShard {
     raw: RawOptimizerShard,
     params: Vec<Tensor>,
     pieces: Vec<(Tensor, usize)>,
+    /// Each piece's first element in its parameter's flattened values.
+    offsets: Vec<i64>,
     world_size: usize,
+    parameters_sharded: bool,
 }
 
 impl OptimizerShard {
-    /// The shard of `sync` (made sharded over `params`, in that order, by `world_size` ranks).
-    pub(crate) fn of(sync: &RawGradientSync, params: &[Tensor], world_size: usize) -> Result<Self> {
+    /// The shard of `sync` (made sharded over `params`, in that order, by `world_size` ranks;
+    /// `parameters_sharded`: ZeRO-3's).
+    pub(crate) fn of(
+        sync: &RawGradientSync,
+        params: &[Tensor],
+        world_size: usize,
+        parameters_sharded: bool,
+    ) -> Result<Self> {
         let raw = RawOptimizerShard::new(sync).map_err(failed)?;
-        let pieces = raw.pieces().map_err(failed)?;
+        let (pieces, offsets) = raw
+            .pieces()
+            .map_err(failed)?
+            .into_iter()
+            .map(|(piece, param, offset)| ((piece, param), offset))
+            .unzip();
         Ok(Self {
             raw,
             params: params.iter().map(Tensor::shallow_clone).collect(),
             pieces,
+            offsets,
             world_size,
+            parameters_sharded,
         })
     }
 
@@ -58,9 +74,21 @@ impl OptimizerShard {
         &self.pieces
     }
 
+    /// Where each of [`pieces`](Self::pieces) starts in its parameter's flattened values: piece
+    /// `i` is elements `offsets[i]..offsets[i] + pieces[i].numel()` of it.
+    pub fn piece_offsets(&self) -> &[i64] {
+        &self.offsets
+    }
+
     /// The whole parameters the shard is part of.
     pub fn parameters(&self) -> &[Tensor] {
         &self.params
+    }
+
+    /// Whether the parameters are sharded too (ZeRO-3): the pieces, in fp32, are then all this rank
+    /// holds of them between steps.
+    pub fn parameters_sharded(&self) -> bool {
+        self.parameters_sharded
     }
 
     /// How many ranks share the parameters.

@@ -293,6 +293,13 @@ impl RawGradientSync {
         Ok(out.into_iter().map(|t| unsafe { owned(t) }).collect())
     }
 
+    /// ZeRO-3: lets every gathered unit go, its values not taken back: the next use gathers what
+    /// the fp32 parts hold now.
+    pub(crate) fn refresh_parameters(&self) -> Result<()> {
+        // SAFETY: live object.
+        check(unsafe { abi::sk_grad_sync_refresh_parameters(self.0) })
+    }
+
     /// ZeRO-3: ends the sharding (`gather`: the parameters' whole values back, a collective;
     /// otherwise empty parameters).
     pub(crate) fn unshard(&self, gather: bool) -> Result<()> {
@@ -336,22 +343,32 @@ impl RawOptimizerShard {
         Ok(Self(shard))
     }
 
-    /// This rank's pieces, each with the index of its parameter in the list the sync was made over.
-    pub(crate) fn pieces(&self) -> Result<Vec<(Tensor, usize)>> {
+    /// This rank's pieces, each with the index of its parameter in the list the sync was made over
+    /// and the place of its first element in that parameter's flattened values.
+    pub(crate) fn pieces(&self) -> Result<Vec<(Tensor, usize, i64)>> {
         let mut count = 0i64;
         // SAFETY: a live object; capacity 0 writes nothing but the count.
         check(unsafe {
-            abi::sk_optimizer_shard_pieces(self.0, ptr::null_mut(), ptr::null_mut(), 0, &mut count)
+            abi::sk_optimizer_shard_pieces(
+                self.0,
+                ptr::null_mut(),
+                ptr::null_mut(),
+                ptr::null_mut(),
+                0,
+                &mut count,
+            )
         })?;
         let n = usize::try_from(count).unwrap_or(0);
         let mut pieces = vec![ptr::null_mut(); n];
         let mut params = vec![0i64; n];
-        // SAFETY: both buffers hold `n` entries, the capacity passed.
+        let mut offsets = vec![0i64; n];
+        // SAFETY: the three buffers hold `n` entries, the capacity passed.
         check(unsafe {
             abi::sk_optimizer_shard_pieces(
                 self.0,
                 pieces.as_mut_ptr(),
                 params.as_mut_ptr(),
+                offsets.as_mut_ptr(),
                 n as i64,
                 &mut count,
             )
@@ -359,8 +376,9 @@ impl RawOptimizerShard {
         Ok(pieces
             .into_iter()
             .zip(params)
+            .zip(offsets)
             // SAFETY: fresh tensors from the shim, one per entry.
-            .map(|(t, p)| (unsafe { owned(t) }, usize::try_from(p).unwrap_or(0)))
+            .map(|((t, p), o)| (unsafe { owned(t) }, usize::try_from(p).unwrap_or(0), o))
             .collect())
     }
 

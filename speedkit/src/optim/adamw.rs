@@ -57,7 +57,10 @@ impl AdamWOptimizer {
             .map(|(piece, i)| (piece.shallow_clone(), whole[*i].dim() >= 2))
             .collect();
         let mut optimizer = Self::with_groups(param_groups(pieces, &config), &config, fused)?;
-        optimizer.holdings = Arc::new(holdings_of(&optimizer.groups, Some(whole)));
+        // Under ZeRO-3 the pieces are what this rank holds of the parameters; under ZeRO-1 the
+        // whole parameters.
+        let held = (!shard.parameters_sharded()).then_some(whole);
+        optimizer.holdings = Arc::new(holdings_of(&optimizer.groups, held));
         optimizer.shard = Some(shard);
         Ok(optimizer)
     }

@@ -90,3 +90,35 @@ impl AdamWOptimizer {
         })
     }
 }
+
+impl AdamWOptimizer {
+    /// Each parameter it updates with its state: `[parameter, exp_avg, exp_avg_sq, step]`, the
+    /// state fresh zeros (what the first step starts from) where no step has made it yet.
+    pub(crate) fn param_states(&self) -> Result<Vec<[Tensor; 4]>> {
+        let mut out = Vec::new();
+        for b in self.groups.iter().flat_map(|g| &g.buckets) {
+            let made;
+            let state = if b.has_state() {
+                &b.state
+            } else {
+                made = BucketState::zeros(&b.params)?;
+                &made
+            };
+            for (i, p) in b.params.iter().enumerate() {
+                out.push([
+                    p.shallow_clone(),
+                    state.exp_avgs[i].shallow_clone(),
+                    state.exp_avg_sqs[i].shallow_clone(),
+                    state.steps[i].shallow_clone(),
+                ]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`param_states`](Self::param_states) with the state made first, to be written into.
+    pub(crate) fn make_param_states(&mut self) -> Result<Vec<[Tensor; 4]>> {
+        self.make_state()?;
+        self.param_states()
+    }
+}

@@ -549,7 +549,12 @@ pub(super) fn write_memory_history(
 ) -> Result<PathBuf> {
     std::fs::create_dir_all(dir)
         .map_err(|e| SpeedkitError::Misuse(format!("cannot create {}: {e}", dir.display())))?;
-    let path = dir.join(format!("{workload}-{config}.pickle"));
+    // Under a launcher every rank records its own device: one file each.
+    let rank = match crate::dist::LaunchEnv::from_env() {
+        Ok(Some(env)) if env.world_size > 1 => format!(".rank{}", env.rank),
+        _ => String::new(),
+    };
+    let path = dir.join(format!("{workload}-{config}{rank}.pickle"));
     history.write(&path)?;
     Ok(path)
 }
