@@ -274,12 +274,13 @@ void finish(GradientSync& sync, GradientBucket& b) {
   b.wire_views.clear();
 }
 
-// The bucket's wire made and filled from every gradient its parameters hold (zeros for one without),
-// which they then let go.
-void fill_wire(GradientBucket& b) {
+// Copies into the bucket's wire (made if need be) the gradients its parameters hold, zeros for one
+// without; those that arrived already are in it, unless `arrived_too`.
+void copy_into_wire(GradientBucket& b, bool arrived_too) {
   make_wire(b);
   std::vector<at::Tensor> from, to;
   for (size_t i = 0; i < b.params.size(); ++i) {
+    if (b.arrived[i] && !arrived_too) continue;
     const at::Tensor& grad = b.params[i].grad();
     if (grad.defined()) {
       from.push_back(grad);
@@ -289,6 +290,11 @@ void fill_wire(GradientBucket& b) {
     }
   }
   if (!from.empty()) at::_foreach_copy_(to, from);
+}
+
+// A held bucket's wire filled from every gradient its parameters hold, which they then let go.
+void fill_wire(GradientBucket& b) {
+  copy_into_wire(b, /*arrived_too=*/true);
   for (at::Tensor& p : b.params) p.mutable_grad().reset();
   b.filled = true;
 }
@@ -376,19 +382,7 @@ void start_rest(GradientSync& sync) {
       start(sync, b);
       continue;
     }
-    make_wire(b);
-    std::vector<at::Tensor> from, to;
-    for (size_t i = 0; i < b.params.size(); ++i) {
-      if (b.arrived[i]) continue;
-      const at::Tensor& grad = b.params[i].grad();
-      if (grad.defined()) {
-        from.push_back(grad);
-        to.push_back(b.wire_views[i]);
-      } else {
-        b.wire_views[i].zero_();
-      }
-    }
-    if (!from.empty()) at::_foreach_copy_(to, from);
+    copy_into_wire(b, /*arrived_too=*/false);
     start(sync, b);
   }
   sync.next = sync.buckets.size();

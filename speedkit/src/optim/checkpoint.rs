@@ -5,7 +5,7 @@ use std::path::Path;
 use tch::Tensor;
 
 use super::adamw::AdamWOptimizer;
-use super::state::BucketState;
+use super::state::{Bucket, BucketState};
 use crate::error::{Result, SpeedkitError};
 
 impl AdamWOptimizer {
@@ -30,13 +30,8 @@ impl AdamWOptimizer {
         for (gi, g) in self.groups.iter().enumerate() {
             for (bi, b) in g.buckets.iter().enumerate() {
                 out.push((format!("group{gi}.bucket{bi}.lr"), b.lr.shallow_clone()));
-                let made;
-                let state = if b.has_state() {
-                    &b.state
-                } else {
-                    made = BucketState::zeros(&b.params)?;
-                    &made
-                };
+                let mut made = None;
+                let state = state_or_zeros(b, &mut made)?;
                 for i in 0..b.params.len() {
                     let prefix = format!("group{gi}.bucket{bi}.param{i}");
                     for (name, t) in [
@@ -97,13 +92,8 @@ impl AdamWOptimizer {
     pub(crate) fn param_states(&self) -> Result<Vec<[Tensor; 4]>> {
         let mut out = Vec::new();
         for b in self.groups.iter().flat_map(|g| &g.buckets) {
-            let made;
-            let state = if b.has_state() {
-                &b.state
-            } else {
-                made = BucketState::zeros(&b.params)?;
-                &made
-            };
+            let mut made = None;
+            let state = state_or_zeros(b, &mut made)?;
             for (i, p) in b.params.iter().enumerate() {
                 out.push([
                     p.shallow_clone(),
@@ -121,4 +111,13 @@ impl AdamWOptimizer {
         self.make_state()?;
         self.param_states()
     }
+}
+
+/// `b`'s state, or (where no step has made it yet) fresh zeros kept in `made`: what the first step
+/// starts from.
+fn state_or_zeros<'a>(b: &'a Bucket, made: &'a mut Option<BucketState>) -> Result<&'a BucketState> {
+    if b.has_state() {
+        return Ok(&b.state);
+    }
+    Ok(made.insert(BucketState::zeros(&b.params)?))
 }
