@@ -108,9 +108,11 @@ pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
     // Gathered from every rank's part where the parameters are sharded.
     Tensor::save_multi(&ctx.model_state(&vs)?, out.join(format!("rank{rank}.ot")))
         .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
-    if sharded_parameters {
-        // Each rank writes its own part, which no rank gathers.
+    if config.distributed.shard_optimizer {
+        // Each rank writes the pieces it owns, which no rank gathers.
         ctx.save_sharded(&vs, Some(&opt), out.join("sharded"))?;
+    }
+    if sharded_parameters {
         // A load into the sharded parameters, as `VarStore::copy` does it (every rank, the same
         // order): each unit is gathered, written, and this rank's part taken back.
         let _no_grad = tch::no_grad_guard();
