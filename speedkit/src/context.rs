@@ -289,7 +289,7 @@ impl SpeedContext {
     /// parameters or a sharded optimizer each rank writes the pieces it owns; otherwise each
     /// writes its N-th of every variable. [`load_sharded`](Self::load_sharded) reads it back, on
     /// any number of ranks, and [`read_sharded_checkpoint`](crate::dist::read_sharded_checkpoint)
-    /// assembles the whole model from it (see [`crate::dist`]'s sharded checkpoints).
+    /// assembles the whole model from it (see [`crate::dist`] on checkpoints).
     ///
     /// ```
     /// use speedkit::{SpeedConfig, SpeedContext};

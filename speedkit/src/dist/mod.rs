@@ -11,6 +11,13 @@
 //! that each rank should read its own part of the data ([`Shard`]) and print only on rank 0
 //! ([`SpeedContext::is_main`](crate::SpeedContext::is_main)).
 //!
+//! Checkpoints: [`SpeedContext::model_state`](crate::SpeedContext::model_state) gives the whole
+//! model for one file written on rank 0; [`SpeedContext::save_sharded`](crate::SpeedContext::save_sharded)
+//! writes one file per rank (its own part of the model and of AdamW's state, nothing gathered, as
+//! PyTorch's `torch.distributed.checkpoint`), which
+//! [`SpeedContext::load_sharded`](crate::SpeedContext::load_sharded) reads back on any number of
+//! ranks and [`read_sharded_checkpoint`] assembles whole.
+//!
 //! ```no_run
 //! use speedkit::{apply_speedups, dist::Shard, SpeedConfig};
 //! use tch::{nn, nn::Module, Device, Kind, Tensor};

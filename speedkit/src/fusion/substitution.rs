@@ -28,7 +28,7 @@ use crate::error::{Result, SpeedkitError};
 use crate::ffi::interposer::{Program, RecordedCall, Session};
 use crate::trace::{StepTrace, TracedOp, TracedTensor};
 
-/// A step's fused groups as a program for the interposer; see the [module docs](self).
+/// A step's fused groups as a program for the interposer; see [`crate::fusion`].
 pub struct FusedStep {
     program: Program,
     substituted: Vec<SubstitutedGroup>,
