@@ -106,7 +106,7 @@ pub fn run(options: &LaunchOptions) -> Result<i32> {
             Ok(p) => p.trim().parse().map_err(|_| {
                 SpeedkitError::Misuse(format!("speedkit launch: MASTER_PORT is `{p}`, not a port"))
             })?,
-            Err(_) => free_port()?,
+            Err(_) => free_master_port()?,
         },
     };
     install_signal_forwarding();
@@ -123,14 +123,53 @@ pub fn run(options: &LaunchOptions) -> Result<i32> {
     Ok(supervise(&mut ranks, options))
 }
 
-/// A port nobody listens on right now (the OS picks it; rank 0's store binds it moments later).
-fn free_port() -> Result<u16> {
+/// A port for rank 0's rendezvous store (`MASTER_PORT`) that nothing listens on now, taken below
+/// the range the kernel hands out as connections' source ports: what the launcher uses where no
+/// port is given. A port from that range (what binding port 0 gives) can be taken before rank 0's
+/// store listens on it: a rank that connects first may be given the store's own port as its
+/// source and connect to itself, and the store's bind then fails with "address already in use"
+/// (seen when launches follow each other on one host).
+///
+/// ```
+/// let port = speedkit::launcher::free_master_port()?;
+/// assert_ne!(port, 0);
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn free_master_port() -> Result<u16> {
     let io = |source| SpeedkitError::Io {
-        path: "127.0.0.1:0".into(),
+        path: "0.0.0.0".into(),
         source,
     };
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(io)?;
+    let (first_source_port, _) = source_ports();
+    const LOWEST: u32 = 10_000;
+    if first_source_port > LOWEST + 1_000 {
+        let span = first_source_port - LOWEST;
+        let seed = std::process::id()
+            ^ std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos());
+        for attempt in 0..64u32 {
+            let port = LOWEST + seed.wrapping_add(attempt.wrapping_mul(7_919)) % span;
+            let port = u16::try_from(port).unwrap_or(u16::MAX);
+            if TcpListener::bind(("0.0.0.0", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
+    // No room below the source ports (or all taken): one the OS picks.
+    let listener = TcpListener::bind("0.0.0.0:0").map_err(io)?;
     Ok(listener.local_addr().map_err(io)?.port())
+}
+
+/// The kernel's range of connections' source ports (Linux's default where it cannot be read).
+fn source_ports() -> (u32, u32) {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|text| {
+            let mut ends = text.split_whitespace().map(str::parse::<u32>);
+            Some((ends.next()?.ok()?, ends.next()?.ok()?))
+        })
+        .unwrap_or((32_768, 60_999))
 }
 
 struct Rank {
@@ -283,4 +322,23 @@ fn exit_code(status: ExitStatus) -> i32 {
         .code()
         .or_else(|| status.signal().map(|s| 128 + s))
         .unwrap_or(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_store_port_is_free_and_below_the_kernels_source_ports() {
+        let port = free_master_port().unwrap();
+        let (first_source_port, _) = source_ports();
+        assert!(
+            u32::from(port) < first_source_port,
+            "{port} is a source port"
+        );
+        assert!(
+            TcpListener::bind(("0.0.0.0", port)).is_ok(),
+            "{port} is taken"
+        );
+    }
 }

@@ -130,8 +130,7 @@ pub fn rank_env(rank: usize, port: u16) -> Vec<(&'static str, String)> {
 }
 
 pub fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
+    speedkit::launcher::free_master_port().unwrap()
 }
 
 /// Waits for `child` at most `limit` (a guard against hangs, far above the configured collective
