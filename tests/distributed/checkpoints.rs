@@ -35,6 +35,22 @@ fn one_process_training(
     sorted(vs.variables().into_iter().collect())
 }
 
+/// The model `build` makes, and an AdamW over it, in one process, read from the sharded checkpoint
+/// in `dir`: the variables by name, and the steps the optimizer's state counts.
+fn loaded_into_one_process(
+    build: fn(&nn::VarStore) -> Box<dyn Module>,
+    dir: &std::path::Path,
+) -> (Vec<(String, Tensor)>, i64) {
+    let _lock = common::serial();
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let _net = build(&vs);
+    let ctx = apply_speedups(&mut vs, &config(1)).unwrap();
+    let mut opt = ctx.adamw(&vs, adamw()).unwrap();
+    ctx.load_sharded(&vs, Some(&mut opt), dir).unwrap();
+    let steps = opt.steps_taken().unwrap();
+    (sorted(vs.variables().into_iter().collect()), steps)
+}
+
 fn sorted(mut named: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
     named.sort_by(|a, b| a.0.cmp(&b.0));
     named
@@ -85,18 +101,8 @@ fn a_checkpoint_zero3_ranks_wrote_reads_whole_in_one_process() {
     let assembled = sorted(speedkit::dist::read_sharded_checkpoint(&dir).unwrap());
     assert_same_model(&assembled, &trained, 0.0, "assembled from the ranks' files");
 
-    let _lock = common::serial();
-    let mut vs = nn::VarStore::new(Device::Cpu);
-    let _net = blocks_model(&vs);
-    let ctx = apply_speedups(&mut vs, &config(1)).unwrap();
-    let mut opt = ctx.adamw(&vs, adamw()).unwrap();
-    ctx.load_sharded(&vs, Some(&mut opt), &dir).unwrap();
-    assert_same_model(
-        &sorted(vs.variables().into_iter().collect()),
-        &trained,
-        0.0,
-        "loaded into one process",
-    );
+    let (loaded, _) = loaded_into_one_process(|vs| Box::new(blocks_model(vs)), &dir);
+    assert_same_model(&loaded, &trained, 0.0, "loaded into one process");
 }
 
 #[test]
@@ -116,18 +122,7 @@ fn a_checkpoint_zero1_ranks_wrote_holds_the_model_and_every_piece_of_the_optimiz
 
     // Every element of AdamW's state is in one rank's file or the other's: one process reads it
     // all (a stretch missing would be an error).
-    let _lock = common::serial();
-    let mut vs = nn::VarStore::new(Device::Cpu);
-    let _net = crate::fixture::model(&vs);
-    let ctx = apply_speedups(&mut vs, &config(1)).unwrap();
-    let mut opt = ctx.adamw(&vs, adamw()).unwrap();
-    ctx.load_sharded(&vs, Some(&mut opt), &dir).unwrap();
-    assert_same_model(
-        &sorted(vs.variables().into_iter().collect()),
-        &trained,
-        0.0,
-        "loaded into one process",
-    );
-    let steps = opt.steps_taken().unwrap();
+    let (loaded, steps) = loaded_into_one_process(|vs| Box::new(crate::fixture::model(vs)), &dir);
+    assert_same_model(&loaded, &trained, 0.0, "loaded into one process");
     assert_eq!(steps, STEPS, "the step count the ranks reached");
 }

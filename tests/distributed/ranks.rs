@@ -106,8 +106,7 @@ pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
         held.parameters, held.state
     );
     // Gathered from every rank's part where the parameters are sharded.
-    Tensor::save_multi(&ctx.model_state(&vs)?, out.join(format!("rank{rank}.ot")))
-        .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
+    save_model_state(&ctx, &vs, &out.join(format!("rank{rank}.ot")))?;
     if config.distributed.shard_optimizer {
         // Each rank writes the pieces it owns, which no rank gathers.
         ctx.save_sharded(&vs, Some(&opt), out.join("sharded"))?;
@@ -121,8 +120,7 @@ pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
         for (i, (_, p)) in named.iter().enumerate() {
             let _filled = p.shallow_clone().f_fill_(i as f64)?;
         }
-        Tensor::save_multi(&ctx.model_state(&vs)?, out.join(format!("loaded{rank}.ot")))
-            .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
+        save_model_state(&ctx, &vs, &out.join(format!("loaded{rank}.ot")))?;
         // The optimizer (which shares the shard) outlives the context: this thread's calls run
         // as before, and the parameters are empty.
         drop(ctx);
@@ -159,8 +157,7 @@ fn resume_sharded_parameters_rank(
         let loss = ctx.autocast(|| net.forward(&xb).mse_loss(&yb, tch::Reduction::Mean));
         ctx.backward_step(&loss, &mut opt)?;
     }
-    Tensor::save_multi(&ctx.model_state(&vs)?, out.join(format!("rank{rank}.ot")))
-        .map_err(|e| SpeedkitError::Torch(e.to_string()))
+    save_model_state(&ctx, &vs, &out.join(format!("rank{rank}.ot")))
 }
 
 /// The training of `train_rank` on this rank's GPU over NCCL in fp32, through the graph-mode API,
@@ -242,27 +239,29 @@ fn train_nccl_rank(
     );
     drop(step);
     ctx.print_main(ctx.audit());
-    let state = ctx
-        .model_state(&vs)?
-        .into_iter()
-        .map(|(name, t)| (name, t.to_device(Device::Cpu)))
-        .collect::<Vec<_>>();
-    Tensor::save_multi(&state, out.join(format!("rank{rank}.ot")))
-        .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
+    save_model_state(&ctx, &vs, &out.join(format!("rank{rank}.ot")))?;
     if sharded_parameters {
         // Written from the GPU's fp32 parts, read back into them: the gathered model unchanged.
         let dir = out.join("sharded");
         ctx.save_sharded(&vs, Some(&opt), &dir)?;
         ctx.load_sharded(&vs, Some(&mut opt), &dir)?;
-        let state = ctx
-            .model_state(&vs)?
-            .into_iter()
-            .map(|(name, t)| (name, t.to_device(Device::Cpu)))
-            .collect::<Vec<_>>();
-        Tensor::save_multi(&state, out.join(format!("reloaded{rank}.ot")))
-            .map_err(|e| SpeedkitError::Torch(e.to_string()))?;
+        save_model_state(&ctx, &vs, &out.join(format!("reloaded{rank}.ot")))?;
     }
     Ok(())
+}
+
+/// The model's state (gathered where the parameters are sharded), on the CPU, into `path`.
+fn save_model_state(
+    ctx: &speedkit::SpeedContext,
+    vs: &nn::VarStore,
+    path: &Path,
+) -> Result<(), SpeedkitError> {
+    let state = ctx
+        .model_state(vs)?
+        .into_iter()
+        .map(|(name, t)| (name, t.to_device(Device::Cpu)))
+        .collect::<Vec<_>>();
+    Tensor::save_multi(&state, path).map_err(|e| SpeedkitError::Torch(e.to_string()))
 }
 
 /// The same training written as an ordinary `#[accelerate]` function: no distributed code.

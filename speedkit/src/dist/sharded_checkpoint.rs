@@ -59,7 +59,6 @@ struct Part {
 }
 
 /// Where one stretch lies in a checkpoint's files.
-#[derive(Clone)]
 struct Stored {
     file: PathBuf,
     /// Its first byte in the file, its type and where it starts in its variable.
@@ -148,20 +147,16 @@ pub(crate) fn load(
     if optimizer.is_some() {
         index.check_optimizer_state(vs, dir)?;
     }
-    let owned = owned(dp)?;
+    let (model, pieces) = parts_to_fill(owned(dp)?, vs)?;
     let _no_grad = tch::no_grad_guard();
-    for part in parts_to_fill(&owned, vs)? {
-        index.fill(&format!("{PARAM}/{}", part.name), &part, &part.values)?;
+    for part in &model {
+        index.fill(&format!("{PARAM}/{}", part.name), part.offset, &part.values)?;
     }
     if let Some(optimizer) = optimizer {
-        // The optimizer updates the owned pieces where there are any, the variables otherwise.
-        let parts = if owned.parts.is_empty() {
-            parts_to_fill(&owned, vs)?
-        } else {
-            owned.parts
-        };
+        // Under ZeRO-1 the optimizer updates this rank's pieces of the whole variables read above.
+        let parts = pieces.as_deref().unwrap_or(&model);
         let states = optimizer.make_param_states()?;
-        for part in &parts {
+        for part in parts {
             let Some(state) = states.iter().find(|s| same_tensor(&s[0], &part.owner)) else {
                 continue;
             };
@@ -174,7 +169,7 @@ pub(crate) fn load(
                     t.shallow_clone()
                         .f_copy_(&read(stored, 0, 1)?.f_reshape([])?)?;
                 } else {
-                    index.fill(&key, part, &state_stretch(kind, t, part)?)?;
+                    index.fill(&key, part.offset, &state_stretch(kind, t, part)?)?;
                 }
             }
         }
@@ -223,15 +218,7 @@ pub fn read_sharded_checkpoint(dir: impl AsRef<Path>) -> Result<Vec<(String, Ten
         let shape = stored[0].shape.clone();
         let kind = kind_of(stored[0].dtype)?;
         let whole = Tensor::f_empty(&shape, (kind, Device::Cpu))?;
-        let part = Part {
-            name: name.to_string(),
-            offset: 0,
-            values: whole.f_reshape([-1])?,
-            owner: whole.shallow_clone(),
-            within: 0,
-            shape,
-        };
-        index.fill(key, &part, &part.values)?;
+        index.fill(key, 0, &whole.f_view([-1])?)?;
         out.push((name.to_string(), whole));
     }
     Ok(out)
@@ -306,8 +293,9 @@ fn parts_to_write(owned: Owned, rank: usize, world: usize, vs: &VarStore) -> Res
 }
 
 /// The stretches this rank reads the model into: under ZeRO-3 its pieces of the sharded
-/// parameters, and every other variable whole.
-fn parts_to_fill(owned: &Owned, vs: &VarStore) -> Result<Vec<Part>> {
+/// parameters and every other variable whole; otherwise every variable whole. Beside them, under
+/// ZeRO-1, the pieces its optimizer updates.
+fn parts_to_fill(owned: Owned, vs: &VarStore) -> Result<(Vec<Part>, Option<Vec<Part>>)> {
     let mut parts = Vec::new();
     for (name, var) in variables(vs) {
         if owned.parameters_sharded && owned.names.contains(&name) {
@@ -328,22 +316,11 @@ fn parts_to_fill(owned: &Owned, vs: &VarStore) -> Result<Vec<Part>> {
         });
     }
     if owned.parameters_sharded {
-        parts.extend(owned.parts.iter().map(Part::alias));
+        parts.extend(owned.parts);
+        return Ok((parts, None));
     }
-    Ok(parts)
-}
-
-impl Part {
-    fn alias(&self) -> Part {
-        Part {
-            name: self.name.clone(),
-            shape: self.shape.clone(),
-            offset: self.offset,
-            values: self.values.shallow_clone(),
-            owner: self.owner.shallow_clone(),
-            within: self.within,
-        }
-    }
+    let pieces = (!owned.parts.is_empty()).then_some(owned.parts);
+    Ok((parts, pieces))
 }
 
 fn variables(vs: &VarStore) -> Vec<(String, Tensor)> {
@@ -544,10 +521,10 @@ impl Index {
         Ok(())
     }
 
-    /// Copies into `into` (a flat stretch of `part`'s variable, starting at `part.offset`) every
+    /// Copies into `into` (a flat stretch of `key`'s variable, starting at element `offset`) every
     /// stored stretch of `key` that overlaps it; all of it must be covered.
-    fn fill(&self, key: &str, part: &Part, into: &Tensor) -> Result<()> {
-        let (begin, end) = (part.offset, part.offset + into.numel() as i64);
+    fn fill(&self, key: &str, offset: i64, into: &Tensor) -> Result<()> {
+        let (begin, end) = (offset, offset + into.numel() as i64);
         let mut covered = 0;
         for stored in self.stored.get(key).into_iter().flatten() {
             let (from, to) = (
