@@ -2,11 +2,12 @@
 pickles (or any `torch.cuda.memory._dump_snapshot` file) replayed event by event, and the blocks
 alive at the moment of the highest allocated total grouped by the frames that allocated them.
 
-    python3 docs/benchmarks/memory_peak.py FILE.pickle [--device N] [--frames K] [--top T]
+    python3 docs/benchmarks/memory_peak.py FILE.pickle [--device N] [--frames K] [--top T] [--largest L]
 
 `--frames K` groups by the K innermost frames of interest (speedkit's shim, ATen's operators,
 c10d, autograd), 2 by default; `--device` picks the trace (the rank's device; the longest trace by
-default). Blocks allocated before the history started recording are not in the trace:
+default). `--largest L` lists the L largest blocks alive at the peak one by one, each with the
+frames that allocated it (three times `--frames`). Blocks allocated before the history started recording are not in the trace:
 the "before the history" line is the peak's allocated total less what the trace accounts for.
 """
 import argparse
@@ -40,6 +41,7 @@ def main():
     parser.add_argument("--device", type=int)
     parser.add_argument("--frames", type=int, default=2)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--largest", type=int, default=0)
     args = parser.parse_args()
     snapshot = pickle.load(open(args.pickle, "rb"))
     traces = snapshot.get("device_traces", [])
@@ -75,6 +77,8 @@ def main():
     sizes = collections.Counter(e["size"] for e in at_peak.values())
     print("largest block sizes alive at the peak (MiB x count): " +
           ", ".join(f"{s / 2**20:.0f} x {c}" for s, c in sorted(sizes.items(), reverse=True)[:10]))
+    for event in sorted(at_peak.values(), key=lambda e: -e["size"])[:args.largest]:
+        print(f"{event['size'] / 2**20:9.1f} MiB  {who(event.get('frames'), 3 * args.frames)}")
 
 
 if __name__ == "__main__":

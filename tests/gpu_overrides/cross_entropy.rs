@@ -66,6 +66,107 @@ fn nll_loss_after_log_softmax_is_fused_and_matches_aten_on_odd_shapes() {
     }
 }
 
+/// `cross_entropy_loss` of `x` (logits in their own type: its `log_softmax` asks for that type)
+/// under CUDA autocast, mean over the rows, with every third row ignored; the loss and the logits'
+/// gradient.
+fn cross_entropy_loss_pass(x: &Tensor, target: &Tensor) -> (Tensor, Tensor) {
+    let x = x.detach().set_requires_grad(true);
+    let loss = speedkit::amp::autocast(x.device(), Kind::BFloat16, || {
+        x.cross_entropy_loss::<Tensor>(target, None, tch::Reduction::Mean, -100, 0.0)
+    })
+    .unwrap();
+    loss.backward();
+    (loss.detach(), x.grad())
+}
+
+#[test]
+fn cross_entropy_loss_of_half_logits_is_fused_and_at_least_as_exact_as_atens() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "cross_entropy_loss_of_half_logits_is_fused_and_at_least_as_exact_as_atens",
+    ) else {
+        return;
+    };
+    for kind in [Kind::BFloat16, Kind::Half] {
+        for (rows, classes) in [(7, 50257), (64, 8192), (5, 13), (3, 8)] {
+            let x = (Tensor::randn([rows, classes], (Kind::Float, device)) * 4.0).to_kind(kind);
+            let target = Tensor::randint(classes, [rows], (Kind::Int64, device)).index_fill(
+                0,
+                &Tensor::arange_start_step(0, rows, 3, (Kind::Int64, device)),
+                -100,
+            );
+            let case = format!("{kind:?} {rows}x{classes}");
+            // The same logits in fp32 throughout: what both are measured against.
+            let (loss_exact, dx_exact) = cross_entropy_loss_pass(&x.to_kind(Kind::Float), &target);
+            let (loss_aten, dx_aten) = {
+                let _off = common::hold_override(Override::CrossEntropy, false);
+                cross_entropy_loss_pass(&x, &target)
+            };
+            let _on = common::hold_override(Override::CrossEntropy, true);
+            let (loss, dx) = cross_entropy_loss_pass(&x, &target);
+            for op in ["aten::log_softmax.int", "aten::nll_loss"] {
+                let stats = Override::CrossEntropy.stats(op).unwrap();
+                assert_eq!(
+                    (stats.ran, stats.declined),
+                    (1, 0),
+                    "{case} {op}: {stats:?}"
+                );
+            }
+            assert_eq!((loss.kind(), dx.kind()), (Kind::Float, kind), "{case}");
+            // ATen rounds the log-probabilities to the logits' type before the loss and its
+            // gradient read them; the fused loss reads the logits and an fp32 log-sum-exp.
+            let (loss_err, aten_loss_err) = (
+                common::rel_err(&loss, &loss_exact),
+                common::rel_err(&loss_aten, &loss_exact),
+            );
+            assert!(
+                loss_err <= aten_loss_err + 1e-6,
+                "{case} loss: relative error {loss_err}, ATen's {aten_loss_err}"
+            );
+            let (dx_err, aten_dx_err) = (
+                common::rel_err(&dx, &dx_exact),
+                common::rel_err(&dx_aten, &dx_exact),
+            );
+            let rounding = if kind == Kind::Half { 1e-3 } else { 8e-3 };
+            assert!(
+                dx_err <= aten_dx_err.max(rounding),
+                "{case} dx: relative error {dx_err}, ATen's {aten_dx_err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn cross_entropy_loss_keeps_no_log_probabilities_and_no_fp32_copy_of_them() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "cross_entropy_loss_keeps_no_log_probabilities_and_no_fp32_copy_of_them",
+    ) else {
+        return;
+    };
+    let _on = common::hold_override(Override::CrossEntropy, true);
+    let (rows, classes) = (512, 32768);
+    let x = Tensor::randn([rows, classes], (Kind::BFloat16, device)).set_requires_grad(true);
+    let target = Tensor::randint(classes, [rows], (Kind::Int64, device));
+    let base = MemoryUse::now(device).unwrap().allocated;
+    speedkit::memory::reset_peaks(device).unwrap();
+    let loss = speedkit::amp::autocast(device, Kind::BFloat16, || {
+        x.cross_entropy_loss::<Tensor>(&target, None, tch::Reduction::Mean, -100, 0.0)
+    })
+    .unwrap();
+    let peak = MemoryUse::now(device).unwrap().peak_allocated - base;
+    // ATen's path holds the bf16 log-probabilities (32 MiB here) and autocast's fp32 copy of them
+    // (64 MiB) at once; the fused loss neither.
+    let log_probs = (rows * classes * 2) as u64;
+    assert!(
+        peak < log_probs / 8,
+        "the forward peaked {peak} bytes above its inputs (the log-probabilities are {log_probs})"
+    );
+    assert_eq!(speedkit::deferred::pending().unwrap().0, 0);
+    loss.backward();
+    assert_eq!(x.grad().kind(), Kind::BFloat16);
+}
+
 #[test]
 fn log_probabilities_used_beside_the_nll_get_both_gradients() {
     let _serial = common::serial();

@@ -76,7 +76,11 @@ fn log_softmax_calls_its_kernels_do_not_take_run_autocasts_path_and_are_counted(
     let under_autocast =
         |f: &dyn Fn() -> Tensor| speedkit::amp::autocast(device, Kind::BFloat16, f).unwrap();
     type Call<'a> = Box<dyn Fn() -> Tensor + 'a>;
-    let cases: [(&str, Call<'_>); 3] = [
+    let cases: [(&str, Call<'_>); 4] = [
+        (
+            "a result type other than fp32 or the logits' own",
+            Box::new(|| x.log_softmax(-1, Kind::Half)),
+        ),
         (
             "over dimension 0",
             Box::new(|| x.log_softmax(0, Kind::Float)),

@@ -9,7 +9,12 @@
 //! GPT-2's 50k classes at 8 × 1024 tokens). The kernels here read the logits in their own type and
 //! write fp32 log-probabilities, and write the gradient in the logits' type: the same arithmetic
 //! (fp32 throughout), two kernels and two large tensors fewer. This is what tch's
-//! `cross_entropy_for_logits` and `log_softmax(-1, Kind::Float)` call.
+//! `cross_entropy_for_logits` and `log_softmax(-1, Kind::Float)` call. `cross_entropy_loss` (tch's
+//! `Tensor::cross_entropy_loss`, PyTorch's `F.cross_entropy`) asks `log_softmax` for the logits'
+//! own type instead, and autocast's `nll_loss` then casts that result to an fp32 copy: three
+//! [rows, vocabulary] tensors (2 GB at 8 × 1024 tokens of a 32k vocabulary in bf16) where the
+//! fused loss below keeps the logits alone. The kernels take that call too, rounding the
+//! log-probabilities to the logits' type wherever they are read.
 //!
 //! The `nll_loss` that follows a classifier's `log_softmax` is fused with it into one
 //! cross-entropy node: `nll_loss` of log-probabilities this module made computes the loss from the
@@ -61,8 +66,8 @@ pub(crate) fn operator_overrides() -> [OperatorOverride; 2] {
 
 fn log_softmax(call: &OverrideCall<'_>) -> Result<Reply> {
     let x = call.tensor("self")?;
-    let fp32_result = matches!(call.kind("dtype"), Ok(None | Some(Kind::Float)));
-    if let Some(why) = unsupported(x, call.int("dim")?, fp32_result) {
+    let result = result_kind(x, call.kind("dtype"));
+    if let Some(why) = unsupported(x, call.int("dim")?, result) {
         return Ok(Reply::Declined(why));
     }
     let kernels = Kernels::get(x.device(), x.kind())?;
@@ -82,12 +87,25 @@ fn log_softmax(call: &OverrideCall<'_>) -> Result<Reply> {
     let function = LogSoftmax {
         source: Arc::clone(&source),
         defer,
+        result: result.unwrap_or(Kind::Float),
     };
     let y = apply(function, &[x])?.remove(0);
     if y.requires_grad() {
         links().push(&y, &source)?;
     }
     Ok(Reply::Ran(vec![y]))
+}
+
+/// The type of the log-probabilities a call asks for, where the kernels can give it: fp32 (no
+/// `dtype`, or fp32), or the logits' own type (`cross_entropy_loss` asks for that: its
+/// `log_softmax` runs in the logits' type, which autocast leaves alone, and autocast's `nll_loss`
+/// then casts the result to fp32). `None` for any other.
+fn result_kind(x: &Tensor, dtype: Result<Option<Kind>>) -> Option<Kind> {
+    match dtype {
+        Ok(None | Some(Kind::Float)) => Some(Kind::Float),
+        Ok(Some(kind)) if kind == x.kind() => Some(kind),
+        _ => None,
+    }
 }
 
 /// `nll_loss` of log-probabilities the `log_softmax` above wrote, fused with it into one
@@ -133,14 +151,15 @@ fn nll_loss(call: &OverrideCall<'_>) -> Result<Reply> {
     Ok(Reply::Ran(vec![loss]))
 }
 
-/// Why the kernels cannot take this call, or `None`.
-fn unsupported(x: &Tensor, dim: i64, fp32_result: bool) -> Option<String> {
+/// Why the kernels cannot take this call (`result`: the type it asks for, if they can give it),
+/// or `None`.
+fn unsupported(x: &Tensor, dim: i64, result: Option<Kind>) -> Option<String> {
     let kind = x.kind();
     if !matches!(kind, Kind::BFloat16 | Kind::Half) {
         return Some(format!("{kind:?} logits (the kernels read bf16 and fp16)"));
     }
-    if !fp32_result {
-        return Some("a result type other than fp32".into());
+    if result.is_none() {
+        return Some("a result type other than fp32 or the logits' own".into());
     }
     let last = x.dim() as i64 - 1;
     if x.dim() == 0 || (dim != -1 && dim != last) {
@@ -340,8 +359,14 @@ impl Source {
     }
 
     /// The log-probabilities into `y` from the logits and the kept log-sum-exp: what the one-pass
-    /// forward writes, bit for bit.
+    /// forward writes, bit for bit (in fp32, then rounded where `y` is of the logits' type).
     fn write_log_probs(&self, y: &Tensor) -> Result<()> {
+        if y.kind() != Kind::Float {
+            let fp32 = Tensor::f_empty(y.size(), (Kind::Float, y.device()))?;
+            self.write_log_probs(&fp32)?;
+            y.shallow_clone().f_copy_(&fp32)?;
+            return Ok(());
+        }
         let (x, lse) = self.logits_and_lse();
         let (rows, width) = rows_and_width(&x);
         let (grid, block) = launch_shape(rows, width);
@@ -360,13 +385,14 @@ impl Source {
     }
 }
 
-/// The autograd function around the kernels: logits in, fp32 log-probabilities out (deferred
-/// where `defer` is given, which the writer sets if anything reads them: only their log-sum-exp is
-/// computed now). The backward reads the logits and their log-sum-exp, saved in place of the fp32
-/// result.
+/// The autograd function around the kernels: logits in, log-probabilities out in `result` (fp32
+/// or the logits' type; deferred where `defer` is given, which the writer sets if anything reads
+/// them: only their log-sum-exp is computed now). The backward reads the logits and their
+/// log-sum-exp, saved in place of the result.
 struct LogSoftmax {
     source: Arc<Source>,
     defer: Option<Arc<AtomicBool>>,
+    result: Kind,
 }
 
 impl Function for LogSoftmax {
@@ -397,9 +423,10 @@ impl Function for LogSoftmax {
             let (source, read) = (Arc::clone(&self.source), Arc::clone(read));
             crate::deferred::tensor(
                 &x.size(),
-                Kind::Float,
+                self.result,
                 x.device(),
-                &["aten::nll_loss"],
+                // `nll_loss_nd` (`cross_entropy_loss`'s) passes [rows, classes] on to `nll_loss`.
+                &["aten::nll_loss", "aten::nll_loss_nd"],
                 move |y| {
                     read.store(true, Ordering::Relaxed);
                     source.write_log_probs(y)
@@ -419,7 +446,7 @@ impl Function for LogSoftmax {
                     width: width as i32,
                 },
             )?;
-            y
+            y.f_to_kind(self.result)?
         };
         ctx.save_for_backward(&[x, lse])?;
         Ok(vec![y])
