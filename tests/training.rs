@@ -233,6 +233,35 @@ fn cuda_step_with_host_sync_falls_back_to_eager_and_says_why() {
 }
 
 #[test]
+fn cuda_random_numbers_work_after_a_capture_that_fell_back() {
+    let _lock = common::serial();
+    let Some(device) =
+        common::cuda_or_skip("cuda_random_numbers_work_after_a_capture_that_fell_back")
+    else {
+        return;
+    };
+    let mut config = precision_config(DeviceChoice::Cuda(0), Precision::Fp32);
+    config.compile.enabled = AutoBool::On;
+    config.compile.warmup_steps = 1;
+    let ctx = SpeedContext::new(&config).unwrap();
+    let x = Tensor::randn([16, 16], (Kind::Float, device));
+    let mut g = ctx.graphed(|_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
+        // Dropout draws from the device's generator, which the capture registers.
+        let y = x.dropout(0.5, true).sum(None);
+        let _ = y.f_double_value(&[])?; // a host synchronisation: the capture fails
+        Ok(Some(y))
+    });
+    for _ in 0..3 {
+        g.run(&[]).unwrap();
+    }
+    assert!(!g.is_graphed());
+    drop(g);
+    let drawn = Tensor::f_randn([1024], (Kind::Float, device));
+    assert!(drawn.is_ok(), "{:?}", drawn.err());
+    assert!(x.f_dropout(0.5, true).is_ok());
+}
+
+#[test]
 fn a_first_optimizer_step_inside_a_capture_falls_back_to_eager_and_makes_the_state_there() {
     let _lock = common::serial();
     let Some(device) = common::cuda_or_skip(
@@ -358,4 +387,72 @@ fn cuda_graphs_for_two_input_shapes_leave_each_steps_gradients_on_the_parameters
         );
     }
     assert!(g.is_graphed(), "{:?}", g.fallback_reason());
+}
+
+/// Whether `w` had a gradient when each step began, and whether it had one after each, over
+/// `steps` runs of a step that computes one and steps AdamW on it.
+fn gradients_at_start_and_end_of_steps(
+    ctx: &SpeedContext,
+    device: Device,
+    steps: usize,
+) -> (Vec<bool>, Vec<bool>) {
+    let vs = nn::VarStore::new(device);
+    let w = vs.root().randn("w", &[4, 32], 0.0, 1.0);
+    let mut opt = ctx.adamw(&vs, AdamW::default()).unwrap();
+    let x = Tensor::randn([8, 32], (Kind::Float, device));
+    let mut at_start = Vec::new();
+    let mut step = ctx.graphed(|_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
+        if !speedkit::graph::is_capturing() {
+            at_start.push(w.grad().defined());
+        }
+        let loss = x.matmul(&w.tr()).sum(None);
+        ctx.backward_step(&loss, &mut opt)?;
+        Ok(Some(loss))
+    });
+    let mut at_end = Vec::new();
+    for _ in 0..steps {
+        step.run(&[]).unwrap();
+        at_end.push(w.grad().defined());
+    }
+    drop(step);
+    (at_start, at_end)
+}
+
+#[test]
+fn an_eager_step_begins_without_the_gradients_its_optimizer_drops_and_ends_with_its_own() {
+    let _lock = common::serial();
+    let ctx = SpeedContext::new(&precision_config(DeviceChoice::Cpu, Precision::Fp32)).unwrap();
+    let (at_start, at_end) = gradients_at_start_and_end_of_steps(&ctx, Device::Cpu, 4);
+    assert_eq!(
+        at_start, [false; 4],
+        "the forward passes held the last step's gradients"
+    );
+    assert_eq!(
+        at_end, [true; 4],
+        "a step's gradients are on the parameters after it"
+    );
+}
+
+#[test]
+fn cuda_warm_up_steps_and_the_capture_begin_without_the_gradients_their_optimizer_drops() {
+    let _lock = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "cuda_warm_up_steps_and_the_capture_begin_without_the_gradients_their_optimizer_drops",
+    ) else {
+        return;
+    };
+    let mut config = precision_config(DeviceChoice::Cuda(0), Precision::Fp32);
+    config.compile.enabled = AutoBool::On;
+    config.compile.warmup_steps = 3;
+    let ctx = SpeedContext::new(&config).unwrap();
+    // Three warm-up steps, the capture (not seen from inside: it is recorded), two replays.
+    let (at_start, at_end) = gradients_at_start_and_end_of_steps(&ctx, device, 6);
+    assert_eq!(
+        at_start, [false; 3],
+        "a warm-up's forward held the last step's gradients"
+    );
+    assert_eq!(
+        at_end, [true; 6],
+        "a step's gradients are on the parameters after it"
+    );
 }

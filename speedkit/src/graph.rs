@@ -25,6 +25,15 @@
 //! shape) `param.grad()` after a step is always that step's gradient, and no graph's gradients are
 //! freed for another to reuse. The cost: one set of gradients per cached graph.
 //!
+//! A step that drops its gradients at its start (`zero_grad` before `backward`, as
+//! [`SpeedContext::backward_step`](crate::SpeedContext::backward_step) and tch's own loop do) still
+//! holds the last step's through its forward pass. Before each eager warm-up step and before the
+//! capture, a [`GraphedStep`] drops the gradients its previous step's optimizer will drop anyway
+//! (an [`AdamWOptimizer`](crate::optim::AdamWOptimizer) that drops them), so that no forward
+//! pass, and no captured one, holds them beside its activations, as PyTorch's loop with
+//! `zero_grad(set_to_none=True)` before the forward. `param.grad()` after a step is still that
+//! step's gradient.
+//!
 //! Capture-safe building blocks in speedkit: [`AdamWOptimizer`](crate::optim::AdamWOptimizer) (step
 //! count and lr on the device), the [`GradScaler`](crate::amp::GradScaler) with the fused optimizer
 //! (device-side inf check, skip and scale update), autocast. Optimizers that decide on the host (tch's
@@ -52,6 +61,9 @@ thread_local! {
     // (parameter, gradient) pairs that optimizers saw during the capture in progress.
     static CAPTURED_GRADIENTS: std::cell::RefCell<(Vec<Tensor>, Vec<Tensor>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    // While a GraphedStep runs an eager step: the parameters whose gradients its optimizer read and
+    // will drop at its next zero_grad.
+    static DROPPED_NEXT_STEP: std::cell::RefCell<Option<Vec<Tensor>>> = const { std::cell::RefCell::new(None) };
     // How the last step run through a GraphedStep on this thread ran, for the step profiler.
     static LAST_STEP_KIND: std::cell::Cell<Option<StepKind>> = const { std::cell::Cell::new(None) };
 }
@@ -108,6 +120,42 @@ pub(crate) fn record_gradients<'a>(params: impl Iterator<Item = &'a Tensor>) {
             }
         }
     });
+}
+
+/// Called by an optimizer step whose next `zero_grad` drops the gradients it read (AdamW's
+/// default): in an eager step of a [`GraphedStep`], remembers those parameters, whose gradients it
+/// drops before its next eager step or capture (see "Gradients").
+pub(crate) fn note_gradients_dropped_next_step<'a>(params: impl Iterator<Item = &'a Tensor>) {
+    DROPPED_NEXT_STEP.with(|cell| {
+        if let Some(noted) = cell.borrow_mut().as_mut() {
+            noted.extend(
+                params
+                    .filter(|p| p.grad().defined())
+                    .map(Tensor::shallow_clone),
+            );
+        }
+    });
+}
+
+/// Notes what [`note_gradients_dropped_next_step`] is told while it lives (one eager step), and
+/// nothing once it is gone, also after a panic.
+struct NotingDroppedGradients;
+
+impl NotingDroppedGradients {
+    fn start() -> Self {
+        DROPPED_NEXT_STEP.with(|cell| *cell.borrow_mut() = Some(Vec::new()));
+        NotingDroppedGradients
+    }
+
+    fn finish(self) -> Vec<Tensor> {
+        DROPPED_NEXT_STEP.with(|cell| cell.borrow_mut().take().unwrap_or_default())
+    }
+}
+
+impl Drop for NotingDroppedGradients {
+    fn drop(&mut self) {
+        DROPPED_NEXT_STEP.with(|cell| *cell.borrow_mut() = None);
+    }
 }
 
 fn take_recorded_gradients() -> (Vec<Tensor>, Vec<Tensor>) {
@@ -236,6 +284,9 @@ pub struct GraphedStep<'c, F> {
     clock: u64,
     fallback: Option<String>,
     phases: Vec<PhaseMemory>,
+    /// Parameters whose gradients the last eager step's optimizer will drop at its next
+    /// `zero_grad` (see "Gradients").
+    dropped_next_step: Vec<Tensor>,
 }
 
 impl<'c, F> GraphedStep<'c, F>
@@ -255,6 +306,7 @@ where
             clock: 0,
             fallback: None,
             phases: Vec::new(),
+            dropped_next_step: Vec::new(),
         }
     }
 
@@ -295,8 +347,7 @@ where
             .filter(|_| self.enabled && self.fallback.is_none())
         else {
             note_step_kind(StepKind::Eager);
-            let owned: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
-            return (self.step)(&owned);
+            return self.eager_step(inputs);
         };
         let signature: Signature = inputs
             .iter()
@@ -350,6 +401,8 @@ where
                 ffi::device::share_blas_workspace(device_index, false)?;
             }
             let owned: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
+            self.drop_gradients_before_step()?;
+            let noting = NotingDroppedGradients::start();
             let out = if last_warmup && self.host.graph_settings().fusion {
                 let (out, fused) =
                     traced_for_fusion(self.host, device_index, || (self.step)(&owned))?;
@@ -359,6 +412,7 @@ where
                 (self.step)(&owned)
             };
             side.exit()?;
+            self.dropped_next_step = noting.finish();
             let out =
                 out.map_err(|e| self.out_of_memory(StepKind::GraphWarmup, device_index, e))?;
             if last_warmup {
@@ -368,6 +422,7 @@ where
         }
         note_step_kind(StepKind::GraphCapture);
         let _range = NvtxRange::push(nvtx, c"speedkit/graph capture");
+        self.drop_gradients_before_step()?;
         let out = self.capture(index, device_index, inputs)?;
         self.note_phase(StepKind::GraphCapture, device_index);
         Ok(out)
@@ -403,6 +458,14 @@ where
             &error,
             advice,
         )
+    }
+
+    /// Drops the gradients the last eager step's optimizer will drop at this step's `zero_grad`:
+    /// this step's forward pass need not hold them (see "Gradients").
+    fn drop_gradients_before_step(&mut self) -> Result<()> {
+        let params = std::mem::take(&mut self.dropped_next_step);
+        let with_grads: Vec<Tensor> = params.into_iter().filter(|p| p.grad().defined()).collect();
+        ffi::optim::clear_grads(&with_grads)
     }
 
     fn insert(&mut self, signature: Signature) -> usize {
@@ -530,8 +593,18 @@ where
         self.fallback = Some(reason);
         self.entries.clear();
         note_step_kind(StepKind::Eager);
+        self.eager_step(inputs)
+    }
+
+    /// The step run eagerly, after dropping the gradients the last one's optimizer would drop
+    /// (see "Gradients").
+    fn eager_step(&mut self, inputs: &[&Tensor]) -> Result<Option<Tensor>> {
+        self.drop_gradients_before_step()?;
+        let noting = NotingDroppedGradients::start();
         let owned: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
-        (self.step)(&owned)
+        let out = (self.step)(&owned);
+        self.dropped_next_step = noting.finish();
+        out
     }
 }
 

@@ -283,6 +283,9 @@ impl AdamWOptimizer {
         // In-place updates of leaf parameters: as torch.optim's step, outside autograd.
         let _no_grad = tch::no_grad_guard();
         crate::graph::record_gradients(self.params());
+        if self.grads_to_none {
+            crate::graph::note_gradients_dropped_next_step(self.params());
+        }
         self.make_state()?;
         let scaling = Scaling {
             grad_scale,
@@ -330,6 +333,9 @@ impl AdamWOptimizer {
             }
         }
         crate::graph::record_gradients(self.params());
+        if self.grads_to_none {
+            crate::graph::note_gradients_dropped_next_step(self.params());
+        }
         match &self.shard {
             Some(shard) => shard.finish_gather(),
             None => Ok(()),
