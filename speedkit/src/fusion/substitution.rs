@@ -380,6 +380,11 @@ fn place(
 /// Between the group's first member and its launch, no other call may read what the group
 /// writes (it would read it unwritten) or write what the group reads (the kernel would read the
 /// new values where ATen's kernels read the old).
+///
+/// The trace names memory by address, which the allocator reuses: a tensor counts as the group's
+/// from the member that reads or makes it until a call makes new memory at that address (the
+/// tensor was freed; the interposer holds the group's own until the launch, so there they do not
+/// meet).
 fn check_nothing_between(
     generated: &GeneratedKernel,
     kernels: &[&TracedOp],
@@ -395,17 +400,41 @@ fn check_nothing_between(
             KernelArg::Input(t) | KernelArg::Scalar(t) => read.insert(t.storage),
         };
     }
-    for (q, op) in kernels
-        .iter()
-        .enumerate()
-        .take(launch_at + 1)
-        .skip(first + 1)
-    {
+    first_conflict(kernels, member_at, first, launch_at, &read, &written).map_or(Ok(()), Err)
+}
+
+/// The first call of `kernels[first..=launch_at]` outside the group (`member_at`) that reads what
+/// the group writes (storages `written`) or writes in place what it reads (`read`), as
+/// [`check_nothing_between`] says; `None` where there is none.
+fn first_conflict(
+    kernels: &[&TracedOp],
+    member_at: &HashSet<usize>,
+    first: usize,
+    launch_at: usize,
+    read: &HashSet<u64>,
+    written: &HashSet<u64>,
+) -> Option<String> {
+    // The memory that holds the group's inputs and results at this point of the trace.
+    let (mut inputs_held, mut results_held): (HashSet<u64>, HashSet<u64>) = Default::default();
+    for (q, op) in kernels.iter().enumerate().take(launch_at + 1).skip(first) {
         if member_at.contains(&q) {
+            inputs_held.extend(
+                op.input_tensors()
+                    .map(|t| t.storage)
+                    .filter(|s| read.contains(s)),
+            );
+            results_held.extend(
+                op.output_tensors()
+                    .map(|t| t.storage)
+                    .filter(|s| written.contains(s)),
+            );
             continue;
         }
-        if op.input_tensors().any(|t| written.contains(&t.storage)) {
-            return Err(format!(
+        if op
+            .input_tensors()
+            .any(|t| results_held.contains(&t.storage))
+        {
+            return Some(format!(
                 "{} reads a result before the group's last input exists",
                 op.name
             ));
@@ -413,15 +442,24 @@ fn check_nothing_between(
         let inputs: HashSet<(u64, u64)> = op.input_tensors().map(|t| t.key()).collect();
         if op
             .output_tensors()
-            .any(|t| inputs.contains(&t.key()) && read.contains(&t.storage))
+            .any(|t| inputs.contains(&t.key()) && inputs_held.contains(&t.storage))
         {
-            return Err(format!(
+            return Some(format!(
                 "{} writes an input of the group in place before it runs",
                 op.name
             ));
         }
+        // New memory: whatever the group read or made at that address was freed in the trace.
+        let storages: HashSet<u64> = op.input_tensors().map(|t| t.storage).collect();
+        for t in op
+            .output_tensors()
+            .filter(|t| !storages.contains(&t.storage))
+        {
+            inputs_held.remove(&t.storage);
+            results_held.remove(&t.storage);
+        }
     }
-    Ok(())
+    None
 }
 
 /// The interposer's program: every recorded call, the substituted groups' members among them.
@@ -506,4 +544,108 @@ fn launch(launch: &Launch, tensors: &[Tensor]) -> Result<()> {
     args.push(Arg::I64(generated.numel as i64));
     let (grid, block) = generated.grid_and_block();
     launch.kernel.launch(grid, block, 0, &args)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace::TracedValue;
+
+    /// A tensor of 4 floats: object `id` on storage `storage`.
+    fn tensor(id: u64, storage: u64) -> TracedValue {
+        TracedValue::Tensor(TracedTensor {
+            id,
+            storage,
+            offset: 0,
+            numel: 4,
+            item_bytes: 4,
+            device: "cuda:0".into(),
+            dtype: "float".into(),
+            shape: vec![4],
+            strides: vec![1],
+        })
+    }
+
+    fn call(id: u64, name: &str, inputs: Vec<TracedValue>, outputs: Vec<TracedValue>) -> TracedOp {
+        TracedOp {
+            id,
+            name: name.into(),
+            schema: String::new(),
+            parent: None,
+            inputs,
+            outputs,
+            backward: false,
+            thread: 1,
+            forward_thread: 0,
+            rf_id: 0,
+        }
+    }
+
+    /// Calls 0 and 3 are the group's: `mul` reads input storage 10 and writes result storage 20,
+    /// `exp` reads the result; `between` are calls 1 and 2, outside it.
+    fn conflict_with(between: [TracedOp; 2]) -> Option<String> {
+        let [one, two] = between;
+        let ops = [
+            call(
+                0,
+                "aten::mul",
+                vec![tensor(1, 10), tensor(1, 10)],
+                vec![tensor(2, 20)],
+            ),
+            one,
+            two,
+            call(3, "aten::exp", vec![tensor(2, 20)], vec![tensor(4, 40)]),
+        ];
+        let kernels: Vec<&TracedOp> = ops.iter().collect();
+        let members = HashSet::from([0, 3]);
+        let (read, written) = (HashSet::from([10]), HashSet::from([20, 40]));
+        first_conflict(&kernels, &members, 0, 3, &read, &written)
+    }
+
+    #[test]
+    fn an_in_place_write_to_an_input_the_group_still_holds_is_a_conflict() {
+        let why = conflict_with([
+            call(
+                1,
+                "aten::add_",
+                vec![tensor(1, 10), tensor(5, 50)],
+                vec![tensor(1, 10)],
+            ),
+            call(2, "aten::relu", vec![tensor(5, 50)], vec![tensor(6, 60)]),
+        ]);
+        assert!(why.is_some_and(|w| w.contains("aten::add_ writes an input")));
+    }
+
+    #[test]
+    fn an_in_place_write_to_new_memory_at_a_freed_inputs_address_is_no_conflict() {
+        // The input was freed: `empty` made new memory at its address, which `add_` writes.
+        let why = conflict_with([
+            call(1, "aten::empty", vec![], vec![tensor(7, 10)]),
+            call(
+                2,
+                "aten::add_",
+                vec![tensor(7, 10), tensor(5, 50)],
+                vec![tensor(7, 10)],
+            ),
+        ]);
+        assert_eq!(why, None);
+    }
+
+    #[test]
+    fn a_read_of_a_result_before_the_launch_is_a_conflict() {
+        let why = conflict_with([
+            call(1, "aten::sum", vec![tensor(2, 20)], vec![tensor(8, 80)]),
+            call(2, "aten::relu", vec![tensor(5, 50)], vec![tensor(6, 60)]),
+        ]);
+        assert!(why.is_some_and(|w| w.contains("aten::sum reads a result")));
+    }
+
+    #[test]
+    fn a_read_of_other_memory_at_a_freed_results_address_is_no_conflict() {
+        let why = conflict_with([
+            call(1, "aten::zeros", vec![], vec![tensor(9, 20)]),
+            call(2, "aten::sum", vec![tensor(9, 20)], vec![tensor(8, 80)]),
+        ]);
+        assert_eq!(why, None);
+    }
 }
