@@ -7,7 +7,7 @@ alive at the moment of the highest allocated total grouped by the frames that al
 `--frames K` groups by the K innermost frames of interest (speedkit's shim, ATen's operators,
 c10d, autograd), 2 by default; `--device` picks the trace (the rank's device; the longest trace by
 default). `--largest L` lists the L largest blocks alive at the peak one by one, each with the
-frames that allocated it (three times `--frames`). Blocks allocated before the history started recording are not in the trace:
+event that allocated it and its frames (three times `--frames`). Blocks allocated before the history started recording are not in the trace:
 the "before the history" line is the peak's allocated total less what the trace accounts for.
 """
 import argparse
@@ -54,7 +54,7 @@ def main():
     for n, event in enumerate(traces[device]):
         action, addr = event["action"], event.get("addr")
         if action == "alloc":
-            live[addr] = event
+            live[addr] = dict(event, index=n)
             total += event["size"]
             if total > peak:
                 peak, at_peak, peak_event = total, dict(live), n
@@ -78,7 +78,8 @@ def main():
     print("largest block sizes alive at the peak (MiB x count): " +
           ", ".join(f"{s / 2**20:.0f} x {c}" for s, c in sorted(sizes.items(), reverse=True)[:10]))
     for event in sorted(at_peak.values(), key=lambda e: -e["size"])[:args.largest]:
-        print(f"{event['size'] / 2**20:9.1f} MiB  {who(event.get('frames'), 3 * args.frames)}")
+        print(f"{event['size'] / 2**20:9.1f} MiB  event {event['index']:6d}  "
+              f"{who(event.get('frames'), 3 * args.frames)}")
 
 
 if __name__ == "__main__":
