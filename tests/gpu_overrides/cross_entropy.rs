@@ -136,6 +136,27 @@ fn cross_entropy_loss_of_half_logits_is_fused_and_at_least_as_exact_as_atens() {
     }
 }
 
+/// Rows and classes of the logits the memory tests below take (bf16: 32 MiB).
+const MEMORY_TEST_LOGITS: (i64, i64) = (512, 32768);
+
+/// How far the forward of `loss` over random bf16 logits of [`MEMORY_TEST_LOGITS`] (and random
+/// targets) rose above what was allocated before it, under CUDA autocast with speedkit's
+/// cross-entropy; its backward then runs and must leave a bf16 gradient.
+fn loss_forward_peak(device: tch::Device, loss: impl Fn(&Tensor, &Tensor) -> Tensor) -> u64 {
+    let _on = common::hold_override(Override::CrossEntropy, true);
+    let (rows, classes) = MEMORY_TEST_LOGITS;
+    let x = Tensor::randn([rows, classes], (Kind::BFloat16, device)).set_requires_grad(true);
+    let target = Tensor::randint(classes, [rows], (Kind::Int64, device));
+    let base = MemoryUse::now(device).unwrap().allocated;
+    speedkit::memory::reset_peaks(device).unwrap();
+    let value = speedkit::amp::autocast(device, Kind::BFloat16, || loss(&x, &target)).unwrap();
+    let peak = MemoryUse::now(device).unwrap().peak_allocated - base;
+    assert_eq!(speedkit::deferred::pending().unwrap().0, 0);
+    value.backward();
+    assert_eq!(x.grad().kind(), Kind::BFloat16);
+    peak
+}
+
 #[test]
 fn cross_entropy_loss_keeps_no_log_probabilities_and_no_fp32_copy_of_them() {
     let _serial = common::serial();
@@ -144,27 +165,17 @@ fn cross_entropy_loss_keeps_no_log_probabilities_and_no_fp32_copy_of_them() {
     ) else {
         return;
     };
-    let _on = common::hold_override(Override::CrossEntropy, true);
-    let (rows, classes) = (512, 32768);
-    let x = Tensor::randn([rows, classes], (Kind::BFloat16, device)).set_requires_grad(true);
-    let target = Tensor::randint(classes, [rows], (Kind::Int64, device));
-    let base = MemoryUse::now(device).unwrap().allocated;
-    speedkit::memory::reset_peaks(device).unwrap();
-    let loss = speedkit::amp::autocast(device, Kind::BFloat16, || {
-        x.cross_entropy_loss::<Tensor>(&target, None, tch::Reduction::Mean, -100, 0.0)
-    })
-    .unwrap();
-    let peak = MemoryUse::now(device).unwrap().peak_allocated - base;
+    let peak = loss_forward_peak(device, |x, target| {
+        x.cross_entropy_loss::<Tensor>(target, None, tch::Reduction::Mean, -100, 0.0)
+    });
     // ATen's path holds the bf16 log-probabilities (32 MiB here) and autocast's fp32 copy of them
     // (64 MiB) at once; the fused loss neither.
+    let (rows, classes) = MEMORY_TEST_LOGITS;
     let log_probs = (rows * classes * 2) as u64;
     assert!(
         peak < log_probs / 8,
         "the forward peaked {peak} bytes above its inputs (the log-probabilities are {log_probs})"
     );
-    assert_eq!(speedkit::deferred::pending().unwrap().0, 0);
-    loss.backward();
-    assert_eq!(x.grad().kind(), Kind::BFloat16);
 }
 
 #[test]
@@ -266,26 +277,14 @@ fn the_fused_cross_entropy_never_writes_the_fp32_log_probabilities() {
     else {
         return;
     };
-    let _on = common::hold_override(Override::CrossEntropy, true);
-    let (rows, classes) = (512, 32768);
-    let x = Tensor::randn([rows, classes], (Kind::BFloat16, device)).set_requires_grad(true);
-    let target = Tensor::randint(classes, [rows], (Kind::Int64, device));
-    let base = MemoryUse::now(device).unwrap().allocated;
-    speedkit::memory::reset_peaks(device).unwrap();
-    let loss = speedkit::amp::autocast(device, Kind::BFloat16, || {
-        x.cross_entropy_for_logits(&target)
-    })
-    .unwrap();
-    let peak = MemoryUse::now(device).unwrap().peak_allocated - base;
+    let peak = loss_forward_peak(device, |x, target| x.cross_entropy_for_logits(target));
     // Deferred, never read but by the fused loss: the 64 MiB of log-probabilities never existed.
+    let (rows, classes) = MEMORY_TEST_LOGITS;
     let log_probs = (rows * classes * 4) as u64;
     assert!(
         peak < log_probs / 16,
         "the forward peaked {peak} bytes above its inputs (the log-probabilities are {log_probs})"
     );
-    assert_eq!(speedkit::deferred::pending().unwrap().0, 0);
-    loss.backward();
-    assert_eq!(x.grad().kind(), Kind::BFloat16);
 }
 
 /// A classifier's loss over `h` [rows, d] and `w` [classes, d] under CUDA autocast (logits
