@@ -314,7 +314,7 @@ fn the_optimizer_steps_after_all_buckets_under_the_reducer_or_the_config() {
 
 fn sharded_parameters() -> SpeedConfig {
     let mut cfg = SpeedConfig::auto();
-    cfg.distributed.shard_parameters = true;
+    cfg.distributed.shard_parameters = true.into();
     cfg
 }
 
@@ -398,5 +398,89 @@ fn sharded_parameters_are_refused_with_fp16_the_reducer_or_graphs_asked_for() {
             err.contains("shard_parameters") && err.contains(names),
             "{err}"
         );
+    }
+}
+
+/// Two H200s of 141 GiB each, their memory known (a simulated GPU's is 0, unknown).
+fn two_h200_with_memory() -> Hardware {
+    let mut hw = two_h200();
+    for gpu in &mut hw.gpus {
+        gpu.total_memory_bytes = 141 << 30;
+    }
+    hw
+}
+
+/// The `parameters` decision of rank 0 of two, for a model of `parameters` parameters.
+fn auto_sharding(hw: &Hardware, parameters: Option<u64>) -> (bool, String) {
+    let plan =
+        Plan::resolve_for_model(&SpeedConfig::auto(), hw, Some(&rank(0, 2)), parameters).unwrap();
+    let sharded = plan
+        .distributed
+        .as_ref()
+        .unwrap()
+        .shard_parameters
+        .is_some();
+    (sharded, plan.decision("parameters").unwrap().reason.clone())
+}
+
+#[test]
+fn auto_shards_the_parameters_of_a_model_whose_state_does_not_fit_the_gpu_and_says_why() {
+    // Llama 2 13B: 13 B parameters, 194 GiB of fp32 weights, gradients and AdamW state.
+    let (sharded, why) = auto_sharding(&two_h200_with_memory(), Some(13_000_000_000));
+    assert!(sharded, "{why}");
+    assert!(
+        why.contains("shard_parameters: auto")
+            && why.contains("193.7 GiB")
+            && why.contains("96.9 GiB"),
+        "{why}"
+    );
+}
+
+#[test]
+fn auto_keeps_whole_the_parameters_of_a_model_that_fits_and_says_why() {
+    // 5 B parameters: 74.5 GiB of state, within 70% of an H200's 141 GiB (98.7 GiB).
+    let (sharded, why) = auto_sharding(&two_h200_with_memory(), Some(5_000_000_000));
+    assert!(!sharded, "{why}");
+    assert!(why.contains("they fit whole"), "{why}");
+}
+
+#[test]
+fn auto_keeps_the_parameters_whole_where_the_plan_does_not_know_the_model() {
+    let (sharded, why) = auto_sharding(&two_h200_with_memory(), None);
+    assert!(!sharded);
+    assert!(why.contains("does not know the model"), "{why}");
+    let (sharded, why) = auto_sharding(&two_h200(), Some(13_000_000_000));
+    assert!(!sharded, "a simulated GPU's memory is unknown: {why}");
+}
+
+#[test]
+fn auto_keeps_the_parameters_whole_beside_settings_sharding_cannot_take() {
+    use speedkit::config::{AutoBool, Precision};
+    let mut fp16 = SpeedConfig::auto();
+    fp16.precision = Precision::Fp16;
+    let mut reducer = SpeedConfig::auto();
+    reducer.distributed.all_reduce = AllReduce::Reducer;
+    let mut graphs = SpeedConfig::auto();
+    graphs.compile.enabled = AutoBool::On;
+    for (config, reason) in [
+        (fp16, "fp16's GradScaler"),
+        (reducer, "all_reduce is reducer"),
+        (graphs, "compile.enabled is true"),
+    ] {
+        let plan = Plan::resolve_for_model(
+            &config,
+            &two_h200_with_memory(),
+            Some(&rank(0, 2)),
+            Some(13_000_000_000),
+        )
+        .unwrap();
+        assert!(plan
+            .distributed
+            .as_ref()
+            .unwrap()
+            .shard_parameters
+            .is_none());
+        let why = &plan.decision("parameters").unwrap().reason;
+        assert!(why.contains(reason), "{why}");
     }
 }

@@ -41,7 +41,7 @@ use crate::report::Audit;
 /// # Ok::<(), speedkit::SpeedkitError>(())
 /// ```
 pub fn apply_speedups(vs: &mut VarStore, config: &SpeedConfig) -> Result<SpeedContext> {
-    let ctx = SpeedContext::new(config)?;
+    let ctx = SpeedContext::for_model(config, vs)?;
     ctx.prepare(vs)?;
     Ok(ctx)
 }
@@ -80,11 +80,40 @@ impl SpeedContext {
         Self::with_hardware(config, Hardware::detect()?)
     }
 
+    /// As [`new`](Self::new), planned knowing the model: `distributed.shard_parameters: auto`
+    /// decides from its trainable parameters ([`Plan::resolve_for_model`]).
+    ///
+    /// ```
+    /// use speedkit::{SpeedConfig, SpeedContext};
+    /// use tch::{nn, Device};
+    ///
+    /// let vs = nn::VarStore::new(Device::Cpu);
+    /// let _layer = nn::linear(vs.root(), 64, 64, Default::default());
+    /// let ctx = SpeedContext::for_model(&SpeedConfig::from_yaml_str("device: cpu")?, &vs)?;
+    /// assert_eq!(ctx.device(), Device::Cpu);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn for_model(config: &SpeedConfig, vs: &VarStore) -> Result<Self> {
+        let parameters: i64 = vs
+            .trainable_variables()
+            .iter()
+            .map(Tensor::numel)
+            .map(|n| n as i64)
+            .sum();
+        Self::planned(config, Hardware::detect()?, Some(parameters as u64))
+    }
+
     /// Applies `config` as planned for `hardware` (a detected or simulated snapshot) and the
     /// launch environment of this process.
     pub fn with_hardware(config: &SpeedConfig, hardware: Hardware) -> Result<Self> {
+        Self::planned(config, hardware, None)
+    }
+
+    /// The context of `config` on `hardware` for a model of `parameters` trainable parameters,
+    /// where known.
+    fn planned(config: &SpeedConfig, hardware: Hardware, parameters: Option<u64>) -> Result<Self> {
         let launch = LaunchEnv::from_env()?;
-        let plan = Plan::resolve_launched(config, &hardware, launch.as_ref())?;
+        let plan = Plan::resolve_for_model(config, &hardware, launch.as_ref(), parameters)?;
         // The group first: a rank that cannot join fails before any flag changes.
         let group = match &plan.distributed {
             None => None,

@@ -53,7 +53,7 @@ pub fn train_rank(scenario: &str, out: &Path) -> Result<(), SpeedkitError> {
         };
     }
     config.distributed.shard_optimizer = scenario.starts_with("train_sharded");
-    config.distributed.shard_parameters = sharded_parameters;
+    config.distributed.shard_parameters = sharded_parameters.into();
     let ctx = apply_speedups(&mut vs, &config)?;
     ctx.print_main(ctx.audit());
     let mut opt = ctx.adamw(&vs, adamw())?;
@@ -147,7 +147,7 @@ fn resume_sharded_parameters_rank(
     let mut vs = nn::VarStore::new(Device::Cpu);
     let net = blocks_model(&vs);
     let mut config = config(1);
-    config.distributed.shard_parameters = true;
+    config.distributed.shard_parameters = true.into();
     let ctx = apply_speedups(&mut vs, &config)?;
     let mut opt = ctx.adamw(&vs, adamw())?;
     ctx.load_sharded(&vs, Some(&mut opt), out.join("one"))?;
@@ -204,7 +204,7 @@ fn train_nccl_rank(
         config.distributed.check_replicas_every = 0;
     }
     let sharded_parameters = variant == "sharded_parameters";
-    config.distributed.shard_parameters = sharded_parameters;
+    config.distributed.shard_parameters = sharded_parameters.into();
     let (x, y) = data();
     tch::manual_seed(100 + rank as i64);
     let mut vs = nn::VarStore::new(Device::Cpu);

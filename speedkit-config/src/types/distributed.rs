@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use super::AutoBool;
+
 /// Data-parallel training: one process per device, gradients averaged across processes.
 ///
 /// ```
@@ -52,8 +54,11 @@ pub struct DistributedConfig {
     /// more unit, kept through the step. Each rank keeps its part of every unit in fp32 with its
     /// AdamW state; the parameters compute in bf16 under bf16 precision. Implies
     /// `shard_optimizer`; needs speedkit's all-reduce. The step runs eagerly for now, on ATen's
-    /// kernels (without speedkit's kernels, overrides and FP8).
-    pub shard_parameters: bool,
+    /// kernels (without speedkit's kernels, overrides and FP8). `auto` (the default) shards where
+    /// the plan knows the model (`apply_speedups`, `SpeedContext::for_model`) and its fp32
+    /// weights, gradients and AdamW state (16 bytes a parameter) would take more than 70% of the
+    /// GPU's memory; the audit says why either way.
+    pub shard_parameters: AutoBool,
     /// speedkit's AdamW steps each bucket's parameters as soon as that bucket's average lands,
     /// beside the all-reduces still running, instead of after the last one (sharded: this rank's
     /// pieces, each bucket's all-gather started right after). Applies to speedkit's all-reduce
@@ -106,7 +111,7 @@ impl Default for DistributedConfig {
             compress: GradientCompression::None,
             check_replicas_every: 1000,
             shard_optimizer: false,
-            shard_parameters: false,
+            shard_parameters: AutoBool::Auto,
             overlap_optimizer: true,
         }
     }

@@ -44,6 +44,7 @@ pub(super) fn resolve_distributed(
     launch: Option<&LaunchEnv>,
     precision: ResolvedPrecision,
     graphs: bool,
+    fit: ModelFit,
     d: &mut Decisions,
 ) -> Result<Option<DistributedSettings>> {
     let Some(env) = launch else {
@@ -67,8 +68,8 @@ pub(super) fn resolve_distributed(
             env.rank, env.world_size
         ),
     );
-    let all_reduce = resolve_all_reduce(cfg, graphs, d)?;
-    let shard_parameters = resolve_shard_parameters(cfg, env.world_size, precision, d)?;
+    let shard_parameters = resolve_shard_parameters(config, env.world_size, precision, fit, d)?;
+    let all_reduce = resolve_all_reduce(cfg, graphs, shard_parameters.is_some(), d)?;
     let shard_optimizer =
         shard_parameters.is_some() || resolve_shard_optimizer(cfg, env.world_size, d);
     let overlap_optimizer = resolve_overlap_optimizer(cfg, all_reduce, d);
@@ -99,17 +100,46 @@ pub(super) fn resolve_distributed(
     }))
 }
 
+/// What `distributed.shard_parameters: auto` decides from: the model's trainable parameters and
+/// the device's memory, where the plan knows them.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct ModelFit {
+    pub parameters: Option<u64>,
+    pub device_memory: Option<u64>,
+}
+
+/// Bytes a parameter takes in mixed-precision training with AdamW, sharded or not: its fp32
+/// value, its gradient, and AdamW's two moments.
+const STATE_BYTES_PER_PARAMETER: u64 = 16;
+
+/// `auto` shards the parameters where their state would take more than this share of the
+/// device's memory: the rest is for the activations, the gathered blocks and the allocator.
+const SHARE_OF_DEVICE_FOR_STATE: f64 = 0.7;
+
 /// Under `distributed.shard_parameters` (ZeRO-3), the type the gathered parameters compute in:
-/// bf16 under bf16 precision, as FSDP2's mixed-precision policy, else fp32.
+/// bf16 under bf16 precision, as FSDP2's mixed-precision policy, else fp32. `auto` decides from
+/// `fit` ([`auto_shards`]).
 fn resolve_shard_parameters(
-    cfg: &DistributedConfig,
+    config: &SpeedConfig,
     world_size: usize,
     precision: ResolvedPrecision,
+    fit: ModelFit,
     d: &mut Decisions,
 ) -> Result<Option<tch::Kind>> {
-    if !cfg.shard_parameters {
-        return Ok(None);
-    }
+    let why = match config.distributed.shard_parameters {
+        AutoBool::Off => return Ok(None),
+        AutoBool::Auto => match auto_shards(config, world_size, precision, fit) {
+            Ok(why) => why,
+            Err(why) => {
+                d.push("parameters", "whole", why);
+                return Ok(None);
+            }
+        },
+        AutoBool::On => format!(
+            "set in the config (ZeRO-3): each of the {world_size} ranks keeps 1/{world_size} of \
+             every block's parameters in fp32 with their AdamW state"
+        ),
+    };
     let kind = match precision {
         ResolvedPrecision::Bf16 => tch::Kind::BFloat16,
         ResolvedPrecision::Fp32 => tch::Kind::Float,
@@ -127,10 +157,9 @@ fn resolve_shard_parameters(
         "parameters",
         "sharded",
         format!(
-            "set in the config (ZeRO-3): each of the {world_size} ranks keeps 1/{world_size} of \
-             every block's parameters in fp32 with their AdamW state; a block is all-gathered in \
-             {} where the step first uses it, forward and backward, the next one's gather \
-             started ahead, and let go after; gradients reduce-scattered per block",
+            "{why}; a block is all-gathered in {} where the step first uses it, forward and \
+             backward, the next one's gather started ahead, and let go after; gradients \
+             reduce-scattered per block",
             if kind == tch::Kind::BFloat16 {
                 "bf16"
             } else {
@@ -139,6 +168,59 @@ fn resolve_shard_parameters(
         ),
     );
     Ok(Some(kind))
+}
+
+/// Why `shard_parameters: auto` shards the parameters (`Ok`) or keeps them whole (`Err`).
+fn auto_shards(
+    config: &SpeedConfig,
+    world_size: usize,
+    precision: ResolvedPrecision,
+    fit: ModelFit,
+) -> std::result::Result<String, String> {
+    let auto = "distributed.shard_parameters: auto";
+    let Some(parameters) = fit.parameters else {
+        return Err(format!(
+            "{auto}, and the plan does not know the model (apply_speedups and \
+             SpeedContext::for_model give it its size)"
+        ));
+    };
+    let Some(memory) = fit.device_memory else {
+        return Err(format!("{auto}: no GPU memory to fit"));
+    };
+    if precision == ResolvedPrecision::Fp16 {
+        return Err(format!(
+            "{auto}: fp16's GradScaler needs every rank's whole gradient"
+        ));
+    }
+    if config.distributed.all_reduce == AllReduce::Reducer {
+        return Err(format!(
+            "{auto}: all_reduce is reducer, which all-reduces whole gradients"
+        ));
+    }
+    if config.compile.enabled == AutoBool::On {
+        return Err(format!(
+            "{auto}: compile.enabled is true, and the sharded step runs eagerly for now"
+        ));
+    }
+    const GIB: f64 = (1u64 << 30) as f64;
+    let state = (parameters * STATE_BYTES_PER_PARAMETER) as f64;
+    let share = SHARE_OF_DEVICE_FOR_STATE * 100.0;
+    let sizes = format!(
+        "the model's {:.2} B parameters take {:.1} GiB in fp32 with their gradients and AdamW \
+         state, {share:.0}% of the GPU's {:.1} GiB is {:.1}",
+        parameters as f64 / 1e9,
+        state / GIB,
+        memory as f64 / GIB,
+        memory as f64 * SHARE_OF_DEVICE_FOR_STATE / GIB
+    );
+    if state <= memory as f64 * SHARE_OF_DEVICE_FOR_STATE {
+        return Err(format!("{auto}: {sizes}; they fit whole"));
+    }
+    Ok(format!(
+        "{auto}: {sizes}; each of the {world_size} ranks keeps 1/{world_size} of every block's \
+         parameters in fp32 with their AdamW state ({:.1} GiB)",
+        state / world_size as f64 / GIB
+    ))
 }
 
 /// What ZeRO-3 leaves of the rest of the plan: the step runs eagerly, on ATen's kernels: speedkit's
@@ -326,18 +408,19 @@ fn resolve_overlap_optimizer(
 fn resolve_all_reduce(
     cfg: &DistributedConfig,
     graphs: bool,
+    sharded: bool,
     d: &mut Decisions,
 ) -> Result<AllReduce> {
     let bf16 = cfg.compress == GradientCompression::Bf16;
-    let wire = match (bf16, cfg.shard_parameters) {
+    let wire = match (bf16, sharded) {
         (true, _) => "sent in bf16",
         (false, true) => "sent in fp32",
         (false, false) => "sent in their own type",
     };
     let buckets = cfg.bucket_mb;
     let (path, reason) = match cfg.all_reduce {
-        AllReduce::Reducer if cfg.shard_parameters || cfg.shard_optimizer => {
-            let setting = if cfg.shard_parameters {
+        AllReduce::Reducer if sharded || cfg.shard_optimizer => {
+            let setting = if sharded {
                 "shard_parameters"
             } else {
                 "shard_optimizer"
@@ -367,9 +450,9 @@ fn resolve_all_reduce(
             cfg.all_reduce,
             format!("set in the config: {buckets} MiB buckets {wire}"),
         ),
-        AllReduce::Auto if graphs || bf16 || cfg.shard_optimizer || cfg.shard_parameters => (
+        AllReduce::Auto if graphs || bf16 || cfg.shard_optimizer || sharded => (
             AllReduce::InBackward,
-            in_step_reason(cfg, graphs, bf16, wire),
+            in_step_reason(cfg, graphs, bf16, sharded, wire),
         ),
         AllReduce::Auto => (
             AllReduce::Reducer,
@@ -385,8 +468,14 @@ fn resolve_all_reduce(
 
 /// Why `auto` picks speedkit's in-step all-reduce: the first of the graph, bf16 gradients and a
 /// sharded optimizer that needs it.
-fn in_step_reason(cfg: &DistributedConfig, graphs: bool, bf16: bool, wire: &str) -> String {
-    if cfg.shard_parameters {
+fn in_step_reason(
+    cfg: &DistributedConfig,
+    graphs: bool,
+    bf16: bool,
+    sharded: bool,
+    wire: &str,
+) -> String {
+    if sharded {
         return format!(
             "sharded parameters: each block's gradients, {wire}, are reduce-scattered as soon as \
              they are all in, on the collectives' stream beside the rest of the backward pass"

@@ -51,7 +51,7 @@ use decisions::Decisions;
 use device::{resolve_device, resolve_rank_device};
 use distributed::{
     data_parallel_rank, group_launch, resolve_beside_sharded_parameters, resolve_distributed,
-    resolve_expandable_segments, resolve_graphs_beside_reducer, BesideSharding,
+    resolve_expandable_segments, resolve_graphs_beside_reducer, BesideSharding, ModelFit,
 };
 use fp8::resolve_fp8;
 use fused_kernels::{resolve_kernels, resolve_overrides};
@@ -308,6 +308,32 @@ impl Plan {
         hardware: &Hardware,
         launch: Option<&LaunchEnv>,
     ) -> Result<Plan> {
+        Self::resolve_for_model(config, hardware, launch, None)
+    }
+
+    /// [`resolve_launched`](Self::resolve_launched) for a model of `parameters` trainable
+    /// parameters, where it is known: `distributed.shard_parameters: auto` shards them (ZeRO-3)
+    /// where their fp32 values, gradients and AdamW state would take more than 70% of the GPU.
+    ///
+    /// ```
+    /// use speedkit::{dist::LaunchEnv, hardware::Hardware, plan::Plan, SpeedConfig};
+    /// let env = LaunchEnv { rank: 0, world_size: 2, local_rank: 0,
+    ///                       master_addr: "127.0.0.1".into(), master_port: 29500 };
+    /// let mut hw = Hardware::simulated_gpu("H100", 9, 0);
+    /// hw.gpus[0].total_memory_bytes = 80 << 30;
+    /// let second = speedkit::hardware::GpuInfo { index: 1, ..hw.gpus[0].clone() };
+    /// hw.gpus.push(second);
+    /// // Llama 2 7B's 6.74 B parameters: 100 GiB of state, which no 80 GB GPU holds.
+    /// let plan = Plan::resolve_for_model(&SpeedConfig::auto(), &hw, Some(&env), Some(6_740_000_000))?;
+    /// assert!(plan.distributed.unwrap().shard_parameters.is_some());
+    /// # Ok::<(), speedkit::SpeedkitError>(())
+    /// ```
+    pub fn resolve_for_model(
+        config: &SpeedConfig,
+        hardware: &Hardware,
+        launch: Option<&LaunchEnv>,
+        parameters: Option<u64>,
+    ) -> Result<Plan> {
         config.validate()?;
         let mut d = Decisions::default();
 
@@ -338,8 +364,20 @@ impl Plan {
         let channels_last = resolve_channels_last(config.channels_last, gpu, &mut d);
 
         // The all-reduce is chosen for the step as planned, and may then take its graph away.
-        let distributed =
-            resolve_distributed(config, device, launch, precision, compile_graphs, &mut d)?;
+        let fit = ModelFit {
+            parameters,
+            // A simulated GPU's memory is 0: unknown.
+            device_memory: gpu.map(|g| g.total_memory_bytes).filter(|&bytes| bytes > 0),
+        };
+        let distributed = resolve_distributed(
+            config,
+            device,
+            launch,
+            precision,
+            compile_graphs,
+            fit,
+            &mut d,
+        )?;
         let compile_graphs = resolve_graphs_beside_reducer(
             config.compile.enabled,
             distributed.as_ref(),
