@@ -76,6 +76,15 @@ fn outsized(b: &mut Bencher) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A workload whose step fails with a long error of two lines, as a libtorch error with its frames.
+#[speedkit::bench(tags = ["runner-test"])]
+fn broken(_b: &mut Bencher) -> anyhow::Result<()> {
+    anyhow::bail!(
+        "{}\nframe #0: where it failed",
+        "a long libtorch message ".repeat(8)
+    )
+}
+
 fn sleepy_only() -> Vec<&'static Workload> {
     vec![Workload::named("sleepy").expect("sleepy is registered")]
 }
@@ -598,4 +607,37 @@ fn memory_history_and_largest_batch_cannot_be_asked_together() {
     let err =
         Args::try_parse_from(["bench", "--largest-batch", "--memory-history", "h"]).unwrap_err();
     assert!(err.to_string().contains("cannot be used with"), "{err}");
+}
+
+#[test]
+fn a_failed_workload_keeps_the_tables_narrow_and_gives_its_whole_error_below_them() {
+    let _lock = common::serial();
+    let args = args(&[]);
+    let broken = Workload::named("broken").expect("broken is registered");
+    let report = runner::run_with(&args, &[broken]).expect("the run completes");
+    assert_eq!(runner::exit_status(&args, &report), 1);
+    let text = runner::render_text(&report);
+    let (tables, failures) = text
+        .split_once("\nfailures:\n")
+        .expect("a failures section");
+    for row in tables.lines().filter(|l| l.contains("broken")) {
+        assert!(
+            row.chars().count() <= 100,
+            "a table row {} wide: {row}",
+            row.len()
+        );
+        assert!(row.contains("FAILED"), "{row}");
+    }
+    assert!(
+        failures.starts_with("  broken / fp32_strict:\n"),
+        "{failures}"
+    );
+    assert!(
+        failures.contains(&"a long libtorch message ".repeat(8)),
+        "{failures}"
+    );
+    assert!(
+        failures.contains("    frame #0: where it failed"),
+        "{failures}"
+    );
 }

@@ -22,8 +22,8 @@ fn fmt_opt(v: Option<f64>, digits: usize) -> String {
 }
 
 /// The human-readable result: the time table, the memory table, the baseline and peer sections
-/// when asked for, then the environment block. Each table fits 100 columns for the reference
-/// workloads.
+/// when asked for, the environment block, then each failed row's error. Each table fits 100
+/// columns for the reference workloads.
 pub fn render_text(report: &RunReport) -> String {
     let mut out = String::new();
     let _ = writeln!(
@@ -59,15 +59,33 @@ pub fn render_text(report: &RunReport) -> String {
         out.push_str(&render_peer(report, p));
     }
     out.push_str(&environment_block(report));
+    out.push_str(&failures(report));
     out
 }
 
+/// A failed row in a table: its error, which may be long and span lines (a libtorch error with
+/// its frames), is given whole in [`failures`], not in a column every other row would be padded to.
 fn failed_row(r: &Row) -> Vec<String> {
     vec![
         r.workload.clone(),
         r.config.clone(),
-        format!("FAILED: {}", r.error.as_deref().unwrap_or("?")),
+        "FAILED (below)".into(),
     ]
+}
+
+/// Each failed row's error, whole, under its workload and config; empty where none failed.
+fn failures(report: &RunReport) -> String {
+    let mut out = String::new();
+    for r in report.rows.iter().filter(|r| r.measurement.is_none()) {
+        if out.is_empty() {
+            out.push_str("\nfailures:\n");
+        }
+        let _ = writeln!(out, "  {} / {}:", r.workload, r.config);
+        for line in r.error.as_deref().unwrap_or("?").lines() {
+            let _ = writeln!(out, "    {line}");
+        }
+    }
+    out
 }
 
 fn time_table(report: &RunReport) -> String {
