@@ -390,15 +390,18 @@ fn cuda_graphs_for_two_input_shapes_leave_each_steps_gradients_on_the_parameters
 }
 
 /// Whether `w` had a gradient when each step began, and whether it had one after each, over
-/// `steps` runs of a step that computes one and steps AdamW on it.
+/// `steps` runs of a step that computes one and steps AdamW on it (its gradients zeroed in place
+/// where `in_place`, else dropped).
 fn gradients_at_start_and_end_of_steps(
     ctx: &SpeedContext,
     device: Device,
     steps: usize,
+    in_place: bool,
 ) -> (Vec<bool>, Vec<bool>) {
     let vs = nn::VarStore::new(device);
     let w = vs.root().randn("w", &[4, 32], 0.0, 1.0);
     let mut opt = ctx.adamw(&vs, AdamW::default()).unwrap();
+    opt.zero_grads_in_place(in_place);
     let x = Tensor::randn([8, 32], (Kind::Float, device));
     let mut at_start = Vec::new();
     let mut step = ctx.graphed(|_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
@@ -422,7 +425,7 @@ fn gradients_at_start_and_end_of_steps(
 fn an_eager_step_begins_without_the_gradients_its_optimizer_drops_and_ends_with_its_own() {
     let _lock = common::serial();
     let ctx = SpeedContext::new(&precision_config(DeviceChoice::Cpu, Precision::Fp32)).unwrap();
-    let (at_start, at_end) = gradients_at_start_and_end_of_steps(&ctx, Device::Cpu, 4);
+    let (at_start, at_end) = gradients_at_start_and_end_of_steps(&ctx, Device::Cpu, 4, false);
     assert_eq!(
         at_start, [false; 4],
         "the forward passes held the last step's gradients"
@@ -430,6 +433,18 @@ fn an_eager_step_begins_without_the_gradients_its_optimizer_drops_and_ends_with_
     assert_eq!(
         at_end, [true; 4],
         "a step's gradients are on the parameters after it"
+    );
+}
+
+#[test]
+fn a_step_whose_optimizer_zeroes_its_gradients_in_place_begins_with_them() {
+    let _lock = common::serial();
+    let ctx = SpeedContext::new(&precision_config(DeviceChoice::Cpu, Precision::Fp32)).unwrap();
+    let (at_start, _) = gradients_at_start_and_end_of_steps(&ctx, Device::Cpu, 3, true);
+    assert_eq!(
+        at_start,
+        [false, true, true],
+        "code that holds its gradients keeps them"
     );
 }
 
@@ -446,7 +461,7 @@ fn cuda_warm_up_steps_and_the_capture_begin_without_the_gradients_their_optimize
     config.compile.warmup_steps = 3;
     let ctx = SpeedContext::new(&config).unwrap();
     // Three warm-up steps, the capture (not seen from inside: it is recorded), two replays.
-    let (at_start, at_end) = gradients_at_start_and_end_of_steps(&ctx, device, 6);
+    let (at_start, at_end) = gradients_at_start_and_end_of_steps(&ctx, device, 6, false);
     assert_eq!(
         at_start, [false; 3],
         "a warm-up's forward held the last step's gradients"

@@ -27,10 +27,11 @@
 //!
 //! A step that drops its gradients at its start (`zero_grad` before `backward`, as
 //! [`SpeedContext::backward_step`](crate::SpeedContext::backward_step) and tch's own loop do) still
-//! holds the last step's through its forward pass. Before each eager warm-up step and before the
-//! capture, a [`GraphedStep`] drops the gradients its previous step's optimizer will drop anyway
-//! (an [`AdamWOptimizer`](crate::optim::AdamWOptimizer) that drops them), so that no forward
-//! pass, and no captured one, holds them beside its activations, as PyTorch's loop with
+//! holds the last step's through its forward pass. Where its previous step's
+//! [`AdamWOptimizer`](crate::optim::AdamWOptimizer) dropped its gradients at `zero_grad` and then
+//! stepped, a [`GraphedStep`] drops the gradients that step read before its next eager warm-up
+//! step and before the capture (their `zero_grad` would drop them anyway), so that no forward pass,
+//! and no captured one, holds them beside its activations, as PyTorch's loop with
 //! `zero_grad(set_to_none=True)` before the forward. `param.grad()` after a step is still that
 //! step's gradient.
 //!
@@ -61,9 +62,8 @@ thread_local! {
     // (parameter, gradient) pairs that optimizers saw during the capture in progress.
     static CAPTURED_GRADIENTS: std::cell::RefCell<(Vec<Tensor>, Vec<Tensor>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
-    // While a GraphedStep runs an eager step: the parameters whose gradients its optimizer read and
-    // will drop at its next zero_grad.
-    static DROPPED_NEXT_STEP: std::cell::RefCell<Option<Vec<Tensor>>> = const { std::cell::RefCell::new(None) };
+    // While a GraphedStep runs an eager step: what its optimizers did with their gradients.
+    static DROPPED_NEXT_STEP: std::cell::RefCell<Option<DroppedGradients>> = const { std::cell::RefCell::new(None) };
     // How the last step run through a GraphedStep on this thread ran, for the step profiler.
     static LAST_STEP_KIND: std::cell::Cell<Option<StepKind>> = const { std::cell::Cell::new(None) };
 }
@@ -122,33 +122,60 @@ pub(crate) fn record_gradients<'a>(params: impl Iterator<Item = &'a Tensor>) {
     });
 }
 
-/// Called by an optimizer step whose next `zero_grad` drops the gradients it read (AdamW's
-/// default): in an eager step of a [`GraphedStep`], remembers those parameters, whose gradients it
-/// drops before its next eager step or capture (see "Gradients").
-pub(crate) fn note_gradients_dropped_next_step<'a>(params: impl Iterator<Item = &'a Tensor>) {
+/// What the optimizers of one eager step of a [`GraphedStep`] did with their gradients.
+#[derive(Default)]
+struct DroppedGradients {
+    /// The optimizers (by id) whose `zero_grad` dropped their gradients in the step.
+    dropped: std::collections::HashSet<u64>,
+    /// The parameters whose gradients an optimizer's step read, with its id.
+    stepped: Vec<(u64, Tensor)>,
+}
+
+/// Called by an optimizer's `zero_grad` that drops the gradients (AdamW's default; `optimizer`:
+/// its id): see [`note_gradients_stepped`].
+pub(crate) fn note_gradients_dropped(optimizer: u64) {
     DROPPED_NEXT_STEP.with(|cell| {
         if let Some(noted) = cell.borrow_mut().as_mut() {
-            noted.extend(
+            noted.dropped.insert(optimizer);
+        }
+    });
+}
+
+/// Called by an optimizer's step with the parameters whose gradients it read. In an eager step of
+/// a [`GraphedStep`] whose optimizer also dropped its gradients at `zero_grad` (a loop that drops
+/// them every step), the step drops those gradients before its next eager run or capture, whose
+/// `zero_grad` would drop them anyway (see "Gradients").
+pub(crate) fn note_gradients_stepped<'a>(optimizer: u64, params: impl Iterator<Item = &'a Tensor>) {
+    DROPPED_NEXT_STEP.with(|cell| {
+        if let Some(noted) = cell.borrow_mut().as_mut() {
+            noted.stepped.extend(
                 params
                     .filter(|p| p.grad().defined())
-                    .map(Tensor::shallow_clone),
+                    .map(|p| (optimizer, p.shallow_clone())),
             );
         }
     });
 }
 
-/// Notes what [`note_gradients_dropped_next_step`] is told while it lives (one eager step), and
-/// nothing once it is gone, also after a panic.
+/// Notes what the optimizers of one eager step say while it lives, and nothing once it is gone,
+/// also after a panic.
 struct NotingDroppedGradients;
 
 impl NotingDroppedGradients {
     fn start() -> Self {
-        DROPPED_NEXT_STEP.with(|cell| *cell.borrow_mut() = Some(Vec::new()));
+        DROPPED_NEXT_STEP.with(|cell| *cell.borrow_mut() = Some(DroppedGradients::default()));
         NotingDroppedGradients
     }
 
+    /// The parameters whose gradients the next step of the same loop drops at its `zero_grad`.
     fn finish(self) -> Vec<Tensor> {
-        DROPPED_NEXT_STEP.with(|cell| cell.borrow_mut().take().unwrap_or_default())
+        let noted = DROPPED_NEXT_STEP.with(|cell| cell.borrow_mut().take().unwrap_or_default());
+        noted
+            .stepped
+            .into_iter()
+            .filter(|(optimizer, _)| noted.dropped.contains(optimizer))
+            .map(|(_, p)| p)
+            .collect()
     }
 }
 

@@ -26,7 +26,12 @@ pub struct AdamWOptimizer {
     fused: bool,
     grads_to_none: bool,
     shard: Option<OptimizerShard>,
+    /// Its identity for graph mode's note of who dropped which gradients (crate::graph).
+    id: u64,
 }
+
+/// The next [`AdamWOptimizer`]'s id.
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 impl AdamWOptimizer {
     /// Optimizes every trainable variable of `vs`; `fused` picks `_fused_adamw_` over the foreach path.
@@ -97,6 +102,7 @@ impl AdamWOptimizer {
             fused,
             grads_to_none: true,
             shard: None,
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         })
     }
 
@@ -158,6 +164,7 @@ impl AdamWOptimizer {
     /// ```
     pub fn zero_grad(&mut self) -> Result<()> {
         if self.grads_to_none {
+            crate::graph::note_gradients_dropped(self.id);
             let with_grads: Vec<Tensor> = self
                 .params()
                 .filter(|p| p.grad().defined())
@@ -283,9 +290,7 @@ impl AdamWOptimizer {
         // In-place updates of leaf parameters: as torch.optim's step, outside autograd.
         let _no_grad = tch::no_grad_guard();
         crate::graph::record_gradients(self.params());
-        if self.grads_to_none {
-            crate::graph::note_gradients_dropped_next_step(self.params());
-        }
+        crate::graph::note_gradients_stepped(self.id, self.params());
         self.make_state()?;
         let scaling = Scaling {
             grad_scale,
@@ -333,9 +338,7 @@ impl AdamWOptimizer {
             }
         }
         crate::graph::record_gradients(self.params());
-        if self.grads_to_none {
-            crate::graph::note_gradients_dropped_next_step(self.params());
-        }
+        crate::graph::note_gradients_stepped(self.id, self.params());
         match &self.shard {
             Some(shard) => shard.finish_gather(),
             None => Ok(()),
