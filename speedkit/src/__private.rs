@@ -41,13 +41,7 @@ impl ConfigSource {
 
 /// Entry of an `#[accelerate]` function.
 pub fn enter(source: ConfigSource, function: &'static str) -> Result<SpeedContext> {
-    let config = source.load()?;
-    SpeedContext::new(&config).map_err(|e| match e {
-        SpeedkitError::Unsupported(m) => {
-            SpeedkitError::Unsupported(format!("#[speedkit::accelerate] on `{function}`: {m}"))
-        }
-        other => other,
-    })
+    enter_planned(source, function, None)
 }
 
 /// Entry of an `#[accelerate]` function that does not return `Result`.
@@ -57,6 +51,55 @@ pub fn enter_or_panic(source: ConfigSource, function: &'static str) -> SpeedCont
         Ok(ctx) => ctx,
         Err(e) => panic!("speedkit: cannot accelerate `{function}`: {e}"),
     }
+}
+
+/// Entry of an `#[accelerate]` function with `VarStore` arguments (`models`): the plan knows the
+/// model they hold (`distributed.shard_parameters: auto` decides from its size).
+pub fn enter_for_models(
+    source: ConfigSource,
+    function: &'static str,
+    models: &[&tch::nn::VarStore],
+) -> Result<SpeedContext> {
+    let parameters = models
+        .iter()
+        .flat_map(|vs| vs.trainable_variables())
+        .map(|t| t.numel() as u64)
+        .sum();
+    enter_planned(source, function, Some(parameters))
+}
+
+/// The same, for functions that do not return `Result`.
+#[track_caller]
+pub fn enter_for_models_or_panic(
+    source: ConfigSource,
+    function: &'static str,
+    models: &[&tch::nn::VarStore],
+) -> SpeedContext {
+    match enter_for_models(source, function, models) {
+        Ok(ctx) => ctx,
+        Err(e) => panic!("speedkit: cannot accelerate `{function}`: {e}"),
+    }
+}
+
+/// A `VarStore` argument (the store, a reference or a mutable one) as `&VarStore`.
+pub fn var_store<V: std::borrow::Borrow<tch::nn::VarStore>>(vs: &V) -> &tch::nn::VarStore {
+    vs.borrow()
+}
+
+fn enter_planned(
+    source: ConfigSource,
+    function: &'static str,
+    parameters: Option<u64>,
+) -> Result<SpeedContext> {
+    let config = source.load()?;
+    SpeedContext::planned(&config, crate::hardware::Hardware::detect()?, parameters).map_err(|e| {
+        match e {
+            SpeedkitError::Unsupported(m) => {
+                SpeedkitError::Unsupported(format!("#[speedkit::accelerate] on `{function}`: {m}"))
+            }
+            other => other,
+        }
+    })
 }
 
 /// After `enter`, for each `VarStore` argument of an `#[accelerate]` function: under a

@@ -111,7 +111,11 @@ impl SpeedContext {
 
     /// The context of `config` on `hardware` for a model of `parameters` trainable parameters,
     /// where known.
-    fn planned(config: &SpeedConfig, hardware: Hardware, parameters: Option<u64>) -> Result<Self> {
+    pub(crate) fn planned(
+        config: &SpeedConfig,
+        hardware: Hardware,
+        parameters: Option<u64>,
+    ) -> Result<Self> {
         let launch = LaunchEnv::from_env()?;
         let plan = Plan::resolve_for_model(config, &hardware, launch.as_ref(), parameters)?;
         // The group first: a rank that cannot join fails before any flag changes.

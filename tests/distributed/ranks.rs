@@ -264,14 +264,18 @@ fn save_model_state(
     Tensor::save_multi(&state, path).map_err(|e| SpeedkitError::Torch(e.to_string()))
 }
 
-/// The same training written as an ordinary `#[accelerate]` function: no distributed code.
-#[speedkit::accelerate(device = "cpu")]
+/// The same training written as an ordinary `#[accelerate]` function: no distributed code. It
+/// prints how its plan decided the sharding of the parameters.
+#[speedkit::accelerate(device = "cpu", ctx = ctx)]
 fn train_accelerated(
     vs: &nn::VarStore,
     net: &impl Module,
     x: &Tensor,
     y: &Tensor,
 ) -> speedkit::Result<()> {
+    if let Some(d) = ctx.plan().decision("parameters") {
+        println!("parameters: {}: {}", d.value, d.reason);
+    }
     let mut opt = nn::Sgd::default()
         .build(vs, 0.1)
         .map_err(|e| SpeedkitError::Torch(e.to_string()))?;

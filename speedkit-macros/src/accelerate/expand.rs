@@ -60,17 +60,36 @@ pub(crate) fn accelerated_fn(
     sig: &SignatureInfo,
 ) -> TokenStream {
     let name = func.sig.ident.unraw().to_string();
-    let enter: Stmt = if sig.fallible {
-        // Plain `?` converts `SpeedkitError` with `From` (anyhow, `Box<dyn Error>`, ...); a
-        // conversion error points at the return type.
-        let question = quote_spanned!(sig.output_span=> ?);
-        parse_quote! {
-            let #ctx = ::speedkit::__private::enter(#source, #name) #question;
+    let enter: Stmt = match (sig.fallible, sig.var_stores.as_slice()) {
+        (true, []) => {
+            // Plain `?` converts `SpeedkitError` with `From` (anyhow, `Box<dyn Error>`, ...); a
+            // conversion error points at the return type.
+            let question = quote_spanned!(sig.output_span=> ?);
+            parse_quote! {
+                let #ctx = ::speedkit::__private::enter(#source, #name) #question;
+            }
         }
-    } else {
-        parse_quote! {
+        (false, []) => parse_quote! {
             let #ctx = ::speedkit::__private::enter_or_panic(#source, #name);
+        },
+        // The plan knows the model the VarStore arguments hold.
+        (true, stores) => {
+            let question = quote_spanned!(sig.output_span=> ?);
+            parse_quote! {
+                let #ctx = ::speedkit::__private::enter_for_models(
+                    #source,
+                    #name,
+                    &[#(::speedkit::__private::var_store(&#stores)),*],
+                ) #question;
+            }
         }
+        (false, stores) => parse_quote! {
+            let #ctx = ::speedkit::__private::enter_for_models_or_panic(
+                #source,
+                #name,
+                &[#(::speedkit::__private::var_store(&#stores)),*],
+            );
+        },
     };
     // Under a data-parallel launcher, each VarStore argument takes rank 0's parameters and has its
     // gradients averaged (nothing happens in a single process).

@@ -629,3 +629,29 @@ fn missing_manifest_dir_is_an_error_at_the_path() {
         ["cannot resolve the config path: CARGO_MANIFEST_DIR is not set (build with cargo)"]
     );
 }
+
+#[test]
+fn var_store_arguments_give_the_plan_their_model_then_join_data_parallel() {
+    let out = expand_ok(
+        quote!(),
+        quote! {
+            fn train(vs: &nn::VarStore, head: &mut VarStore, x: &Tensor) -> speedkit::Result<()> {
+                Ok(())
+            }
+        },
+    );
+    assert_snapshot(
+        &out,
+        r#"fn train(vs: &nn::VarStore, head: &mut VarStore, x: &Tensor) -> speedkit::Result<()> {
+    let __sk_ctx = ::speedkit::__private::enter_for_models(
+        ::speedkit::__private::ConfigSource::Default,
+        "train",
+        &[::speedkit::__private::var_store(&vs), ::speedkit::__private::var_store(&head)],
+    )?;
+    ::speedkit::__private::data_parallel(&__sk_ctx, &vs)?;
+    ::speedkit::__private::data_parallel(&__sk_ctx, &head)?;
+    Ok(())
+}
+"#,
+    );
+}
