@@ -195,7 +195,7 @@ pub use error::{Result, SpeedkitError};
 /// closure, so `?`, `return` and borrows mean what they meant. The error of `enter` is converted
 /// by `?` with `From` (as `anyhow::Error` and `Box<dyn Error>` do).
 ///
-/// A function with `VarStore` arguments (`vs: &VarStore`, `&mut VarStore` or `VarStore`, by name)
+/// A function with `VarStore` arguments (`&VarStore`, `&mut VarStore` or `VarStore`, by type name)
 /// enters through `enter_for_models(source, name, &[var_store(&vs), ..])` instead, which gives the
 /// plan the model's size (`distributed.shard_parameters: auto` decides from it), and then calls
 /// `data_parallel(&ctx, &vs)` for each, which under a launcher takes rank 0's parameters and
