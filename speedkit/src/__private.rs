@@ -60,11 +60,7 @@ pub fn enter_for_models(
     function: &'static str,
     models: &[&tch::nn::VarStore],
 ) -> Result<SpeedContext> {
-    let parameters = models
-        .iter()
-        .flat_map(|vs| vs.trainable_variables())
-        .map(|t| t.numel() as u64)
-        .sum();
+    let parameters = crate::context::trainable_parameters(models);
     enter_planned(source, function, Some(parameters))
 }
 

@@ -46,6 +46,15 @@ pub fn apply_speedups(vs: &mut VarStore, config: &SpeedConfig) -> Result<SpeedCo
     Ok(ctx)
 }
 
+/// How many trainable parameters `stores` hold: the model's size, as the plan takes it.
+pub(crate) fn trainable_parameters(stores: &[&VarStore]) -> u64 {
+    stores
+        .iter()
+        .flat_map(|vs| vs.trainable_variables())
+        .map(|t| t.numel() as u64)
+        .sum()
+}
+
 /// Owns the [`FlagGuard`] (flags restored when the context drops, also during a panic), the resolved
 /// [`Plan`] with its reasons, the autocast dtype and the [`GradScaler`]. Not `Send`: PyTorch's flags
 /// are process-global and autocast state is per thread (see [`crate::flags`]).
@@ -94,13 +103,11 @@ impl SpeedContext {
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     pub fn for_model(config: &SpeedConfig, vs: &VarStore) -> Result<Self> {
-        let parameters: i64 = vs
-            .trainable_variables()
-            .iter()
-            .map(Tensor::numel)
-            .map(|n| n as i64)
-            .sum();
-        Self::planned(config, Hardware::detect()?, Some(parameters as u64))
+        Self::planned(
+            config,
+            Hardware::detect()?,
+            Some(trainable_parameters(&[vs])),
+        )
     }
 
     /// Applies `config` as planned for `hardware` (a detected or simulated snapshot) and the
