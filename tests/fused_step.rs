@@ -267,6 +267,41 @@ fn fused_layout_copies_give_atens_values_in_fp32_bf16_and_fp16() {
     }
 }
 
+#[test]
+fn fused_in_place_accumulations_give_atens_values_in_fp32_bf16_and_fp16() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "fused_in_place_accumulations_give_atens_values_in_fp32_bf16_and_fp16",
+    ) else {
+        return;
+    };
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+        let x = Tensor::randn([37, 53], (kind, device));
+        let row = Tensor::randn([53], (kind, device));
+        let base = Tensor::randn([37, 53], (kind, device));
+        // Memory from outside the group, rewritten twice (autograd's `add_` of a gradient's
+        // parts) and returned: the kernel must write it where ATen's kernels would.
+        let outside = fused_against_aten(device, || {
+            let mut accumulated = x.zeros_like();
+            accumulated.copy_(&base);
+            let _ = accumulated.g_add_(&(&x * 3.0).silu());
+            let _ = accumulated.g_mul_(&row);
+            accumulated
+        });
+        // An intermediate of the group rewritten, then read by a later member.
+        let inside = fused_against_aten(device, || {
+            let mut h = &x * 2.0;
+            let _ = h.g_add_(&x.sigmoid());
+            h.exp()
+        });
+        let tolerance = if kind == Kind::Float { 1e-5 } else { 5e-2 };
+        for (what, (gap, fused)) in [("outside", outside), ("inside", inside)] {
+            assert_eq!(fused, 1, "{kind:?} {what}: one group fused");
+            assert!(gap < tolerance, "{kind:?} {what}: {gap}");
+        }
+    }
+}
+
 /// The tiny Llama's loss and gradients after one step, run by `run` (ATen's kernels or fused).
 fn llama_loss_and_gradients(vs: &nn::VarStore, step: impl Fn() -> Tensor) -> (f64, Vec<Tensor>) {
     let loss = step();

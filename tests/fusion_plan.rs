@@ -277,8 +277,8 @@ fn every_generated_kernel_of_a_small_model_compiles_with_nvrtc() {
         assert!(bytes > 0);
         generated += 1;
     }
-    // The decoder's RMSNorm, SwiGLU, rotary and backward chains; the groups with in-place
-    // accumulation or a column reduction wait for the next generator.
+    // The decoder's RMSNorm, SwiGLU, rotary and backward chains; the groups with a column
+    // reduction wait for the next generator.
     println!("{generated} of {} groups generated", plan.groups().len());
     assert!(
         generated >= 4,
@@ -354,6 +354,64 @@ fn rms_norm_forward_generates_one_kernel_that_nvrtc_compiles() {
     let bytes = speedkit::kernels::compile(module_of(&kernel).name(), HOPPER)
         .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
     assert!(bytes > 0);
+}
+
+#[test]
+fn an_in_place_accumulation_joins_its_chain_and_writes_the_memory_it_rewrites() {
+    let _serial = common::serial();
+    let x = Tensor::randn([16, 32], (Kind::Float, CPU));
+    let accumulated = Tensor::randn([16, 32], (Kind::Float, CPU));
+    // As autograd accumulates a gradient read by two operators: `add_` into memory from outside.
+    let (_, trace) = StepTrace::record(|| {
+        let _ = accumulated.shallow_clone().g_add_(&(&x * 3.0).silu());
+        accumulated.exp()
+    })
+    .unwrap();
+    let plan = FusionPlan::generatable(&trace);
+    assert_eq!(plan.groups().len(), 1, "{plan}");
+    assert_eq!(
+        names(&plan.groups()[0].operators),
+        ["mul", "silu", "add_", "exp"]
+    );
+    let group = &plan.groups()[0];
+    let kernel = group.kernel().unwrap();
+    let add = group
+        .calls()
+        .iter()
+        .find(|c| c.name == "aten::add_")
+        .unwrap();
+    let target = add.input_tensors().next().unwrap().storage;
+    let written: Vec<&speedkit::trace::TracedTensor> = kernel
+        .args
+        .iter()
+        .filter_map(|a| match a {
+            KernelArg::Output(t) => Some(t),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(written.len(), 2, "the rewritten memory and exp's result");
+    assert!(written.iter().any(|t| t.storage == target), "{written:?}");
+    let bytes = speedkit::kernels::compile(module_of(&kernel).name(), HOPPER)
+        .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
+    assert!(bytes > 0);
+}
+
+#[test]
+fn memory_rewritten_in_place_and_read_at_other_elements_is_not_generated() {
+    let _serial = common::serial();
+    let x = Tensor::randn([32, 16], (Kind::Float, CPU));
+    let accumulated = Tensor::randn([16, 32], (Kind::Float, CPU));
+    // `y` reads the accumulated memory transposed: element (i, j) of one thread is element (j, i)
+    // that another thread rewrites.
+    let (_, trace) = StepTrace::record(|| {
+        let y = (&x + accumulated.tr()).exp();
+        accumulated.shallow_clone().g_add_(&y.tr())
+    })
+    .unwrap();
+    let plan = FusionPlan::generatable(&trace);
+    assert_eq!(plan.groups().len(), 1, "{plan}");
+    let why = plan.groups()[0].kernel().unwrap_err();
+    assert!(why.contains("in-place operator rewrites"), "{why}");
 }
 
 #[test]

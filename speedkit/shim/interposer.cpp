@@ -1,7 +1,8 @@
 // The interposer: a step's operator calls seen where they reach the kernels (below autograd and
 // autocast), recorded once, then replaced by a program: the calls a fused group computes return
-// their outputs without running ATen's kernels, and the group's generated kernel runs, through a
-// Rust callback, once the group's inputs exist. It is how speedkit::fusion runs its kernels inside
+// their outputs without running ATen's kernels (an in-place call returns its argument, which the
+// kernel rewrites), and the group's generated kernel runs, through a Rust callback, once the
+// group's inputs exist. It is how speedkit::fusion runs its kernels inside
 // an unchanged model's step. An observer (interposer.h) is told of every call before it runs:
 // ZeRO-3's parameter residency (parameter_residency.cpp) gathers parameters that way.
 //
@@ -105,6 +106,37 @@ void on_exit(const at::RecordFunction&, at::ObserverContext*) {
   if (!entered_ops.empty()) entered_ops.pop_back();
 }
 
+// A result a computed call handed to the step before its group's kernel ran, which the kernel
+// writes at its launch. It is held weakly, by its memory: autograd accumulates a gradient in place
+// and steals a parameter's gradient only from a tensor no one else holds, and must make the choices
+// it made when the step was recorded, without the interposer. A result whose memory was freed
+// before the launch is read by no one.
+struct HandedResult {
+  c10::weak_intrusive_ptr<c10::StorageImpl> memory;
+  c10::DispatchKeySet keys;
+  caffe2::TypeMeta dtype;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  int64_t offset;
+
+  explicit HandedResult(const at::Tensor& t)
+      : memory(t.storage().getWeakStorageImpl()),
+        keys(t.key_set()),
+        dtype(t.dtype()),
+        sizes(t.sizes().vec()),
+        strides(t.strides().vec()),
+        offset(t.storage_offset()) {}
+
+  // The result again, on its memory; undefined where that memory was freed.
+  at::Tensor get() const {
+    c10::intrusive_ptr<c10::StorageImpl> storage = memory.lock();
+    if (!storage) return {};
+    at::Tensor t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(std::move(storage)), keys, dtype);
+    t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides, offset);
+    return t;
+  }
+};
+
 struct Session {
   Program* program = nullptr;  // null: recording
   std::thread::id thread = std::this_thread::get_id();
@@ -113,6 +145,8 @@ struct Session {
   std::vector<RecordedCall> recorded;
   // The tensors of kernel arguments seen or made, until their group's launch has them.
   std::map<SlotKey, at::Tensor> slots;
+  // The results handed to the step before their group's launch, held by their memory only.
+  std::map<SlotKey, HandedResult> handed;
   std::vector<bool> launched;
   std::string failure;
   bool holds_fallback = false;
@@ -178,6 +212,19 @@ at::Tensor output_of(Session& s, int64_t call, int32_t index) {
                            at::TensorOptions().dtype(layout.type).device(s.program->device));
 }
 
+// The argument that result `k` of `schema` is, rewritten in place (`add_`'s `self`: the schema's
+// write alias), or -1: a new tensor.
+int rewritten_argument(const c10::FunctionSchema& schema, size_t k) {
+  const c10::AliasInfo* result = schema.returns().at(k).alias_info();
+  if (result == nullptr || !result->isWrite()) return -1;
+  for (size_t i = 0; i < schema.arguments().size(); ++i) {
+    const c10::AliasInfo* argument = schema.arguments()[i].alias_info();
+    if (argument != nullptr && argument->isWrite() && argument->beforeSets() == result->beforeSets())
+      return static_cast<int>(i);
+  }
+  return -1;
+}
+
 // Runs group `group`'s kernel on its arguments (lock held by the caller, released around the
 // callback, which launches on this thread's current stream).
 void launch(Session& s, std::unique_lock<std::mutex>& lock, int64_t group) {
@@ -187,6 +234,10 @@ void launch(Session& s, std::unique_lock<std::mutex>& lock, int64_t group) {
   for (const ArgRef& ref : refs) {
     const SlotKey key{ref.call, ref.output, ref.index, ref.element};
     auto slot = s.slots.find(key);
+    if (const auto handed = s.handed.find(key); slot == s.slots.end() && handed != s.handed.end()) {
+      at::Tensor result = handed->second.get();
+      if (result.defined()) slot = s.slots.emplace(key, std::move(result)).first;
+    }
     if (slot == s.slots.end()) {
       if (!ref.output) {
         s.failure = "fused group " + std::to_string(group) + ": input " + std::to_string(ref.index) + " of call " +
@@ -200,7 +251,10 @@ void launch(Session& s, std::unique_lock<std::mutex>& lock, int64_t group) {
   s.launched[static_cast<size_t>(group)] = true;
   // Its inputs, and the outputs of calls already made, are held no longer.
   for (const ArgRef& ref : refs)
-    if (!ref.output || ref.call < s.next) s.slots.erase({ref.call, ref.output, ref.index, ref.element});
+    if (!ref.output || ref.call < s.next) {
+      s.slots.erase({ref.call, ref.output, ref.index, ref.element});
+      s.handed.erase({ref.call, ref.output, ref.index, ref.element});
+    }
   std::vector<sk_tensor> handles;
   handles.reserve(args.size());
   for (at::Tensor& t : args) handles.push_back(&t);
@@ -218,13 +272,23 @@ void launch(Session& s, std::unique_lock<std::mutex>& lock, int64_t group) {
   if (status != 0 && s.failure.empty()) s.failure = "fused group " + std::to_string(group) + ": " + message;
 }
 
+// Whether the call `name` stands for the recorded `recorded`: the same operator, or the
+// out-of-place twin of a recorded in-place one. Autograd accumulates a gradient's parts with
+// `add_` into a tensor only it holds, else with `add`; a group's kernel may hold it until its
+// launch where ATen's kernel had let it go. An out-of-place call computes the same values into
+// new memory, which the group's kernel writes as it would have written the old.
+bool same_operator(const std::string& recorded, const std::string& name) {
+  return recorded == name || (recorded.size() == name.size() + 1 && recorded.back() == '_' &&
+                              recorded.compare(0, name.size(), name) == 0);
+}
+
 void substitute(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   std::unique_lock<std::mutex> lock(s.mutex);
   const int64_t index = s.next++;
   const auto& calls = s.program->calls;
   const std::string& name = op.operator_name().name;
   const bool off_program = !s.failure.empty() || index >= static_cast<int64_t>(calls.size());
-  if (!off_program && calls[static_cast<size_t>(index)].op != name)
+  if (!off_program && !same_operator(calls[static_cast<size_t>(index)].op, name))
     s.failure = "call " + std::to_string(index) + " of the step is " + name + " where the traced step called " +
                 calls[static_cast<size_t>(index)].op;
   if (off_program || !s.failure.empty() || calls[static_cast<size_t>(index)].group < 0) {
@@ -254,15 +318,25 @@ void substitute(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet k
     op.redispatchBoxed(below_interposer(keys), stack);
     lock.lock();
   } else {
+    // An in-place operator's result is its argument, which the kernel writes.
+    std::vector<at::Tensor> rewritten(call.outputs.size());
+    for (size_t k = 0; k < call.outputs.size(); ++k) {
+      const int i = rewritten_argument(op.schema(), k);
+      const c10::IValue& v = i < 0 ? c10::IValue() : (*stack)[stack->size() - arguments + static_cast<size_t>(i)];
+      if (v.isTensor()) rewritten[k] = v.toTensor();
+    }
     torch::jit::drop(*stack, arguments);
     const bool launched = s.launched[static_cast<size_t>(call.group)];
     for (int32_t k = 0; k < static_cast<int32_t>(call.outputs.size()); ++k) {
-      at::Tensor out = output_of(s, index, k);
+      const bool in_place = rewritten[static_cast<size_t>(k)].defined();
+      if (in_place && launched && s.failure.empty())
+        s.failure = "call " + std::to_string(index) + " (" + name + ") rewrites its argument after its kernel ran";
+      at::Tensor out = in_place ? rewritten[static_cast<size_t>(k)] : output_of(s, index, k);
       if (launched) {
         s.slots.erase({index, true, k, -1});
       } else if (std::find(call.captured_outputs.begin(), call.captured_outputs.end(), k) !=
                  call.captured_outputs.end()) {
-        s.slots[{index, true, k, -1}] = out;
+        s.handed.insert_or_assign({index, true, k, -1}, HandedResult(out));
       }
       stack->emplace_back(std::move(out));
     }
@@ -331,6 +405,7 @@ void end(Session& s) {
     s.failure = "the step made " + std::to_string(s.next) + " operator calls where the traced step made " +
                 std::to_string(s.program->calls.size());
   s.slots.clear();
+  s.handed.clear();
 }
 
 Program& program_of(void* p) {

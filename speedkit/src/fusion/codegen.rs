@@ -2,7 +2,9 @@
 //! results, each operator an inlined device function of the element's storage index, each
 //! operator's inputs found by index arithmetic through the views between them (so a `view`, a
 //! `permute` or an `expand` costs no copy). Every operator computes in fp32 and rounds its result to
-//! its own type, as ATen's kernels do, so the fused kernel gives ATen's values.
+//! its own type, as ATen's kernels do, so the fused kernel gives ATen's values. An in-place
+//! operator (autograd's `add_` of a gradient's parts) writes its result into its argument's
+//! memory, which every thread then reads at its own element only.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write;
@@ -128,11 +130,25 @@ pub(crate) fn takes(op: &TracedOp) -> bool {
     };
     match OpKind::of(&op.name) {
         Some(OpKind::View) => true,
-        Some(OpKind::Pointwise) => !op.name.ends_with('_') && stores(op),
+        Some(OpKind::Pointwise) => (!op.name.ends_with('_') || writes_in_place(op)) && stores(op),
         Some(OpKind::Reduction) => stores(op) && reduces_last_dimension(op),
         Some(OpKind::Layout) => stores(op) && generates_layout(op),
         _ => false,
     }
+}
+
+/// The in-place operators the generator writes: autograd accumulates a gradient read by two
+/// operators with `add_`, between the kernels that make its parts and the ones that read it.
+const IN_PLACE: [&str; 4] = ["aten::add_", "aten::sub_", "aten::mul_", "aten::div_"];
+
+/// Whether `op` is an in-place pointwise operator the generator writes ([`IN_PLACE`]): its one
+/// result is its first argument, the same tensor, rewritten.
+pub(crate) fn writes_in_place(op: &TracedOp) -> bool {
+    IN_PLACE.contains(&op.name.as_str())
+        && matches!(
+            (op.inputs.first(), op.outputs.as_slice()),
+            (Some(TracedValue::Tensor(input)), [TracedValue::Tensor(out)]) if input.key() == out.key()
+        )
 }
 
 /// The layout copies the generator writes as index arithmetic: `cat` (each part read at its
@@ -184,11 +200,20 @@ pub(crate) fn generate(
         coords: "c".into(),
         ..Generator::default()
     };
+    for op in ops.iter().filter(|op| writes_in_place(op)) {
+        if let Some(TracedValue::Tensor(target)) = op.inputs.first() {
+            if !inside.contains(&(op.id, target.storage)) {
+                g.written_in_place.insert(target.storage, target.clone());
+            }
+        }
+    }
     for op in ops {
         g.call = op.id;
         match OpKind::of(&op.name) {
             Some(OpKind::View) => continue,
-            Some(OpKind::Pointwise) if !op.name.ends_with('_') => g.operator(op)?,
+            Some(OpKind::Pointwise) if !op.name.ends_with('_') || writes_in_place(op) => {
+                g.operator(op)?
+            }
             Some(OpKind::Reduction) => g.reduction(op)?,
             Some(OpKind::Layout) if generates_layout(op) => g.layout(op)?,
             _ => {
@@ -202,6 +227,11 @@ pub(crate) fn generate(
     }
     g.kernel(results)
 }
+
+/// Why a group with an in-place operator is not generated: another element's thread reads memory
+/// the kernel rewrites (a broadcast or a transposed read), which it might read rewritten.
+const IN_PLACE_ELSEWHERE: &str =
+    "memory an in-place operator rewrites is read at another element than its own";
 
 /// The reading call, then storage, offset, sizes, strides and type: how a kernel argument reads
 /// memory. Reads are shared within one call only: the allocator hands a freed tensor's address to
@@ -240,6 +270,14 @@ struct Generator {
     coords: String,
     /// The arguments read at each element's own index through `LOAD`, with their elements.
     vector_reads: BTreeMap<usize, u64>,
+    /// Memory from outside the group that an in-place operator of it rewrites, by storage: the
+    /// kernel writes each element where it reads it, so only that element's thread may read it.
+    written_in_place: HashMap<u64, TracedTensor>,
+    /// The functions that read such memory, themselves or through others: they may only be
+    /// called at the element's own index.
+    reads_written: HashSet<usize>,
+    /// Whether the operator being generated has read such memory.
+    read_written: bool,
 }
 
 /// A reduction over the last dimension: one block per row reduces `in_red(a, row, col, 0)` over
@@ -255,6 +293,14 @@ struct RowReduction {
 impl Generator {
     fn operator(&mut self, op: &TracedOp) -> Result<(), String> {
         let (out, out_kind) = dense_result(op)?;
+        // A result of the group rewritten through a view of it would be two values for one
+        // memory, the rest of the result's elements unwritten.
+        if writes_in_place(op) && self.inside.contains(&(op.id, out.storage)) {
+            match self.producers.get(&out.storage) {
+                Some((_, made)) if made.key() == out.key() => {}
+                _ => return Err("an in-place operator on a view of a result of the group".into()),
+            }
+        }
         let mut body = coordinates_of(&out);
         let mut operands = Vec::new();
         for (position, value) in op.inputs.iter().enumerate() {
@@ -388,6 +434,9 @@ impl Generator {
     fn define(&mut self, op: &TracedOp, out: &TracedTensor, body: &str) {
         let index = self.function_count;
         self.function_count += 1;
+        if std::mem::take(&mut self.read_written) {
+            self.reads_written.insert(index);
+        }
         writeln!(
             self.functions,
             "// {}\n__device__ __forceinline__ float v{index}(const Args& a, idx_t p, float red) {{\n{body}}}\n",
@@ -486,11 +535,26 @@ impl Generator {
         } else {
             offset.join(" + ")
         };
+        let own_element = offset == "p";
         if self.inside.contains(&(self.call, t.storage)) {
-            let Some((index, _)) = self.producers.get(&t.storage) else {
+            let Some(&(index, _)) = self.producers.get(&t.storage) else {
                 return Err("an input computed in the group by an operator not generated".into());
             };
+            if self.reads_written.contains(&index) {
+                if !own_element || t.offset != 0 {
+                    return Err(IN_PLACE_ELSEWHERE.into());
+                }
+                self.read_written = true;
+            }
             return Ok(format!("v{index}(a, {} + {offset}, red)", t.offset));
+        }
+        if let Some(target) = self.written_in_place.get(&t.storage) {
+            let same =
+                (t.offset, &t.shape, &t.strides) == (target.offset, &target.shape, &target.strides);
+            if !own_element || !same {
+                return Err(IN_PLACE_ELSEWHERE.into());
+            }
+            self.read_written = true;
         }
         if t.device == "cpu" && t.shape.is_empty() {
             let i = self.argument(t, KernelArg::Scalar(t.clone()));
@@ -658,7 +722,9 @@ impl Generator {
             return Err("a group with no result".into());
         }
         let mut stored = Vec::with_capacity(results.len());
-        for key in results {
+        let mut seen = HashSet::new();
+        // A result rewritten in place is one result: its last value.
+        for key in results.iter().filter(|&&key| seen.insert(key)) {
             let Some((index, out, call)) = self.results.get(key).cloned() else {
                 return Err("a result the group does not compute".into());
             };
@@ -826,6 +892,11 @@ fn expression(op: &TracedOp, operands: &[Operand]) -> Option<String> {
         Operand::Literal(l) => literal(l),
     };
     let name = op.name.strip_prefix("aten::")?;
+    // An in-place operator computes what its out-of-place twin does, into its first argument.
+    let name = match writes_in_place(op) {
+        true => name.strip_suffix('_')?,
+        false => name,
+    };
     let scalar_alpha = || v(2).unwrap_or_else(|| "1.f".into());
     Some(match name {
         "add" => format!("{} + {} * {}", v(0)?, scalar_alpha(), v(1)?),

@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use super::OpKind;
+use super::{codegen, OpKind};
 use crate::trace::TracedOp;
 
 /// A node of the data flow: one kernel-level call.
@@ -207,16 +207,26 @@ pub(super) fn read_outside(nodes: &[Node], group_of: &[Option<usize>]) -> Vec<Op
 }
 
 /// The keys of a group's results: of its members (views aside) that a call outside the group
-/// reads, directly or through views of them, or whose results nothing reads.
+/// reads, directly or through views of them, or whose results nothing reads, and of those that
+/// rewrite in place memory from outside the group (which outlives it, whoever reads it).
 pub(super) fn results(
     nodes: &[Node],
     members: &[usize],
     read_after: &[Option<bool>],
 ) -> Vec<(u64, u64)> {
     let inside: HashSet<usize> = members.iter().copied().collect();
+    let rewrites_outside_memory = |m: usize| {
+        let node = &nodes[m];
+        let target = node.op.input_tensors().next().map(|t| t.storage);
+        codegen::writes_in_place(node.op)
+            && !node
+                .reads
+                .iter()
+                .any(|&(p, storage)| Some(storage) == target && inside.contains(&p))
+    };
     let mut wanted: Vec<usize> = Vec::new();
     for &m in members {
-        if read_after[m] == Some(false) {
+        if read_after[m] == Some(false) && !rewrites_outside_memory(m) {
             continue;
         }
         // Through views, to the member that computed the memory.

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use tch::{Device, Tensor};
 
-use super::codegen::kind_of;
+use super::codegen::{self, kind_of};
 use super::{FusedGroup, FusionPlan, GeneratedKernel, KernelArg, OpKind};
 use crate::cuda::{Arg, CudaKernel, CudaModule};
 use crate::error::{Result, SpeedkitError};
@@ -353,6 +353,11 @@ fn place(
             source.position,
             source.element,
         ));
+    }
+    // An in-place member's result is its argument, which the kernel writes: it launches once
+    // that argument is seen.
+    if let Some(last_in_place) = members.iter().rposition(codegen::writes_in_place) {
+        last_input = last_input.max(last_in_place);
     }
     let member_at: HashSet<usize> = members
         .iter()
