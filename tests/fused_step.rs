@@ -302,6 +302,129 @@ fn fused_in_place_accumulations_give_atens_values_in_fp32_bf16_and_fp16() {
     }
 }
 
+/// SwiGLU's feed-forward, as a Llama block writes it, on leaves of `kind`: one step's loss and the
+/// leaves' gradients.
+struct SwiGlu {
+    x: Tensor,
+    weights: [Tensor; 3],
+}
+
+impl SwiGlu {
+    fn new(device: Device, kind: Kind) -> SwiGlu {
+        tch::manual_seed(0);
+        let leaf = |rows, cols| {
+            (Tensor::randn([rows, cols], (kind, device)) * 0.05).set_requires_grad(true)
+        };
+        SwiGlu {
+            x: leaf(512, 256),
+            weights: [leaf(256, 1024), leaf(256, 1024), leaf(1024, 256)],
+        }
+    }
+
+    fn step(&self) -> Tensor {
+        let [w1, w3, w2] = &self.weights;
+        for t in [&self.x, w1, w3, w2] {
+            let mut grad = t.grad();
+            if grad.defined() {
+                let _ = grad.zero_();
+            }
+        }
+        // `silu`'s result is read by the product, and again by the product's backward only.
+        let gate = self.x.matmul(w1).silu();
+        let loss = (gate * self.x.matmul(w3))
+            .matmul(w2)
+            .square()
+            .mean(Kind::Float);
+        loss.backward();
+        loss
+    }
+
+    fn gradients(&self) -> Vec<Tensor> {
+        let [w1, w3, w2] = &self.weights;
+        [&self.x, w1, w3, w2]
+            .iter()
+            .map(|t| t.grad().copy())
+            .collect()
+    }
+}
+
+#[test]
+fn a_forward_result_only_the_backward_reads_is_recomputed_there_with_atens_values() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "a_forward_result_only_the_backward_reads_is_recomputed_there_with_atens_values",
+    ) else {
+        return;
+    };
+    for kind in [Kind::Float, Kind::BFloat16] {
+        let swiglu = SwiGlu::new(device, kind);
+        // Every step from here calls the same operators: the gradients exist, and are zeroed.
+        let _ = swiglu.step();
+        let (expected, fused) = FusedStep::prepare(device, || swiglu.step()).unwrap();
+        let fused = fused.unwrap();
+        let aten = swiglu.gradients();
+        let loss = fused.run(|| swiglu.step()).unwrap();
+        let recomputed: Vec<&str> = fused
+            .recomputed()
+            .iter()
+            .map(|r| r.operator.as_str())
+            .collect();
+        assert_eq!(recomputed, ["aten::silu"], "{kind:?}: {}", fused.summary());
+        let tolerance = if kind == Kind::Float { 1e-5 } else { 1e-2 };
+        let gap = (loss - expected).abs().double_value(&[]);
+        assert!(gap < tolerance, "{kind:?}: loss {gap} apart");
+        for (mine, aten) in swiglu.gradients().iter().zip(&aten) {
+            let gap = (mine - aten).abs().max().double_value(&[]);
+            let scale = aten.abs().max().double_value(&[]);
+            assert!(
+                gap <= tolerance * scale,
+                "{kind:?}: gradient {gap} apart of {scale}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_recomputed_result_whose_input_was_written_in_place_fails_the_fused_step_with_the_reason() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "a_recomputed_result_whose_input_was_written_in_place_fails_the_fused_step_with_the_reason",
+    ) else {
+        return;
+    };
+    let a = Tensor::randn([512, 2048], (Kind::BFloat16, device)).set_requires_grad(true);
+    let step = || {
+        let mut grad = a.grad();
+        if grad.defined() {
+            let _ = grad.zero_();
+        }
+        // The fp32 copy of `a`, squared: the copy is read again by the backward only, and
+        // recomputed there from `a`, which no backward call reads.
+        let copy = a.to_kind(Kind::Float);
+        let loss = (&copy * &copy).mean(Kind::Float);
+        // Written in place between the forward and the backward: autograd saved nothing of `a`,
+        // so only the recomputation would read the new values.
+        tch::no_grad(|| {
+            let _ = a.shallow_clone().g_add_scalar_(1.0);
+        });
+        loss.backward();
+        loss
+    };
+    let _ = step();
+    let (_, fused) = FusedStep::prepare(device, step).unwrap();
+    let fused = fused.unwrap();
+    assert_eq!(fused.recomputed().len(), 1, "{}", fused.summary());
+    let why = fused
+        .run(step)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(
+        why.contains("was written in place before the result it recomputes was read"),
+        "{why}"
+    );
+}
+
 /// The tiny Llama's loss and gradients after one step, run by `run` (ATen's kernels or fused).
 fn llama_loss_and_gradients(vs: &nn::VarStore, step: impl Fn() -> Tensor) -> (f64, Vec<Tensor>) {
     let loss = step();

@@ -414,6 +414,58 @@ fn memory_rewritten_in_place_and_read_at_other_elements_is_not_generated() {
     assert!(why.contains("in-place operator rewrites"), "{why}");
 }
 
+/// The operators whose results the runnable plan of SwiGLU's step (on leaves of `rows` rows)
+/// recomputes in the backward; `gate_read_again`: the forward reads the gate once more.
+fn recomputed_in_swiglu(rows: i64, gate_read_again: bool) -> Vec<String> {
+    tch::manual_seed(0);
+    let leaf = |r, c| (Tensor::randn([r, c], (Kind::Float, CPU)) * 0.05).set_requires_grad(true);
+    let (x, w1, w3, w2) = (
+        leaf(rows, 256),
+        leaf(256, 1024),
+        leaf(256, 1024),
+        leaf(1024, 256),
+    );
+    let (_, trace) = StepTrace::record(|| {
+        let gate = x.matmul(&w1).silu();
+        let loss = (&gate * x.matmul(&w3))
+            .matmul(&w2)
+            .square()
+            .mean(Kind::Float);
+        let loss = match gate_read_again {
+            true => loss + gate.sum(Kind::Float),
+            false => loss,
+        };
+        loss.backward();
+    })
+    .unwrap();
+    let plan = FusionPlan::generatable(&trace);
+    plan.groups()
+        .iter()
+        .flat_map(|g| g.recomputed.clone())
+        .collect()
+}
+
+#[test]
+fn swiglus_gate_is_recomputed_in_the_backward_instead_of_saved() {
+    let _serial = common::serial();
+    // The gate (512 x 1024 fp32, 2 MiB) is read by the product, then by its backward only; its
+    // kernel reads what silu's backward keeps anyway.
+    assert_eq!(recomputed_in_swiglu(512, false), ["aten::silu"]);
+}
+
+#[test]
+fn a_result_the_forward_reads_again_is_saved() {
+    let _serial = common::serial();
+    assert!(recomputed_in_swiglu(512, true).is_empty());
+}
+
+#[test]
+fn a_result_too_small_for_a_kernel_of_its_own_is_saved() {
+    let _serial = common::serial();
+    // 64 x 1024 fp32: 256 KiB.
+    assert!(recomputed_in_swiglu(64, false).is_empty());
+}
+
 #[test]
 fn a_generated_kernel_is_named_by_its_source() {
     let _serial = common::serial();

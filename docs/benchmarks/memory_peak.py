@@ -3,11 +3,14 @@ pickles (or any `torch.cuda.memory._dump_snapshot` file) replayed event by event
 alive at the moment of the highest allocated total grouped by the frames that allocated them.
 
     python3 docs/benchmarks/memory_peak.py FILE.pickle [--device N] [--frames K] [--top T] [--largest L]
+                                           [--since-capture]
 
 `--frames K` groups by the K innermost frames of interest (speedkit's shim, ATen's operators,
 c10d, autograd), 2 by default; `--device` picks the trace (the rank's device; the longest trace by
 default). `--largest L` lists the L largest blocks alive at the peak one by one, each with the
-event that allocated it and its frames (three times `--frames`). Blocks allocated before the history started recording are not in the trace:
+event that allocated it and its frames (three times `--frames`). `--since-capture` takes the peak from
+the first CUDA graph capture on (the captured step's own peak; the eager warm-up steps before it run
+ATen's kernels, and often set the whole run's). Blocks allocated before the history started recording are not in the trace:
 the "before the history" line is the peak's allocated total less what the trace accounts for.
 """
 import argparse
@@ -42,6 +45,7 @@ def main():
     parser.add_argument("--frames", type=int, default=2)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--largest", type=int, default=0)
+    parser.add_argument("--since-capture", action="store_true")
     args = parser.parse_args()
     snapshot = pickle.load(open(args.pickle, "rb"))
     traces = snapshot.get("device_traces", [])
@@ -51,12 +55,19 @@ def main():
         sys.exit(f"{args.pickle}: no device trace to replay")
     live, total, peak, at_peak, peak_event = {}, 0, -1, {}, 0
     frees = {"free_requested", "free_completed"}
+    start = 0
+    if args.since_capture:
+        start = next((n for n, e in enumerate(traces[device])
+                      if "capture_begin" in who(e.get("frames"), 99)), None)
+        if start is None:
+            sys.exit(f"{args.pickle}: no CUDA graph capture in the trace")
+        print(f"from the first graph capture on (event {start})")
     for n, event in enumerate(traces[device]):
         action, addr = event["action"], event.get("addr")
         if action == "alloc":
             live[addr] = dict(event, index=n)
             total += event["size"]
-            if total > peak:
+            if total > peak and n >= start:
                 peak, at_peak, peak_event = total, dict(live), n
         elif action in frees and addr in live:
             total -= live.pop(addr)["size"]

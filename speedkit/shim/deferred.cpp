@@ -16,6 +16,9 @@
 // never stale memory. The callback is removed when the last pending tensor is materialized or dies.
 #include "shim.h"
 
+#include "deferred.h"
+#include "interposer.h"
+
 #include <ATen/record_function.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/DeviceGuard.h>
@@ -109,6 +112,8 @@ bool only_views(const char* op) {
       "aten::transpose", "aten::t",            "aten::expand",    "aten::as_strided",     "aten::select",
       "aten::slice",     "aten::narrow",       "aten::squeeze",   "aten::unsqueeze",      "aten::alias",
       "aten::detach",    "aten::flatten",      "aten::view_as",   "aten::expand_as",      "aten::unflatten",
+      // No-ops on a tensor already so: a conversion or a copy calls _to_copy or clone, observed.
+      "aten::to",        "aten::contiguous",
       // Autograd's own record of a detach, around aten::detach.
       "detach",
   };
@@ -122,7 +127,7 @@ void consider(const at::Tensor& t, const char* op) {
   // the values are written.
   std::lock_guard<std::recursive_mutex> lock(materialize_mutex());
   Pending* pending = pending_of(t);
-  if (pending == nullptr || only_views(op)) return;
+  if (pending == nullptr || only_views(op) || interposer::substitutes_next(op)) return;
   for (const std::string& exempt : pending->exempt_ops)
     if (exempt == op) return;
   materialize(t);
@@ -193,6 +198,12 @@ at::Tensor deferred(std::vector<int64_t> sizes, at::TensorOptions options, const
 }
 
 }  // namespace
+
+at::Tensor deferred_tensor(std::vector<int64_t> sizes, at::TensorOptions options, const char* exempt_ops, uint64_t tag,
+                           const sk_deferred_vtable& vtable, void* state) {
+  return deferred(std::move(sizes), options, exempt_ops, tag, vtable, state);
+}
+
 }  // namespace sk
 
 extern "C" {

@@ -20,6 +20,7 @@
 // call skips those.
 #include "shim.h"
 
+#include "deferred.h"
 #include "interposer.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -30,6 +31,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -62,8 +64,13 @@ struct ArgRef {
   int32_t element;
 };
 
-// An argument of a call that a kernel takes: (argument, element of a list or -1).
-using CapturedInput = std::pair<int32_t, int32_t>;
+// An argument of a call that group `group`'s kernel takes: its position, and its element where it
+// is a list of tensors (-1: one tensor).
+struct CapturedInput {
+  int64_t group;
+  int32_t index;
+  int32_t element;
+};
 
 struct ProgramCall {
   std::string op;
@@ -74,24 +81,33 @@ struct ProgramCall {
   std::vector<OutputLayout> outputs;    // of a computed call, in result order
   std::vector<CapturedInput> captured_inputs;  // the inputs a kernel takes
   std::vector<int32_t> captured_outputs; // the outputs a kernel writes
+  // A computed call whose first result is deferred: group `deferred_by`'s kernel writes it at its
+  // first read, from the inputs captured for that group (-1: none).
+  int64_t deferred_by = -1;
+};
+
+// A program's callbacks, shared with the deferred results that launch its kernels later.
+struct Callbacks {
+  sk_interposer_vtable vtable;
+  void* state;
+
+  Callbacks(const sk_interposer_vtable& v, void* s) : vtable(v), state(s) {}
+  Callbacks(const Callbacks&) = delete;
+  Callbacks& operator=(const Callbacks&) = delete;
+  ~Callbacks() {
+    if (vtable.release) vtable.release(state);
+  }
 };
 
 struct Program {
   c10::Device device{at::kCPU};
   std::vector<ProgramCall> calls;
   std::vector<std::vector<ArgRef>> group_args;
-  sk_interposer_vtable vtable{};
-  void* state = nullptr;
-
-  Program() = default;
-  Program(const Program&) = delete;
-  Program& operator=(const Program&) = delete;
-  ~Program() {
-    if (vtable.release) vtable.release(state);
-  }
+  std::shared_ptr<Callbacks> callbacks;
 };
 
-using SlotKey = std::tuple<int64_t, bool, int32_t, int32_t>;
+// (group, call, output, index, element): one group's hold on a call's argument or result.
+using SlotKey = std::tuple<int64_t, int64_t, bool, int32_t, int32_t>;
 
 // The RecordFunction handles of the operators entered on this thread, innermost last (recording
 // only): the call the fallback sees is the innermost one entered.
@@ -203,13 +219,97 @@ void record(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet keys,
 // Output `index` of computed call `call`: the one a launch made ahead of it, else a fresh tensor of
 // its traced layout (an intermediate nothing reads, or a result the launch to come writes).
 at::Tensor output_of(Session& s, int64_t call, int32_t index) {
-  const auto slot = s.slots.find({call, true, index, -1});
+  const auto slot = s.slots.find({s.program->calls[static_cast<size_t>(call)].group, call, true, index, -1});
   if (slot != s.slots.end()) return slot->second;
   const OutputLayout& layout = s.program->calls[static_cast<size_t>(call)].outputs.at(static_cast<size_t>(index));
   // Not a call of the step: the allocation does not come back here.
   const c10::impl::ExcludeDispatchKeyGuard unseen(kInterposerKey);
   return at::empty_strided(layout.sizes, layout.strides,
                            at::TensorOptions().dtype(layout.type).device(s.program->device));
+}
+
+// What a deferred result needs to be written: its kernel's group, the kernel's inputs, and the
+// versions they had when the step handed them over (autograd's check of a saved tensor: an input
+// written in place since would give other values than the step's).
+struct Recompute {
+  std::shared_ptr<Callbacks> callbacks;
+  int64_t group;
+  std::vector<at::Tensor> inputs;
+  std::vector<int64_t> versions;
+};
+
+// Records `why` as the running session's failure: the fused step's run then fails with it.
+void fail_session(const std::string& why) {
+  if (Session* s = active.load()) {
+    std::lock_guard<std::mutex> lock(s->mutex);
+    if (s->failure.empty()) s->failure = why;
+  }
+}
+
+// A deferred result's writer. Where it cannot write (an input written in place since), the tensor
+// reads as NaN (deferred.cpp) and the fused step's run fails with the reason.
+int write_recomputed(void* state, sk_tensor out, char* message, int64_t capacity) {
+  auto* r = static_cast<Recompute*>(state);
+  for (size_t i = 0; i < r->inputs.size(); ++i) {
+    if (r->inputs[i]._version() != r->versions[i]) {
+      std::snprintf(message, static_cast<size_t>(capacity),
+                    "input %zu of fused group %lld was written in place before the result it recomputes was read", i,
+                    static_cast<long long>(r->group));
+      fail_session(message);
+      return 1;
+    }
+  }
+  std::vector<sk_tensor> handles;
+  handles.reserve(r->inputs.size() + 1);
+  for (at::Tensor& t : r->inputs) handles.push_back(&t);
+  handles.push_back(out);
+  int status = 0;
+  {
+    // What the callback calls (a scalar's value) is not a call of the step.
+    const c10::impl::ExcludeDispatchKeyGuard unseen(kInterposerKey);
+    status = r->callbacks->vtable.launch(r->callbacks->state, r->group, handles.data(),
+                                         static_cast<int64_t>(handles.size()), message, capacity);
+  }
+  if (status != 0) fail_session("fused group " + std::to_string(r->group) + ": " + message);
+  return status;
+}
+
+void release_recomputed(void* state) { delete static_cast<Recompute*>(state); }
+
+// Result 0 of computed call `index`, deferred: the tensor, with no memory yet, that group
+// `call.deferred_by`'s kernel writes when the backward first reads it (speedkit's recompute instead
+// of save), holding that kernel's inputs until then.
+at::Tensor deferred_output(Session& s, int64_t index, const ProgramCall& call) {
+  const int64_t group = call.deferred_by;
+  auto recompute = std::make_unique<Recompute>();
+  recompute->callbacks = s.program->callbacks;
+  recompute->group = group;
+  for (const ArgRef& ref : s.program->group_args.at(static_cast<size_t>(group))) {
+    const auto slot = s.slots.find({group, ref.call, ref.output, ref.index, ref.element});
+    TORCH_CHECK(slot != s.slots.end(), "input ", ref.index, " of call ", ref.call, " was not seen before call ", index,
+                " deferred its result");
+    recompute->inputs.push_back(slot->second);
+    recompute->versions.push_back(slot->second._version());
+    s.slots.erase(slot);
+  }
+  const OutputLayout& layout = call.outputs.at(0);
+  const sk_deferred_vtable vtable{&write_recomputed, &release_recomputed};
+  // Not a call of the step: the allocation of the pending tensor does not come back here.
+  const c10::impl::ExcludeDispatchKeyGuard unseen(kInterposerKey);
+  return deferred_tensor(layout.sizes, at::TensorOptions().dtype(layout.type).device(s.program->device), "", 0,
+                         vtable, recompute.release());
+}
+
+// Result `k` of computed call `index`: deferred where the program says so, else as output_of. A
+// deferral that fails is a departure, and the result an ordinary tensor.
+at::Tensor result_of(Session& s, int64_t index, const ProgramCall& call, int32_t k) {
+  if (k != 0 || call.deferred_by < 0) return output_of(s, index, k);
+  try {
+    return deferred_output(s, index, call);
+  } catch (const std::exception& e) {
+    if (s.failure.empty()) s.failure = "call " + std::to_string(index) + " (" + call.op + "): " + e.what();
+    return output_of(s, index, k);
+  }
 }
 
 // The argument that result `k` of `schema` is, rewritten in place (`add_`'s `self`: the schema's
@@ -232,7 +332,7 @@ void launch(Session& s, std::unique_lock<std::mutex>& lock, int64_t group) {
   std::vector<at::Tensor> args;
   args.reserve(refs.size());
   for (const ArgRef& ref : refs) {
-    const SlotKey key{ref.call, ref.output, ref.index, ref.element};
+    const SlotKey key{group, ref.call, ref.output, ref.index, ref.element};
     auto slot = s.slots.find(key);
     if (const auto handed = s.handed.find(key); slot == s.slots.end() && handed != s.handed.end()) {
       at::Tensor result = handed->second.get();
@@ -252,20 +352,20 @@ void launch(Session& s, std::unique_lock<std::mutex>& lock, int64_t group) {
   // Its inputs, and the outputs of calls already made, are held no longer.
   for (const ArgRef& ref : refs)
     if (!ref.output || ref.call < s.next) {
-      s.slots.erase({ref.call, ref.output, ref.index, ref.element});
-      s.handed.erase({ref.call, ref.output, ref.index, ref.element});
+      s.slots.erase({group, ref.call, ref.output, ref.index, ref.element});
+      s.handed.erase({group, ref.call, ref.output, ref.index, ref.element});
     }
   std::vector<sk_tensor> handles;
   handles.reserve(args.size());
   for (at::Tensor& t : args) handles.push_back(&t);
   char message[512] = {0};
-  const auto& vtable = s.program->vtable;
+  const Callbacks& callbacks = *s.program->callbacks;
   lock.unlock();
   int status = 0;
   {
     // What the callback calls (a scalar's value) is not a call of the step.
     const c10::impl::ExcludeDispatchKeyGuard unseen(kInterposerKey);
-    status = vtable.launch(s.program->state, group, handles.data(), static_cast<int64_t>(handles.size()), message,
+    status = callbacks.vtable.launch(callbacks.state, group, handles.data(), static_cast<int64_t>(handles.size()), message,
                            sizeof message);
   }
   lock.lock();
@@ -298,12 +398,12 @@ void substitute(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet k
   }
   const ProgramCall& call = calls[static_cast<size_t>(index)];
   const size_t arguments = op.schema().arguments().size();
-  for (const auto& [i, element] : call.captured_inputs) {
+  for (const auto& [g, i, element] : call.captured_inputs) {
     const c10::IValue& v = (*stack)[stack->size() - arguments + static_cast<size_t>(i)];
     if (element < 0 && v.isTensor()) {
-      s.slots[{index, false, i, element}] = v.toTensor();
+      s.slots[{g, index, false, i, element}] = v.toTensor();
     } else if (element >= 0 && v.isTensorList() && static_cast<size_t>(element) < v.toTensorList().size()) {
-      s.slots[{index, false, i, element}] = v.toTensorList().get(static_cast<size_t>(element));
+      s.slots[{g, index, false, i, element}] = v.toTensorList().get(static_cast<size_t>(element));
     } else {
       s.failure = "call " + std::to_string(index) + " (" + name + ") takes no tensor at argument " + std::to_string(i) +
                   (element < 0 ? "" : ", element " + std::to_string(element));
@@ -331,12 +431,12 @@ void substitute(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet k
       const bool in_place = rewritten[static_cast<size_t>(k)].defined();
       if (in_place && launched && s.failure.empty())
         s.failure = "call " + std::to_string(index) + " (" + name + ") rewrites its argument after its kernel ran";
-      at::Tensor out = in_place ? rewritten[static_cast<size_t>(k)] : output_of(s, index, k);
+      at::Tensor out = in_place ? rewritten[static_cast<size_t>(k)] : result_of(s, index, call, k);
       if (launched) {
-        s.slots.erase({index, true, k, -1});
+        s.slots.erase({call.group, index, true, k, -1});
       } else if (std::find(call.captured_outputs.begin(), call.captured_outputs.end(), k) !=
                  call.captured_outputs.end()) {
-        s.handed.insert_or_assign({index, true, k, -1}, HandedResult(out));
+        s.handed.insert_or_assign({call.group, index, true, k, -1}, HandedResult(out));
       }
       stack->emplace_back(std::move(out));
     }
@@ -426,6 +526,16 @@ void interposer::observe(CallObserver* o) {
   }
 }
 
+bool interposer::substitutes_next(const char* op) {
+  Session* s = active.load();
+  if (s == nullptr || s->program == nullptr) return false;
+  std::lock_guard<std::mutex> lock(s->mutex);
+  const auto& calls = s->program->calls;
+  if (!s->failure.empty() || s->next >= static_cast<int64_t>(calls.size())) return false;
+  const ProgramCall& next = calls[static_cast<size_t>(s->next)];
+  return next.computed && same_operator(next.op, op);
+}
+
 void interposer::stop_observing(CallObserver* o) {
   CallObserver* expected = o;
   if (call_observer.compare_exchange_strong(expected, nullptr)) release_fallback();
@@ -437,8 +547,7 @@ extern "C" {
 
 int sk_interposer_program_new(int device, const sk_interposer_vtable* vtable, void* state, void** out) {
   auto program = std::make_unique<sk::Program>();
-  program->vtable = *vtable;
-  program->state = state;
+  program->callbacks = std::make_shared<sk::Callbacks>(*vtable, state);
   SK_TRY({
     program->device = device < 0 ? c10::Device(at::kCPU) : c10::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device));
     *out = program.release();
@@ -461,6 +570,16 @@ int sk_interposer_program_add_output(void* program, int64_t call, int scalar_typ
   })
 }
 
+int sk_interposer_program_defer(void* program, int64_t call, int64_t group) {
+  SK_TRY({
+    auto& p = sk::program_of(program);
+    TORCH_CHECK(group >= 0 && call >= 0 && call < static_cast<int64_t>(p.calls.size()), "no call ", call);
+    auto& c = p.calls[static_cast<size_t>(call)];
+    TORCH_CHECK(c.computed && !c.outputs.empty(), "call ", call, " is not computed by a group");
+    c.deferred_by = group;
+  })
+}
+
 int sk_interposer_program_add_arg(void* program, int64_t group, int64_t call, int output, int32_t index,
                                   int32_t element) {
   SK_TRY({
@@ -471,7 +590,7 @@ int sk_interposer_program_add_arg(void* program, int64_t group, int64_t call, in
     p.group_args[static_cast<size_t>(group)].push_back({call, output != 0, index, element});
     auto& c = p.calls[static_cast<size_t>(call)];
     if (output == 0) {
-      c.captured_inputs.emplace_back(index, element);
+      c.captured_inputs.push_back({group, index, element});
     } else {
       c.captured_outputs.push_back(index);
     }

@@ -21,6 +21,10 @@ class CallObserver {
 
 // Puts `observer` in place (one at a time per process) and registers the fallback while it is.
 void observe(CallObserver* observer);
+// Whether the running program computes the next call the fallback sees, and that call is `op`
+// (a full operator name): ATen's kernel will not run, and the group's kernel reads no result of
+// another group but through its own arguments (which it materializes where they are deferred).
+bool substitutes_next(const char* op);
 // Takes `observer` away again, and the fallback unless a session still needs it.
 void stop_observing(CallObserver* observer);
 

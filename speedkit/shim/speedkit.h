@@ -784,6 +784,12 @@ int sk_interposer_program_add_call(void* program, const char* op, int64_t group,
 /// strides (`ndim` of each), as the trace saw them.
 int sk_interposer_program_add_output(void* program, int64_t call, int scalar_type, const int64_t* sizes,
                                      const int64_t* strides, int64_t ndim);
+/// Defers the first result of computed call `call`: the call returns a tensor with no memory yet
+/// (as sk_deferred_new), which group `group`'s kernel writes when it is first read, on the
+/// arguments added for that group (its inputs, captured as their calls come and held until then;
+/// the tensor itself comes last). How a result only the backward reads is recomputed there
+/// instead of saved.
+int sk_interposer_program_defer(void* program, int64_t call, int64_t group);
 /// Appends an argument of group `group`'s kernel: argument (`output` 0) or result (`output` 1)
 /// `index` of call `call`; of an argument that is a list of tensors, its element `element` (-1: the
 /// argument is one tensor).

@@ -115,6 +115,13 @@ impl Program {
         })
     }
 
+    /// Defers computed call `call`'s first result: group `group`'s kernel writes it at its first
+    /// read (see `sk_interposer_program_defer`).
+    pub fn defer(&mut self, call: usize, group: usize) -> Result<()> {
+        // SAFETY: a live program.
+        check(unsafe { abi::sk_interposer_program_defer(self.raw, call as i64, group as i64) })
+    }
+
     /// Appends an argument of `group`'s kernel: argument or result `index` of call `call`, or of
     /// an argument that is a list of tensors, its `element`.
     pub fn add_arg(

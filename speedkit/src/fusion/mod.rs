@@ -32,13 +32,16 @@
 mod codegen;
 mod grouping;
 mod ops;
+mod recompute;
 mod substitution;
 
 pub use codegen::{GeneratedKernel, KernelArg};
 pub use ops::OpKind;
-pub use substitution::{DeclinedGroup, FusedStep, SubstitutedGroup, SOURCES_VARIABLE};
+pub use substitution::{
+    DeclinedGroup, FusedStep, RecomputedResult, SubstitutedGroup, SOURCES_VARIABLE,
+};
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 
 use serde::Serialize;
@@ -64,6 +67,10 @@ pub struct FusedGroup {
     pub reduction: Option<String>,
     /// Whether it belongs to the backward pass.
     pub backward: bool,
+    /// The operators whose results the backward recomputes instead of the forward saving them
+    /// (a [runnable](FusionPlan::generatable) plan's forward groups; see
+    /// [`FusedStep`]'s recompute).
+    pub recomputed: Vec<String>,
     /// Its operators' calls, as traced.
     #[serde(skip)]
     calls: Vec<TracedOp>,
@@ -136,11 +143,14 @@ impl FusionPlan {
         };
         let mut left: BTreeMap<(&'static str, String), usize> = BTreeMap::new();
         let read_after = grouping::read_outside(&nodes, &group_of);
+        let node_of: HashMap<u64, usize> = (nodes.iter().enumerate())
+            .map(|(i, node)| (node.op.id, i))
+            .collect();
         for group in &groups {
             let aten_kernels = group.members.iter().filter(|&&m| launches(m)).count();
             if aten_kernels >= 2 {
                 let name = |m: &usize| nodes[*m].op.name.clone();
-                plan.groups.push(FusedGroup {
+                let mut fused = FusedGroup {
                     calls: group.members.iter().map(|&m| nodes[m].op.clone()).collect(),
                     results: grouping::results(&nodes, &group.members, &read_after),
                     inside: grouping::inside_reads(&nodes, &group.members),
@@ -152,7 +162,15 @@ impl FusionPlan {
                         .find(|&&m| nodes[m].kind == Some(OpKind::Reduction))
                         .map(name),
                     backward: group.backward,
-                });
+                    recomputed: Vec::new(),
+                };
+                if runnable {
+                    fused.recomputed = recompute::deferrals(&fused, &nodes, &node_of)
+                        .into_iter()
+                        .map(|d| d.member.name)
+                        .collect();
+                }
+                plan.groups.push(fused);
             }
         }
         for (i, node) in nodes.iter().enumerate() {
@@ -232,6 +250,21 @@ impl fmt::Display for FusionPlan {
             writeln!(
                 f,
                 "  left to ATen, {reason}: {calls} ({})",
+                names.join(", ")
+            )?;
+        }
+        let mut recomputed: BTreeMap<&str, usize> = BTreeMap::new();
+        for operator in self.groups.iter().flat_map(|g| &g.recomputed) {
+            *recomputed.entry(operator.as_str()).or_default() += 1;
+        }
+        if !recomputed.is_empty() {
+            let names: Vec<String> = recomputed
+                .iter()
+                .map(|(operator, count)| format!("{operator} {count}"))
+                .collect();
+            writeln!(
+                f,
+                "  recomputed in the backward instead of saved: {}",
                 names.join(", ")
             )?;
         }

@@ -16,13 +16,13 @@
 //! CUDA graph, where nothing runs before the capture ends, so a departure costs nothing but the
 //! capture: it is made again without the program.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use tch::{Device, Tensor};
 
 use super::codegen::{self, kind_of};
-use super::{FusedGroup, FusionPlan, GeneratedKernel, KernelArg, OpKind};
+use super::{grouping, recompute, FusedGroup, FusionPlan, GeneratedKernel, KernelArg, OpKind};
 use crate::cuda::{Arg, CudaKernel, CudaModule};
 use crate::error::{Result, SpeedkitError};
 use crate::ffi::interposer::{Program, RecordedCall, Session};
@@ -33,7 +33,28 @@ pub struct FusedStep {
     program: Program,
     substituted: Vec<SubstitutedGroup>,
     declined: Vec<DeclinedGroup>,
+    recomputed: Vec<RecomputedResult>,
     plan: FusionPlan,
+}
+
+/// A forward group's result that the backward recomputes instead of the forward saving it
+/// ([`recompute`](super::recompute)'s rules).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecomputedResult {
+    /// The operator that computes it.
+    pub operator: String,
+    /// The operators its kernel runs, in step order.
+    pub operators: Vec<String>,
+    /// Its size: the memory not held from the forward to the backward.
+    pub bytes: u64,
+}
+
+/// A deferred result's kernel and where it sits in the recorded calls.
+struct Recompute {
+    /// The recorded call whose first result it writes.
+    call: usize,
+    /// (recorded call, argument position, element of a list) per input of its kernel.
+    inputs: Vec<(usize, usize, Option<usize>)>,
 }
 
 /// A group whose generated kernel runs in place of its ATen kernels.
@@ -146,17 +167,41 @@ impl FusedStep {
             .enumerate()
             .map(|(i, op)| (op.id, i))
             .collect();
+        let nodes = grouping::data_flow(&kernels);
         let mut compiled: HashMap<String, Arc<CudaKernel>> = HashMap::new();
         let (mut launches, mut placements) = (Vec::new(), Vec::new());
         let (mut substituted, mut declined) = (Vec::new(), Vec::new());
+        let (mut recomputes, mut recompute_launches, mut recomputed) =
+            (Vec::new(), Vec::new(), Vec::new());
         for group in plan.groups() {
+            let deferrals = recompute::deferrals(group, &nodes, &position);
             let placed = group.kernel().and_then(|generated| {
+                let stored: Vec<(u64, u64)> = (group.results.iter().copied())
+                    .filter(|key| deferrals.iter().all(|d| d.result != *key))
+                    .collect();
+                let generated = match deferrals.is_empty() {
+                    true => generated,
+                    false => codegen::generate(
+                        &group.calls.iter().collect::<Vec<_>>(),
+                        &stored,
+                        &group.inside,
+                    )?,
+                };
                 let placement = place(group, &generated, &kernels, &position, &recorded)?;
                 let kernel = compile(&generated, device, &mut compiled)?;
-                Ok((generated, kernel, placement))
+                let mut deferred = Vec::with_capacity(deferrals.len());
+                for d in &deferrals {
+                    let inputs = recompute_inputs(d, &recorded)?;
+                    let launch = Launch {
+                        kernel: compile(&d.kernel, device, &mut compiled)?,
+                        generated: d.kernel.clone(),
+                    };
+                    deferred.push((inputs, launch, d));
+                }
+                Ok((generated, kernel, placement, deferred))
             });
             match placed {
-                Ok((generated, kernel, placement)) => {
+                Ok((generated, kernel, placement, deferred)) => {
                     substituted.push(SubstitutedGroup {
                         operators: group.operators.clone(),
                         kernel: generated.name.clone(),
@@ -164,6 +209,15 @@ impl FusedStep {
                     });
                     launches.push(Launch { kernel, generated });
                     placements.push(placement);
+                    for (recompute, launch, d) in deferred {
+                        recomputes.push(recompute);
+                        recompute_launches.push(launch);
+                        recomputed.push(RecomputedResult {
+                            operator: d.member.name.clone(),
+                            operators: d.calls.iter().map(|c| c.name.clone()).collect(),
+                            bytes: d.bytes,
+                        });
+                    }
                 }
                 Err(reason) => declined.push(DeclinedGroup {
                     operators: group.operators.clone(),
@@ -171,11 +225,13 @@ impl FusedStep {
                 }),
             }
         }
-        let program = program(device, calls, &placements, launches)?;
+        launches.extend(recompute_launches);
+        let program = program(device, calls, &placements, &recomputes, launches)?;
         Ok(FusedStep {
             program,
             substituted,
             declined,
+            recomputed,
             plan,
         })
     }
@@ -216,6 +272,11 @@ impl FusedStep {
         &self.declined
     }
 
+    /// The forward groups' results the backward recomputes instead of the forward saving them.
+    pub fn recomputed(&self) -> &[RecomputedResult] {
+        &self.recomputed
+    }
+
     /// One line for the audit: the groups that run generated kernels, how many kernels, and the
     /// groups left to ATen by reason, the commonest first.
     pub fn summary(&self) -> String {
@@ -239,6 +300,23 @@ impl FusedStep {
         );
         if !reasons.is_empty() {
             line.push_str(&format!(" ({})", reasons.join("; ")));
+        }
+        if !self.recomputed.is_empty() {
+            let bytes: u64 = self.recomputed.iter().map(|r| r.bytes).sum();
+            let mut operators: BTreeMap<&str, usize> = BTreeMap::new();
+            for r in &self.recomputed {
+                *operators.entry(r.operator.as_str()).or_default() += 1;
+            }
+            let operators: Vec<String> = operators
+                .iter()
+                .map(|(operator, count)| format!("{count} × {operator}"))
+                .collect();
+            line.push_str(&format!(
+                "; {} forward result(s) recomputed in the backward instead of saved ({}; {:.0} MiB)",
+                self.recomputed.len(),
+                operators.join(", "),
+                bytes as f64 / (1u64 << 20) as f64
+            ));
         }
         line
     }
@@ -467,11 +545,40 @@ fn first_conflict(
     None
 }
 
-/// The interposer's program: every recorded call, the substituted groups' members among them.
+/// Where `deferral`'s kernel finds its inputs among the recorded calls, and the call whose result
+/// it writes.
+fn recompute_inputs(
+    deferral: &recompute::Deferral,
+    recorded: &HashMap<u64, usize>,
+) -> std::result::Result<Recompute, String> {
+    let call_of = |op: &TracedOp| {
+        recorded
+            .get(&op.rf_id)
+            .filter(|_| op.rf_id != 0)
+            .copied()
+            .ok_or_else(|| format!("{} is not seen below autograd", op.name))
+    };
+    let by_id: HashMap<u64, &TracedOp> = deferral.calls.iter().map(|op| (op.id, op)).collect();
+    let mut inputs = Vec::new();
+    for source in deferral.kernel.sources.iter().filter(|s| !s.output) {
+        let op = by_id
+            .get(&source.call)
+            .ok_or("an argument of its kernel no member takes")?;
+        inputs.push((call_of(op)?, source.position, source.element));
+    }
+    Ok(Recompute {
+        call: call_of(&deferral.member)?,
+        inputs,
+    })
+}
+
+/// The interposer's program: every recorded call, the substituted groups' members among them, and
+/// the recomputed results' kernels (groups numbered after the substituted ones).
 fn program(
     device: Device,
     calls: &[RecordedCall],
     placements: &[Placement],
+    recomputes: &[Recompute],
     launches: Vec<Launch>,
 ) -> Result<Program> {
     let mut role: HashMap<usize, (usize, &PlacedMember, bool)> = HashMap::new();
@@ -500,6 +607,13 @@ fn program(
         for &(call, output, index, element) in &placement.args {
             program.add_arg(g, call, output, index, element)?;
         }
+    }
+    for (r, recompute) in recomputes.iter().enumerate() {
+        let g = placements.len() + r;
+        for &(call, index, element) in &recompute.inputs {
+            program.add_arg(g, call, false, index, element)?;
+        }
+        program.defer(recompute.call, g)?;
     }
     Ok(program)
 }

@@ -1,0 +1,219 @@
+//! Recompute instead of save: a forward group's result that only the backward reads (autograd saved
+//! it) is not written by the group's kernel; the step hands autograd a [deferred](crate::deferred)
+//! tensor, which a kernel generated from the members it depends on writes at its first read in the
+//! backward. Inductor's partitioner makes the same trade: RMSNorm's fp32 copy of its input and its
+//! normalised output, SwiGLU's `silu`, are cheaper to compute again from what is saved anyway than
+//! to keep from the forward to the backward.
+//!
+//! A result is recomputed where every call outside its group that reads it (through views made in
+//! the forward too) is a backward call, it is laid out contiguously, and it holds at least
+//! [`MIN_BYTES`]. Its kernel reads the group's other results and its inputs as they are; the
+//! deferred tensor holds them until it is written. A group recomputes its results only where they
+//! hold more memory than the tensors their kernels hold that the backward would not have kept.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+use super::codegen::{self, GeneratedKernel};
+use super::grouping::{self, Node};
+use super::{FusedGroup, KernelArg, OpKind};
+use crate::trace::{TracedOp, TracedTensor};
+
+/// The smallest result worth a kernel of its own in the backward.
+pub(super) const MIN_BYTES: u64 = 1 << 20;
+
+/// A result of a group written in the backward, at its first read.
+pub(super) struct Deferral {
+    /// The key of the result.
+    pub result: (u64, u64),
+    /// The member that computes it (its traced call).
+    pub member: TracedOp,
+    /// The calls its kernel computes, in step order.
+    pub calls: Vec<TracedOp>,
+    /// Its kernel: the group's inputs and other results it reads, then the result.
+    pub kernel: GeneratedKernel,
+    /// Its size.
+    pub bytes: u64,
+}
+
+/// The results of `group` to recompute in the backward (none for a backward group, or where the
+/// memory they free is no more than what their kernels hold).
+pub(super) fn deferrals(
+    group: &FusedGroup,
+    nodes: &[Node],
+    node_of: &HashMap<u64, usize>,
+) -> Vec<Deferral> {
+    if group.backward {
+        return Vec::new();
+    }
+    let members: Vec<usize> = group
+        .calls
+        .iter()
+        .filter_map(|op| node_of.get(&op.id).copied())
+        .collect();
+    if members.len() != group.calls.len() {
+        return Vec::new();
+    }
+    let inside: HashSet<usize> = members.iter().copied().collect();
+    let computing = |key: (u64, u64)| {
+        members.iter().copied().find(|&m| {
+            nodes[m].kind != Some(OpKind::View)
+                && nodes[m].op.output_tensors().any(|t| t.key() == key)
+        })
+    };
+    let mut results: Vec<(u64, u64)> = group.results.clone();
+    results.dedup();
+    let candidates: Vec<((u64, u64), usize)> = results
+        .iter()
+        .filter_map(|&key| Some((key, computing(key)?)))
+        .filter(|&(_, m)| worth_recomputing(nodes, &inside, m))
+        .collect();
+    let deferred: HashSet<usize> = candidates.iter().map(|&(_, m)| m).collect();
+    let stored: HashSet<usize> = results
+        .iter()
+        .filter_map(|&key| computing(key))
+        .filter(|m| !deferred.contains(m))
+        .collect();
+    if candidates.is_empty() || stored.is_empty() {
+        return Vec::new();
+    }
+    let planned: Vec<Deferral> = candidates
+        .into_iter()
+        .filter_map(|(result, m)| {
+            let chain = chain_of(nodes, &inside, &stored, m);
+            let calls: Vec<&TracedOp> = chain.iter().map(|&c| nodes[c].op).collect();
+            let reads = grouping::inside_reads(nodes, &chain);
+            let kernel = codegen::generate(&calls, &[result], &reads).ok()?;
+            Some(Deferral {
+                result,
+                member: nodes[m].op.clone(),
+                calls: calls.into_iter().cloned().collect(),
+                kernel,
+                bytes: bytes(nodes[m].op.output_tensors().next()?),
+            })
+        })
+        .collect();
+    let freed: u64 = planned.iter().map(|d| d.bytes).sum();
+    if freed <= held_bytes(nodes, &planned) {
+        return Vec::new();
+    }
+    planned
+}
+
+/// Whether member `m`'s one result is contiguous, large enough, and read only by backward calls
+/// (at least one) outside the group.
+fn worth_recomputing(nodes: &[Node], inside: &HashSet<usize>, m: usize) -> bool {
+    let op = nodes[m].op;
+    let [out] = op.output_tensors().collect::<Vec<_>>()[..] else {
+        return false;
+    };
+    !codegen::writes_in_place(op)
+        && contiguous(out)
+        && bytes(out) >= MIN_BYTES
+        && read_only_in_the_backward(nodes, inside, m)
+}
+
+/// Whether every call outside `inside` that reads node `m`'s result, directly or through views
+/// made in the forward (in the group or not), is a backward call; and at least one does.
+fn read_only_in_the_backward(nodes: &[Node], inside: &HashSet<usize>, m: usize) -> bool {
+    let mut readers = 0;
+    let mut sources = vec![m];
+    let mut seen = HashSet::new();
+    while let Some(source) = sources.pop() {
+        if !seen.insert(source) {
+            continue;
+        }
+        for (j, node) in nodes.iter().enumerate().skip(source + 1) {
+            if !node.reads.iter().any(|&(p, _)| p == source) {
+                continue;
+            }
+            // A view in the forward, the group's own included, is the result under another name.
+            match (node.op.backward, node.kind) {
+                (false, Some(OpKind::View)) => sources.push(j),
+                _ if inside.contains(&j) => {}
+                (true, _) => readers += 1,
+                (false, _) => return false,
+            }
+        }
+    }
+    readers > 0
+}
+
+/// The members `m` depends on within the group, itself included, in step order: what its kernel
+/// computes. A stored result of the group is read as it is, not computed again.
+fn chain_of(
+    nodes: &[Node],
+    inside: &HashSet<usize>,
+    stored: &HashSet<usize>,
+    m: usize,
+) -> Vec<usize> {
+    let mut chain = BTreeSet::new();
+    let mut stack = vec![m];
+    while let Some(n) = stack.pop() {
+        if !chain.insert(n) {
+            continue;
+        }
+        for &(p, _) in &nodes[n].reads {
+            if inside.contains(&p) && !stored.contains(&p) {
+                stack.push(p);
+            }
+        }
+    }
+    chain.into_iter().collect()
+}
+
+/// The bytes the deferred tensors hold for their kernels that the backward would not have held:
+/// tensors the step made (not parameters or data) that no backward call reads.
+fn held_bytes(nodes: &[Node], planned: &[Deferral]) -> u64 {
+    let mut made: HashMap<(u64, u64), usize> = HashMap::new();
+    for (i, node) in nodes.iter().enumerate() {
+        for t in node.op.output_tensors() {
+            made.entry(t.key()).or_insert(i);
+        }
+    }
+    // Through views (a saved tensor may be read as the view autograd saved), to what made it.
+    let origin = |mut p: usize| {
+        while nodes[p].kind == Some(OpKind::View) {
+            match nodes[p].reads.first() {
+                Some(&(q, _)) => p = q,
+                None => break,
+            }
+        }
+        p
+    };
+    let kept = |t: &TracedTensor| match made.get(&t.key()) {
+        None => true,
+        Some(&p) => nodes.iter().any(|n| {
+            n.op.backward
+                && (n.reads.iter())
+                    .any(|&(q, storage)| storage == t.storage && origin(q) == origin(p))
+        }),
+    };
+    let mut held: HashMap<u64, u64> = HashMap::new();
+    for d in planned {
+        for arg in &d.kernel.args {
+            if let KernelArg::Input(t) = arg {
+                if !kept(t) {
+                    held.insert(t.storage, bytes(t));
+                }
+            }
+        }
+    }
+    held.values().sum()
+}
+
+fn bytes(t: &TracedTensor) -> u64 {
+    t.numel * t.item_bytes
+}
+
+/// Laid out as a deferred tensor is: row-major from the start of its storage, with the strides
+/// PyTorch gives a contiguous tensor (also over dimensions of size 1).
+fn contiguous(t: &TracedTensor) -> bool {
+    let mut expected = 1;
+    for (&size, &stride) in t.shape.iter().zip(&t.strides).rev() {
+        if stride != expected {
+            return false;
+        }
+        expected *= size.max(1);
+    }
+    t.offset == 0
+}
