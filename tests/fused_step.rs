@@ -419,10 +419,7 @@ fn a_recomputed_result_whose_input_was_written_in_place_fails_the_fused_step_wit
         .err()
         .map(|e| e.to_string())
         .unwrap_or_default();
-    assert!(
-        why.contains("was written in place before the result it recomputes was read"),
-        "{why}"
-    );
+    assert!(why.contains("was written in place before"), "{why}");
 }
 
 /// The tiny Llama's loss and gradients after one step, run by `run` (ATen's kernels or fused).

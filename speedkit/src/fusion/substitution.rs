@@ -151,65 +151,36 @@ impl FusedStep {
     fn from_recording(device: Device, trace: &StepTrace, calls: &[RecordedCall]) -> Result<Self> {
         let plan = FusionPlan::generatable(trace);
         let kernels = trace.kernels();
-        let mut recorded: HashMap<u64, usize> = calls
-            .iter()
-            .enumerate()
-            .filter(|(_, c)| c.rf_id != 0)
-            .map(|(i, c)| (c.rf_id, i))
-            .collect();
-        for (outer, inner) in redispatched(trace) {
-            if let Some(&call) = recorded.get(&inner) {
-                recorded.entry(outer).or_insert(call);
-            }
-        }
+        let recorded = recorded_calls(trace, calls);
         let position: HashMap<u64, usize> = kernels
             .iter()
             .enumerate()
             .map(|(i, op)| (op.id, i))
             .collect();
         let nodes = grouping::data_flow(&kernels);
-        let mut compiled: HashMap<String, Arc<CudaKernel>> = HashMap::new();
+        let mut placer = Placer {
+            kernels: &kernels,
+            position: &position,
+            recorded: &recorded,
+            device,
+            compiled: HashMap::new(),
+        };
         let (mut launches, mut placements) = (Vec::new(), Vec::new());
         let (mut substituted, mut declined) = (Vec::new(), Vec::new());
         let (mut recomputes, mut recompute_launches, mut recomputed) =
             (Vec::new(), Vec::new(), Vec::new());
         for group in plan.groups() {
             let deferrals = recompute::deferrals(group, &nodes, &position);
-            let placed = group.kernel().and_then(|generated| {
-                let stored: Vec<(u64, u64)> = (group.results.iter().copied())
-                    .filter(|key| deferrals.iter().all(|d| d.result != *key))
-                    .collect();
-                let generated = match deferrals.is_empty() {
-                    true => generated,
-                    false => codegen::generate(
-                        &group.calls.iter().collect::<Vec<_>>(),
-                        &stored,
-                        &group.inside,
-                    )?,
-                };
-                let placement = place(group, &generated, &kernels, &position, &recorded)?;
-                let kernel = compile(&generated, device, &mut compiled)?;
-                let mut deferred = Vec::with_capacity(deferrals.len());
-                for d in &deferrals {
-                    let inputs = recompute_inputs(d, &recorded)?;
-                    let launch = Launch {
-                        kernel: compile(&d.kernel, device, &mut compiled)?,
-                        generated: d.kernel.clone(),
-                    };
-                    deferred.push((inputs, launch, d));
-                }
-                Ok((generated, kernel, placement, deferred))
-            });
-            match placed {
-                Ok((generated, kernel, placement, deferred)) => {
+            match placer.prepare(group, &deferrals) {
+                Ok(prepared) => {
                     substituted.push(SubstitutedGroup {
                         operators: group.operators.clone(),
-                        kernel: generated.name.clone(),
+                        kernel: prepared.launch.generated.name.clone(),
                         backward: group.backward,
                     });
-                    launches.push(Launch { kernel, generated });
-                    placements.push(placement);
-                    for (recompute, launch, d) in deferred {
+                    launches.push(prepared.launch);
+                    placements.push(prepared.placement);
+                    for ((recompute, launch), d) in prepared.deferred.into_iter().zip(&deferrals) {
                         recomputes.push(recompute);
                         recompute_launches.push(launch);
                         recomputed.push(RecomputedResult {
@@ -325,6 +296,86 @@ impl FusedStep {
     pub fn plan(&self) -> &FusionPlan {
         &self.plan
     }
+}
+
+/// Each traced call's RecordFunction handle → the recorded call below autograd that it is.
+fn recorded_calls(trace: &StepTrace, calls: &[RecordedCall]) -> HashMap<u64, usize> {
+    let mut recorded: HashMap<u64, usize> = calls
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.rf_id != 0)
+        .map(|(i, c)| (c.rf_id, i))
+        .collect();
+    for (outer, inner) in redispatched(trace) {
+        if let Some(&call) = recorded.get(&inner) {
+            recorded.entry(outer).or_insert(call);
+        }
+    }
+    recorded
+}
+
+/// What placing a group takes: the traced step, its recorded calls, the kernels compiled so far.
+struct Placer<'a> {
+    kernels: &'a [&'a TracedOp],
+    position: &'a HashMap<u64, usize>,
+    recorded: &'a HashMap<u64, usize>,
+    device: Device,
+    compiled: HashMap<String, Arc<CudaKernel>>,
+}
+
+/// A group ready to substitute: its kernel, where it sits, and its deferred results' kernels.
+struct Prepared {
+    launch: Launch,
+    placement: Placement,
+    deferred: Vec<(Recompute, Launch)>,
+}
+
+impl Placer<'_> {
+    /// `group`'s kernel placed and compiled, with the kernels of its `deferrals`.
+    fn prepare(
+        &mut self,
+        group: &FusedGroup,
+        deferrals: &[recompute::Deferral],
+    ) -> std::result::Result<Prepared, String> {
+        let generated = group_kernel(group, deferrals)?;
+        let placement = place(
+            group,
+            &generated,
+            self.kernels,
+            self.position,
+            self.recorded,
+        )?;
+        let kernel = compile(&generated, self.device, &mut self.compiled)?;
+        let mut deferred = Vec::with_capacity(deferrals.len());
+        for d in deferrals {
+            let launch = Launch {
+                kernel: compile(&d.kernel, self.device, &mut self.compiled)?,
+                generated: d.kernel.clone(),
+            };
+            deferred.push((recompute_inputs(d, self.recorded)?, launch));
+        }
+        Ok(Prepared {
+            launch: Launch { kernel, generated },
+            placement,
+            deferred,
+        })
+    }
+}
+
+/// `group`'s kernel, storing its results but the `deferrals`.
+fn group_kernel(
+    group: &FusedGroup,
+    deferrals: &[recompute::Deferral],
+) -> std::result::Result<GeneratedKernel, String> {
+    let generated = group.kernel()?;
+    if deferrals.is_empty() {
+        return Ok(generated);
+    }
+    let stored: Vec<(u64, u64)> = (group.results.iter().copied())
+        .filter(|key| deferrals.iter().all(|d| d.result != *key))
+        .collect();
+    let calls: Vec<&TracedOp> = group.calls.iter().collect();
+    codegen::generate(&calls, &stored, &group.inside)
 }
 
 /// (outer, inner) RecordFunction handles of calls that call their own operator again and nothing
