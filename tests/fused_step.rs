@@ -414,6 +414,8 @@ fn a_recomputed_result_whose_input_was_written_in_place_fails_the_fused_step_wit
     let (_, fused) = FusedStep::prepare(device, step).unwrap();
     let fused = fused.unwrap();
     assert_eq!(fused.recomputed().len(), 1, "{}", fused.summary());
+    // The product's backward kernel reads the copy: it computes it there, from `a`.
+    assert!(fused.recomputed()[0].where_read, "{}", fused.summary());
     let why = fused
         .run(step)
         .err()

@@ -103,6 +103,9 @@ struct Program {
   c10::Device device{at::kCPU};
   std::vector<ProgramCall> calls;
   std::vector<std::vector<ArgRef>> group_args;
+  // Per group, its first call: an input captured before it (a forward tensor a backward kernel
+  // computes a recomputed result from) is checked against in-place writes at the launch.
+  std::vector<int64_t> first_call;
   std::shared_ptr<Callbacks> callbacks;
 };
 
@@ -163,6 +166,8 @@ struct Session {
   std::map<SlotKey, at::Tensor> slots;
   // The results handed to the step before their group's launch, held by their memory only.
   std::map<SlotKey, HandedResult> handed;
+  // The version of each input as it was captured.
+  std::map<SlotKey, int64_t> versions;
   std::vector<bool> launched;
   std::string failure;
   bool holds_fallback = false;
@@ -290,6 +295,7 @@ at::Tensor deferred_output(Session& s, int64_t index, const ProgramCall& call) {
                 " deferred its result");
     recompute->inputs.push_back(slot->second);
     recompute->versions.push_back(slot->second._version());
+    s.versions.erase(slot->first);
     s.slots.erase(slot);
   }
   const OutputLayout& layout = call.outputs.at(0);
@@ -338,6 +344,14 @@ void launch(Session& s, std::unique_lock<std::mutex>& lock, int64_t group) {
       at::Tensor result = handed->second.get();
       if (result.defined()) slot = s.slots.emplace(key, std::move(result)).first;
     }
+    const int64_t first = static_cast<size_t>(group) < s.program->first_call.size()
+                              ? s.program->first_call[static_cast<size_t>(group)]
+                              : -1;
+    if (slot != s.slots.end() && !ref.output && ref.call < first && s.versions[key] != slot->second._version()) {
+      s.failure = "fused group " + std::to_string(group) + ": input " + std::to_string(ref.index) + " of call " +
+                  std::to_string(ref.call) + " was written in place before the group's kernel read it";
+      return;
+    }
     if (slot == s.slots.end()) {
       if (!ref.output) {
         s.failure = "fused group " + std::to_string(group) + ": input " + std::to_string(ref.index) + " of call " +
@@ -354,6 +368,7 @@ void launch(Session& s, std::unique_lock<std::mutex>& lock, int64_t group) {
     if (!ref.output || ref.call < s.next) {
       s.slots.erase({group, ref.call, ref.output, ref.index, ref.element});
       s.handed.erase({group, ref.call, ref.output, ref.index, ref.element});
+      s.versions.erase({group, ref.call, ref.output, ref.index, ref.element});
     }
   std::vector<sk_tensor> handles;
   handles.reserve(args.size());
@@ -402,8 +417,10 @@ void substitute(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet k
     const c10::IValue& v = (*stack)[stack->size() - arguments + static_cast<size_t>(i)];
     if (element < 0 && v.isTensor()) {
       s.slots[{g, index, false, i, element}] = v.toTensor();
+      s.versions[{g, index, false, i, element}] = v.toTensor()._version();
     } else if (element >= 0 && v.isTensorList() && static_cast<size_t>(element) < v.toTensorList().size()) {
       s.slots[{g, index, false, i, element}] = v.toTensorList().get(static_cast<size_t>(element));
+      s.versions[{g, index, false, i, element}] = v.toTensorList().get(static_cast<size_t>(element))._version();
     } else {
       s.failure = "call " + std::to_string(index) + " (" + name + ") takes no tensor at argument " + std::to_string(i) +
                   (element < 0 ? "" : ", element " + std::to_string(element));
@@ -506,6 +523,7 @@ void end(Session& s) {
                 std::to_string(s.program->calls.size());
   s.slots.clear();
   s.handed.clear();
+  s.versions.clear();
 }
 
 Program& program_of(void* p) {
@@ -556,7 +574,15 @@ int sk_interposer_program_new(int device, const sk_interposer_vtable* vtable, vo
 
 int sk_interposer_program_add_call(void* program, const char* op, int64_t group, int computed, int launch,
                                    int64_t span) {
-  SK_TRY(sk::program_of(program).calls.push_back({op, group, computed != 0, launch != 0, span, {}, {}, {}}))
+  SK_TRY({
+    auto& p = sk::program_of(program);
+    if (group >= 0) {
+      if (p.first_call.size() <= static_cast<size_t>(group)) p.first_call.resize(static_cast<size_t>(group) + 1, -1);
+      if (p.first_call[static_cast<size_t>(group)] < 0)
+        p.first_call[static_cast<size_t>(group)] = static_cast<int64_t>(p.calls.size());
+    }
+    p.calls.push_back({op, group, computed != 0, launch != 0, span, {}, {}, {}});
+  })
 }
 
 int sk_interposer_program_add_output(void* program, int64_t call, int scalar_type, const int64_t* sizes,

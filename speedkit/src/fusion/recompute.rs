@@ -31,8 +31,93 @@ pub(super) struct Deferral {
     pub calls: Vec<TracedOp>,
     /// Its kernel: the group's inputs and other results it reads, then the result.
     pub kernel: GeneratedKernel,
+    /// (call, storage) of each read by one of `calls` of a result another of them computes.
+    pub inside: HashSet<(u64, u64)>,
+    /// The data-flow node of `member`.
+    node: usize,
     /// Its size.
     pub bytes: u64,
+}
+
+impl Deferral {
+    /// Whether its calls are pointwise (and views): a kernel reading the result may compute it at
+    /// each element it reads instead.
+    fn pointwise(&self) -> bool {
+        (self.calls.iter())
+            .all(|op| matches!(OpKind::of(&op.name), Some(OpKind::Pointwise | OpKind::View)))
+    }
+}
+
+/// A backward group's kernel that computes deferred results where it reads them.
+pub(super) struct Inlined {
+    pub kernel: GeneratedKernel,
+    /// The forward calls it computes them from, in step order.
+    pub calls: Vec<TracedOp>,
+    /// The keys of the results it computes.
+    pub results: Vec<(u64, u64)>,
+}
+
+/// The kernel of backward group `group` computing, at each element it reads, the results of
+/// `deferred` it reads (the pointwise ones; a read is of a result where the data flow says so, not
+/// the memory's id, which the allocator hands on): where every reader does, a result is never
+/// written. `None` where it reads none or the kernel is not generated.
+pub(super) fn inlined_kernel(
+    group: &FusedGroup,
+    deferred: &[Deferral],
+    nodes: &[Node],
+    node_of: &HashMap<u64, usize>,
+) -> Option<Inlined> {
+    if !group.backward {
+        return None;
+    }
+    let mut inside = group.inside.clone();
+    let mut used: Vec<&Deferral> = Vec::new();
+    for op in &group.calls {
+        let &j = node_of.get(&op.id)?;
+        for &(p, storage) in &nodes[j].reads {
+            let from = origin(nodes, p);
+            let Some(d) = (deferred.iter()).find(|d| d.node == from && d.pointwise()) else {
+                continue;
+            };
+            // Memory written in place since holds other values than the result's.
+            let rewritten = (nodes[j].reads.iter())
+                .any(|&(q, other)| other == storage && origin(nodes, q) != from);
+            if rewritten {
+                continue;
+            }
+            if !inside.insert((op.id, storage)) {
+                continue;
+            }
+            if !used.iter().any(|u| u.result == d.result) {
+                used.push(d);
+            }
+        }
+    }
+    if used.is_empty() {
+        return None;
+    }
+    let mut chains: Vec<TracedOp> = used.iter().flat_map(|d| d.calls.iter().cloned()).collect();
+    chains.sort_by_key(|op| node_of.get(&op.id).copied());
+    chains.dedup_by_key(|op| op.id);
+    inside.extend(used.iter().flat_map(|d| d.inside.iter().copied()));
+    let calls: Vec<&TracedOp> = chains.iter().chain(&group.calls).collect();
+    let kernel = codegen::generate(&calls, &group.results, &inside).ok()?;
+    Some(Inlined {
+        kernel,
+        calls: chains,
+        results: used.iter().map(|d| d.result).collect(),
+    })
+}
+
+/// Node `p`, or through the views it is of, the node that made the memory.
+fn origin(nodes: &[Node], mut p: usize) -> usize {
+    while nodes[p].kind == Some(OpKind::View) {
+        match nodes[p].reads.first() {
+            Some(&(q, _)) => p = q,
+            None => break,
+        }
+    }
+    p
 }
 
 /// The results of `group` to recompute in the backward (none for a backward group, or where the
@@ -88,6 +173,8 @@ pub(super) fn deferrals(
                 member: nodes[m].op.clone(),
                 calls: calls.into_iter().cloned().collect(),
                 kernel,
+                inside: reads,
+                node: m,
                 bytes: bytes(nodes[m].op.output_tensors().next()?),
             })
         })
@@ -171,15 +258,7 @@ fn held_bytes(nodes: &[Node], planned: &[Deferral]) -> u64 {
         }
     }
     // Through views (a saved tensor may be read as the view autograd saved), to what made it.
-    let origin = |mut p: usize| {
-        while nodes[p].kind == Some(OpKind::View) {
-            match nodes[p].reads.first() {
-                Some(&(q, _)) => p = q,
-                None => break,
-            }
-        }
-        p
-    };
+    let origin = |p: usize| origin(nodes, p);
     let kept = |t: &TracedTensor| match made.get(&t.key()) {
         None => true,
         Some(&p) => nodes.iter().any(|n| {
@@ -216,4 +295,119 @@ fn contiguous(t: &TracedTensor) -> bool {
         expected *= size.max(1);
     }
     t.offset == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace::TracedValue;
+
+    /// A tensor of 4 floats: object `id` on storage `storage`.
+    fn tensor(id: u64, storage: u64) -> TracedValue {
+        TracedValue::Tensor(TracedTensor {
+            id,
+            storage,
+            offset: 0,
+            numel: 4,
+            item_bytes: 4,
+            device: "cuda:0".into(),
+            dtype: "float".into(),
+            shape: vec![4],
+            strides: vec![1],
+        })
+    }
+
+    fn call(
+        id: u64,
+        name: &str,
+        backward: bool,
+        inputs: Vec<TracedValue>,
+        outputs: Vec<TracedValue>,
+    ) -> TracedOp {
+        TracedOp {
+            id,
+            name: name.into(),
+            schema: String::new(),
+            parent: None,
+            inputs,
+            outputs,
+            backward,
+            thread: 1,
+            forward_thread: 0,
+            rf_id: 0,
+        }
+    }
+
+    #[test]
+    fn a_backward_kernel_computes_a_deferred_result_where_the_data_flow_reads_it_not_where_its_memory_id_comes_again(
+    ) {
+        // The forward's silu (object 2, storage 20) is deferred. The backward's first mul reads it;
+        // then new memory gets storage id 20 again (the allocator's address), and the last mul
+        // reads that: other values, which the kernel must read as they are.
+        let ops = [
+            call(
+                0,
+                "aten::silu",
+                false,
+                vec![tensor(1, 10)],
+                vec![tensor(2, 20)],
+            ),
+            call(
+                1,
+                "aten::mul",
+                true,
+                vec![tensor(5, 50), tensor(2, 20)],
+                vec![tensor(6, 60)],
+            ),
+            call(
+                2,
+                "aten::exp",
+                true,
+                vec![tensor(6, 60)],
+                vec![tensor(7, 70)],
+            ),
+            call(3, "aten::empty", true, vec![], vec![tensor(8, 20)]),
+            call(
+                4,
+                "aten::mul",
+                true,
+                vec![tensor(8, 20), tensor(7, 70)],
+                vec![tensor(9, 90)],
+            ),
+        ];
+        let kernels: Vec<&TracedOp> = ops.iter().collect();
+        let nodes = grouping::data_flow(&kernels);
+        let node_of: HashMap<u64, usize> = ops.iter().map(|op| (op.id, op.id as usize)).collect();
+        let silu = [&ops[0]];
+        let deferral = Deferral {
+            result: (2, 20),
+            member: ops[0].clone(),
+            calls: vec![ops[0].clone()],
+            kernel: codegen::generate(&silu, &[(2, 20)], &HashSet::new()).unwrap(),
+            inside: HashSet::new(),
+            node: 0,
+            bytes: 16,
+        };
+        let group = FusedGroup {
+            operators: vec!["aten::mul".into(), "aten::exp".into(), "aten::mul".into()],
+            aten_kernels: 3,
+            reduction: None,
+            backward: true,
+            recomputed: Vec::new(),
+            calls: vec![ops[1].clone(), ops[2].clone(), ops[4].clone()],
+            results: vec![(9, 90)],
+            inside: HashSet::from([(2, 60), (4, 70)]),
+        };
+        let inlined = inlined_kernel(&group, &[deferral], &nodes, &node_of).unwrap();
+        assert_eq!(inlined.results, [(2, 20)]);
+        let inputs: Vec<u64> = (inlined.kernel.args.iter())
+            .filter_map(|a| match a {
+                KernelArg::Input(t) => Some(t.id),
+                _ => None,
+            })
+            .collect();
+        // silu's input instead of the deferred result; the new memory read as it is.
+        assert!(inputs.contains(&1) && inputs.contains(&8), "{inputs:?}");
+        assert!(!inputs.contains(&2), "{inputs:?}");
+    }
 }

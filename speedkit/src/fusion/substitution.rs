@@ -47,6 +47,9 @@ pub struct RecomputedResult {
     pub operators: Vec<String>,
     /// Its size: the memory not held from the forward to the backward.
     pub bytes: u64,
+    /// Whether the backward kernels that read it compute it where they read it (else a kernel of
+    /// its own writes it at its first read).
+    pub where_read: bool,
 }
 
 /// A deferred result's kernel and where it sits in the recorded calls.
@@ -169,9 +172,10 @@ impl FusedStep {
         let (mut substituted, mut declined) = (Vec::new(), Vec::new());
         let (mut recomputes, mut recompute_launches, mut recomputed) =
             (Vec::new(), Vec::new(), Vec::new());
+        let (mut deferred_before, mut recomputed_keys) = (Vec::new(), Vec::new());
         for group in plan.groups() {
             let deferrals = recompute::deferrals(group, &nodes, &position);
-            match placer.prepare(group, &deferrals) {
+            match placer.prepare(group, &deferrals, &deferred_before, &nodes) {
                 Ok(prepared) => {
                     substituted.push(SubstitutedGroup {
                         operators: group.operators.clone(),
@@ -187,8 +191,16 @@ impl FusedStep {
                             operator: d.member.name.clone(),
                             operators: d.calls.iter().map(|c| c.name.clone()).collect(),
                             bytes: d.bytes,
+                            where_read: false,
                         });
+                        recomputed_keys.push(d.result);
                     }
+                    for key in prepared.inlined {
+                        if let Some(i) = recomputed_keys.iter().position(|&k| k == key) {
+                            recomputed[i].where_read = true;
+                        }
+                    }
+                    deferred_before.extend(deferrals);
                 }
                 Err(reason) => declined.push(DeclinedGroup {
                     operators: group.operators.clone(),
@@ -282,8 +294,10 @@ impl FusedStep {
                 .iter()
                 .map(|(operator, count)| format!("{count} × {operator}"))
                 .collect();
+            let where_read = self.recomputed.iter().filter(|r| r.where_read).count();
             line.push_str(&format!(
-                "; {} forward result(s) recomputed in the backward instead of saved ({}; {:.0} MiB)",
+                "; {} forward result(s) recomputed in the backward instead of saved ({}; {:.0} MiB), \
+                 {where_read} of them by the kernels that read them",
                 self.recomputed.len(),
                 operators.join(", "),
                 bytes as f64 / (1u64 << 20) as f64
@@ -323,24 +337,34 @@ struct Placer<'a> {
     compiled: HashMap<String, Arc<CudaKernel>>,
 }
 
-/// A group ready to substitute: its kernel, where it sits, and its deferred results' kernels.
+/// A group ready to substitute: its kernel, where it sits, its deferred results' kernels, and the
+/// keys of earlier groups' deferred results it computes where it reads them.
 struct Prepared {
     launch: Launch,
     placement: Placement,
     deferred: Vec<(Recompute, Launch)>,
+    inlined: Vec<(u64, u64)>,
 }
 
 impl Placer<'_> {
-    /// `group`'s kernel placed and compiled, with the kernels of its `deferrals`.
+    /// `group`'s kernel placed and compiled, with the kernels of its `deferrals`; a backward group
+    /// computes the results of `deferred_before` it reads where it reads them.
     fn prepare(
         &mut self,
         group: &FusedGroup,
         deferrals: &[recompute::Deferral],
+        deferred_before: &[recompute::Deferral],
+        nodes: &[grouping::Node],
     ) -> std::result::Result<Prepared, String> {
-        let generated = group_kernel(group, deferrals)?;
+        let inlined = recompute::inlined_kernel(group, deferred_before, nodes, self.position);
+        let generated = match &inlined {
+            Some(inlined) => inlined.kernel.clone(),
+            None => group_kernel(group, deferrals)?,
+        };
         let placement = place(
             group,
             &generated,
+            inlined.as_ref().map_or(&[], |i| &i.calls),
             self.kernels,
             self.position,
             self.recorded,
@@ -358,6 +382,7 @@ impl Placer<'_> {
             launch: Launch { kernel, generated },
             placement,
             deferred,
+            inlined: inlined.map_or(Vec::new(), |i| i.results),
         })
     }
 }
@@ -439,6 +464,7 @@ fn compile(
 fn place(
     group: &FusedGroup,
     generated: &GeneratedKernel,
+    inlined: &[TracedOp],
     kernels: &[&TracedOp],
     position: &HashMap<u64, usize>,
     recorded: &HashMap<u64, usize>,
@@ -464,9 +490,18 @@ fn place(
         .enumerate()
         .map(|(m, op)| (op.id, m))
         .collect();
+    let inlined: HashMap<u64, &TracedOp> = inlined.iter().map(|op| (op.id, op)).collect();
     let mut args = Vec::with_capacity(generated.args.len());
     let mut last_input = 0;
     for source in &generated.sources {
+        // An input of a forward call whose result the kernel computes again: seen long before.
+        if let Some(op) = inlined.get(&source.call) {
+            let call = (recorded.get(&op.rf_id))
+                .filter(|_| op.rf_id != 0)
+                .ok_or_else(|| format!("{} is not seen below autograd", op.name))?;
+            args.push((*call, false, source.position, source.element));
+            continue;
+        }
         let member = *member_of
             .get(&source.call)
             .ok_or("an argument of its kernel no member takes or makes")?;
