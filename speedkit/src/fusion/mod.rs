@@ -286,3 +286,58 @@ impl fmt::Display for FusionPlan {
         Ok(())
     }
 }
+
+/// Traced calls and tensors made up for the unit tests of the fusion modules.
+#[cfg(test)]
+mod testing {
+    use crate::trace::{TracedOp, TracedTensor, TracedValue};
+
+    /// A tensor of 4 floats: object `id` on storage `storage`.
+    pub fn tensor(id: u64, storage: u64) -> TracedValue {
+        TracedValue::Tensor(TracedTensor {
+            id,
+            storage,
+            offset: 0,
+            numel: 4,
+            item_bytes: 4,
+            device: "cuda:0".into(),
+            dtype: "float".into(),
+            shape: vec![4],
+            strides: vec![1],
+        })
+    }
+
+    /// A forward call.
+    pub fn call(
+        id: u64,
+        name: &str,
+        inputs: Vec<TracedValue>,
+        outputs: Vec<TracedValue>,
+    ) -> TracedOp {
+        TracedOp {
+            id,
+            name: name.into(),
+            schema: String::new(),
+            parent: None,
+            inputs,
+            outputs,
+            backward: false,
+            thread: 1,
+            forward_thread: 0,
+            rf_id: 0,
+        }
+    }
+
+    /// A backward call.
+    pub fn backward(
+        id: u64,
+        name: &str,
+        inputs: Vec<TracedValue>,
+        outputs: Vec<TracedValue>,
+    ) -> TracedOp {
+        TracedOp {
+            backward: true,
+            ..call(id, name, inputs, outputs)
+        }
+    }
+}

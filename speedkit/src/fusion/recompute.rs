@@ -300,77 +300,27 @@ fn contiguous(t: &TracedTensor) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trace::TracedValue;
-
-    /// A tensor of 4 floats: object `id` on storage `storage`.
-    fn tensor(id: u64, storage: u64) -> TracedValue {
-        TracedValue::Tensor(TracedTensor {
-            id,
-            storage,
-            offset: 0,
-            numel: 4,
-            item_bytes: 4,
-            device: "cuda:0".into(),
-            dtype: "float".into(),
-            shape: vec![4],
-            strides: vec![1],
-        })
-    }
-
-    fn call(
-        id: u64,
-        name: &str,
-        backward: bool,
-        inputs: Vec<TracedValue>,
-        outputs: Vec<TracedValue>,
-    ) -> TracedOp {
-        TracedOp {
-            id,
-            name: name.into(),
-            schema: String::new(),
-            parent: None,
-            inputs,
-            outputs,
-            backward,
-            thread: 1,
-            forward_thread: 0,
-            rf_id: 0,
-        }
-    }
+    use crate::fusion::testing::{backward, call, tensor};
 
     #[test]
-    fn a_backward_kernel_computes_a_deferred_result_where_the_data_flow_reads_it_not_where_its_memory_id_comes_again(
-    ) {
+    fn a_deferred_result_is_computed_where_the_data_flow_reads_it_not_where_its_memory_id_returns()
+    {
         // The forward's silu (object 2, storage 20) is deferred. The backward's first mul reads it;
         // then new memory gets storage id 20 again (the allocator's address), and the last mul
         // reads that: other values, which the kernel must read as they are.
         let ops = [
-            call(
-                0,
-                "aten::silu",
-                false,
-                vec![tensor(1, 10)],
-                vec![tensor(2, 20)],
-            ),
-            call(
+            call(0, "aten::silu", vec![tensor(1, 10)], vec![tensor(2, 20)]),
+            backward(
                 1,
                 "aten::mul",
-                true,
                 vec![tensor(5, 50), tensor(2, 20)],
                 vec![tensor(6, 60)],
             ),
-            call(
-                2,
-                "aten::exp",
-                true,
-                vec![tensor(6, 60)],
-                vec![tensor(7, 70)],
-            ),
-            call(3, "aten::empty", true, vec![], vec![tensor(8, 20)]),
-            call(
+            backward(2, "aten::exp", vec![tensor(6, 60)], vec![tensor(7, 70)]),
+            backward(3, "aten::empty", vec![], vec![tensor(8, 20)]),
+            backward(
                 4,
                 "aten::mul",
-                true,
                 vec![tensor(8, 20), tensor(7, 70)],
                 vec![tensor(9, 90)],
             ),

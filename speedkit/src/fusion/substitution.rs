@@ -754,37 +754,7 @@ fn launch(launch: &Launch, tensors: &[Tensor]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::trace::TracedValue;
-
-    /// A tensor of 4 floats: object `id` on storage `storage`.
-    fn tensor(id: u64, storage: u64) -> TracedValue {
-        TracedValue::Tensor(TracedTensor {
-            id,
-            storage,
-            offset: 0,
-            numel: 4,
-            item_bytes: 4,
-            device: "cuda:0".into(),
-            dtype: "float".into(),
-            shape: vec![4],
-            strides: vec![1],
-        })
-    }
-
-    fn call(id: u64, name: &str, inputs: Vec<TracedValue>, outputs: Vec<TracedValue>) -> TracedOp {
-        TracedOp {
-            id,
-            name: name.into(),
-            schema: String::new(),
-            parent: None,
-            inputs,
-            outputs,
-            backward: false,
-            thread: 1,
-            forward_thread: 0,
-            rf_id: 0,
-        }
-    }
+    use crate::fusion::testing::{call, tensor};
 
     /// Calls 0 and 3 are the group's: `mul` reads input storage 10 and writes result storage 20,
     /// `exp` reads the result; `between` are calls 1 and 2, outside it.
