@@ -54,6 +54,9 @@ pub struct FusionPlan {
     groups: Vec<FusedGroup>,
     left_to_aten: Vec<LeftToAten>,
     kernels_before: usize,
+    /// Per group, the results its kernel leaves to the backward to recompute (a runnable plan's).
+    #[serde(skip)]
+    deferrals: Vec<Vec<recompute::Deferral>>,
 }
 
 /// One group: the operators (in the step's order) whose kernels would run as one.
@@ -164,13 +167,13 @@ impl FusionPlan {
                     backward: group.backward,
                     recomputed: Vec::new(),
                 };
-                if runnable {
-                    fused.recomputed = recompute::deferrals(&fused, &nodes, &node_of)
-                        .into_iter()
-                        .map(|d| d.member.name)
-                        .collect();
-                }
+                let deferrals = match runnable {
+                    true => recompute::deferrals(&fused, &nodes, &node_of),
+                    false => Vec::new(),
+                };
+                fused.recomputed = deferrals.iter().map(|d| d.member.name.clone()).collect();
                 plan.groups.push(fused);
+                plan.deferrals.push(deferrals);
             }
         }
         for (i, node) in nodes.iter().enumerate() {

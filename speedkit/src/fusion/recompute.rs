@@ -22,6 +22,7 @@ use crate::trace::{TracedOp, TracedTensor};
 pub(super) const MIN_BYTES: u64 = 1 << 20;
 
 /// A result of a group written in the backward, at its first read.
+#[derive(Clone, Debug)]
 pub(super) struct Deferral {
     /// The key of the result.
     pub result: (u64, u64),
@@ -63,7 +64,7 @@ pub(super) struct Inlined {
 /// written. `None` where it reads none or the kernel is not generated.
 pub(super) fn inlined_kernel(
     group: &FusedGroup,
-    deferred: &[Deferral],
+    deferred: &[&Deferral],
     nodes: &[Node],
     node_of: &HashMap<u64, usize>,
 ) -> Option<Inlined> {
@@ -348,7 +349,7 @@ mod tests {
             results: vec![(9, 90)],
             inside: HashSet::from([(2, 60), (4, 70)]),
         };
-        let inlined = inlined_kernel(&group, &[deferral], &nodes, &node_of).unwrap();
+        let inlined = inlined_kernel(&group, &[&deferral], &nodes, &node_of).unwrap();
         assert_eq!(inlined.results, [(2, 20)]);
         let inputs: Vec<u64> = (inlined.kernel.args.iter())
             .filter_map(|a| match a {

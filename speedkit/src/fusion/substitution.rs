@@ -173,9 +173,8 @@ impl FusedStep {
         let (mut recomputes, mut recompute_launches, mut recomputed) =
             (Vec::new(), Vec::new(), Vec::new());
         let (mut deferred_before, mut recomputed_keys) = (Vec::new(), Vec::new());
-        for group in plan.groups() {
-            let deferrals = recompute::deferrals(group, &nodes, &position);
-            match placer.prepare(group, &deferrals, &deferred_before, &nodes) {
+        for (group, deferrals) in plan.groups.iter().zip(&plan.deferrals) {
+            match placer.prepare(group, deferrals, &deferred_before, &nodes) {
                 Ok(prepared) => {
                     substituted.push(SubstitutedGroup {
                         operators: group.operators.clone(),
@@ -184,7 +183,7 @@ impl FusedStep {
                     });
                     launches.push(prepared.launch);
                     placements.push(prepared.placement);
-                    for ((recompute, launch), d) in prepared.deferred.into_iter().zip(&deferrals) {
+                    for ((recompute, launch), d) in prepared.deferred.into_iter().zip(deferrals) {
                         recomputes.push(recompute);
                         recompute_launches.push(launch);
                         recomputed.push(RecomputedResult {
@@ -353,7 +352,7 @@ impl Placer<'_> {
         &mut self,
         group: &FusedGroup,
         deferrals: &[recompute::Deferral],
-        deferred_before: &[recompute::Deferral],
+        deferred_before: &[&recompute::Deferral],
         nodes: &[grouping::Node],
     ) -> std::result::Result<Prepared, String> {
         let inlined = recompute::inlined_kernel(group, deferred_before, nodes, self.position);
