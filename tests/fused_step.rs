@@ -294,8 +294,16 @@ fn fused_in_place_accumulations_give_atens_values_in_fp32_bf16_and_fp16() {
             let _ = h.g_add_(&x.sigmoid());
             h.exp()
         });
+        // A GEMM's output with its bias added in place (as a convolution's is), read transposed
+        // after: memory the step made, which the kernel reads but need not write.
+        let bias = Tensor::randn([37], (kind, device));
+        let made = fused_against_aten(device, || {
+            let mut y = x.mm(&x.tr());
+            let _ = y.g_add_(&bias);
+            (&y + y.tr()).tanh()
+        });
         let tolerance = if kind == Kind::Float { 1e-5 } else { 5e-2 };
-        for (what, (gap, fused)) in [("outside", outside), ("inside", inside)] {
+        for (what, (gap, fused)) in [("outside", outside), ("inside", inside), ("made", made)] {
             assert_eq!(fused, 1, "{kind:?} {what}: one group fused");
             assert!(gap < tolerance, "{kind:?} {what}: {gap}");
         }
@@ -422,6 +430,99 @@ fn a_recomputed_result_whose_input_was_written_in_place_fails_the_fused_step_wit
         .map(|e| e.to_string())
         .unwrap_or_default();
     assert!(why.contains("was written in place before"), "{why}");
+}
+
+/// A U-Net's norm and activation as autocast runs them (the input cast to fp32 for the norm, the
+/// activation cast back), then a loss; its gradients zeroed first.
+struct GroupNormStep {
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    groups: i64,
+}
+
+impl GroupNormStep {
+    fn new(device: Device, kind: Kind, shape: [i64; 4], groups: i64) -> GroupNormStep {
+        let channels = [shape[1]];
+        GroupNormStep {
+            x: (Tensor::randn(shape, (kind, device)) * 3.0 + 1.0).set_requires_grad(true),
+            weight: Tensor::randn(channels, (Kind::Float, device)).set_requires_grad(true),
+            bias: Tensor::randn(channels, (Kind::Float, device)).set_requires_grad(true),
+            groups,
+        }
+    }
+
+    fn step(&self) -> Tensor {
+        for t in [&self.x, &self.weight, &self.bias] {
+            let mut grad = t.grad();
+            if grad.defined() {
+                let _ = grad.zero_();
+            }
+        }
+        let y = (self.x.to_kind(Kind::Float))
+            .group_norm(
+                self.groups,
+                Some(&self.weight),
+                Some(&self.bias),
+                1e-5,
+                false,
+            )
+            .silu()
+            .to_kind(self.x.kind());
+        let y = y.to_kind(Kind::Float);
+        let loss = (&y * &y).mean(Kind::Float);
+        loss.backward();
+        loss
+    }
+
+    fn gradients(&self) -> Vec<Tensor> {
+        [&self.x, &self.weight, &self.bias]
+            .iter()
+            .map(|t| t.grad().to_kind(Kind::Float))
+            .collect()
+    }
+}
+
+#[test]
+fn fused_group_norms_give_atens_values_and_gradients_in_fp32_bf16_and_fp16() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "fused_group_norms_give_atens_values_and_gradients_in_fp32_bf16_and_fp16",
+    ) else {
+        return;
+    };
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+        // Rows of three channels of 5 × 7 (a kernel reading one element at a time), and of two
+        // of 6 × 6 (one reading four).
+        for (shape, groups) in [([3, 12, 5, 7], 4), ([2, 8, 6, 6], 4)] {
+            let norm = GroupNormStep::new(device, kind, shape, groups);
+            let _ = norm.step();
+            let (expected, fused) = FusedStep::prepare(device, || norm.step()).unwrap();
+            let fused = fused.unwrap();
+            let aten = norm.gradients();
+            let loss = fused.run(|| norm.step()).unwrap();
+            assert!(
+                (fused.substituted().iter())
+                    .any(|g| g.operators.iter().any(|o| o == "aten::native_group_norm")),
+                "{kind:?} {shape:?}: {}",
+                fused.summary()
+            );
+            let tolerance = if kind == Kind::Float { 1e-5 } else { 1e-2 };
+            let gap = (loss - expected).abs().double_value(&[]);
+            assert!(gap < tolerance, "{kind:?} {shape:?}: loss {gap} apart");
+            for (what, (mine, aten)) in ["x", "weight", "bias"]
+                .iter()
+                .zip(norm.gradients().iter().zip(&aten))
+            {
+                let gap = (mine - aten).abs().max().double_value(&[]);
+                let scale = aten.abs().max().double_value(&[]);
+                assert!(
+                    gap <= tolerance * scale,
+                    "{kind:?} {shape:?}: {what}'s gradient {gap} apart of {scale}"
+                );
+            }
+        }
+    }
 }
 
 /// The tiny Llama's loss and gradients after one step, run by `run` (ATen's kernels or fused).

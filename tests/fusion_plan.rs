@@ -357,6 +357,82 @@ fn rms_norm_forward_generates_one_kernel_that_nvrtc_compiles() {
 }
 
 #[test]
+fn memory_the_step_made_and_only_its_group_reads_after_an_in_place_rewrite_is_not_written() {
+    let _serial = common::serial();
+    let (x, w) = (
+        Tensor::randn([16, 16], (Kind::Float, CPU)),
+        Tensor::randn([16, 16], (Kind::Float, CPU)),
+    );
+    let bias = Tensor::randn([16], (Kind::Float, CPU));
+    // A layer's bias added in place to the GEMM's output, which only the group reads after, once
+    // transposed: its new values stay in the kernel, so any thread may compute any of them.
+    let (_, trace) = StepTrace::record(|| {
+        let mut y = x.mm(&w);
+        let _ = y.g_add_(&bias);
+        (&y + y.tr()).exp()
+    })
+    .unwrap();
+    let plan = FusionPlan::generatable(&trace);
+    let group = (plan.groups().iter())
+        .find(|g| g.calls().iter().any(|c| c.name == "aten::add_"))
+        .unwrap_or_else(|| panic!("{plan}"));
+    let kernel = group.kernel().unwrap();
+    let outputs = (kernel.args.iter())
+        .filter(|a| matches!(a, KernelArg::Output(_)))
+        .count();
+    assert_eq!(outputs, 1, "exp's result only:\n{}", kernel.source);
+}
+
+/// A diffusion U-Net's norm as autocast runs it: the convolution's bf16 output cast to fp32,
+/// group-normalised (two channels a group, odd spatial sizes), SiLU, cast back.
+fn group_norm_silu(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
+    x.to_kind(Kind::Float)
+        .group_norm(4, Some(w), Some(b), 1e-5, false)
+        .silu()
+        .to_kind(Kind::BFloat16)
+}
+
+#[test]
+fn a_group_norm_joins_its_cast_and_silu_in_one_kernel_that_nvrtc_compiles() {
+    let _serial = common::serial();
+    let x = Tensor::randn([3, 8, 5, 7], (Kind::BFloat16, CPU));
+    let (w, b) = (
+        Tensor::randn([8], (Kind::Float, CPU)),
+        Tensor::randn([8], (Kind::Float, CPU)),
+    );
+    let (_, trace) = StepTrace::record(|| group_norm_silu(&x, &w, &b)).unwrap();
+    let plan = FusionPlan::from_trace(&trace);
+    assert_eq!(plan.groups().len(), 1, "{plan}");
+    let group = &plan.groups()[0];
+    assert_eq!(
+        names(&group.operators),
+        ["_to_copy", "native_group_norm", "silu", "_to_copy"],
+        "{plan}"
+    );
+    let kernel = group.kernel().unwrap();
+    // A block per row: 3 samples × 4 groups, each row two channels of 5 × 7.
+    assert_eq!(kernel.numel, 12);
+    assert!(kernel.source.contains("block_sum("), "{}", kernel.source);
+    let bytes = speedkit::kernels::compile(module_of(&kernel).name(), HOPPER)
+        .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
+    assert!(bytes > 0);
+}
+
+#[test]
+fn a_group_norm_read_at_another_rows_element_is_not_generated() {
+    let _serial = common::serial();
+    let x = Tensor::randn([2, 8, 6, 6], (Kind::Float, CPU));
+    let (_, trace) = StepTrace::record(|| {
+        let y = x.group_norm(4, None::<Tensor>, None::<Tensor>, 1e-5, false);
+        &y * y.transpose(2, 3)
+    })
+    .unwrap();
+    let plan = FusionPlan::from_trace(&trace);
+    let why = plan.groups()[0].kernel().unwrap_err();
+    assert!(why.contains("read at another element"), "{why}");
+}
+
+#[test]
 fn an_in_place_accumulation_joins_its_chain_and_writes_the_memory_it_rewrites() {
     let _serial = common::serial();
     let x = Tensor::randn([16, 32], (Kind::Float, CPU));

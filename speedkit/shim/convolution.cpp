@@ -30,9 +30,17 @@ struct ConvolutionFunction : torch::autograd::Function<ConvolutionFunction> {
                             int64_t type) {
     const auto t = static_cast<at::ScalarType>(type);
     const at::Tensor x_c = x.to(t);
-    const at::Tensor bias = has_bias ? bias_in.to(t) : at::Tensor();
     const std::vector<int64_t> output_padding(stride.size(), 0);
-    at::Tensor y = at::convolution(x_c, weight.to(t), bias, stride, padding, dilation, false, output_padding, groups);
+    at::Tensor y =
+        at::convolution(x_c, weight.to(t), at::Tensor(), stride, padding, dilation, false, output_padding, groups);
+    if (has_bias) {
+      // The bias added by an operator of its own, in place, as ATen's cuDNN path adds it after the
+      // convolution (the same kernel, the same values): seen on its own, a fused step's generated
+      // kernel after the convolution takes it with its own work, as torch.compile does.
+      std::vector<int64_t> channel(y.dim(), 1);
+      channel[1] = -1;
+      y.add_(bias_in.to(t).reshape(channel));
+    }
     // What ATen's convolution node saves (cuDNN's backward reads both operands' layouts even for
     // one gradient), but the fp32 weight, which the model holds anyway, in place of its copy.
     ctx->save_for_backward({x_c, weight});

@@ -131,7 +131,9 @@ pub(crate) fn takes(op: &TracedOp) -> bool {
     match OpKind::of(&op.name) {
         Some(OpKind::View) => true,
         Some(OpKind::Pointwise) => (!op.name.ends_with('_') || writes_in_place(op)) && stores(op),
-        Some(OpKind::Reduction) => stores(op) && reduces_last_dimension(op),
+        Some(OpKind::Reduction) => {
+            (stores(op) && reduces_last_dimension(op)) || normalizes_groups(op).is_some()
+        }
         Some(OpKind::Layout) => stores(op) && generates_layout(op),
         _ => false,
     }
@@ -156,6 +158,62 @@ pub(crate) fn writes_in_place(op: &TracedOp) -> bool {
 /// elements, zero elsewhere).
 fn generates_layout(op: &TracedOp) -> bool {
     matches!(op.name.as_str(), "aten::cat" | "aten::slice_backward")
+}
+
+/// A group norm's rows as the generator takes them: `native_group_norm` of a tensor of samples ×
+/// channels × `hxw` elements, in `rows` = samples × groups rows of `width` elements, its
+/// three results (normalised elements, means, reciprocal standard deviations) of stored types and
+/// contiguous, the first in its input's shape.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct GroupNormRows {
+    rows: u64,
+    width: u64,
+    eps: f64,
+}
+
+/// `op`'s rows where it is a group norm the generator takes ([`GroupNormRows`]).
+fn normalizes_groups(op: &TracedOp) -> Option<GroupNormRows> {
+    if op.name != "aten::native_group_norm" {
+        return None;
+    }
+    let [TracedValue::Tensor(out), TracedValue::Tensor(mean), TracedValue::Tensor(rstd)] =
+        op.outputs.as_slice()
+    else {
+        return None;
+    };
+    let Some(TracedValue::Tensor(input)) = op.inputs.first() else {
+        return None;
+    };
+    let (samples, channels, hxw, groups) = (
+        integer(op.inputs.get(3))?,
+        integer(op.inputs.get(4))?,
+        integer(op.inputs.get(5))?,
+        integer(op.inputs.get(6))?,
+    );
+    let eps = match op.inputs.get(7)? {
+        TracedValue::Other { value, .. } => value.trim_matches('"').parse::<f64>().ok()?,
+        _ => return None,
+    };
+    let rows = (samples * groups) as u64;
+    let sized = groups > 0
+        && channels % groups == 0
+        && input.shape.len() >= 2
+        && input.shape[1] == channels
+        && input.numel == (samples * channels * hxw) as u64
+        && out.shape == input.shape
+        && mean.numel == rows
+        && rstd.numel == rows;
+    let stored = [input, out, mean, rstd]
+        .iter()
+        .all(|t| kind_of(&t.dtype).is_some_and(|k| k != Kind::Bool));
+    let contiguous = [out, mean, rstd]
+        .iter()
+        .all(|t| check_contiguous(t).is_ok());
+    (sized && stored && contiguous).then_some(GroupNormRows {
+        rows,
+        width: (channels / groups * hxw) as u64,
+        eps,
+    })
 }
 
 /// A traced integer argument (a dimension, a slice's bound).
@@ -200,9 +258,10 @@ pub(crate) fn generate(
         coords: "c".into(),
         ..Generator::default()
     };
+    // Memory an in-place operator rewrites that the kernel does not store is only read.
     for op in ops.iter().filter(|op| writes_in_place(op)) {
         if let Some(TracedValue::Tensor(target)) = op.inputs.first() {
-            if !inside.contains(&(op.id, target.storage)) {
+            if !inside.contains(&(op.id, target.storage)) && results.contains(&target.key()) {
                 g.written_in_place.insert(target.storage, target.clone());
             }
         }
@@ -214,6 +273,7 @@ pub(crate) fn generate(
             Some(OpKind::Pointwise) if !op.name.ends_with('_') || writes_in_place(op) => {
                 g.operator(op)?
             }
+            Some(OpKind::Reduction) if normalizes_groups(op).is_some() => g.group_norm(op)?,
             Some(OpKind::Reduction) => g.reduction(op)?,
             Some(OpKind::Layout) if generates_layout(op) => g.layout(op)?,
             _ => {
@@ -227,6 +287,11 @@ pub(crate) fn generate(
     }
     g.kernel(results)
 }
+
+/// Why a group reading a group norm's normalised elements elsewhere is not generated: a block
+/// holds one row's statistics, so each element is computed in its own row only.
+const ROW_ELEMENT_ELSEWHERE: &str =
+    "a group norm's result is read at another element than its own (another row's)";
 
 /// Why a group with an in-place operator is not generated: another element's thread reads memory
 /// the kernel rewrites (a broadcast or a transposed read), which it might read rewritten.
@@ -246,8 +311,9 @@ struct Generator {
     /// Storage id → the function computing that storage's elements, as of the operator being
     /// generated (storage ids are reused with addresses, so a later result may take an id over).
     producers: HashMap<u64, (usize, TracedTensor)>,
-    /// Result key → its function and the call computing it, for the group's results.
-    results: HashMap<(u64, u64), (usize, TracedTensor, u64)>,
+    /// Result key → its function, the call computing it and its position among the call's
+    /// results, for the group's results.
+    results: HashMap<(u64, u64), (usize, TracedTensor, u64, usize)>,
     /// Arguments so far, and where each external tensor's memory is among them.
     args: Vec<KernelArg>,
     arg_of: HashMap<MemoryKey, usize>,
@@ -278,16 +344,25 @@ struct Generator {
     reads_written: HashSet<usize>,
     /// Whether the operator being generated has read such memory.
     read_written: bool,
+    /// The functions that read a group norm's normalised elements, themselves or through others:
+    /// each is computed with its own row's statistics, so it may only be read at its own element.
+    row_elements: HashSet<usize>,
+    /// Whether the operator being generated has read such a function.
+    read_row_element: bool,
 }
 
-/// A reduction over the last dimension: one block per row reduces `in_red(a, row, col, 0)` over
-/// its `width` columns, and every function reads the row's result as `red`.
+/// A reduction over the last dimension: one block per row reduces `in_red(a, row, col, NO_ROW)`
+/// over its `width` columns, and every function reads the row's result as `red.x`; a group
+/// norm's rows (its `moments`) give their mean as `red.x` and their reciprocal standard
+/// deviation as `red.y`.
 #[derive(Clone, Debug)]
 struct RowReduction {
     rows: u64,
     width: u64,
-    /// `sum`, `mean` (a sum divided by the width) or `amax`.
+    /// `sum`, `mean` (a sum divided by the width), `amax` or `moments`.
     op: &'static str,
+    /// The `moments`' epsilon, added to the variance.
+    eps: f64,
 }
 
 impl Generator {
@@ -437,15 +512,21 @@ impl Generator {
         if std::mem::take(&mut self.read_written) {
             self.reads_written.insert(index);
         }
+        if std::mem::take(&mut self.read_row_element) {
+            self.row_elements.insert(index);
+        }
         writeln!(
             self.functions,
-            "// {}\n__device__ __forceinline__ float v{index}(const Args& a, idx_t p, float red) {{\n{body}}}\n",
+            "// {}\n__device__ __forceinline__ float v{index}(const Args& a, idx_t p, float2 red) {{\n{body}}}\n",
             op.schema
         )
         .unwrap();
         self.note_extent(out);
+        let position = (op.outputs.iter())
+            .position(|v| matches!(v, TracedValue::Tensor(t) if t.key() == out.key()))
+            .unwrap_or(0);
         self.results
-            .insert(out.key(), (index, out.clone(), self.call));
+            .insert(out.key(), (index, out.clone(), self.call, position));
         self.producers.insert(out.storage, (index, out.clone()));
         write!(self.signature, "{};", op.schema).unwrap();
     }
@@ -494,21 +575,112 @@ impl Generator {
         writeln!(body, "  return {value};").unwrap();
         write!(
             self.functions,
-            "// the input of {}\n__device__ __forceinline__ float in_red(const Args& a, idx_t row, idx_t col, float red) {{\n{body}}}\n\n",
+            "// the input of {}\n__device__ __forceinline__ float in_red(const Args& a, idx_t row, idx_t col, float2 red) {{\n{body}}}\n\n",
             op.schema
         )
         .unwrap();
         self.define(
             op,
             &out,
-            &format!("  return round_to<{}>(red);\n", c_type(out_kind)),
+            &format!("  return round_to<{}>(red.x);\n", c_type(out_kind)),
         );
         self.reduction = Some(RowReduction {
             rows,
             width,
             op: kind,
+            eps: 0.0,
         });
         Ok(())
+    }
+
+    /// A group norm ([`GroupNormRows`]): its input read at row `n * groups + g`, column `col`
+    /// (the row's channels one after the other, each channel's elements in order), and three
+    /// functions: the normalised element, scaled and shifted by its channel's weight and bias as
+    /// ATen does (`x * (rstd * w) + (b - mean * rstd * w)`), and the row's mean and reciprocal
+    /// standard deviation.
+    fn group_norm(&mut self, op: &TracedOp) -> Result<(), String> {
+        let shape = normalizes_groups(op).ok_or("a group norm of a shape not generated")?;
+        if self.reduction.is_some() {
+            return Err("a second reduction in one group".into());
+        }
+        let (
+            Some(TracedValue::Tensor(input)),
+            [TracedValue::Tensor(out), TracedValue::Tensor(mean), TracedValue::Tensor(rstd)],
+        ) = (op.inputs.first(), op.outputs.as_slice())
+        else {
+            return Err("native_group_norm without its input and three results".into());
+        };
+        let rank = input.shape.len();
+        let mut body = String::new();
+        writeln!(body, "  const idx_t p = row * {} + col;", shape.width).unwrap();
+        body.push_str(&coordinates_of(&row_major(input)));
+        self.position = 0;
+        let value = self.read(input, &row_major(input))?;
+        writeln!(body, "  return {value};").unwrap();
+        write!(
+            self.functions,
+            "// the input of {}\n__device__ __forceinline__ float in_red(const Args& a, idx_t row, idx_t col, float2 red) {{\n{body}}}\n\n",
+            op.schema
+        )
+        .unwrap();
+        let mut body = coordinates_of(out);
+        let x = self.read(input, out)?;
+        let weight = self.read_channel(op, 1, "1.f", rank)?;
+        let bias = self.read_channel(op, 2, "0.f", rank)?;
+        let out_kind = kind_of(&out.dtype).unwrap_or(Kind::Float);
+        writeln!(body, "  const float scale = red.y * {weight};").unwrap();
+        writeln!(
+            body,
+            "  return round_to<{}>({x} * scale + ({bias} - red.x * scale));",
+            c_type(out_kind)
+        )
+        .unwrap();
+        self.read_row_element = true;
+        self.define(op, out, &body);
+        // A row's statistics too are its own block's only.
+        for (statistic, t) in [("red.x", mean), ("red.y", rstd)] {
+            let kind = kind_of(&t.dtype).unwrap_or(Kind::Float);
+            let body = format!("  return round_to<{}>({statistic});\n", c_type(kind));
+            self.read_row_element = true;
+            self.define(op, t, &body);
+        }
+        self.reduction = Some(RowReduction {
+            rows: shape.rows,
+            width: shape.width,
+            op: "moments",
+            eps: shape.eps,
+        });
+        Ok(())
+    }
+
+    /// A group norm's per-channel argument `position` (its weight or bias) at the channel of the
+    /// element being computed (`c[1]`), or `absent` where the call has none.
+    fn read_channel(
+        &mut self,
+        op: &TracedOp,
+        position: usize,
+        absent: &str,
+        rank: usize,
+    ) -> Result<String, String> {
+        // An undefined tensor (none given) is traced as one of no element type.
+        let t = match op.inputs.get(position) {
+            Some(TracedValue::Tensor(t)) if t.item_bytes > 0 => t,
+            _ => return Ok(absent.into()),
+        };
+        if rank < 2 || t.shape.len() != 1 {
+            return Err("a group norm's weight or bias of other than one dimension".into());
+        }
+        if self.inside.contains(&(self.call, t.storage)) {
+            return Err("a group norm's weight or bias computed in the group".into());
+        }
+        let kind = kind_of(&t.dtype).ok_or_else(|| format!("a weight of type {}", t.dtype))?;
+        if kind == Kind::Bool {
+            return Err("a weight of type bool".into());
+        }
+        self.position = position;
+        self.note_extent(t);
+        let i = self.argument(t, KernelArg::Input(t.clone()));
+        Ok(format!("to_float_any(a.in{i}[c[1] * {}])", t.strides[0]))
     }
 
     /// The expression of `t`'s element at the coordinates `c` of a result shaped `out`.
@@ -545,6 +717,12 @@ impl Generator {
                     return Err(IN_PLACE_ELSEWHERE.into());
                 }
                 self.read_written = true;
+            }
+            if self.row_elements.contains(&index) {
+                if !own_element || t.offset != 0 {
+                    return Err(ROW_ELEMENT_ELSEWHERE.into());
+                }
+                self.read_row_element = true;
             }
             return Ok(format!("v{index}(a, {} + {offset}, red)", t.offset));
         }
@@ -725,16 +903,19 @@ impl Generator {
         let mut seen = HashSet::new();
         // A result rewritten in place is one result: its last value.
         for key in results.iter().filter(|&&key| seen.insert(key)) {
-            let Some((index, out, call)) = self.results.get(key).cloned() else {
+            let Some((index, out, call, position)) = self.results.get(key).cloned() else {
                 return Err("a result the group does not compute".into());
             };
             let per_row = match &self.reduction {
                 Some(r) if out.numel == r.rows && out.numel != r.rows * r.width => true,
                 // The rows' elements in another shape (a view of them): element p is still
-                // column p % width of row p / width when the result is contiguous.
+                // column p % width of row p / width when the result is contiguous. A group
+                // norm's rows span several dimensions; its reads keep to their own rows
+                // (`row_elements`).
                 Some(r)
                     if out.numel == r.rows * r.width
-                        && out.shape.last().map(|&w| w as u64) == Some(r.width) =>
+                        && (r.op == "moments"
+                            || out.shape.last().map(|&w| w as u64) == Some(r.width)) =>
                 {
                     false
                 }
@@ -752,7 +933,7 @@ impl Generator {
             self.sources.push(ArgSource {
                 call,
                 output: true,
-                position: 0,
+                position,
                 element: None,
             });
             stored.push(StoredResult {
@@ -818,7 +999,7 @@ fn pointwise_loop(stored: &[StoredResult], vectorised: bool, groups: &[usize]) -
     };
     if vectorised {
         return format!(
-            "  const float red = 0.f;
+            "  const float2 red = NO_ROW;
   for (idx_t q = blockIdx.x * (idx_t)blockDim.x + threadIdx.x; q < (idx_t)(n / {UNROLL}); q += (idx_t)gridDim.x * blockDim.x) {{
 {declare}{}{values}    }}
 {stores}  }}
@@ -828,7 +1009,7 @@ fn pointwise_loop(stored: &[StoredResult], vectorised: bool, groups: &[usize]) -
     }
     let each = each("tile + k * (idx_t)blockDim.x");
     format!(
-        "  const float red = 0.f;
+        "  const float2 red = NO_ROW;
   for (idx_t tile = blockIdx.x * (idx_t)blockDim.x * {UNROLL} + threadIdx.x; tile < (idx_t)n; tile += (idx_t)gridDim.x * blockDim.x * {UNROLL}) {{
 {declare}{each}{values}    }}
 {each}{stores}    }}
@@ -866,6 +1047,19 @@ template <typename T> __device__ __forceinline__ float group_element(const T*, u
   return to_float_any(*reinterpret_cast<const T*>(&bits));
 }
 template <> __device__ __forceinline__ bool store_as<bool>(float v) { return v != 0.f; }
+// A row reduction's results as every function reads them (`red`): the reduction's value, or a
+// group norm's mean and reciprocal standard deviation; none outside a row kernel.
+#define NO_ROW make_float2(0.f, 0.f)
+// The sum of every thread's `v` over the block, handed to every thread; `partial` holds 32 floats
+// of shared scratch, free again once it returns.
+__device__ __forceinline__ float block_sum(float v, float* partial) {
+  v = warp_sum(v);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = (threadIdx.x & 31) < (blockDim.x + 31) / 32 ? partial[threadIdx.x & 31] : 0.f;
+  return warp_sum(v);
+}
 template <typename T> __device__ __forceinline__ float round_to(float v) { return to_float(store_as<T>(v)); }
 template <> __device__ __forceinline__ float round_to<bool>(float v) { return v != 0.f ? 1.f : 0.f; }
 __device__ __forceinline__ float sigmoid_of(float x) { return 1.f / (1.f + expf(-x)); }
@@ -1010,12 +1204,15 @@ fn row_loop(
         "partial[0]".to_string()
     };
     let columns = column_loop(r.width, vectorised, groups);
-    let read = if vectorised {
-        format!("#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n        const float v = in_red(a, row, col + k, 0.f);\n        acc = {combine};\n      }}\n")
-    } else {
-        format!("      const float v = in_red(a, row, col, 0.f);\n      acc = {combine};\n")
-    };
     let (whole, per_row) = row_stores(stored, r.width, vectorised);
+    if r.op == "moments" {
+        return moments_loop(r, &columns, vectorised, &whole, &per_row);
+    }
+    let read = if vectorised {
+        format!("#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n        const float v = in_red(a, row, col + k, NO_ROW);\n        acc = {combine};\n      }}\n")
+    } else {
+        format!("      const float v = in_red(a, row, col, NO_ROW);\n      acc = {combine};\n")
+    };
     format!(
         "  __shared__ float partial[32];
   for (idx_t row = blockIdx.x; row < (idx_t)n; row += gridDim.x) {{
@@ -1030,7 +1227,7 @@ fn row_loop(
       if (threadIdx.x == 0) partial[0] = acc;
     }}
     __syncthreads();
-    const float red = {finish};
+    const float2 red = make_float2({finish}, 0.f);
     {columns}{whole}    }}
     if (threadIdx.x == 0) {{
       const idx_t p = row;
@@ -1038,6 +1235,46 @@ fn row_loop(
     __syncthreads();
   }}
 "
+    )
+}
+
+/// The body of a group norm's kernel: a block per row sums the row for its mean, then the squares
+/// of its elements less the mean for its variance (two passes: a row's second read comes from the
+/// cache, and the variance is as exact as ATen's Welford one), then writes the results.
+fn moments_loop(
+    r: &RowReduction,
+    columns: &str,
+    vectorised: bool,
+    whole: &str,
+    per_row: &str,
+) -> String {
+    let width = r.width;
+    let read = |value: &str| {
+        if vectorised {
+            format!("#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n        const float v = in_red(a, row, col + k, NO_ROW);\n        acc += {value};\n      }}\n")
+        } else {
+            format!("      const float v = in_red(a, row, col, NO_ROW);\n      acc += {value};\n")
+        }
+    };
+    let (sum, squares) = (read("v"), read("(v - mean) * (v - mean)"));
+    format!(
+        "  __shared__ float partial[32];
+  for (idx_t row = blockIdx.x; row < (idx_t)n; row += gridDim.x) {{
+    float acc = 0.f;
+    {columns}{sum}    }}
+    const float mean = block_sum(acc, partial) / {width}.f;
+    acc = 0.f;
+    {columns}{squares}    }}
+    const float variance = block_sum(acc, partial) / {width}.f;
+    const float2 red = make_float2(mean, rsqrtf(fmaxf(variance, 0.f) + {eps:?}f));
+    {columns}{whole}    }}
+    if (threadIdx.x == 0) {{
+      const idx_t p = row;
+{per_row}    }}
+    __syncthreads();
+  }}
+",
+        eps = r.eps as f32,
     )
 }
 

@@ -141,8 +141,9 @@ fn admit(group: &mut Group, node: &Node, kind: OpKind) -> bool {
     match kind {
         OpKind::View => true,
         OpKind::Reduction => {
+            // A group norm's rows: its statistics, not its normalised input's copy.
             group.space = input;
-            group.reduced = output;
+            group.reduced = node.op.output_tensors().map(|t| t.numel).min();
             input.is_some()
         }
         _ => {
@@ -208,7 +209,8 @@ pub(super) fn read_outside(nodes: &[Node], group_of: &[Option<usize>]) -> Vec<Op
 
 /// The keys of a group's results: of its members (views aside) that a call outside the group
 /// reads, directly or through views of them, or whose results nothing reads, and of those that
-/// rewrite in place memory from outside the group (which outlives it, whoever reads it).
+/// rewrite in place memory from outside the group that the step did not make (a gradient, which
+/// outlives the step, whoever reads it).
 pub(super) fn results(
     nodes: &[Node],
     members: &[usize],
@@ -224,9 +226,21 @@ pub(super) fn results(
                 .iter()
                 .any(|&(p, storage)| Some(storage) == target && inside.contains(&p))
     };
+    // Memory the step made before (a convolution's output, its bias then added in place) whose
+    // new values only members read needs no writing: they live in the kernel, as a result of
+    // any other member does.
+    let made_in_the_step = |m: usize| {
+        let Some(target) = nodes[m].op.input_tensors().next().map(|t| t.storage) else {
+            return false;
+        };
+        nodes[..m].iter().any(|n| {
+            n.op.output_tensors().any(|t| t.storage == target)
+                && !n.op.input_tensors().any(|t| t.storage == target)
+        })
+    };
     let mut wanted: Vec<usize> = Vec::new();
     for &m in members {
-        if read_after[m] == Some(false) && !rewrites_outside_memory(m) {
+        if read_after[m] == Some(false) && (!rewrites_outside_memory(m) || made_in_the_step(m)) {
             continue;
         }
         // Through views, to the member that computed the memory.
