@@ -493,8 +493,9 @@ fn fused_group_norms_give_atens_values_and_gradients_in_fp32_bf16_and_fp16() {
     };
     for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
         // Rows of three channels of 5 × 7 (a kernel reading one element at a time), and of two
-        // of 6 × 6 (one reading four).
-        for (shape, groups) in [([3, 12, 5, 7], 4), ([2, 8, 6, 6], 4)] {
+        // of 6 × 6 (one reading four); the last large enough that the backward recomputes the
+        // normalised elements from the statistics instead of the forward saving them.
+        for (shape, groups) in [([3, 12, 5, 7], 4), ([2, 8, 6, 6], 4), ([3, 24, 61, 67], 8)] {
             let norm = GroupNormStep::new(device, kind, shape, groups);
             let _ = norm.step();
             let (expected, fused) = FusedStep::prepare(device, || norm.step()).unwrap();
@@ -504,6 +505,14 @@ fn fused_group_norms_give_atens_values_and_gradients_in_fp32_bf16_and_fp16() {
             assert!(
                 (fused.substituted().iter())
                     .any(|g| g.operators.iter().any(|o| o == "aten::native_group_norm")),
+                "{kind:?} {shape:?}: {}",
+                fused.summary()
+            );
+            let recomputed =
+                (fused.recomputed().iter()).any(|r| r.operator == "aten::native_group_norm");
+            assert_eq!(
+                recomputed,
+                shape[3] == 67,
                 "{kind:?} {shape:?}: {}",
                 fused.summary()
             );

@@ -433,6 +433,28 @@ fn a_group_norm_read_at_another_rows_element_is_not_generated() {
 }
 
 #[test]
+fn a_group_norms_normalised_elements_are_recomputed_in_the_backward_from_its_statistics() {
+    let _serial = common::serial();
+    // 4 MiB of fp32 normalised elements, which SiLU's backward reads.
+    let x = Tensor::randn([4, 32, 64, 128], (Kind::BFloat16, CPU)).set_requires_grad(true);
+    let w = Tensor::ones([32], (Kind::Float, CPU)).set_requires_grad(true);
+    let b = Tensor::zeros([32], (Kind::Float, CPU)).set_requires_grad(true);
+    let (_, trace) = StepTrace::record(|| {
+        let y = group_norm_silu(&x, &w, &b).to_kind(Kind::Float);
+        (&y * &y).mean(Kind::Float).backward();
+    })
+    .unwrap();
+    let plan = FusionPlan::generatable(&trace);
+    let recomputed: Vec<String> = (plan.groups().iter())
+        .flat_map(|g| g.recomputed.clone())
+        .collect();
+    assert!(
+        recomputed.iter().any(|r| r == "aten::native_group_norm"),
+        "{recomputed:?}\n{plan}"
+    );
+}
+
+#[test]
 fn an_in_place_accumulation_joins_its_chain_and_writes_the_memory_it_rewrites() {
     let _serial = common::serial();
     let x = Tensor::randn([16, 32], (Kind::Float, CPU));

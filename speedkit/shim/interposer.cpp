@@ -80,7 +80,9 @@ struct ProgramCall {
   int64_t span;
   std::vector<OutputLayout> outputs;    // of a computed call, in result order
   std::vector<CapturedInput> captured_inputs;  // the inputs a kernel takes
-  std::vector<int32_t> captured_outputs; // the outputs a kernel writes
+  // (group, output): the outputs its own group's kernel writes, and those another group's kernel
+  // reads (a group norm's statistics, which its normalised elements are recomputed from).
+  std::vector<std::pair<int64_t, int32_t>> captured_outputs;
   // A computed call whose first result is deferred: group `deferred_by`'s kernel writes it at its
   // first read, from the inputs captured for that group (-1: none).
   int64_t deferred_by = -1;
@@ -413,11 +415,19 @@ void substitute(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet k
   }
   const ProgramCall& call = calls[static_cast<size_t>(index)];
   const size_t arguments = op.schema().arguments().size();
+  // A computed call's own in-place write, which autograd counts once this call returns, is its
+  // kernel's: the value a recomputation reads there is the argument as it came.
+  const auto own_write = [&](int32_t i) {
+    if (!call.computed) return 0;
+    for (size_t k = 0; k < op.schema().returns().size(); ++k)
+      if (rewritten_argument(op.schema(), k) == i) return 1;
+    return 0;
+  };
   for (const auto& [g, i, element] : call.captured_inputs) {
     const c10::IValue& v = (*stack)[stack->size() - arguments + static_cast<size_t>(i)];
     if (element < 0 && v.isTensor()) {
       s.slots[{g, index, false, i, element}] = v.toTensor();
-      s.versions[{g, index, false, i, element}] = v.toTensor()._version();
+      s.versions[{g, index, false, i, element}] = v.toTensor()._version() + own_write(i);
     } else if (element >= 0 && v.isTensorList() && static_cast<size_t>(element) < v.toTensorList().size()) {
       s.slots[{g, index, false, i, element}] = v.toTensorList().get(static_cast<size_t>(element));
       s.versions[{g, index, false, i, element}] = v.toTensorList().get(static_cast<size_t>(element))._version();
@@ -444,19 +454,25 @@ void substitute(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet k
     }
     torch::jit::drop(*stack, arguments);
     const bool launched = s.launched[static_cast<size_t>(call.group)];
-    for (int32_t k = 0; k < static_cast<int32_t>(call.outputs.size()); ++k) {
+    std::vector<at::Tensor> outs(call.outputs.size());
+    // The last first: a deferred first result holds those of the others its kernel reads.
+    for (int32_t k = static_cast<int32_t>(call.outputs.size()) - 1; k >= 0; --k) {
       const bool in_place = rewritten[static_cast<size_t>(k)].defined();
       if (in_place && launched && s.failure.empty())
         s.failure = "call " + std::to_string(index) + " (" + name + ") rewrites its argument after its kernel ran";
       at::Tensor out = in_place ? rewritten[static_cast<size_t>(k)] : result_of(s, index, call, k);
-      if (launched) {
-        s.slots.erase({call.group, index, true, k, -1});
-      } else if (std::find(call.captured_outputs.begin(), call.captured_outputs.end(), k) !=
-                 call.captured_outputs.end()) {
-        s.handed.insert_or_assign({call.group, index, true, k, -1}, HandedResult(out));
+      if (launched) s.slots.erase({call.group, index, true, k, -1});
+      for (const auto& [g, output] : call.captured_outputs) {
+        if (output != k) continue;
+        if (g != call.group) {
+          s.slots[{g, index, true, k, -1}] = out;
+        } else if (!launched) {
+          s.handed.insert_or_assign({call.group, index, true, k, -1}, HandedResult(out));
+        }
       }
-      stack->emplace_back(std::move(out));
+      outs[static_cast<size_t>(k)] = std::move(out);
     }
+    for (at::Tensor& out : outs) stack->emplace_back(std::move(out));
     // The calls ATen's kernel would have made itself are not made.
     s.next = index + call.span;
   }
@@ -618,7 +634,7 @@ int sk_interposer_program_add_arg(void* program, int64_t group, int64_t call, in
     if (output == 0) {
       c.captured_inputs.push_back({group, index, element});
     } else {
-      c.captured_outputs.push_back(index);
+      c.captured_outputs.emplace_back(group, index);
     }
   })
 }

@@ -253,11 +253,43 @@ pub(crate) fn generate(
     results: &[(u64, u64)],
     inside: &HashSet<(u64, u64)>,
 ) -> Result<GeneratedKernel, String> {
-    let mut g = Generator {
-        inside: inside.clone(),
-        coords: "c".into(),
-        ..Generator::default()
-    };
+    generate_with(
+        Generator {
+            inside: inside.clone(),
+            coords: "c".into(),
+            ..Generator::default()
+        },
+        ops,
+        results,
+    )
+}
+
+/// As [`generate`], for a result recomputed in the backward: a group norm among `ops` reads its
+/// rows' statistics from its own stored results (the means and reciprocal standard deviations
+/// the backward keeps), so that its normalised elements are pointwise.
+pub(crate) fn generate_recomputed(
+    ops: &[&TracedOp],
+    results: &[(u64, u64)],
+    inside: &HashSet<(u64, u64)>,
+) -> Result<GeneratedKernel, String> {
+    generate_with(
+        Generator {
+            inside: inside.clone(),
+            coords: "c".into(),
+            stored_statistics: true,
+            ..Generator::default()
+        },
+        ops,
+        results,
+    )
+}
+
+fn generate_with(
+    mut g: Generator,
+    ops: &[&TracedOp],
+    results: &[(u64, u64)],
+) -> Result<GeneratedKernel, String> {
+    let inside = g.inside.clone();
     // Memory an in-place operator rewrites that the kernel does not store is only read.
     for op in ops.iter().filter(|op| writes_in_place(op)) {
         if let Some(TracedValue::Tensor(target)) = op.inputs.first() {
@@ -349,6 +381,9 @@ struct Generator {
     row_elements: HashSet<usize>,
     /// Whether the operator being generated has read such a function.
     read_row_element: bool,
+    /// Whether group norms read their statistics from their stored results
+    /// ([`generate_recomputed`]) instead of reducing their rows.
+    stored_statistics: bool,
 }
 
 /// A reduction over the last dimension: one block per row reduces `in_red(a, row, col, NO_ROW)`
@@ -600,6 +635,9 @@ impl Generator {
     /// standard deviation.
     fn group_norm(&mut self, op: &TracedOp) -> Result<(), String> {
         let shape = normalizes_groups(op).ok_or("a group norm of a shape not generated")?;
+        if self.stored_statistics {
+            return self.group_norm_from_statistics(op, shape.width);
+        }
         if self.reduction.is_some() {
             return Err("a second reduction in one group".into());
         }
@@ -651,6 +689,51 @@ impl Generator {
             eps: shape.eps,
         });
         Ok(())
+    }
+
+    /// A group norm's normalised elements from its stored statistics (results 1 and 2, one per
+    /// row of `width` elements): a pointwise function, computed as the reduction's is.
+    fn group_norm_from_statistics(&mut self, op: &TracedOp, width: u64) -> Result<(), String> {
+        let (
+            Some(TracedValue::Tensor(input)),
+            [TracedValue::Tensor(out), TracedValue::Tensor(mean), TracedValue::Tensor(rstd)],
+        ) = (op.inputs.first(), op.outputs.as_slice())
+        else {
+            return Err("native_group_norm without its input and three results".into());
+        };
+        let mut body = coordinates_of(out);
+        self.position = 0;
+        let x = self.read(input, out)?;
+        let weight = self.read_channel(op, 1, "1.f", input.shape.len())?;
+        let bias = self.read_channel(op, 2, "0.f", input.shape.len())?;
+        let [mean, rstd] = [(mean, 1), (rstd, 2)].map(|(t, position)| {
+            let i = self.result_argument(t, position);
+            format!("to_float_any(a.in{i}[p / {width}])")
+        });
+        let out_kind = kind_of(&out.dtype).unwrap_or(Kind::Float);
+        writeln!(body, "  const float scale = {rstd} * {weight};").unwrap();
+        writeln!(
+            body,
+            "  return round_to<{}>({x} * scale + ({bias} - {mean} * scale));",
+            c_type(out_kind)
+        )
+        .unwrap();
+        self.define(op, out, &body);
+        Ok(())
+    }
+
+    /// The index of the argument reading result `position` of the call being generated (a
+    /// statistic it stored), added on its first read.
+    fn result_argument(&mut self, t: &TracedTensor, position: usize) -> usize {
+        self.note_extent(t);
+        let i = self.argument(t, KernelArg::Input(t.clone()));
+        self.sources[i] = ArgSource {
+            call: self.call,
+            output: true,
+            position,
+            element: None,
+        };
+        i
     }
 
     /// A group norm's per-channel argument `position` (its weight or bias) at the channel of the

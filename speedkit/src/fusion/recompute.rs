@@ -41,11 +41,14 @@ pub(super) struct Deferral {
 }
 
 impl Deferral {
-    /// Whether its calls are pointwise (and views): a kernel reading the result may compute it at
-    /// each element it reads instead.
+    /// Whether its calls are pointwise (and views; a group norm's normalised elements, from its
+    /// stored statistics, are): a kernel reading the result may compute it at each element it
+    /// reads instead.
     fn pointwise(&self) -> bool {
-        (self.calls.iter())
-            .all(|op| matches!(OpKind::of(&op.name), Some(OpKind::Pointwise | OpKind::View)))
+        self.calls.iter().all(|op| {
+            matches!(OpKind::of(&op.name), Some(OpKind::Pointwise | OpKind::View))
+                || op.name == "aten::native_group_norm"
+        })
     }
 }
 
@@ -77,7 +80,11 @@ pub(super) fn inlined_kernel(
         let &j = node_of.get(&op.id)?;
         for &(p, storage) in &nodes[j].reads {
             let from = origin(nodes, p);
-            let Some(d) = (deferred.iter()).find(|d| d.node == from && d.pointwise()) else {
+            // The deferred result itself, not another result of its call (a group norm's
+            // statistics).
+            let Some(d) = (deferred.iter())
+                .find(|d| d.node == from && d.result.1 == storage && d.pointwise())
+            else {
                 continue;
             };
             // Memory written in place since holds other values than the result's.
@@ -102,7 +109,7 @@ pub(super) fn inlined_kernel(
     chains.dedup_by_key(|op| op.id);
     inside.extend(used.iter().flat_map(|d| d.inside.iter().copied()));
     let calls: Vec<&TracedOp> = chains.iter().chain(&group.calls).collect();
-    let kernel = codegen::generate(&calls, &group.results, &inside).ok()?;
+    let kernel = codegen::generate_recomputed(&calls, &group.results, &inside).ok()?;
     Some(Inlined {
         kernel,
         calls: chains,
@@ -151,7 +158,7 @@ pub(super) fn deferrals(
     let candidates: Vec<((u64, u64), usize)> = results
         .iter()
         .filter_map(|&key| Some((key, computing(key)?)))
-        .filter(|&(_, m)| worth_recomputing(nodes, &inside, m))
+        .filter(|&(key, m)| worth_recomputing(nodes, &inside, m, key))
         .collect();
     let deferred: HashSet<usize> = candidates.iter().map(|&(_, m)| m).collect();
     let stored: HashSet<usize> = results
@@ -166,17 +173,15 @@ pub(super) fn deferrals(
         .into_iter()
         .filter_map(|(result, m)| {
             let chain = chain_of(nodes, &inside, &stored, m);
-            // A group norm's rows are a block's each, whose statistics a backward kernel reading
-            // one element at a time cannot compute where it reads them.
-            if chain
-                .iter()
-                .any(|&c| nodes[c].op.name == "aten::native_group_norm")
-            {
+            // A group norm is recomputed from the statistics it stored, its own; another's
+            // statistics would have to be computed again, a block per row.
+            if (chain.iter()).any(|&c| c != m && nodes[c].op.name == "aten::native_group_norm") {
                 return None;
             }
             let calls: Vec<&TracedOp> = chain.iter().map(|&c| nodes[c].op).collect();
             let reads = grouping::inside_reads(nodes, &chain);
-            let kernel = codegen::generate(&calls, &[result], &reads).ok()?;
+            let kernel = codegen::generate_recomputed(&calls, &[result], &reads).ok()?;
+            let out = nodes[m].op.output_tensors().find(|t| t.key() == result)?;
             Some(Deferral {
                 result,
                 member: nodes[m].op.clone(),
@@ -184,7 +189,7 @@ pub(super) fn deferrals(
                 kernel,
                 inside: reads,
                 node: m,
-                bytes: bytes(nodes[m].op.output_tensors().next()?),
+                bytes: bytes(out),
             })
         })
         .collect();
@@ -195,12 +200,16 @@ pub(super) fn deferrals(
     planned
 }
 
-/// Whether member `m`'s one result is contiguous, large enough, and read only by backward calls
-/// (at least one) outside the group.
-fn worth_recomputing(nodes: &[Node], inside: &HashSet<usize>, m: usize) -> bool {
+/// Whether member `m`'s result `key` (its one result, or a group norm's normalised elements,
+/// recomputed from the statistics it keeps) is contiguous, large enough, and read only by
+/// backward calls (at least one) outside the group, as are `m`'s other results.
+fn worth_recomputing(nodes: &[Node], inside: &HashSet<usize>, m: usize, key: (u64, u64)) -> bool {
     let op = nodes[m].op;
-    let [out] = op.output_tensors().collect::<Vec<_>>()[..] else {
-        return false;
+    let outputs: Vec<&TracedTensor> = op.output_tensors().collect();
+    let out = match outputs[..] {
+        [out] => out,
+        [out, ..] if op.name == "aten::native_group_norm" && out.key() == key => out,
+        _ => return false,
     };
     !codegen::writes_in_place(op)
         && contiguous(out)

@@ -56,8 +56,9 @@ pub struct RecomputedResult {
 struct Recompute {
     /// The recorded call whose first result it writes.
     call: usize,
-    /// (recorded call, argument position, element of a list) per input of its kernel.
-    inputs: Vec<(usize, usize, Option<usize>)>,
+    /// (recorded call, whether a result of it, position, element of a list) per input of its
+    /// kernel: a call's argument, or a result it stored (a group norm's statistics).
+    inputs: Vec<(usize, bool, usize, Option<usize>)>,
 }
 
 /// A group whose generated kernel runs in place of its ATen kernels.
@@ -493,12 +494,13 @@ fn place(
     let mut args = Vec::with_capacity(generated.args.len());
     let mut last_input = 0;
     for source in &generated.sources {
-        // An input of a forward call whose result the kernel computes again: seen long before.
+        // An input (or a stored statistic) of a forward call whose result the kernel computes
+        // again: seen long before.
         if let Some(op) = inlined.get(&source.call) {
             let call = (recorded.get(&op.rf_id))
                 .filter(|_| op.rf_id != 0)
                 .ok_or_else(|| format!("{} is not seen below autograd", op.name))?;
-            args.push((*call, false, source.position, source.element));
+            args.push((*call, source.output, source.position, source.element));
             continue;
         }
         let member = *member_of
@@ -645,11 +647,14 @@ fn recompute_inputs(
     };
     let by_id: HashMap<u64, &TracedOp> = deferral.calls.iter().map(|op| (op.id, op)).collect();
     let mut inputs = Vec::new();
-    for source in deferral.kernel.sources.iter().filter(|s| !s.output) {
+    let reads = (deferral.kernel.args.iter())
+        .zip(&deferral.kernel.sources)
+        .filter(|(arg, _)| !matches!(arg, KernelArg::Output(_)));
+    for (_, source) in reads {
         let op = by_id
             .get(&source.call)
             .ok_or("an argument of its kernel no member takes")?;
-        inputs.push((call_of(op)?, source.position, source.element));
+        inputs.push((call_of(op)?, source.output, source.position, source.element));
     }
     Ok(Recompute {
         call: call_of(&deferral.member)?,
@@ -695,8 +700,8 @@ fn program(
     }
     for (r, recompute) in recomputes.iter().enumerate() {
         let g = placements.len() + r;
-        for &(call, index, element) in &recompute.inputs {
-            program.add_arg(g, call, false, index, element)?;
+        for &(call, output, index, element) in &recompute.inputs {
+            program.add_arg(g, call, output, index, element)?;
         }
         program.defer(recompute.call, g)?;
     }
