@@ -2,7 +2,9 @@
 //! results, each operator an inlined device function of the element's storage index, each
 //! operator's inputs found by index arithmetic through the views between them (so a `view`, a
 //! `permute` or an `expand` costs no copy). Every operator computes in fp32 and rounds its result to
-//! its own type, as ATen's kernels do, so the fused kernel gives ATen's values. An in-place
+//! its own type, as ATen's kernels do, so the fused kernel gives ATen's values. A group with a
+//! reduction runs a block per row (of the last dimension, or a group norm's channels of a
+//! sample), its results computed with the row's statistics. An in-place
 //! operator (autograd's `add_` of a gradient's parts) writes its result into its argument's
 //! memory, which every thread then reads at its own element only.
 
@@ -121,8 +123,8 @@ fn c_type(kind: Kind) -> &'static str {
 }
 
 /// Whether the generator takes `op` (its kind, and for a reduction its dimension): views, pointwise
-/// operators that write a new tensor of a type it stores, and `sum`, `mean` or `amax` over the
-/// last dimension.
+/// operators that write a new tensor of a type it stores, `sum`, `mean` or `amax` over the last
+/// dimension, and group norms ([`GroupNormRows`]).
 pub(crate) fn takes(op: &TracedOp) -> bool {
     let stores = |op: &TracedOp| match op.outputs.as_slice() {
         [TracedValue::Tensor(t)] => kind_of(&t.dtype).is_some(),

@@ -37,8 +37,9 @@ pub struct FusedStep {
     plan: FusionPlan,
 }
 
-/// A forward group's result that the backward recomputes instead of the forward saving it
-/// ([`recompute`](super::recompute)'s rules).
+/// A forward group's result that the backward recomputes instead of the forward saving it: one
+/// that only backward calls read, contiguous, of at least 1 MiB, in a group whose recomputed
+/// results free more memory than their kernels hold.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RecomputedResult {
     /// The operator that computes it.
