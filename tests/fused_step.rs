@@ -92,6 +92,32 @@ fn a_recording_finds_every_member_of_a_group_below_autograd() {
 }
 
 #[test]
+fn a_composite_member_is_found_below_autograd_as_the_call_it_makes() {
+    let _serial = common::serial();
+    let x = Tensor::randn([16, 32], (Kind::Float, CPU));
+    let w = Tensor::randn([32], (Kind::Float, CPU));
+    // `square` and `where` with a number are composites autograd runs as `pow` and `where` of a
+    // tensor: the interposer, below autograd, sees those.
+    let (_, fused) = FusedStep::prepare(CPU, || {
+        let rms = (x.square().mean_dim(-1, true, Kind::Float) + 1e-6).rsqrt();
+        let y = &x * rms * &w;
+        y.where_scalarother(&y.gt(0.0), 0.0)
+    })
+    .unwrap();
+    let fused = fused.unwrap();
+    let reasons: Vec<&str> = (fused.declined().iter())
+        .map(|d| d.reason.as_str())
+        .collect();
+    // On the CPU no kernel loads: each group is found, generated, and declined for that alone.
+    assert!(
+        reasons
+            .iter()
+            .all(|r| r.starts_with("its kernel does not compile")),
+        "{reasons:?}"
+    );
+}
+
+#[test]
 fn the_interposer_is_registered_only_while_a_fused_step_runs() {
     let _serial = common::serial();
     let x = Tensor::randn([16, 32], (Kind::Float, CPU));
@@ -219,12 +245,19 @@ fn fused_chains_give_atens_values_in_fp32_bf16_and_fp16() {
                 + a.pow_tensor_scalar(0.5)
                 - a.pow_tensor_scalar(-1) * a.pow_tensor_scalar(1)
         });
+        // Composites autograd runs as other operators (`square` as `pow`, `where` with a number
+        // as `where` of a tensor), which the interposer sees in their place.
+        let composites = fused_against_aten(device, || {
+            let y = (x4.square().mean_dim(-1, true, kind) + 1e-6).rsqrt() * &x4;
+            y.where_scalarother(&x4.gt(0.0), 0.5)
+        });
         let tolerance = if kind == Kind::Float { 1e-5 } else { 1e-2 };
         for (what, (gap, fused)) in [
             ("pointwise", pointwise),
             ("rms_norm", norm),
             ("vectorised", vectorised),
             ("powers", powers),
+            ("composites", composites),
         ] {
             // The powers' values reach 4, where a 16-bit result's last bit is 0.016 (bf16): a
             // square root that rounds one bit apart from ATen's moves the sum by that much.

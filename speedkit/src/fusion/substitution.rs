@@ -404,11 +404,15 @@ fn group_kernel(
     codegen::generate(&calls, &stored, &group.inside)
 }
 
-/// (outer, inner) RecordFunction handles of calls that call their own operator again and nothing
-/// else: autocast's wrapper of an operator it runs in fp32 (`pow`, `rsqrt`, `sum`, ...) on inputs
-/// already of that type. The trace's kernel-level call is the outer one; the interposer, below
-/// autocast, sees the inner one. Where autocast cast an input first, the two differ in what they
-/// take, and the outer call stays unmatched.
+/// (outer, inner) RecordFunction handles of calls the interposer sees as one of the calls they
+/// make: one that takes the same tensors at the same positions and returns the same results.
+/// Autocast's wrapper of an operator it runs in fp32 (`pow`, `rsqrt`, `sum`, ...) on inputs already
+/// of that type calls its own operator again; a composite that autograd decomposes (`square` into
+/// `pow`, `where` with a number into `where` of a tensor) calls the one that runs. The trace's
+/// kernel-level call is the outer one; the interposer, below autocast and autograd, sees the inner
+/// one. Where the two differ in what they take (autocast cast an input first; `rsub` swaps its
+/// operands), the outer call stays unmatched. Innermost first, so that a chain of such calls maps
+/// to the one that runs.
 fn redispatched(trace: &StepTrace) -> Vec<(u64, u64)> {
     let mut children: HashMap<u64, Vec<&TracedOp>> = HashMap::new();
     for op in trace.ops() {
@@ -416,16 +420,45 @@ fn redispatched(trace: &StepTrace) -> Vec<(u64, u64)> {
             children.entry(parent).or_default().push(op);
         }
     }
-    trace
-        .ops()
-        .iter()
-        .filter_map(|outer| match children.get(&outer.id).map(Vec::as_slice) {
-            Some([inner]) if inner.name == outer.name && outer.rf_id != 0 => {
-                Some((outer.rf_id, inner.rf_id))
-            }
-            _ => None,
+    let mut pairs: Vec<(u64, u64, u64)> = (trace.ops().iter())
+        .filter(|outer| outer.rf_id != 0)
+        .filter_map(|outer| {
+            let made = children.get(&outer.id)?;
+            let [inner] = (made.iter())
+                .filter(|inner| same_results(outer, inner))
+                .collect::<Vec<_>>()[..]
+            else {
+                return None;
+            };
+            takes_the_same_tensors(outer, inner).then_some((outer.id, outer.rf_id, inner.rf_id))
         })
+        .collect();
+    pairs.sort_unstable_by_key(|&(id, _, _)| std::cmp::Reverse(id));
+    pairs
+        .into_iter()
+        .map(|(_, outer, inner)| (outer, inner))
         .collect()
+}
+
+/// Whether `inner` returns the tensors `outer` returns (at least one), in order.
+fn same_results(outer: &TracedOp, inner: &TracedOp) -> bool {
+    let keys = |op: &TracedOp| op.output_tensors().map(|t| t.key()).collect::<Vec<_>>();
+    let outer_keys = keys(outer);
+    !outer_keys.is_empty() && outer_keys == keys(inner)
+}
+
+/// Whether every tensor argument of `outer` is `inner`'s at the same position (lists element by
+/// element): a kernel argument found by position in one is found in the other.
+fn takes_the_same_tensors(outer: &TracedOp, inner: &TracedOp) -> bool {
+    outer.inputs.iter().enumerate().all(|(i, value)| {
+        let theirs = value.tensors();
+        theirs.is_empty()
+            || inner.inputs.get(i).is_some_and(|v| {
+                let ours = v.tensors();
+                ours.len() == theirs.len()
+                    && ours.iter().zip(theirs).all(|(a, b)| a.key() == b.key())
+            })
+    })
 }
 
 /// The environment variable naming a directory where each generated kernel's source is written
