@@ -255,15 +255,7 @@ pub(crate) fn generate(
     results: &[(u64, u64)],
     inside: &HashSet<(u64, u64)>,
 ) -> Result<GeneratedKernel, String> {
-    generate_with(
-        Generator {
-            inside: inside.clone(),
-            coords: "c".into(),
-            ..Generator::default()
-        },
-        ops,
-        results,
-    )
+    generate_with(ops, results, inside, false)
 }
 
 /// As [`generate`], for a result recomputed in the backward: a group norm among `ops` reads its
@@ -274,24 +266,21 @@ pub(crate) fn generate_recomputed(
     results: &[(u64, u64)],
     inside: &HashSet<(u64, u64)>,
 ) -> Result<GeneratedKernel, String> {
-    generate_with(
-        Generator {
-            inside: inside.clone(),
-            coords: "c".into(),
-            stored_statistics: true,
-            ..Generator::default()
-        },
-        ops,
-        results,
-    )
+    generate_with(ops, results, inside, true)
 }
 
 fn generate_with(
-    mut g: Generator,
     ops: &[&TracedOp],
     results: &[(u64, u64)],
+    inside: &HashSet<(u64, u64)>,
+    stored_statistics: bool,
 ) -> Result<GeneratedKernel, String> {
-    let inside = g.inside.clone();
+    let mut g = Generator {
+        inside: inside.clone(),
+        coords: "c".into(),
+        stored_statistics,
+        ..Generator::default()
+    };
     // Memory an in-place operator rewrites that the kernel does not store is only read.
     for op in ops.iter().filter(|op| writes_in_place(op)) {
         if let Some(TracedValue::Tensor(target)) = op.inputs.first() {
