@@ -251,6 +251,11 @@ fn fused_chains_give_atens_values_in_fp32_bf16_and_fp16() {
             let y = (x4.square().mean_dim(-1, true, kind) + 1e-6).rsqrt() * &x4;
             y.where_scalarother(&x4.gt(0.0), 0.5)
         });
+        // A mean squared error's gradient (a 0-dim incoming gradient), scaled after.
+        let loss_grad = Tensor::from(0.75f32).to_kind(kind).to_device(device);
+        let mse_backward = fused_against_aten(device, || {
+            x.mse_loss_backward(&loss_grad, &(&x * 0.5).tanh(), tch::Reduction::Mean) * 100.0
+        });
         let tolerance = if kind == Kind::Float { 1e-5 } else { 1e-2 };
         for (what, (gap, fused)) in [
             ("pointwise", pointwise),
@@ -258,6 +263,7 @@ fn fused_chains_give_atens_values_in_fp32_bf16_and_fp16() {
             ("vectorised", vectorised),
             ("powers", powers),
             ("composites", composites),
+            ("mse_loss_backward", mse_backward),
         ] {
             // The powers' values reach 4, where a 16-bit result's last bit is 0.016 (bf16): a
             // square root that rounds one bit apart from ATen's moves the sum by that much.

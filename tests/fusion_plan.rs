@@ -324,6 +324,16 @@ fn cat_and_slice_backward_are_generated_as_index_arithmetic_that_nvrtc_compiles(
 }
 
 #[test]
+fn a_mean_squared_errors_gradient_is_generated_with_its_neighbours() {
+    let _serial = common::serial();
+    let x = Tensor::randn([5, 7, 10], (Kind::Float, CPU));
+    let grad = Tensor::from(0.5f32);
+    compiles_the_group_holding("mse_loss_backward", || {
+        x.mse_loss_backward(&grad, &x.tanh(), tch::Reduction::Mean) * 3.0
+    });
+}
+
+#[test]
 fn a_group_reducing_other_than_the_last_dimension_says_why_no_kernel_is_generated() {
     let _serial = common::serial();
     let x = Tensor::randn([16, 32], (Kind::Float, CPU));

@@ -1193,6 +1193,15 @@ fn expression(op: &TracedOp, operands: &[Operand]) -> Option<String> {
             x = v(1)?
         ),
         "sigmoid_backward" => format!("{g} * {y} * (1.f - {y})", g = v(0)?, y = v(1)?),
+        // As ATen's kernel: `norm * (input - target) * grad`, `norm` 2 / numel for a mean.
+        "mse_loss_backward" => {
+            let numel = op.inputs.get(1)?.tensors().first()?.numel.max(1);
+            let norm = match integer(op.inputs.get(3))? {
+                1 => 2.0 / numel as f64,
+                _ => 2.0,
+            } as f32;
+            format!("{norm:?}f * ({} - {}) * {}", v(1)?, v(2)?, v(0)?)
+        }
         "tanh_backward" => format!("{g} * (1.f - {y} * {y})", g = v(0)?, y = v(1)?),
         "threshold_backward" => {
             format!("({x} <= {t}) ? 0.f : {g}", g = v(0)?, x = v(1)?, t = v(2)?)
