@@ -639,7 +639,6 @@ impl Generator {
         else {
             return Err("native_group_norm without its input and three results".into());
         };
-        let rank = input.shape.len();
         let mut body = String::new();
         writeln!(body, "  const idx_t p = row * {} + col;", shape.width).unwrap();
         body.push_str(&coordinates_of(&row_major(input)));
@@ -652,18 +651,7 @@ impl Generator {
             op.schema
         )
         .unwrap();
-        let mut body = coordinates_of(out);
-        let x = self.read(input, out)?;
-        let weight = self.read_channel(op, 1, "1.f", rank)?;
-        let bias = self.read_channel(op, 2, "0.f", rank)?;
-        let out_kind = kind_of(&out.dtype).unwrap_or(Kind::Float);
-        writeln!(body, "  const float scale = red.y * {weight};").unwrap();
-        writeln!(
-            body,
-            "  return round_to<{}>({x} * scale + ({bias} - red.x * scale));",
-            c_type(out_kind)
-        )
-        .unwrap();
+        let body = self.normalised(op, input, out, |_| ["red.x".into(), "red.y".into()])?;
         self.read_row_element = true;
         self.define(op, out, &body);
         // A row's statistics too are its own block's only.
@@ -692,15 +680,32 @@ impl Generator {
         else {
             return Err("native_group_norm without its input and three results".into());
         };
+        let body = self.normalised(op, input, out, |g| {
+            [(mean, 1), (rstd, 2)].map(|(t, position)| {
+                let i = g.result_argument(t, position);
+                format!("to_float_any(a.in{i}[p / {width}])")
+            })
+        })?;
+        self.define(op, out, &body);
+        Ok(())
+    }
+
+    /// The body of a group norm's normalised element `out[p]`, scaled and shifted as ATen does,
+    /// from its row's mean and reciprocal standard deviation as `statistics` reads them (after
+    /// the input, weight and bias).
+    fn normalised(
+        &mut self,
+        op: &TracedOp,
+        input: &TracedTensor,
+        out: &TracedTensor,
+        statistics: impl FnOnce(&mut Self) -> [String; 2],
+    ) -> Result<String, String> {
         let mut body = coordinates_of(out);
         self.position = 0;
         let x = self.read(input, out)?;
-        let weight = self.read_channel(op, 1, "1.f", input.shape.len())?;
-        let bias = self.read_channel(op, 2, "0.f", input.shape.len())?;
-        let [mean, rstd] = [(mean, 1), (rstd, 2)].map(|(t, position)| {
-            let i = self.result_argument(t, position);
-            format!("to_float_any(a.in{i}[p / {width}])")
-        });
+        let weight = self.read_channel(op, 1, "1.f")?;
+        let bias = self.read_channel(op, 2, "0.f")?;
+        let [mean, rstd] = statistics(self);
         let out_kind = kind_of(&out.dtype).unwrap_or(Kind::Float);
         writeln!(body, "  const float scale = {rstd} * {weight};").unwrap();
         writeln!(
@@ -709,8 +714,7 @@ impl Generator {
             c_type(out_kind)
         )
         .unwrap();
-        self.define(op, out, &body);
-        Ok(())
+        Ok(body)
     }
 
     /// The index of the argument reading result `position` of the call being generated (a
@@ -734,14 +738,13 @@ impl Generator {
         op: &TracedOp,
         position: usize,
         absent: &str,
-        rank: usize,
     ) -> Result<String, String> {
         // An undefined tensor (none given) is traced as one of no element type.
         let t = match op.inputs.get(position) {
             Some(TracedValue::Tensor(t)) if t.item_bytes > 0 => t,
             _ => return Ok(absent.into()),
         };
-        if rank < 2 || t.shape.len() != 1 {
+        if t.shape.len() != 1 {
             return Err("a group norm's weight or bias of other than one dimension".into());
         }
         if self.inside.contains(&(self.call, t.storage)) {
