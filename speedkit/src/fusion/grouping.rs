@@ -209,8 +209,8 @@ pub(super) fn read_outside(nodes: &[Node], group_of: &[Option<usize>]) -> Vec<Op
 
 /// The keys of a group's results: of its members (views aside) that a call outside the group
 /// reads, directly or through views of them, or whose results nothing reads, and of those that
-/// rewrite in place memory from outside the group that the step did not make (a gradient, which
-/// outlives the step, whoever reads it).
+/// rewrite in place memory from outside the group that the forward did not make (a gradient,
+/// which outlives the step, whoever reads it).
 pub(super) fn results(
     nodes: &[Node],
     members: &[usize],
@@ -226,13 +226,17 @@ pub(super) fn results(
                 .iter()
                 .any(|&(p, storage)| Some(storage) == target && inside.contains(&p))
     };
-    // Memory the step made before (a convolution's output, its bias then added in place) whose
-    // new values only members read needs no writing: they live in the kernel, as a result of
-    // any other member does.
+    // Memory the forward made before (a convolution's output, its bias then added in place)
+    // whose new values only members read needs no writing: they live in the kernel, as a result
+    // of any other member does. Not in the backward, whose in-place writes accumulate gradients
+    // that outlive the step, whoever reads them.
     let made_in_the_step = |m: usize| {
         let Some(target) = nodes[m].op.input_tensors().next().map(|t| t.storage) else {
             return false;
         };
+        if nodes[m].op.backward {
+            return false;
+        }
         nodes[..m].iter().any(|n| {
             n.op.output_tensors().any(|t| t.storage == target)
                 && !n.op.input_tensors().any(|t| t.storage == target)
@@ -359,4 +363,43 @@ fn early_read(nodes: &[Node], readers: &[Vec<usize>], members: &[usize]) -> Opti
         .flat_map(|&m| readers[m].iter().copied())
         .filter(|&j| !inside.contains(&j) && j > first && j < last_input)
         .min()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fusion::testing::{backward, call, tensor};
+    use crate::trace::TracedValue;
+
+    /// The keys a group of calls 1 and 2 stores: call 0 (a library kernel) makes memory 20, call 1
+    /// adds to it in place, call 2 reads it and makes the step's result.
+    fn stored(
+        pass: fn(u64, &str, Vec<TracedValue>, Vec<TracedValue>) -> TracedOp,
+    ) -> Vec<(u64, u64)> {
+        let ops = [
+            pass(0, "aten::mm", vec![tensor(1, 10)], vec![tensor(2, 20)]),
+            pass(
+                1,
+                "aten::add_",
+                vec![tensor(2, 20), tensor(3, 30)],
+                vec![tensor(2, 20)],
+            ),
+            pass(2, "aten::exp", vec![tensor(2, 20)], vec![tensor(4, 40)]),
+        ];
+        let kernels: Vec<&TracedOp> = ops.iter().collect();
+        let nodes = data_flow(&kernels);
+        let group_of = [None, Some(0), Some(0)];
+        results(&nodes, &[1, 2], &read_outside(&nodes, &group_of))
+    }
+
+    #[test]
+    fn an_in_place_rewrite_of_memory_the_forward_made_and_only_its_group_reads_is_not_stored() {
+        assert_eq!(stored(call), [(4, 40)]);
+    }
+
+    #[test]
+    fn an_in_place_rewrite_in_the_backward_is_stored_whoever_reads_it() {
+        // Autograd accumulates a gradient there, which outlives the step.
+        assert_eq!(stored(backward), [(2, 20), (4, 40)]);
+    }
 }
