@@ -596,15 +596,7 @@ impl Generator {
             writeln!(body, "  c[{d}] = r % {size}; r /= {size};").unwrap();
         }
         writeln!(body, "  c[{}] = col;", input.shape.len() - 1).unwrap();
-        self.position = 0;
-        let value = self.read(input, &row_major(input))?;
-        writeln!(body, "  return {value};").unwrap();
-        write!(
-            self.functions,
-            "// the input of {}\n__device__ __forceinline__ float in_red(const Args& a, idx_t row, idx_t col, float2 red) {{\n{body}}}\n\n",
-            op.schema
-        )
-        .unwrap();
+        self.row_input(op, input, body)?;
         self.define(
             op,
             &out,
@@ -616,6 +608,26 @@ impl Generator {
             op: kind,
             eps: 0.0,
         });
+        Ok(())
+    }
+
+    /// `in_red`, the reduction's input at a row and a column, from `body`, which declares that
+    /// element's index `p` and coordinates `c` in the rows' space.
+    fn row_input(
+        &mut self,
+        op: &TracedOp,
+        input: &TracedTensor,
+        mut body: String,
+    ) -> Result<(), String> {
+        self.position = 0;
+        let value = self.read(input, &row_major(input))?;
+        writeln!(body, "  return {value};").unwrap();
+        write!(
+            self.functions,
+            "// the input of {}\n__device__ __forceinline__ float in_red(const Args& a, idx_t row, idx_t col, float2 red) {{\n{body}}}\n\n",
+            op.schema
+        )
+        .unwrap();
         Ok(())
     }
 
@@ -642,15 +654,7 @@ impl Generator {
         let mut body = String::new();
         writeln!(body, "  const idx_t p = row * {} + col;", shape.width).unwrap();
         body.push_str(&coordinates_of(&row_major(input)));
-        self.position = 0;
-        let value = self.read(input, &row_major(input))?;
-        writeln!(body, "  return {value};").unwrap();
-        write!(
-            self.functions,
-            "// the input of {}\n__device__ __forceinline__ float in_red(const Args& a, idx_t row, idx_t col, float2 red) {{\n{body}}}\n\n",
-            op.schema
-        )
-        .unwrap();
+        self.row_input(op, input, body)?;
         let body = self.normalised(op, input, out, |_| ["red.x".into(), "red.y".into()])?;
         self.read_row_element = true;
         self.define(op, out, &body);
