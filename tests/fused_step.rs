@@ -541,12 +541,16 @@ fn fused_group_norms_give_atens_values_and_gradients_in_fp32_bf16_and_fp16() {
             let fused = fused.unwrap();
             let aten = norm.gradients();
             let loss = fused.run(|| norm.step()).unwrap();
-            assert!(
-                (fused.substituted().iter())
-                    .any(|g| g.operators.iter().any(|o| o == "aten::native_group_norm")),
-                "{kind:?} {shape:?}: {}",
-                fused.summary()
-            );
+            for operator in [
+                "aten::native_group_norm",
+                "aten::native_group_norm_backward",
+            ] {
+                assert!(
+                    (fused.substituted().iter()).any(|g| g.operators.iter().any(|o| o == operator)),
+                    "{kind:?} {shape:?}: {operator} not generated\n{}",
+                    fused.summary()
+                );
+            }
             let recomputed =
                 (fused.recomputed().iter()).any(|r| r.operator == "aten::native_group_norm");
             assert_eq!(

@@ -465,6 +465,56 @@ fn a_group_norms_normalised_elements_are_recomputed_in_the_backward_from_its_sta
 }
 
 #[test]
+fn a_group_norms_backward_joins_silus_backward_in_one_kernel_that_nvrtc_compiles() {
+    let _serial = common::serial();
+    // Rows of three channels of 5 × 7 (one element at a time) and of two of 6 × 6 (four).
+    for (shape, groups) in [([3, 12, 5, 7], 4), ([2, 8, 6, 6], 4)] {
+        let x = Tensor::randn(shape, (Kind::BFloat16, CPU)).set_requires_grad(true);
+        let w = Tensor::randn([shape[1]], (Kind::Float, CPU)).set_requires_grad(true);
+        let b = Tensor::randn([shape[1]], (Kind::Float, CPU)).set_requires_grad(true);
+        let (_, trace) = StepTrace::record(|| {
+            let y = x
+                .to_kind(Kind::Float)
+                .group_norm(groups, Some(&w), Some(&b), 1e-5, false)
+                .silu();
+            (&y * &y).mean(Kind::Float).backward();
+        })
+        .unwrap();
+        let plan = FusionPlan::generatable(&trace);
+        let group = (plan.groups().iter())
+            .find(|g| (g.calls().iter()).any(|c| c.name == "aten::native_group_norm_backward"))
+            .unwrap_or_else(|| panic!("{plan}"));
+        let operators = names(&group.operators);
+        assert!(operators.contains(&"silu_backward"), "{plan}");
+        let kernel = group.kernel().unwrap();
+        // A block per row, its sample's group of channels.
+        assert_eq!(kernel.numel, (shape[0] * groups) as u64);
+        // The input's gradient cast back to bf16, and the weight's and bias's, which outlive the
+        // step; not the fp32 input gradient only the cast reads.
+        let outputs: Vec<(&str, u64)> = (kernel.args.iter())
+            .filter_map(|a| match a {
+                KernelArg::Output(t) => Some((t.dtype.as_str(), t.numel)),
+                _ => None,
+            })
+            .collect();
+        let elements = shape.iter().product::<i64>() as u64;
+        let channels = shape[1] as u64;
+        assert_eq!(
+            outputs,
+            [
+                ("float", channels),
+                ("float", channels),
+                ("c10::BFloat16", elements)
+            ],
+            "{plan}"
+        );
+        let bytes = speedkit::kernels::compile(module_of(&kernel).name(), HOPPER)
+            .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
+        assert!(bytes > 0);
+    }
+}
+
+#[test]
 fn an_in_place_accumulation_joins_its_chain_and_writes_the_memory_it_rewrites() {
     let _serial = common::serial();
     let x = Tensor::randn([16, 32], (Kind::Float, CPU));

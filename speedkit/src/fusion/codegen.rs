@@ -39,6 +39,9 @@ pub struct GeneratedKernel {
     pub(crate) alignment: Vec<usize>,
     /// Where each argument comes from in the step, in `args`' order.
     pub(crate) sources: Vec<ArgSource>,
+    /// Floats of zeroed scratch memory the kernel takes after its arguments (0: none): a group
+    /// norm's backward's per-sample terms of its weight and bias gradients.
+    pub(crate) workspace: u64,
 }
 
 /// Where a kernel argument's tensor is found in the step: argument (or result) `position` of the
@@ -97,6 +100,9 @@ impl GeneratedKernel {
                 }
             })
             .collect();
+        if self.workspace > 0 {
+            params.push(Param::Tensor(Kind::Float));
+        }
         params.push(Param::I64);
         params
     }
@@ -124,7 +130,7 @@ fn c_type(kind: Kind) -> &'static str {
 
 /// Whether the generator takes `op` (its kind, and for a reduction its dimension): views, pointwise
 /// operators that write a new tensor of a type it stores, `sum`, `mean` or `amax` over the last
-/// dimension, and group norms ([`GroupNormRows`]).
+/// dimension, and group norms ([`GroupNormRows`]) and their backwards ([`GroupNormGradients`]).
 pub(crate) fn takes(op: &TracedOp) -> bool {
     let stores = |op: &TracedOp| match op.outputs.as_slice() {
         [TracedValue::Tensor(t)] => kind_of(&t.dtype).is_some(),
@@ -134,7 +140,9 @@ pub(crate) fn takes(op: &TracedOp) -> bool {
         Some(OpKind::View) => true,
         Some(OpKind::Pointwise) => (!op.name.ends_with('_') || writes_in_place(op)) && stores(op),
         Some(OpKind::Reduction) => {
-            (stores(op) && reduces_last_dimension(op)) || normalizes_groups(op).is_some()
+            (stores(op) && reduces_last_dimension(op))
+                || normalizes_groups(op).is_some()
+                || group_norm_gradients(op).is_some()
         }
         Some(OpKind::Layout) => stores(op) && generates_layout(op),
         _ => false,
@@ -218,6 +226,78 @@ fn normalizes_groups(op: &TracedOp) -> Option<GroupNormRows> {
     })
 }
 
+/// A group norm's backward as the generator takes it: `native_group_norm_backward` of the
+/// gradient and input of a tensor of `samples` × `channels` × `hxw` elements in `groups` groups,
+/// with the forward's stored statistics (contiguous, one per row), and all three gradients (the
+/// input's contiguous in its shape, the weight's and bias's one per channel) of stored types.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct GroupNormGradients {
+    samples: u64,
+    channels: u64,
+    groups: u64,
+    hxw: u64,
+}
+
+impl GroupNormGradients {
+    fn rows(&self) -> u64 {
+        self.samples * self.groups
+    }
+
+    fn channels_per_group(&self) -> u64 {
+        self.channels / self.groups
+    }
+
+    fn width(&self) -> u64 {
+        self.channels_per_group() * self.hxw
+    }
+}
+
+/// `op`'s shape where it is a group norm's backward the generator takes ([`GroupNormGradients`]).
+fn group_norm_gradients(op: &TracedOp) -> Option<GroupNormGradients> {
+    if op.name != "aten::native_group_norm_backward" {
+        return None;
+    }
+    let tensor = |i: usize| match op.inputs.get(i) {
+        Some(TracedValue::Tensor(t)) => Some(t),
+        _ => None,
+    };
+    let (grad, input, mean, rstd) = (tensor(0)?, tensor(1)?, tensor(2)?, tensor(3)?);
+    let [TracedValue::Tensor(dx), TracedValue::Tensor(dw), TracedValue::Tensor(db)] =
+        op.outputs.as_slice()
+    else {
+        return None;
+    };
+    let (samples, channels, hxw, groups) = (
+        integer(op.inputs.get(5))?,
+        integer(op.inputs.get(6))?,
+        integer(op.inputs.get(7))?,
+        integer(op.inputs.get(8))?,
+    );
+    if samples <= 0 || channels <= 0 || hxw <= 0 || groups <= 0 || channels % groups != 0 {
+        return None;
+    }
+    let shape = GroupNormGradients {
+        samples: samples as u64,
+        channels: channels as u64,
+        groups: groups as u64,
+        hxw: hxw as u64,
+    };
+    let sized = input.shape.len() >= 2
+        && input.shape[1] == channels
+        && input.numel == shape.rows() * shape.width()
+        && grad.shape == input.shape
+        && dx.shape == input.shape
+        && [mean, rstd].iter().all(|t| t.numel == shape.rows())
+        && [dw, db].iter().all(|t| t.numel == shape.channels);
+    let stored = [grad, input, mean, rstd, dx, dw, db]
+        .iter()
+        .all(|t| t.item_bytes > 0 && kind_of(&t.dtype).is_some_and(|k| k != Kind::Bool));
+    let contiguous = [mean, rstd, dx, dw, db]
+        .iter()
+        .all(|t| check_contiguous(t).is_ok());
+    (sized && stored && contiguous).then_some(shape)
+}
+
 /// A traced integer argument (a dimension, a slice's bound).
 fn integer(value: Option<&TracedValue>) -> Option<i64> {
     match value? {
@@ -297,6 +377,9 @@ fn generate_with(
                 g.operator(op)?
             }
             Some(OpKind::Reduction) if normalizes_groups(op).is_some() => g.group_norm(op)?,
+            Some(OpKind::Reduction) if group_norm_gradients(op).is_some() => {
+                g.group_norm_backward(op)?
+            }
             Some(OpKind::Reduction) => g.reduction(op)?,
             Some(OpKind::Layout) if generates_layout(op) => g.layout(op)?,
             _ => {
@@ -375,6 +458,9 @@ struct Generator {
     /// Whether group norms read their statistics from their stored results
     /// ([`generate_recomputed`]) instead of reducing their rows.
     stored_statistics: bool,
+    /// A group norm's backward's weight and bias gradients by key (0 and 1): the kernel's last
+    /// block writes them, once every row is summed, so no function computes them.
+    channel_results: HashMap<(u64, u64), usize>,
 }
 
 /// A reduction over the last dimension: one block per row reduces `in_red(a, row, col, NO_ROW)`
@@ -389,6 +475,18 @@ struct RowReduction {
     op: &'static str,
     /// The `moments`' epsilon, added to the variance.
     eps: f64,
+    /// A group norm's backward's (`op` `group_norm_backward`).
+    gradients: Option<GradientRows>,
+}
+
+/// A group norm's backward's rows ([`GroupNormGradients`]) and the arguments its row loop reads
+/// itself: the statistics, one per row, and the weight (its argument and stride), if any.
+#[derive(Clone, Debug)]
+struct GradientRows {
+    shape: GroupNormGradients,
+    mean: usize,
+    rstd: usize,
+    weight: Option<(usize, i64)>,
 }
 
 impl Generator {
@@ -596,7 +694,7 @@ impl Generator {
             writeln!(body, "  c[{d}] = r % {size}; r /= {size};").unwrap();
         }
         writeln!(body, "  c[{}] = col;", input.shape.len() - 1).unwrap();
-        self.row_input(op, input, body)?;
+        self.row_input(op, "in_red", 0, body)?;
         self.define(
             op,
             &out,
@@ -607,24 +705,30 @@ impl Generator {
             width,
             op: kind,
             eps: 0.0,
+            gradients: None,
         });
         Ok(())
     }
 
-    /// `in_red`, the reduction's input at a row and a column, from `body`, which declares that
-    /// element's index `p` and coordinates `c` in the rows' space.
+    /// `name` (`in_red`, the reduction's input), argument `position` of `op` at a row and a
+    /// column, from `body`, which declares that element's index `p` and coordinates `c` in the
+    /// rows' space.
     fn row_input(
         &mut self,
         op: &TracedOp,
-        input: &TracedTensor,
+        name: &str,
+        position: usize,
         mut body: String,
     ) -> Result<(), String> {
-        self.position = 0;
+        let Some(TracedValue::Tensor(input)) = op.inputs.get(position) else {
+            return Err(format!("{} without its input", op.name));
+        };
+        self.position = position;
         let value = self.read(input, &row_major(input))?;
         writeln!(body, "  return {value};").unwrap();
         write!(
             self.functions,
-            "// the input of {}\n__device__ __forceinline__ float in_red(const Args& a, idx_t row, idx_t col, float2 red) {{\n{body}}}\n\n",
+            "// argument {position} of {}\n__device__ __forceinline__ float {name}(const Args& a, idx_t row, idx_t col, float2 red) {{\n{body}}}\n\n",
             op.schema
         )
         .unwrap();
@@ -654,7 +758,7 @@ impl Generator {
         let mut body = String::new();
         writeln!(body, "  const idx_t p = row * {} + col;", shape.width).unwrap();
         body.push_str(&coordinates_of(&row_major(input)));
-        self.row_input(op, input, body)?;
+        self.row_input(op, "in_red", 0, body)?;
         let body = self.normalised(op, input, out, |_| ["red.x".into(), "red.y".into()])?;
         self.read_row_element = true;
         self.define(op, out, &body);
@@ -670,6 +774,7 @@ impl Generator {
             width: shape.width,
             op: "moments",
             eps: shape.eps,
+            gradients: None,
         });
         Ok(())
     }
@@ -691,6 +796,81 @@ impl Generator {
             })
         })?;
         self.define(op, out, &body);
+        Ok(())
+    }
+
+    /// A group norm's backward ([`GroupNormGradients`]) as ATen computes it: per row, the sums of
+    /// `dy * x` and `dy` over each of its channels; the input's gradient
+    /// `rstd * w * dy + c2 * x + c3`, with `c2` and `c3` of the row's channel sums weighted by
+    /// `w` (`red`); the weight's and bias's, the sums over samples of each channel's
+    /// `(sum(dy * x) - sum(dy) * mean) * rstd` and `sum(dy)`, by the kernel's last block.
+    fn group_norm_backward(&mut self, op: &TracedOp) -> Result<(), String> {
+        let shape = group_norm_gradients(op).ok_or("a group norm's backward not generated")?;
+        if self.reduction.is_some() {
+            return Err("a second reduction in one group".into());
+        }
+        let (
+            [Some(TracedValue::Tensor(grad)), Some(TracedValue::Tensor(input)), Some(TracedValue::Tensor(mean)), Some(TracedValue::Tensor(rstd))],
+            [TracedValue::Tensor(dx), TracedValue::Tensor(dw), TracedValue::Tensor(db)],
+        ) = (
+            [0, 1, 2, 3].map(|i| op.inputs.get(i)),
+            op.outputs.as_slice(),
+        )
+        else {
+            return Err(
+                "native_group_norm_backward without its four inputs and three results".into(),
+            );
+        };
+        let width = shape.width();
+        for (name, position, t) in [("in_dy", 0, grad), ("in_x", 1, input)] {
+            let mut body = format!("  const idx_t p = row * {width} + col;\n");
+            body.push_str(&coordinates_of(&row_major(t)));
+            self.row_input(op, name, position, body)?;
+        }
+        let [mean, rstd] = [(2, mean), (3, rstd)].map(|(position, t)| {
+            self.position = position;
+            self.note_extent(t);
+            (!self.inside.contains(&(self.call, t.storage)))
+                .then(|| self.argument(t, KernelArg::Input(t.clone())))
+        });
+        let (Some(mean), Some(rstd)) = (mean, rstd) else {
+            return Err("a group norm's statistics computed in the group of its backward".into());
+        };
+        let weight = self.channel_argument(op, 4)?;
+        let mut body = coordinates_of(dx);
+        self.position = 0;
+        let dy = self.read(grad, dx)?;
+        self.position = 1;
+        let x = self.read(input, dx)?;
+        let w = channel_read(weight, "c[1]", "1.f");
+        let kind = kind_of(&dx.dtype).unwrap_or(Kind::Float);
+        writeln!(
+            body,
+            "  return round_to<{}>(to_float_any(a.in{rstd}[p / {width}]) * {w} * {dy} + red.x * {x} + red.y);",
+            c_type(kind)
+        )
+        .unwrap();
+        // Computed with its row's sums, it is its own block's only.
+        self.read_row_element = true;
+        self.define(op, dx, &body);
+        for (which, t) in [dw, db].into_iter().enumerate() {
+            self.note_extent(t);
+            self.results
+                .insert(t.key(), (usize::MAX, t.clone(), self.call, which + 1));
+            self.channel_results.insert(t.key(), which);
+        }
+        self.reduction = Some(RowReduction {
+            rows: shape.rows(),
+            width,
+            op: "group_norm_backward",
+            eps: 0.0,
+            gradients: Some(GradientRows {
+                shape,
+                mean,
+                rstd,
+                weight,
+            }),
+        });
         Ok(())
     }
 
@@ -743,10 +923,24 @@ impl Generator {
         position: usize,
         absent: &str,
     ) -> Result<String, String> {
+        Ok(channel_read(
+            self.channel_argument(op, position)?,
+            "c[1]",
+            absent,
+        ))
+    }
+
+    /// The argument and stride of a group norm's per-channel argument `position` (its weight or
+    /// bias), added on its first read; `None` where the call has none.
+    fn channel_argument(
+        &mut self,
+        op: &TracedOp,
+        position: usize,
+    ) -> Result<Option<(usize, i64)>, String> {
         // An undefined tensor (none given) is traced as one of no element type.
         let t = match op.inputs.get(position) {
             Some(TracedValue::Tensor(t)) if t.item_bytes > 0 => t,
-            _ => return Ok(absent.into()),
+            _ => return Ok(None),
         };
         if t.shape.len() != 1 {
             return Err("a group norm's weight or bias of other than one dimension".into());
@@ -761,7 +955,7 @@ impl Generator {
         self.position = position;
         self.note_extent(t);
         let i = self.argument(t, KernelArg::Input(t.clone()));
-        Ok(format!("to_float_any(a.in{i}[c[1] * {}])", t.strides[0]))
+        Ok(Some((i, t.strides[0])))
     }
 
     /// The expression of `t`'s element at the coordinates `c` of a result shaped `out`.
@@ -790,6 +984,9 @@ impl Generator {
         };
         let own_element = offset == "p";
         if self.inside.contains(&(self.call, t.storage)) {
+            if (self.channel_results.keys()).any(|&(_, storage)| storage == t.storage) {
+                return Err("a group norm's weight or bias gradient read in its group".into());
+            }
             let Some(&(index, _)) = self.producers.get(&t.storage) else {
                 return Err("an input computed in the group by an operator not generated".into());
             };
@@ -879,6 +1076,8 @@ impl Generator {
                 .reduction
                 .as_ref()
                 .is_none_or(|r| r.width % UNROLL == 0)
+            && (self.reduction.as_ref().and_then(|r| r.gradients.as_ref()))
+                .is_none_or(|g| g.shape.hxw % UNROLL == 0)
             && stored.iter().all(|r| r.per_row || r.ty != "bool");
         let groups = self.vector_groups(space, vectorised);
         let (numel, unroll, body) = match &self.reduction {
@@ -927,6 +1126,11 @@ impl Generator {
                 writeln!(fields, "  uint4 g{i};").unwrap();
             }
         }
+        let workspace = (self.reduction.as_ref().and_then(|r| r.gradients.as_ref()))
+            .map_or(0, |g| 1 + 2 * g.shape.samples * g.shape.channels);
+        if workspace > 0 {
+            params.push("float* ws".into());
+        }
         let entry = format!(
             "({}, long long n) {{\n  Args a{{{}}};\n{body}}}\n",
             params.join(", "),
@@ -954,6 +1158,7 @@ impl Generator {
             unroll,
             alignment,
             sources: self.sources,
+            workspace,
         })
     }
 
@@ -987,7 +1192,9 @@ impl Generator {
             let Some((index, out, call, position)) = self.results.get(key).cloned() else {
                 return Err("a result the group does not compute".into());
             };
+            let channel = self.channel_results.get(key).copied();
             let per_row = match &self.reduction {
+                _ if channel.is_some() => false,
                 Some(r) if out.numel == r.rows && out.numel != r.rows * r.width => true,
                 // The rows' elements in another shape (a view of them): element p is still
                 // column p % width of row p / width when the result is contiguous. A group
@@ -996,6 +1203,7 @@ impl Generator {
                 Some(r)
                     if out.numel == r.rows * r.width
                         && (r.op == "moments"
+                            || r.op == "group_norm_backward"
                             || out.shape.last().map(|&w| w as u64) == Some(r.width)) =>
                 {
                     false
@@ -1022,6 +1230,7 @@ impl Generator {
                 function: index,
                 ty: c_type(kind_of(&out.dtype).unwrap_or(Kind::Float)),
                 per_row,
+                channel,
             });
         }
         Ok(stored)
@@ -1029,12 +1238,14 @@ impl Generator {
 }
 
 /// How a kernel stores one result: argument `out{arg}` takes function `v{function}`'s values as
-/// `ty`, one per element or, with `per_row`, one per row of the reduction.
+/// `ty`, one per element or, with `per_row`, one per row of the reduction; or, with `channel`, a
+/// group norm's backward's weight (0) or bias (1) gradient, one per channel.
 struct StoredResult {
     arg: usize,
     function: usize,
     ty: &'static str,
     per_row: bool,
+    channel: Option<usize>,
 }
 
 /// Elements each thread of a pointwise kernel computes per tile, a block apart (ATen's unrolled
@@ -1298,6 +1509,9 @@ fn row_loop(
     if r.op == "moments" {
         return moments_loop(r, &columns, vectorised, &whole, &per_row);
     }
+    if let Some(gradients) = &r.gradients {
+        return group_norm_backward_loop(gradients, stored, vectorised, groups, &columns, &whole);
+    }
     let read = if vectorised {
         format!("#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n        const float v = in_red(a, row, col + k, NO_ROW);\n        acc = {combine};\n      }}\n")
     } else {
@@ -1368,6 +1582,106 @@ fn moments_loop(
     )
 }
 
+/// The body of a group norm's backward's kernel ([`Generator::group_norm_backward`]). A block per
+/// row sums `dy * x` and `dy` over each of the row's channels, one channel after the other, and
+/// keeps each sample's channel terms of the weight and bias gradients in the workspace `ws`
+/// (after its first float, a counter of finished blocks); then writes the row's input gradient.
+/// The last block to finish sums the workspace over samples, in order (the same sums every run),
+/// for the weight and bias gradients.
+fn group_norm_backward_loop(
+    gradients: &GradientRows,
+    stored: &[StoredResult],
+    vectorised: bool,
+    groups: &[usize],
+    columns: &str,
+    whole: &str,
+) -> String {
+    let GroupNormGradients {
+        samples,
+        channels,
+        groups: norm_groups,
+        hxw,
+    } = gradients.shape;
+    let (width, per_group) = (
+        gradients.shape.width(),
+        gradients.shape.channels_per_group(),
+    );
+    let (mean, rstd) = (gradients.mean, gradients.rstd);
+    let w = channel_read(gradients.weight, "channel", "1.f");
+    let bias_terms = samples * channels;
+    let channel_columns = if vectorised {
+        let mut head = format!(
+            "for (idx_t hw = threadIdx.x * {UNROLL}; hw < {hxw}; hw += blockDim.x * {UNROLL}) {{\n        const idx_t col = cl * {hxw} + hw;\n        a.first = row * {width} + col;\n"
+        );
+        for i in groups {
+            writeln!(head, "        a.g{i} = load_group(a.in{i} + a.first);").unwrap();
+        }
+        head + &format!("#pragma unroll\n        for (int k = 0; k < {UNROLL}; ++k) {{\n          const float dy = in_dy(a, row, col + k, NO_ROW);\n          s += dy * in_x(a, row, col + k, NO_ROW);\n          b += dy;\n        }}\n")
+    } else {
+        format!("for (idx_t hw = threadIdx.x; hw < {hxw}; hw += blockDim.x) {{\n        const idx_t col = cl * {hxw} + hw;\n        const float dy = in_dy(a, row, col, NO_ROW);\n        s += dy * in_x(a, row, col, NO_ROW);\n        b += dy;\n")
+    };
+    let mut channel_stores = String::new();
+    for r in stored {
+        if let Some(which) = r.channel {
+            let sum = ["weight_sum", "bias_sum"][which];
+            writeln!(
+                channel_stores,
+                "      a.out{}[channel] = store_as<{}>({sum});",
+                r.arg, r.ty
+            )
+            .unwrap();
+        }
+    }
+    format!(
+        "  __shared__ float partial[32];
+  __shared__ bool last_block;
+  const float s_width = 1.f / {width}.f;
+  for (idx_t row = blockIdx.x; row < (idx_t)n; row += gridDim.x) {{
+    const float mean = to_float_any(a.in{mean}[row]);
+    const float rstd = to_float_any(a.in{rstd}[row]);
+    const idx_t sample = row / {norm_groups};
+    float sum_dy_x = 0.f, sum_dy = 0.f;
+    for (idx_t cl = 0; cl < {per_group}; ++cl) {{
+      const idx_t channel = (row % {norm_groups}) * {per_group} + cl;
+      float s = 0.f, b = 0.f;
+      {channel_columns}      }}
+      s = block_sum(s, partial);
+      b = block_sum(b, partial);
+      const float w = {w};
+      sum_dy_x += s * w;
+      sum_dy += b * w;
+      if (threadIdx.x == 0) {{
+        ws[1 + sample * {channels} + channel] = (s - b * mean) * rstd;
+        ws[1 + {bias_terms} + sample * {channels} + channel] = b;
+      }}
+    }}
+    const float cx = (sum_dy * mean - sum_dy_x) * rstd * rstd * rstd * s_width;
+    const float2 red = make_float2(cx, -cx * mean - sum_dy * rstd * s_width);
+    {columns}{whole}    }}
+    __syncthreads();
+  }}
+  // The last block to finish: every other block's terms are written (each fenced before it
+  // counted itself), and are read past the L1 cache.
+  if (threadIdx.x == 0) {{
+    __threadfence();
+    last_block = atomicAdd(reinterpret_cast<unsigned int*>(ws), 1u) == gridDim.x - 1;
+  }}
+  __syncthreads();
+  if (last_block) {{
+    __threadfence();
+    for (idx_t channel = threadIdx.x; channel < {channels}; channel += blockDim.x) {{
+      float weight_sum = 0.f, bias_sum = 0.f;
+#pragma unroll 8
+      for (idx_t sample = 0; sample < {samples}; ++sample) {{
+        weight_sum += __ldcg(ws + 1 + sample * {channels} + channel);
+        bias_sum += __ldcg(ws + 1 + {bias_terms} + sample * {channels} + channel);
+      }}
+{channel_stores}    }}
+  }}
+"
+    )
+}
+
 /// The head of a row's loop over its `width` columns: one at a time a block apart, or (vectorised)
 /// four neighbours at a time, the inputs' groups of four loaded first.
 fn column_loop(width: u64, vectorised: bool, groups: &[usize]) -> String {
@@ -1389,7 +1703,7 @@ fn row_stores(stored: &[StoredResult], width: u64, vectorised: bool) -> (String,
     let (mut values, mut stores) = (String::new(), String::new());
     let (mut per_row, mut per_row_stores) = (String::new(), String::new());
     let mut columns = String::new();
-    for s in stored {
+    for s in stored.iter().filter(|s| s.channel.is_none()) {
         let (i, f, ty) = (s.arg, s.function, s.ty);
         if s.per_row {
             writeln!(per_row, "      const float r{i} = v{f}(a, p, red);").unwrap();
@@ -1409,6 +1723,15 @@ fn row_stores(stored: &[StoredResult], width: u64, vectorised: bool) -> (String,
         format!("      const idx_t p = row * {width} + col;\n{values}{stores}")
     };
     (whole, per_row + &per_row_stores)
+}
+
+/// The read of a per-channel argument (`channel_argument`'s: its index and stride) at `channel`,
+/// or `absent` where there is none.
+fn channel_read(argument: Option<(usize, i64)>, channel: &str, absent: &str) -> String {
+    match argument {
+        Some((i, stride)) => format!("to_float_any(a.in{i}[{channel} * {stride}])"),
+        None => absent.into(),
+    }
 }
 
 /// The index type of a kernel whose tensors reach `extent` elements: 32-bit where every index and

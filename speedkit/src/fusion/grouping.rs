@@ -141,9 +141,16 @@ fn admit(group: &mut Group, node: &Node, kind: OpKind) -> bool {
     match kind {
         OpKind::View => true,
         OpKind::Reduction => {
-            // A group norm's rows: its statistics, not its normalised input's copy.
             group.space = input;
-            group.reduced = node.op.output_tensors().map(|t| t.numel).min();
+            group.reduced = if node.op.name == "aten::native_group_norm_backward" {
+                // Its input's gradient, of its input's size, is what its rows' sums are read
+                // into; the weight's and bias's, written once every row is summed, are read by no
+                // member.
+                input
+            } else {
+                // A group norm's rows: its statistics, not its normalised input's copy.
+                node.op.output_tensors().map(|t| t.numel).min()
+            };
             input.is_some()
         }
         _ => {
@@ -244,6 +251,16 @@ pub(super) fn results(
     };
     let mut wanted: Vec<usize> = Vec::new();
     for &m in members {
+        let several = nodes[m].op.output_tensors().count() > 1;
+        if several
+            && nodes[m]
+                .op
+                .output_tensors()
+                .any(|t| needed(nodes, &inside, m, t.storage))
+        {
+            wanted.push(m);
+            continue;
+        }
         if read_after[m] == Some(false) && (!rewrites_outside_memory(m) || made_in_the_step(m)) {
             continue;
         }
@@ -260,10 +277,36 @@ pub(super) fn results(
         }
     }
     wanted.sort_unstable();
+    wanted.dedup();
+    // Of a call with several results (a group norm's backward: the input's gradient read in the
+    // group, the weight's and bias's outliving it), those the group's kernel must write.
+    let inside = &inside;
     wanted
         .into_iter()
-        .flat_map(|m| nodes[m].op.output_tensors().map(|t| t.key()))
+        .flat_map(|m| {
+            let several = nodes[m].op.output_tensors().count() > 1;
+            (nodes[m].op.output_tensors())
+                .filter(move |t| !several || needed(nodes, inside, m, t.storage))
+                .map(|t| t.key())
+        })
         .collect()
+}
+
+/// Whether result `storage` of node `m` is needed beyond the group (`inside`): nothing reads it
+/// (it outlives the step, as a gradient autograd hands on), or a call outside the group reads it,
+/// directly or through views.
+fn needed(nodes: &[Node], inside: &HashSet<usize>, m: usize, storage: u64) -> bool {
+    let mut readers = (nodes.iter().enumerate())
+        .filter(|(_, n)| n.reads.contains(&(m, storage)))
+        .peekable();
+    if readers.peek().is_none() {
+        return true;
+    }
+    readers.any(|(j, n)| {
+        !inside.contains(&j)
+            || (n.kind == Some(OpKind::View)
+                && (n.op.output_tensors()).any(|t| needed(nodes, inside, j, t.storage)))
+    })
 }
 
 /// (call id, storage) of each read by a member of a result another member computed, through any

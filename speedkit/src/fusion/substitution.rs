@@ -19,7 +19,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
-use tch::{Device, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::codegen::{self, kind_of};
 use super::{grouping, recompute, FusedGroup, FusionPlan, GeneratedKernel, KernelArg, OpKind};
@@ -783,6 +783,15 @@ fn launch(launch: &Launch, tensors: &[Tensor]) -> Result<()> {
             )));
         }
         args.push(Arg::Strided(t));
+    }
+    // Allocated here, on the current stream, so that a captured step's replays each start from
+    // zeros (the memset is captured with the kernel).
+    let workspace = match (generated.workspace, tensors.first()) {
+        (0, _) | (_, None) => None,
+        (floats, Some(t)) => Some(Tensor::f_zeros([floats as i64], (Kind::Float, t.device()))?),
+    };
+    if let Some(workspace) = &workspace {
+        args.push(Arg::Strided(workspace));
     }
     args.push(Arg::I64(generated.numel as i64));
     let (grid, block) = generated.grid_and_block();
