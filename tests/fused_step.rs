@@ -531,10 +531,17 @@ fn fused_group_norms_give_atens_values_and_gradients_in_fp32_bf16_and_fp16() {
         return;
     };
     for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
-        // Rows of three channels of 5 × 7 (a kernel reading one element at a time), and of two
-        // of 6 × 6 (one reading four); the last large enough that the backward recomputes the
-        // normalised elements from the statistics instead of the forward saving them.
-        for (shape, groups) in [([3, 12, 5, 7], 4), ([2, 8, 6, 6], 4), ([3, 24, 61, 67], 8)] {
+        // Rows of three channels of 5 × 7 (a kernel reading one element at a time), of two of
+        // 6 × 6 (one reading four), of four of 32 × 48 and of 64 × 96 (rows held in registers,
+        // two slots of 256 and 1024 threads); the last large enough that the backward recomputes
+        // the normalised elements from the statistics instead of the forward saving them.
+        for (shape, groups) in [
+            ([3, 12, 5, 7], 4),
+            ([2, 8, 6, 6], 4),
+            ([2, 16, 32, 48], 4),
+            ([2, 8, 64, 96], 2),
+            ([3, 24, 61, 67], 8),
+        ] {
             let norm = GroupNormStep::new(device, kind, shape, groups);
             let _ = norm.step();
             let (expected, fused) = FusedStep::prepare(device, || norm.step()).unwrap();

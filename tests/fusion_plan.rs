@@ -405,27 +405,31 @@ fn group_norm_silu(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
 #[test]
 fn a_group_norm_joins_its_cast_and_silu_in_one_kernel_that_nvrtc_compiles() {
     let _serial = common::serial();
-    let x = Tensor::randn([3, 8, 5, 7], (Kind::BFloat16, CPU));
-    let (w, b) = (
-        Tensor::randn([8], (Kind::Float, CPU)),
-        Tensor::randn([8], (Kind::Float, CPU)),
-    );
-    let (_, trace) = StepTrace::record(|| group_norm_silu(&x, &w, &b)).unwrap();
-    let plan = FusionPlan::from_trace(&trace);
-    assert_eq!(plan.groups().len(), 1, "{plan}");
-    let group = &plan.groups()[0];
-    assert_eq!(
-        names(&group.operators),
-        ["_to_copy", "native_group_norm", "silu", "_to_copy"],
-        "{plan}"
-    );
-    let kernel = group.kernel().unwrap();
-    // A block per row: 3 samples × 4 groups, each row two channels of 5 × 7.
-    assert_eq!(kernel.numel, 12);
-    assert!(kernel.source.contains("block_sum("), "{}", kernel.source);
-    let bytes = speedkit::kernels::compile(module_of(&kernel).name(), HOPPER)
-        .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
-    assert!(bytes > 0);
+    // Rows of two channels of 5 × 7 (one element at a time) and of 6 × 6 (four, the row held in
+    // registers).
+    for shape in [[3, 8, 5, 7], [3, 8, 6, 6]] {
+        let x = Tensor::randn(shape, (Kind::BFloat16, CPU));
+        let (w, b) = (
+            Tensor::randn([8], (Kind::Float, CPU)),
+            Tensor::randn([8], (Kind::Float, CPU)),
+        );
+        let (_, trace) = StepTrace::record(|| group_norm_silu(&x, &w, &b)).unwrap();
+        let plan = FusionPlan::from_trace(&trace);
+        assert_eq!(plan.groups().len(), 1, "{plan}");
+        let group = &plan.groups()[0];
+        assert_eq!(
+            names(&group.operators),
+            ["_to_copy", "native_group_norm", "silu", "_to_copy"],
+            "{plan}"
+        );
+        let kernel = group.kernel().unwrap();
+        // A block per row: 3 samples × 4 groups.
+        assert_eq!(kernel.numel, 12);
+        assert!(kernel.source.contains("block_sum("), "{}", kernel.source);
+        let bytes = speedkit::kernels::compile(module_of(&kernel).name(), HOPPER)
+            .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
+        assert!(bytes > 0);
+    }
 }
 
 #[test]

@@ -34,6 +34,8 @@ pub struct GeneratedKernel {
     rows: bool,
     /// Elements each thread computes per tile (a pointwise kernel's unrolling, else 1).
     unroll: u64,
+    /// Threads a block.
+    block: u64,
     /// Per argument, the bytes its pointer must be aligned to (0: any), for a vectorised kernel's
     /// loads and stores of four elements; the launch checks it.
     pub(crate) alignment: Vec<usize>,
@@ -75,17 +77,16 @@ impl KernelArg {
 }
 
 impl GeneratedKernel {
-    /// The grid and block to launch it with: 256 threads a block, each block a row of a group with
-    /// a reduction, else 256 × the unrolling elements (the kernels loop over what a grid does
-    /// not cover).
+    /// The grid and block to launch it with: 256 threads a block (up to 1024 for a row held in
+    /// registers, [`RowCache`]), each block a row of a group with a reduction, else 256 × the
+    /// unrolling elements (the kernels loop over what a grid does not cover).
     pub fn grid_and_block(&self) -> (u32, u32) {
-        const BLOCK: u64 = 256;
         let blocks = if self.rows {
             self.numel
         } else {
-            self.numel.div_ceil(BLOCK * self.unroll)
+            self.numel.div_ceil(self.block * self.unroll)
         };
-        (blocks.clamp(1, 65_535) as u32, BLOCK as u32)
+        (blocks.clamp(1, 65_535) as u32, self.block as u32)
     }
 
     /// The parameter list to declare it with ([`crate::cuda::CudaModule::kernel`]).
@@ -839,7 +840,7 @@ impl Generator {
         let weight = self.channel_argument(op, 4)?;
         let mut body = coordinates_of(dx);
         self.position = 0;
-        let dy = self.read(grad, dx)?;
+        let dy = format!("OWN(0, {})", self.read(grad, dx)?);
         self.position = 1;
         let x = self.read(input, dx)?;
         let w = channel_read(weight, "c[1]", "1.f");
@@ -887,6 +888,11 @@ impl Generator {
         let mut body = coordinates_of(out);
         self.position = 0;
         let x = self.read(input, out)?;
+        // The row's own input, held in registers where the kernel holds its row.
+        let x = match self.stored_statistics {
+            true => x,
+            false => format!("OWN(0, {x})"),
+        };
         let weight = self.read_channel(op, 1, "1.f")?;
         let bias = self.read_channel(op, 2, "0.f")?;
         let [mean, rstd] = statistics(self);
@@ -1080,9 +1086,18 @@ impl Generator {
                 .is_none_or(|g| g.shape.hxw % UNROLL == 0)
             && stored.iter().all(|r| r.per_row || r.ty != "bool");
         let groups = self.vector_groups(space, vectorised);
+        let cache = (self.reduction.as_ref()).and_then(|r| RowCache::of(r, vectorised));
         let (numel, unroll, body) = match &self.reduction {
-            Some(r) => (r.rows, 1, row_loop(r, &stored, vectorised, &groups)),
+            Some(r) => (r.rows, 1, row_loop(r, &stored, vectorised, &groups, cache)),
             None => (space, UNROLL, pointwise_loop(&stored, vectorised, &groups)),
+        };
+        // A row held in registers hands each element's value to the functions that read it
+        // (`OWN`): the value of a group norm's input, or of its backward's gradient.
+        // Declared to the compiler, which then keeps each thread within its share of registers.
+        let block = cache.map_or(256, |c| c.threads);
+        let own = match cache {
+            Some(_) => "a.own##i",
+            None => "(e)",
         };
         let alignment: Vec<usize> = (0..self.args.len())
             .map(|i| match &self.args[i] {
@@ -1120,6 +1135,9 @@ impl Generator {
             params.push(param);
             names.push(name);
         }
+        if cache.is_some() {
+            fields.push_str("  float own0;\n");
+        }
         if vectorised {
             fields.push_str("  idx_t first;\n");
             for i in &groups {
@@ -1140,14 +1158,15 @@ impl Generator {
         let name = format!(
             "sk_fused_{:016x}",
             fnv1a(&format!(
-                "{}{load}{fields}{}{entry}",
+                "{}{load}{own}{block}{fields}{}{entry}",
                 self.signature, self.functions
             ))
         );
         let source = format!(
-            "{PRELUDE}\ntypedef {index} idx_t;\n#define LOAD(i, ptr, p) {load}\nstruct Args {{\n{fields}}};\n\n{functions}extern \"C\" __global__ void {name}{entry}",
+            "{PRELUDE}\ntypedef {index} idx_t;\n#define LOAD(i, ptr, p) {load}\n#define OWN(i, e) {own}\nstruct Args {{\n{fields}}};\n\n{functions}extern \"C\" __global__ __launch_bounds__({block}) void {name}{entry}",
             functions = self.functions,
             index = index_type(self.extent),
+            block = block,
         );
         Ok(GeneratedKernel {
             name,
@@ -1156,6 +1175,7 @@ impl Generator {
             numel,
             rows: self.reduction.is_some(),
             unroll,
+            block,
             alignment,
             sources: self.sources,
             workspace,
@@ -1494,6 +1514,7 @@ fn row_loop(
     stored: &[StoredResult],
     vectorised: bool,
     groups: &[usize],
+    cache: Option<RowCache>,
 ) -> String {
     let (init, combine, warp) = match r.op {
         "amax" => ("-infinity()", "fmaxf(acc, v)", "warp_max"),
@@ -1505,12 +1526,19 @@ fn row_loop(
         "partial[0]".to_string()
     };
     let columns = column_loop(r.width, vectorised, groups);
-    let (whole, per_row) = row_stores(stored, r.width, vectorised);
-    if r.op == "moments" {
-        return moments_loop(r, &columns, vectorised, &whole, &per_row);
-    }
+    let (whole, per_row) = row_stores(stored, r.width, vectorised, cache.map(|c| c.own()));
     if let Some(gradients) = &r.gradients {
-        return group_norm_backward_loop(gradients, stored, vectorised, groups, &columns, &whole);
+        let loops = match cache {
+            Some(cache) => cache.gradient_loops(gradients, groups, &whole),
+            None => uncached_gradient_loops(gradients, vectorised, groups, &columns, &whole),
+        };
+        return group_norm_backward_loop(gradients, stored, &loops);
+    }
+    if r.op == "moments" {
+        return match cache {
+            Some(cache) => cache.moments_loop(r, groups, &whole, &per_row),
+            None => moments_loop(r, &columns, vectorised, &whole, &per_row),
+        };
     }
     let read = if vectorised {
         format!("#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n        const float v = in_red(a, row, col + k, NO_ROW);\n        acc = {combine};\n      }}\n")
@@ -1582,6 +1610,45 @@ fn moments_loop(
     )
 }
 
+/// A group norm's backward's two loops over a row: the one summing each channel (`s += dy * x`,
+/// `b += dy` for channel `cl`, between the block sums), and the one writing the input's gradient.
+struct GradientLoops {
+    /// What a row declares first.
+    declare: String,
+    /// The loop over channel `cl`'s elements, opened and closed.
+    sums: String,
+    /// The loop over the row writing its results, opened and closed.
+    stores: String,
+}
+
+/// [`GradientLoops`] reading each element where it is needed: the sums one channel after the other,
+/// the stores over the whole row.
+fn uncached_gradient_loops(
+    gradients: &GradientRows,
+    vectorised: bool,
+    groups: &[usize],
+    columns: &str,
+    whole: &str,
+) -> GradientLoops {
+    let (hxw, width) = (gradients.shape.hxw, gradients.shape.width());
+    let sums = if vectorised {
+        let mut head = format!(
+            "for (idx_t hw = threadIdx.x * {UNROLL}; hw < {hxw}; hw += blockDim.x * {UNROLL}) {{\n        const idx_t col = cl * {hxw} + hw;\n        a.first = row * {width} + col;\n"
+        );
+        for i in groups {
+            writeln!(head, "        a.g{i} = load_group(a.in{i} + a.first);").unwrap();
+        }
+        head + &format!("#pragma unroll\n        for (int k = 0; k < {UNROLL}; ++k) {{\n          const float dy = in_dy(a, row, col + k, NO_ROW);\n          s += dy * in_x(a, row, col + k, NO_ROW);\n          b += dy;\n        }}\n      }}\n")
+    } else {
+        format!("for (idx_t hw = threadIdx.x; hw < {hxw}; hw += blockDim.x) {{\n        const idx_t col = cl * {hxw} + hw;\n        const float dy = in_dy(a, row, col, NO_ROW);\n        s += dy * in_x(a, row, col, NO_ROW);\n        b += dy;\n      }}\n")
+    };
+    GradientLoops {
+        declare: String::new(),
+        sums,
+        stores: format!("{columns}{whole}    }}\n"),
+    }
+}
+
 /// The body of a group norm's backward's kernel ([`Generator::group_norm_backward`]). A block per
 /// row sums `dy * x` and `dy` over each of the row's channels, one channel after the other, and
 /// keeps each sample's channel terms of the weight and bias gradients in the workspace `ws`
@@ -1591,16 +1658,13 @@ fn moments_loop(
 fn group_norm_backward_loop(
     gradients: &GradientRows,
     stored: &[StoredResult],
-    vectorised: bool,
-    groups: &[usize],
-    columns: &str,
-    whole: &str,
+    loops: &GradientLoops,
 ) -> String {
     let GroupNormGradients {
         samples,
         channels,
         groups: norm_groups,
-        hxw,
+        ..
     } = gradients.shape;
     let (width, per_group) = (
         gradients.shape.width(),
@@ -1609,17 +1673,11 @@ fn group_norm_backward_loop(
     let (mean, rstd) = (gradients.mean, gradients.rstd);
     let w = channel_read(gradients.weight, "channel", "1.f");
     let bias_terms = samples * channels;
-    let channel_columns = if vectorised {
-        let mut head = format!(
-            "for (idx_t hw = threadIdx.x * {UNROLL}; hw < {hxw}; hw += blockDim.x * {UNROLL}) {{\n        const idx_t col = cl * {hxw} + hw;\n        a.first = row * {width} + col;\n"
-        );
-        for i in groups {
-            writeln!(head, "        a.g{i} = load_group(a.in{i} + a.first);").unwrap();
-        }
-        head + &format!("#pragma unroll\n        for (int k = 0; k < {UNROLL}; ++k) {{\n          const float dy = in_dy(a, row, col + k, NO_ROW);\n          s += dy * in_x(a, row, col + k, NO_ROW);\n          b += dy;\n        }}\n")
-    } else {
-        format!("for (idx_t hw = threadIdx.x; hw < {hxw}; hw += blockDim.x) {{\n        const idx_t col = cl * {hxw} + hw;\n        const float dy = in_dy(a, row, col, NO_ROW);\n        s += dy * in_x(a, row, col, NO_ROW);\n        b += dy;\n")
-    };
+    let GradientLoops {
+        declare,
+        sums,
+        stores,
+    } = loops;
     let mut channel_stores = String::new();
     for r in stored {
         if let Some(which) = r.channel {
@@ -1641,11 +1699,11 @@ fn group_norm_backward_loop(
     const float rstd = to_float_any(a.in{rstd}[row]);
     const idx_t sample = row / {norm_groups};
     float sum_dy_x = 0.f, sum_dy = 0.f;
-    for (idx_t cl = 0; cl < {per_group}; ++cl) {{
+{declare}#pragma unroll
+    for (int cl = 0; cl < {per_group}; ++cl) {{
       const idx_t channel = (row % {norm_groups}) * {per_group} + cl;
       float s = 0.f, b = 0.f;
-      {channel_columns}      }}
-      s = block_sum(s, partial);
+      {sums}      s = block_sum(s, partial);
       b = block_sum(b, partial);
       const float w = {w};
       sum_dy_x += s * w;
@@ -1657,8 +1715,7 @@ fn group_norm_backward_loop(
     }}
     const float cx = (sum_dy * mean - sum_dy_x) * rstd * rstd * rstd * s_width;
     const float2 red = make_float2(cx, -cx * mean - sum_dy * rstd * s_width);
-    {columns}{whole}    }}
-    __syncthreads();
+    {stores}    __syncthreads();
   }}
   // The last block to finish: every other block's terms are written (each fenced before it
   // counted itself), and are read past the L1 cache.
@@ -1682,6 +1739,128 @@ fn group_norm_backward_loop(
     )
 }
 
+/// A row held in registers between its passes: each of `threads` threads a block holds `slots`
+/// groups of four of the row's elements (of a group norm's backward, `slots` per channel of its
+/// group), so that a row's input is computed once, not once per pass. A row kernel's input is
+/// often a chain (a concatenation, a cast, a bias added; SiLU's backward of the recomputed norm)
+/// whose index arithmetic and transcendental functions cost more than the memory it reads.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct RowCache {
+    threads: u64,
+    slots: u64,
+}
+
+/// The most values a thread holds: 32 registers of the 64 a thread of a block of 1024 has.
+const CACHED_VALUES: u64 = 32;
+
+impl RowCache {
+    /// The cache of a vectorised group norm's kernel, or of its backward's: the fewest threads
+    /// (256 to 1024) that hold the row in [`CACHED_VALUES`] a thread; `None` for a longer row.
+    fn of(r: &RowReduction, vectorised: bool) -> Option<RowCache> {
+        if !vectorised {
+            return None;
+        }
+        let (span, channels) = match (&r.gradients, r.op) {
+            (Some(g), _) => (g.shape.hxw, g.shape.channels_per_group()),
+            (None, "moments") => (r.width, 1),
+            _ => return None,
+        };
+        [256, 512, 1024].into_iter().find_map(|threads| {
+            let slots = span.div_ceil(threads * UNROLL);
+            (channels * slots * UNROLL <= CACHED_VALUES).then_some(RowCache { threads, slots })
+        })
+    }
+
+    /// The value an element's functions read as their own (`OWN`): slot `j` (of channel `cl`).
+    fn own(&self) -> String {
+        format!("held[(cl * {} + j) * {UNROLL} + k]", self.slots)
+    }
+
+    /// The head of slot `j` of channel `cl` of a row (`span` elements a channel): its first
+    /// column, the guard, and the inputs' groups of four.
+    fn slot_head(&self, span: u64, width: u64, groups: &[usize]) -> String {
+        let mut head = format!(
+            "#pragma unroll\n    for (int j = 0; j < {slots}; ++j) {{\n      const idx_t hw = (j * (idx_t)blockDim.x + threadIdx.x) * {UNROLL};\n      if (hw >= {span}) continue;\n      const idx_t col = cl * {span} + hw;\n      a.first = row * {width} + col;\n",
+            slots = self.slots
+        );
+        for i in groups {
+            writeln!(head, "      a.g{i} = load_group(a.in{i} + a.first);").unwrap();
+        }
+        head
+    }
+
+    /// A group norm's kernel with its row held: one pass computes and sums the row, the variance
+    /// sums the held values less the mean, and the results read them (`OWN`).
+    fn moments_loop(
+        &self,
+        r: &RowReduction,
+        groups: &[usize],
+        whole: &str,
+        per_row: &str,
+    ) -> String {
+        let (width, eps) = (r.width, r.eps as f32);
+        let head = self.slot_head(width, width, groups);
+        let values = self.slots * UNROLL;
+        let each = format!("#pragma unroll\n    for (int j = 0; j < {}; ++j) {{\n      if ((j * (idx_t)blockDim.x + threadIdx.x) * {UNROLL} >= {width}) continue;\n#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n", self.slots);
+        format!(
+            "  __shared__ float partial[32];
+  const int cl = 0;
+  for (idx_t row = blockIdx.x; row < (idx_t)n; row += gridDim.x) {{
+    float held[{values}];
+    float acc = 0.f;
+    {head}#pragma unroll
+      for (int k = 0; k < {UNROLL}; ++k) {{
+        held[j * {UNROLL} + k] = in_red(a, row, col + k, NO_ROW);
+        acc += held[j * {UNROLL} + k];
+      }}
+    }}
+    const float mean = block_sum(acc, partial) / {width}.f;
+    acc = 0.f;
+    {each}        const float v = held[j * {UNROLL} + k];
+        acc += (v - mean) * (v - mean);
+      }}
+    }}
+    const float variance = block_sum(acc, partial) / {width}.f;
+    const float2 red = make_float2(mean, rsqrtf(fmaxf(variance, 0.f) + {eps:?}f));
+    {head}{whole}    }}
+    if (threadIdx.x == 0) {{
+      const idx_t p = row;
+{per_row}    }}
+    __syncthreads();
+  }}
+"
+        )
+    }
+
+    /// A group norm's backward's loops with its gradient held: the sums compute each element's
+    /// gradient once, the stores read it (`OWN`), one channel after the other too.
+    fn gradient_loops(
+        &self,
+        gradients: &GradientRows,
+        groups: &[usize],
+        whole: &str,
+    ) -> GradientLoops {
+        let (hxw, width) = (gradients.shape.hxw, gradients.shape.width());
+        let head = self
+            .slot_head(hxw, width, groups)
+            .replace("\n    ", "\n      ");
+        let sums = format!(
+            "{head}#pragma unroll\n        for (int k = 0; k < {UNROLL}; ++k) {{\n          const float dy = in_dy(a, row, col + k, NO_ROW);\n          held[(cl * {slots} + j) * {UNROLL} + k] = dy;\n          s += dy * in_x(a, row, col + k, NO_ROW);\n          b += dy;\n        }}\n      }}\n",
+            slots = self.slots
+        );
+        let stores = format!(
+            "#pragma unroll\n    for (int cl = 0; cl < {per_group}; ++cl) {{\n    {head}{whole}      }}\n    }}\n",
+            per_group = gradients.shape.channels_per_group()
+        );
+        let held = gradients.shape.channels_per_group() * self.slots * UNROLL;
+        GradientLoops {
+            declare: format!("    float held[{held}];\n"),
+            sums,
+            stores,
+        }
+    }
+}
+
 /// The head of a row's loop over its `width` columns: one at a time a block apart, or (vectorised)
 /// four neighbours at a time, the inputs' groups of four loaded first.
 fn column_loop(width: u64, vectorised: bool, groups: &[usize]) -> String {
@@ -1699,7 +1878,12 @@ fn column_loop(width: u64, vectorised: bool, groups: &[usize]) -> String {
 
 /// The stores of a row-reduction kernel: those of its column loop (every value first, then the
 /// stores, as in [`pointwise_loop`]) and those of the row's one thread.
-fn row_stores(stored: &[StoredResult], width: u64, vectorised: bool) -> (String, String) {
+fn row_stores(
+    stored: &[StoredResult],
+    width: u64,
+    vectorised: bool,
+    own: Option<String>,
+) -> (String, String) {
     let (mut values, mut stores) = (String::new(), String::new());
     let (mut per_row, mut per_row_stores) = (String::new(), String::new());
     let mut columns = String::new();
@@ -1718,7 +1902,8 @@ fn row_stores(stored: &[StoredResult], width: u64, vectorised: bool) -> (String,
         }
     }
     let whole = if vectorised {
-        format!("{values}#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n        const idx_t p = a.first + k;\n{columns}      }}\n{stores}")
+        let own = own.map_or(String::new(), |own| format!("        a.own0 = {own};\n"));
+        format!("{values}#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n        const idx_t p = a.first + k;\n{own}{columns}      }}\n{stores}")
     } else {
         format!("      const idx_t p = row * {width} + col;\n{values}{stores}")
     };
