@@ -147,8 +147,10 @@ pub(super) fn deferrals(
         return Vec::new();
     }
     let inside: HashSet<usize> = members.iter().copied().collect();
+    // The last member making `key`: a key names a tensor object at an address, both reused once
+    // freed, so an earlier member's result freed within the group may have had the same key.
     let computing = |key: (u64, u64)| {
-        members.iter().copied().find(|&m| {
+        members.iter().copied().rev().find(|&m| {
             nodes[m].kind != Some(OpKind::View)
                 && nodes[m].op.output_tensors().any(|t| t.key() == key)
         })
@@ -319,6 +321,53 @@ fn contiguous(t: &TracedTensor) -> bool {
 mod tests {
     use super::*;
     use crate::fusion::testing::{backward, call, tensor};
+    use crate::trace::TracedValue;
+
+    /// A 4 MiB fp32 tensor: object `id` on storage `storage`.
+    fn large(id: u64, storage: u64) -> TracedValue {
+        let mut t = tensor(id, storage);
+        if let TracedValue::Tensor(t) = &mut t {
+            (t.numel, t.shape) = (1 << 20, vec![1 << 20]);
+        }
+        t
+    }
+
+    #[test]
+    fn a_member_whose_result_key_a_later_member_takes_over_is_computed_again_not_read() {
+        // neg's result (object 2, storage 20) is freed after add reads it; exp's result takes the
+        // same object and address. add's result, which only the backward reads, is deferred: its
+        // kernel must compute neg again, which the group does not store.
+        let ops = [
+            call(0, "aten::neg", vec![large(1, 10)], vec![large(2, 20)]),
+            call(
+                1,
+                "aten::add",
+                vec![large(2, 20), large(5, 50)],
+                vec![large(3, 30)],
+            ),
+            call(2, "aten::exp", vec![large(3, 30)], vec![large(2, 20)]),
+            call(3, "aten::mm", vec![large(2, 20)], vec![large(6, 60)]),
+            backward(4, "aten::mm", vec![large(3, 30)], vec![large(7, 70)]),
+        ];
+        let kernels: Vec<&TracedOp> = ops.iter().collect();
+        let nodes = grouping::data_flow(&kernels);
+        let node_of: HashMap<u64, usize> = ops.iter().map(|op| (op.id, op.id as usize)).collect();
+        let group = FusedGroup {
+            operators: vec!["aten::neg".into(), "aten::add".into(), "aten::exp".into()],
+            aten_kernels: 3,
+            reduction: None,
+            backward: false,
+            recomputed: Vec::new(),
+            calls: ops[..3].to_vec(),
+            results: vec![(3, 30), (2, 20)],
+            inside: HashSet::from([(1, 20), (2, 30)]),
+        };
+        let deferred = deferrals(&group, &nodes, &node_of);
+        let calls: Vec<Vec<&str>> = (deferred.iter())
+            .map(|d| d.calls.iter().map(|op| op.name.as_str()).collect())
+            .collect();
+        assert_eq!(calls, [["aten::neg", "aten::add"]]);
+    }
 
     #[test]
     fn a_deferred_result_is_computed_where_the_data_flow_reads_it_not_where_its_memory_id_returns()
