@@ -474,10 +474,13 @@ fn a_group_norms_backward_joins_silus_backward_in_one_kernel_that_nvrtc_compiles
     // Rows of three channels of 5 × 7 (one element at a time) and of two of 6 × 6 (four).
     for (shape, groups) in [([3, 12, 5, 7], 4), ([2, 8, 6, 6], 4)] {
         let x = Tensor::randn(shape, (Kind::BFloat16, CPU)).set_requires_grad(true);
-        let w = Tensor::randn([shape[1]], (Kind::Float, CPU)).set_requires_grad(true);
-        let b = Tensor::randn([shape[1]], (Kind::Float, CPU)).set_requires_grad(true);
+        let [w, b, bias] = [0, 1, 2]
+            .map(|_| Tensor::randn([shape[1]], (Kind::Float, CPU)).set_requires_grad(true));
         let (_, trace) = StepTrace::record(|| {
-            let y = x
+            // A convolution's bias before the norm, whose gradient sums each channel (and whose
+            // output's gradient a call outside reads, as the convolution's backward does).
+            let biased = &x * 2.0 + bias.to_kind(Kind::BFloat16).view([shape[1], 1, 1]);
+            let y = biased
                 .to_kind(Kind::Float)
                 .group_norm(groups, Some(&w), Some(&b), 1e-5, false)
                 .silu();
@@ -490,11 +493,13 @@ fn a_group_norms_backward_joins_silus_backward_in_one_kernel_that_nvrtc_compiles
             .unwrap_or_else(|| panic!("{plan}"));
         let operators = names(&group.operators);
         assert!(operators.contains(&"silu_backward"), "{plan}");
+        assert!(operators.contains(&"sum"), "the bias's gradient: {plan}");
         let kernel = group.kernel().unwrap();
         // A block per row, its sample's group of channels.
         assert_eq!(kernel.numel, (shape[0] * groups) as u64);
-        // The input's gradient cast back to bf16, and the weight's and bias's, which outlive the
-        // step; not the fp32 input gradient only the cast reads.
+        // The weight's and bias's gradients, which outlive the step, the sum over each channel
+        // of the input's gradient cast back to bf16, and that gradient doubled; not the fp32 input
+        // gradient nor its cast, which only the group reads.
         let outputs: Vec<(&str, u64)> = (kernel.args.iter())
             .filter_map(|a| match a {
                 KernelArg::Output(t) => Some((t.dtype.as_str(), t.numel)),
@@ -508,6 +513,7 @@ fn a_group_norms_backward_joins_silus_backward_in_one_kernel_that_nvrtc_compiles
             [
                 ("float", channels),
                 ("float", channels),
+                ("c10::BFloat16", channels),
                 ("c10::BFloat16", elements)
             ],
             "{plan}"

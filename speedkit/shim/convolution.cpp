@@ -50,7 +50,6 @@ struct ConvolutionFunction : torch::autograd::Function<ConvolutionFunction> {
     ctx->saved_data["groups"] = groups;
     ctx->saved_data["type"] = type;
     ctx->saved_data["x_type"] = static_cast<int64_t>(x.scalar_type());
-    ctx->saved_data["weight_sizes"] = weight.sizes().vec();
     ctx->saved_data["weight_type"] = static_cast<int64_t>(weight.scalar_type());
     ctx->saved_data["bias_type"] = static_cast<int64_t>(has_bias ? bias_in.scalar_type() : t);
     ctx->saved_data["has_bias"] = has_bias;
@@ -65,15 +64,23 @@ struct ConvolutionFunction : torch::autograd::Function<ConvolutionFunction> {
                                       data.at("has_bias").toBool() && ctx->needs_input_grad(2)};
     const std::vector<int64_t> stride = data.at("stride").toIntVector();
     const std::vector<int64_t> output_padding(stride.size(), 0);
-    const std::vector<int64_t> weight_sizes = data.at("weight_sizes").toIntVector();
     const at::Tensor grad = grads[0].to(t);
+    // The bias's gradient summed as ATen's convolution_backward sums it, but by an operator of its
+    // own, first: the fused kernel that makes the gradient may sum it as it writes it.
+    at::Tensor db;
+    if (mask[2]) {
+      std::vector<int64_t> dims;
+      for (int64_t d = 0; d < grad.dim(); ++d) {
+        if (d != 1) dims.push_back(d);
+      }
+      db = grad.sum(dims);
+    }
     const at::Tensor& x_c = saved[0];
     const at::Tensor w_c = saved[1].to(t);
-    const std::vector<int64_t> bias_sizes = {weight_sizes[0]};
-    auto [dx, dw, db] = at::convolution_backward(
-        grad, x_c, w_c, mask[2] ? std::optional<at::IntArrayRef>(bias_sizes) : std::nullopt, stride,
-        data.at("padding").toIntVector(), data.at("dilation").toIntVector(), false, output_padding,
-        data.at("groups").toInt(), mask);
+    auto [dx, dw, unused] =
+        at::convolution_backward(grad, x_c, w_c, std::nullopt, stride, data.at("padding").toIntVector(),
+                                 data.at("dilation").toIntVector(), false, output_padding,
+                                 data.at("groups").toInt(), {mask[0], mask[1], false});
     const auto back_to = [&](const at::Tensor& g, const char* key) {
       return g.defined() ? g.to(static_cast<at::ScalarType>(data.at(key).toInt())) : g;
     };

@@ -142,6 +142,7 @@ pub(crate) fn takes(op: &TracedOp) -> bool {
         Some(OpKind::Pointwise) => (!op.name.ends_with('_') || writes_in_place(op)) && stores(op),
         Some(OpKind::Reduction) => {
             (stores(op) && reduces_last_dimension(op))
+                || sums_channels(op)
                 || normalizes_groups(op).is_some()
                 || group_norm_gradients(op).is_some()
         }
@@ -307,6 +308,34 @@ fn integer(value: Option<&TracedValue>) -> Option<i64> {
     }
 }
 
+/// Whether `op` sums every element of each channel (all dimensions but the second) of a tensor
+/// of at least three dimensions, in its own type: the gradient of a bias broadcast over a
+/// convolution's output, as autograd sums it.
+pub(crate) fn sums_channels(op: &TracedOp) -> bool {
+    if !op.schema.starts_with("aten::sum.dim_IntList(") {
+        return false;
+    }
+    let (Some(TracedValue::Tensor(input)), Some(TracedValue::Other { value, .. })) =
+        (op.inputs.first(), op.inputs.get(1))
+    else {
+        return false;
+    };
+    let rank = input.shape.len() as i64;
+    let Ok(mut dims) = serde_json::from_str::<Vec<i64>>(value) else {
+        return false;
+    };
+    for d in &mut dims {
+        *d = (*d + rank) % rank.max(1);
+    }
+    dims.sort_unstable();
+    let all_but_channels: Vec<i64> = (0..rank).filter(|&d| d != 1).collect();
+    let same_type = match op.outputs.as_slice() {
+        [TracedValue::Tensor(out)] => out.dtype == input.dtype && kind_of(&out.dtype).is_some(),
+        _ => false,
+    };
+    rank >= 3 && dims == all_but_channels && same_type
+}
+
 fn reduces_last_dimension(op: &TracedOp) -> bool {
     let kind = op.schema.split('(').next().unwrap_or("");
     if !matches!(
@@ -381,6 +410,7 @@ fn generate_with(
             Some(OpKind::Reduction) if group_norm_gradients(op).is_some() => {
                 g.group_norm_backward(op)?
             }
+            Some(OpKind::Reduction) if sums_channels(op) => g.channel_sum(op)?,
             Some(OpKind::Reduction) => g.reduction(op)?,
             Some(OpKind::Layout) if generates_layout(op) => g.layout(op)?,
             _ => {
@@ -488,6 +518,8 @@ struct GradientRows {
     mean: usize,
     rstd: usize,
     weight: Option<(usize, i64)>,
+    /// The elements summed over each channel ([`Generator::channel_sum`]), as read at `p`.
+    channel_sums: Vec<String>,
 }
 
 impl Generator {
@@ -870,8 +902,53 @@ impl Generator {
                 mean,
                 rstd,
                 weight,
+                channel_sums: Vec::new(),
             }),
         });
+        Ok(())
+    }
+
+    /// A sum of every element of each channel ([`sums_channels`]) of a result of the group's
+    /// group norm's backward's rows, read at its own element: each block sums its row's channels
+    /// as it writes them, and the last block sums the samples, as it does the weight's gradient.
+    fn channel_sum(&mut self, op: &TracedOp) -> Result<(), String> {
+        let outside = "a sum over each channel outside a group norm's backward's rows";
+        let Some(shape) = (self.reduction.as_ref())
+            .and_then(|r| r.gradients.as_ref())
+            .map(|g| g.shape)
+        else {
+            return Err(outside.into());
+        };
+        let (Some(TracedValue::Tensor(input)), [TracedValue::Tensor(out)]) =
+            (op.inputs.first(), op.outputs.as_slice())
+        else {
+            return Err(format!("{} without its input and result", op.name));
+        };
+        let rows = input.shape.len() >= 3
+            && input.shape[..2] == [shape.samples as i64, shape.channels as i64]
+            && input.numel == shape.rows() * shape.width()
+            && check_contiguous(input).is_ok()
+            && out.numel == shape.channels
+            && check_contiguous(out).is_ok();
+        if !rows || !self.inside.contains(&(self.call, input.storage)) {
+            return Err(outside.into());
+        }
+        self.position = 0;
+        let value = self.read(input, &row_major(input))?;
+        if value.contains("c[") {
+            return Err(outside.into());
+        }
+        let Some(gradients) = self.reduction.as_mut().and_then(|r| r.gradients.as_mut()) else {
+            return Err(outside.into());
+        };
+        gradients.channel_sums.push(value);
+        let which = 1 + gradients.channel_sums.len();
+        self.read_row_element = false;
+        self.note_extent(out);
+        self.results
+            .insert(out.key(), (usize::MAX, out.clone(), self.call, 0));
+        self.channel_results.insert(out.key(), which);
+        write!(self.signature, "{};", op.schema).unwrap();
         Ok(())
     }
 
@@ -1145,7 +1222,9 @@ impl Generator {
             }
         }
         let workspace = (self.reduction.as_ref().and_then(|r| r.gradients.as_ref()))
-            .map_or(0, |g| 1 + 2 * g.shape.samples * g.shape.channels);
+            .map_or(0, |g| {
+                1 + (2 + g.channel_sums.len() as u64) * g.shape.samples * g.shape.channels
+            });
         if workspace > 0 {
             params.push("float* ws".into());
         }
@@ -1526,11 +1605,16 @@ fn row_loop(
         "partial[0]".to_string()
     };
     let columns = column_loop(r.width, vectorised, groups);
-    let (whole, per_row) = row_stores(stored, r.width, vectorised, cache.map(|c| c.own()));
+    let mut accumulate = String::new();
+    for (t, value) in (r.gradients.iter()).flat_map(|g| g.channel_sums.iter().enumerate()) {
+        writeln!(accumulate, "        t{t} += {value};").unwrap();
+    }
+    let own = cache.map(|c| c.own());
+    let (whole, per_row) = row_stores(stored, r.width, vectorised, own, &accumulate);
     if let Some(gradients) = &r.gradients {
         let loops = match cache {
             Some(cache) => cache.gradient_loops(gradients, groups, &whole),
-            None => uncached_gradient_loops(gradients, vectorised, groups, &columns, &whole),
+            None => uncached_gradient_loops(gradients, vectorised, groups, &whole),
         };
         return group_norm_backward_loop(gradients, stored, &loops);
     }
@@ -1610,51 +1694,53 @@ fn moments_loop(
     )
 }
 
-/// A group norm's backward's two loops over a row: the one summing each channel (`s += dy * x`,
-/// `b += dy` for channel `cl`, between the block sums), and the one writing the input's gradient.
+/// A group norm's backward's two loops over channel `cl` of a row: the one summing it (`s += dy *
+/// x`, `b += dy`), and the one writing the input's gradient (and adding to the channel sums).
 struct GradientLoops {
     /// What a row declares first.
     declare: String,
-    /// The loop over channel `cl`'s elements, opened and closed.
+    /// `#pragma unroll` where the loops over the channels are unrolled (a row held in registers).
+    unroll: &'static str,
+    /// The loop over the channel's elements summing them, opened and closed.
     sums: String,
-    /// The loop over the row writing its results, opened and closed.
+    /// The loop over the channel's elements writing the results, opened and closed.
     stores: String,
 }
 
-/// [`GradientLoops`] reading each element where it is needed: the sums one channel after the other,
-/// the stores over the whole row.
+/// [`GradientLoops`] reading each element where it is needed.
 fn uncached_gradient_loops(
     gradients: &GradientRows,
     vectorised: bool,
     groups: &[usize],
-    columns: &str,
     whole: &str,
 ) -> GradientLoops {
     let (hxw, width) = (gradients.shape.hxw, gradients.shape.width());
+    let mut head = match vectorised {
+        true => format!("for (idx_t hw = threadIdx.x * {UNROLL}; hw < {hxw}; hw += blockDim.x * {UNROLL}) {{\n        const idx_t col = cl * {hxw} + hw;\n        a.first = row * {width} + col;\n"),
+        false => format!("for (idx_t hw = threadIdx.x; hw < {hxw}; hw += blockDim.x) {{\n        const idx_t col = cl * {hxw} + hw;\n"),
+    };
+    for i in groups.iter().filter(|_| vectorised) {
+        writeln!(head, "        a.g{i} = load_group(a.in{i} + a.first);").unwrap();
+    }
     let sums = if vectorised {
-        let mut head = format!(
-            "for (idx_t hw = threadIdx.x * {UNROLL}; hw < {hxw}; hw += blockDim.x * {UNROLL}) {{\n        const idx_t col = cl * {hxw} + hw;\n        a.first = row * {width} + col;\n"
-        );
-        for i in groups {
-            writeln!(head, "        a.g{i} = load_group(a.in{i} + a.first);").unwrap();
-        }
-        head + &format!("#pragma unroll\n        for (int k = 0; k < {UNROLL}; ++k) {{\n          const float dy = in_dy(a, row, col + k, NO_ROW);\n          s += dy * in_x(a, row, col + k, NO_ROW);\n          b += dy;\n        }}\n      }}\n")
+        format!("{head}#pragma unroll\n        for (int k = 0; k < {UNROLL}; ++k) {{\n          const float dy = in_dy(a, row, col + k, NO_ROW);\n          s += dy * in_x(a, row, col + k, NO_ROW);\n          b += dy;\n        }}\n      }}\n")
     } else {
-        format!("for (idx_t hw = threadIdx.x; hw < {hxw}; hw += blockDim.x) {{\n        const idx_t col = cl * {hxw} + hw;\n        const float dy = in_dy(a, row, col, NO_ROW);\n        s += dy * in_x(a, row, col, NO_ROW);\n        b += dy;\n      }}\n")
+        format!("{head}        const float dy = in_dy(a, row, col, NO_ROW);\n        s += dy * in_x(a, row, col, NO_ROW);\n        b += dy;\n      }}\n")
     };
     GradientLoops {
         declare: String::new(),
+        unroll: "",
         sums,
-        stores: format!("{columns}{whole}    }}\n"),
+        stores: format!("{head}{whole}      }}\n"),
     }
 }
 
 /// The body of a group norm's backward's kernel ([`Generator::group_norm_backward`]). A block per
 /// row sums `dy * x` and `dy` over each of the row's channels, one channel after the other, and
 /// keeps each sample's channel terms of the weight and bias gradients in the workspace `ws`
-/// (after its first float, a counter of finished blocks); then writes the row's input gradient.
-/// The last block to finish sums the workspace over samples, in order (the same sums every run),
-/// for the weight and bias gradients.
+/// (after its first float, a counter of finished blocks); then writes the row's input gradient,
+/// channel after channel, keeping each channel's sums ([`Generator::channel_sum`]) there too.
+/// The last block to finish sums the workspace over samples, in order (the same sums every run).
 fn group_norm_backward_loop(
     gradients: &GradientRows,
     stored: &[StoredResult],
@@ -1675,21 +1761,34 @@ fn group_norm_backward_loop(
     let bias_terms = samples * channels;
     let GradientLoops {
         declare,
+        unroll,
         sums,
         stores,
     } = loops;
-    let mut channel_stores = String::new();
+    // Per channel: its sums' terms of this sample, kept in the workspace after the weight's and
+    // the bias's; and the last block's sums of each over the samples.
+    let (mut open, mut close, mut finish) = (String::new(), String::new(), String::new());
+    for t in 0..gradients.channel_sums.len() as u64 {
+        writeln!(open, "      float t{t} = 0.f;").unwrap();
+        writeln!(close, "      t{t} = block_sum(t{t}, partial);\n      if (threadIdx.x == 0) ws[1 + {} + sample * {channels} + channel] = t{t};", (2 + t) * bias_terms).unwrap();
+        writeln!(finish, "      float sum{} = 0.f;\n      for (idx_t sample = 0; sample < {samples}; ++sample) sum{} += __ldcg(ws + 1 + {} + sample * {channels} + channel);", 2 + t, 2 + t, (2 + t) * bias_terms).unwrap();
+    }
     for r in stored {
         if let Some(which) = r.channel {
-            let sum = ["weight_sum", "bias_sum"][which];
+            let sum = match which {
+                0 => "weight_sum".to_string(),
+                1 => "bias_sum".to_string(),
+                k => format!("sum{k}"),
+            };
             writeln!(
-                channel_stores,
+                finish,
                 "      a.out{}[channel] = store_as<{}>({sum});",
                 r.arg, r.ty
             )
             .unwrap();
         }
     }
+
     format!(
         "  __shared__ float partial[32];
   __shared__ bool last_block;
@@ -1699,7 +1798,7 @@ fn group_norm_backward_loop(
     const float rstd = to_float_any(a.in{rstd}[row]);
     const idx_t sample = row / {norm_groups};
     float sum_dy_x = 0.f, sum_dy = 0.f;
-{declare}#pragma unroll
+{declare}{unroll}
     for (int cl = 0; cl < {per_group}; ++cl) {{
       const idx_t channel = (row % {norm_groups}) * {per_group} + cl;
       float s = 0.f, b = 0.f;
@@ -1715,7 +1814,11 @@ fn group_norm_backward_loop(
     }}
     const float cx = (sum_dy * mean - sum_dy_x) * rstd * rstd * rstd * s_width;
     const float2 red = make_float2(cx, -cx * mean - sum_dy * rstd * s_width);
-    {stores}    __syncthreads();
+{unroll}
+    for (int cl = 0; cl < {per_group}; ++cl) {{
+      const idx_t channel = (row % {norm_groups}) * {per_group} + cl;
+{open}      {stores}{close}    }}
+    __syncthreads();
   }}
   // The last block to finish: every other block's terms are written (each fenced before it
   // counted itself), and are read past the L1 cache.
@@ -1733,7 +1836,7 @@ fn group_norm_backward_loop(
         weight_sum += __ldcg(ws + 1 + sample * {channels} + channel);
         bias_sum += __ldcg(ws + 1 + {bias_terms} + sample * {channels} + channel);
       }}
-{channel_stores}    }}
+{finish}    }}
   }}
 "
     )
@@ -1848,15 +1951,12 @@ impl RowCache {
             "{head}#pragma unroll\n        for (int k = 0; k < {UNROLL}; ++k) {{\n          const float dy = in_dy(a, row, col + k, NO_ROW);\n          held[(cl * {slots} + j) * {UNROLL} + k] = dy;\n          s += dy * in_x(a, row, col + k, NO_ROW);\n          b += dy;\n        }}\n      }}\n",
             slots = self.slots
         );
-        let stores = format!(
-            "#pragma unroll\n    for (int cl = 0; cl < {per_group}; ++cl) {{\n    {head}{whole}      }}\n    }}\n",
-            per_group = gradients.shape.channels_per_group()
-        );
         let held = gradients.shape.channels_per_group() * self.slots * UNROLL;
         GradientLoops {
             declare: format!("    float held[{held}];\n"),
+            unroll: "#pragma unroll",
             sums,
-            stores,
+            stores: format!("{head}{whole}      }}\n"),
         }
     }
 }
@@ -1877,12 +1977,15 @@ fn column_loop(width: u64, vectorised: bool, groups: &[usize]) -> String {
 }
 
 /// The stores of a row-reduction kernel: those of its column loop (every value first, then the
-/// stores, as in [`pointwise_loop`]) and those of the row's one thread.
+/// stores, as in [`pointwise_loop`]; `own`, the element's held value, set first, and the
+/// `accumulate` lines of a group norm's backward's channel sums after) and those of the row's one
+/// thread.
 fn row_stores(
     stored: &[StoredResult],
     width: u64,
     vectorised: bool,
     own: Option<String>,
+    accumulate: &str,
 ) -> (String, String) {
     let (mut values, mut stores) = (String::new(), String::new());
     let (mut per_row, mut per_row_stores) = (String::new(), String::new());
@@ -1903,9 +2006,9 @@ fn row_stores(
     }
     let whole = if vectorised {
         let own = own.map_or(String::new(), |own| format!("        a.own0 = {own};\n"));
-        format!("{values}#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n        const idx_t p = a.first + k;\n{own}{columns}      }}\n{stores}")
+        format!("{values}#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n        const idx_t p = a.first + k;\n{own}{columns}{accumulate}      }}\n{stores}")
     } else {
-        format!("      const idx_t p = row * {width} + col;\n{values}{stores}")
+        format!("      const idx_t p = row * {width} + col;\n{values}{accumulate}{stores}")
     };
     (whole, per_row + &per_row_stores)
 }

@@ -29,6 +29,11 @@ pub(super) struct Group {
     /// A layout node alone (`cat`, padding): its inputs are parts of its output, so producers of a
     /// smaller size join it.
     pub assembles: bool,
+    /// Whether its reduction is a group norm's backward, whose kernel sums its results over each
+    /// channel too: sums of every element of a channel of its space join it.
+    pub channel_rows: bool,
+    /// A sum of every element of each channel alone ([`codegen::sums_channels`]).
+    pub channel_sum: bool,
 }
 
 /// The data flow of `ops`: each call's producers, by tensor and by storage for in-place writes.
@@ -99,6 +104,8 @@ pub(super) fn group(
             reduced: None,
             backward: node.op.backward,
             assembles: kind == OpKind::Layout,
+            channel_rows: node.op.name == "aten::native_group_norm_backward",
+            channel_sum: codegen::sums_channels(node.op),
         };
         if !admit(&mut joined, node, kind) {
             continue;
@@ -160,9 +167,19 @@ fn admit(group: &mut Group, node: &Node, kind: OpKind) -> bool {
     }
 }
 
-/// Merges `b` into `a` when their iteration spaces agree and they hold at most one reduction, or
-/// when `b` assembles its output from `a`'s (a `cat` of smaller pointwise results).
+/// Merges `b` into `a` when their iteration spaces agree and they hold at most one reduction, when
+/// `b` assembles its output from `a`'s (a `cat` of smaller pointwise results), or when `b` sums
+/// each channel of `a`'s group norm's backward's rows.
 fn merge(a: &mut Group, b: &Group) -> bool {
+    // A bias's gradient summed from a group norm's backward's results (a convolution's before it).
+    if a.channel_rows && b.channel_sum && a.space == b.space {
+        a.members.extend(&b.members);
+        return true;
+    }
+    // Elsewhere, such a sum is ATen's: the generator sums channels only in those rows.
+    if a.channel_sum || b.channel_sum {
+        return false;
+    }
     let assembled = b.assembles && a.reduced.is_none() && a.space <= b.space;
     let (space, reduced) = match ((a.space, a.reduced), (b.space, b.reduced)) {
         _ if assembled => (b.space, None),
@@ -174,6 +191,7 @@ fn merge(a: &mut Group, b: &Group) -> bool {
     a.space = space;
     a.reduced = reduced;
     a.assembles = false;
+    a.channel_rows |= b.channel_rows;
     a.members.extend(&b.members);
     true
 }
