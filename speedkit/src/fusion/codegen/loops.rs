@@ -1,0 +1,492 @@
+//! The bodies of generated kernels: a pointwise kernel's loop over elements, a row reduction's
+//! over rows (a group norm's two statistics, its backward's channels), and a row held in registers
+//! between its passes.
+
+use std::fmt::Write;
+
+use super::norms::{channel_read, GradientRows, GroupNormGradients};
+use super::{RowReduction, StoredResult, UNROLL};
+
+/// The body of a pointwise kernel. `vectorised`: each thread computes four neighbouring elements
+/// of every result, whose inputs `LOAD` reads four at a time, and stores each result's four at
+/// once. Else a block takes tiles of `UNROLL` × its threads elements, a thread's a block apart
+/// (as ATen's unrolled kernels). Either way every value comes first, then the stores: a load after
+/// a store through another pointer could not be shared, as the compiler cannot rule out aliasing.
+pub(super) fn pointwise_loop(
+    stored: &[StoredResult],
+    vectorised: bool,
+    groups: &[usize],
+) -> String {
+    let (mut declare, mut values, mut stores) = (String::new(), String::new(), String::new());
+    if vectorised {
+        writeln!(declare, "    a.first = q * {UNROLL};").unwrap();
+        for i in groups {
+            writeln!(declare, "    a.g{i} = load_group(a.in{i} + a.first);").unwrap();
+        }
+    }
+    for r in stored {
+        let (i, f, ty) = (r.arg, r.function, r.ty);
+        writeln!(declare, "    float r{i}[{UNROLL}];").unwrap();
+        if vectorised {
+            writeln!(values, "      r{i}[k] = v{f}(a, p, red);").unwrap();
+            writeln!(stores, "    store4(a.out{i} + a.first, r{i});").unwrap();
+        } else {
+            writeln!(values, "      if (p < (idx_t)n) r{i}[k] = v{f}(a, p, red);").unwrap();
+            writeln!(
+                stores,
+                "      if (p < (idx_t)n) a.out{i}[p] = store_as<{ty}>(r{i}[k]);"
+            )
+            .unwrap();
+        }
+    }
+    let each = |p: &str| {
+        format!("#pragma unroll\n    for (int k = 0; k < {UNROLL}; ++k) {{\n      const idx_t p = {p};\n")
+    };
+    if vectorised {
+        return format!(
+            "  const float2 red = NO_ROW;
+  for (idx_t q = blockIdx.x * (idx_t)blockDim.x + threadIdx.x; q < (idx_t)(n / {UNROLL}); q += (idx_t)gridDim.x * blockDim.x) {{
+{declare}{}{values}    }}
+{stores}  }}
+",
+            each("a.first + k")
+        );
+    }
+    let each = each("tile + k * (idx_t)blockDim.x");
+    format!(
+        "  const float2 red = NO_ROW;
+  for (idx_t tile = blockIdx.x * (idx_t)blockDim.x * {UNROLL} + threadIdx.x; tile < (idx_t)n; tile += (idx_t)gridDim.x * blockDim.x * {UNROLL}) {{
+{declare}{each}{values}    }}
+{each}{stores}    }}
+  }}
+"
+    )
+}
+
+/// The body of a kernel with a row reduction: a block per row (`n` rows) reduces the row, then
+/// writes the results of the whole space (one per column) and of the rows (one per row). Vectorised,
+/// a thread takes four neighbouring columns at a time, as [`pointwise_loop`] takes elements.
+pub(super) fn row_loop(
+    r: &RowReduction,
+    stored: &[StoredResult],
+    vectorised: bool,
+    groups: &[usize],
+    cache: Option<RowCache>,
+) -> String {
+    let (init, combine, warp) = match r.op {
+        "amax" => ("-infinity()", "fmaxf(acc, v)", "warp_max"),
+        _ => ("0.f", "acc + v", "warp_sum"),
+    };
+    let finish = if r.op == "mean" {
+        format!("partial[0] / {}.f", r.width)
+    } else {
+        "partial[0]".to_string()
+    };
+    let columns = column_loop(r.width, vectorised, groups);
+    let mut accumulate = String::new();
+    for (t, value) in (r.gradients.iter()).flat_map(|g| g.channel_sums.iter().enumerate()) {
+        writeln!(accumulate, "        t{t} += {value};").unwrap();
+    }
+    let own = cache.map(|c| c.own());
+    let (whole, per_row) = row_stores(stored, r.width, vectorised, own, &accumulate);
+    if let Some(gradients) = &r.gradients {
+        let loops = match cache {
+            Some(cache) => cache.gradient_loops(gradients, groups, &whole),
+            None => uncached_gradient_loops(gradients, vectorised, groups, &whole),
+        };
+        return group_norm_backward_loop(gradients, stored, &loops);
+    }
+    if r.op == "moments" {
+        return match cache {
+            Some(cache) => cache.moments_loop(r, groups, &whole, &per_row),
+            None => moments_loop(r, &columns, vectorised, &whole, &per_row),
+        };
+    }
+    let read = if vectorised {
+        format!("#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n        const float v = in_red(a, row, col + k, NO_ROW);\n        acc = {combine};\n      }}\n")
+    } else {
+        format!("      const float v = in_red(a, row, col, NO_ROW);\n      acc = {combine};\n")
+    };
+    format!(
+        "  __shared__ float partial[32];
+  for (idx_t row = blockIdx.x; row < (idx_t)n; row += gridDim.x) {{
+    float acc = {init};
+    {columns}{read}    }}
+    acc = {warp}(acc);
+    if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x < 32) {{
+      acc = threadIdx.x < (blockDim.x + 31) / 32 ? partial[threadIdx.x] : {init};
+      acc = {warp}(acc);
+      if (threadIdx.x == 0) partial[0] = acc;
+    }}
+    __syncthreads();
+    const float2 red = make_float2({finish}, 0.f);
+    {columns}{whole}    }}
+    if (threadIdx.x == 0) {{
+      const idx_t p = row;
+{per_row}    }}
+    __syncthreads();
+  }}
+"
+    )
+}
+
+/// The body of a group norm's kernel: a block per row sums the row for its mean, then the squares
+/// of its elements less the mean for its variance (two passes: a row's second read comes from the
+/// cache, and the variance is as exact as ATen's Welford one), then writes the results.
+fn moments_loop(
+    r: &RowReduction,
+    columns: &str,
+    vectorised: bool,
+    whole: &str,
+    per_row: &str,
+) -> String {
+    let width = r.width;
+    let read = |value: &str| {
+        if vectorised {
+            format!("#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n        const float v = in_red(a, row, col + k, NO_ROW);\n        acc += {value};\n      }}\n")
+        } else {
+            format!("      const float v = in_red(a, row, col, NO_ROW);\n      acc += {value};\n")
+        }
+    };
+    let (sum, squares) = (read("v"), read("(v - mean) * (v - mean)"));
+    format!(
+        "  __shared__ float partial[32];
+  for (idx_t row = blockIdx.x; row < (idx_t)n; row += gridDim.x) {{
+    float acc = 0.f;
+    {columns}{sum}    }}
+    const float mean = block_sum(acc, partial) / {width}.f;
+    acc = 0.f;
+    {columns}{squares}    }}
+    const float variance = block_sum(acc, partial) / {width}.f;
+    const float2 red = make_float2(mean, rsqrtf(fmaxf(variance, 0.f) + {eps:?}f));
+    {columns}{whole}    }}
+    if (threadIdx.x == 0) {{
+      const idx_t p = row;
+{per_row}    }}
+    __syncthreads();
+  }}
+",
+        eps = r.eps as f32,
+    )
+}
+
+/// A group norm's backward's two loops over channel `cl` of a row: the one summing it (`s += dy *
+/// x`, `b += dy`), and the one writing the input's gradient (and adding to the channel sums).
+struct GradientLoops {
+    /// What a row declares first.
+    declare: String,
+    /// `#pragma unroll` where the loops over the channels are unrolled (a row held in registers).
+    unroll: &'static str,
+    /// The loop over the channel's elements summing them, opened and closed.
+    sums: String,
+    /// The loop over the channel's elements writing the results, opened and closed.
+    stores: String,
+}
+
+/// [`GradientLoops`] reading each element where it is needed.
+fn uncached_gradient_loops(
+    gradients: &GradientRows,
+    vectorised: bool,
+    groups: &[usize],
+    whole: &str,
+) -> GradientLoops {
+    let (hxw, width) = (gradients.shape.hxw, gradients.shape.width());
+    let mut head = match vectorised {
+        true => format!("for (idx_t hw = threadIdx.x * {UNROLL}; hw < {hxw}; hw += blockDim.x * {UNROLL}) {{\n        const idx_t col = cl * {hxw} + hw;\n        a.first = row * {width} + col;\n"),
+        false => format!("for (idx_t hw = threadIdx.x; hw < {hxw}; hw += blockDim.x) {{\n        const idx_t col = cl * {hxw} + hw;\n"),
+    };
+    for i in groups.iter().filter(|_| vectorised) {
+        writeln!(head, "        a.g{i} = load_group(a.in{i} + a.first);").unwrap();
+    }
+    let sums = if vectorised {
+        format!("{head}#pragma unroll\n        for (int k = 0; k < {UNROLL}; ++k) {{\n          const float dy = in_dy(a, row, col + k, NO_ROW);\n          s += dy * in_x(a, row, col + k, NO_ROW);\n          b += dy;\n        }}\n      }}\n")
+    } else {
+        format!("{head}        const float dy = in_dy(a, row, col, NO_ROW);\n        s += dy * in_x(a, row, col, NO_ROW);\n        b += dy;\n      }}\n")
+    };
+    GradientLoops {
+        declare: String::new(),
+        unroll: "",
+        sums,
+        stores: format!("{head}{whole}      }}\n"),
+    }
+}
+
+/// The body of a group norm's backward's kernel ([`Generator::group_norm_backward`]). A block per
+/// row sums `dy * x` and `dy` over each of the row's channels, one channel after the other, and
+/// keeps each sample's channel terms of the weight and bias gradients in the workspace `ws`
+/// (after its first float, a counter of finished blocks); then writes the row's input gradient,
+/// channel after channel, keeping each channel's sums ([`Generator::channel_sum`]) there too.
+/// The last block to finish sums the workspace over samples, in order (the same sums every run).
+fn group_norm_backward_loop(
+    gradients: &GradientRows,
+    stored: &[StoredResult],
+    loops: &GradientLoops,
+) -> String {
+    let GroupNormGradients {
+        samples,
+        channels,
+        groups: norm_groups,
+        ..
+    } = gradients.shape;
+    let (width, per_group) = (
+        gradients.shape.width(),
+        gradients.shape.channels_per_group(),
+    );
+    let (mean, rstd) = (gradients.mean, gradients.rstd);
+    let w = channel_read(gradients.weight, "channel", "1.f");
+    let bias_terms = samples * channels;
+    let GradientLoops {
+        declare,
+        unroll,
+        sums,
+        stores,
+    } = loops;
+    // Per channel: its sums' terms of this sample, kept in the workspace after the weight's and
+    // the bias's; and the last block's sums of each over the samples.
+    let (mut open, mut close, mut finish) = (String::new(), String::new(), String::new());
+    for t in 0..gradients.channel_sums.len() as u64 {
+        writeln!(open, "      float t{t} = 0.f;").unwrap();
+        writeln!(close, "      t{t} = block_sum(t{t}, partial);\n      if (threadIdx.x == 0) ws[1 + {} + sample * {channels} + channel] = t{t};", (2 + t) * bias_terms).unwrap();
+        writeln!(finish, "      float sum{} = 0.f;\n      for (idx_t sample = 0; sample < {samples}; ++sample) sum{} += __ldcg(ws + 1 + {} + sample * {channels} + channel);", 2 + t, 2 + t, (2 + t) * bias_terms).unwrap();
+    }
+    for r in stored {
+        if let Some(which) = r.channel {
+            let sum = match which {
+                0 => "weight_sum".to_string(),
+                1 => "bias_sum".to_string(),
+                k => format!("sum{k}"),
+            };
+            writeln!(
+                finish,
+                "      a.out{}[channel] = store_as<{}>({sum});",
+                r.arg, r.ty
+            )
+            .unwrap();
+        }
+    }
+
+    format!(
+        "  __shared__ float partial[32];
+  __shared__ bool last_block;
+  const float s_width = 1.f / {width}.f;
+  for (idx_t row = blockIdx.x; row < (idx_t)n; row += gridDim.x) {{
+    const float mean = to_float_any(a.in{mean}[row]);
+    const float rstd = to_float_any(a.in{rstd}[row]);
+    const idx_t sample = row / {norm_groups};
+    float sum_dy_x = 0.f, sum_dy = 0.f;
+{declare}{unroll}
+    for (int cl = 0; cl < {per_group}; ++cl) {{
+      const idx_t channel = (row % {norm_groups}) * {per_group} + cl;
+      float s = 0.f, b = 0.f;
+      {sums}      s = block_sum(s, partial);
+      b = block_sum(b, partial);
+      const float w = {w};
+      sum_dy_x += s * w;
+      sum_dy += b * w;
+      if (threadIdx.x == 0) {{
+        ws[1 + sample * {channels} + channel] = (s - b * mean) * rstd;
+        ws[1 + {bias_terms} + sample * {channels} + channel] = b;
+      }}
+    }}
+    const float cx = (sum_dy * mean - sum_dy_x) * rstd * rstd * rstd * s_width;
+    const float2 red = make_float2(cx, -cx * mean - sum_dy * rstd * s_width);
+{unroll}
+    for (int cl = 0; cl < {per_group}; ++cl) {{
+      const idx_t channel = (row % {norm_groups}) * {per_group} + cl;
+{open}      {stores}{close}    }}
+    __syncthreads();
+  }}
+  // The last block to finish: every other block's terms are written (each fenced before it
+  // counted itself), and are read past the L1 cache.
+  if (threadIdx.x == 0) {{
+    __threadfence();
+    last_block = atomicAdd(reinterpret_cast<unsigned int*>(ws), 1u) == gridDim.x - 1;
+  }}
+  __syncthreads();
+  if (last_block) {{
+    __threadfence();
+    for (idx_t channel = threadIdx.x; channel < {channels}; channel += blockDim.x) {{
+      float weight_sum = 0.f, bias_sum = 0.f;
+#pragma unroll 8
+      for (idx_t sample = 0; sample < {samples}; ++sample) {{
+        weight_sum += __ldcg(ws + 1 + sample * {channels} + channel);
+        bias_sum += __ldcg(ws + 1 + {bias_terms} + sample * {channels} + channel);
+      }}
+{finish}    }}
+  }}
+"
+    )
+}
+
+/// A row held in registers between its passes: each of `threads` threads a block holds `slots`
+/// groups of four of the row's elements (of a group norm's backward, `slots` per channel of its
+/// group), so that a row's input is computed once, not once per pass. A row kernel's input is
+/// often a chain (a concatenation, a cast, a bias added; SiLU's backward of the recomputed norm)
+/// whose index arithmetic and transcendental functions cost more than the memory it reads.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct RowCache {
+    pub(super) threads: u64,
+    slots: u64,
+}
+
+/// The most values a thread holds: 32 registers of the 64 a thread of a block of 1024 has.
+const CACHED_VALUES: u64 = 32;
+
+impl RowCache {
+    /// The cache of a vectorised group norm's kernel, or of its backward's: the fewest threads
+    /// (256 to 1024) that hold the row in [`CACHED_VALUES`] a thread; `None` for a longer row.
+    pub(super) fn of(r: &RowReduction, vectorised: bool) -> Option<RowCache> {
+        if !vectorised {
+            return None;
+        }
+        let (span, channels) = match (&r.gradients, r.op) {
+            (Some(g), _) => (g.shape.hxw, g.shape.channels_per_group()),
+            (None, "moments") => (r.width, 1),
+            _ => return None,
+        };
+        [256, 512, 1024].into_iter().find_map(|threads| {
+            let slots = span.div_ceil(threads * UNROLL);
+            (channels * slots * UNROLL <= CACHED_VALUES).then_some(RowCache { threads, slots })
+        })
+    }
+
+    /// The value an element's functions read as their own (`OWN`): slot `j` (of channel `cl`).
+    fn own(&self) -> String {
+        format!("held[(cl * {} + j) * {UNROLL} + k]", self.slots)
+    }
+
+    /// The head of slot `j` of channel `cl` of a row (`span` elements a channel): its first
+    /// column, the guard, and the inputs' groups of four.
+    fn slot_head(&self, span: u64, width: u64, groups: &[usize]) -> String {
+        let mut head = format!(
+            "#pragma unroll\n    for (int j = 0; j < {slots}; ++j) {{\n      const idx_t hw = (j * (idx_t)blockDim.x + threadIdx.x) * {UNROLL};\n      if (hw >= {span}) continue;\n      const idx_t col = cl * {span} + hw;\n      a.first = row * {width} + col;\n",
+            slots = self.slots
+        );
+        for i in groups {
+            writeln!(head, "      a.g{i} = load_group(a.in{i} + a.first);").unwrap();
+        }
+        head
+    }
+
+    /// A group norm's kernel with its row held: one pass computes and sums the row, the variance
+    /// sums the held values less the mean, and the results read them (`OWN`).
+    fn moments_loop(
+        &self,
+        r: &RowReduction,
+        groups: &[usize],
+        whole: &str,
+        per_row: &str,
+    ) -> String {
+        let (width, eps) = (r.width, r.eps as f32);
+        let head = self.slot_head(width, width, groups);
+        let values = self.slots * UNROLL;
+        let each = format!("#pragma unroll\n    for (int j = 0; j < {}; ++j) {{\n      if ((j * (idx_t)blockDim.x + threadIdx.x) * {UNROLL} >= {width}) continue;\n#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n", self.slots);
+        format!(
+            "  __shared__ float partial[32];
+  const int cl = 0;
+  for (idx_t row = blockIdx.x; row < (idx_t)n; row += gridDim.x) {{
+    float held[{values}];
+    float acc = 0.f;
+    {head}#pragma unroll
+      for (int k = 0; k < {UNROLL}; ++k) {{
+        held[j * {UNROLL} + k] = in_red(a, row, col + k, NO_ROW);
+        acc += held[j * {UNROLL} + k];
+      }}
+    }}
+    const float mean = block_sum(acc, partial) / {width}.f;
+    acc = 0.f;
+    {each}        const float v = held[j * {UNROLL} + k];
+        acc += (v - mean) * (v - mean);
+      }}
+    }}
+    const float variance = block_sum(acc, partial) / {width}.f;
+    const float2 red = make_float2(mean, rsqrtf(fmaxf(variance, 0.f) + {eps:?}f));
+    {head}{whole}    }}
+    if (threadIdx.x == 0) {{
+      const idx_t p = row;
+{per_row}    }}
+    __syncthreads();
+  }}
+"
+        )
+    }
+
+    /// A group norm's backward's loops with its gradient held: the sums compute each element's
+    /// gradient once, the stores read it (`OWN`), one channel after the other too.
+    fn gradient_loops(
+        &self,
+        gradients: &GradientRows,
+        groups: &[usize],
+        whole: &str,
+    ) -> GradientLoops {
+        let (hxw, width) = (gradients.shape.hxw, gradients.shape.width());
+        let head = self
+            .slot_head(hxw, width, groups)
+            .replace("\n    ", "\n      ");
+        let sums = format!(
+            "{head}#pragma unroll\n        for (int k = 0; k < {UNROLL}; ++k) {{\n          const float dy = in_dy(a, row, col + k, NO_ROW);\n          held[(cl * {slots} + j) * {UNROLL} + k] = dy;\n          s += dy * in_x(a, row, col + k, NO_ROW);\n          b += dy;\n        }}\n      }}\n",
+            slots = self.slots
+        );
+        let held = gradients.shape.channels_per_group() * self.slots * UNROLL;
+        GradientLoops {
+            declare: format!("    float held[{held}];\n"),
+            unroll: "#pragma unroll",
+            sums,
+            stores: format!("{head}{whole}      }}\n"),
+        }
+    }
+}
+
+/// The head of a row's loop over its `width` columns: one at a time a block apart, or (vectorised)
+/// four neighbours at a time, the inputs' groups of four loaded first.
+fn column_loop(width: u64, vectorised: bool, groups: &[usize]) -> String {
+    if !vectorised {
+        return format!("for (idx_t col = threadIdx.x; col < {width}; col += blockDim.x) {{\n");
+    }
+    let mut head = format!(
+        "for (idx_t col = threadIdx.x * {UNROLL}; col < {width}; col += blockDim.x * {UNROLL}) {{\n      a.first = row * {width} + col;\n"
+    );
+    for i in groups {
+        writeln!(head, "      a.g{i} = load_group(a.in{i} + a.first);").unwrap();
+    }
+    head
+}
+
+/// The stores of a row-reduction kernel: those of its column loop (every value first, then the
+/// stores, as in [`pointwise_loop`]; `own`, the element's held value, set first, and the
+/// `accumulate` lines of a group norm's backward's channel sums after) and those of the row's one
+/// thread.
+fn row_stores(
+    stored: &[StoredResult],
+    width: u64,
+    vectorised: bool,
+    own: Option<String>,
+    accumulate: &str,
+) -> (String, String) {
+    let (mut values, mut stores) = (String::new(), String::new());
+    let (mut per_row, mut per_row_stores) = (String::new(), String::new());
+    let mut columns = String::new();
+    for s in stored.iter().filter(|s| s.channel.is_none()) {
+        let (i, f, ty) = (s.arg, s.function, s.ty);
+        if s.per_row {
+            writeln!(per_row, "      const float r{i} = v{f}(a, p, red);").unwrap();
+            writeln!(per_row_stores, "      a.out{i}[p] = store_as<{ty}>(r{i});").unwrap();
+        } else if vectorised {
+            writeln!(values, "      float r{i}[{UNROLL}];").unwrap();
+            writeln!(columns, "        r{i}[k] = v{f}(a, p, red);").unwrap();
+            writeln!(stores, "      store4(a.out{i} + a.first, r{i});").unwrap();
+        } else {
+            writeln!(values, "      const float r{i} = v{f}(a, p, red);").unwrap();
+            writeln!(stores, "      a.out{i}[p] = store_as<{ty}>(r{i});").unwrap();
+        }
+    }
+    let whole = if vectorised {
+        let own = own.map_or(String::new(), |own| format!("        a.own0 = {own};\n"));
+        format!("{values}#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n        const idx_t p = a.first + k;\n{own}{columns}{accumulate}      }}\n{stores}")
+    } else {
+        format!("      const idx_t p = row * {width} + col;\n{values}{accumulate}{stores}")
+    };
+    (whole, per_row + &per_row_stores)
+}

@@ -1,0 +1,466 @@
+//! Group norms as the generator takes them: the forward's rows (a sample's group of channels) and
+//! their statistics, the backward's rows with the weight's and bias's gradients, and a sum over
+//! each channel of the backward's results (a convolution bias's gradient).
+
+use std::fmt::Write;
+
+use tch::Kind;
+
+use crate::trace::{TracedOp, TracedTensor, TracedValue};
+
+use super::{
+    c_type, check_contiguous, coordinates_of, integer, kind_of, row_major, ArgSource, Generator,
+    KernelArg, RowReduction,
+};
+
+/// A group norm's rows as the generator takes them: `native_group_norm` of a tensor of samples ×
+/// channels × `hxw` elements, in `rows` = samples × groups rows of `width` elements, its
+/// three results (normalised elements, means, reciprocal standard deviations) of stored types and
+/// contiguous, the first in its input's shape.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct GroupNormRows {
+    rows: u64,
+    width: u64,
+    eps: f64,
+}
+
+/// `op`'s rows where it is a group norm the generator takes ([`GroupNormRows`]).
+pub(super) fn normalizes_groups(op: &TracedOp) -> Option<GroupNormRows> {
+    if op.name != "aten::native_group_norm" {
+        return None;
+    }
+    let [TracedValue::Tensor(out), TracedValue::Tensor(mean), TracedValue::Tensor(rstd)] =
+        op.outputs.as_slice()
+    else {
+        return None;
+    };
+    let Some(TracedValue::Tensor(input)) = op.inputs.first() else {
+        return None;
+    };
+    let (samples, channels, hxw, groups) = (
+        integer(op.inputs.get(3))?,
+        integer(op.inputs.get(4))?,
+        integer(op.inputs.get(5))?,
+        integer(op.inputs.get(6))?,
+    );
+    let eps = match op.inputs.get(7)? {
+        TracedValue::Other { value, .. } => value.trim_matches('"').parse::<f64>().ok()?,
+        _ => return None,
+    };
+    let rows = (samples * groups) as u64;
+    let sized = groups > 0
+        && channels % groups == 0
+        && input.shape.len() >= 2
+        && input.shape[1] == channels
+        && input.numel == (samples * channels * hxw) as u64
+        && out.shape == input.shape
+        && mean.numel == rows
+        && rstd.numel == rows;
+    let stored = [input, out, mean, rstd]
+        .iter()
+        .all(|t| kind_of(&t.dtype).is_some_and(|k| k != Kind::Bool));
+    let contiguous = [out, mean, rstd]
+        .iter()
+        .all(|t| check_contiguous(t).is_ok());
+    (sized && stored && contiguous).then_some(GroupNormRows {
+        rows,
+        width: (channels / groups * hxw) as u64,
+        eps,
+    })
+}
+
+/// A group norm's backward as the generator takes it: `native_group_norm_backward` of the
+/// gradient and input of a tensor of `samples` × `channels` × `hxw` elements in `groups` groups,
+/// with the forward's stored statistics (contiguous, one per row), and all three gradients (the
+/// input's contiguous in its shape, the weight's and bias's one per channel) of stored types.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct GroupNormGradients {
+    pub(super) samples: u64,
+    pub(super) channels: u64,
+    pub(super) groups: u64,
+    pub(super) hxw: u64,
+}
+
+impl GroupNormGradients {
+    pub(super) fn rows(&self) -> u64 {
+        self.samples * self.groups
+    }
+
+    pub(super) fn channels_per_group(&self) -> u64 {
+        self.channels / self.groups
+    }
+
+    pub(super) fn width(&self) -> u64 {
+        self.channels_per_group() * self.hxw
+    }
+}
+
+/// `op`'s shape where it is a group norm's backward the generator takes ([`GroupNormGradients`]).
+pub(super) fn group_norm_gradients(op: &TracedOp) -> Option<GroupNormGradients> {
+    if op.name != "aten::native_group_norm_backward" {
+        return None;
+    }
+    let tensor = |i: usize| match op.inputs.get(i) {
+        Some(TracedValue::Tensor(t)) => Some(t),
+        _ => None,
+    };
+    let (grad, input, mean, rstd) = (tensor(0)?, tensor(1)?, tensor(2)?, tensor(3)?);
+    let [TracedValue::Tensor(dx), TracedValue::Tensor(dw), TracedValue::Tensor(db)] =
+        op.outputs.as_slice()
+    else {
+        return None;
+    };
+    let (samples, channels, hxw, groups) = (
+        integer(op.inputs.get(5))?,
+        integer(op.inputs.get(6))?,
+        integer(op.inputs.get(7))?,
+        integer(op.inputs.get(8))?,
+    );
+    if samples <= 0 || channels <= 0 || hxw <= 0 || groups <= 0 || channels % groups != 0 {
+        return None;
+    }
+    let shape = GroupNormGradients {
+        samples: samples as u64,
+        channels: channels as u64,
+        groups: groups as u64,
+        hxw: hxw as u64,
+    };
+    let sized = input.shape.len() >= 2
+        && input.shape[1] == channels
+        && input.numel == shape.rows() * shape.width()
+        && grad.shape == input.shape
+        && dx.shape == input.shape
+        && [mean, rstd].iter().all(|t| t.numel == shape.rows())
+        && [dw, db].iter().all(|t| t.numel == shape.channels);
+    let stored = [grad, input, mean, rstd, dx, dw, db]
+        .iter()
+        .all(|t| t.item_bytes > 0 && kind_of(&t.dtype).is_some_and(|k| k != Kind::Bool));
+    let contiguous = [mean, rstd, dx, dw, db]
+        .iter()
+        .all(|t| check_contiguous(t).is_ok());
+    (sized && stored && contiguous).then_some(shape)
+}
+
+/// Whether `op` sums every element of each channel (all dimensions but the second) of a tensor
+/// of at least three dimensions, in its own type: the gradient of a bias broadcast over a
+/// convolution's output, as autograd sums it.
+pub(crate) fn sums_channels(op: &TracedOp) -> bool {
+    if !op.schema.starts_with("aten::sum.dim_IntList(") {
+        return false;
+    }
+    let (Some(TracedValue::Tensor(input)), Some(TracedValue::Other { value, .. })) =
+        (op.inputs.first(), op.inputs.get(1))
+    else {
+        return false;
+    };
+    let rank = input.shape.len() as i64;
+    let Ok(mut dims) = serde_json::from_str::<Vec<i64>>(value) else {
+        return false;
+    };
+    for d in &mut dims {
+        *d = (*d + rank) % rank.max(1);
+    }
+    dims.sort_unstable();
+    let all_but_channels: Vec<i64> = (0..rank).filter(|&d| d != 1).collect();
+    let same_type = match op.outputs.as_slice() {
+        [TracedValue::Tensor(out)] => out.dtype == input.dtype && kind_of(&out.dtype).is_some(),
+        _ => false,
+    };
+    rank >= 3 && dims == all_but_channels && same_type
+}
+
+/// A group norm's backward's rows ([`GroupNormGradients`]) and the arguments its row loop reads
+/// itself: the statistics, one per row, and the weight (its argument and stride), if any.
+#[derive(Clone, Debug)]
+pub(super) struct GradientRows {
+    pub(super) shape: GroupNormGradients,
+    pub(super) mean: usize,
+    pub(super) rstd: usize,
+    pub(super) weight: Option<(usize, i64)>,
+    /// The elements summed over each channel ([`Generator::channel_sum`]), as read at `p`.
+    pub(super) channel_sums: Vec<String>,
+}
+
+/// The read of a per-channel argument (`channel_argument`'s: its index and stride) at `channel`,
+/// or `absent` where there is none.
+pub(super) fn channel_read(argument: Option<(usize, i64)>, channel: &str, absent: &str) -> String {
+    match argument {
+        Some((i, stride)) => format!("to_float_any(a.in{i}[{channel} * {stride}])"),
+        None => absent.into(),
+    }
+}
+
+impl Generator {
+    /// A group norm ([`GroupNormRows`]): its input read at row `n * groups + g`, column `col`
+    /// (the row's channels one after the other, each channel's elements in order), and three
+    /// functions: the normalised element, scaled and shifted by its channel's weight and bias as
+    /// ATen does (`x * (rstd * w) + (b - mean * rstd * w)`), and the row's mean and reciprocal
+    /// standard deviation.
+    pub(super) fn group_norm(&mut self, op: &TracedOp) -> Result<(), String> {
+        let shape = normalizes_groups(op).ok_or("a group norm of a shape not generated")?;
+        if self.stored_statistics {
+            return self.group_norm_from_statistics(op, shape.width);
+        }
+        if self.reduction.is_some() {
+            return Err("a second reduction in one group".into());
+        }
+        let (
+            Some(TracedValue::Tensor(input)),
+            [TracedValue::Tensor(out), TracedValue::Tensor(mean), TracedValue::Tensor(rstd)],
+        ) = (op.inputs.first(), op.outputs.as_slice())
+        else {
+            return Err("native_group_norm without its input and three results".into());
+        };
+        let mut body = String::new();
+        writeln!(body, "  const idx_t p = row * {} + col;", shape.width).unwrap();
+        body.push_str(&coordinates_of(&row_major(input)));
+        self.row_input(op, "in_red", 0, body)?;
+        let body = self.normalised(op, input, out, |_| ["red.x".into(), "red.y".into()])?;
+        self.read_row_element = true;
+        self.define(op, out, &body);
+        // A row's statistics too are its own block's only.
+        for (statistic, t) in [("red.x", mean), ("red.y", rstd)] {
+            let kind = kind_of(&t.dtype).unwrap_or(Kind::Float);
+            let body = format!("  return round_to<{}>({statistic});\n", c_type(kind));
+            self.read_row_element = true;
+            self.define(op, t, &body);
+        }
+        self.reduction = Some(RowReduction {
+            rows: shape.rows,
+            width: shape.width,
+            op: "moments",
+            eps: shape.eps,
+            gradients: None,
+        });
+        Ok(())
+    }
+
+    /// A group norm's normalised elements from its stored statistics (results 1 and 2, one per
+    /// row of `width` elements): a pointwise function, computed as the reduction's is.
+    fn group_norm_from_statistics(&mut self, op: &TracedOp, width: u64) -> Result<(), String> {
+        let (
+            Some(TracedValue::Tensor(input)),
+            [TracedValue::Tensor(out), TracedValue::Tensor(mean), TracedValue::Tensor(rstd)],
+        ) = (op.inputs.first(), op.outputs.as_slice())
+        else {
+            return Err("native_group_norm without its input and three results".into());
+        };
+        let body = self.normalised(op, input, out, |g| {
+            [(mean, 1), (rstd, 2)].map(|(t, position)| {
+                let i = g.result_argument(t, position);
+                format!("to_float_any(a.in{i}[p / {width}])")
+            })
+        })?;
+        self.define(op, out, &body);
+        Ok(())
+    }
+
+    /// A group norm's backward ([`GroupNormGradients`]) as ATen computes it: per row, the sums of
+    /// `dy * x` and `dy` over each of its channels; the input's gradient
+    /// `rstd * w * dy + c2 * x + c3`, with `c2` and `c3` of the row's channel sums weighted by
+    /// `w` (`red`); the weight's and bias's, the sums over samples of each channel's
+    /// `(sum(dy * x) - sum(dy) * mean) * rstd` and `sum(dy)`, by the kernel's last block.
+    pub(super) fn group_norm_backward(&mut self, op: &TracedOp) -> Result<(), String> {
+        let shape = group_norm_gradients(op).ok_or("a group norm's backward not generated")?;
+        if self.reduction.is_some() {
+            return Err("a second reduction in one group".into());
+        }
+        let (
+            [Some(TracedValue::Tensor(grad)), Some(TracedValue::Tensor(input)), Some(TracedValue::Tensor(mean)), Some(TracedValue::Tensor(rstd))],
+            [TracedValue::Tensor(dx), TracedValue::Tensor(dw), TracedValue::Tensor(db)],
+        ) = (
+            [0, 1, 2, 3].map(|i| op.inputs.get(i)),
+            op.outputs.as_slice(),
+        )
+        else {
+            return Err(
+                "native_group_norm_backward without its four inputs and three results".into(),
+            );
+        };
+        let width = shape.width();
+        for (name, position, t) in [("in_dy", 0, grad), ("in_x", 1, input)] {
+            let mut body = format!("  const idx_t p = row * {width} + col;\n");
+            body.push_str(&coordinates_of(&row_major(t)));
+            self.row_input(op, name, position, body)?;
+        }
+        let [mean, rstd] = [(2, mean), (3, rstd)].map(|(position, t)| {
+            self.position = position;
+            self.note_extent(t);
+            (!self.inside.contains(&(self.call, t.storage)))
+                .then(|| self.argument(t, KernelArg::Input(t.clone())))
+        });
+        let (Some(mean), Some(rstd)) = (mean, rstd) else {
+            return Err("a group norm's statistics computed in the group of its backward".into());
+        };
+        let weight = self.channel_argument(op, 4)?;
+        let mut body = coordinates_of(dx);
+        self.position = 0;
+        let dy = format!("OWN(0, {})", self.read(grad, dx)?);
+        self.position = 1;
+        let x = self.read(input, dx)?;
+        let w = channel_read(weight, "c[1]", "1.f");
+        let kind = kind_of(&dx.dtype).unwrap_or(Kind::Float);
+        writeln!(
+            body,
+            "  return round_to<{}>(to_float_any(a.in{rstd}[p / {width}]) * {w} * {dy} + red.x * {x} + red.y);",
+            c_type(kind)
+        )
+        .unwrap();
+        // Computed with its row's sums, it is its own block's only.
+        self.read_row_element = true;
+        self.define(op, dx, &body);
+        for (which, t) in [dw, db].into_iter().enumerate() {
+            self.note_extent(t);
+            self.results
+                .insert(t.key(), (usize::MAX, t.clone(), self.call, which + 1));
+            self.channel_results.insert(t.key(), which);
+        }
+        self.reduction = Some(RowReduction {
+            rows: shape.rows(),
+            width,
+            op: "group_norm_backward",
+            eps: 0.0,
+            gradients: Some(GradientRows {
+                shape,
+                mean,
+                rstd,
+                weight,
+                channel_sums: Vec::new(),
+            }),
+        });
+        Ok(())
+    }
+
+    /// A sum of every element of each channel ([`sums_channels`]) of a result of the group's
+    /// group norm's backward's rows, read at its own element: each block sums its row's channels
+    /// as it writes them, and the last block sums the samples, as it does the weight's gradient.
+    pub(super) fn channel_sum(&mut self, op: &TracedOp) -> Result<(), String> {
+        let outside = "a sum over each channel outside a group norm's backward's rows";
+        let Some(shape) = (self.reduction.as_ref())
+            .and_then(|r| r.gradients.as_ref())
+            .map(|g| g.shape)
+        else {
+            return Err(outside.into());
+        };
+        let (Some(TracedValue::Tensor(input)), [TracedValue::Tensor(out)]) =
+            (op.inputs.first(), op.outputs.as_slice())
+        else {
+            return Err(format!("{} without its input and result", op.name));
+        };
+        let rows = input.shape.len() >= 3
+            && input.shape[..2] == [shape.samples as i64, shape.channels as i64]
+            && input.numel == shape.rows() * shape.width()
+            && check_contiguous(input).is_ok()
+            && out.numel == shape.channels
+            && check_contiguous(out).is_ok();
+        if !rows || !self.inside.contains(&(self.call, input.storage)) {
+            return Err(outside.into());
+        }
+        self.position = 0;
+        let value = self.read(input, &row_major(input))?;
+        if value.contains("c[") {
+            return Err(outside.into());
+        }
+        let Some(gradients) = self.reduction.as_mut().and_then(|r| r.gradients.as_mut()) else {
+            return Err(outside.into());
+        };
+        gradients.channel_sums.push(value);
+        let which = 1 + gradients.channel_sums.len();
+        self.read_row_element = false;
+        self.note_extent(out);
+        self.results
+            .insert(out.key(), (usize::MAX, out.clone(), self.call, 0));
+        self.channel_results.insert(out.key(), which);
+        write!(self.signature, "{};", op.schema).unwrap();
+        Ok(())
+    }
+
+    /// The body of a group norm's normalised element `out[p]`, scaled and shifted as ATen does,
+    /// from its row's mean and reciprocal standard deviation as `statistics` reads them (after
+    /// the input, weight and bias).
+    fn normalised(
+        &mut self,
+        op: &TracedOp,
+        input: &TracedTensor,
+        out: &TracedTensor,
+        statistics: impl FnOnce(&mut Self) -> [String; 2],
+    ) -> Result<String, String> {
+        let mut body = coordinates_of(out);
+        self.position = 0;
+        let x = self.read(input, out)?;
+        // The row's own input, held in registers where the kernel holds its row.
+        let x = match self.stored_statistics {
+            true => x,
+            false => format!("OWN(0, {x})"),
+        };
+        let weight = self.read_channel(op, 1, "1.f")?;
+        let bias = self.read_channel(op, 2, "0.f")?;
+        let [mean, rstd] = statistics(self);
+        let out_kind = kind_of(&out.dtype).unwrap_or(Kind::Float);
+        writeln!(body, "  const float scale = {rstd} * {weight};").unwrap();
+        writeln!(
+            body,
+            "  return round_to<{}>({x} * scale + ({bias} - {mean} * scale));",
+            c_type(out_kind)
+        )
+        .unwrap();
+        Ok(body)
+    }
+
+    /// The index of the argument reading result `position` of the call being generated (a
+    /// statistic it stored), added on its first read.
+    fn result_argument(&mut self, t: &TracedTensor, position: usize) -> usize {
+        self.note_extent(t);
+        let i = self.argument(t, KernelArg::Input(t.clone()));
+        self.sources[i] = ArgSource {
+            call: self.call,
+            output: true,
+            position,
+            element: None,
+        };
+        i
+    }
+
+    /// A group norm's per-channel argument `position` (its weight or bias) at the channel of the
+    /// element being computed (`c[1]`), or `absent` where the call has none.
+    fn read_channel(
+        &mut self,
+        op: &TracedOp,
+        position: usize,
+        absent: &str,
+    ) -> Result<String, String> {
+        Ok(channel_read(
+            self.channel_argument(op, position)?,
+            "c[1]",
+            absent,
+        ))
+    }
+
+    /// The argument and stride of a group norm's per-channel argument `position` (its weight or
+    /// bias), added on its first read; `None` where the call has none.
+    fn channel_argument(
+        &mut self,
+        op: &TracedOp,
+        position: usize,
+    ) -> Result<Option<(usize, i64)>, String> {
+        // An undefined tensor (none given) is traced as one of no element type.
+        let t = match op.inputs.get(position) {
+            Some(TracedValue::Tensor(t)) if t.item_bytes > 0 => t,
+            _ => return Ok(None),
+        };
+        if t.shape.len() != 1 {
+            return Err("a group norm's weight or bias of other than one dimension".into());
+        }
+        if self.inside.contains(&(self.call, t.storage)) {
+            return Err("a group norm's weight or bias computed in the group".into());
+        }
+        let kind = kind_of(&t.dtype).ok_or_else(|| format!("a weight of type {}", t.dtype))?;
+        if kind == Kind::Bool {
+            return Err("a weight of type bool".into());
+        }
+        self.position = position;
+        self.note_extent(t);
+        let i = self.argument(t, KernelArg::Input(t.clone()));
+        Ok(Some((i, t.strides[0])))
+    }
+}
