@@ -197,16 +197,23 @@ fn reduces_last_dimension(op: &TracedOp) -> bool {
     ) {
         return false;
     }
+    match reduced_dimensions(op) {
+        Some((input, dims)) => !input.shape.is_empty() && dims == [input.shape.len() as i64 - 1],
+        None => false,
+    }
+}
+
+/// A reduction's input and the dimensions it reduces (its second argument), each in
+/// `0..rank`.
+fn reduced_dimensions(op: &TracedOp) -> Option<(&TracedTensor, Vec<i64>)> {
     let (Some(TracedValue::Tensor(input)), Some(TracedValue::Other { value, .. })) =
         (op.inputs.first(), op.inputs.get(1))
     else {
-        return false;
+        return None;
     };
-    let rank = input.shape.len() as i64;
-    match serde_json::from_str::<Vec<i64>>(value) {
-        Ok(dims) => rank > 0 && dims.len() == 1 && (dims[0] + rank) % rank == rank - 1,
-        Err(_) => false,
-    }
+    let rank = (input.shape.len() as i64).max(1);
+    let dims: Vec<i64> = serde_json::from_str(value).ok()?;
+    Some((input, dims.iter().map(|d| (d + rank) % rank).collect()))
 }
 
 /// Generates the kernel of `ops` (a group's operators in step order) writing `results` (the keys

@@ -9,8 +9,8 @@ use tch::Kind;
 use crate::trace::{TracedOp, TracedTensor, TracedValue};
 
 use super::{
-    c_type, check_contiguous, coordinates_of, integer, kind_of, row_major, ArgSource, Generator,
-    KernelArg, RowReduction,
+    c_type, check_contiguous, coordinates_of, integer, kind_of, reduced_dimensions, row_major,
+    ArgSource, Generator, KernelArg, RowReduction,
 };
 
 /// A group norm's rows as the generator takes them: `native_group_norm` of a tensor of samples ×
@@ -37,12 +37,7 @@ pub(super) fn normalizes_groups(op: &TracedOp) -> Option<GroupNormRows> {
     let Some(TracedValue::Tensor(input)) = op.inputs.first() else {
         return None;
     };
-    let (samples, channels, hxw, groups) = (
-        integer(op.inputs.get(3))?,
-        integer(op.inputs.get(4))?,
-        integer(op.inputs.get(5))?,
-        integer(op.inputs.get(6))?,
-    );
+    let (samples, channels, hxw, groups) = sizes_from(op, 3)?;
     let eps = match op.inputs.get(7)? {
         TracedValue::Other { value, .. } => value.trim_matches('"').parse::<f64>().ok()?,
         _ => return None,
@@ -95,6 +90,25 @@ impl GroupNormGradients {
     }
 }
 
+/// A group norm's input, and its three results: the normalised elements, means and reciprocal
+/// standard deviations.
+fn group_norm_tensors(op: &TracedOp) -> Result<(&TracedTensor, [&TracedTensor; 3]), String> {
+    match (op.inputs.first(), op.outputs.as_slice()) {
+        (
+            Some(TracedValue::Tensor(input)),
+            [TracedValue::Tensor(out), TracedValue::Tensor(mean), TracedValue::Tensor(rstd)],
+        ) => Ok((input, [out, mean, rstd])),
+        _ => Err("native_group_norm without its input and three results".into()),
+    }
+}
+
+/// A group norm's samples, channels, elements a channel and groups: its integer arguments from
+/// position `first` on.
+fn sizes_from(op: &TracedOp, first: usize) -> Option<(i64, i64, i64, i64)> {
+    let size = |i: usize| integer(op.inputs.get(first + i));
+    Some((size(0)?, size(1)?, size(2)?, size(3)?))
+}
+
 /// `op`'s shape where it is a group norm's backward the generator takes ([`GroupNormGradients`]).
 pub(super) fn group_norm_gradients(op: &TracedOp) -> Option<GroupNormGradients> {
     if op.name != "aten::native_group_norm_backward" {
@@ -110,12 +124,7 @@ pub(super) fn group_norm_gradients(op: &TracedOp) -> Option<GroupNormGradients> 
     else {
         return None;
     };
-    let (samples, channels, hxw, groups) = (
-        integer(op.inputs.get(5))?,
-        integer(op.inputs.get(6))?,
-        integer(op.inputs.get(7))?,
-        integer(op.inputs.get(8))?,
-    );
+    let (samples, channels, hxw, groups) = sizes_from(op, 5)?;
     if samples <= 0 || channels <= 0 || hxw <= 0 || groups <= 0 || channels % groups != 0 {
         return None;
     }
@@ -148,18 +157,10 @@ pub(crate) fn sums_channels(op: &TracedOp) -> bool {
     if !op.schema.starts_with("aten::sum.dim_IntList(") {
         return false;
     }
-    let (Some(TracedValue::Tensor(input)), Some(TracedValue::Other { value, .. })) =
-        (op.inputs.first(), op.inputs.get(1))
-    else {
+    let Some((input, mut dims)) = reduced_dimensions(op) else {
         return false;
     };
     let rank = input.shape.len() as i64;
-    let Ok(mut dims) = serde_json::from_str::<Vec<i64>>(value) else {
-        return false;
-    };
-    for d in &mut dims {
-        *d = (*d + rank) % rank.max(1);
-    }
     dims.sort_unstable();
     let all_but_channels: Vec<i64> = (0..rank).filter(|&d| d != 1).collect();
     let same_type = match op.outputs.as_slice() {
@@ -204,13 +205,7 @@ impl Generator {
         if self.reduction.is_some() {
             return Err("a second reduction in one group".into());
         }
-        let (
-            Some(TracedValue::Tensor(input)),
-            [TracedValue::Tensor(out), TracedValue::Tensor(mean), TracedValue::Tensor(rstd)],
-        ) = (op.inputs.first(), op.outputs.as_slice())
-        else {
-            return Err("native_group_norm without its input and three results".into());
-        };
+        let (input, [out, mean, rstd]) = group_norm_tensors(op)?;
         let mut body = String::new();
         writeln!(body, "  const idx_t p = row * {} + col;", shape.width).unwrap();
         body.push_str(&coordinates_of(&row_major(input)));
@@ -238,13 +233,7 @@ impl Generator {
     /// A group norm's normalised elements from its stored statistics (results 1 and 2, one per
     /// row of `width` elements): a pointwise function, computed as the reduction's is.
     fn group_norm_from_statistics(&mut self, op: &TracedOp, width: u64) -> Result<(), String> {
-        let (
-            Some(TracedValue::Tensor(input)),
-            [TracedValue::Tensor(out), TracedValue::Tensor(mean), TracedValue::Tensor(rstd)],
-        ) = (op.inputs.first(), op.outputs.as_slice())
-        else {
-            return Err("native_group_norm without its input and three results".into());
-        };
+        let (input, [out, mean, rstd]) = group_norm_tensors(op)?;
         let body = self.normalised(op, input, out, |g| {
             [(mean, 1), (rstd, 2)].map(|(t, position)| {
                 let i = g.result_argument(t, position);
