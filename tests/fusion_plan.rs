@@ -497,9 +497,10 @@ fn a_group_norms_backward_joins_silus_backward_in_one_kernel_that_nvrtc_compiles
         let kernel = group.kernel().unwrap();
         // A block per row, its sample's group of channels.
         assert_eq!(kernel.numel, (shape[0] * groups) as u64);
-        // The weight's and bias's gradients, which outlive the step, the sum over each channel
-        // of the input's gradient cast back to bf16, and that gradient doubled; not the fp32 input
-        // gradient nor its cast, which only the group reads.
+        // The weight's and bias's gradients, which outlive the step, the input's gradient cast
+        // back to bf16 (which a sum over each channel reads: a gradient that may outlive the
+        // step), that sum and the gradient doubled; not the fp32 input gradient, which only the
+        // group reads.
         let outputs: Vec<(&str, u64)> = (kernel.args.iter())
             .filter_map(|a| match a {
                 KernelArg::Output(t) => Some((t.dtype.as_str(), t.numel)),
@@ -513,6 +514,7 @@ fn a_group_norms_backward_joins_silus_backward_in_one_kernel_that_nvrtc_compiles
             [
                 ("float", channels),
                 ("float", channels),
+                ("c10::BFloat16", elements),
                 ("c10::BFloat16", channels),
                 ("c10::BFloat16", elements)
             ],
@@ -521,6 +523,38 @@ fn a_group_norms_backward_joins_silus_backward_in_one_kernel_that_nvrtc_compiles
         let bytes = speedkit::kernels::compile(module_of(&kernel).name(), HOPPER)
             .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
         assert!(bytes > 0);
+    }
+}
+
+#[test]
+fn a_gradient_a_channel_sum_reads_is_written_though_nothing_else_reads_it() {
+    let _serial = common::serial();
+    let shape = [2, 8, 6, 6];
+    // The bias added to a leaf: autograd hands the sum's input on as the leaf's gradient, which no
+    // call of the step reads. In bf16, the sum reads the cast of the norm's input gradient; in
+    // fp32, the norm's backward's own first result.
+    for (kind, dtype) in [(Kind::BFloat16, "c10::BFloat16"), (Kind::Float, "float")] {
+        let x = Tensor::randn(shape, (kind, CPU)).set_requires_grad(true);
+        let [w, b, bias] = [0, 1, 2]
+            .map(|_| Tensor::randn([shape[1]], (Kind::Float, CPU)).set_requires_grad(true));
+        let (_, trace) = StepTrace::record(|| {
+            let biased = &x + bias.to_kind(kind).view([shape[1], 1, 1]);
+            let y = biased
+                .to_kind(Kind::Float)
+                .group_norm(4, Some(&w), Some(&b), 1e-5, false)
+                .silu();
+            (&y * &y).mean(Kind::Float).backward();
+        })
+        .unwrap();
+        let plan = FusionPlan::generatable(&trace);
+        let group = (plan.groups().iter())
+            .find(|g| (g.calls().iter()).any(|c| c.name == "aten::sum"))
+            .unwrap_or_else(|| panic!("{plan}"));
+        let kernel = group.kernel().unwrap();
+        let elements = shape.iter().product::<i64>() as u64;
+        let written = (kernel.args.iter())
+            .any(|a| matches!(a, KernelArg::Output(t) if t.numel == elements && t.dtype == dtype));
+        assert!(written, "{kind:?}: the leaf's gradient:\n{}", kernel.source);
     }
 }
 

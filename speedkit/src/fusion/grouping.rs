@@ -268,6 +268,7 @@ pub(super) fn results(
         })
     };
     let mut wanted: Vec<usize> = Vec::new();
+    let mut summed: HashSet<(usize, u64)> = HashSet::new();
     for &m in members {
         let several = nodes[m].op.output_tensors().count() > 1;
         if several
@@ -279,32 +280,45 @@ pub(super) fn results(
             wanted.push(m);
             continue;
         }
+        // Through views, to the member that computed the memory.
+        let computed = |mut source: usize| {
+            while nodes[source].kind == Some(OpKind::View) {
+                match nodes[source].reads.iter().find(|(p, _)| inside.contains(p)) {
+                    Some(&(p, _)) => source = p,
+                    None => break,
+                }
+            }
+            (nodes[source].kind != Some(OpKind::View)).then_some(source)
+        };
+        // What a sum over each channel reads is a gradient, which autograd may hand on as it is
+        // (a leaf's) with no call reading it: written, whoever else reads it.
+        if codegen::sums_channels(nodes[m].op) {
+            let read = nodes[m].reads.iter().find(|(p, _)| inside.contains(p));
+            if let Some((source, storage)) = read.and_then(|&(p, s)| Some((computed(p)?, s))) {
+                wanted.push(source);
+                summed.insert((source, storage));
+            }
+        }
         if read_after[m] == Some(false) && (!rewrites_outside_memory(m) || made_in_the_step(m)) {
             continue;
         }
-        // Through views, to the member that computed the memory.
-        let mut source = m;
-        while nodes[source].kind == Some(OpKind::View) {
-            match nodes[source].reads.iter().find(|(p, _)| inside.contains(p)) {
-                Some(&(p, _)) => source = p,
-                None => break,
-            }
-        }
-        if nodes[source].kind != Some(OpKind::View) && !wanted.contains(&source) {
-            wanted.push(source);
-        }
+        wanted.extend(computed(m));
     }
     wanted.sort_unstable();
     wanted.dedup();
     // Of a call with several results (a group norm's backward: the input's gradient read in the
     // group, the weight's and bias's outliving it), those the group's kernel must write.
-    let inside = &inside;
+    let (inside, summed) = (&inside, &summed);
     wanted
         .into_iter()
         .flat_map(|m| {
             let several = nodes[m].op.output_tensors().count() > 1;
             (nodes[m].op.output_tensors())
-                .filter(move |t| !several || needed(nodes, inside, m, t.storage))
+                .filter(move |t| {
+                    !several
+                        || needed(nodes, inside, m, t.storage)
+                        || summed.contains(&(m, t.storage))
+                })
                 .map(|t| t.key())
         })
         .collect()
