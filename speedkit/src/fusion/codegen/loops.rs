@@ -123,7 +123,16 @@ pub(super) fn row_loop(
     __syncthreads();
     const float2 red = make_float2({finish}, 0.f);
     {columns}{whole}    }}
-    if (threadIdx.x == 0) {{
+{tail}",
+        tail = row_tail(&per_row),
+    )
+}
+
+/// The end of a row's loop: the row's one thread writes the results of one value a row
+/// (`per_row`), then the block waits for every thread before it takes its next row.
+fn row_tail(per_row: &str) -> String {
+    format!(
+        "    if (threadIdx.x == 0) {{
       const idx_t p = row;
 {per_row}    }}
     __syncthreads();
@@ -162,13 +171,9 @@ fn moments_loop(
     const float variance = block_sum(acc, partial) / {width}.f;
     const float2 red = make_float2(mean, rsqrtf(fmaxf(variance, 0.f) + {eps:?}f));
     {columns}{whole}    }}
-    if (threadIdx.x == 0) {{
-      const idx_t p = row;
-{per_row}    }}
-    __syncthreads();
-  }}
-",
+{tail}",
         eps = r.eps as f32,
+        tail = row_tail(per_row),
     )
 }
 
@@ -404,12 +409,8 @@ impl RowCache {
     const float variance = block_sum(acc, partial) / {width}.f;
     const float2 red = make_float2(mean, rsqrtf(fmaxf(variance, 0.f) + {eps:?}f));
     {head}{whole}    }}
-    if (threadIdx.x == 0) {{
-      const idx_t p = row;
-{per_row}    }}
-    __syncthreads();
-  }}
-"
+{tail}",
+            tail = row_tail(per_row),
         )
     }
 
