@@ -349,6 +349,31 @@ fn fused_in_place_accumulations_give_atens_values_in_fp32_bf16_and_fp16() {
     }
 }
 
+#[test]
+fn a_gradient_read_in_its_group_and_handed_to_a_leaf_gives_atens_values() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "a_gradient_read_in_its_group_and_handed_to_a_leaf_gives_atens_values",
+    ) else {
+        return;
+    };
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+        let [x0, w0] = [0, 1].map(|_| Tensor::randn([37, 53], (kind, device)));
+        // `sub`'s backward hands the gradient of `z` as it is to the leaf `x` (no call reads it
+        // after), and negated to `silu`'s backward in the same kernel: the kernel must write it.
+        let (gap, fused) = fused_against_aten(device, || {
+            let [x, w] = [&x0, &w0].map(|t| t.detach().set_requires_grad(true));
+            let z = &x - (&w * 3.0).silu();
+            (&z * 3.0).silu().sum(Kind::Float).backward();
+            Tensor::cat(&[x.grad(), w.grad()], 0)
+        });
+        // Gradients up to about 10: a few of 16-bit types' last bits there.
+        let tolerance = if kind == Kind::Float { 1e-5 } else { 0.1 };
+        assert!(fused >= 1, "{kind:?}: no group fused");
+        assert!(gap < tolerance, "{kind:?}: {gap}");
+    }
+}
+
 /// SwiGLU's feed-forward, as a Llama block writes it, on leaves of `kind`: one step's loss and the
 /// leaves' gradients.
 struct SwiGlu {

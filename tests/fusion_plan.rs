@@ -497,10 +497,9 @@ fn a_group_norms_backward_joins_silus_backward_in_one_kernel_that_nvrtc_compiles
         let kernel = group.kernel().unwrap();
         // A block per row, its sample's group of channels.
         assert_eq!(kernel.numel, (shape[0] * groups) as u64);
-        // The weight's and bias's gradients, which outlive the step, the input's gradient cast
-        // back to bf16 (which a sum over each channel reads: a gradient that may outlive the
-        // step), that sum and the gradient doubled; not the fp32 input gradient, which only the
-        // group reads.
+        // The weight's and bias's gradients, which outlive the step, the bias's sum and the
+        // gradient doubled (the leaves'); not the input's gradient, fp32 or cast back to bf16,
+        // which only the group reads.
         let outputs: Vec<(&str, u64)> = (kernel.args.iter())
             .filter_map(|a| match a {
                 KernelArg::Output(t) => Some((t.dtype.as_str(), t.numel)),
@@ -514,7 +513,6 @@ fn a_group_norms_backward_joins_silus_backward_in_one_kernel_that_nvrtc_compiles
             [
                 ("float", channels),
                 ("float", channels),
-                ("c10::BFloat16", elements),
                 ("c10::BFloat16", channels),
                 ("c10::BFloat16", elements)
             ],
@@ -762,5 +760,57 @@ fn generated_pointwise_kernels_give_atens_values_in_fp32_bf16_and_fp16() {
         let tolerance = if kind == Kind::Float { 1e-5 } else { 1e-2 };
         let gaps = [forward, backward, rms_norm, max_shift];
         assert!(gaps.iter().all(|&g| g < tolerance), "{kind:?}: {gaps:?}");
+    }
+}
+
+#[test]
+fn a_result_read_in_its_group_and_handed_to_a_leaf_as_its_gradient_is_written() {
+    let _serial = common::serial();
+    let [x, w] = [0, 1].map(|_| Tensor::randn([6, 10], (Kind::Float, CPU)).set_requires_grad(true));
+    // `sub`'s backward hands its gradient on as it is to the leaf `x`, which no call of the step
+    // reads, and negated to `silu`'s backward, in the group that makes it.
+    let (_, trace) = StepTrace::record(|| {
+        let z = &x - (&w * 3.0).silu();
+        (&z * 3.0).silu().sum(Kind::Float).backward();
+    })
+    .unwrap();
+    let plan = FusionPlan::generatable(&trace);
+    let handed_to_x = (trace.ops().iter())
+        .find(|op| op.name.ends_with("AccumulateGrad") && op.input_tensors().count() == 1)
+        .and_then(|op| op.input_tensors().next())
+        .map(|t| t.storage);
+    let group = (plan.groups().iter())
+        .find(|g| g.backward)
+        .unwrap_or_else(|| panic!("{plan}"));
+    let kernel = group.kernel().unwrap();
+    let written: Vec<u64> = (kernel.args.iter())
+        .filter_map(|a| match a {
+            KernelArg::Output(t) => Some(t.storage),
+            _ => None,
+        })
+        .collect();
+    let handed_to_x = handed_to_x.expect("the leaf's gradient");
+    assert!(written.contains(&handed_to_x), "{plan}\n{}", kernel.source);
+}
+
+#[test]
+fn zz_scratch_llama_plan() {
+    let _serial = common::serial();
+    let trace = llama_step_trace();
+    let ks = trace.kernels();
+    let i = ks
+        .iter()
+        .position(|op| op.name == "aten::silu_backward")
+        .unwrap();
+    for op in &ks[i.saturating_sub(12)..i + 6] {
+        let ins: Vec<_> = op
+            .input_tensors()
+            .map(|t| (t.id, t.storage, t.shape.clone()))
+            .collect();
+        let outs: Vec<_> = op
+            .output_tensors()
+            .map(|t| (t.id, t.storage, t.shape.clone()))
+            .collect();
+        eprintln!("{} {} in={:?} out={:?}", op.id, op.name, ins, outs);
     }
 }

@@ -196,6 +196,31 @@ impl StepTrace {
         &self.ops
     }
 
+    /// The tensors autograd handed to leaves as their gradients: per `AccumulateGrad` call, its
+    /// id and its input's key. They outlive the step, though no call of it may read them, since
+    /// a leaf's gradient can be the tensor itself. A key names a tensor object at an address,
+    /// both reused once freed: the tensor handed on is the last one of that key made before the
+    /// call.
+    ///
+    /// ```
+    /// use speedkit::trace::StepTrace;
+    /// use tch::{Device, Kind, Tensor};
+    ///
+    /// let x = Tensor::randn([4, 8], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    /// let (_, trace) = StepTrace::record(|| (&x * 2.0).sum(Kind::Float).backward())?;
+    /// let mul = trace.kernels().into_iter().filter(|op| op.name == "aten::mul").last().unwrap();
+    /// let gradient = mul.output_tensors().next().unwrap();
+    /// let (call, key) = trace.leaf_gradients()[0];
+    /// assert!(key == gradient.key() && call > mul.id);
+    /// # Ok::<(), speedkit::SpeedkitError>(())
+    /// ```
+    pub fn leaf_gradients(&self) -> Vec<(u64, (u64, u64))> {
+        (self.ops.iter())
+            .filter(|op| op.name == "torch::autograd::AccumulateGrad")
+            .flat_map(|op| op.input_tensors().map(|t| (op.id, t.key())))
+            .collect()
+    }
+
     /// The calls that run the step's kernels, in start order: each operator speedkit models
     /// ([`crate::fusion::OpKind`]) taken whole, and everything else by the calls it made, down to
     /// the ones that made none (so `aten::linear` appears as its `aten::t` and `aten::addmm`).

@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 
 use super::{codegen, OpKind};
-use crate::trace::TracedOp;
+use crate::trace::{TracedOp, TracedTensor};
 
 /// A node of the data flow: one kernel-level call.
 pub(super) struct Node<'a> {
@@ -233,13 +233,15 @@ pub(super) fn read_outside(nodes: &[Node], group_of: &[Option<usize>]) -> Vec<Op
 }
 
 /// The keys of a group's results: of its members (views aside) that a call outside the group
-/// reads, directly or through views of them, or whose results nothing reads, and of those that
+/// reads, directly or through views of them, or whose results nothing reads; of those that
 /// rewrite in place memory from outside the group that the forward did not make (a gradient,
-/// which outlives the step, whoever reads it).
+/// which outlives the step, whoever reads it); and of those whose result autograd hands to a
+/// leaf as its gradient ([`handed_to_leaves`]), though only members read it.
 pub(super) fn results(
     nodes: &[Node],
     members: &[usize],
     read_after: &[Option<bool>],
+    handed_to_leaves: &HashSet<(usize, u64)>,
 ) -> Vec<(u64, u64)> {
     let inside: HashSet<usize> = members.iter().copied().collect();
     let rewrites_outside_memory = |m: usize| {
@@ -267,16 +269,13 @@ pub(super) fn results(
                 && !n.op.input_tensors().any(|t| t.storage == target)
         })
     };
+    let outlives = |m: usize, t: &TracedTensor| {
+        needed(nodes, &inside, m, t.storage) || handed_to_leaves.contains(&(m, t.storage))
+    };
     let mut wanted: Vec<usize> = Vec::new();
-    let mut summed: HashSet<(usize, u64)> = HashSet::new();
     for &m in members {
         let several = nodes[m].op.output_tensors().count() > 1;
-        if several
-            && nodes[m]
-                .op
-                .output_tensors()
-                .any(|t| needed(nodes, &inside, m, t.storage))
-        {
+        if several && nodes[m].op.output_tensors().any(|t| outlives(m, t)) {
             wanted.push(m);
             continue;
         }
@@ -290,16 +289,12 @@ pub(super) fn results(
             }
             (nodes[source].kind != Some(OpKind::View)).then_some(source)
         };
-        // What a sum over each channel reads is a gradient, which autograd may hand on as it is
-        // (a leaf's) with no call reading it: written, whoever else reads it.
-        if codegen::sums_channels(nodes[m].op) {
-            let read = nodes[m].reads.iter().find(|(p, _)| inside.contains(p));
-            if let Some((source, storage)) = read.and_then(|&(p, s)| Some((computed(p)?, s))) {
-                wanted.push(source);
-                summed.insert((source, storage));
-            }
-        }
-        if read_after[m] == Some(false) && (!rewrites_outside_memory(m) || made_in_the_step(m)) {
+        let handed_on =
+            (nodes[m].op.output_tensors()).any(|t| handed_to_leaves.contains(&(m, t.storage)));
+        if read_after[m] == Some(false)
+            && !handed_on
+            && (!rewrites_outside_memory(m) || made_in_the_step(m))
+        {
             continue;
         }
         wanted.extend(computed(m));
@@ -308,18 +303,31 @@ pub(super) fn results(
     wanted.dedup();
     // Of a call with several results (a group norm's backward: the input's gradient read in the
     // group, the weight's and bias's outliving it), those the group's kernel must write.
-    let (inside, summed) = (&inside, &summed);
+    let outlives = &outlives;
     wanted
         .into_iter()
         .flat_map(|m| {
             let several = nodes[m].op.output_tensors().count() > 1;
             (nodes[m].op.output_tensors())
-                .filter(move |t| {
-                    !several
-                        || needed(nodes, inside, m, t.storage)
-                        || summed.contains(&(m, t.storage))
-                })
+                .filter(move |t| !several || outlives(m, t))
                 .map(|t| t.key())
+        })
+        .collect()
+}
+
+/// The nodes whose results autograd handed to leaves as their gradients, with the results'
+/// storage: for each of the trace's `leaf_gradients` (the handing call's id and the tensor's
+/// key), the last node before that call that made the tensor.
+pub(super) fn handed_to_leaves(
+    nodes: &[Node],
+    leaf_gradients: &[(u64, (u64, u64))],
+) -> HashSet<(usize, u64)> {
+    leaf_gradients
+        .iter()
+        .filter_map(|&(call, key)| {
+            let made = |n: &Node| n.op.id < call && n.op.output_tensors().any(|t| t.key() == key);
+            let m = nodes.iter().rposition(made)?;
+            Some((m, key.1))
         })
         .collect()
 }
@@ -464,7 +472,12 @@ mod tests {
         let kernels: Vec<&TracedOp> = ops.iter().collect();
         let nodes = data_flow(&kernels);
         let group_of = [None, Some(0), Some(0)];
-        results(&nodes, &[1, 2], &read_outside(&nodes, &group_of))
+        results(
+            &nodes,
+            &[1, 2],
+            &read_outside(&nodes, &group_of),
+            &HashSet::new(),
+        )
     }
 
     #[test]
@@ -476,5 +489,23 @@ mod tests {
     fn an_in_place_rewrite_in_the_backward_is_stored_whoever_reads_it() {
         // Autograd accumulates a gradient there, which outlives the step.
         assert_eq!(stored(backward), [(2, 20), (4, 40)]);
+    }
+
+    #[test]
+    fn a_tensor_handed_to_a_leaf_is_the_last_of_its_key_made_before_the_handing_call() {
+        // Calls 0 and 2 make tensors of one key (an object and an address both reused); the
+        // call numbered 3 hands the key's tensor to a leaf: call 2's, not call 0's.
+        let ops = [
+            backward(0, "aten::mul", vec![tensor(1, 10)], vec![tensor(2, 20)]),
+            backward(1, "aten::exp", vec![tensor(2, 20)], vec![tensor(3, 30)]),
+            backward(2, "aten::neg", vec![tensor(3, 30)], vec![tensor(2, 20)]),
+            backward(4, "aten::mul", vec![tensor(2, 20)], vec![tensor(5, 50)]),
+        ];
+        let kernels: Vec<&TracedOp> = ops.iter().collect();
+        let nodes = data_flow(&kernels);
+        assert_eq!(
+            handed_to_leaves(&nodes, &[(3, (2, 20))]),
+            HashSet::from([(2, 20)])
+        );
     }
 }

@@ -146,6 +146,7 @@ impl FusionPlan {
         };
         let mut left: BTreeMap<(&'static str, String), usize> = BTreeMap::new();
         let read_after = grouping::read_outside(&nodes, &group_of);
+        let handed_to_leaves = grouping::handed_to_leaves(&nodes, &trace.leaf_gradients());
         let node_of: HashMap<u64, usize> = (nodes.iter().enumerate())
             .map(|(i, node)| (node.op.id, i))
             .collect();
@@ -155,7 +156,12 @@ impl FusionPlan {
                 let name = |m: &usize| nodes[*m].op.name.clone();
                 let mut fused = FusedGroup {
                     calls: group.members.iter().map(|&m| nodes[m].op.clone()).collect(),
-                    results: grouping::results(&nodes, &group.members, &read_after),
+                    results: grouping::results(
+                        &nodes,
+                        &group.members,
+                        &read_after,
+                        &handed_to_leaves,
+                    ),
                     inside: grouping::inside_reads(&nodes, &group.members),
                     operators: group.members.iter().map(name).collect(),
                     aten_kernels,
