@@ -641,3 +641,23 @@ fn a_failed_workload_keeps_the_tables_narrow_and_gives_its_whole_error_below_the
         "{failures}"
     );
 }
+
+#[test]
+fn a_run_gives_the_seconds_to_its_first_step_counted_from_before_the_build() {
+    let _lock = common::serial();
+    // The first step (a warm-up step: eager, no graph) sleeps 30 ms: its end is at least that
+    // long after the run began.
+    let (report, _) = run_sleepy(30, &[]);
+    let first = report.rows[0]
+        .measurement
+        .as_ref()
+        .and_then(|m| m.first_step_s);
+    assert!(first.is_some_and(|s| s >= 0.030), "{first:?}");
+    let csv = runner::render_csv(&report);
+    assert!(
+        csv.lines()
+            .next()
+            .is_some_and(|h| h.contains("first_step_s")),
+        "{csv}"
+    );
+}

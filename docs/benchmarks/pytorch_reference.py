@@ -420,13 +420,19 @@ def start_memory():
     torch.cuda.reset_peak_memory_stats()
 
 
-def time_steps(step, warmup=10, steps=50, sync_every_step=True):
+def time_steps(step, warmup=10, steps=50, sync_every_step=True, started=None):
     """Times `step`; returns (times in ms, in step order; memory dict). start_memory() came first.
 
     Without sync_every_step the timed steps are queued back to back, each between its own events,
-    as speedkit's --no-paranoid-sync does."""
-    for _ in range(warmup):
+    as speedkit's --no-paranoid-sync does. With `started` (a time.perf_counter() reading), the
+    memory dict also gives first_step_s: the seconds from then to the end of the first step
+    (compilation included), as speedkit's runner reports its own."""
+    first_step_s = None
+    for i in range(warmup):
         step()
+        if i == 0 and started is not None:
+            torch.cuda.synchronize()
+            first_step_s = time.perf_counter() - started
     torch.cuda.synchronize()
     warm_allocated, warm_reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     torch.cuda.reset_peak_memory_stats()
@@ -445,6 +451,8 @@ def time_steps(step, warmup=10, steps=50, sync_every_step=True):
     memory = dict(peak_allocated_bytes=max(warm_allocated, steady),
                   peak_reserved_bytes=max(warm_reserved, torch.cuda.max_memory_reserved()),
                   steady_peak_allocated_bytes=steady)
+    if first_step_s is not None:
+        memory["first_step_s"] = first_step_s
     return times, memory
 
 
@@ -543,6 +551,8 @@ def to_float8(model, recipe="tensorwise"):
 
 
 def measure(name, mode, device, warmup, steps, sync_every_step=True):
+    # The run starts before the model is built, as speedkit's runner counts it.
+    started = time.perf_counter()
     model, batch, flops, _ = workload(name, device)
     # "torchao-fp8[-rowwise]": torchao's Float8Linear under torch.compile (default mode), as torchao
     # advises.
@@ -554,11 +564,13 @@ def measure(name, mode, device, warmup, steps, sync_every_step=True):
     # Before the optimizer exists: its state, compilation and graph capture count in the peaks.
     start_memory()
     step, opt = train_step(model, batch, compile_mode)
-    times, memory = time_steps(step, warmup, steps, sync_every_step)
+    times, memory = time_steps(step, warmup, steps, sync_every_step, started)
+    first_step_s = memory.pop("first_step_s", None)
     memory["breakdown"] = breakdown(model, opt, memory)
     median, p10, p90 = summary(times)
     return dict(workload=name, mode=mode, median_ms=median, p10_ms=p10, p90_ms=p90,
-                tflops=flops / median / 1e9, times_ms=times, memory=memory)
+                tflops=flops / median / 1e9, times_ms=times, memory=memory,
+                first_step_s=first_step_s)
 
 
 def ddp_setup():

@@ -276,6 +276,11 @@ pub struct Measurement {
     pub communication: Option<Communication>,
     /// Timing method: `cuda-events` or `host-clock`.
     pub timer: &'static str,
+    /// Seconds from the bencher's creation (before the workload built its model) to the end of
+    /// its first step run as the timed ones run: the first replay of a captured step, after the
+    /// eager warm-up, the trace, the fusion plan, its kernels' compilation and the capture; else
+    /// the first step. `None` where no step got that far.
+    pub first_step_s: Option<f64>,
 }
 
 /// A TFLOP/s figure with about three significant digits, so that small CPU runs do not all read
@@ -324,6 +329,7 @@ pub struct Bencher<'a> {
     fusion_plan: Option<FusionPlan>,
     batch: Option<i64>,
     default_batch: Option<i64>,
+    started: Instant,
 }
 
 impl<'a> Bencher<'a> {
@@ -343,6 +349,7 @@ impl<'a> Bencher<'a> {
             fusion_plan: None,
             batch: None,
             default_batch: None,
+            started: Instant::now(),
         }
     }
 
@@ -504,8 +511,12 @@ impl<'a> Bencher<'a> {
             }
         };
         let probe = cuda.map(MemoryProbe::start).transpose()?;
+        let mut first_step_s = None;
         for _ in 0..self.protocol.warmup {
             step()?;
+            if first_step_s.is_none() {
+                first_step_s = self.first_step_done(cuda)?;
+            }
             tick();
         }
         let warmup_peaks = probe.as_ref().map(MemoryProbe::end_warmup).transpose()?;
@@ -522,6 +533,9 @@ impl<'a> Bencher<'a> {
                     start.record()?;
                     last = step()?;
                     end.record()?;
+                    if first_step_s.is_none() {
+                        first_step_s = self.first_step_done(cuda)?;
+                    }
                     if self.protocol.paranoid_sync {
                         ffi::device::cuda_synchronize(i)?;
                         times.push(start.elapsed_ms(&end)?);
@@ -539,6 +553,9 @@ impl<'a> Bencher<'a> {
                     let t0 = Instant::now();
                     last = step()?;
                     times.push(t0.elapsed().as_secs_f64() * 1e3);
+                    if first_step_s.is_none() {
+                        first_step_s = self.first_step_done(cuda)?;
+                    }
                     tick();
                 }
             }
@@ -571,7 +588,20 @@ impl<'a> Bencher<'a> {
             } else {
                 "host-clock"
             },
+            first_step_s,
         })
+    }
+
+    /// After a step: the seconds since the bencher's creation, once the device finished, where
+    /// the step ran as the timed ones will (anything but a captured step's eager warm-up).
+    fn first_step_done(&self, cuda: Option<usize>) -> Result<Option<f64>, BenchError> {
+        if crate::graph::take_last_step_kind() == Some(crate::graph::StepKind::GraphWarmup) {
+            return Ok(None);
+        }
+        if let Some(i) = cuda {
+            ffi::device::cuda_synchronize(i)?;
+        }
+        Ok(Some(self.started.elapsed().as_secs_f64()))
     }
 }
 

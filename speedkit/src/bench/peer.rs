@@ -72,6 +72,10 @@ pub fn find_python(explicit: Option<&Path>) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("python3"))
 }
 
+/// One speedkit run as the peer tables set it beside PyTorch's: its workload, config, device
+/// memory and seconds to its first step.
+pub type RunSummary = (String, String, Option<DeviceMemory>, Option<f64>);
+
 /// One PyTorch row: a workload in one mode.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct PeerRow {
@@ -94,6 +98,10 @@ pub struct PeerRow {
     pub memory: Option<DeviceMemory>,
     /// Why this mode failed, if it did.
     pub error: Option<String>,
+    /// Seconds from the run's start (before the model is built) to the end of its first step,
+    /// compilation included.
+    #[serde(default)]
+    pub first_step_s: Option<f64>,
 }
 
 /// What the reference reported.
@@ -331,44 +339,60 @@ impl PeerRun {
         out
     }
 
-    /// Memory side by side, one row per speedkit `(workload, config, memory)` and per PyTorch
-    /// mode of the same workloads, in GiB over the whole run.
-    pub fn render_memory(&self, speedkit: &[(String, String, Option<DeviceMemory>)]) -> String {
+    /// Memory side by side, one row per speedkit `(workload, config, memory, first step s)` and
+    /// per PyTorch mode of the same workloads, in GiB over the whole run, with each run's time to
+    /// its first step.
+    pub fn render_memory(&self, speedkit: &[RunSummary]) -> String {
         let gib = |m: Option<DeviceMemory>, pick: fn(&DeviceMemory) -> u64| {
             m.map_or_else(|| "-".to_string(), |m| format!("{:.2}", m.gib(pick(&m))))
         };
-        let line = |w: &str, run: String, m: Option<DeviceMemory>| {
+        let line = |w: &str, run: String, m: Option<DeviceMemory>, first: Option<f64>| {
             vec![
                 w.to_string(),
                 run,
                 gib(m, |m| m.peak_allocated_bytes),
                 gib(m, |m| m.peak_reserved_bytes),
                 gib(m, |m| m.steady_peak_allocated_bytes),
+                first.map_or_else(|| "-".to_string(), |s| format!("{s:.1}")),
             ]
         };
         let mut rows = Vec::new();
         let mut workloads: Vec<&str> = Vec::new();
-        for (w, _, _) in speedkit {
+        for (w, _, _, _) in speedkit {
             if !workloads.contains(&w.as_str()) && self.rows.iter().any(|r| &r.workload == w) {
                 workloads.push(w);
             }
         }
         for w in workloads {
-            for (_, c, m) in speedkit.iter().filter(|(sw, _, _)| sw == w) {
-                rows.push(line(w, format!("speedkit {c}"), *m));
+            for (_, c, m, first) in speedkit.iter().filter(|(sw, _, _, _)| sw == w) {
+                rows.push(line(w, format!("speedkit {c}"), *m, *first));
             }
             for (mode, header) in MODES {
                 if let Some(r) = self.row(w, mode).filter(|r| r.error.is_none()) {
-                    rows.push(line(w, format!("pytorch {header}"), r.memory));
+                    rows.push(line(
+                        w,
+                        format!("pytorch {header}"),
+                        r.memory,
+                        r.first_step_s,
+                    ));
                 }
             }
         }
         let mut out = String::from(
             "\ndevice memory of both sides in GiB. peak alloc, peak resv: over the whole run (warm-up,\n\
-             compilation and capture included); steady alloc: peak allocated in the timed steps\n",
+             compilation and capture included); steady alloc: peak allocated in the timed steps.\n\
+             first s: seconds from the run's start to the end of its first step as timed (speedkit:\n\
+             a captured step's first replay; PyTorch: its first step, compilation included)\n",
         );
         out.push_str(&table(
-            &["workload", "run", "peak alloc", "peak resv", "steady alloc"],
+            &[
+                "workload",
+                "run",
+                "peak alloc",
+                "peak resv",
+                "steady alloc",
+                "first s",
+            ],
             &rows,
         ));
         out
@@ -447,12 +471,35 @@ mod tests {
             .collect();
         let memory: Vec<_> = speedkit
             .iter()
-            .map(|(w, c, _)| (w.clone(), c.clone(), run.rows[0].memory))
+            .map(|(w, c, _)| (w.clone(), c.clone(), run.rows[0].memory, Some(123.4)))
             .collect();
         let text = run.render_times(&speedkit) + &run.render_memory(&memory);
         for line in text.lines() {
             assert!(line.chars().count() <= 100, "{line}");
         }
         assert!(text.contains("pytorch reduce-ovh"), "{text}");
+    }
+
+    #[test]
+    fn each_runs_time_to_its_first_step_is_given_beside_its_memory() {
+        let mut run = sample_run();
+        run.rows[3].first_step_s = Some(21.25);
+        let speedkit = [("transformer".into(), "auto".into(), None, Some(4.04))];
+        let text = run.render_memory(&speedkit);
+        let line = |prefix: &str| {
+            (text.lines())
+                .find(|l| l.trim_start().starts_with(prefix))
+                .unwrap_or_else(|| panic!("{prefix}: {text}"))
+                .to_string()
+        };
+        assert!(
+            line("transformer  speedkit auto").ends_with("4.0"),
+            "{text}"
+        );
+        assert!(
+            line("transformer  pytorch reduce-ovh").ends_with("21.2"),
+            "{text}"
+        );
+        assert!(line("transformer  pytorch eager").ends_with("-"), "{text}");
     }
 }

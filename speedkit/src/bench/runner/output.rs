@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use super::cli::Args;
 use super::report::{Row, RunReport};
 use crate::bench::baseline;
-use crate::bench::peer::PeerReport;
+use crate::bench::peer::{PeerReport, RunSummary};
 use crate::bench::{format_tflops, DeviceMemory, Size, Workload};
 use crate::dist::Throughput;
 use crate::error::{Result, SpeedkitError};
@@ -28,7 +28,9 @@ pub fn render_text(report: &RunReport) -> String {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "\nspeedkit benchmarks — size {}, {} warm-up + {} timed steps, paranoid sync {}; times in ms",
+        "\nspeedkit benchmarks — size {}, {} warm-up + {} timed steps, paranoid sync {}; times in ms;\n\
+         first s: seconds from the run's start (before the model is built) to the end of its first\n\
+         step as timed (a captured step's first replay, after warm-up, trace, compilation, capture)",
         report
             .rows
             .first()
@@ -102,13 +104,14 @@ fn time_table(report: &RunReport) -> String {
                 r.speedup.map_or("-".into(), |s| format!("{s:.2}x")),
                 m.tflops.map_or_else(|| "-".into(), format_tflops),
                 fmt_opt(r.percent_of_peak, 1),
+                fmt_opt(m.first_step_s, 1),
             ],
             None => failed_row(r),
         })
         .collect();
     table(
         &[
-            "workload", "config", "median", "p10", "p90", "speedup", "TFLOP/s", "% peak",
+            "workload", "config", "median", "p10", "p90", "speedup", "TFLOP/s", "% peak", "first s",
         ],
         &rows,
     )
@@ -277,8 +280,15 @@ fn render_peer(report: &RunReport, peer: &PeerReport) -> String {
         .clone()
         .map(|(r, m)| (r.workload.clone(), r.config.clone(), m.median_ms))
         .collect();
-    let memory: Vec<(String, String, Option<DeviceMemory>)> = measured
-        .map(|(r, m)| (r.workload.clone(), r.config.clone(), m.memory))
+    let memory: Vec<RunSummary> = measured
+        .map(|(r, m)| {
+            (
+                r.workload.clone(),
+                r.config.clone(),
+                m.memory,
+                m.first_step_s,
+            )
+        })
         .collect();
     let mut out = run.render_times(&times);
     out.push_str(&run.render_memory(&memory));
@@ -405,7 +415,7 @@ pub(super) fn write_outputs(args: &Args, report: &RunReport) -> Result<()> {
 /// The result rows as CSV.
 pub fn render_csv(report: &RunReport) -> String {
     let mut out = String::from(
-        "workload,config,size,median_ms,p10_ms,p90_ms,speedup,tflops,percent_of_peak,peak_allocated_bytes,peak_reserved_bytes,steady_peak_allocated_bytes,graphed,final_loss,device\n",
+        "workload,config,size,median_ms,p10_ms,p90_ms,speedup,tflops,percent_of_peak,peak_allocated_bytes,peak_reserved_bytes,steady_peak_allocated_bytes,graphed,final_loss,first_step_s,device\n",
     );
     let device = report
         .environment
@@ -418,7 +428,7 @@ pub fn render_csv(report: &RunReport) -> String {
         };
         let _ = writeln!(
             out,
-            "{},{},{},{:.4},{:.4},{:.4},{},{},{},{},{},{},{},{},\"{}\"",
+            "{},{},{},{:.4},{:.4},{:.4},{},{},{},{},{},{},{},{},{},\"{}\"",
             r.workload,
             r.config,
             r.size,
@@ -433,6 +443,7 @@ pub fn render_csv(report: &RunReport) -> String {
             memory(|mem| mem.steady_peak_allocated_bytes),
             m.graphed,
             fmt_opt(m.final_loss, 5),
+            fmt_opt(m.first_step_s, 2),
             device
         );
     }
