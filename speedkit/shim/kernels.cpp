@@ -12,7 +12,6 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <optional>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -130,30 +129,7 @@ std::string file_stem(const std::string& name) {
   return stem;
 }
 
-// Cubins compiled ahead of their loading (sk_kernel_prepare), each taken by its first load: NVRTC
-// runs on many threads at once there, while loading holds one lock.
-struct Prepared {
-  std::mutex mutex;
-  std::map<std::tuple<int, int, int>, std::vector<char>> cubins;  // (source, major, minor) -> cubin
-};
-
-Prepared& prepared() {
-  static Prepared* p = new Prepared();
-  return *p;
-}
-
-std::optional<std::vector<char>> take_prepared(const Source& file, int major, int minor) {
-  Prepared& p = prepared();
-  std::lock_guard<std::mutex> lock(p.mutex);
-  auto found = p.cubins.find({file.index, major, minor});
-  if (found == p.cubins.end()) return std::nullopt;
-  std::vector<char> cubin = std::move(found->second);
-  p.cubins.erase(found);
-  return cubin;
-}
-
 std::vector<char> cubin_for(const Source& file, int major, int minor) {
-  if (auto cubin = take_prepared(file, major, minor)) return std::move(*cubin);
   const fs::path dir = cache_dir();
   fs::path cached;
   if (!dir.empty()) {
@@ -541,16 +517,6 @@ int sk_kernel_compile(int index, int major, int minor, int64_t* cubin_bytes) {
 }
 
 int sk_nvrtc_version(int* out) { SK_TRY(*out = sk::kernels::nvrtc::version()) }
-
-int sk_kernel_prepare(int index, int major, int minor) {
-  SK_TRY({
-    const sk::kernels::Source& file = sk::kernels::source(index);
-    std::vector<char> cubin = sk::kernels::cubin_for(file, major, minor);
-    sk::kernels::Prepared& p = sk::kernels::prepared();
-    std::lock_guard<std::mutex> lock(p.mutex);
-    p.cubins[{file.index, major, minor}] = std::move(cubin);
-  })
-}
 
 int sk_kernel_load(int index, const char* name, int device, void** kernel, int64_t* param_sizes, int64_t capacity,
                    int64_t* param_count) {

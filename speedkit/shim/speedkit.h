@@ -579,9 +579,6 @@ int sk_kernel_source_register(const char* name, const char* text, int* index);
 int sk_kernel_compile(int index, int major, int minor, int64_t* cubin_bytes);
 /// NVRTC's version as major * 1000 + minor * 10.
 int sk_nvrtc_version(int* out);
-/// Compiles (or reads from the on-disk cache) source `index` for `sm_<major><minor>` and keeps the
-/// cubin for its first load: safe to call from several threads at once, which compile in parallel.
-int sk_kernel_prepare(int index, int major, int minor);
 /// Compiles (or reads from the cache) source `index` for CUDA device `device` and loads kernel
 /// `name` of it; *kernel receives a handle (sk_kernel_free). *param_count receives how many
 /// parameters the kernel takes and param_sizes (up to `capacity`) their byte sizes, or -1 when the

@@ -131,41 +131,6 @@ impl CudaModule {
         &self.name
     }
 
-    /// Compiles the module for `device` with NVRTC (or reads it from the on-disk cache) without
-    /// loading it, keeping the result for its first [`kernel`](Self::kernel): modules compiled
-    /// ahead on several threads at once compile in parallel, where loading takes them one by one.
-    /// A compile error carries NVRTC's log.
-    ///
-    /// ```no_run
-    /// use speedkit::cuda::CudaModule;
-    /// use tch::Device;
-    /// let source = r#"extern "C" __global__ void twice(float* x) { x[threadIdx.x] *= 2.f; }"#;
-    /// let modules: Vec<CudaModule> = (0..4)
-    ///     .map(|i| CudaModule::new(&format!("twice{i}.cu"), source))
-    ///     .collect::<Result<_, _>>()?;
-    /// std::thread::scope(|s| {
-    ///     for m in &modules {
-    ///         s.spawn(|| m.compile_ahead(Device::Cuda(0)));
-    ///     }
-    /// });
-    /// # Ok::<(), speedkit::SpeedkitError>(())
-    /// ```
-    pub fn compile_ahead(&self, device: Device) -> Result<()> {
-        let Device::Cuda(index) = device else {
-            return Err(SpeedkitError::Misuse(format!(
-                "{}: CUDA kernels compile for CUDA devices, not for {device:?}",
-                self.name
-            )));
-        };
-        let props = ffi::device::cuda_device_props(index)?;
-        let source = ffi::kernels::source_names()?
-            .0
-            .iter()
-            .position(|n| n == &self.name)
-            .ok_or_else(|| SpeedkitError::Misuse(format!("no kernel source {}", self.name)))?;
-        ffi::kernels::prepare(source, props.major as u32, props.minor as u32)
-    }
-
     /// The kernel `name` (an `extern "C" __global__` function) with parameters `params`, compiled
     /// for and loaded on `device`: a compile error carries NVRTC's log; a kernel whose compiled
     /// parameters differ from `params` in count or size is refused.

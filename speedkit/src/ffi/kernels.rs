@@ -119,22 +119,6 @@ pub(crate) fn compile(index: usize, major: u32, minor: u32) -> Result<usize> {
     Ok(usize::try_from(bytes).unwrap_or(0))
 }
 
-/// Compiles source `index` for `sm_<major><minor>` (or reads it from the on-disk cache) and keeps
-/// the cubin for its first [`load`]; callable from several threads at once.
-pub(crate) fn prepare(index: usize, major: u32, minor: u32) -> Result<()> {
-    let to_int = |v: u64| {
-        c_int::try_from(v).map_err(|_| SpeedkitError::Misuse(format!("{v} is out of range")))
-    };
-    // SAFETY: plain integers.
-    check(unsafe {
-        abi::sk_kernel_prepare(
-            to_int(index as u64)?,
-            to_int(u64::from(major))?,
-            to_int(u64::from(minor))?,
-        )
-    })
-}
-
 /// NVRTC's version as major * 1000 + minor * 10.
 pub(crate) fn nvrtc_version() -> Result<u32> {
     let mut version = 0;

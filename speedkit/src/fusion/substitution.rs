@@ -174,7 +174,6 @@ impl FusedStep {
         let (mut substituted, mut declined) = (Vec::new(), Vec::new());
         let (mut recomputes, mut recompute_launches, mut recomputed) =
             (Vec::new(), Vec::new(), Vec::new());
-        compile_ahead(&likely_kernels(&plan, &nodes, &position), device);
         let (mut deferred_before, mut recomputed_keys) = (Vec::new(), Vec::new());
         for (group, deferrals) in plan.groups.iter().zip(&plan.deferrals) {
             match placer.prepare(group, deferrals, &deferred_before, &nodes) {
@@ -479,54 +478,6 @@ fn takes_the_same_tensors(outer: &TracedOp, inner: &TracedOp) -> bool {
 /// assert_eq!(speedkit::fusion::SOURCES_VARIABLE, "SPEEDKIT_FUSION_SOURCES");
 /// ```
 pub const SOURCES_VARIABLE: &str = "SPEEDKIT_FUSION_SOURCES";
-
-/// The kernels the step's groups will most likely run, in step order: each group's own (with the
-/// results of earlier groups' deferrals it reads computed where it reads them, as
-/// [`Placer::prepare`] generates it) and its deferrals'. A group that will not be placed makes
-/// this list differ from what runs: it only decides what compiles ahead.
-fn likely_kernels(
-    plan: &FusionPlan,
-    nodes: &[grouping::Node],
-    position: &HashMap<u64, usize>,
-) -> Vec<GeneratedKernel> {
-    let mut deferred_before: Vec<&recompute::Deferral> = Vec::new();
-    let mut kernels = Vec::new();
-    for (group, deferrals) in plan.groups.iter().zip(&plan.deferrals) {
-        let generated = match recompute::inlined_kernel(group, &deferred_before, nodes, position) {
-            Some(inlined) => inlined.kernel,
-            None => match group_kernel(group, deferrals) {
-                Ok(generated) => generated,
-                Err(_) => continue,
-            },
-        };
-        kernels.push(generated);
-        kernels.extend(deferrals.iter().map(|d| d.kernel.clone()));
-        deferred_before.extend(deferrals);
-    }
-    kernels
-}
-
-/// Compiles `kernels` with NVRTC on the host's cores before the groups load them one by one (a
-/// U-Net's two dozen kernels take NVRTC half a minute on one). Where one does not compile, its
-/// group's own compile says why, so its error is left to that.
-fn compile_ahead(kernels: &[GeneratedKernel], device: Device) {
-    let mut seen = HashSet::new();
-    let modules: Vec<CudaModule> = (kernels.iter())
-        .filter(|k| seen.insert(k.name.as_str()))
-        .filter_map(|k| CudaModule::new(&format!("{}.cu", k.name), &k.source).ok())
-        .collect();
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    std::thread::scope(|scope| {
-        for _ in 0..threads.min(modules.len()) {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(module) = modules.get(i) else { break };
-                let _ = module.compile_ahead(device);
-            });
-        }
-    });
-}
 
 /// The NVRTC-compiled kernel of `generated`, once per entry point (its source written to
 /// [`SOURCES_VARIABLE`]'s directory where that is set).
