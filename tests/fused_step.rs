@@ -374,6 +374,57 @@ fn a_gradient_read_in_its_group_and_handed_to_a_leaf_gives_atens_values() {
     }
 }
 
+/// `step` (which returns the leaves' gradients) as ATen runs it and fused: the largest gap
+/// between the two relative to the largest gradient, and the groups fused.
+fn fused_gradients_against_aten(device: Device, step: impl Fn() -> Tensor) -> (f64, usize) {
+    let (expected, fused) = FusedStep::prepare(device, &step).unwrap();
+    let fused = fused.unwrap();
+    let y = fused.run(&step).unwrap().to_kind(Kind::Float);
+    let expected = expected.to_kind(Kind::Float);
+    let scale = expected.abs().max().double_value(&[]).max(1.0);
+    let gap = (y - expected).abs().max().double_value(&[]);
+    (gap / scale, fused.substituted().len())
+}
+
+#[test]
+fn fused_sums_over_columns_give_atens_gradients_in_fp32_bf16_and_fp16() {
+    let _serial = common::serial();
+    let Some(device) =
+        common::cuda_or_skip("fused_sums_over_columns_give_atens_gradients_in_fp32_bf16_and_fp16")
+    else {
+        return;
+    };
+    let leaf = |t: &Tensor| t.detach().set_requires_grad(true);
+    // Rows of 53 and of 40: fewer rows than a kernel's blocks, and more (3000, several a block).
+    for (rows, width) in [([3i64, 37], 53i64), ([3000, 1], 40)] {
+        let shape = [rows[0], rows[1], width];
+        for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+            let x0 = Tensor::randn(shape, (kind, device));
+            let w0 = Tensor::randn([width], (kind, device));
+            // RMSNorm's weight: its gradient sums every row's `dy * x_hat`, beside the row sums
+            // of the input's gradient, in the norm's backward's kernel.
+            let norm = fused_gradients_against_aten(device, || {
+                let (x, w) = (leaf(&x0), leaf(&w0));
+                let rms = (x.pow_tensor_scalar(2).mean_dim(-1, true, kind) + 1e-6).rsqrt();
+                let y = &x * rms * &w;
+                (&y * &y).sum(Kind::Float).backward();
+                Tensor::cat(&[x.grad().flatten(0, -1), w.grad()], 0)
+            });
+            // A bias over rows with no row reduction: its gradient sums the rows of SiLU's.
+            let bias = fused_gradients_against_aten(device, || {
+                let (x, b) = (leaf(&x0), leaf(&w0));
+                (&x * 2.0 + &b).silu().sum(Kind::Float).backward();
+                Tensor::cat(&[x.grad().flatten(0, -1), b.grad()], 0)
+            });
+            let tolerance = if kind == Kind::Float { 1e-5 } else { 1e-2 };
+            for (what, (gap, fused)) in [("norm", norm), ("bias", bias)] {
+                assert!(fused >= 1, "{kind:?} {what} {shape:?}: no group fused");
+                assert!(gap < tolerance, "{kind:?} {what} {shape:?}: {gap}");
+            }
+        }
+    }
+}
+
 /// SwiGLU's feed-forward, as a Llama block writes it, on leaves of `kind`: one step's loss and the
 /// leaves' gradients.
 struct SwiGlu {

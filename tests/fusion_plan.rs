@@ -8,7 +8,7 @@
 mod common;
 
 use speedkit::fusion::{FusionPlan, GeneratedKernel, KernelArg, OpKind};
-use speedkit::trace::StepTrace;
+use speedkit::trace::{StepTrace, TracedOp};
 use speedkit_suite::data;
 use speedkit_suite::models::llama_tch::{LlamaConfig, LlamaTch};
 use tch::{nn, Device, Kind, Tensor};
@@ -336,9 +336,11 @@ fn a_mean_squared_errors_gradient_is_generated_with_its_neighbours() {
 #[test]
 fn a_group_reducing_other_than_the_last_dimension_says_why_no_kernel_is_generated() {
     let _serial = common::serial();
-    let x = Tensor::randn([16, 32], (Kind::Float, CPU));
+    // A middle dimension: neither a row reduction nor a sum over columns (every dimension but
+    // the last).
+    let x = Tensor::randn([4, 16, 32], (Kind::Float, CPU));
     let (_, trace) =
-        StepTrace::record(|| (x.exp().sum_dim_intlist(0, true, Kind::Float) + 1.0).sqrt()).unwrap();
+        StepTrace::record(|| (x.exp().sum_dim_intlist(1, true, Kind::Float) + 1.0).sqrt()).unwrap();
     let plan = FusionPlan::from_trace(&trace);
     let why = plan.groups()[0].kernel().unwrap_err();
     assert!(
@@ -794,23 +796,50 @@ fn a_result_read_in_its_group_and_handed_to_a_leaf_as_its_gradient_is_written() 
 }
 
 #[test]
-fn zz_scratch_llama_plan() {
+fn a_weights_sum_over_rows_joins_its_norms_backward_in_one_kernel_that_nvrtc_compiles() {
     let _serial = common::serial();
-    let trace = llama_step_trace();
-    let ks = trace.kernels();
-    let i = ks
-        .iter()
-        .position(|op| op.name == "aten::silu_backward")
-        .unwrap();
-    for op in &ks[i.saturating_sub(12)..i + 6] {
-        let ins: Vec<_> = op
-            .input_tensors()
-            .map(|t| (t.id, t.storage, t.shape.clone()))
-            .collect();
-        let outs: Vec<_> = op
-            .output_tensors()
-            .map(|t| (t.id, t.storage, t.shape.clone()))
-            .collect();
-        eprintln!("{} {} in={:?} out={:?}", op.id, op.name, ins, outs);
-    }
+    let x = Tensor::randn([3, 37, 53], (Kind::Float, CPU)).set_requires_grad(true);
+    let w = Tensor::randn([53], (Kind::Float, CPU)).set_requires_grad(true);
+    let (_, trace) = StepTrace::record(|| {
+        let rms = (x.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float) + 1e-6).rsqrt();
+        let y = &x * rms * &w;
+        (&y * &y).sum(Kind::Float).backward();
+    })
+    .unwrap();
+    let plan = FusionPlan::generatable(&trace);
+    let sums_columns = |c: &TracedOp| {
+        c.name == "aten::sum" && c.output_tensors().next().is_some_and(|t| t.numel == 53)
+    };
+    let group = (plan.groups().iter())
+        .find(|g| g.calls().iter().any(sums_columns))
+        .unwrap_or_else(|| panic!("the weight's gradient is left to ATen: {plan}"));
+    // With the row sums of the input's gradient.
+    let row_sum = |c: &TracedOp| {
+        c.name == "aten::sum" && c.output_tensors().next().is_some_and(|t| t.numel == 3 * 37)
+    };
+    assert!(group.calls().iter().any(row_sum), "{plan}");
+    let kernel = group.kernel().unwrap();
+    let outputs: Vec<u64> = (kernel.args.iter())
+        .filter_map(|a| match a {
+            KernelArg::Output(t) => Some(t.numel),
+            _ => None,
+        })
+        .collect();
+    // The input's gradient and the weight's: not the product the weight's sums, which only the
+    // kernel reads.
+    assert_eq!(
+        outputs.iter().filter(|&&n| n == 53).count(),
+        1,
+        "{}",
+        kernel.source
+    );
+    assert_eq!(
+        outputs.iter().filter(|&&n| n == 3 * 37 * 53).count(),
+        1,
+        "{}",
+        kernel.source
+    );
+    let bytes = speedkit::kernels::compile(module_of(&kernel).name(), HOPPER)
+        .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
+    assert!(bytes > 0);
 }

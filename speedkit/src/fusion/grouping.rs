@@ -34,6 +34,10 @@ pub(super) struct Group {
     pub channel_rows: bool,
     /// A sum of every element of each channel alone ([`codegen::sums_channels`]).
     pub channel_sum: bool,
+    /// A sum over columns alone ([`codegen::sums_columns`]).
+    pub column_sum: bool,
+    /// The width of the rows whose columns its sums over columns add up, once it has one.
+    pub columns: Option<u64>,
 }
 
 /// The data flow of `ops`: each call's producers, by tensor and by storage for in-place writes.
@@ -106,6 +110,8 @@ pub(super) fn group(
             assembles: kind == OpKind::Layout,
             channel_rows: node.op.name == "aten::native_group_norm_backward",
             channel_sum: codegen::sums_channels(node.op),
+            column_sum: codegen::sums_columns(node.op),
+            columns: None,
         };
         if !admit(&mut joined, node, kind) {
             continue;
@@ -147,6 +153,11 @@ fn admit(group: &mut Group, node: &Node, kind: OpKind) -> bool {
     let output = node.op.output_tensors().map(|t| t.numel).max();
     match kind {
         OpKind::View => true,
+        OpKind::Reduction if group.column_sum => {
+            group.space = input;
+            group.columns = output;
+            input.is_some()
+        }
         OpKind::Reduction => {
             group.space = input;
             group.reduced = if node.op.name == "aten::native_group_norm_backward" {
@@ -180,6 +191,31 @@ fn merge(a: &mut Group, b: &Group) -> bool {
     if a.channel_sum || b.channel_sum {
         return false;
     }
+    // A sum over columns of the group's rows, with their row reduction or before it.
+    if b.column_sum {
+        let width = |g: &Group| g.space.zip(g.reduced).map(|(s, r)| s / r.max(1));
+        let fits = a.space == b.space
+            && !a.channel_rows
+            && a.columns.is_none_or(|w| Some(w) == b.columns)
+            && (a.reduced.is_none() || width(a) == b.columns);
+        if fits {
+            a.columns = b.columns;
+            a.members.extend(&b.members);
+        }
+        return fits;
+    }
+    if a.column_sum {
+        return false;
+    }
+    // A row reduction joins sums over columns of its own rows only.
+    let rows_fit = |sums: &Group, rows: &Group| match (sums.columns, rows.space, rows.reduced) {
+        (Some(columns), Some(space), Some(reduced)) => space == columns * reduced,
+        _ => true,
+    };
+    let same_columns = a.columns.is_none() || b.columns.is_none() || a.columns == b.columns;
+    if !(rows_fit(a, b) && rows_fit(b, a) && same_columns) {
+        return false;
+    }
     let assembled = b.assembles && a.reduced.is_none() && a.space <= b.space;
     let (space, reduced) = match ((a.space, a.reduced), (b.space, b.reduced)) {
         _ if assembled => (b.space, None),
@@ -192,6 +228,7 @@ fn merge(a: &mut Group, b: &Group) -> bool {
     a.reduced = reduced;
     a.assembles = false;
     a.channel_rows |= b.channel_rows;
+    a.columns = a.columns.or(b.columns);
     a.members.extend(&b.members);
     true
 }

@@ -85,6 +85,8 @@ pub struct DeclinedGroup {
 /// A group ready to run: its kernel and what its arguments must look like.
 struct Launch {
     kernel: Arc<CudaKernel>,
+    /// Its second entry point ([`GeneratedKernel::finish`]), launched after it.
+    finish: Option<Arc<CudaKernel>>,
     generated: GeneratedKernel,
 }
 
@@ -378,17 +380,14 @@ impl Placer<'_> {
             self.position,
             self.recorded,
         )?;
-        let kernel = compile(&generated, self.device, &mut self.compiled)?;
+        let launch = compile(generated, self.device, &mut self.compiled)?;
         let mut deferred = Vec::with_capacity(deferrals.len());
         for d in deferrals {
-            let launch = Launch {
-                kernel: compile(&d.kernel, self.device, &mut self.compiled)?,
-                generated: d.kernel.clone(),
-            };
+            let launch = compile(d.kernel.clone(), self.device, &mut self.compiled)?;
             deferred.push((recompute_inputs(d, self.recorded)?, launch));
         }
         Ok(Prepared {
-            launch: Launch { kernel, generated },
+            launch,
             placement,
             deferred,
             inlined: inlined.map_or(Vec::new(), |i| i.results),
@@ -479,27 +478,40 @@ fn takes_the_same_tensors(outer: &TracedOp, inner: &TracedOp) -> bool {
 /// ```
 pub const SOURCES_VARIABLE: &str = "SPEEDKIT_FUSION_SOURCES";
 
-/// The NVRTC-compiled kernel of `generated`, once per entry point (its source written to
-/// [`SOURCES_VARIABLE`]'s directory where that is set).
+/// The launch of `generated`: its entry points compiled with NVRTC, each once (its source written
+/// to [`SOURCES_VARIABLE`]'s directory where that is set).
 fn compile(
-    generated: &GeneratedKernel,
+    generated: GeneratedKernel,
     device: Device,
     compiled: &mut HashMap<String, Arc<CudaKernel>>,
-) -> std::result::Result<Arc<CudaKernel>, String> {
-    if let Some(kernel) = compiled.get(&generated.name) {
-        return Ok(kernel.clone());
-    }
-    if let Some(dir) = std::env::var_os(SOURCES_VARIABLE) {
-        let path = std::path::Path::new(&dir).join(format!("{}.cu", generated.name));
-        std::fs::write(&path, &generated.source)
-            .map_err(|e| format!("cannot write its source to {}: {e}", path.display()))?;
-    }
-    let kernel = CudaModule::new(&format!("{}.cu", generated.name), &generated.source)
-        .and_then(|m| m.kernel(&generated.name, &generated.params(), device))
-        .map_err(|e| format!("its kernel does not compile: {e}"))?;
-    let kernel = Arc::new(kernel);
-    compiled.insert(generated.name.clone(), kernel.clone());
-    Ok(kernel)
+) -> std::result::Result<Launch, String> {
+    let mut entry = |name: &str| -> std::result::Result<Arc<CudaKernel>, String> {
+        if let Some(kernel) = compiled.get(name) {
+            return Ok(kernel.clone());
+        }
+        if let Some(dir) = std::env::var_os(SOURCES_VARIABLE) {
+            let path = std::path::Path::new(&dir).join(format!("{}.cu", generated.name));
+            std::fs::write(&path, &generated.source)
+                .map_err(|e| format!("cannot write its source to {}: {e}", path.display()))?;
+        }
+        let kernel = CudaModule::new(&format!("{}.cu", generated.name), &generated.source)
+            .and_then(|m| m.kernel(name, &generated.params(), device))
+            .map_err(|e| format!("its kernel does not compile: {e}"))?;
+        let kernel = Arc::new(kernel);
+        compiled.insert(name.to_string(), kernel.clone());
+        Ok(kernel)
+    };
+    let kernel = entry(&generated.name)?;
+    let finish = generated
+        .finish
+        .as_ref()
+        .map(|f| entry(&f.name))
+        .transpose()?;
+    Ok(Launch {
+        kernel,
+        finish,
+        generated,
+    })
 }
 
 /// Where `group` sits in the recorded calls, or why it cannot run as one kernel there.
@@ -803,7 +815,14 @@ fn launch(launch: &Launch, tensors: &[Tensor]) -> Result<()> {
     }
     args.push(Arg::I64(generated.numel as i64));
     let (grid, block) = generated.grid_and_block();
-    launch.kernel.launch(grid, block, 0, &args)
+    launch.kernel.launch(grid, block, 0, &args)?;
+    match (&launch.finish, &generated.finish) {
+        (Some(kernel), Some(finish)) => {
+            let (grid, block) = finish.grid_and_block();
+            kernel.launch(grid, block, 0, &args)
+        }
+        _ => Ok(()),
+    }
 }
 
 #[cfg(test)]

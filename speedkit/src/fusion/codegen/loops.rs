@@ -87,6 +87,14 @@ pub(super) fn row_loop(
     for (t, value) in (r.gradients.iter()).flat_map(|g| g.channel_sums.iter().enumerate()) {
         writeln!(accumulate, "        t{t} += {value};").unwrap();
     }
+    for (t, value) in r.column_sums.iter().enumerate() {
+        writeln!(
+            accumulate,
+            "        cols{t}[p - row * {}] += {value};",
+            r.width
+        )
+        .unwrap();
+    }
     let own = cache.map(|c| c.own());
     let (whole, per_row) = row_stores(stored, r.width, vectorised, own, &accumulate);
     if let Some(gradients) = &r.gradients {
@@ -107,10 +115,8 @@ pub(super) fn row_loop(
     } else {
         format!("      const float v = in_red(a, row, col, NO_ROW);\n      acc = {combine};\n")
     };
-    format!(
-        "  __shared__ float partial[32];
-  for (idx_t row = blockIdx.x; row < (idx_t)n; row += gridDim.x) {{
-    float acc = {init};
+    let reduce = format!(
+        "    float acc = {init};
     {columns}{read}    }}
     acc = {warp}(acc);
     if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = acc;
@@ -122,10 +128,93 @@ pub(super) fn row_loop(
     }}
     __syncthreads();
     const float2 red = make_float2({finish}, 0.f);
-    {columns}{whole}    }}
-{tail}",
+"
+    );
+    // Rows kept only for their sums over columns reduce nothing of their own.
+    let reduce = match r.op {
+        "columns" => "    const float2 red = NO_ROW;\n".to_string(),
+        _ => reduce,
+    };
+    let (open, close) = column_sums(r);
+    format!(
+        "  __shared__ float partial[32];
+{open}  for (idx_t row = blockIdx.x; row < (idx_t)n; row += gridDim.x) {{
+{reduce}    {columns}{whole}    }}
+{tail}{close}",
         tail = row_tail(&per_row),
     )
+}
+
+/// The code around a row kernel's loop that sums its columns ([`RowReduction::column_sums`]):
+/// before, each sum's columns zeroed in shared memory (each thread adds to its own columns as it
+/// writes its elements); after, each block's sums kept in the workspace `ws`, for the kernel's
+/// second entry point ([`column_finish`]) to add up.
+fn column_sums(r: &RowReduction) -> (String, String) {
+    if r.column_sums.is_empty() {
+        return (String::new(), String::new());
+    }
+    let width = r.width;
+    let (mut open, mut keep) = (String::new(), String::new());
+    for t in 0..r.column_sums.len() {
+        writeln!(open, "  __shared__ float cols{t}[{width}];").unwrap();
+        writeln!(
+            open,
+            "  for (idx_t c = threadIdx.x; c < {width}; c += blockDim.x) cols{t}[c] = 0.f;"
+        )
+        .unwrap();
+        writeln!(
+            keep,
+            "    ws[({t} * (idx_t)gridDim.x + blockIdx.x) * {width} + c] = cols{t}[c];"
+        )
+        .unwrap();
+    }
+    open.push_str("  __syncthreads();\n");
+    let close =
+        format!("  for (idx_t c = threadIdx.x; c < {width}; c += blockDim.x) {{\n{keep}  }}\n");
+    (open, close)
+}
+
+/// The threads a block of [`column_finish`] runs: [`FINISH_LANES`] warps, a column a lane.
+pub(super) const FINISH_THREADS: u64 = 32 * FINISH_LANES;
+
+/// The warps of a block of [`column_finish`], each summing every [`FINISH_LANES`]th block's sums.
+const FINISH_LANES: u64 = 8;
+
+/// The body of a row kernel's second entry point, launched after it with the same arguments: a
+/// block per 32 columns adds up the `blocks` blocks' sums of each ([`column_sums`]), each warp
+/// every eighth block's, then the warps' in order, so every run gives the same values.
+pub(super) fn column_finish(r: &RowReduction, stored: &[StoredResult], blocks: u64) -> String {
+    let width = r.width;
+    let mut body = format!(
+        "  __shared__ float lanes[{FINISH_LANES}][32];
+  const idx_t c = blockIdx.x * (idx_t)32 + (threadIdx.x & 31);
+  const int lane = threadIdx.x >> 5;
+"
+    );
+    for s in stored {
+        let Some(t) = s.channel else { continue };
+        write!(
+            body,
+            "  {{
+    float sum = 0.f;
+    if (c < {width})
+      for (idx_t b = lane; b < {blocks}; b += {FINISH_LANES}) sum += ws[({t} * (idx_t){blocks} + b) * {width} + c];
+    lanes[lane][threadIdx.x & 31] = sum;
+    __syncthreads();
+    if (lane == 0 && c < {width}) {{
+      float total = 0.f;
+#pragma unroll
+      for (int l = 0; l < {FINISH_LANES}; ++l) total += lanes[l][threadIdx.x & 31];
+      a.out{}[c] = store_as<{}>(total);
+    }}
+    __syncthreads();
+  }}
+",
+            s.arg, s.ty
+        )
+        .unwrap();
+    }
+    body
 }
 
 /// The end of a row's loop: the row's one thread writes the results of one value a row

@@ -18,12 +18,15 @@ use crate::trace::{TracedOp, TracedTensor, TracedValue};
 
 use super::OpKind;
 
+mod columns;
 mod expression;
 mod loops;
 mod norms;
 
+pub(crate) use columns::sums_columns;
+use columns::COLUMN_BLOCKS;
 use expression::{expression, Operand, PRELUDE};
-use loops::{pointwise_loop, row_loop, RowCache};
+use loops::{column_finish, pointwise_loop, row_loop, RowCache, FINISH_THREADS};
 pub(crate) use norms::sums_channels;
 use norms::{group_norm_gradients, normalizes_groups, GradientRows};
 
@@ -45,14 +48,35 @@ pub struct GeneratedKernel {
     unroll: u64,
     /// Threads a block.
     block: u64,
+    /// The most blocks it runs (fewer than its rows where it sums columns, each block's sums
+    /// kept in the workspace).
+    max_blocks: u64,
     /// Per argument, the bytes its pointer must be aligned to (0: any), for a vectorised kernel's
     /// loads and stores of four elements; the launch checks it.
     pub(crate) alignment: Vec<usize>,
     /// Where each argument comes from in the step, in `args`' order.
     pub(crate) sources: Vec<ArgSource>,
     /// Floats of zeroed scratch memory the kernel takes after its arguments (0: none): a group
-    /// norm's backward's per-sample terms of its weight and bias gradients.
+    /// norm's backward's per-sample terms of its weight and bias gradients, or each block's sums
+    /// over columns.
     pub(crate) workspace: u64,
+    /// The entry point launched after this one with the same arguments, where it has one.
+    pub(crate) finish: Option<Finish>,
+}
+
+/// A kernel's second entry point ([`GeneratedKernel::finish`]): the sums over columns of its
+/// blocks added up, `blocks` blocks of [`FINISH_THREADS`] threads.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Finish {
+    pub(crate) name: String,
+    pub(crate) blocks: u64,
+}
+
+impl Finish {
+    /// Its grid and block.
+    pub(crate) fn grid_and_block(&self) -> (u32, u32) {
+        (self.blocks.clamp(1, 65_535) as u32, FINISH_THREADS as u32)
+    }
 }
 
 /// Where a kernel argument's tensor is found in the step: argument (or result) `position` of the
@@ -95,7 +119,7 @@ impl GeneratedKernel {
         } else {
             self.numel.div_ceil(self.block * self.unroll)
         };
-        (blocks.clamp(1, 65_535) as u32, self.block as u32)
+        (blocks.clamp(1, self.max_blocks) as u32, self.block as u32)
     }
 
     /// The parameter list to declare it with ([`crate::cuda::CudaModule::kernel`]).
@@ -152,6 +176,7 @@ pub(crate) fn takes(op: &TracedOp) -> bool {
         Some(OpKind::Reduction) => {
             (stores(op) && reduces_last_dimension(op))
                 || sums_channels(op)
+                || sums_columns(op)
                 || normalizes_groups(op).is_some()
                 || group_norm_gradients(op).is_some()
         }
@@ -271,6 +296,7 @@ fn generate_with(
                 g.group_norm_backward(op)?
             }
             Some(OpKind::Reduction) if sums_channels(op) => g.channel_sum(op)?,
+            Some(OpKind::Reduction) if sums_columns(op) => g.column_sum(op)?,
             Some(OpKind::Reduction) => g.reduction(op)?,
             Some(OpKind::Layout) if generates_layout(op) => g.layout(op)?,
             _ => {
@@ -362,12 +388,15 @@ struct Generator {
 struct RowReduction {
     rows: u64,
     width: u64,
-    /// `sum`, `mean` (a sum divided by the width), `amax` or `moments`.
+    /// `sum`, `mean` (a sum divided by the width), `amax`, `moments`, or `columns` (rows with no
+    /// reduction of their own, for their column sums).
     op: &'static str,
     /// The `moments`' epsilon, added to the variance.
     eps: f64,
     /// A group norm's backward's (`op` `group_norm_backward`).
     gradients: Option<GradientRows>,
+    /// The elements summed over each column ([`Generator::column_sum`]), as read at `p`.
+    column_sums: Vec<String>,
 }
 
 impl Generator {
@@ -545,9 +574,12 @@ impl Generator {
             "aten::amax" => "amax",
             _ => return Err(format!("{} is not generated yet", op.schema)),
         };
-        if self.reduction.is_some() {
-            return Err("a second reduction in one group".into());
-        }
+        // Rows whose sums over columns came first take their reduction now.
+        let (column_sums, summed_rows) = match self.reduction.take() {
+            None => (Vec::new(), None),
+            Some(r) if r.op == "columns" => (r.column_sums, Some((r.rows, r.width))),
+            Some(_) => return Err("a second reduction in one group".into()),
+        };
         let Some(TracedValue::Tensor(input)) = op.inputs.first() else {
             return Err(format!("{} without its input", op.name));
         };
@@ -563,6 +595,9 @@ impl Generator {
         check_contiguous(&out).map_err(|e| format!("{}'s result {e}", op.name))?;
         let width = input.shape[input.shape.len() - 1].max(1) as u64;
         let rows = input.numel / width;
+        if summed_rows.is_some_and(|summed| summed != (rows, width)) {
+            return Err("a row reduction of other rows than its group's sums over columns".into());
+        }
         // The input at (row, col): the row's coordinates over the leading dimensions.
         let mut body = String::new();
         // `p` is the element's index in the rows' space, which a contiguous input reads as it
@@ -587,6 +622,7 @@ impl Generator {
             op: kind,
             eps: 0.0,
             gradients: None,
+            column_sums,
         });
         Ok(())
     }
@@ -643,7 +679,11 @@ impl Generator {
         let own_element = offset == "p";
         if self.inside.contains(&(self.call, t.storage)) {
             if (self.channel_results.keys()).any(|&(_, storage)| storage == t.storage) {
-                return Err("a group norm's weight or bias gradient read in its group".into());
+                return Err(
+                    "a sum over channels or columns (written once every row is summed) read in \
+                     its group"
+                        .into(),
+                );
             }
             let Some(&(index, _)) = self.producers.get(&t.storage) else {
                 return Err("an input computed in the group by an operator not generated".into());
@@ -796,10 +836,15 @@ impl Generator {
                 writeln!(fields, "  uint4 g{i};").unwrap();
             }
         }
-        let workspace = (self.reduction.as_ref().and_then(|r| r.gradients.as_ref()))
-            .map_or(0, |g| {
-                1 + (2 + g.channel_sums.len() as u64) * g.shape.samples * g.shape.channels
-            });
+        let workspace = match &self.reduction {
+            Some(r) if !r.column_sums.is_empty() => {
+                r.column_sums.len() as u64 * column_blocks(r) * r.width
+            }
+            Some(RowReduction {
+                gradients: Some(g), ..
+            }) => 1 + (2 + g.channel_sums.len() as u64) * g.shape.samples * g.shape.channels,
+            _ => 0,
+        };
         if workspace > 0 {
             params.push("float* ws".into());
         }
@@ -816,12 +861,21 @@ impl Generator {
                 self.signature, self.functions
             ))
         );
-        let source = format!(
+        let mut source = format!(
             "{PRELUDE}\ntypedef {index} idx_t;\n#define LOAD(i, ptr, p) {load}\n#define OWN(i, e) {own}\nstruct Args {{\n{fields}}};\n\n{functions}extern \"C\" __global__ __launch_bounds__({block}) void {name}{entry}",
             functions = self.functions,
             index = index_type(self.extent),
             block = block,
         );
+        // Sums over columns end in a second entry point, launched after the first.
+        let finish = match &self.reduction {
+            Some(r) if !r.column_sums.is_empty() => {
+                let (finish, entry) = finish_entry(r, &name, &params, &names, &stored);
+                source.push_str(&entry);
+                Some(finish)
+            }
+            _ => None,
+        };
         Ok(GeneratedKernel {
             name,
             source,
@@ -830,9 +884,14 @@ impl Generator {
             rows: self.reduction.is_some(),
             unroll,
             block,
+            max_blocks: match &self.reduction {
+                Some(r) if !r.column_sums.is_empty() => column_blocks(r),
+                _ => 65_535,
+            },
             alignment,
             sources: self.sources,
             workspace,
+            finish,
         })
     }
 
@@ -911,9 +970,38 @@ impl Generator {
     }
 }
 
+/// The second entry point of kernel `name` (its parameters `params`, its arguments' `names`),
+/// which adds up its blocks' sums over columns into the `stored` results, and its source.
+fn finish_entry(
+    r: &RowReduction,
+    name: &str,
+    params: &[String],
+    names: &[String],
+    stored: &[StoredResult],
+) -> (Finish, String) {
+    let finish = Finish {
+        name: format!("{name}_columns"),
+        blocks: r.width.div_ceil(32),
+    };
+    let entry = format!(
+        "\nextern \"C\" __global__ __launch_bounds__({FINISH_THREADS}) void {}({}, long long n) {{\n  Args a{{{}}};\n{}}}\n",
+        finish.name,
+        params.join(", "),
+        names.join(", "),
+        column_finish(r, stored, column_blocks(r))
+    );
+    (finish, entry)
+}
+
+/// The blocks of a row kernel that sums columns: one per row up to [`COLUMN_BLOCKS`].
+fn column_blocks(r: &RowReduction) -> u64 {
+    r.rows.clamp(1, COLUMN_BLOCKS)
+}
+
 /// How a kernel stores one result: argument `out{arg}` takes function `v{function}`'s values as
 /// `ty`, one per element or, with `per_row`, one per row of the reduction; or, with `channel`, a
-/// group norm's backward's weight (0) or bias (1) gradient, one per channel.
+/// group norm's backward's weight (0) or bias (1) gradient or sum over channels (2 on), one per
+/// channel, or a row kernel's sum over columns (0 on), one per column.
 struct StoredResult {
     arg: usize,
     function: usize,

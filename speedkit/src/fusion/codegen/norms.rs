@@ -226,6 +226,7 @@ impl Generator {
             op: "moments",
             eps: shape.eps,
             gradients: None,
+            column_sums: Vec::new(),
         });
         Ok(())
     }
@@ -316,6 +317,7 @@ impl Generator {
                 weight,
                 channel_sums: Vec::new(),
             }),
+            column_sums: Vec::new(),
         });
         Ok(())
     }

@@ -1,0 +1,98 @@
+//! Sums over columns: a reduction of every dimension but the last (a norm's weight gradient, a
+//! bias's gradient over a batch of rows), computed by a row kernel as it writes its rows. Each
+//! block sums the columns of its rows in shared memory; the kernel's last block sums the blocks'
+//! sums in order, so every run gives the same values.
+
+use std::fmt::Write;
+
+use crate::trace::{TracedOp, TracedValue};
+
+use super::{check_contiguous, kind_of, reduced_dimensions, row_major, Generator, RowReduction};
+
+/// The most blocks a kernel with column sums runs: each writes its sums of every column to the
+/// workspace, which the last block then adds up.
+pub(super) const COLUMN_BLOCKS: u64 = 1024;
+
+/// The most floats a block's column sums take in shared memory (32 KiB).
+const COLUMN_FLOATS: u64 = 8192;
+
+/// Whether `op` sums every dimension but the last of a tensor of at least two dimensions, in its
+/// own type: the gradient of a weight or bias broadcast over rows, as autograd sums it.
+pub(crate) fn sums_columns(op: &TracedOp) -> bool {
+    if !op.schema.starts_with("aten::sum.dim_IntList(") {
+        return false;
+    }
+    let Some((input, mut dims)) = reduced_dimensions(op) else {
+        return false;
+    };
+    let rank = input.shape.len() as i64;
+    dims.sort_unstable();
+    let all_but_last: Vec<i64> = (0..rank - 1).collect();
+    let same_type = match op.outputs.as_slice() {
+        [TracedValue::Tensor(out)] => out.dtype == input.dtype && kind_of(&out.dtype).is_some(),
+        _ => false,
+    };
+    rank >= 2 && dims == all_but_last && same_type
+}
+
+impl Generator {
+    /// A sum over columns ([`sums_columns`]) of a result of the group read at its own element: the
+    /// group's rows are its input's, a block per row, with or without a reduction of their own
+    /// (`columns` where they have none).
+    pub(super) fn column_sum(&mut self, op: &TracedOp) -> Result<(), String> {
+        let (Some(TracedValue::Tensor(input)), [TracedValue::Tensor(out)]) =
+            (op.inputs.first(), op.outputs.as_slice())
+        else {
+            return Err(format!("{} without its input and result", op.name));
+        };
+        let width = input.shape[input.shape.len() - 1].max(1) as u64;
+        let rows = input.numel / width;
+        let sums = self.reduction.as_ref().map_or(0, |r| r.column_sums.len()) as u64;
+        if out.numel != width || check_contiguous(input).is_err() || check_contiguous(out).is_err()
+        {
+            return Err("a sum over columns of other than its own rows".into());
+        }
+        if (sums + 1) * width > COLUMN_FLOATS {
+            return Err(format!(
+                "sums over {width} columns past the block's shared memory"
+            ));
+        }
+        if !self.inside.contains(&(self.call, input.storage)) {
+            return Err("a sum over columns of a tensor from outside the group".into());
+        }
+        match &self.reduction {
+            None => {
+                self.reduction = Some(RowReduction {
+                    rows,
+                    width,
+                    op: "columns",
+                    eps: 0.0,
+                    gradients: None,
+                    column_sums: Vec::new(),
+                })
+            }
+            Some(r)
+                if r.gradients.is_none()
+                    && r.op != "moments"
+                    && (r.rows, r.width) == (rows, width) => {}
+            Some(_) => return Err("a sum over columns of other rows than the group's".into()),
+        }
+        self.position = 0;
+        let value = self.read(input, &row_major(input))?;
+        if value.contains("c[") {
+            return Err("a sum over columns of other elements than its rows'".into());
+        }
+        let Some(r) = self.reduction.as_mut() else {
+            return Err("a sum over columns without its rows".into());
+        };
+        r.column_sums.push(value);
+        let which = r.column_sums.len() - 1;
+        self.read_row_element = false;
+        self.note_extent(out);
+        self.results
+            .insert(out.key(), (usize::MAX, out.clone(), self.call, 0));
+        self.channel_results.insert(out.key(), which);
+        write!(self.signature, "{};", op.schema).unwrap();
+        Ok(())
+    }
+}
