@@ -7,7 +7,7 @@ use std::fmt::Write;
 
 use crate::trace::{TracedOp, TracedValue};
 
-use super::{check_contiguous, kind_of, reduced_dimensions, row_major, Generator, RowReduction};
+use super::{check_contiguous, row_major, sums_in_own_type, Generator, RowReduction};
 
 /// The most blocks a kernel with column sums runs: each writes its sums of every column to the
 /// workspace, which the last block then adds up.
@@ -19,20 +19,10 @@ const COLUMN_FLOATS: u64 = 8192;
 /// Whether `op` sums every dimension but the last of a tensor of at least two dimensions, in its
 /// own type: the gradient of a weight or bias broadcast over rows, as autograd sums it.
 pub(crate) fn sums_columns(op: &TracedOp) -> bool {
-    if !op.schema.starts_with("aten::sum.dim_IntList(") {
-        return false;
-    }
-    let Some((input, mut dims)) = reduced_dimensions(op) else {
-        return false;
-    };
-    let rank = input.shape.len() as i64;
-    dims.sort_unstable();
-    let all_but_last: Vec<i64> = (0..rank - 1).collect();
-    let same_type = match op.outputs.as_slice() {
-        [TracedValue::Tensor(out)] => out.dtype == input.dtype && kind_of(&out.dtype).is_some(),
-        _ => false,
-    };
-    rank >= 2 && dims == all_but_last && same_type
+    sums_in_own_type(op).is_some_and(|(rank, dims)| {
+        let all_but_last: Vec<i64> = (0..rank as i64 - 1).collect();
+        rank >= 2 && dims == all_but_last
+    })
 }
 
 impl Generator {

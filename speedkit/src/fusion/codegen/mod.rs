@@ -228,6 +228,21 @@ fn reduces_last_dimension(op: &TracedOp) -> bool {
     }
 }
 
+/// A `sum` over dimensions of its input in the input's own type, one the generator stores: the
+/// input's rank and the dimensions it sums, in order.
+fn sums_in_own_type(op: &TracedOp) -> Option<(usize, Vec<i64>)> {
+    if !op.schema.starts_with("aten::sum.dim_IntList(") {
+        return None;
+    }
+    let (input, mut dims) = reduced_dimensions(op)?;
+    let same_type = match op.outputs.as_slice() {
+        [TracedValue::Tensor(out)] => out.dtype == input.dtype && kind_of(&out.dtype).is_some(),
+        _ => false,
+    };
+    dims.sort_unstable();
+    same_type.then_some((input.shape.len(), dims))
+}
+
 /// A reduction's input and the dimensions it reduces (its second argument), each in
 /// `0..rank`.
 fn reduced_dimensions(op: &TracedOp) -> Option<(&TracedTensor, Vec<i64>)> {

@@ -9,7 +9,7 @@ use tch::Kind;
 use crate::trace::{TracedOp, TracedTensor, TracedValue};
 
 use super::{
-    c_type, check_contiguous, coordinates_of, integer, kind_of, reduced_dimensions, row_major,
+    c_type, check_contiguous, coordinates_of, integer, kind_of, row_major, sums_in_own_type,
     ArgSource, Generator, KernelArg, RowReduction,
 };
 
@@ -154,20 +154,10 @@ pub(super) fn group_norm_gradients(op: &TracedOp) -> Option<GroupNormGradients> 
 /// of at least three dimensions, in its own type: the gradient of a bias broadcast over a
 /// convolution's output, as autograd sums it.
 pub(crate) fn sums_channels(op: &TracedOp) -> bool {
-    if !op.schema.starts_with("aten::sum.dim_IntList(") {
-        return false;
-    }
-    let Some((input, mut dims)) = reduced_dimensions(op) else {
-        return false;
-    };
-    let rank = input.shape.len() as i64;
-    dims.sort_unstable();
-    let all_but_channels: Vec<i64> = (0..rank).filter(|&d| d != 1).collect();
-    let same_type = match op.outputs.as_slice() {
-        [TracedValue::Tensor(out)] => out.dtype == input.dtype && kind_of(&out.dtype).is_some(),
-        _ => false,
-    };
-    rank >= 3 && dims == all_but_channels && same_type
+    sums_in_own_type(op).is_some_and(|(rank, dims)| {
+        let all_but_channels: Vec<i64> = (0..rank as i64).filter(|&d| d != 1).collect();
+        rank >= 3 && dims == all_but_channels
+    })
 }
 
 /// A group norm's backward's rows ([`GroupNormGradients`]) and the arguments its row loop reads
