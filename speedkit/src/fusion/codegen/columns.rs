@@ -1,7 +1,8 @@
 //! Sums over columns: a reduction of every dimension but the last (a norm's weight gradient, a
 //! bias's gradient over a batch of rows), computed by a row kernel as it writes its rows. Each
-//! block sums the columns of its rows in shared memory; the kernel's last block sums the blocks'
-//! sums in order, so every run gives the same values.
+//! block sums the columns of its rows in shared memory; the kernel's second entry point
+//! (`GeneratedKernel::finish`) adds the blocks' sums up in block order, so every run gives the
+//! same values.
 
 use std::fmt::Write;
 
@@ -10,7 +11,7 @@ use crate::trace::{TracedOp, TracedValue};
 use super::{check_contiguous, row_major, sums_in_own_type, Generator, RowReduction};
 
 /// The most blocks a kernel with column sums runs: each writes its sums of every column to the
-/// workspace, which the last block then adds up.
+/// workspace, which the second entry point then adds up.
 pub(super) const COLUMN_BLOCKS: u64 = 1024;
 
 /// The most floats a block's column sums take in shared memory (32 KiB).

@@ -1,6 +1,6 @@
 //! The bodies of generated kernels: a pointwise kernel's loop over elements, a row reduction's
-//! over rows (a group norm's two statistics, its backward's channels), and a row held in registers
-//! between its passes.
+//! over rows (a group norm's two statistics, its backward's channels, the sums over columns and
+//! the entry point that adds them up), and a row held in registers between its passes.
 
 use std::fmt::Write;
 
@@ -63,9 +63,10 @@ pub(super) fn pointwise_loop(
     )
 }
 
-/// The body of a kernel with a row reduction: a block per row (`n` rows) reduces the row, then
-/// writes the results of the whole space (one per column) and of the rows (one per row). Vectorised,
-/// a thread takes four neighbouring columns at a time, as [`pointwise_loop`] takes elements.
+/// The body of a kernel with a row reduction: a block per row (`n` rows) reduces the row (unless
+/// its rows are kept for their sums over columns alone), then writes the results of the whole space
+/// (one per column) and of the rows (one per row), summing the columns as it goes. Vectorised, a
+/// thread takes four neighbouring columns at a time, as [`pointwise_loop`] takes elements.
 pub(super) fn row_loop(
     r: &RowReduction,
     stored: &[StoredResult],
