@@ -4,11 +4,9 @@
 //! (`GeneratedKernel::finish`) adds the blocks' sums up in block order, so every run gives the
 //! same values.
 
-use std::fmt::Write;
-
 use crate::trace::{TracedOp, TracedValue};
 
-use super::{check_contiguous, row_major, sums_in_own_type, Generator, RowReduction};
+use super::{check_contiguous, sums_in_own_type, Generator, RowReduction};
 
 /// The most blocks a kernel with column sums runs: each writes its sums of every column to the
 /// workspace, which the second entry point then adds up.
@@ -68,22 +66,15 @@ impl Generator {
                     && (r.rows, r.width) == (rows, width) => {}
             Some(_) => return Err("a sum over columns of other rows than the group's".into()),
         }
-        self.position = 0;
-        let value = self.read(input, &row_major(input))?;
-        if value.contains("c[") {
+        let Some(value) = self.read_at_own_element(input)? else {
             return Err("a sum over columns of other elements than its rows'".into());
-        }
+        };
         let Some(r) = self.reduction.as_mut() else {
             return Err("a sum over columns without its rows".into());
         };
         r.column_sums.push(value);
         let which = r.column_sums.len() - 1;
-        self.read_row_element = false;
-        self.note_extent(out);
-        self.results
-            .insert(out.key(), (usize::MAX, out.clone(), self.call, 0));
-        self.channel_results.insert(out.key(), which);
-        write!(self.signature, "{};", op.schema).unwrap();
+        self.summed_result(op, out, which);
         Ok(())
     }
 }

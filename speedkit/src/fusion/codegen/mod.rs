@@ -580,6 +580,26 @@ impl Generator {
         write!(self.signature, "{};", op.schema).unwrap();
     }
 
+    /// `t`, argument 0 of the call being generated, read at the element of the rows' space being
+    /// written (`p`), or `None` where it is read elsewhere: what a sum over channels or columns
+    /// adds as the kernel writes each element.
+    fn read_at_own_element(&mut self, t: &TracedTensor) -> Result<Option<String>, String> {
+        self.position = 0;
+        let value = self.read(t, &row_major(t))?;
+        Ok((!value.contains("c[")).then_some(value))
+    }
+
+    /// Adds `out`, `op`'s result that the kernel writes once every row is summed (sum `which` of
+    /// its group, [`StoredResult::channel`]): no function computes it.
+    fn summed_result(&mut self, op: &TracedOp, out: &TracedTensor, which: usize) {
+        self.read_row_element = false;
+        self.note_extent(out);
+        self.results
+            .insert(out.key(), (usize::MAX, out.clone(), self.call, 0));
+        self.channel_results.insert(out.key(), which);
+        write!(self.signature, "{};", op.schema).unwrap();
+    }
+
     /// A `sum`, `mean` or `amax` over the last dimension: `in_red` reads its input at a row and a
     /// column, and its function returns the row's result (`red`), rounded to its type.
     fn reduction(&mut self, op: &TracedOp) -> Result<(), String> {

@@ -337,22 +337,15 @@ impl Generator {
         if !rows || !self.inside.contains(&(self.call, input.storage)) {
             return Err(outside.into());
         }
-        self.position = 0;
-        let value = self.read(input, &row_major(input))?;
-        if value.contains("c[") {
+        let Some(value) = self.read_at_own_element(input)? else {
             return Err(outside.into());
-        }
+        };
         let Some(gradients) = self.reduction.as_mut().and_then(|r| r.gradients.as_mut()) else {
             return Err(outside.into());
         };
         gradients.channel_sums.push(value);
         let which = 1 + gradients.channel_sums.len();
-        self.read_row_element = false;
-        self.note_extent(out);
-        self.results
-            .insert(out.key(), (usize::MAX, out.clone(), self.call, 0));
-        self.channel_results.insert(out.key(), which);
-        write!(self.signature, "{};", op.schema).unwrap();
+        self.summed_result(op, out, which);
         Ok(())
     }
 
