@@ -47,6 +47,42 @@ fn compiling_an_unknown_file_names_it() {
 }
 
 #[test]
+fn one_entry_point_compiles_without_the_rest_of_its_file() {
+    let whole = kernels::compile("batch_norm.cuh", HOPPER).expect("the file compiles");
+    let one = kernels::compile_entry_point("batch_norm.cuh", "batch_norm_backward_finish", HOPPER)
+        .expect("its entry point compiles alone");
+    // The file holds 37 entry points; one of them alone is a small part of its cubin.
+    assert!(one > 0 && one * 4 < whole, "{one} bytes of {whole}");
+}
+
+#[test]
+fn entry_points_of_every_kind_compile_alone() {
+    for (file, entry) in [
+        ("layernorm.cuh", "layernorm_forward_f32_bf16_f32_bf16"),
+        ("layernorm.cuh", "layernorm_backward_bf16_f32_bf16_768"),
+        ("layernorm.cuh", "layernorm_param_grad_f16"),
+        ("fp8_cast.cuh", "fp8_cast_transpose_bf16_e4m3"),
+        ("log_softmax.cuh", "log_softmax_nll_backward_f16"),
+        ("adamw.cuh", "adamw_with_copy_bf16"),
+    ] {
+        let bytes = kernels::compile_entry_point(file, entry, HOPPER)
+            .unwrap_or_else(|e| panic!("{entry} of {file}: {e}"));
+        assert!(bytes > 0, "{entry}");
+    }
+}
+
+#[test]
+fn an_entry_point_its_file_lacks_is_an_error_naming_both() {
+    let err = kernels::compile_entry_point("layernorm.cuh", "layernorm_forward_f64", AMPERE)
+        .expect_err("there is no fp64 entry point");
+    let text = err.to_string();
+    assert!(
+        text.contains("layernorm.cuh") && text.contains("layernorm_forward_f64"),
+        "{text}"
+    );
+}
+
+#[test]
 fn kernels_do_not_run_on_the_cpu() {
     let why = kernels::unavailable_reason(tch::Device::Cpu).expect("a reason, not an error");
     assert!(why.is_some_and(|w| w.contains("CUDA")));

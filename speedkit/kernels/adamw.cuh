@@ -96,10 +96,10 @@ __device__ void adamw_with_copy(const kernels::adamw::Step& h) {
 }  // namespace sk
 
 // The params struct stays in parameter memory (__grid_constant__): the list is indexed at run time.
-#define SK_ADAMW(tag, TC, ...)                                                                            \
-  extern "C" __global__ void adamw_with_copy_##tag(const __grid_constant__ sk::kernels::adamw::Step p) {  \
-    sk::adamw_with_copy<TC>(p);                                                                           \
-  }
+#define SK_ADAMW(tag, TC, ...)                                                           \
+  SK_ENTRY(adamw_with_copy_##tag, (const __grid_constant__ sk::kernels::adamw::Step p) { \
+    sk::adamw_with_copy<TC>(p);                                                          \
+  })
 SK_ADAMW(bf16, sk::bf16)
 SK_ADAMW(f16, sk::f16)
 

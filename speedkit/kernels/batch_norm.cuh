@@ -388,54 +388,53 @@ __device__ void backward_input(const T* dy, const T* x, const float* coefficient
 }  // namespace
 
 // The normalisation's entry points: batch_norm_normalize_<tag>_v<VEC>_r<RELU>_a<ADD>.
-#define SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, RELU, ADD)                                              \
-  extern "C" __global__ void __launch_bounds__(kThreads) batch_norm_normalize_##tag##_v##VEC##_r##RELU##_a##ADD( \
-      const sk::kernels::batch_norm::Normalize p) {                                                        \
+#define SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, RELU, ADD)                                                     \
+  SK_ENTRY_BOUNDED(kThreads, batch_norm_normalize_##tag##_v##VEC##_r##RELU##_a##ADD, (                            \
+      const sk::kernels::batch_norm::Normalize p) {                                                               \
     normalize<T, VEC, RELU != 0, ADD>(static_cast<const T*>(p.x), p.coefficients, static_cast<const T*>(p.other), \
-                                      p.other_coefficients, static_cast<T*>(p.y), p.rows, p.channels);     \
-  }
+                                      p.other_coefficients, static_cast<T*>(p.y), p.rows, p.channels);            \
+  })
 
 // Entry points per activation type (tag) and column group width (1 or 8 channels).
 #define SK_BATCH_NORM_VEC_ENTRIES(tag, T, VEC)                                                             \
-  extern "C" __global__ void __launch_bounds__(kThreads) batch_norm_stats_partials_##tag##_v##VEC(         \
+  SK_ENTRY_BOUNDED(kThreads, batch_norm_stats_partials_##tag##_v##VEC, (                                   \
       const sk::kernels::batch_norm::StatsPartials p) {                                                    \
     stats_partials<T, VEC>(static_cast<const T*>(p.x), p.partials, p.rows, p.channels, p.strip_rows);      \
-  }                                                                                                        \
+  })                                                                                                       \
   SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, 0, 0)                                                         \
   SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, 1, 0)                                                         \
   SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, 0, 1)                                                         \
   SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, 1, 1)                                                         \
   SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, 0, 2)                                                         \
   SK_BATCH_NORM_NORMALIZE_ENTRY(tag, T, VEC, 1, 2)                                                         \
-  extern "C" __global__ void __launch_bounds__(kThreads) batch_norm_backward_partials_##tag##_v##VEC(      \
+  SK_ENTRY_BOUNDED(kThreads, batch_norm_backward_partials_##tag##_v##VEC, (                                \
       const sk::kernels::batch_norm::BackwardPartials p) {                                                 \
     backward_partials<T, VEC>(static_cast<const T*>(p.dy), static_cast<const T*>(p.x), p.mean, p.partials, \
                               p.rows, p.channels, p.strip_rows);                                           \
-  }                                                                                                        \
-  extern "C" __global__ void __launch_bounds__(kThreads) batch_norm_backward_input_##tag##_v##VEC(         \
+  })                                                                                                       \
+  SK_ENTRY_BOUNDED(kThreads, batch_norm_backward_input_##tag##_v##VEC, (                                   \
       const sk::kernels::batch_norm::BackwardInput p) {                                                    \
     backward_input<T, VEC>(static_cast<const T*>(p.dy), static_cast<const T*>(p.x), p.coefficients,        \
                            static_cast<T*>(p.dx), p.rows, p.channels);                                     \
-  }
+  })
 
-#define SK_BATCH_NORM_ENTRIES(tag, T)                                                                      \
-  SK_BATCH_NORM_VEC_ENTRIES(tag, T, 1)                                                                     \
-  SK_BATCH_NORM_VEC_ENTRIES(tag, T, 8)                                                                     \
-  extern "C" __global__ void __launch_bounds__(kFinish* kFinish) batch_norm_stats_finish_##tag(            \
-      const sk::kernels::batch_norm::StatsFinish p) {                                                      \
-    stats_finish<T>(p.partials, static_cast<const T*>(p.x), p.weight, p.bias, p.save_mean, p.save_invstd,  \
-                    p.running_mean, p.running_var, p.coefficients, p.strips, p.channels, p.rows, p.eps,    \
-                    p.momentum, p.flags);                                                                  \
-  }
+#define SK_BATCH_NORM_ENTRIES(tag, T)                                                                     \
+  SK_BATCH_NORM_VEC_ENTRIES(tag, T, 1)                                                                    \
+  SK_BATCH_NORM_VEC_ENTRIES(tag, T, 8)                                                                    \
+  SK_ENTRY_BOUNDED(kFinish* kFinish, batch_norm_stats_finish_##tag, (                                     \
+      const sk::kernels::batch_norm::StatsFinish p) {                                                     \
+    stats_finish<T>(p.partials, static_cast<const T*>(p.x), p.weight, p.bias, p.save_mean, p.save_invstd, \
+                    p.running_mean, p.running_var, p.coefficients, p.strips, p.channels, p.rows, p.eps,   \
+                    p.momentum, p.flags);                                                                 \
+  })
 
 SK_BATCH_NORM_ENTRIES(f32, sk::f32)
 SK_BATCH_NORM_ENTRIES(bf16, sk::bf16)
 SK_BATCH_NORM_ENTRIES(f16, sk::f16)
 
-extern "C" __global__ void __launch_bounds__(kFinish* kFinish)
-    batch_norm_backward_finish(const sk::kernels::batch_norm::BackwardFinish p) {
+SK_ENTRY_BOUNDED(kFinish* kFinish, batch_norm_backward_finish, (const sk::kernels::batch_norm::BackwardFinish p) {
   backward_finish(p.partials, p.save_mean, p.save_invstd, p.weight, p.grad_weight, p.grad_bias, p.coefficients,
                   p.strips, p.channels, p.rows, p.flags);
-}
+})
 
 #endif  // __CUDACC_RTC__

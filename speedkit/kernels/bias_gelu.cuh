@@ -160,16 +160,16 @@ __device__ void bias_gelu_backward(const TY* __restrict__ dy, const TH* __restri
 
 }  // namespace sk
 
-#define SK_BIAS_GELU(tb_tag, TB, th_tag, TH)                                                                  \
-  extern "C" __global__ void bias_gelu_forward_##th_tag##_##tb_tag(const sk::kernels::bias_gelu::Forward p) {   \
-    sk::bias_gelu_forward<TH, TB, TH>(static_cast<const TH*>(p.h), static_cast<const TB*>(p.bias),            \
-                                      static_cast<TH*>(p.y), p.rows, p.width, p.rows_per_block, p.vectorised);  \
-  }                                                                                                             \
-  extern "C" __global__ void bias_gelu_backward_##th_tag##_##tb_tag(const sk::kernels::bias_gelu::Backward p) { \
-    sk::bias_gelu_backward<TH, TB, TH>(static_cast<const TH*>(p.dy), static_cast<const TH*>(p.h),             \
+#define SK_BIAS_GELU(tb_tag, TB, th_tag, TH)                                                                   \
+  SK_ENTRY(bias_gelu_forward_##th_tag##_##tb_tag, (const sk::kernels::bias_gelu::Forward p) {                  \
+    sk::bias_gelu_forward<TH, TB, TH>(static_cast<const TH*>(p.h), static_cast<const TB*>(p.bias),             \
+                                      static_cast<TH*>(p.y), p.rows, p.width, p.rows_per_block, p.vectorised); \
+  })                                                                                                           \
+  SK_ENTRY(bias_gelu_backward_##th_tag##_##tb_tag, (const sk::kernels::bias_gelu::Backward p) {                \
+    sk::bias_gelu_backward<TH, TB, TH>(static_cast<const TH*>(p.dy), static_cast<const TH*>(p.h),              \
                                        static_cast<const TB*>(p.bias), static_cast<TH*>(p.dh), p.partials,     \
                                        p.rows, p.width, p.rows_per_block, p.vectorised);                       \
-  }
+  })
 #define SK_BIAS_GELU_H(th_tag, TH, ...) SK_TYPES_2(SK_BIAS_GELU, th_tag, TH)
 SK_TYPES_1(SK_BIAS_GELU_H, )
 

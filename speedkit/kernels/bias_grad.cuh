@@ -158,19 +158,19 @@ __device__ void bias_grad_finish(const float* __restrict__ partials, TB* __restr
 
 }  // namespace sk
 
-#define SK_BIAS_GRAD(tag, T, ...)                                                                             \
-  extern "C" __global__ void bias_grad_partials_##tag(const sk::kernels::bias_grad::Partials p) {               \
-    sk::bias_grad_partials<T>(static_cast<const T*>(p.dy), p.partials, p.rows, p.width, p.rows_per_block,      \
-                              p.vectorised);                                                                    \
-  }                                                                                                             \
-  extern "C" __global__ void bias_grad_finish_##tag(const sk::kernels::bias_grad::Finish p) {                   \
-    sk::bias_grad_finish<T>(p.partials, static_cast<T*>(p.db), p.strips, p.width);                            \
-  }                                                                                                             \
-  extern "C" __global__ void bias_grad_concat_partials_##tag(const __grid_constant__                            \
-                                                             sk::kernels::bias_grad::ConcatPartials p) {        \
+#define SK_BIAS_GRAD(tag, T, ...)                                                                                \
+  SK_ENTRY(bias_grad_partials_##tag, (const sk::kernels::bias_grad::Partials p) {                                \
+    sk::bias_grad_partials<T>(static_cast<const T*>(p.dy), p.partials, p.rows, p.width, p.rows_per_block,        \
+                              p.vectorised);                                                                     \
+  })                                                                                                             \
+  SK_ENTRY(bias_grad_finish_##tag, (const sk::kernels::bias_grad::Finish p) {                                    \
+    sk::bias_grad_finish<T>(p.partials, static_cast<T*>(p.db), p.strips, p.width);                               \
+  })                                                                                                             \
+  SK_ENTRY(bias_grad_concat_partials_##tag, (const __grid_constant__                                             \
+                                                             sk::kernels::bias_grad::ConcatPartials p) {         \
     sk::bias_grad_concat_partials<T>(p.blocks, p.part_width, static_cast<T*>(p.dy), p.partials, p.rows, p.width, \
-                                     p.rows_per_block, p.vectorised);                                           \
-  }
+                                     p.rows_per_block, p.vectorised);                                            \
+  })
 SK_TYPES_1(SK_BIAS_GRAD, )
 
 #else  // host: the launchers

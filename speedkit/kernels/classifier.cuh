@@ -201,15 +201,15 @@ __device__ void cross_entropy_backward(const TL* logits, const long long* __rest
 
 }  // namespace sk
 
-#define SK_CE(tl_tag, TL, ...)                                                                               \
-  extern "C" __global__ void cross_entropy_forward_##tl_tag(const sk::kernels::classifier::Forward p) {     \
+#define SK_CE(tl_tag, TL, ...)                                                                                \
+  SK_ENTRY(cross_entropy_forward_##tl_tag, (const sk::kernels::classifier::Forward p) {                       \
     sk::cross_entropy_forward<TL>(static_cast<const TL*>(p.logits), p.targets, p.row_loss, p.row_lse, p.rows, \
-                                  p.vocab, p.ignore_index);                                                  \
-  }                                                                                                          \
-  extern "C" __global__ void cross_entropy_backward_##tl_tag(const sk::kernels::classifier::Backward p) {   \
-    sk::cross_entropy_backward<TL>(static_cast<const TL*>(p.logits), p.targets, p.row_lse, p.dloss, p.count, \
-                                   static_cast<TL*>(p.dlogits), p.rows, p.vocab, p.ignore_index);            \
-  }
+                                  p.vocab, p.ignore_index);                                                   \
+  })                                                                                                          \
+  SK_ENTRY(cross_entropy_backward_##tl_tag, (const sk::kernels::classifier::Backward p) {                     \
+    sk::cross_entropy_backward<TL>(static_cast<const TL*>(p.logits), p.targets, p.row_lse, p.dloss, p.count,  \
+                                   static_cast<TL*>(p.dlogits), p.rows, p.vocab, p.ignore_index);             \
+  })
 SK_TYPES_1(SK_CE, )
 
 #else  // host: the launchers

@@ -1,9 +1,10 @@
 // What every kernel file shares. For NVRTC and the host compiler alike: SK_KERNEL_ENTRY, which names
 // a params struct's kernel (shim/launch.h launches each kernel with its one params struct). For
 // NVRTC only: conversions between the storage types (fp32, bf16, fp16) and fp32 arithmetic, warp
-// reductions, and the X-macro of the storage types that the kernel files use to emit one extern "C"
-// entry point per type combination, named as the host composes names (shim/kernels.h:
-// sk::kernels::kernel_name), so no C++ name mangling or NVRTC name expressions need keeping in step.
+// reductions, the entry-point macros (each compiled alone when a launch asks for it), and the
+// X-macro of the storage types that the kernel files use to emit one extern "C" entry point per type
+// combination, named as the host composes names (shim/kernels.h: sk::kernels::kernel_name), so no
+// C++ name mangling or NVRTC name expressions need keeping in step.
 #pragma once
 
 // Inside a params struct: the kernel file that defines its entry points, and the entry points'
@@ -128,6 +129,28 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 }  // namespace sk
+
+// SK_ENTRY(name, (params) { body }) defines the extern "C" kernel `name`; SK_ENTRY_BOUNDED(threads,
+// name, ...) the same under __launch_bounds__(threads). A compile for one entry point (the kernel
+// layer's, at a launch: -DSK_ONE_ENTRY_POINT -DSK_WANT_<name>=~,1) keeps that one definition and
+// drops the others, so that a cold start compiles the instantiation it launches and not the file's
+// every type combination (layernorm.cuh has 150: 20 s of NVRTC); without SK_ONE_ENTRY_POINT (CI's
+// compile of the file) every entry point is kept. The test: SK_WANT_<name> defined as `~,1` puts
+// the 1 in SK_PP_SECOND's second place, an undefined one leaves the 0 there.
+#define SK_PP_CAT(a, b) SK_PP_CAT_(a, b)
+#define SK_PP_CAT_(a, b) a##b
+#define SK_PP_SECOND(a, b, ...) b
+#define SK_PP_WANTED(probe) SK_PP_SECOND(probe, 0, ~)
+#define SK_PP_KEEP_1(...) __VA_ARGS__
+#define SK_PP_KEEP_0(...)
+#ifdef SK_ONE_ENTRY_POINT
+#define SK_IF_WANTED(name) SK_PP_CAT(SK_PP_KEEP_, SK_PP_WANTED(SK_WANT_##name))
+#else
+#define SK_IF_WANTED(name) SK_PP_KEEP_1
+#endif
+#define SK_ENTRY(name, ...) SK_IF_WANTED(name)(extern "C" __global__ void name __VA_ARGS__)
+#define SK_ENTRY_BOUNDED(threads, name, ...) \
+  SK_IF_WANTED(name)(extern "C" __global__ void __launch_bounds__(threads) name __VA_ARGS__)
 
 // SK_TYPES_n(M, ...) expands M(tag, type, ...) for every storage type; the tag is the suffix the host
 // composes kernel names from (shim/kernels.h: sk::kernels::type_tag). Three copies, because a

@@ -243,20 +243,20 @@ __device__ void embedding_backward_positions(const T* __restrict__ dout, T* __re
 
 }  // namespace sk
 
-#define SK_EMBEDDING(tag, T, ...)                                                                              \
-  extern "C" __global__ void embedding_forward_##tag(const sk::kernels::embedding::Forward p) {                 \
-    sk::embedding_forward<T>(p.tokens, static_cast<const T*>(p.table), static_cast<const T*>(p.positions),     \
-                             static_cast<T*>(p.out), p.rows, p.seq, p.width, p.vocab, p.vectorised);            \
-  }                                                                                                             \
-  extern "C" __global__ void embedding_backward_table_##tag(const sk::kernels::embedding::TableBackward p) {    \
+#define SK_EMBEDDING(tag, T, ...)                                                                                \
+  SK_ENTRY(embedding_forward_##tag, (const sk::kernels::embedding::Forward p) {                                  \
+    sk::embedding_forward<T>(p.tokens, static_cast<const T*>(p.table), static_cast<const T*>(p.positions),       \
+                             static_cast<T*>(p.out), p.rows, p.seq, p.width, p.vocab, p.vectorised);             \
+  })                                                                                                             \
+  SK_ENTRY(embedding_backward_table_##tag, (const sk::kernels::embedding::TableBackward p) {                     \
     sk::embedding_backward_table<T>(p.sorted, p.order, static_cast<const T*>(p.dout), static_cast<T*>(p.dtable), \
-                                    p.rows, p.vocab, p.width, p.vectorised);                                    \
-  }                                                                                                             \
-  extern "C" __global__ void embedding_backward_positions_##tag(                                               \
-      const sk::kernels::embedding::PositionsBackward p) {                                                      \
-    sk::embedding_backward_positions<T>(static_cast<const T*>(p.dout), static_cast<T*>(p.dpositions), p.batch,  \
-                                        p.seq, p.width, p.vectorised);                                          \
-  }
+                                    p.rows, p.vocab, p.width, p.vectorised);                                     \
+  })                                                                                                             \
+  SK_ENTRY(embedding_backward_positions_##tag, (                                                                 \
+      const sk::kernels::embedding::PositionsBackward p) {                                                       \
+    sk::embedding_backward_positions<T>(static_cast<const T*>(p.dout), static_cast<T*>(p.dpositions), p.batch,   \
+                                        p.seq, p.width, p.vectorised);                                           \
+  })
 SK_TYPES_1(SK_EMBEDDING, )
 
 #else  // host: the launchers

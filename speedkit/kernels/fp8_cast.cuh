@@ -444,7 +444,7 @@ __device__ void fp8_cast_axiswise(const T* __restrict__ x, long long rows, long 
 }  // namespace sk
 
 // The delayed recipe's history step: the newest entry, about to receive this step's amax, first.
-extern "C" __global__ void fp8_history_roll(const sk::kernels::fp8_cast::HistoryRoll p) {
+SK_ENTRY(fp8_history_roll, (const sk::kernels::fp8_cast::HistoryRoll p) {
   const int i = threadIdx.x;
   const float v = i < p.length ? p.history[i] : 0.f;
   const unsigned largest = sk::block_max_bits(i < p.length ? __float_as_uint(v) : 0u);
@@ -452,51 +452,50 @@ extern "C" __global__ void fp8_history_roll(const sk::kernels::fp8_cast::History
   __syncthreads();
   if (i + 1 < p.length) p.history[i + 1] = v;
   if (i == 0) p.history[0] = 0.f;
-}
+})
 
 // The column sums of x (the bias gradient when x is the output gradient) without a second pass
 // over x.
-extern "C" __global__ void fp8_column_sum(const sk::kernels::fp8_cast::ColumnSum p) {
+SK_ENTRY(fp8_column_sum, (const sk::kernels::fp8_cast::ColumnSum p) {
   const long long c = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= p.cols) return;
   float total = 0.f;
   for (int g = 0; g < p.groups; ++g) total += p.partials[g * p.cols + c];
   p.out[c] = total;
-}
+})
 
-#define SK_FP8_AMAX(tag, T, ...)                                                                        \
-  extern "C" __global__ void __launch_bounds__(sk::kFp8Threads)                                        \
-      fp8_amax_##tag(const sk::kernels::fp8_cast::Amax p) {                                             \
-    sk::fp8_amax<T>(static_cast<const T*>(p.x), p.n, p.slot, p.skip_if_positive, p.vector_ok);          \
-  }
+#define SK_FP8_AMAX(tag, T, ...)                                                               \
+  SK_ENTRY_BOUNDED(sk::kFp8Threads, fp8_amax_##tag, (const sk::kernels::fp8_cast::Amax p) {    \
+    sk::fp8_amax<T>(static_cast<const T*>(p.x), p.n, p.slot, p.skip_if_positive, p.vector_ok); \
+  })
 SK_TYPES_1(SK_FP8_AMAX, )
 
-#define SK_FP8_CAST(tag, T, fp8_tag, F)                                                                     \
-  extern "C" __global__ void __launch_bounds__(sk::kFp8Threads) fp8_cast_transpose_##tag##_##fp8_tag(       \
-      const sk::kernels::fp8_cast::CastTranspose p) {                                                       \
-    sk::fp8_cast_transpose<T, F>(static_cast<const T*>(p.x), p.rows, p.cols, p.amax, p.past, p.amax_out,    \
-                                 p.inverse_out, static_cast<unsigned char*>(p.q),                           \
-                                 static_cast<unsigned char*>(p.qt), p.column_partials, p.vector_ok);        \
-  }
+#define SK_FP8_CAST(tag, T, fp8_tag, F)                                                                  \
+  SK_ENTRY_BOUNDED(sk::kFp8Threads, fp8_cast_transpose_##tag##_##fp8_tag, (                              \
+      const sk::kernels::fp8_cast::CastTranspose p) {                                                    \
+    sk::fp8_cast_transpose<T, F>(static_cast<const T*>(p.x), p.rows, p.cols, p.amax, p.past, p.amax_out, \
+                                 p.inverse_out, static_cast<unsigned char*>(p.q),                        \
+                                 static_cast<unsigned char*>(p.qt), p.column_partials, p.vector_ok);     \
+  })
 #define SK_FP8_CAST_BOTH(tag, T, ...) SK_FP8_CAST(tag, T, e4m3, sk::E4m3) SK_FP8_CAST(tag, T, e5m2, sk::E5m2)
 SK_TYPES_1(SK_FP8_CAST_BOTH, )
 
 // The row-wise recipe's two passes.
-#define SK_FP8_AXIS_AMAX(tag, T, ...)                                                                  \
-  extern "C" __global__ void __launch_bounds__(sk::kFp8Threads) fp8_axis_amax_##tag(                   \
-      const sk::kernels::fp8_cast::AxisAmax p) {                                                        \
+#define SK_FP8_AXIS_AMAX(tag, T, ...)                                                                      \
+  SK_ENTRY_BOUNDED(sk::kFp8Threads, fp8_axis_amax_##tag, (                                                 \
+      const sk::kernels::fp8_cast::AxisAmax p) {                                                           \
     sk::fp8_axis_amax<T>(static_cast<const T*>(p.x), p.rows, p.cols, p.row_amax, p.col_amax, p.vector_ok); \
-  }
+  })
 SK_TYPES_1(SK_FP8_AXIS_AMAX, )
 
-#define SK_FP8_CAST_AXISWISE(tag, T, fp8_tag, F)                                                         \
-  extern "C" __global__ void __launch_bounds__(sk::kFp8Threads) fp8_cast_axiswise_##tag##_##fp8_tag(     \
-      const sk::kernels::fp8_cast::CastAxiswise p) {                                                     \
-    sk::fp8_cast_axiswise<T, F>(static_cast<const T*>(p.x), p.rows, p.cols, p.row_amax, p.col_amax,     \
-                                static_cast<unsigned char*>(p.q), p.row_inverse,                          \
-                                static_cast<unsigned char*>(p.qt), p.col_inverse, p.column_partials,      \
-                                p.vector_ok);                                                             \
-  }
+#define SK_FP8_CAST_AXISWISE(tag, T, fp8_tag, F)                                                     \
+  SK_ENTRY_BOUNDED(sk::kFp8Threads, fp8_cast_axiswise_##tag##_##fp8_tag, (                           \
+      const sk::kernels::fp8_cast::CastAxiswise p) {                                                 \
+    sk::fp8_cast_axiswise<T, F>(static_cast<const T*>(p.x), p.rows, p.cols, p.row_amax, p.col_amax,  \
+                                static_cast<unsigned char*>(p.q), p.row_inverse,                     \
+                                static_cast<unsigned char*>(p.qt), p.col_inverse, p.column_partials, \
+                                p.vector_ok);                                                        \
+  })
 #define SK_FP8_CAST_AXISWISE_BOTH(tag, T, ...) \
   SK_FP8_CAST_AXISWISE(tag, T, e4m3, sk::E4m3) SK_FP8_CAST_AXISWISE(tag, T, e5m2, sk::E5m2)
 SK_TYPES_1(SK_FP8_CAST_AXISWISE_BOTH, )

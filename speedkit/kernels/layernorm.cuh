@@ -420,36 +420,36 @@ __device__ void layernorm_param_grad(const float* __restrict__ partials, int blo
 // own without one), the weight and the output; layernorm_backward_<x>_<w>_<y> (y is the type of dy
 // there); layernorm_param_grad_<w>. The residual differs from the input only for an fp32 residual
 // stream with a bf16/fp16 branch output (autocast's mix), whose sum is fp32.
-#define SK_LN_FORWARD(ty_tag, TY, tx_tag, TX, tr_tag, TR, tw_tag, TW)                                         \
-  extern "C" __global__ void layernorm_forward_##tx_tag##_##tr_tag##_##tw_tag##_##ty_tag(                      \
-      const sk::kernels::layernorm::Forward p) {                                                               \
-    const auto x = static_cast<const TX*>(p.x);                                                                \
-    const auto residual = static_cast<const TR*>(p.residual);                                                  \
-    const auto weight = static_cast<const TW*>(p.weight);                                                      \
-    const auto bias = static_cast<const TW*>(p.bias);                                                          \
-    if (p.in_registers)                                                                                         \
-      sk::layernorm_forward_in_registers<TX, TR, TW, TY>(x, residual, weight, bias, static_cast<TX*>(p.sum),    \
-                                                         static_cast<TY*>(p.y), p.mean, p.rstd, p.rows,         \
-                                                         p.width, p.eps);                                       \
-    else                                                                                                        \
-      sk::layernorm_forward<TX, TR, TW, TY>(x, residual, weight, bias, static_cast<TX*>(p.sum),                 \
-                                            static_cast<TY*>(p.y), p.mean, p.rstd, p.rows, p.width, p.eps);     \
-  }
-#define SK_LN_BACKWARD(ty_tag, TY, tx_tag, TX, tw_tag, TW)                                                    \
-  extern "C" __global__ void layernorm_backward_##tx_tag##_##tw_tag##_##ty_tag(                                \
-      const sk::kernels::layernorm::Backward p) {                                                              \
-    const auto dy = static_cast<const TY*>(p.dy);                                                              \
-    const auto x = static_cast<const TX*>(p.x);                                                                \
-    const auto weight = static_cast<const TW*>(p.weight);                                                      \
-    const auto dsum = static_cast<const TX*>(p.dsum);                                                          \
-    if (p.in_registers)                                                                                         \
+#define SK_LN_FORWARD(ty_tag, TY, tx_tag, TX, tr_tag, TR, tw_tag, TW)                                        \
+  SK_ENTRY(layernorm_forward_##tx_tag##_##tr_tag##_##tw_tag##_##ty_tag, (                                    \
+      const sk::kernels::layernorm::Forward p) {                                                             \
+    const auto x = static_cast<const TX*>(p.x);                                                              \
+    const auto residual = static_cast<const TR*>(p.residual);                                                \
+    const auto weight = static_cast<const TW*>(p.weight);                                                    \
+    const auto bias = static_cast<const TW*>(p.bias);                                                        \
+    if (p.in_registers)                                                                                      \
+      sk::layernorm_forward_in_registers<TX, TR, TW, TY>(x, residual, weight, bias, static_cast<TX*>(p.sum), \
+                                                         static_cast<TY*>(p.y), p.mean, p.rstd, p.rows,      \
+                                                         p.width, p.eps);                                    \
+    else                                                                                                     \
+      sk::layernorm_forward<TX, TR, TW, TY>(x, residual, weight, bias, static_cast<TX*>(p.sum),              \
+                                            static_cast<TY*>(p.y), p.mean, p.rstd, p.rows, p.width, p.eps);  \
+  })
+#define SK_LN_BACKWARD(ty_tag, TY, tx_tag, TX, tw_tag, TW)                                                         \
+  SK_ENTRY(layernorm_backward_##tx_tag##_##tw_tag##_##ty_tag, (                                                    \
+      const sk::kernels::layernorm::Backward p) {                                                                  \
+    const auto dy = static_cast<const TY*>(p.dy);                                                                  \
+    const auto x = static_cast<const TX*>(p.x);                                                                    \
+    const auto weight = static_cast<const TW*>(p.weight);                                                          \
+    const auto dsum = static_cast<const TX*>(p.dsum);                                                              \
+    if (p.in_registers)                                                                                            \
       sk::layernorm_backward_in_registers<TX, TW, TY>(dy, x, weight, p.mean, p.rstd, dsum, static_cast<TX*>(p.dx), \
-                                                      static_cast<TY*>(p.dx_branch), p.partials, p.rows,        \
-                                                      p.width);                                                 \
-    else                                                                                                        \
-      sk::layernorm_backward<TX, TW, TY>(dy, x, weight, p.mean, p.rstd, dsum, static_cast<TX*>(p.dx),           \
-                                         static_cast<TY*>(p.dx_branch), p.partials, p.rows, p.width);           \
-  }
+                                                      static_cast<TY*>(p.dx_branch), p.partials, p.rows,           \
+                                                      p.width);                                                    \
+    else                                                                                                           \
+      sk::layernorm_backward<TX, TW, TY>(dy, x, weight, p.mean, p.rstd, dsum, static_cast<TX*>(p.dx),              \
+                                         static_cast<TY*>(p.dx_branch), p.partials, p.rows, p.width);              \
+  })
 #define SK_LN_BOTH(ty_tag, TY, tx_tag, TX, tw_tag, TW)          \
   SK_LN_FORWARD(ty_tag, TY, tx_tag, TX, tx_tag, TX, tw_tag, TW) \
   SK_LN_BACKWARD(ty_tag, TY, tx_tag, TX, tw_tag, TW)
@@ -469,14 +469,14 @@ SK_LN_F32_OVER_W(f16, sk::f16)
 // of 128, with an fp32 weight (the mixed-precision case) and dy of x's type or x fp32: the type
 // combinations that sk::kernels::layernorm::has_exact_width lists. The other combinations take the
 // runtime-width kernels above.
-#define SK_LN_BACKWARD_EXACT_AT(chunks, width, ty_tag, TY, tx_tag, TX)                                       \
-  extern "C" __global__ void layernorm_backward_##tx_tag##_f32_##ty_tag##_##width(                            \
-      const sk::kernels::layernorm::Backward p) {                                                             \
-    sk::layernorm_backward_exact<chunks, TX, float, TY>(                                                      \
+#define SK_LN_BACKWARD_EXACT_AT(chunks, width, ty_tag, TY, tx_tag, TX)                                          \
+  SK_ENTRY(layernorm_backward_##tx_tag##_f32_##ty_tag##_##width, (                                              \
+      const sk::kernels::layernorm::Backward p) {                                                               \
+    sk::layernorm_backward_exact<chunks, TX, float, TY>(                                                        \
         static_cast<const TY*>(p.dy), static_cast<const TX*>(p.x), static_cast<const float*>(p.weight), p.mean, \
         p.rstd, static_cast<const TX*>(p.dsum), static_cast<TX*>(p.dx), static_cast<TY*>(p.dx_branch),          \
-        p.partials, p.rows);                                                                                   \
-  }
+        p.partials, p.rows);                                                                                    \
+  })
 #define SK_LN_BACKWARD_EXACT(ty_tag, TY, tx_tag, TX, ...)   \
   SK_LN_BACKWARD_EXACT_AT(1, 128, ty_tag, TY, tx_tag, TX)  \
   SK_LN_BACKWARD_EXACT_AT(2, 256, ty_tag, TY, tx_tag, TX)  \
@@ -490,11 +490,11 @@ SK_TYPES_1(SK_LN_BACKWARD_EXACT, f32, sk::f32)
 SK_LN_BACKWARD_EXACT(bf16, sk::bf16, bf16, sk::bf16)
 SK_LN_BACKWARD_EXACT(f16, sk::f16, f16, sk::f16)
 
-#define SK_LN_PARAM_GRAD(tw_tag, TW, ...)                                                                  \
-  extern "C" __global__ void layernorm_param_grad_##tw_tag(const sk::kernels::layernorm::ParamGrad p) {    \
-    sk::layernorm_param_grad<TW>(p.partials, p.blocks, p.width, static_cast<TW*>(p.dweight),               \
-                                 static_cast<TW*>(p.dbias));                                               \
-  }
+#define SK_LN_PARAM_GRAD(tw_tag, TW, ...)                                                    \
+  SK_ENTRY(layernorm_param_grad_##tw_tag, (const sk::kernels::layernorm::ParamGrad p) {      \
+    sk::layernorm_param_grad<TW>(p.partials, p.blocks, p.width, static_cast<TW*>(p.dweight), \
+                                 static_cast<TW*>(p.dbias));                                 \
+  })
 SK_TYPES_1(SK_LN_PARAM_GRAD, )
 
 #else  // host: the launchers

@@ -252,27 +252,22 @@ __device__ void nll_backward(const T* x, const float* lse, const long long* targ
 }  // namespace
 
 #define SK_LOG_SOFTMAX_ENTRIES(tag, T)                                                                     \
-  extern "C" __global__ void __launch_bounds__(1024)                                                     \
-      log_softmax_forward_##tag(const sk::kernels::log_softmax::Forward p) {                             \
-    forward<T>(static_cast<const T*>(p.x), p.y, p.lse, p.width);                                         \
-  }                                                                                                      \
-  extern "C" __global__ void __launch_bounds__(1024)                                                     \
-      log_softmax_lse_##tag(const sk::kernels::log_softmax::Lse p) {                                     \
-    forward_lse<T>(static_cast<const T*>(p.x), p.lse, p.width);                                          \
-  }                                                                                                      \
-  extern "C" __global__ void __launch_bounds__(1024)                                                     \
-      log_softmax_write_##tag(const sk::kernels::log_softmax::Write p) {                                 \
-    write<T>(static_cast<const T*>(p.x), p.lse, p.y, p.width);                                           \
-  }                                                                                                      \
-  extern "C" __global__ void __launch_bounds__(1024)                                                     \
-      log_softmax_backward_##tag(const sk::kernels::log_softmax::Backward p) {                           \
-    backward<T>(p.dy, static_cast<const T*>(p.x), p.lse, static_cast<T*>(p.dx), p.width);                \
-  }                                                                                                      \
-  extern "C" __global__ void __launch_bounds__(1024)                                                     \
-      log_softmax_nll_backward_##tag(const sk::kernels::log_softmax::NllBackward p) {                    \
-    nll_backward<T>(static_cast<const T*>(p.x), p.lse, p.targets, p.grad, p.total_weight,               \
-                    static_cast<T*>(p.dx), p.width, p.ignore_index, p.mean);                             \
-  }
+  SK_ENTRY_BOUNDED(1024, log_softmax_forward_##tag, (const sk::kernels::log_softmax::Forward p) {          \
+    forward<T>(static_cast<const T*>(p.x), p.y, p.lse, p.width);                                           \
+  })                                                                                                       \
+  SK_ENTRY_BOUNDED(1024, log_softmax_lse_##tag, (const sk::kernels::log_softmax::Lse p) {                  \
+    forward_lse<T>(static_cast<const T*>(p.x), p.lse, p.width);                                            \
+  })                                                                                                       \
+  SK_ENTRY_BOUNDED(1024, log_softmax_write_##tag, (const sk::kernels::log_softmax::Write p) {              \
+    write<T>(static_cast<const T*>(p.x), p.lse, p.y, p.width);                                             \
+  })                                                                                                       \
+  SK_ENTRY_BOUNDED(1024, log_softmax_backward_##tag, (const sk::kernels::log_softmax::Backward p) {        \
+    backward<T>(p.dy, static_cast<const T*>(p.x), p.lse, static_cast<T*>(p.dx), p.width);                  \
+  })                                                                                                       \
+  SK_ENTRY_BOUNDED(1024, log_softmax_nll_backward_##tag, (const sk::kernels::log_softmax::NllBackward p) { \
+    nll_backward<T>(static_cast<const T*>(p.x), p.lse, p.targets, p.grad, p.total_weight,                  \
+                    static_cast<T*>(p.dx), p.width, p.ignore_index, p.mean);                               \
+  })
 SK_LOG_SOFTMAX_ENTRIES(bf16, sk::bf16)
 SK_LOG_SOFTMAX_ENTRIES(f16, sk::f16)
 

@@ -129,16 +129,18 @@ std::string file_stem(const std::string& name) {
   return stem;
 }
 
-std::vector<char> cubin_for(const Source& file, int major, int minor) {
+// The cubin of `file` (of its one `entry_point` where one is named), from the cache or compiled.
+std::vector<char> cubin_for(const Source& file, int major, int minor, const std::string& entry_point) {
   const fs::path dir = cache_dir();
   fs::path cached;
   if (!dir.empty()) {
-    cached = dir / (file_stem(file.name) + "-sm_" + std::to_string(major) + std::to_string(minor) + "-" +
+    const std::string what = entry_point.empty() ? file_stem(file.name) : file_stem(file.name) + "-" + entry_point;
+    cached = dir / (what + "-sm_" + std::to_string(major) + std::to_string(minor) + "-" +
                     cache_key(file, major, minor) + ".cubin");
     std::vector<char> bytes = read_file(cached);
     if (!bytes.empty()) return bytes;
   }
-  std::vector<char> cubin = nvrtc::compile(file, major, minor);
+  std::vector<char> cubin = nvrtc::compile(file, major, minor, entry_point);
   if (!cached.empty()) write_file_atomically(cached, cubin);
   return cubin;
 }
@@ -147,9 +149,16 @@ std::vector<char> cubin_for(const Source& file, int major, int minor) {
 
 struct Loaded {
   std::mutex mutex;
-  std::map<std::pair<int, int>, void*> modules;            // (device, source) -> CUmodule
-  std::map<std::pair<int, std::string>, Kernel> kernels;  // (device, kernel name) -> kernel
+  std::map<std::tuple<int, int, std::string>, void*> modules;  // (device, source, entry point) -> CUmodule
+  std::map<std::pair<int, std::string>, Kernel> kernels;       // (device, kernel name) -> kernel
 };
+
+// The entry point a launch of `name` compiles `file` for: speedkit's own files one entry point at a
+// time (their SK_ENTRY macros; a cold start then compiles what it launches, not every type
+// combination), a source registered at run time whole (one module for all its kernels).
+std::string entry_point_to_compile(const Source& file, const std::string& name) {
+  return file.index < builtin_source_count() ? name : std::string();
+}
 
 Loaded& loaded() {
   static Loaded* l = new Loaded();
@@ -261,11 +270,12 @@ Kernel load(const Source& file, const std::string& name, const c10::Device& devi
   std::lock_guard<std::mutex> lock(l.mutex);
   auto found = l.kernels.find({index, name});
   if (found != l.kernels.end()) return found->second;
-  void*& module = l.modules[{index, file.index}];
+  const std::string entry_point = entry_point_to_compile(file, name);
+  void*& module = l.modules[{index, file.index, entry_point}];
   if (module == nullptr) {
     const cudaDeviceProp* props = at::cuda::getDeviceProperties(static_cast<c10::DeviceIndex>(index));
     c10::DeviceGuard guard(c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(index)));
-    module = driver::load_module(cubin_for(file, props->major, props->minor), index);
+    module = driver::load_module(cubin_for(file, props->major, props->minor, entry_point), index);
   }
   Kernel kernel{driver::function(module, name), index, name};
   if (parameter_bytes) {
@@ -512,8 +522,11 @@ int sk_kernel_source_register(const char* name, const char* text, int* index) {
   SK_TRY(*index = sk::kernels::register_source(name, text))
 }
 
-int sk_kernel_compile(int index, int major, int minor, int64_t* cubin_bytes) {
-  SK_TRY(*cubin_bytes = static_cast<int64_t>(sk::kernels::nvrtc::compile(sk::kernels::source(index), major, minor).size()))
+int sk_kernel_compile(int index, const char* entry_point, int major, int minor, int64_t* cubin_bytes) {
+  SK_TRY({
+    const std::string entry = entry_point == nullptr ? std::string() : std::string(entry_point);
+    *cubin_bytes = static_cast<int64_t>(sk::kernels::nvrtc::compile(sk::kernels::source(index), major, minor, entry).size());
+  })
 }
 
 int sk_nvrtc_version(int* out) { SK_TRY(*out = sk::kernels::nvrtc::version()) }

@@ -72,8 +72,9 @@ const Toolkit& toolkit();
 // NVRTC's version as major * 1000 + minor * 10 (e.g. 13000); loads NVRTC on first use.
 int version();
 // The cubin of `source` for sm_<major><minor>, the registered sources available to it as
-// headers. Throws with NVRTC's log when it does not compile.
-std::vector<char> compile(const Source& source, int major, int minor);
+// headers: of every entry point, or of `entry_point` alone (common.cuh's SK_ENTRY). Throws with
+// NVRTC's log when it does not compile.
+std::vector<char> compile(const Source& source, int major, int minor, const std::string& entry_point = {});
 }  // namespace nvrtc
 
 // ----- the CUDA driver -----------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 #include "kernels.h"
 #include "loader.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <sstream>
@@ -147,6 +148,15 @@ std::string with_source_lines(const std::string& log, const Source& file) {
   return out.str();
 }
 
+// Whether the cubin's string table names `symbol` (a NUL-terminated name, not a longer name's
+// prefix or suffix).
+bool names_symbol(const std::vector<char>& cubin, const std::string& symbol) {
+  std::string needle(1, '\0');
+  needle += symbol;
+  needle += '\0';
+  return std::search(cubin.begin(), cubin.end(), needle.begin(), needle.end()) != cubin.end();
+}
+
 }  // namespace
 
 const Toolkit& toolkit() {
@@ -159,7 +169,7 @@ int version() {
   return major * 1000 + minor * 10;
 }
 
-std::vector<char> compile(const Source& file, int major, int minor) {
+std::vector<char> compile(const Source& file, int major, int minor, const std::string& entry_point) {
   std::vector<const char*> header_texts, header_names;
   for (int i = 0; i < source_count(); ++i) {
     const Source& other = source(i);
@@ -173,10 +183,17 @@ std::vector<char> compile(const Source& file, int major, int minor) {
         "nvrtcCreateProgram");
   const std::string arch = "--gpu-architecture=sm_" + std::to_string(major) + std::to_string(minor);
   const std::string include = "--include-path=" + toolkit().include_dir;
-  const char* options[] = {arch.c_str(), include.c_str(), "--std=c++17"};
-  Result compiled = api().CompileProgram(handle.program, 3, options);
+  std::vector<const char*> options = {arch.c_str(), include.c_str(), "--std=c++17"};
+  // common.cuh's SK_ENTRY keeps the one entry point whose SK_WANT_<name> is defined.
+  const std::string wanted = "-DSK_WANT_" + entry_point + "=~,1";
+  if (!entry_point.empty()) {
+    options.push_back("-DSK_ONE_ENTRY_POINT");
+    options.push_back(wanted.c_str());
+  }
+  Result compiled = api().CompileProgram(handle.program, static_cast<int>(options.size()), options.data());
+  const std::string what = entry_point.empty() ? file.name : entry_point + " of " + file.name;
   if (compiled != 0) {
-    throw std::runtime_error("kernel source " + file.name + " does not compile for sm_" +
+    throw std::runtime_error("kernel source " + what + " does not compile for sm_" +
                              std::to_string(major) + std::to_string(minor) + " (" +
                              api().GetErrorString(compiled) + "):\n" +
                              with_source_lines(program_log(handle.program), file));
@@ -185,6 +202,8 @@ std::vector<char> compile(const Source& file, int major, int minor) {
   check(api().GetCUBINSize(handle.program, &size), "nvrtcGetCUBINSize");
   std::vector<char> cubin(size);
   check(api().GetCUBIN(handle.program, cubin.data()), "nvrtcGetCUBIN");
+  if (!entry_point.empty() && !names_symbol(cubin, entry_point))
+    throw std::runtime_error("kernel source " + file.name + " has no entry point " + entry_point);
   return cubin;
 }
 

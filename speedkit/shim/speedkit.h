@@ -575,8 +575,10 @@ int sk_kernel_source_name(int index, const char** out);
 /// Registers CUDA C++ source `text` under `name` (both copied), compiled on first use with its
 /// own cache key; *index receives its index. A name already registered with other text is an error.
 int sk_kernel_source_register(const char* name, const char* text, int* index);
-/// Compiles source `index` for `sm_<major><minor>`, bypassing the cache; the cubin's size.
-int sk_kernel_compile(int index, int major, int minor, int64_t* cubin_bytes);
+/// Compiles source `index` for `sm_<major><minor>`, bypassing the cache: every entry point, or the
+/// one named `entry_point` when it is not NULL (an error when the source has none of that name);
+/// the cubin's size.
+int sk_kernel_compile(int index, const char* entry_point, int major, int minor, int64_t* cubin_bytes);
 /// NVRTC's version as major * 1000 + minor * 10.
 int sk_nvrtc_version(int* out);
 /// Compiles (or reads from the cache) source `index` for CUDA device `device` and loads kernel

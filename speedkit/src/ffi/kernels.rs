@@ -101,16 +101,26 @@ pub(crate) fn register_source(name: &str, source: &str) -> Result<usize> {
     Ok(usize::try_from(index).unwrap_or(0))
 }
 
-/// Compiles source `index` with NVRTC for `sm_<major><minor>`; the cubin's size in bytes.
-pub(crate) fn compile(index: usize, major: u32, minor: u32) -> Result<usize> {
+/// Compiles source `index` with NVRTC for `sm_<major><minor>`, all of it or its one
+/// `entry_point`; the cubin's size in bytes.
+pub(crate) fn compile(
+    index: usize,
+    entry_point: Option<&str>,
+    major: u32,
+    minor: u32,
+) -> Result<usize> {
     let to_int = |v: u64| {
         c_int::try_from(v).map_err(|_| SpeedkitError::Misuse(format!("{v} is out of range")))
     };
+    let entry_point = entry_point.map(c_string).transpose()?;
     let mut bytes = 0i64;
-    // SAFETY: plain integers and a valid out-pointer.
+    // SAFETY: plain integers, a NUL-terminated string or NULL for the call, a valid out-pointer.
     check(unsafe {
         abi::sk_kernel_compile(
             to_int(index as u64)?,
+            entry_point
+                .as_ref()
+                .map_or(std::ptr::null(), |e| e.as_ptr()),
             to_int(u64::from(major))?,
             to_int(u64::from(minor))?,
             &mut bytes,

@@ -4,7 +4,10 @@
 //! The kernels live as CUDA C++ source in `speedkit/kernels/<op>.cuh` (one file per operation: a
 //! params struct per entry point, its forward and backward, and the host launcher), embedded in
 //! the binary and compiled at run time with NVRTC for the GPU in use. More sources can be
-//! registered at run time ([`CudaModule::new`](crate::cuda::CudaModule::new)). Each source's cubin is cached on disk under a key
+//! registered at run time ([`CudaModule::new`](crate::cuda::CudaModule::new)). speedkit's own files
+//! are compiled one entry point at a time, the one a launch asks for, so that a cold start pays for
+//! the kernels it runs and not for every type combination a file holds; a registered source is
+//! compiled whole. Each cubin is cached on disk under a key
 //! of its own (its text, the registered sources it includes, the architecture and NVRTC's version),
 //! under `$SPEEDKIT_KERNEL_CACHE`, else `$XDG_CACHE_HOME/speedkit/kernels`, else
 //! `~/.cache/speedkit/kernels`. NVRTC and the CUDA headers come from the torch wheel next to
@@ -107,12 +110,37 @@ pub(crate) fn register_source(name: &str, source: &str) -> Result<()> {
 /// # Ok::<(), speedkit::SpeedkitError>(())
 /// ```
 pub fn compile(file: &str, arch: Arch) -> Result<usize> {
-    let index = ffi::kernels::source_names()?
+    ffi::kernels::compile(source_index(file)?, None, arch.major, arch.minor)
+}
+
+/// Compiles one entry point of the kernel source `file` with NVRTC for `arch`, bypassing the
+/// cache, and returns the size of the cubin in bytes: what a launch compiles, on first use, of
+/// one of speedkit's own [`files`] (a cold start compiles only the kernels it launches, not every
+/// type combination a file holds). An error names the entry point when `file` has none of that
+/// name.
+///
+/// ```no_run
+/// use speedkit::kernels::{compile_entry_point, Arch};
+/// let bytes = compile_entry_point("layernorm.cuh", "layernorm_param_grad_f32", Arch { major: 9, minor: 0 })?;
+/// assert!(bytes > 0);
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn compile_entry_point(file: &str, entry_point: &str, arch: Arch) -> Result<usize> {
+    ffi::kernels::compile(
+        source_index(file)?,
+        Some(entry_point),
+        arch.major,
+        arch.minor,
+    )
+}
+
+/// The index of the kernel source `file` in the shim's registry.
+fn source_index(file: &str) -> Result<usize> {
+    ffi::kernels::source_names()?
         .0
         .iter()
         .position(|name| name == file)
-        .ok_or_else(|| SpeedkitError::Misuse(format!("speedkit has no kernel file {file}")))?;
-    ffi::kernels::compile(index, arch.major, arch.minor)
+        .ok_or_else(|| SpeedkitError::Misuse(format!("speedkit has no kernel file {file}")))
 }
 
 /// NVRTC's version, e.g. `(13, 0)`; an error saying where NVRTC was looked for when it is missing.
