@@ -648,6 +648,39 @@ fn recomputed_in_swiglu(rows: i64, gate_read_again: bool) -> Vec<String> {
 }
 
 #[test]
+fn swiglus_backward_is_one_group_though_the_up_projection_reads_its_result_first() {
+    let _serial = common::serial();
+    tch::manual_seed(0);
+    let leaf =
+        |shape: &[i64]| (Tensor::randn(shape, (Kind::Float, CPU)) * 0.05).set_requires_grad(true);
+    let (x, w1, w3, w2) = (
+        leaf(&[4, 128, 256]),
+        leaf(&[256, 1024]),
+        leaf(&[256, 1024]),
+        leaf(&[1024, 256]),
+    );
+    let (_, trace) = StepTrace::record(|| {
+        let gate = x.matmul(&w1).silu();
+        let product = &gate * x.matmul(&w3);
+        product.matmul(&w2).square().mean(Kind::Float).backward();
+    })
+    .unwrap();
+    // The product's backward makes the up-projection's gradient, which its GEMMs read, then
+    // the gate's, which `silu_backward` reads with the gate's input: the forward's `silu` held
+    // that input long before, and the kernel takes it from there, so it runs before the GEMMs.
+    let plan = FusionPlan::generatable(&trace);
+    let backward = (plan.groups().iter())
+        .find(|g| g.operators.iter().any(|o| o == "aten::silu_backward"))
+        .unwrap_or_else(|| panic!("silu_backward in no group: {plan}"));
+    let computed: Vec<&str> = names(&backward.operators)
+        .into_iter()
+        .filter(|o| ["mul", "silu_backward"].contains(o))
+        .collect();
+    assert_eq!(computed, ["mul", "mul", "silu_backward"], "{plan}");
+    assert!(backward.kernel().is_ok(), "{plan}");
+}
+
+#[test]
 fn swiglus_gate_is_recomputed_in_the_backward_instead_of_saved() {
     let _serial = common::serial();
     // The gate (512 x 1024 fp32, 2 MiB) is read by the product, then by its backward only; its

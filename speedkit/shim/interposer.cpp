@@ -408,7 +408,7 @@ void substitute(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet k
   if (!off_program && !same_operator(calls[static_cast<size_t>(index)].op, name))
     s.failure = "call " + std::to_string(index) + " of the step is " + name + " where the traced step called " +
                 calls[static_cast<size_t>(index)].op;
-  if (off_program || !s.failure.empty() || calls[static_cast<size_t>(index)].group < 0) {
+  if (off_program || !s.failure.empty()) {
     lock.unlock();
     op.redispatchBoxed(below_interposer(keys), stack);
     return;
@@ -423,6 +423,8 @@ void substitute(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet k
       if (rewritten_argument(op.schema(), k) == i) return 1;
     return 0;
   };
+  // Inputs a group's kernel takes, from its members or from a call before them (not a member of
+  // any group) that held the tensor a member reads only later.
   for (const auto& [g, i, element] : call.captured_inputs) {
     const c10::IValue& v = (*stack)[stack->size() - arguments + static_cast<size_t>(i)];
     if (element < 0 && v.isTensor()) {

@@ -431,9 +431,10 @@ pub(super) fn split_at_early_reads(
         .into_iter()
         .filter(|g| !g.members.is_empty())
         .collect();
+    let grouped: HashSet<usize> = pending.iter().flat_map(|g| g.members.clone()).collect();
     let mut done = Vec::new();
     while let Some(group) = pending.pop() {
-        match early_read(nodes, &readers, &group.members) {
+        match early_read(nodes, &readers, &grouped, &group.members) {
             Some(at) => {
                 let (before, after): (Vec<usize>, Vec<usize>) =
                     group.members.iter().partition(|&&m| m < at);
@@ -460,18 +461,24 @@ pub(super) fn split_at_early_reads(
 }
 
 /// The first call outside `members` that reads one of their results before the last member
-/// that reads a tensor from outside the group.
-fn early_read(nodes: &[Node], readers: &[Vec<usize>], members: &[usize]) -> Option<usize> {
+/// that reads a tensor from outside the group (one that no call before the group holds: see
+/// [`earlier_holder`]); `grouped`: the members of every group.
+fn early_read(
+    nodes: &[Node],
+    readers: &[Vec<usize>],
+    grouped: &HashSet<usize>,
+    members: &[usize],
+) -> Option<usize> {
     let inside: HashSet<usize> = members.iter().copied().collect();
     let computed_inside = inside_reads(nodes, members);
+    let first = *members.first()?;
     let reads_from_outside = |m: usize| {
         nodes[m].kind != Some(OpKind::View)
-            && nodes[m]
-                .op
-                .input_tensors()
-                .any(|t| !computed_inside.contains(&(nodes[m].op.id, t.storage)))
+            && nodes[m].op.input_tensors().any(|t| {
+                !computed_inside.contains(&(nodes[m].op.id, t.storage))
+                    && earlier_holder(nodes, grouped, m, t, first).is_none()
+            })
     };
-    let first = *members.first()?;
     let last_input = members
         .iter()
         .copied()
@@ -483,6 +490,57 @@ fn early_read(nodes: &[Node], readers: &[Vec<usize>], members: &[usize]) -> Opti
         .flat_map(|&m| readers[m].iter().copied())
         .filter(|&j| !inside.contains(&j) && j > first && j < last_input)
         .min()
+}
+
+/// A call before `before` (a group's first member) that holds `tensor`, which node `reader` reads,
+/// so that the group's kernel can take it from there instead of waiting for `reader`: the
+/// latest call after the one that made its memory that takes a tensor of that memory and layout
+/// as an argument, not a view. `None` where its memory was made by a member of a group (`grouped`:
+/// its value may be written only later, or never), not in the step (a parameter), or is written
+/// in place before `reader` (the value read there would be another).
+///
+/// SwiGLU's backward is the case: `silu_backward` reads the gate's saved input, which the
+/// forward's `silu` read long before, while the up-projection's GEMMs read the group's other
+/// result before `silu_backward` runs.
+pub(super) fn earlier_holder(
+    nodes: &[Node],
+    grouped: &HashSet<usize>,
+    reader: usize,
+    tensor: &TracedTensor,
+    before: usize,
+) -> Option<usize> {
+    let made = made_and_untouched(nodes, reader, tensor.storage)?;
+    if grouped.contains(&made) || made >= before {
+        return None;
+    }
+    let same = |t: &TracedTensor| same_elements(t, tensor);
+    (made + 1..before)
+        .rev()
+        .find(|&q| nodes[q].kind != Some(OpKind::View) && nodes[q].op.input_tensors().any(same))
+}
+
+/// Whether `a` and `b` are the same elements of one memory: storage, offset, layout and type (the
+/// tensor objects may differ: autograd hands the backward a saved tensor as a new object).
+pub(super) fn same_elements(a: &TracedTensor, b: &TracedTensor) -> bool {
+    (a.storage, a.offset, &a.shape, &a.strides, &a.dtype)
+        == (b.storage, b.offset, &b.shape, &b.strides, &b.dtype)
+}
+
+/// The node that made the memory `storage` that node `reader` reads, where no node wrote it in
+/// place since (views of it aside).
+fn made_and_untouched(nodes: &[Node], reader: usize, storage: u64) -> Option<usize> {
+    for q in (0..reader).rev() {
+        let op = nodes[q].op;
+        for t in op.output_tensors().filter(|t| t.storage == storage) {
+            if op.input_tensors().any(|i| i.key() == t.key()) {
+                return None;
+            }
+            if op.input_tensors().all(|i| i.storage != storage) {
+                return Some(q);
+            }
+        }
+    }
+    None
 }
 
 #[cfg(test)]

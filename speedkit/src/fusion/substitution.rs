@@ -26,7 +26,7 @@ use super::{grouping, recompute, FusedGroup, FusionPlan, GeneratedKernel, Kernel
 use crate::cuda::{Arg, CudaKernel, CudaModule};
 use crate::error::{Result, SpeedkitError};
 use crate::ffi::interposer::{Program, RecordedCall, Session};
-use crate::trace::{StepTrace, TracedOp, TracedTensor};
+use crate::trace::{StepTrace, TracedOp, TracedTensor, TracedValue};
 
 /// A step's fused groups as a program for the interposer; see [`crate::fusion`].
 pub struct FusedStep {
@@ -165,10 +165,18 @@ impl FusedStep {
             .map(|(i, op)| (op.id, i))
             .collect();
         let nodes = grouping::data_flow(&kernels);
+        let grouped: HashSet<usize> = (plan.groups.iter())
+            .flat_map(|g| {
+                g.calls()
+                    .iter()
+                    .filter_map(|op| position.get(&op.id).copied())
+            })
+            .collect();
         let mut placer = Placer {
             kernels: &kernels,
             position: &position,
             recorded: &recorded,
+            grouped: &grouped,
             device,
             compiled: HashMap::new(),
         };
@@ -344,6 +352,8 @@ struct Placer<'a> {
     kernels: &'a [&'a TracedOp],
     position: &'a HashMap<u64, usize>,
     recorded: &'a HashMap<u64, usize>,
+    /// The positions of every group's members.
+    grouped: &'a HashSet<usize>,
     device: Device,
     compiled: HashMap<String, Arc<CudaKernel>>,
 }
@@ -376,9 +386,8 @@ impl Placer<'_> {
             group,
             &generated,
             inlined.as_ref().map_or(&[], |i| &i.calls),
-            self.kernels,
-            self.position,
-            self.recorded,
+            self,
+            nodes,
         )?;
         let launch = compile(generated, self.device, &mut self.compiled)?;
         let mut deferred = Vec::with_capacity(deferrals.len());
@@ -519,10 +528,10 @@ fn place(
     group: &FusedGroup,
     generated: &GeneratedKernel,
     inlined: &[TracedOp],
-    kernels: &[&TracedOp],
-    position: &HashMap<u64, usize>,
-    recorded: &HashMap<u64, usize>,
+    placer: &Placer,
+    nodes: &[grouping::Node],
 ) -> std::result::Result<Placement, String> {
+    let (kernels, position, recorded) = (placer.kernels, placer.position, placer.recorded);
     let members = group.calls();
     // A view the interposer does not see (a composite `to` that handed back its input) runs
     // as it is; it only matters where a kernel argument is taken from it.
@@ -547,7 +556,7 @@ fn place(
     let inlined: HashMap<u64, &TracedOp> = inlined.iter().map(|op| (op.id, op)).collect();
     let mut args = Vec::with_capacity(generated.args.len());
     let mut last_input = 0;
-    for source in &generated.sources {
+    for (source, arg) in generated.sources.iter().zip(&generated.args) {
         // An input (or a stored statistic) of a forward call whose result the kernel computes
         // again: seen long before.
         if let Some(op) = inlined.get(&source.call) {
@@ -560,8 +569,15 @@ fn place(
         let member = *member_of
             .get(&source.call)
             .ok_or("an argument of its kernel no member takes or makes")?;
-        if !source.output {
-            last_input = last_input.max(member);
+        if let (false, KernelArg::Input(tensor)) = (source.output, arg) {
+            let reader = position[&members[member].id];
+            match held_before(placer, nodes, reader, tensor, position[&members[0].id]) {
+                Some(held) => {
+                    args.push(held);
+                    continue;
+                }
+                None => last_input = last_input.max(member),
+            }
         }
         let placed_member = placed[member]
             .as_ref()
@@ -599,6 +615,33 @@ fn place(
         members: placed.into_iter().flatten().collect(),
         args,
     })
+}
+
+/// Where a recorded call before the group's first member (`first`) takes `tensor`, which the
+/// member at `reader` reads ([`grouping::earlier_holder`]), as an argument: (recorded call, is an
+/// output (no), position, element of a list). The interposer keeps it from that call, with its
+/// version, which the launch checks.
+fn held_before(
+    placer: &Placer,
+    nodes: &[grouping::Node],
+    reader: usize,
+    tensor: &TracedTensor,
+    first: usize,
+) -> Option<(usize, bool, usize, Option<usize>)> {
+    let q = grouping::earlier_holder(nodes, placer.grouped, reader, tensor, first)?;
+    let op = placer.kernels[q];
+    let call = *placer.recorded.get(&op.rf_id).filter(|_| op.rf_id != 0)?;
+    let same = |t: &TracedTensor| grouping::same_elements(t, tensor);
+    op.inputs
+        .iter()
+        .enumerate()
+        .find_map(|(position, value)| match value {
+            TracedValue::Tensor(t) if same(t) => Some((call, false, position, None)),
+            TracedValue::Tensors(ts) => {
+                (ts.iter().position(same)).map(|element| (call, false, position, Some(element)))
+            }
+            _ => None,
+        })
 }
 
 /// Between the group's first member and its launch, no other call may read what the group
