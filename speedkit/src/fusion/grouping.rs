@@ -586,6 +586,62 @@ mod tests {
         assert_eq!(stored(backward), [(2, 20), (4, 40)]);
     }
 
+    /// The holder `earlier_holder` finds for the gate's input that `silu_backward` (the last
+    /// call) reads, where `between` runs after the forward's `silu` read it, and `grouped` are
+    /// the members of every group.
+    fn holder_of_the_gate_input(between: Option<TracedOp>, grouped: &[usize]) -> Option<usize> {
+        let mut ops = vec![
+            // ATen makes the gate's input (storage 20); the forward's silu reads it.
+            call(0, "aten::mm", vec![tensor(1, 10)], vec![tensor(2, 20)]),
+            call(1, "aten::silu", vec![tensor(2, 20)], vec![tensor(3, 30)]),
+        ];
+        ops.extend(between);
+        let first = ops.len();
+        // The group: a product's gradient, then silu's backward of it and of the saved input,
+        // which autograd hands over as a new object on the same memory.
+        ops.push(backward(
+            4,
+            "aten::mul",
+            vec![tensor(5, 50)],
+            vec![tensor(6, 60)],
+        ));
+        ops.push(backward(
+            7,
+            "aten::silu_backward",
+            vec![tensor(6, 60), tensor(8, 20)],
+            vec![tensor(9, 90)],
+        ));
+        let kernels: Vec<&TracedOp> = ops.iter().collect();
+        let nodes = data_flow(&kernels);
+        let grouped: HashSet<usize> = grouped.iter().copied().collect();
+        let TracedValue::Tensor(saved) = &ops[first + 1].inputs[1] else {
+            unreachable!("a tensor argument")
+        };
+        earlier_holder(&nodes, &grouped, first + 1, saved, first)
+    }
+
+    #[test]
+    fn an_input_a_call_before_the_group_took_is_held_there() {
+        assert_eq!(holder_of_the_gate_input(None, &[2, 3]), Some(1));
+    }
+
+    #[test]
+    fn an_input_written_in_place_before_its_reader_is_held_nowhere_earlier() {
+        let add = call(
+            10,
+            "aten::add_",
+            vec![tensor(2, 20), tensor(11, 110)],
+            vec![tensor(2, 20)],
+        );
+        assert_eq!(holder_of_the_gate_input(Some(add), &[3, 4]), None);
+    }
+
+    #[test]
+    fn an_input_a_group_made_is_held_nowhere_earlier() {
+        // The mm's result computed by a group's kernel may be written only at its launch.
+        assert_eq!(holder_of_the_gate_input(None, &[0, 2, 3]), None);
+    }
+
     #[test]
     fn a_tensor_handed_to_a_leaf_is_the_last_of_its_key_made_before_the_handing_call() {
         // Calls 0 and 2 make tensors of one key (an object and an address both reused); the
