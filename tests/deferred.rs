@@ -102,6 +102,20 @@ fn operators_that_only_make_views_leave_it_pending() {
 }
 
 #[test]
+fn a_composite_operator_reads_nothing_itself_and_the_operators_it_calls_are_observed() {
+    let _serial = common::serial();
+    // `movedim` runs no kernel: it calls `permute`, which makes a view.
+    let (t, runs) = counted(&[]);
+    let moved = t.movedim([0], [1]);
+    assert!(deferred::is_pending(&t).unwrap());
+    // `linear` runs none either; the matrix product it calls reads the tensor, and writes it.
+    let w = Tensor::ones([4, 2], cpu());
+    let y = moved.linear::<Tensor>(&w, None);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(y.sum(Kind::Float).double_value(&[]), 4.0 * 15.0);
+}
+
+#[test]
 fn an_exempt_operator_name_with_a_comma_is_refused() {
     let _serial = common::serial();
     let refused = deferred::tensor(

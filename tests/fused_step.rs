@@ -210,6 +210,41 @@ fn fused_against_aten(device: Device, chain: impl Fn() -> Tensor) -> (f64, usize
     (gap, fused.substituted().len())
 }
 
+/// `run`'s result and the most memory it held at once beyond what was allocated before it.
+fn peak_above_start(device: Device, run: impl FnOnce() -> Tensor) -> (Tensor, u64) {
+    let allocated = || speedkit::memory::MemoryUse::now(device).unwrap();
+    tch::Cuda::synchronize(0);
+    let before = allocated().allocated;
+    speedkit::memory::reset_peaks(device).unwrap();
+    let y = run();
+    tch::Cuda::synchronize(0);
+    (y, allocated().peak_allocated.saturating_sub(before))
+}
+
+#[test]
+fn an_intermediate_only_its_group_reads_takes_no_memory() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip("an_intermediate_only_its_group_reads_takes_no_memory")
+    else {
+        return;
+    };
+    const MIB: u64 = 1 << 20;
+    let x = Tensor::randn([16, 1024, 1024], (Kind::Float, device));
+    let chain = || ((&x * 2.0).exp() * 3.0).sin();
+    let (_, fused) = FusedStep::prepare(device, chain).unwrap();
+    let fused = fused.unwrap();
+    let (expected, aten) = peak_above_start(device, chain);
+    let (y, generated) = peak_above_start(device, || fused.run(chain).unwrap());
+    // ATen holds each 64 MiB intermediate beside the next; the kernel writes the result alone.
+    assert!(aten >= 128 * MIB, "ATen's chain held {aten} bytes");
+    assert!(
+        generated < 65 * MIB,
+        "the fused chain held {generated} bytes"
+    );
+    let gap = (y - expected).abs().max().double_value(&[]);
+    assert!(gap < 1e-5, "{gap}");
+}
+
 #[test]
 fn fused_chains_give_atens_values_in_fp32_bf16_and_fp16() {
     let _serial = common::serial();

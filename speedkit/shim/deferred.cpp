@@ -13,12 +13,14 @@
 // first gives the storage memory from the device's allocator and has the Rust side write the values,
 // on the operator's own thread and current stream (so also inside a CUDA graph capture). A read
 // that bypasses the dispatcher (a raw data pointer) meets ATen's "data is not allocated yet" error,
-// never stale memory. The callback is removed when the last pending tensor is materialized or dies.
+// never stale memory. A composite that runs no kernel of its own (conv2d, linear) reads nothing
+// itself: the operators it calls are observed instead. The callback is removed when the last pending tensor is materialized or dies.
 #include "shim.h"
 
 #include "deferred.h"
 #include "interposer.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/DeviceGuard.h>
@@ -31,6 +33,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace sk {
@@ -122,6 +125,9 @@ bool only_views(const char* op) {
   return false;
 }
 
+// The operator whose read is materializing a tensor on this thread, for the writer's messages.
+thread_local const char* materializing_for = nullptr;
+
 void consider(const at::Tensor& t, const char* op) {
   // Locked: another thread may be materializing the same storage, and its op must not start before
   // the values are written.
@@ -130,10 +136,32 @@ void consider(const at::Tensor& t, const char* op) {
   if (pending == nullptr || only_views(op) || interposer::substitutes_next(op)) return;
   for (const std::string& exempt : pending->exempt_ops)
     if (exempt == op) return;
+  materializing_for = op;
   materialize(t);
+  materializing_for = nullptr;
+}
+
+// Whether operator `name` is a composite that runs no kernel of its own: its implementation calls
+// other operators (conv2d: autocast's cast, then convolution), each observed in its turn, so the
+// read that needs a pending tensor's values, if any, is one of theirs. Asked once per operator.
+bool only_composes(const c10::OperatorName& name) {
+  static std::mutex mutex;
+  static auto* known = new std::unordered_map<c10::OperatorName, bool>();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = known->find(name);
+  if (it == known->end()) {
+    const auto op = c10::Dispatcher::singleton().findOp(name);
+    const bool composes =
+        op.has_value() && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CUDA) && !op->hasKernelForDispatchKey(c10::DispatchKey::CPU);
+    it = known->emplace(name, composes).first;
+  }
+  return it->second;
 }
 
 std::unique_ptr<at::ObserverContext> on_operator(const at::RecordFunction& fn) {
+  if (const auto name = fn.operator_name(); name.has_value() && only_composes(*name)) return nullptr;
   for (const c10::IValue& v : fn.inputs()) {
     if (v.isTensor()) {
       consider(v.toTensor(), fn.name());
@@ -198,6 +226,8 @@ at::Tensor deferred(std::vector<int64_t> sizes, at::TensorOptions options, const
 }
 
 }  // namespace
+
+const char* deferred_reader() { return materializing_for; }
 
 at::Tensor deferred_tensor(std::vector<int64_t> sizes, at::TensorOptions options, const char* exempt_ops, uint64_t tag,
                            const sk_deferred_vtable& vtable, void* state) {

@@ -15,4 +15,8 @@ namespace sk {
 at::Tensor deferred_tensor(std::vector<int64_t> sizes, at::TensorOptions options, const char* exempt_ops, uint64_t tag,
                            const sk_deferred_vtable& vtable, void* state);
 
+// The operator whose read is materializing a deferred tensor on this thread (for a writer's
+// messages), or null: a materialization asked for directly (sk_deferred_materialize).
+const char* deferred_reader();
+
 }  // namespace sk

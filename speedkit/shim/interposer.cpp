@@ -53,6 +53,7 @@ struct OutputLayout {
   at::ScalarType type;
   std::vector<int64_t> sizes;
   std::vector<int64_t> strides;
+  bool unwritten;  // no kernel writes or reads its memory: an intermediate of its group
 };
 
 // A tensor a group's kernel takes: an input or output of one of the program's calls, or element
@@ -223,16 +224,62 @@ void record(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet keys,
   s.recorded[static_cast<size_t>(index)].span = s.next - index;
 }
 
-// Output `index` of computed call `call`: the one a launch made ahead of it, else a fresh tensor of
-// its traced layout (an intermediate nothing reads, or a result the launch to come writes).
+void fail_session(const std::string& why);
+
+// An unwritten intermediate's writer (see output_of): a read of it departs from the plan, which
+// has no call reading it, and fails the fused step's run (the tensor reads as NaN, deferred.cpp).
+int write_unwritten(void* state, sk_tensor, char* message, int64_t capacity) {
+  const char* reader = deferred_reader();
+  std::snprintf(message, static_cast<size_t>(capacity), "%s was read by %s, where the traced step read it only "
+                "inside its group's kernel", static_cast<const std::string*>(state)->c_str(),
+                reader ? reader : "a direct read of its memory");
+  fail_session(message);
+  return 1;
+}
+
+void release_unwritten(void* state) { delete static_cast<std::string*>(state); }
+
+// Whether `layout` is its sizes' contiguous layout (strides of dimensions of size 1 aside).
+bool contiguous(const OutputLayout& layout) {
+  int64_t expected = 1;
+  for (size_t d = layout.sizes.size(); d-- > 0;) {
+    if (layout.sizes[d] != 1 && layout.strides[d] != expected) return false;
+    expected *= layout.sizes[d];
+  }
+  return true;
+}
+
+// The smallest intermediate handed out without memory: below it, the pending tensor's bookkeeping
+// costs more than the memory it saves.
+constexpr int64_t kUnwrittenBytes = 1 << 20;
+
+// Output `index` of computed call `call`: the one a launch made ahead of it; else, for a result whose
+// memory no kernel writes or reads (an intermediate of its group, which only the group's later
+// members take, themselves substituted: the program says which), a tensor of its traced layout with
+// no memory (deferred.cpp), so that the step's memory does not hold what nothing writes; else a
+// fresh tensor (a result the launch to come writes, or an intermediate too small to matter or not
+// contiguous).
 at::Tensor output_of(Session& s, int64_t call, int32_t index) {
-  const auto slot = s.slots.find({s.program->calls[static_cast<size_t>(call)].group, call, true, index, -1});
+  const ProgramCall& c = s.program->calls[static_cast<size_t>(call)];
+  const auto slot = s.slots.find({c.group, call, true, index, -1});
   if (slot != s.slots.end()) return slot->second;
-  const OutputLayout& layout = s.program->calls[static_cast<size_t>(call)].outputs.at(static_cast<size_t>(index));
+  const OutputLayout& layout = c.outputs.at(static_cast<size_t>(index));
+  const auto options = at::TensorOptions().dtype(layout.type).device(s.program->device);
   // Not a call of the step: the allocation does not come back here.
   const c10::impl::ExcludeDispatchKeyGuard unseen(kInterposerKey);
-  return at::empty_strided(layout.sizes, layout.strides,
-                           at::TensorOptions().dtype(layout.type).device(s.program->device));
+  int64_t bytes = static_cast<int64_t>(c10::elementSize(layout.type));
+  for (int64_t size : layout.sizes) bytes *= size;
+  if (layout.unwritten && contiguous(layout) && bytes >= kUnwrittenBytes) {
+    const sk_deferred_vtable vtable{&write_unwritten, &release_unwritten};
+    auto what = std::make_unique<std::string>("result " + std::to_string(index) + " of call " + std::to_string(call) +
+                                              " (" + c.op + ")");
+    try {
+      return deferred_tensor(layout.sizes, options, "", 0, vtable, what.release());
+    } catch (const std::exception&) {
+      // No RecordFunction on this thread to see a read by: the intermediate gets its memory.
+    }
+  }
+  return at::empty_strided(layout.sizes, layout.strides, options);
 }
 
 // What a deferred result needs to be written: its kernel's group, the kernel's inputs, and the
@@ -604,13 +651,13 @@ int sk_interposer_program_add_call(void* program, const char* op, int64_t group,
 }
 
 int sk_interposer_program_add_output(void* program, int64_t call, int scalar_type, const int64_t* sizes,
-                                     const int64_t* strides, int64_t ndim) {
+                                     const int64_t* strides, int64_t ndim, int unwritten) {
   SK_TRY({
     auto& p = sk::program_of(program);
     TORCH_CHECK(call >= 0 && call < static_cast<int64_t>(p.calls.size()), "no call ", call);
     p.calls[static_cast<size_t>(call)].outputs.push_back(
         {static_cast<at::ScalarType>(scalar_type), std::vector<int64_t>(sizes, sizes + ndim),
-         std::vector<int64_t>(strides, strides + ndim)});
+         std::vector<int64_t>(strides, strides + ndim), unwritten != 0});
   })
 }
 

@@ -783,9 +783,10 @@ int sk_interposer_program_new(int device, const sk_interposer_vtable* vtable, vo
 int sk_interposer_program_add_call(void* program, const char* op, int64_t group, int computed, int launch,
                                    int64_t span);
 /// Appends the layout of the next output of computed call `call`: its ScalarType code, sizes and
-/// strides (`ndim` of each), as the trace saw them.
+/// strides (`ndim` of each), as the trace saw them; `unwritten`: no kernel writes or reads its
+/// memory (an intermediate of its group), so the call may hand it out without memory.
 int sk_interposer_program_add_output(void* program, int64_t call, int scalar_type, const int64_t* sizes,
-                                     const int64_t* strides, int64_t ndim);
+                                     const int64_t* strides, int64_t ndim, int unwritten);
 /// Defers the first result of computed call `call`: the call returns a tensor with no memory yet
 /// (as sk_deferred_new), which group `group`'s kernel writes when it is first read, on the
 /// arguments added for that group (its inputs, captured as their calls come and held until then;

@@ -87,13 +87,15 @@ impl Program {
         })
     }
 
-    /// Appends the layout of computed call `call`'s next output.
+    /// Appends the layout of computed call `call`'s next output; `unwritten`: no kernel writes or
+    /// reads its memory, so the call may hand it out without memory.
     pub fn add_output(
         &mut self,
         call: usize,
         kind: Kind,
         sizes: &[i64],
         strides: &[i64],
+        unwritten: bool,
     ) -> Result<()> {
         if sizes.len() != strides.len() {
             return Err(crate::error::SpeedkitError::Misuse(format!(
@@ -111,6 +113,7 @@ impl Program {
                 sizes.as_ptr(),
                 strides.as_ptr(),
                 sizes.len() as i64,
+                c_int::from(unwritten),
             )
         })
     }

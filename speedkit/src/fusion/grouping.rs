@@ -89,6 +89,48 @@ pub(super) fn data_flow<'a>(ops: &[&'a TracedOp]) -> Vec<Node<'a>> {
     nodes
 }
 
+/// Where the trace's storages were allocated: the trace reuses a storage id with a freed address,
+/// so one id names as many allocations as calls made new memory there (a result whose storage is
+/// none of the call's inputs', as [`data_flow`] tells them apart).
+pub(super) struct Allocations {
+    /// Storage → the calls that made new memory there, in order.
+    made: HashMap<u64, Vec<usize>>,
+}
+
+impl Allocations {
+    /// The allocations of `ops`' storages.
+    pub fn of(ops: &[&TracedOp]) -> Self {
+        let mut made: HashMap<u64, Vec<usize>> = HashMap::new();
+        for (i, op) in ops.iter().enumerate() {
+            let storages: HashSet<u64> = op.input_tensors().map(|t| t.storage).collect();
+            for t in op
+                .output_tensors()
+                .filter(|t| !storages.contains(&t.storage))
+            {
+                let calls = made.entry(t.storage).or_default();
+                if calls.last() != Some(&i) {
+                    calls.push(i);
+                }
+            }
+        }
+        Allocations { made }
+    }
+
+    /// The allocation that holds `storage` at call `at` (its inputs and results alike): the
+    /// storage and the call that made that memory, `None` for memory from before the step.
+    pub fn holding(&self, storage: u64, at: usize) -> (u64, Option<usize>) {
+        let calls = self.made.get(&storage).map_or(&[][..], Vec::as_slice);
+        let made = calls[..calls.partition_point(|&c| c <= at)].last().copied();
+        (storage, made)
+    }
+
+    /// Every allocation of `storage`.
+    pub fn all(&self, storage: u64) -> impl Iterator<Item = (u64, Option<usize>)> + '_ {
+        let calls = self.made.get(&storage).map_or(&[][..], Vec::as_slice);
+        std::iter::once((storage, None)).chain(calls.iter().map(move |&c| (storage, Some(c))))
+    }
+}
+
 /// Groups the fusable nodes; returns each node's group (`None` for the rest) and the groups
 /// (a group merged into another is left empty, so that indices keep their meaning). Only the
 /// operators `takes` accepts join a group.
@@ -658,5 +700,40 @@ mod tests {
             handed_to_leaves(&nodes, &[(3, (2, 20))]),
             HashSet::from([(2, 20)])
         );
+    }
+
+    /// `x * 2` at memory 20, `exp` of it at 30, which is freed; `sin` of `x * 2` gets its address
+    /// (30 again), and `add_` writes it in place.
+    fn reused_address() -> Vec<TracedOp> {
+        vec![
+            call(0, "aten::mul", vec![tensor(1, 10)], vec![tensor(2, 20)]),
+            call(1, "aten::exp", vec![tensor(2, 20)], vec![tensor(3, 30)]),
+            call(2, "aten::sin", vec![tensor(2, 20)], vec![tensor(3, 30)]),
+            call(
+                3,
+                "aten::add_",
+                vec![tensor(3, 30), tensor(2, 20)],
+                vec![tensor(3, 30)],
+            ),
+        ]
+    }
+
+    #[test]
+    fn a_storage_id_at_a_freed_address_names_a_second_allocation() {
+        let ops = reused_address();
+        let kernels: Vec<&TracedOp> = ops.iter().collect();
+        let allocations = Allocations::of(&kernels);
+        assert_eq!(allocations.holding(30, 1), (30, Some(1)));
+        assert_eq!(allocations.holding(30, 2), (30, Some(2)));
+    }
+
+    #[test]
+    fn an_in_place_write_keeps_its_inputs_allocation() {
+        let ops = reused_address();
+        let kernels: Vec<&TracedOp> = ops.iter().collect();
+        let allocations = Allocations::of(&kernels);
+        assert_eq!(allocations.holding(30, 3), (30, Some(2)));
+        assert_eq!(allocations.holding(10, 3), (10, None));
+        assert_eq!(allocations.all(30).count(), 3);
     }
 }

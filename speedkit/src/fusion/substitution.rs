@@ -93,6 +93,8 @@ struct Launch {
 /// A member of a group among the recorded calls.
 struct PlacedMember {
     call: usize,
+    /// Its position among the trace's kernels.
+    at: usize,
     /// For a member the kernel computes (not a view), its results as traced: the layouts the
     /// interposer allocates for it.
     computed: Option<Vec<TracedTensor>>,
@@ -220,7 +222,15 @@ impl FusedStep {
             }
         }
         launches.extend(recompute_launches);
-        let program = program(device, calls, &placements, &recomputes, launches)?;
+        let unwritten = unwritten_results(&kernels, &position, &placements, &launches);
+        let program = program(
+            device,
+            calls,
+            &placements,
+            &recomputes,
+            launches,
+            &unwritten,
+        )?;
         Ok(FusedStep {
             program,
             substituted,
@@ -541,6 +551,7 @@ fn place(
         match recorded.get(&op.rf_id).filter(|_| op.rf_id != 0) {
             Some(&call) => placed.push(Some(PlacedMember {
                 call,
+                at: position[&op.id],
                 computed: (!view).then(|| op.output_tensors().cloned().collect()),
             })),
             None if view => placed.push(None),
@@ -759,6 +770,42 @@ fn recompute_inputs(
     })
 }
 
+/// The computed members' results whose memory no kernel writes or reads, by (recorded call, output):
+/// intermediates of their groups, which only the group's later members take (themselves
+/// substituted), so that the interposer hands them out without memory. Memory counts by
+/// allocation, not by storage id, which the trace reuses with freed addresses.
+fn unwritten_results(
+    kernels: &[&TracedOp],
+    position: &HashMap<u64, usize>,
+    placements: &[Placement],
+    launches: &[Launch],
+) -> HashSet<(usize, usize)> {
+    let allocations = grouping::Allocations::of(kernels);
+    let mut touched = HashSet::new();
+    for launch in launches {
+        let generated = &launch.generated;
+        for (source, arg) in generated.sources.iter().zip(&generated.args) {
+            let storage = arg.tensor().storage;
+            match position.get(&source.call) {
+                Some(&at) => {
+                    touched.insert(allocations.holding(storage, at));
+                }
+                // A source outside the trace's kernels: every allocation at its address counts.
+                None => touched.extend(allocations.all(storage)),
+            }
+        }
+    }
+    let mut unwritten = HashSet::new();
+    for member in placements.iter().flat_map(|p| &p.members) {
+        for (k, t) in member.computed.iter().flatten().enumerate() {
+            if !touched.contains(&allocations.holding(t.storage, member.at)) {
+                unwritten.insert((member.call, k));
+            }
+        }
+    }
+    unwritten
+}
+
 /// The interposer's program: every recorded call, the substituted groups' members among them, and
 /// the recomputed results' kernels (groups numbered after the substituted ones).
 fn program(
@@ -767,6 +814,7 @@ fn program(
     placements: &[Placement],
     recomputes: &[Recompute],
     launches: Vec<Launch>,
+    unwritten: &HashSet<(usize, usize)>,
 ) -> Result<Program> {
     let mut role: HashMap<usize, (usize, &PlacedMember, bool)> = HashMap::new();
     for (g, placement) in placements.iter().enumerate() {
@@ -782,11 +830,12 @@ fn program(
         };
         program.add_call(&call.op, group, computed.is_some(), launch, call.span)?;
         if let Some(outputs) = computed {
-            for t in outputs {
+            for (k, t) in outputs.iter().enumerate() {
                 let kind = kind_of(&t.dtype).ok_or_else(|| {
                     SpeedkitError::Misuse(format!("a fused result of type {}", t.dtype))
                 })?;
-                program.add_output(i, kind, &t.shape, &t.strides)?;
+                let unwritten = unwritten.contains(&(i, k));
+                program.add_output(i, kind, &t.shape, &t.strides, unwritten)?;
             }
         }
     }
