@@ -610,6 +610,13 @@ int sk_layer_norm_unsupported(sk_tensor x, sk_tensor residual, sk_tensor weight,
 /// target is ignore_index left out; *loss is an fp32 scalar. Differentiable in the logits.
 int sk_cross_entropy(sk_tensor logits, sk_tensor targets, int64_t ignore_index, sk_tensor* loss);
 int sk_cross_entropy_unsupported(sk_tensor logits, sk_tensor targets, const char** reason);
+/// The cross-entropy of the logits x Wᵀ + b ([rows, vocab]) against int64 targets [rows], computed
+/// `block_rows` rows at a time so that the logits are never whole: the mean over the rows whose
+/// target is not ignore_index (`mean` 1) or the sum, an fp32 scalar in *loss. x: [rows, in];
+/// weight: [vocab, in]; bias: [vocab] or NULL; the GEMMs in `gemm_type` (a ScalarType code), the
+/// operands cast to it as autocast casts them. Differentiable once in x, weight and bias.
+int sk_chunked_cross_entropy(sk_tensor x, sk_tensor weight, sk_tensor bias, sk_tensor targets, int64_t ignore_index,
+                             int mean, int gemm_type, int64_t block_rows, sk_tensor* loss);
 
 // @module overrides: speedkit's kernels as the CUDA implementations of ATen operators (overrides.cpp)
 

@@ -7,6 +7,7 @@
 mod common;
 
 mod batch_norm;
+mod chunked_classifier;
 mod convolution;
 mod cross_entropy;
 mod layer_norm;

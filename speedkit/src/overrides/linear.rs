@@ -17,7 +17,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::{DispatchKey, OperatorOverride, OverrideCall, Reply};
+use super::{chunked_classifier, DispatchKey, OperatorOverride, OverrideCall, Reply};
 use crate::amp::AutocastState;
 use crate::config::{Fp8GradientFormat, Fp8Recipe};
 use crate::error::Result;
@@ -45,6 +45,11 @@ fn linear(call: &OverrideCall<'_>) -> Result<Reply> {
     }
     if let Some(y) = fp8_linear(x, weight, bias)? {
         return Ok(Reply::Ran(vec![y]));
+    }
+    if Fp8Scope::active().is_none() {
+        if let Some(logits) = chunked_classifier::deferred_logits(x, weight, bias, kind)? {
+            return Ok(Reply::Ran(vec![logits]));
+        }
     }
     let y = ffi::linear::linear_in(x, weight, bias, kind)?;
     Ok(Reply::Ran(vec![y]))

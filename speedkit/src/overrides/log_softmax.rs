@@ -42,7 +42,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, Weak};
 
 use tch::{Device, Kind, Tensor};
 
-use super::{DispatchKey, OperatorOverride, OverrideCall, Reply};
+use super::{chunked_classifier, DispatchKey, OperatorOverride, OverrideCall, Reply};
 use crate::cuda::{type_tag, CudaModule, DevicePtr, KernelParams, TypedKernel};
 use crate::error::{Result, SpeedkitError};
 use crate::ffi;
@@ -67,16 +67,14 @@ pub(crate) fn operator_overrides() -> [OperatorOverride; 2] {
 fn log_softmax(call: &OverrideCall<'_>) -> Result<Reply> {
     let x = call.tensor("self")?;
     let result = result_kind(x, call.kind("dtype"));
-    if let Some(why) = unsupported(x, call.int("dim")?, result) {
+    // Logits a classifier head left pending: the loss after this computes them block by block.
+    let head = chunked_classifier::head_of(x)?;
+    if let Some(why) = unsupported(x, call.int("dim")?, result, head.is_some()) {
         return Ok(Reply::Declined(why));
     }
     let kernels = Kernels::get(x.device(), x.kind())?;
     let (rows, _) = rows_and_width(x);
     let lse = Tensor::f_empty([rows], (Kind::Float, x.device()))?;
-    let source = Arc::new(Source {
-        kernels,
-        tensors: Mutex::new((x.shallow_clone(), lse)),
-    });
     // Deferred where the result will carry a gradient (then a fused nll_loss is its likely
     // reader), unless the last deferred result of this shape was read by something else.
     let defer = if x.requires_grad() && ffi::autograd::grad_mode_enabled()? {
@@ -84,6 +82,11 @@ fn log_softmax(call: &OverrideCall<'_>) -> Result<Reply> {
     } else {
         None
     };
+    let source = Arc::new(Source {
+        kernels,
+        tensors: Mutex::new((x.shallow_clone(), lse)),
+        head: head.filter(|_| defer.is_some()),
+    });
     let function = LogSoftmax {
         source: Arc::clone(&source),
         defer,
@@ -140,6 +143,14 @@ fn nll_loss(call: &OverrideCall<'_>) -> Result<Reply> {
         2 => Reduction::Sum,
         _ => return Ok(Reply::Declined("reduction none".into())),
     };
+    if let Some(head) = &source.head {
+        let loss = head.loss(
+            target,
+            call.int("ignore_index")?,
+            reduction == Reduction::Mean,
+        )?;
+        return Ok(Reply::Ran(vec![loss]));
+    }
     let (logits, lse) = source.logits_and_lse();
     let function = CrossEntropy {
         lse,
@@ -151,9 +162,9 @@ fn nll_loss(call: &OverrideCall<'_>) -> Result<Reply> {
     Ok(Reply::Ran(vec![loss]))
 }
 
-/// Why the kernels cannot take this call (`result`: the type it asks for, if they can give it),
-/// or `None`.
-fn unsupported(x: &Tensor, dim: i64, result: Option<Kind>) -> Option<String> {
+/// Why the kernels cannot take this call (`result`: the type it asks for, if they can give it;
+/// `pending`: logits with no memory yet, which the allocator will align), or `None`.
+fn unsupported(x: &Tensor, dim: i64, result: Option<Kind>, pending: bool) -> Option<String> {
     let kind = x.kind();
     if !matches!(kind, Kind::BFloat16 | Kind::Half) {
         return Some(format!("{kind:?} logits (the kernels read bf16 and fp16)"));
@@ -174,7 +185,7 @@ fn unsupported(x: &Tensor, dim: i64, result: Option<Kind>) -> Option<String> {
     if rows == 0 || width > i64::from(i32::MAX) || rows > i64::from(i32::MAX) {
         return Some(format!("{rows} rows of {width} (empty, or past 2^31)"));
     }
-    if !x.is_contiguous() || (width % 8 == 0 && x.data_ptr() as usize % 16 != 0) {
+    if !x.is_contiguous() || (!pending && width % 8 == 0 && x.data_ptr() as usize % 16 != 0) {
         return Some("logits that are not contiguous and 16-byte aligned".into());
     }
     if !crate::kernels::op_enabled(KernelOp::CrossEntropy) {
@@ -350,6 +361,9 @@ struct Source {
     kernels: Arc<Kernels>,
     /// The logits and their log-sum-exp (a `Mutex` only to share tensors, which are not `Sync`).
     tensors: Mutex<(Tensor, Tensor)>,
+    /// The head whose pending logits they are, where the loss computes them block by block: the
+    /// log-sum-exp is then written only where the log-probabilities are ([`Source::lse`]).
+    head: Option<Arc<chunked_classifier::Head>>,
 }
 
 impl Source {
@@ -368,6 +382,9 @@ impl Source {
             return Ok(());
         }
         let (x, lse) = self.logits_and_lse();
+        if self.head.is_some() {
+            self.lse(&x, &lse)?;
+        }
         let (rows, width) = rows_and_width(&x);
         let (grid, block) = launch_shape(rows, width);
         let kernel = &self.kernels.write;
@@ -379,6 +396,25 @@ impl Source {
                 x: kernel.ptr(&x, self.kernels.kind)?,
                 lse: kernel.ptr(&lse, Kind::Float)?,
                 y: kernel.ptr(y, Kind::Float)?,
+                width: width as i32,
+            },
+        )
+    }
+}
+
+impl Source {
+    /// The log-sum-exp of each row of `x` into `lse`.
+    fn lse(&self, x: &Tensor, lse: &Tensor) -> Result<()> {
+        let (rows, width) = rows_and_width(x);
+        let (grid, block) = launch_shape(rows, width);
+        let kernel = &self.kernels.lse;
+        kernel.launch(
+            grid,
+            block,
+            0,
+            &Lse {
+                x: kernel.ptr(x, self.kernels.kind)?,
+                lse: kernel.ptr(lse, Kind::Float)?,
                 width: width as i32,
             },
         )
@@ -409,17 +445,10 @@ impl Function for LogSoftmax {
         let (grid, block) = launch_shape(rows, width);
         let kernels = &self.source.kernels;
         let y = if let Some(read) = &self.defer {
-            let kernel = &kernels.lse;
-            kernel.launch(
-                grid,
-                block,
-                0,
-                &Lse {
-                    x: kernel.ptr(x, kernels.kind)?,
-                    lse: kernel.ptr(lse, Kind::Float)?,
-                    width: width as i32,
-                },
-            )?;
+            // A head's pending logits are not read here: the loss computes them block by block.
+            if self.source.head.is_none() {
+                self.source.lse(x, lse)?;
+            }
             let (source, read) = (Arc::clone(&self.source), Arc::clone(read));
             crate::deferred::tensor(
                 &x.size(),
@@ -463,6 +492,11 @@ impl Function for LogSoftmax {
         let Some(dy) = &grads[0] else {
             return Ok(vec![None]);
         };
+        // A head's logits get their log-sum-exp where the log-probabilities are written, which a
+        // gradient of them implies; written again, in case a read wrote them otherwise.
+        if self.source.head.is_some() {
+            self.source.lse(&x, &lse)?;
+        }
         let dy = dy.f_to_kind(Kind::Float)?.f_contiguous()?;
         let dx = Tensor::f_empty(x.size(), (x.kind(), x.device()))?;
         let (rows, width) = rows_and_width(&x);
@@ -615,7 +649,7 @@ impl Links {
 /// result of a shape has been read, that shape's calls write in one pass, deferring again every
 /// `RETRY`-th call in case the step changed. In a CUDA graph, the warm-up steps decide what the
 /// capture records.
-struct Deferrals(Vec<Deferral>);
+pub(super) struct Deferrals(Vec<Deferral>);
 
 struct Deferral {
     device: Device,
@@ -626,7 +660,7 @@ struct Deferral {
 }
 
 fn deferrals() -> MutexGuard<'static, Deferrals> {
-    static DEFERRALS: Mutex<Deferrals> = Mutex::new(Deferrals(Vec::new()));
+    static DEFERRALS: Mutex<Deferrals> = Mutex::new(Deferrals::new());
     DEFERRALS.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -636,8 +670,13 @@ impl Deferrals {
     /// Shapes remembered (the oldest forgotten first).
     const SHAPES: usize = 16;
 
+    /// No shape seen yet.
+    pub(super) const fn new() -> Self {
+        Deferrals(Vec::new())
+    }
+
     /// The flag for the next result of `shape` to defer, or `None` to write it in one pass.
-    fn next(&mut self, device: Device, shape: &[i64]) -> Option<Arc<AtomicBool>> {
+    pub(super) fn next(&mut self, device: Device, shape: &[i64]) -> Option<Arc<AtomicBool>> {
         let found = self
             .0
             .iter()

@@ -1,0 +1,258 @@
+//! The chunked classifier: a classifier head whose logits only the cross-entropy reads never holds
+//! them whole.
+//!
+//! A language model's last `linear` makes `[rows, vocabulary]` logits (500 MiB in bf16 for 8 × 1024
+//! tokens of a 32k vocabulary) that live from the end of the forward to the loss's backward, the
+//! step's memory peak. Where [`Override::Linear`](super::Override::Linear) and
+//! [`Override::CrossEntropy`](super::Override::CrossEntropy) are both in force, the `linear` of a
+//! large output returns its logits deferred ([`crate::deferred`]), tagged as a head's; the
+//! `log_softmax` of them returns its log-probabilities deferred too (`super::log_softmax`), and
+//! the `nll_loss` of those runs the head's GEMM and the loss together, a block of rows at a time
+//! (the shim's chunked classifier, Liger's fused linear cross-entropy): each block's logits are
+//! made, turned into their gradient and consumed by the two gradient GEMMs before the next block's
+//! exist. The weight's gradient adds up in fp32 over the blocks; the input's and the weight's are
+//! computed in the forward for a loss gradient of 1 and scaled in the backward.
+//!
+//! Anything else that reads the logits (or the log-probabilities) gets them written at that read,
+//! exactly as the `linear` would have written them, with their own backward; a shape whose logits
+//! were read that way runs the plain `linear` from then on, as `log_softmax`'s deferral does.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+
+use tch::{Kind, Tensor};
+
+use super::log_softmax::Deferrals;
+use super::Override;
+use crate::error::{Result, SpeedkitError};
+use crate::ffi;
+use crate::function::{apply, BackwardContext, ForwardContext, Function};
+
+/// The least width of a head's output: a vocabulary, not a layer's features.
+const LEAST_VOCABULARY: i64 = 4096;
+
+/// The bytes of one block's logits. Smaller blocks save more memory and cost more time: each
+/// block's input-gradient GEMM has fewer output tiles than the GPU has SMs to fill, and each adds
+/// its weight gradient to the fp32 sum. Measured on an H200 (`llama_tch`, `gpt2_tch`: 500 and
+/// 786 MiB of logits), against the logits whole: 64 MiB blocks saved 0.42 and 0.71 GiB for 5% and
+/// 14% more time a step, 256 MiB blocks 0.23 and 0.52 GiB for 0.3% and 2%.
+const BLOCK_BYTES: i64 = 256 << 20;
+
+/// Head tags carry this bit, which keeps them apart from the batch norm fusion's, counted from 1.
+const TAG_BIT: u64 = 1 << 62;
+
+/// A head's operands: what its logits are computed from, by the chunked loss or at a read.
+pub(super) struct Head {
+    /// The input, the weight and the bias (a `Mutex` only to share tensors, which are not `Sync`).
+    operands: Mutex<(Tensor, Tensor, Option<Tensor>)>,
+    /// The GEMMs' type: autocast's.
+    kind: Kind,
+}
+
+impl Head {
+    fn operands(&self) -> (Tensor, Tensor, Option<Tensor>) {
+        let operands = self.operands.lock().unwrap_or_else(PoisonError::into_inner);
+        (
+            operands.0.shallow_clone(),
+            operands.1.shallow_clone(),
+            operands.2.as_ref().map(Tensor::shallow_clone),
+        )
+    }
+
+    /// The logits into `y`, as autocast's `linear` computes them: the operands cast to the GEMMs'
+    /// type, `x Wᵀ + b`.
+    fn write_logits(&self, y: &Tensor) -> Result<()> {
+        let (x, weight, bias) = self.operands();
+        let _no_grad = tch::no_grad_guard();
+        let width = weight.size()[1];
+        let x = x.f_reshape([-1, width])?.f_to_kind(self.kind)?;
+        let weight = weight.f_to_kind(self.kind)?;
+        let out = y.f_view([-1, weight.size()[0]])?;
+        let _written = match bias {
+            Some(b) => b
+                .f_to_kind(self.kind)?
+                .f_addmm_out(&out, &x, &weight.f_tr()?)?,
+            None => x.f_mm_out(&out, &weight.f_tr()?)?,
+        };
+        Ok(())
+    }
+
+    /// The cross-entropy of its logits against `targets` ([rows] int64), the mean over the rows
+    /// not ignored or (`mean` false) the sum, computed a block of rows at a time.
+    pub(super) fn loss(&self, targets: &Tensor, ignore_index: i64, mean: bool) -> Result<Tensor> {
+        let (x, weight, bias) = self.operands();
+        let (vocabulary, width) = (weight.size()[0], weight.size()[1]);
+        let block_rows =
+            (BLOCK_BYTES / (vocabulary * self.kind.elt_size_in_bytes() as i64)).max(64) / 64 * 64;
+        ffi::classifier::chunked_cross_entropy(
+            &x.f_reshape([-1, width])?,
+            &weight,
+            bias.as_ref(),
+            targets,
+            ignore_index,
+            mean,
+            self.kind,
+            block_rows,
+        )
+    }
+}
+
+/// `x Wᵀ + b` of a head, deferred (see the [module docs](self)), where the logits are large
+/// enough and the `log_softmax` override is there to read them; `None` for the plain `linear`.
+pub(super) fn deferred_logits(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: Option<&Tensor>,
+    kind: Kind,
+) -> Result<Option<Tensor>> {
+    let vocabulary = weight.size()[0];
+    let rows = x.numel() as i64 / weight.size()[1].max(1);
+    let bytes = rows * vocabulary * kind.elt_size_in_bytes() as i64;
+    let trains =
+        (x.requires_grad() || weight.requires_grad()) && ffi::autograd::grad_mode_enabled()?;
+    if vocabulary < LEAST_VOCABULARY || bytes <= BLOCK_BYTES || !trains {
+        return Ok(None);
+    }
+    if !Override::CrossEntropy.is_registered()? {
+        return Ok(None);
+    }
+    let mut shape = x.size();
+    if let Some(last) = shape.last_mut() {
+        *last = vocabulary;
+    }
+    let Some(read) = head_deferrals().next(x.device(), &shape) else {
+        return Ok(None);
+    };
+    let head = Arc::new(Head {
+        operands: Mutex::new((
+            x.shallow_clone(),
+            weight.shallow_clone(),
+            bias.map(Tensor::shallow_clone),
+        )),
+        kind,
+    });
+    let tag = heads().insert(&head);
+    let function = HeadLinear {
+        head,
+        read,
+        shape,
+        tag,
+    };
+    let inputs: Vec<&Tensor> = [Some(x), Some(weight), bias]
+        .into_iter()
+        .flatten()
+        .collect();
+    match apply(function, &inputs) {
+        Ok(mut y) => Ok(Some(y.remove(0))),
+        // No operator observer on this thread to see a read by: the plain `linear`.
+        Err(_) => Ok(None),
+    }
+}
+
+/// The head whose pending logits `logits` holds whole (itself, or a view of all of them as
+/// `[rows, vocabulary]`), where it is one.
+pub(super) fn head_of(logits: &Tensor) -> Result<Option<Arc<Head>>> {
+    let Some(head) = crate::deferred::tag(logits)?.and_then(|tag| heads().find(tag)) else {
+        return Ok(None);
+    };
+    let (x, weight, _) = head.operands();
+    let whole = x.numel() / weight.size()[1].max(1) as usize * weight.size()[0] as usize;
+    let rows_intact = logits.numel() == whole
+        && logits.is_contiguous()
+        && logits.size().last() == Some(&weight.size()[0]);
+    Ok(rows_intact.then_some(head))
+}
+
+/// The autograd node of a head's deferred logits: what a reader other than the chunked loss
+/// differentiates through, as autocast's `linear`.
+struct HeadLinear {
+    head: Arc<Head>,
+    /// Set if anything reads the logits.
+    read: Arc<AtomicBool>,
+    shape: Vec<i64>,
+    tag: u64,
+}
+
+impl Function for HeadLinear {
+    fn forward(&mut self, ctx: &mut ForwardContext<'_>, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+        let (head, read) = (Arc::clone(&self.head), Arc::clone(&self.read));
+        let y = crate::deferred::tagged(
+            &self.shape,
+            self.head.kind,
+            inputs[0].device(),
+            &["aten::log_softmax"],
+            self.tag,
+            move |y| {
+                read.store(true, Ordering::Relaxed);
+                head.write_logits(y)
+            },
+        )?;
+        ctx.save_for_backward(&[&inputs[0], &inputs[1]])?;
+        Ok(vec![y])
+    }
+
+    fn backward(
+        &mut self,
+        ctx: &mut BackwardContext<'_>,
+        grads: &[Option<Tensor>],
+    ) -> Result<Vec<Option<Tensor>>> {
+        let [x, weight]: [Tensor; 2] = ctx.saved()?.try_into().map_err(|_| {
+            SpeedkitError::Misuse("a classifier head lost its saved tensors".into())
+        })?;
+        let with_bias = self.head.operands().2.is_some();
+        let Some(dy) = &grads[0] else {
+            return Ok((0..2 + usize::from(with_bias)).map(|_| None).collect());
+        };
+        let (vocabulary, width) = (weight.size()[0], weight.size()[1]);
+        let dy = dy.f_reshape([-1, vocabulary])?.f_to_kind(self.head.kind)?;
+        let x_c = x.f_reshape([-1, width])?.f_to_kind(self.head.kind)?;
+        let dx = dy
+            .f_mm(&weight.f_to_kind(self.head.kind)?)?
+            .f_reshape(x.size())?
+            .f_to_kind(x.kind())?;
+        let dw = dy.f_tr()?.f_mm(&x_c)?.f_to_kind(weight.kind())?;
+        let mut gradients = vec![Some(dx), Some(dw)];
+        if with_bias {
+            gradients.push(Some(dy.f_sum_dim_intlist(0, false, Kind::Float)?));
+        }
+        Ok(gradients)
+    }
+}
+
+/// The heads whose logits may be pending, by tag, held weakly (each pending tensor's writer holds
+/// its head).
+struct Heads {
+    next_tag: u64,
+    entries: Vec<(u64, Weak<Head>)>,
+}
+
+fn heads() -> MutexGuard<'static, Heads> {
+    static HEADS: Mutex<Heads> = Mutex::new(Heads {
+        next_tag: TAG_BIT,
+        entries: Vec::new(),
+    });
+    HEADS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Heads {
+    /// Records `head` under a new tag, forgetting the entries whose heads are gone.
+    fn insert(&mut self, head: &Arc<Head>) -> u64 {
+        self.entries.retain(|(_, weak)| weak.strong_count() > 0);
+        let tag = self.next_tag;
+        self.next_tag += 1;
+        self.entries.push((tag, Arc::downgrade(head)));
+        tag
+    }
+
+    fn find(&self, tag: u64) -> Option<Arc<Head>> {
+        (self.entries.iter())
+            .find(|(t, _)| *t == tag)
+            .and_then(|(_, weak)| weak.upgrade())
+    }
+}
+
+/// Whether deferring a head's logits pays, per shape (see `log_softmax`'s [`Deferrals`]).
+fn head_deferrals() -> MutexGuard<'static, Deferrals> {
+    static DEFERRALS: Mutex<Deferrals> = Mutex::new(Deferrals::new());
+    DEFERRALS.lock().unwrap_or_else(PoisonError::into_inner)
+}
