@@ -218,3 +218,100 @@ fn materialize_writes_it_for_a_raw_read_and_only_once() {
     let values = unsafe { std::slice::from_raw_parts(t.data_ptr() as *const f32, 6) };
     assert_eq!(values, &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
 }
+
+/// A deferred [3] tensor of twice `x`'s values at its write, declared computed from `x`.
+fn doubled(x: &Tensor) -> Tensor {
+    let source = x.shallow_clone();
+    let t = deferred::tensor(&[3], Kind::Float, Device::Cpu, &[], move |t| {
+        t.shallow_clone().f_copy_(&(&source * 2.0))?;
+        Ok(())
+    })
+    .unwrap();
+    deferred::computed_from(&t, &[x]).unwrap();
+    t
+}
+
+#[test]
+fn an_in_place_write_to_a_source_writes_it_first_from_the_values_before() {
+    let _serial = common::serial();
+    let x = Tensor::ones([3], cpu());
+    let t = doubled(&x);
+    let _ = x.shallow_clone().g_add_scalar_(4.0);
+    assert!(!deferred::is_pending(&t).unwrap());
+    assert_eq!(t.sum(Kind::Float).double_value(&[]), 6.0);
+}
+
+#[test]
+fn an_out_argument_that_is_a_source_writes_it_first() {
+    let _serial = common::serial();
+    let x = Tensor::ones([3], cpu());
+    let t = doubled(&x);
+    let _ = Tensor::ones([3], cpu()).mul_out(&x, &Tensor::full([3], 3.0, cpu()));
+    assert_eq!(x.sum(Kind::Float).double_value(&[]), 9.0);
+    assert_eq!(t.sum(Kind::Float).double_value(&[]), 6.0);
+}
+
+#[test]
+fn a_write_to_a_view_of_a_source_writes_it_first() {
+    let _serial = common::serial();
+    let x = Tensor::ones([3], cpu());
+    let t = doubled(&x);
+    let _ = x.narrow(0, 0, 1).fill_(10.0);
+    assert_eq!(t.sum(Kind::Float).double_value(&[]), 6.0);
+}
+
+#[test]
+fn a_write_to_other_memory_leaves_it_pending() {
+    let _serial = common::serial();
+    let x = Tensor::ones([3], cpu());
+    let t = doubled(&x);
+    let _ = Tensor::ones([3], cpu()).g_add_scalar_(1.0);
+    assert!(deferred::is_pending(&t).unwrap());
+    assert_eq!(t.sum(Kind::Float).double_value(&[]), 6.0);
+}
+
+#[test]
+fn sources_are_declared_once_and_only_for_a_pending_tensor() {
+    let _serial = common::serial();
+    let x = Tensor::ones([3], cpu());
+    let t = doubled(&x);
+    assert!(deferred::computed_from(&t, &[&x]).is_err());
+    let _ = t.sum(Kind::Float);
+    assert!(deferred::computed_from(&t, &[&x]).is_err());
+}
+
+#[test]
+fn a_deferred_tensor_computed_from_a_pending_one_frees_both_when_it_dies() {
+    let _serial = common::serial();
+    let before = deferred::pending().unwrap().0;
+    let (inner, runs) = counted(&[]);
+    let source = inner.shallow_clone();
+    let outer = deferred::tensor(&[2, 3], Kind::Float, Device::Cpu, &[], move |t| {
+        t.shallow_clone().f_copy_(&source)?;
+        Ok(())
+    })
+    .unwrap();
+    deferred::computed_from(&outer, &[&inner]).unwrap();
+    drop(inner);
+    // The outer tensor's release drops the last hold on the inner one, pending still.
+    drop(outer);
+    assert_eq!(deferred::pending().unwrap().0, before);
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn a_pending_source_written_at_its_read_leaves_its_dependents_its_values() {
+    let _serial = common::serial();
+    let (inner, _) = counted(&[]);
+    let source = inner.shallow_clone();
+    let outer = deferred::tensor(&[2, 3], Kind::Float, Device::Cpu, &[], move |t| {
+        t.shallow_clone().f_copy_(&(&source * 2.0))?;
+        Ok(())
+    })
+    .unwrap();
+    deferred::computed_from(&outer, &[&inner]).unwrap();
+    // The inner tensor's writer writes it in place: that is its value, not a change of it.
+    assert_eq!(inner.sum(Kind::Float).double_value(&[]), 15.0);
+    assert!(deferred::is_pending(&outer).unwrap());
+    assert_eq!(outer.sum(Kind::Float).double_value(&[]), 30.0);
+}

@@ -15,6 +15,9 @@
 // that bypasses the dispatcher (a raw data pointer) meets ATen's "data is not allocated yet" error,
 // never stale memory. A composite that runs no kernel of its own (conv2d, linear) reads nothing
 // itself: the operators it calls are observed instead. The callback is removed when the last pending tensor is materialized or dies.
+// A pending tensor may name what it is computed from (sk_deferred_computed_from): an operator that
+// writes one of those in place (by its schema) first materializes it, and a source whose version
+// moved where no operator was seen leaves it NaN with a warning, never values from new contents.
 #include "shim.h"
 
 #include "deferred.h"
@@ -27,6 +30,7 @@
 #include <c10/core/Storage.h>
 #include <c10/core/TensorImpl.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -47,6 +51,9 @@ struct Pending {
   std::vector<int64_t> sizes;
   at::TensorOptions options;
   size_t nbytes;
+  // What its values are computed from (sk_deferred_computed_from), with their versions then.
+  std::vector<at::Tensor> sources;
+  std::vector<uint32_t> versions;
 };
 
 // Guards the count of pending tensors and the observer's handle.
@@ -56,6 +63,10 @@ std::mutex& registry_mutex() {
 }
 int64_t pending_count = 0;
 std::optional<at::CallbackHandle> observer;
+
+// The pending tensors that have sources, by their storage (held weakly: the storage owns the
+// Pending); guarded by registry_mutex.
+std::vector<std::pair<Pending*, c10::weak_intrusive_ptr<c10::StorageImpl>>> computed;
 
 // Serialises materializations; recursive, as a materializer may read another deferred tensor.
 std::recursive_mutex& materialize_mutex() {
@@ -67,18 +78,53 @@ std::recursive_mutex& materialize_mutex() {
 void released(void* context) {
   auto* pending = static_cast<Pending*>(context);
   pending->vtable.release(pending->state);
-  delete pending;
-  std::lock_guard<std::mutex> lock(registry_mutex());
-  if (--pending_count == 0 && observer) {
-    at::removeCallback(*observer);
-    observer.reset();
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    if (!pending->sources.empty())
+      computed.erase(std::remove_if(computed.begin(), computed.end(), [&](const auto& e) { return e.first == pending; }),
+                     computed.end());
+    if (--pending_count == 0 && observer) {
+      at::removeCallback(*observer);
+      observer.reset();
+    }
   }
+  // Outside the lock: a source may be a pending tensor whose last hold this is, and whose release
+  // takes the lock in its turn.
+  delete pending;
 }
 
 Pending* pending_of(const at::Tensor& t) {
   if (!t.defined() || !t.has_storage()) return nullptr;
   const at::DataPtr& data = t.storage().data_ptr();
   return data.get_deleter() == &released ? static_cast<Pending*>(data.get_context()) : nullptr;
+}
+
+// The storage a materialization on this thread is writing: its writer's own writes to it are the
+// values it always stood for, not a change of a source.
+thread_local const c10::StorageImpl* being_written = nullptr;
+
+// Records, for the pending tensors computed from `storage`, that its materialization moved its
+// version: their sources' recorded versions become the current ones.
+void written_anew(const c10::StorageImpl* storage) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  for (const auto& entry : computed) {
+    Pending* p = entry.first;
+    for (size_t i = 0; i < p->sources.size(); ++i)
+      if (p->sources[i].has_storage() && p->sources[i].storage().unsafeGetStorageImpl() == storage)
+        p->versions[i] = p->sources[i]._version();
+  }
+}
+
+// Which of `pending`'s sources was written in place since it was made, where one was: a write
+// the observer did not see first (a kernel launched on a raw pointer that bumped the version).
+std::string changed_source(const Pending& pending) {
+  for (size_t i = 0; i < pending.sources.size(); ++i) {
+    const uint32_t now = pending.sources[i]._version();
+    if (now != pending.versions[i])
+      return "its input " + std::to_string(i) + " was written in place before it was computed (version " +
+             std::to_string(pending.versions[i]) + ", now " + std::to_string(now) + ")";
+  }
+  return "";
 }
 
 // Gives `t`'s storage its memory and values; false when it was not pending (any more).
@@ -98,10 +144,22 @@ bool materialize(const at::Tensor& t) {
       c10::DispatchKeySet(pending->options.computeDispatchKey()), pending->options.dtype());
   whole.unsafeGetTensorImpl()->set_sizes_contiguous(pending->sizes);
   char message[512] = {0};
-  if (pending->vtable.materialize(pending->state, &whole, message, sizeof message) != 0) {
+  // Restored however the writing ends (fill_ may throw).
+  struct Writing {
+    const c10::StorageImpl* outer = being_written;
+    explicit Writing(const c10::StorageImpl* s) { being_written = s; }
+    ~Writing() { being_written = outer; }
+  };
+  std::optional<Writing> writing(std::in_place, storage);
+  if (const std::string changed = changed_source(*pending); !changed.empty()) {
+    TORCH_WARN("speedkit: a deferred tensor's values could not be written (", changed, "); it reads as NaN");
+    whole.fill_(std::numeric_limits<double>::quiet_NaN());
+  } else if (pending->vtable.materialize(pending->state, &whole, message, sizeof message) != 0) {
     TORCH_WARN("speedkit: a deferred tensor's values could not be written (", message, "); it reads as NaN");
     whole.fill_(std::numeric_limits<double>::quiet_NaN());
   }
+  writing.reset();
+  written_anew(storage);
   return true;
 }
 
@@ -160,8 +218,66 @@ bool only_composes(const c10::OperatorName& name) {
   return it->second;
 }
 
+// The positions of operator `name`'s arguments it writes in place (`Tensor(a!)`: `add_`'s self,
+// an `out=`). Asked once per operator.
+const std::vector<size_t>& written_arguments(const c10::OperatorName& name) {
+  static std::mutex mutex;
+  static auto* known = new std::unordered_map<c10::OperatorName, std::vector<size_t>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = known->find(name);
+  if (it == known->end()) {
+    std::vector<size_t> written;
+    if (const auto op = c10::Dispatcher::singleton().findOp(name); op.has_value() && op->hasSchema()) {
+      const auto& arguments = op->schema().arguments();
+      for (size_t i = 0; i < arguments.size(); ++i)
+        if (arguments[i].alias_info() && arguments[i].alias_info()->isWrite()) written.push_back(i);
+    }
+    it = known->emplace(name, std::move(written)).first;
+  }
+  return it->second;
+}
+
+// Materializes, before operator `op` writes `t` in place, every pending tensor computed from
+// memory `t` shares: it gets the values its sources have now, as the step that made it saw them.
+void compute_before_write(const at::Tensor& t, const char* op) {
+  if (!t.defined() || !t.has_storage()) return;
+  const c10::StorageImpl* written = t.storage().unsafeGetStorageImpl();
+  if (written == being_written) return;
+  std::vector<c10::intrusive_ptr<c10::StorageImpl>> due;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    for (const auto& [pending, storage] : computed) {
+      const bool reads = std::any_of(pending->sources.begin(), pending->sources.end(), [&](const at::Tensor& s) {
+        return s.has_storage() && s.storage().unsafeGetStorageImpl() == written;
+      });
+      if (auto alive = reads ? storage.lock() : c10::intrusive_ptr<c10::StorageImpl>()) due.push_back(alive);
+    }
+  }
+  for (auto& storage : due) {
+    std::lock_guard<std::recursive_mutex> lock(materialize_mutex());
+    // A handle on the storage alone (no operator runs to make it): materialize reads its storage.
+    const at::Tensor handle = at::detail::make_tensor<c10::TensorImpl>(
+        c10::Storage(std::move(storage)), c10::DispatchKeySet(c10::DispatchKey::CPU), caffe2::TypeMeta::Make<uint8_t>());
+    materializing_for = op;
+    materialize(handle);
+    materializing_for = nullptr;
+  }
+}
+
+// Whether a pending tensor with sources exists (guarded by registry_mutex).
+bool any_computed() {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  return !computed.empty();
+}
+
 std::unique_ptr<at::ObserverContext> on_operator(const at::RecordFunction& fn) {
-  if (const auto name = fn.operator_name(); name.has_value() && only_composes(*name)) return nullptr;
+  const auto name = fn.operator_name();
+  if (name.has_value() && any_computed()) {
+    const auto inputs = fn.inputs();
+    for (size_t i : written_arguments(*name))
+      if (i < inputs.size() && inputs[i].isTensor()) compute_before_write(inputs[i].toTensor(), fn.name());
+  }
+  if (name.has_value() && only_composes(*name)) return nullptr;
   for (const c10::IValue& v : fn.inputs()) {
     if (v.isTensor()) {
       consider(v.toTensor(), fn.name());
@@ -250,6 +366,23 @@ int sk_deferred_new(const int64_t* sizes, int64_t ndim, int scalar_type, int dev
 
 int sk_deferred_materialize(sk_tensor tensor, int* materialized) {
   SK_TRY(*materialized = sk::materialize(*tensor) ? 1 : 0)
+}
+
+int sk_deferred_computed_from(sk_tensor tensor, const sk_tensor* sources, int64_t count) {
+  SK_TRY({
+    std::lock_guard<std::recursive_mutex> lock(sk::materialize_mutex());
+    sk::Pending* p = sk::pending_of(*tensor);
+    TORCH_CHECK(p != nullptr, "only a pending deferred tensor takes sources");
+    TORCH_CHECK(p->sources.empty(), "a deferred tensor takes its sources once");
+    for (int64_t i = 0; i < count; ++i) {
+      p->sources.push_back(*sources[i]);
+      p->versions.push_back(sources[i]->_version());
+    }
+    if (count > 0) {
+      std::lock_guard<std::mutex> registry(sk::registry_mutex());
+      sk::computed.emplace_back(p, tensor->storage().getWeakStorageImpl());
+    }
+  })
 }
 
 int sk_deferred_is_pending(sk_tensor tensor, int* pending) { SK_TRY(*pending = sk::pending_of(*tensor) ? 1 : 0) }

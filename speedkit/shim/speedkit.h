@@ -516,6 +516,12 @@ typedef struct sk_deferred_vtable {
 /// while a deferred tensor is pending. Fails where the thread has RecordFunction off.
 int sk_deferred_new(const int64_t* sizes, int64_t ndim, int scalar_type, int device, const char* exempt_ops,
                     uint64_t tag, const sk_deferred_vtable* vtable, void* state, sk_tensor* out);
+/// Declares what pending deferred `tensor` is computed from (`count` tensors): an operator that
+/// writes one of them in place (an argument of its schema marked written: `add_`'s self, `out=`)
+/// first materializes `tensor`, which then gets the values the sources had; a source written where
+/// no operator was seen (its version counter moved) leaves `tensor` NaN with a warning naming it,
+/// never values computed from the new contents. Once per tensor.
+int sk_deferred_computed_from(sk_tensor tensor, const sk_tensor* sources, int64_t count);
 /// Whether `tensor` (or the tensor it is a view of) is deferred and pending, and if so its `tag`:
 /// how a fused consumer recognises its producer's output.
 int sk_deferred_tag(sk_tensor tensor, int* pending, uint64_t* tag);

@@ -93,6 +93,32 @@ pub fn tag(t: &Tensor) -> Result<Option<u64>> {
     ffi::deferred::tag(t)
 }
 
+/// Declares what the pending deferred tensor `t` is computed from, so that it never sees them
+/// changed: an operator that writes one of `sources` in place (an argument its schema marks as
+/// written: `add_`'s `self`, an `out=`) first writes `t`, from the values they have before that
+/// write. A source written where no operator is seen (a kernel on a raw pointer that moves the
+/// version counter, as speedkit's optimizers do) leaves `t` reading as NaN, with a warning naming
+/// it, rather than values computed from the new contents. Once per tensor.
+///
+/// ```
+/// use speedkit::deferred;
+/// use tch::{Device, Kind, Tensor};
+///
+/// let x = Tensor::ones([3], (Kind::Float, Device::Cpu));
+/// let source = x.shallow_clone();
+/// let doubled = deferred::tensor(&[3], Kind::Float, Device::Cpu, &[], move |t| {
+///     let _ = t.shallow_clone().f_copy_(&(&source * 2.0))?;
+///     Ok(())
+/// })?;
+/// deferred::computed_from(&doubled, &[&x])?;
+/// let _ = x.shallow_clone().fill_(5.0);               // writes `doubled` first, from the ones
+/// assert_eq!(doubled.sum(Kind::Float).double_value(&[]), 6.0);
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn computed_from(t: &Tensor, sources: &[&Tensor]) -> Result<()> {
+    ffi::deferred::computed_from(t, sources)
+}
+
 /// Whether `t` (or the tensor it is a view of) is deferred and not yet written.
 ///
 /// ```

@@ -137,3 +137,47 @@ fn a_read_of_a_heads_logits_beside_the_loss_sees_the_linears_values() {
         "gradients {errors:?}"
     );
 }
+
+/// The head's loss and input gradient where the head's input is written in place between the
+/// `linear` and the loss (through a detached alias, which autograd lets pass).
+fn written_between_pass(x: &Tensor, w: &Tensor, targets: &Tensor) -> Vec<Tensor> {
+    let x = x.detach().set_requires_grad(true);
+    let loss = speedkit::amp::autocast(x.device(), Kind::BFloat16, || {
+        let h = &x * 1.0;
+        let logits = h.linear(w, None::<&Tensor>).view([-1, VOCABULARY]);
+        let _ = h.detach().g_add_scalar_(1.0);
+        logits.log_softmax(-1, Kind::Float).g_nll_loss(
+            targets,
+            None::<&Tensor>,
+            tch::Reduction::Mean,
+            -100,
+        )
+    })
+    .unwrap();
+    loss.backward();
+    vec![loss.detach(), x.grad()]
+}
+
+#[test]
+fn a_write_to_a_heads_input_before_its_loss_leaves_the_loss_atens() {
+    let _serial = common::serial();
+    let Some(device) =
+        common::cuda_or_skip("a_write_to_a_heads_input_before_its_loss_leaves_the_loss_atens")
+    else {
+        return;
+    };
+    // Another shape again: this one's logits are read (by the write's materialization).
+    let (x, w, _, targets) = operands(device, [SHAPE[0] * SHAPE[1], 1, SHAPE[2]], false);
+    let expected = {
+        let _linear = common::hold_override(Override::Linear, false);
+        let _loss = common::hold_override(Override::CrossEntropy, false);
+        written_between_pass(&x, &w, &targets)
+    };
+    let _linear = common::hold_override(Override::Linear, true);
+    let _loss = common::hold_override(Override::CrossEntropy, true);
+    let results = written_between_pass(&x, &w, &targets);
+    let loss_err = common::rel_err(&results[0], &expected[0]);
+    assert!(loss_err < 1e-3, "loss: relative error {loss_err}");
+    let dx_err = common::rel_err(&results[1], &expected[1]);
+    assert!(dx_err < 1e-2, "dx: relative error {dx_err}");
+}

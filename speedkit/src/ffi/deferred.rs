@@ -63,6 +63,16 @@ pub(crate) fn deferred(
     Ok(unsafe { owned(out) })
 }
 
+/// Declares what pending `tensor` is computed from: an operator writing one of `sources` in place
+/// first materializes it; a write no operator made leaves it NaN with a warning.
+pub(crate) fn computed_from(tensor: &Tensor, sources: &[&Tensor]) -> Result<()> {
+    let handles: Vec<_> = sources.iter().map(|t| handle(t)).collect();
+    // SAFETY: live tensors borrowed for the call; the shim keeps its own references.
+    check(unsafe {
+        abi::sk_deferred_computed_from(handle(tensor), handles.as_ptr(), handles.len() as i64)
+    })
+}
+
 /// Materializes `tensor` now if it is deferred and pending, before a read that no operator makes
 /// (a kernel's raw pointer); whether it was pending.
 pub(crate) fn materialize(tensor: &Tensor) -> Result<bool> {

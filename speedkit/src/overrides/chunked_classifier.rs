@@ -47,6 +47,10 @@ pub(super) struct Head {
     operands: Mutex<(Tensor, Tensor, Option<Tensor>)>,
     /// The GEMMs' type: autocast's.
     kind: Kind,
+    /// The operands in that type as the logits were written from them, where they were: what
+    /// their backward reads, as autocast's `linear` keeps its casts (copies, so that a later
+    /// in-place write to an operand does not reach them).
+    written_from: Mutex<Option<(Tensor, Tensor)>>,
 }
 
 impl Head {
@@ -65,8 +69,10 @@ impl Head {
         let (x, weight, bias) = self.operands();
         let _no_grad = tch::no_grad_guard();
         let width = weight.size()[1];
-        let x = x.f_reshape([-1, width])?.f_to_kind(self.kind)?;
-        let weight = weight.f_to_kind(self.kind)?;
+        let x = x
+            .f_reshape([-1, width])?
+            .f_to_dtype(self.kind, false, true)?;
+        let weight = weight.f_to_dtype(self.kind, false, true)?;
         let out = y.f_view([-1, weight.size()[0]])?;
         let _written = match bias {
             Some(b) => b
@@ -74,6 +80,10 @@ impl Head {
                 .f_addmm_out(&out, &x, &weight.f_tr()?)?,
             None => x.f_mm_out(&out, &weight.f_tr()?)?,
         };
+        *self
+            .written_from
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some((x, weight));
         Ok(())
     }
 
@@ -130,6 +140,7 @@ pub(super) fn deferred_logits(
             bias.map(Tensor::shallow_clone),
         )),
         kind,
+        written_from: Mutex::new(None),
     });
     let tag = heads().insert(&head);
     let function = HeadLinear {
@@ -174,7 +185,13 @@ struct HeadLinear {
 }
 
 impl Function for HeadLinear {
-    fn forward(&mut self, ctx: &mut ForwardContext<'_>, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
+    /// The backward reads the operands' copies the logits were written from, which carry no
+    /// gradient: a second derivative through it is an error.
+    fn once_differentiable(&self) -> bool {
+        true
+    }
+
+    fn forward(&mut self, _: &mut ForwardContext<'_>, inputs: &[Tensor]) -> Result<Vec<Tensor>> {
         let (head, read) = (Arc::clone(&self.head), Arc::clone(&self.read));
         let y = crate::deferred::tagged(
             &self.shape,
@@ -187,30 +204,33 @@ impl Function for HeadLinear {
                 head.write_logits(y)
             },
         )?;
-        ctx.save_for_backward(&[&inputs[0], &inputs[1]])?;
+        crate::deferred::computed_from(&y, &inputs.iter().collect::<Vec<_>>())?;
         Ok(vec![y])
     }
 
     fn backward(
         &mut self,
-        ctx: &mut BackwardContext<'_>,
+        _: &mut BackwardContext<'_>,
         grads: &[Option<Tensor>],
     ) -> Result<Vec<Option<Tensor>>> {
-        let [x, weight]: [Tensor; 2] = ctx.saved()?.try_into().map_err(|_| {
-            SpeedkitError::Misuse("a classifier head lost its saved tensors".into())
-        })?;
-        let with_bias = self.head.operands().2.is_some();
+        let (x, weight, bias) = self.head.operands();
+        let with_bias = bias.is_some();
         let Some(dy) = &grads[0] else {
             return Ok((0..2 + usize::from(with_bias)).map(|_| None).collect());
         };
-        let (vocabulary, width) = (weight.size()[0], weight.size()[1]);
-        let dy = dy.f_reshape([-1, vocabulary])?.f_to_kind(self.head.kind)?;
-        let x_c = x.f_reshape([-1, width])?.f_to_kind(self.head.kind)?;
-        let dx = dy
-            .f_mm(&weight.f_to_kind(self.head.kind)?)?
-            .f_reshape(x.size())?
-            .f_to_kind(x.kind())?;
-        let dw = dy.f_tr()?.f_mm(&x_c)?.f_to_kind(weight.kind())?;
+        // A gradient of the logits means they were read, so written: from these operands.
+        let written_from = self.head.written_from.lock();
+        let written_from = written_from.unwrap_or_else(PoisonError::into_inner);
+        let Some((x_c, w_c)) = written_from.as_ref() else {
+            return Err(SpeedkitError::Misuse(
+                "a classifier head's logits have a gradient but were never written".into(),
+            ));
+        };
+        let dy = dy
+            .f_reshape([-1, weight.size()[0]])?
+            .f_to_kind(self.head.kind)?;
+        let dx = dy.f_mm(w_c)?.f_reshape(x.size())?.f_to_kind(x.kind())?;
+        let dw = dy.f_tr()?.f_mm(x_c)?.f_to_kind(weight.kind())?;
         let mut gradients = vec![Some(dx), Some(dw)];
         if with_bias {
             gradients.push(Some(dy.f_sum_dim_intlist(0, false, Kind::Float)?));

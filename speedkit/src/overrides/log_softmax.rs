@@ -143,15 +143,16 @@ fn nll_loss(call: &OverrideCall<'_>) -> Result<Reply> {
         2 => Reduction::Sum,
         _ => return Ok(Reply::Declined("reduction none".into())),
     };
-    if let Some(head) = &source.head {
-        let loss = head.loss(
-            target,
-            call.int("ignore_index")?,
-            reduction == Reduction::Mean,
-        )?;
-        return Ok(Reply::Ran(vec![loss]));
-    }
     let (logits, lse) = source.logits_and_lse();
+    if let Some(head) = &source.head {
+        if crate::deferred::is_pending(&logits)? {
+            let mean = reduction == Reduction::Mean;
+            let loss = head.loss(target, call.int("ignore_index")?, mean)?;
+            return Ok(Reply::Ran(vec![loss]));
+        }
+        // Written since (a read, or a write to the head's operands): the loss reads them.
+        source.lse(&logits, &lse)?;
+    }
     let function = CrossEntropy {
         lse,
         kernels: Arc::clone(&source.kernels),
@@ -450,7 +451,7 @@ impl Function for LogSoftmax {
                 self.source.lse(x, lse)?;
             }
             let (source, read) = (Arc::clone(&self.source), Arc::clone(read));
-            crate::deferred::tensor(
+            let y = crate::deferred::tensor(
                 &x.size(),
                 self.result,
                 x.device(),
@@ -460,7 +461,9 @@ impl Function for LogSoftmax {
                     read.store(true, Ordering::Relaxed);
                     source.write_log_probs(y)
                 },
-            )?
+            )?;
+            crate::deferred::computed_from(&y, &[x])?;
+            y
         } else {
             let y = Tensor::f_empty(x.size(), (Kind::Float, x.device()))?;
             let kernel = &kernels.forward;

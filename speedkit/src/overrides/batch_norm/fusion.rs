@@ -119,9 +119,33 @@ impl Pointwise {
             move |ym| source.launch(ym, false),
         );
         match deferred {
-            Ok(ym) => layout.unmatrix(&ym),
+            Ok(ym) => {
+                let sources = self.sources();
+                crate::deferred::computed_from(&ym, &sources.iter().collect::<Vec<_>>())?;
+                layout.unmatrix(&ym)
+            }
             Err(_) => self.write(false),
         }
+    }
+
+    /// The tensors the output is computed from: each normalisation's input and coefficients, and
+    /// an added tensor.
+    fn sources(&self) -> Vec<Tensor> {
+        let (x, coefficients) = self.normalized.matrix_and_coefficients();
+        let mut sources = vec![x, coefficients];
+        match &self.addend {
+            Some(Addend::Tensor(t)) => sources.push(
+                t.lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .shallow_clone(),
+            ),
+            Some(Addend::Normalized(other)) => {
+                let (x, coefficients) = other.matrix_and_coefficients();
+                sources.extend([x, coefficients]);
+            }
+            None => {}
+        }
+        sources
     }
 
     /// The result (with `relu`, its ReLU) in a new tensor laid out as the input.
