@@ -18,11 +18,12 @@
 //! were read that way runs the plain `linear` from then on, as `log_softmax`'s deferral does.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tch::{Kind, Tensor};
 
 use super::log_softmax::Deferrals;
+use super::producers::Producers;
 use super::Override;
 use crate::error::{Result, SpeedkitError};
 use crate::ffi;
@@ -239,36 +240,10 @@ impl Function for HeadLinear {
     }
 }
 
-/// The heads whose logits may be pending, by tag, held weakly (each pending tensor's writer holds
-/// its head).
-struct Heads {
-    next_tag: u64,
-    entries: Vec<(u64, Weak<Head>)>,
-}
-
-fn heads() -> MutexGuard<'static, Heads> {
-    static HEADS: Mutex<Heads> = Mutex::new(Heads {
-        next_tag: TAG_BIT,
-        entries: Vec::new(),
-    });
+/// The heads whose logits may be pending, by tag (from [`TAG_BIT`]).
+fn heads() -> MutexGuard<'static, Producers<Head>> {
+    static HEADS: Mutex<Producers<Head>> = Mutex::new(Producers::starting_at(TAG_BIT));
     HEADS.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-impl Heads {
-    /// Records `head` under a new tag, forgetting the entries whose heads are gone.
-    fn insert(&mut self, head: &Arc<Head>) -> u64 {
-        self.entries.retain(|(_, weak)| weak.strong_count() > 0);
-        let tag = self.next_tag;
-        self.next_tag += 1;
-        self.entries.push((tag, Arc::downgrade(head)));
-        tag
-    }
-
-    fn find(&self, tag: u64) -> Option<Arc<Head>> {
-        (self.entries.iter())
-            .find(|(t, _)| *t == tag)
-            .and_then(|(_, weak)| weak.upgrade())
-    }
 }
 
 /// Whether deferring a head's logits pays, per shape (see `log_softmax`'s [`Deferrals`]).

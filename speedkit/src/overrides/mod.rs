@@ -36,6 +36,7 @@ mod custom;
 mod linear;
 mod log_softmax;
 mod mse_loss;
+mod producers;
 
 pub use custom::{
     DispatchKey, OperatorOverride, OverrideCall, OverrideRecord, OverrideRegistration,

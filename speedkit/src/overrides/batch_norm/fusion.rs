@@ -2,13 +2,14 @@
 //! and the `relu` (and the residual `add` before it) that compute their result from the forward's
 //! inputs and coefficients in the normalisation's own pass.
 
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tch::{Kind, Tensor};
 
 use super::launch::Layout;
 use super::params::Normalize;
 use crate::error::Result;
+use crate::overrides::producers::Producers;
 use crate::overrides::{OverrideCall, Reply};
 
 /// `relu` of a pending output of the forward above (or of an `add` below): the normalisation, the
@@ -189,35 +190,8 @@ impl Pointwise {
     }
 }
 
-/// The pending outputs by tag, held weakly (each output's writer holds its [`Pointwise`], so an
-/// entry lives exactly as long as its output is pending).
-struct Pending {
-    next_tag: u64,
-    entries: Vec<(u64, Weak<Pointwise>)>,
-}
-
-fn pending() -> MutexGuard<'static, Pending> {
-    static PENDING: Mutex<Pending> = Mutex::new(Pending {
-        next_tag: 1,
-        entries: Vec::new(),
-    });
+/// The pending outputs' producers by tag (tags from 1).
+fn pending() -> MutexGuard<'static, Producers<Pointwise>> {
+    static PENDING: Mutex<Producers<Pointwise>> = Mutex::new(Producers::starting_at(1));
     PENDING.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-impl Pending {
-    /// Records `pointwise` under a new tag, forgetting the entries whose outputs are gone.
-    fn insert(&mut self, pointwise: &Arc<Pointwise>) -> u64 {
-        self.entries.retain(|(_, weak)| weak.strong_count() > 0);
-        let tag = self.next_tag;
-        self.next_tag += 1;
-        self.entries.push((tag, Arc::downgrade(pointwise)));
-        tag
-    }
-
-    fn find(&self, tag: u64) -> Option<Arc<Pointwise>> {
-        self.entries
-            .iter()
-            .find(|(t, _)| *t == tag)
-            .and_then(|(_, weak)| weak.upgrade())
-    }
 }
