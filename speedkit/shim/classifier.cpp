@@ -145,7 +145,10 @@ struct ChunkedClassifierFunction : torch::autograd::Function<ChunkedClassifierFu
     auto scaled = [&](const at::Tensor& t, at::ScalarType type) {
       return t.defined() ? t.mul(g).to(type) : at::Tensor();
     };
-    const at::Tensor dw = saved[1].defined() ? saved[1].mul_(g) : at::Tensor();
+    // Scaled in place (no second [vocab, in] fp32 matrix at the classifier's backward), unless
+    // the graph is kept for another backward, which reads the saved sum again.
+    const bool again = torch::autograd::get_current_graph_task_keep_graph();
+    const at::Tensor dw = !saved[1].defined() ? at::Tensor() : again ? saved[1].mul(g) : saved[1].mul_(g);
     return fused_op_gradients({scaled(saved[0], x_type), dw, scaled(saved[2], bias_type), at::Tensor(),
                                at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
                                at::Tensor()},
