@@ -99,6 +99,11 @@ Pending* pending_of(const at::Tensor& t) {
   return data.get_deleter() == &released ? static_cast<Pending*>(data.get_context()) : nullptr;
 }
 
+// Whether `source` lies in `storage`.
+bool in_storage(const at::Tensor& source, const c10::StorageImpl* storage) {
+  return source.has_storage() && source.storage().unsafeGetStorageImpl() == storage;
+}
+
 // The storage a materialization on this thread is writing: its writer's own writes to it are the
 // values it always stood for, not a change of a source.
 thread_local const c10::StorageImpl* being_written = nullptr;
@@ -110,8 +115,7 @@ void written_anew(const c10::StorageImpl* storage) {
   for (const auto& entry : computed) {
     Pending* p = entry.first;
     for (size_t i = 0; i < p->sources.size(); ++i)
-      if (p->sources[i].has_storage() && p->sources[i].storage().unsafeGetStorageImpl() == storage)
-        p->versions[i] = p->sources[i]._version();
+      if (in_storage(p->sources[i], storage)) p->versions[i] = p->sources[i]._version();
   }
 }
 
@@ -144,21 +148,21 @@ bool materialize(const at::Tensor& t) {
       c10::DispatchKeySet(pending->options.computeDispatchKey()), pending->options.dtype());
   whole.unsafeGetTensorImpl()->set_sizes_contiguous(pending->sizes);
   char message[512] = {0};
-  // Restored however the writing ends (fill_ may throw).
-  struct Writing {
-    const c10::StorageImpl* outer = being_written;
-    explicit Writing(const c10::StorageImpl* s) { being_written = s; }
-    ~Writing() { being_written = outer; }
-  };
-  std::optional<Writing> writing(std::in_place, storage);
-  if (const std::string changed = changed_source(*pending); !changed.empty()) {
-    TORCH_WARN("speedkit: a deferred tensor's values could not be written (", changed, "); it reads as NaN");
-    whole.fill_(std::numeric_limits<double>::quiet_NaN());
-  } else if (pending->vtable.materialize(pending->state, &whole, message, sizeof message) != 0) {
-    TORCH_WARN("speedkit: a deferred tensor's values could not be written (", message, "); it reads as NaN");
-    whole.fill_(std::numeric_limits<double>::quiet_NaN());
+  {
+    // Restored however the writing ends (fill_ may throw).
+    struct Writing {
+      const c10::StorageImpl* outer = being_written;
+      explicit Writing(const c10::StorageImpl* s) { being_written = s; }
+      ~Writing() { being_written = outer; }
+    } writing(storage);
+    if (const std::string changed = changed_source(*pending); !changed.empty()) {
+      TORCH_WARN("speedkit: a deferred tensor's values could not be written (", changed, "); it reads as NaN");
+      whole.fill_(std::numeric_limits<double>::quiet_NaN());
+    } else if (pending->vtable.materialize(pending->state, &whole, message, sizeof message) != 0) {
+      TORCH_WARN("speedkit: a deferred tensor's values could not be written (", message, "); it reads as NaN");
+      whole.fill_(std::numeric_limits<double>::quiet_NaN());
+    }
   }
-  writing.reset();
   written_anew(storage);
   return true;
 }
@@ -199,40 +203,35 @@ void consider(const at::Tensor& t, const char* op) {
   materializing_for = nullptr;
 }
 
-// Whether operator `name` is a composite that runs no kernel of its own: its implementation calls
-// other operators (conv2d: autocast's cast, then convolution), each observed in its turn, so the
-// read that needs a pending tensor's values, if any, is one of theirs. Asked once per operator.
-bool only_composes(const c10::OperatorName& name) {
-  static std::mutex mutex;
-  static auto* known = new std::unordered_map<c10::OperatorName, bool>();
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = known->find(name);
-  if (it == known->end()) {
-    const auto op = c10::Dispatcher::singleton().findOp(name);
-    const bool composes =
-        op.has_value() && op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
-        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
-        !op->hasKernelForDispatchKey(c10::DispatchKey::CUDA) && !op->hasKernelForDispatchKey(c10::DispatchKey::CPU);
-    it = known->emplace(name, composes).first;
-  }
-  return it->second;
-}
+// What the observer needs to know of an operator, asked once per operator.
+struct OperatorFacts {
+  // A composite that runs no kernel of its own: its implementation calls other operators (conv2d:
+  // autocast's cast, then convolution), each observed in its turn, so the read that needs a pending
+  // tensor's values, if any, is one of theirs.
+  bool only_composes = false;
+  // The positions of the arguments it writes in place (`Tensor(a!)`: `add_`'s self, an `out=`).
+  std::vector<size_t> written;
+};
 
-// The positions of operator `name`'s arguments it writes in place (`Tensor(a!)`: `add_`'s self,
-// an `out=`). Asked once per operator.
-const std::vector<size_t>& written_arguments(const c10::OperatorName& name) {
+const OperatorFacts& facts_of(const c10::OperatorName& name) {
   static std::mutex mutex;
-  static auto* known = new std::unordered_map<c10::OperatorName, std::vector<size_t>>();
+  static auto* known = new std::unordered_map<c10::OperatorName, OperatorFacts>();
   std::lock_guard<std::mutex> lock(mutex);
   auto it = known->find(name);
   if (it == known->end()) {
-    std::vector<size_t> written;
-    if (const auto op = c10::Dispatcher::singleton().findOp(name); op.has_value() && op->hasSchema()) {
-      const auto& arguments = op->schema().arguments();
-      for (size_t i = 0; i < arguments.size(); ++i)
-        if (arguments[i].alias_info() && arguments[i].alias_info()->isWrite()) written.push_back(i);
+    OperatorFacts facts;
+    if (const auto op = c10::Dispatcher::singleton().findOp(name); op.has_value()) {
+      facts.only_composes = op->hasKernelForDispatchKey(c10::DispatchKey::CompositeImplicitAutograd) &&
+                            !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
+                            !op->hasKernelForDispatchKey(c10::DispatchKey::CUDA) &&
+                            !op->hasKernelForDispatchKey(c10::DispatchKey::CPU);
+      if (op->hasSchema()) {
+        const auto& arguments = op->schema().arguments();
+        for (size_t i = 0; i < arguments.size(); ++i)
+          if (arguments[i].alias_info() && arguments[i].alias_info()->isWrite()) facts.written.push_back(i);
+      }
     }
-    it = known->emplace(name, std::move(written)).first;
+    it = known->emplace(name, std::move(facts)).first;
   }
   return it->second;
 }
@@ -247,9 +246,8 @@ void compute_before_write(const at::Tensor& t, const char* op) {
   {
     std::lock_guard<std::mutex> lock(registry_mutex());
     for (const auto& [pending, storage] : computed) {
-      const bool reads = std::any_of(pending->sources.begin(), pending->sources.end(), [&](const at::Tensor& s) {
-        return s.has_storage() && s.storage().unsafeGetStorageImpl() == written;
-      });
+      const bool reads = std::any_of(pending->sources.begin(), pending->sources.end(),
+                                     [&](const at::Tensor& s) { return in_storage(s, written); });
       if (auto alive = reads ? storage.lock() : c10::intrusive_ptr<c10::StorageImpl>()) due.push_back(alive);
     }
   }
@@ -272,12 +270,13 @@ bool any_computed() {
 
 std::unique_ptr<at::ObserverContext> on_operator(const at::RecordFunction& fn) {
   const auto name = fn.operator_name();
-  if (name.has_value() && any_computed()) {
+  const OperatorFacts* facts = name.has_value() ? &facts_of(*name) : nullptr;
+  if (facts != nullptr && !facts->written.empty() && any_computed()) {
     const auto inputs = fn.inputs();
-    for (size_t i : written_arguments(*name))
+    for (size_t i : facts->written)
       if (i < inputs.size() && inputs[i].isTensor()) compute_before_write(inputs[i].toTensor(), fn.name());
   }
-  if (name.has_value() && only_composes(*name)) return nullptr;
+  if (facts != nullptr && facts->only_composes) return nullptr;
   for (const c10::IValue& v : fn.inputs()) {
     if (v.isTensor()) {
       consider(v.toTensor(), fn.name());

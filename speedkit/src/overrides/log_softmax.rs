@@ -401,9 +401,7 @@ impl Source {
             },
         )
     }
-}
 
-impl Source {
     /// The log-sum-exp of each row of `x` into `lse`.
     fn lse(&self, x: &Tensor, lse: &Tensor) -> Result<()> {
         let (rows, width) = rows_and_width(x);
