@@ -757,6 +757,44 @@ fn generated_matches_aten(
     gap.double_value(&[])
 }
 
+/// The one group of `chain`'s trace on the CPU, generated.
+fn kernel_of_chain(chain: impl FnOnce() -> Tensor) -> GeneratedKernel {
+    let (_, trace) = StepTrace::record(chain).unwrap();
+    let plan = FusionPlan::from_trace(&trace);
+    assert_eq!(plan.groups().len(), 1, "{plan}");
+    plan.groups()[0].kernel().unwrap()
+}
+
+#[test]
+fn a_pointwise_kernel_of_16_bit_tensors_takes_eight_elements_a_thread() {
+    let _serial = common::serial();
+    let chain = |kind: Kind| {
+        let x = Tensor::randn([40, 64], (kind, CPU));
+        let row = Tensor::randn([64], (kind, CPU));
+        move || (&x * &row + 1.5).silu() * &x
+    };
+    let bf16 = kernel_of_chain(chain(Kind::BFloat16));
+    assert!(bf16.source.contains("store8("), "{}", bf16.source);
+    let (grid, _) = bf16.grid_and_block();
+    assert_eq!(grid, (40 * 64u32).div_ceil(256 * 8));
+    // fp32's four elements are 16 bytes already.
+    let fp32 = kernel_of_chain(chain(Kind::Float));
+    assert!(fp32.source.contains("store4(") && !fp32.source.contains("store8("));
+    for kernel in [bf16, fp32] {
+        let bytes = speedkit::kernels::compile(module_of(&kernel).name(), HOPPER)
+            .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
+        assert!(bytes > 0);
+    }
+}
+
+#[test]
+fn a_16_bit_kernel_whose_elements_come_in_no_groups_of_eight_takes_four() {
+    let _serial = common::serial();
+    let x = Tensor::randn([3, 44], (Kind::BFloat16, CPU));
+    let kernel = kernel_of_chain(|| (&x * 2.0).silu());
+    assert!(kernel.source.contains("store4("), "{}", kernel.source);
+}
+
 #[test]
 fn generated_pointwise_kernels_give_atens_values_in_fp32_bf16_and_fp16() {
     let _serial = common::serial();
@@ -795,6 +833,34 @@ fn generated_pointwise_kernels_give_atens_values_in_fp32_bf16_and_fp16() {
         let tolerance = if kind == Kind::Float { 1e-5 } else { 1e-2 };
         let gaps = [forward, backward, rms_norm, max_shift];
         assert!(gaps.iter().all(|&g| g < tolerance), "{kind:?}: {gaps:?}");
+    }
+}
+
+#[test]
+fn generated_16_bit_kernels_eight_elements_a_thread_give_atens_values() {
+    let _serial = common::serial();
+    let Some(device) =
+        common::cuda_or_skip("generated_16_bit_kernels_eight_elements_a_thread_give_atens_values")
+    else {
+        return;
+    };
+    for kind in [Kind::BFloat16, Kind::Half] {
+        // Groups of eight: each thread's own elements loaded 16 bytes at once, beside a broadcast
+        // row, a transposed view and the halves of a rotary embedding read element by element.
+        let x = Tensor::randn([40, 64], (kind, device));
+        let row = Tensor::randn([64], (kind, device));
+        let other = Tensor::randn([64, 40], (kind, device));
+        let inputs = [x, row, other];
+        let pointwise = generated_matches_aten(kind, &inputs, |t| {
+            (&t[0] * &t[1] + 1.5).silu() - (&t[2] * 2.0).tr().sigmoid()
+        });
+        let rotary = generated_matches_aten(kind, &inputs, |t| {
+            let y = &t[0] * 0.5;
+            let rotated = Tensor::cat(&[-y.narrow(-1, 32, 32), y.narrow(-1, 0, 32)], -1);
+            &y + rotated * &t[1]
+        });
+        let gaps = [pointwise, rotary];
+        assert!(gaps.iter().all(|&g| g < 1e-2), "{kind:?}: {gaps:?}");
     }
 }
 

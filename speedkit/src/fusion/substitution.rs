@@ -510,7 +510,8 @@ fn compile(
         }
         if let Some(dir) = std::env::var_os(SOURCES_VARIABLE) {
             let path = std::path::Path::new(&dir).join(format!("{}.cu", generated.name));
-            std::fs::write(&path, &generated.source)
+            std::fs::create_dir_all(&dir)
+                .and_then(|()| std::fs::write(&path, &generated.source))
                 .map_err(|e| format!("cannot write its source to {}: {e}", path.display()))?;
         }
         let kernel = CudaModule::new(&format!("{}.cu", generated.name), &generated.source)

@@ -33,6 +33,14 @@ template <typename T> __device__ __forceinline__ float group_element(const T*, u
   const unsigned short bits = (j & 1) ? (unsigned short)(w >> 16) : (unsigned short)(w & 0xffffu);
   return to_float_any(*reinterpret_cast<const T*>(&bits));
 }
+// Eight 16-bit elements at once (16 bytes), where every vectorised argument of a pointwise kernel
+// is bf16 or fp16: a thread's single 16-byte access keeps enough bytes in flight for HBM.
+template <typename T> __device__ __forceinline__ uint4 load_group8(const T* g) { return *reinterpret_cast<const uint4*>(g); }
+template <typename T> __device__ __forceinline__ float group_element8(const T*, uint4 g, int j) {
+  const unsigned w = (j & 4) ? ((j & 2) ? g.w : g.z) : ((j & 2) ? g.y : g.x);
+  const unsigned short bits = (j & 1) ? (unsigned short)(w >> 16) : (unsigned short)(w & 0xffffu);
+  return to_float_any(*reinterpret_cast<const T*>(&bits));
+}
 template <> __device__ __forceinline__ bool store_as<bool>(float v) { return v != 0.f; }
 // A row reduction's results as every function reads them (`red`): the reduction's value, or a
 // group norm's mean and reciprocal standard deviation; none outside a row kernel.

@@ -7,29 +7,34 @@ use std::fmt::Write;
 use super::norms::{channel_read, GradientRows, GroupNormGradients};
 use super::{RowReduction, StoredResult, UNROLL};
 
-/// The body of a pointwise kernel. `vectorised`: each thread computes four neighbouring elements
-/// of every result, whose inputs `LOAD` reads four at a time, and stores each result's four at
-/// once. Else a block takes tiles of `UNROLL` × its threads elements, a thread's a block apart
+/// The body of a pointwise kernel. `vectorised`: each thread computes `width` (four, or eight of
+/// 16-bit types) neighbouring elements of every result, whose inputs `LOAD` reads `width` at a
+/// time, and stores each result's at once. Else a block takes tiles of `UNROLL` × its threads elements, a thread's a block apart
 /// (as ATen's unrolled kernels). Either way every value comes first, then the stores: a load after
 /// a store through another pointer could not be shared, as the compiler cannot rule out aliasing.
 pub(super) fn pointwise_loop(
     stored: &[StoredResult],
     vectorised: bool,
     groups: &[usize],
+    width: u64,
 ) -> String {
     let (mut declare, mut values, mut stores) = (String::new(), String::new(), String::new());
+    let (load, store) = match width {
+        8 => ("load_group8", "store8"),
+        _ => ("load_group", "store4"),
+    };
     if vectorised {
-        writeln!(declare, "    a.first = q * {UNROLL};").unwrap();
+        writeln!(declare, "    a.first = q * {width};").unwrap();
         for i in groups {
-            writeln!(declare, "    a.g{i} = load_group(a.in{i} + a.first);").unwrap();
+            writeln!(declare, "    a.g{i} = {load}(a.in{i} + a.first);").unwrap();
         }
     }
     for r in stored {
         let (i, f, ty) = (r.arg, r.function, r.ty);
-        writeln!(declare, "    float r{i}[{UNROLL}];").unwrap();
+        writeln!(declare, "    float r{i}[{width}];").unwrap();
         if vectorised {
             writeln!(values, "      r{i}[k] = v{f}(a, p, red);").unwrap();
-            writeln!(stores, "    store4(a.out{i} + a.first, r{i});").unwrap();
+            writeln!(stores, "    {store}(a.out{i} + a.first, r{i});").unwrap();
         } else {
             writeln!(values, "      if (p < (idx_t)n) r{i}[k] = v{f}(a, p, red);").unwrap();
             writeln!(
@@ -39,20 +44,20 @@ pub(super) fn pointwise_loop(
             .unwrap();
         }
     }
-    let each = |p: &str| {
-        format!("#pragma unroll\n    for (int k = 0; k < {UNROLL}; ++k) {{\n      const idx_t p = {p};\n")
+    let each = |p: &str, count: u64| {
+        format!("#pragma unroll\n    for (int k = 0; k < {count}; ++k) {{\n      const idx_t p = {p};\n")
     };
     if vectorised {
         return format!(
             "  const float2 red = NO_ROW;
-  for (idx_t q = blockIdx.x * (idx_t)blockDim.x + threadIdx.x; q < (idx_t)(n / {UNROLL}); q += (idx_t)gridDim.x * blockDim.x) {{
+  for (idx_t q = blockIdx.x * (idx_t)blockDim.x + threadIdx.x; q < (idx_t)(n / {width}); q += (idx_t)gridDim.x * blockDim.x) {{
 {declare}{}{values}    }}
 {stores}  }}
 ",
-            each("a.first + k")
+            each("a.first + k", width)
         );
     }
-    let each = each("tile + k * (idx_t)blockDim.x");
+    let each = each("tile + k * (idx_t)blockDim.x", UNROLL);
     format!(
         "  const float2 red = NO_ROW;
   for (idx_t tile = blockIdx.x * (idx_t)blockDim.x * {UNROLL} + threadIdx.x; tile < (idx_t)n; tile += (idx_t)gridDim.x * blockDim.x * {UNROLL}) {{

@@ -639,10 +639,10 @@ impl Generator {
         // is (its coordinates are then dead code, which the compiler drops).
         writeln!(body, "  const idx_t p = row * {width} + col;").unwrap();
         writeln!(body, "  idx_t c[{}];", input.shape.len()).unwrap();
-        writeln!(body, "  idx_t r = row;").unwrap();
+        writeln!(body, "  uidx_t r = row;").unwrap();
         for d in (0..input.shape.len() - 1).rev() {
             let size = input.shape[d];
-            writeln!(body, "  c[{d}] = r % {size}; r /= {size};").unwrap();
+            writeln!(body, "  c[{d}] = (idx_t)(r % {size}); r /= {size};").unwrap();
         }
         writeln!(body, "  c[{}] = col;", input.shape.len() - 1).unwrap();
         self.row_input(op, "in_red", 0, body)?;
@@ -813,10 +813,15 @@ impl Generator {
                 .is_none_or(|g| g.shape.hxw % UNROLL == 0)
             && stored.iter().all(|r| r.per_row || r.ty != "bool");
         let groups = self.vector_groups(space, vectorised);
+        let width = self.vector_width(space, vectorised, &groups, &stored);
         let cache = (self.reduction.as_ref()).and_then(|r| RowCache::of(r, vectorised));
         let (numel, unroll, body) = match &self.reduction {
             Some(r) => (r.rows, 1, row_loop(r, &stored, vectorised, &groups, cache)),
-            None => (space, UNROLL, pointwise_loop(&stored, vectorised, &groups)),
+            None => (
+                space,
+                width,
+                pointwise_loop(&stored, vectorised, &groups, width),
+            ),
         };
         // A row held in registers hands each element's value to the functions that read it
         // (`OWN`): the value of a group norm's input, or of its backward's gradient.
@@ -828,15 +833,20 @@ impl Generator {
         };
         let alignment: Vec<usize> = (0..self.args.len())
             .map(|i| match &self.args[i] {
-                KernelArg::Input(t) if vectorised && groups.contains(&i) => vector_bytes(t),
-                KernelArg::Output(t) if vectorised => vector_bytes(t),
+                KernelArg::Input(t) if vectorised && groups.contains(&i) => vector_bytes(t, width),
+                KernelArg::Output(t) if vectorised => vector_bytes(t, width),
                 _ => 0,
             })
             .collect();
         // A vectorised kernel's thread holds the group of four of each such input from `a.first`
         // (its elements' own, which the compiler sees); other indices (a view of an intermediate)
         // read memory.
-        let load = "((unsigned)((p) - a.first) < 4u ? group_element(ptr, a.g##i, (p) - a.first) : to_float_any((ptr)[p]))";
+        let element = if width == WIDE {
+            "group_element8"
+        } else {
+            "group_element"
+        };
+        let load = format!("((unsigned)((p) - a.first) < {width}u ? {element}(ptr, a.g##i, (p) - a.first) : to_float_any((ptr)[p]))");
         let mut fields = String::new();
         let (mut params, mut names) = (Vec::new(), Vec::new());
         for (i, arg) in self.args.iter().enumerate() {
@@ -897,9 +907,10 @@ impl Generator {
             ))
         );
         let mut source = format!(
-            "{PRELUDE}\ntypedef {index} idx_t;\n#define LOAD(i, ptr, p) {load}\n#define OWN(i, e) {own}\nstruct Args {{\n{fields}}};\n\n{functions}extern \"C\" __global__ __launch_bounds__({block}) void {name}{entry}",
+            "{PRELUDE}\ntypedef {index} idx_t;\ntypedef {unsigned} uidx_t;\n#define LOAD(i, ptr, p) {load}\n#define OWN(i, e) {own}\nstruct Args {{\n{fields}}};\n\n{functions}extern \"C\" __global__ __launch_bounds__({block}) void {name}{entry}",
             functions = self.functions,
             index = index_type(self.extent),
+            unsigned = unsigned_index_type(self.extent),
             block = block,
         );
         // Sums over columns end in a second entry point, launched after the first.
@@ -933,6 +944,32 @@ impl Generator {
     /// The inputs a vectorised kernel of `numel` elements a result loads four at a time: those
     /// `LOAD` reads that hold at least as many elements, so that a thread's group of four (from its
     /// first element) lies inside them. Every other `LOAD` becomes a plain read.
+    /// Elements a thread of a vectorised kernel takes at a time: [`WIDE`] in a pointwise kernel
+    /// of `space` elements whose loaded `groups` and `stored` results are all 16-bit (16 bytes
+    /// each), else [`UNROLL`].
+    fn vector_width(
+        &self,
+        space: u64,
+        vectorised: bool,
+        groups: &[usize],
+        stored: &[StoredResult],
+    ) -> u64 {
+        let wide = vectorised
+            && self.reduction.is_none()
+            && space % WIDE == 0
+            && groups
+                .iter()
+                .all(|&i| takes_wide_groups(self.args[i].tensor()))
+            && stored
+                .iter()
+                .all(|r| takes_wide_groups(self.args[r.arg].tensor()));
+        if wide {
+            WIDE
+        } else {
+            UNROLL
+        }
+    }
+
     fn vector_groups(&mut self, numel: u64, vectorised: bool) -> Vec<usize> {
         let (groups, plain): (Vec<usize>, Vec<usize>) = self
             .vector_reads
@@ -1050,9 +1087,19 @@ struct StoredResult {
 /// this many in flight.
 const UNROLL: u64 = 4;
 
-/// The bytes of four of `t`'s elements.
-fn vector_bytes(t: &TracedTensor) -> usize {
-    kind_of(&t.dtype).unwrap_or(Kind::Float).elt_size_in_bytes() * UNROLL as usize
+/// Elements a thread of a vectorised pointwise kernel takes where every argument it loads or
+/// stores a group of is 16-bit: 16 bytes each, as [`UNROLL`] fp32 elements are.
+const WIDE: u64 = 8;
+
+/// The bytes of `width` of `t`'s elements.
+fn vector_bytes(t: &TracedTensor, width: u64) -> usize {
+    kind_of(&t.dtype).unwrap_or(Kind::Float).elt_size_in_bytes() * width as usize
+}
+
+/// Whether `t` is a 16-bit tensor whose groups of [`WIDE`] elements from its start are 16 bytes
+/// apart: one vectorised load or store each.
+fn takes_wide_groups(t: &TracedTensor) -> bool {
+    kind_of(&t.dtype).is_some_and(|k| k.elt_size_in_bytes() == 2) && t.offset % WIDE == 0
 }
 
 /// The declaration of `c`, the coordinates of the element at storage index `p` of `out` (dense,
@@ -1063,7 +1110,12 @@ fn coordinates_of(out: &TracedTensor) -> String {
         if size == 1 {
             body.push_str(&format!("  c[{d}] = 0;\n"));
         } else {
-            body.push_str(&format!("  c[{d}] = (p / {stride}) % {size};\n"));
+            // Unsigned: a division by a power of two is then one shift and a remainder one mask
+            // (signed, each takes several instructions, and layout-heavy kernels such as rotary
+            // embeddings were bound by them, not by memory).
+            body.push_str(&format!(
+                "  c[{d}] = (idx_t)((uidx_t)p / {stride} % {size});\n"
+            ));
         }
     }
     body
@@ -1078,6 +1130,15 @@ fn index_type(extent: u64) -> &'static str {
         "int"
     } else {
         "long long"
+    }
+}
+
+/// The unsigned type of [`index_type`]'s: what coordinates are divided out of an index in.
+fn unsigned_index_type(extent: u64) -> &'static str {
+    if extent < 1 << 30 {
+        "unsigned"
+    } else {
+        "unsigned long long"
     }
 }
 
