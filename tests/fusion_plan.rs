@@ -311,6 +311,40 @@ fn compiles_the_group_holding(op: &str, chain: impl FnOnce() -> Tensor) {
 }
 
 #[test]
+fn a_rotary_embeddings_backward_is_one_group_though_its_halves_meet_at_the_end() {
+    let _serial = common::serial();
+    // The halves' gradients come from two chains that each add into the other's result: joined
+    // one at a time, either would close a cycle through the other.
+    let x = Tensor::randn([2, 4, 16, 8], (Kind::Float, CPU)).set_requires_grad(true);
+    let (cos, sin) = (
+        Tensor::randn([16, 8], (Kind::Float, CPU)),
+        Tensor::randn([16, 8], (Kind::Float, CPU)),
+    );
+    let g = Tensor::randn([2, 4, 16, 8], (Kind::Float, CPU));
+    let (_, trace) = StepTrace::record(|| {
+        (rotary(&(&x * 1.0), &cos, &sin) * &g)
+            .sum(Kind::Float)
+            .backward()
+    })
+    .unwrap();
+    let plan = FusionPlan::from_trace(&trace);
+    let backward_group_of = |name: &str| {
+        plan.groups()
+            .iter()
+            .position(|g| g.calls().iter().any(|c| c.backward && c.name == name))
+            .unwrap_or_else(|| panic!("no group holds {name}:\n{plan}"))
+    };
+    let neg = backward_group_of("aten::neg");
+    let halves = plan.groups()[neg]
+        .calls()
+        .iter()
+        .filter(|c| c.name == "aten::slice_backward")
+        .count();
+    assert_eq!(halves, 2, "{plan}");
+    assert!(plan.groups()[neg].kernel().is_ok(), "{plan}");
+}
+
+#[test]
 fn cat_and_slice_backward_are_generated_as_index_arithmetic_that_nvrtc_compiles() {
     let _serial = common::serial();
     let x = Tensor::randn([5, 7, 10], (Kind::Float, CPU));

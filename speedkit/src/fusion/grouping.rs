@@ -161,14 +161,38 @@ pub(super) fn group(
         let mut candidates: Vec<usize> = node.deps.iter().filter_map(|&d| group_of[d]).collect();
         candidates.sort_unstable();
         candidates.dedup();
-        let mut home: Option<usize> = None;
-        for g in candidates {
+        let (home, joined) = join_candidates(nodes, &mut groups, &mut group_of, candidates, joined);
+        if home.is_none() {
+            group_of[n] = Some(groups.len());
+            groups.push(joined);
+        }
+    }
+    (group_of, groups)
+}
+
+/// Merges `joined` (a node's one-node group) into each of `candidates` (the groups of the node's
+/// producers) that takes it, every merge adding to the group before it. Returns the group they
+/// all became, if any, and what `joined` grew to.
+fn join_candidates(
+    nodes: &[Node],
+    groups: &mut [Group],
+    group_of: &mut [Option<usize>],
+    mut candidates: Vec<usize>,
+    mut joined: Group,
+) -> (Option<usize>, Group) {
+    let mut home: Option<usize> = None;
+    // A candidate refused may fit once others have joined: two groups that each read the other's
+    // results through the node (rotary embeddings' backward: each half's gradient added into the
+    // other's) are a cycle apart, and one kernel together.
+    loop {
+        let before = candidates.len();
+        candidates.retain(|&g| {
             let mut merged = groups[g].clone();
             if merged.backward != joined.backward
                 || !merge(&mut merged, &joined)
                 || closes_a_cycle(nodes, &merged.members)
             {
-                continue;
+                return true;
             }
             for &m in &merged.members {
                 group_of[m] = Some(g);
@@ -180,13 +204,12 @@ pub(super) fn group(
             groups[g] = merged;
             joined = groups[g].clone();
             home = Some(g);
-        }
-        if home.is_none() {
-            group_of[n] = Some(groups.len());
-            groups.push(joined);
+            false
+        });
+        if candidates.is_empty() || candidates.len() == before {
+            return (home, joined);
         }
     }
-    (group_of, groups)
 }
 
 /// Sets up a one-node group for `node`; false when its sizes cannot be known.
