@@ -358,6 +358,25 @@ fn cat_and_slice_backward_are_generated_as_index_arithmetic_that_nvrtc_compiles(
 }
 
 #[test]
+fn views_of_a_result_inside_the_group_are_read_at_coordinates_handed_over() {
+    let _serial = common::serial();
+    // The rotary embedding's halves: a `narrow` at an offset and a transposed view of `y`, a
+    // result of the group, each read as `y`'s coordinates (one addition for the half's offset),
+    // not as an index its function would divide into coordinates again.
+    let x = Tensor::randn([2, 16, 4, 64], (Kind::BFloat16, CPU));
+    let (cos, sin) = (
+        Tensor::randn([16, 64], (Kind::BFloat16, CPU)),
+        Tensor::randn([16, 64], (Kind::BFloat16, CPU)),
+    );
+    let kernel = kernel_of_chain(|| rotary(&(&x * 1.0).transpose(1, 2), &cos, &sin));
+    let at_its_half = "Coords{{c[0], c[2], c[1], c[3] + 32}}";
+    assert!(kernel.source.contains(at_its_half), "{}", kernel.source);
+    let bytes = speedkit::kernels::compile(module_of(&kernel).name(), HOPPER)
+        .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
+    assert!(bytes > 0);
+}
+
+#[test]
 fn a_mean_squared_errors_gradient_is_generated_with_its_neighbours() {
     let _serial = common::serial();
     let x = Tensor::randn([5, 7, 10], (Kind::Float, CPU));

@@ -346,6 +346,13 @@ struct Generator {
     /// Device functions, one per operator, in step order, and how many.
     functions: String,
     function_count: usize,
+    /// The functions with a form taking their result's coordinates (`v{i}_at`), by index, and
+    /// the result each computes: a reader at coordinates it can hand over calls that form instead
+    /// of dividing them out of an index again.
+    at_coordinates: HashMap<usize, TracedTensor>,
+    /// Whether the function being generated reads at its coordinates `c` (a pointwise or layout
+    /// operator's), so that it hands them over even at its own element.
+    reading_at_coordinates: bool,
     /// Storage id → the function computing that storage's elements, as of the operator being
     /// generated (storage ids are reused with addresses, so a later result may take an id over).
     producers: HashMap<u64, (usize, TracedTensor)>,
@@ -425,8 +432,9 @@ impl Generator {
                 _ => return Err("an in-place operator on a view of a result of the group".into()),
             }
         }
-        let mut body = coordinates_of(&out);
+        let mut body = String::new();
         let mut operands = Vec::new();
+        self.reading_at_coordinates = true;
         for (position, value) in op.inputs.iter().enumerate() {
             self.position = position;
             operands.push(match value {
@@ -437,6 +445,7 @@ impl Generator {
                 TracedValue::Other { value, .. } => Operand::Literal(value.clone()),
             });
         }
+        self.reading_at_coordinates = false;
         let expression = expression(op, &operands)
             .ok_or_else(|| format!("{} is not generated yet", op.schema))?;
         writeln!(
@@ -445,7 +454,7 @@ impl Generator {
             c_type(out_kind)
         )
         .unwrap();
-        self.define(op, &out, &body);
+        self.define_at_coordinates(op, &out, &body);
         Ok(())
     }
 
@@ -453,12 +462,14 @@ impl Generator {
     /// copies, through coordinates of its own.
     fn layout(&mut self, op: &TracedOp) -> Result<(), String> {
         let (out, out_kind) = dense_result(op)?;
-        let mut body = coordinates_of(&out);
+        let mut body = String::new();
+        self.reading_at_coordinates = true;
         let expression = if op.name == "aten::cat" {
             self.cat(op, &out, &mut body)
         } else {
             self.slice_backward(op, &out, &mut body)
         };
+        self.reading_at_coordinates = false;
         self.coords = "c".into();
         self.element = None;
         writeln!(
@@ -468,7 +479,7 @@ impl Generator {
             expression?
         )
         .unwrap();
-        self.define(op, &out, &body);
+        self.define_at_coordinates(op, &out, &body);
         Ok(())
     }
 
@@ -556,6 +567,37 @@ impl Generator {
 
     /// Adds `op`'s device function (of `body`) computing `out`.
     fn define(&mut self, op: &TracedOp, out: &TracedTensor, body: &str) {
+        self.add_function(op, out, |index| {
+            format!(
+                "// {}\n__device__ __forceinline__ float v{index}(const Args& a, idx_t p, float2 red) {{\n{body}}}\n",
+                op.schema
+            )
+        });
+    }
+
+    /// Adds `op`'s device functions computing `out` from its coordinates `c` (`body`, which reads
+    /// them): `v{i}_at` takes them, `v{i}` divides them out of `p` first.
+    fn define_at_coordinates(&mut self, op: &TracedOp, out: &TracedTensor, body: &str) {
+        if out.shape.len() > MAX_RANK || out.offset != 0 {
+            return self.define(op, out, &format!("{}{body}", coordinates_of(out)));
+        }
+        self.at_coordinates.insert(self.function_count, out.clone());
+        let divided = coordinate_lines(out);
+        self.add_function(op, out, |index| {
+            format!(
+                "// {}\n__device__ __forceinline__ float v{index}_at(const Args& a, idx_t p, Coords at, float2 red) {{\n  const idx_t* c = at.v;\n{body}}}\n\n__device__ __forceinline__ float v{index}(const Args& a, idx_t p, float2 red) {{\n  Coords at{{}};\n  idx_t* c = at.v;\n{divided}  return v{index}_at(a, p, at, red);\n}}\n",
+                op.schema
+            )
+        });
+    }
+
+    /// Adds the device function(s) `text` gives for index `v{i}`, computing `out`.
+    fn add_function(
+        &mut self,
+        op: &TracedOp,
+        out: &TracedTensor,
+        text: impl FnOnce(usize) -> String,
+    ) {
         let index = self.function_count;
         self.function_count += 1;
         if std::mem::take(&mut self.read_written) {
@@ -564,12 +606,7 @@ impl Generator {
         if std::mem::take(&mut self.read_row_element) {
             self.row_elements.insert(index);
         }
-        writeln!(
-            self.functions,
-            "// {}\n__device__ __forceinline__ float v{index}(const Args& a, idx_t p, float2 red) {{\n{body}}}\n",
-            op.schema
-        )
-        .unwrap();
+        writeln!(self.functions, "{}", text(index)).unwrap();
         self.note_extent(out);
         let position = (op.outputs.iter())
             .position(|v| matches!(v, TracedValue::Tensor(t) if t.key() == out.key()))
@@ -734,6 +771,16 @@ impl Generator {
                     return Err(ROW_ELEMENT_ELSEWHERE.into());
                 }
                 self.read_row_element = true;
+            }
+            // A row reduction's reads at their own element stay plain (`read_at_own_element`).
+            let hands_over = !own_element || self.reading_at_coordinates;
+            if let Some(at) = self.at_coordinates.get(&index).filter(|_| hands_over) {
+                if let Some(coordinates) = handed_coordinates(t, at, &self.coords, rank) {
+                    return Ok(format!(
+                        "v{index}_at(a, {} + {offset}, Coords{{{{{coordinates}}}}}, red)",
+                        t.offset
+                    ));
+                }
             }
             return Ok(format!("v{index}(a, {} + {offset}, red)", t.offset));
         }
@@ -907,7 +954,7 @@ impl Generator {
             ))
         );
         let mut source = format!(
-            "{PRELUDE}\ntypedef {index} idx_t;\ntypedef {unsigned} uidx_t;\n#define LOAD(i, ptr, p) {load}\n#define OWN(i, e) {own}\nstruct Args {{\n{fields}}};\n\n{functions}extern \"C\" __global__ __launch_bounds__({block}) void {name}{entry}",
+            "{PRELUDE}\ntypedef {index} idx_t;\ntypedef {unsigned} uidx_t;\nstruct Coords {{ idx_t v[{MAX_RANK}]; }};\n#define LOAD(i, ptr, p) {load}\n#define OWN(i, e) {own}\nstruct Args {{\n{fields}}};\n\n{functions}extern \"C\" __global__ __launch_bounds__({block}) void {name}{entry}",
             functions = self.functions,
             index = index_type(self.extent),
             unsigned = unsigned_index_type(self.extent),
@@ -1102,10 +1149,72 @@ fn takes_wide_groups(t: &TracedTensor) -> bool {
     kind_of(&t.dtype).is_some_and(|k| k.elt_size_in_bytes() == 2) && t.offset % WIDE == 0
 }
 
+/// The most dimensions a result computed from its coordinates has (`Coords`' size).
+const MAX_RANK: usize = 8;
+
 /// The declaration of `c`, the coordinates of the element at storage index `p` of `out` (dense,
 /// in any order of dimensions).
 fn coordinates_of(out: &TracedTensor) -> String {
-    let mut body = format!("  idx_t c[{}];\n", out.shape.len().max(1));
+    format!(
+        "  idx_t c[{}];\n{}",
+        out.shape.len().max(1),
+        coordinate_lines(out)
+    )
+}
+
+/// The coordinates of `at`'s element that `t`'s element at coordinates `coords` is (their last
+/// `t`'s rank of the `rank` read), as C expressions joined by commas, where `t` is a box of
+/// `at`'s elements with `at`'s strides (`at` itself, a `narrow` of it, a `select`, a transposed
+/// view): an offset into `at` per dimension, each of `t`'s dimensions one of `at`'s. `None` where
+/// `t` reads `at` otherwise (a view of other sizes), whose index must be divided out again.
+fn handed_coordinates(
+    t: &TracedTensor,
+    at: &TracedTensor,
+    coords: &str,
+    rank: usize,
+) -> Option<String> {
+    // The offset into `at`, split over its dimensions from the widest stride down.
+    let mut order: Vec<usize> = (0..at.shape.len()).filter(|&e| at.shape[e] > 1).collect();
+    order.sort_by_key(|&e| std::cmp::Reverse(at.strides[e]));
+    let mut start = vec![0i64; at.shape.len()];
+    let mut rest = t.offset.checked_sub(at.offset)? as i64;
+    for &e in &order {
+        start[e] = rest / at.strides[e].max(1);
+        rest -= start[e] * at.strides[e];
+    }
+    if rest != 0 {
+        return None;
+    }
+    let lead = rank.checked_sub(t.shape.len())?;
+    let mut of_at: Vec<Option<usize>> = vec![None; at.shape.len()];
+    for (d, (&size, &stride)) in t.shape.iter().zip(&t.strides).enumerate() {
+        if size == 1 {
+            continue;
+        }
+        let e = (0..at.shape.len())
+            .find(|&e| at.strides[e] == stride && at.shape[e] > 1 && of_at[e].is_none())?;
+        if start[e] + size > at.shape[e] {
+            return None;
+        }
+        of_at[e] = Some(d + lead);
+    }
+    let coordinates: Vec<String> = (0..at.shape.len())
+        .map(|e| match (of_at[e], start[e]) {
+            (Some(d), 0) => format!("{coords}[{d}]"),
+            (Some(d), s) => format!("{coords}[{d}] + {s}"),
+            (None, s) => s.to_string(),
+        })
+        .collect();
+    (start
+        .iter()
+        .zip(&at.shape)
+        .all(|(&s, &size)| s < size.max(1)))
+    .then(|| coordinates.join(", "))
+}
+
+/// The statements setting `c`, the coordinates of the element at storage index `p` of `out`.
+fn coordinate_lines(out: &TracedTensor) -> String {
+    let mut body = String::new();
     for (d, (&size, &stride)) in out.shape.iter().zip(&out.strides).enumerate() {
         if size == 1 {
             body.push_str(&format!("  c[{d}] = 0;\n"));
