@@ -844,9 +844,9 @@ impl Generator {
 
     fn kernel(mut self, results: &[(u64, u64)]) -> Result<GeneratedKernel, String> {
         let stored = self.stored_results(results)?;
-        // Four neighbouring elements a thread, loaded and stored four at once, where the space
-        // the kernel runs over (each result's, or the rows') comes in whole groups of four and no
-        // result of it is bool.
+        // Four neighbouring elements a thread (eight of 16-bit types, `vector_width`), loaded and
+        // stored at once, where the space the kernel runs over (each result's, or the rows') comes
+        // in whole groups of four and no result of it is bool.
         let space = match &self.reduction {
             Some(r) => r.rows * r.width,
             None => self.results[&results[0]].1.numel,
@@ -988,9 +988,6 @@ impl Generator {
         })
     }
 
-    /// The inputs a vectorised kernel of `numel` elements a result loads four at a time: those
-    /// `LOAD` reads that hold at least as many elements, so that a thread's group of four (from its
-    /// first element) lies inside them. Every other `LOAD` becomes a plain read.
     /// Elements a thread of a vectorised kernel takes at a time: [`WIDE`] in a pointwise kernel
     /// of `space` elements whose loaded `groups` and `stored` results are all 16-bit (16 bytes
     /// each), else [`UNROLL`].
@@ -1017,6 +1014,9 @@ impl Generator {
         }
     }
 
+    /// The inputs a vectorised kernel of `numel` elements a result loads a thread's elements of at
+    /// a time: those `LOAD` reads that hold at least as many elements, so that a thread's group
+    /// (from its first element) lies inside them. Every other `LOAD` becomes a plain read.
     fn vector_groups(&mut self, numel: u64, vectorised: bool) -> Vec<usize> {
         let (groups, plain): (Vec<usize>, Vec<usize>) = self
             .vector_reads
