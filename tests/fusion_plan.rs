@@ -253,6 +253,14 @@ fn a_bencher_asked_for_a_fusion_plan_traces_the_second_eager_step_before_timing(
 
 const HOPPER: speedkit::kernels::Arch = speedkit::kernels::Arch { major: 9, minor: 0 };
 
+/// Asserts that `kernel`'s source compiles with NVRTC for Hopper, its source in the message
+/// where it does not.
+fn assert_compiles(kernel: &GeneratedKernel) {
+    let bytes = speedkit::kernels::compile(module_of(kernel).name(), HOPPER)
+        .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
+    assert!(bytes > 0);
+}
+
 /// Registers `kernel`'s source under its own name (the name every launch finds it by).
 fn module_of(kernel: &GeneratedKernel) -> speedkit::cuda::CudaModule {
     speedkit::cuda::CudaModule::new(&format!("{}.cu", kernel.name), &kernel.source).unwrap()
@@ -271,10 +279,7 @@ fn every_generated_kernel_of_a_small_model_compiles_with_nvrtc() {
                 continue;
             }
         };
-        let module = module_of(&kernel);
-        let bytes = speedkit::kernels::compile(module.name(), HOPPER)
-            .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
-        assert!(bytes > 0);
+        assert_compiles(&kernel);
         generated += 1;
     }
     // The decoder's RMSNorm, SwiGLU, rotary and backward chains; the groups with a column
@@ -305,9 +310,7 @@ fn compiles_the_group_holding(op: &str, chain: impl FnOnce() -> Tensor) {
         .find(|g| g.calls().iter().any(|c| c.name == format!("aten::{op}")))
         .unwrap_or_else(|| panic!("no group holds {op}:\n{plan}"));
     let kernel = group.kernel().unwrap_or_else(|e| panic!("{op}: {e}"));
-    let bytes = speedkit::kernels::compile(module_of(&kernel).name(), HOPPER)
-        .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
-    assert!(bytes > 0);
+    assert_compiles(&kernel);
 }
 
 #[test]
@@ -371,9 +374,7 @@ fn views_of_a_result_inside_the_group_are_read_at_coordinates_handed_over() {
     let kernel = kernel_of_chain(|| rotary(&(&x * 1.0).transpose(1, 2), &cos, &sin));
     let at_its_half = "Coords{{c[0], c[2], c[1], c[3] + 32}}";
     assert!(kernel.source.contains(at_its_half), "{}", kernel.source);
-    let bytes = speedkit::kernels::compile(module_of(&kernel).name(), HOPPER)
-        .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
-    assert!(bytes > 0);
+    assert_compiles(&kernel);
 }
 
 #[test]
@@ -416,9 +417,7 @@ fn rms_norm_forward_generates_one_kernel_that_nvrtc_compiles() {
     // One block per row, the 16 rows of the input.
     assert_eq!(kernel.numel, 16);
     assert!(kernel.source.contains("in_red("), "{}", kernel.source);
-    let bytes = speedkit::kernels::compile(module_of(&kernel).name(), HOPPER)
-        .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
-    assert!(bytes > 0);
+    assert_compiles(&kernel);
 }
 
 #[test]
@@ -481,9 +480,7 @@ fn a_group_norm_joins_its_cast_and_silu_in_one_kernel_that_nvrtc_compiles() {
         // A block per row: 3 samples × 4 groups.
         assert_eq!(kernel.numel, 12);
         assert!(kernel.source.contains("block_sum("), "{}", kernel.source);
-        let bytes = speedkit::kernels::compile(module_of(&kernel).name(), HOPPER)
-            .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
-        assert!(bytes > 0);
+        assert_compiles(&kernel);
     }
 }
 
@@ -573,9 +570,7 @@ fn a_group_norms_backward_joins_silus_backward_in_one_kernel_that_nvrtc_compiles
             ],
             "{plan}"
         );
-        let bytes = speedkit::kernels::compile(module_of(&kernel).name(), HOPPER)
-            .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
-        assert!(bytes > 0);
+        assert_compiles(&kernel);
     }
 }
 
@@ -646,9 +641,7 @@ fn an_in_place_accumulation_joins_its_chain_and_writes_the_memory_it_rewrites() 
         .collect();
     assert_eq!(written.len(), 2, "the rewritten memory and exp's result");
     assert!(written.iter().any(|t| t.storage == target), "{written:?}");
-    let bytes = speedkit::kernels::compile(module_of(&kernel).name(), HOPPER)
-        .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
-    assert!(bytes > 0);
+    assert_compiles(&kernel);
 }
 
 #[test]
@@ -833,11 +826,8 @@ fn a_pointwise_kernel_of_16_bit_tensors_takes_eight_elements_a_thread() {
     // fp32's four elements are 16 bytes already.
     let fp32 = kernel_of_chain(chain(Kind::Float));
     assert!(fp32.source.contains("store4(") && !fp32.source.contains("store8("));
-    for kernel in [bf16, fp32] {
-        let bytes = speedkit::kernels::compile(module_of(&kernel).name(), HOPPER)
-            .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
-        assert!(bytes > 0);
-    }
+    assert_compiles(&bf16);
+    assert_compiles(&fp32);
 }
 
 #[test]
@@ -991,7 +981,5 @@ fn a_weights_sum_over_rows_joins_its_norms_backward_in_one_kernel_that_nvrtc_com
         "{}",
         kernel.source
     );
-    let bytes = speedkit::kernels::compile(module_of(&kernel).name(), HOPPER)
-        .unwrap_or_else(|e| panic!("{e}\n{}", kernel.source));
-    assert!(bytes > 0);
+    assert_compiles(&kernel);
 }
