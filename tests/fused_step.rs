@@ -673,13 +673,19 @@ fn fused_group_norms_give_atens_values_and_gradients_in_fp32_bf16_and_fp16() {
     for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
         // Rows of three channels of 5 × 7 (a kernel reading one element at a time), of two of
         // 6 × 6 (one reading four), of four of 32 × 48 and of 64 × 96 (rows held in registers,
-        // two slots of 256 and 1024 threads); the last large enough that the backward recomputes
-        // results (the normalised elements, or SiLU's) instead of the forward saving them.
+        // whole in the backward, 256 and 1024 threads), of eight of 16 × 16 and of 8 × 8 (whole,
+        // summed in chunks of a warp and of 16 lanes), of three of 16 × 16 (whole, in fewer
+        // elements than the block's threads take); the last large enough that the backward
+        // recomputes results (the normalised elements, or SiLU's) instead of the forward saving
+        // them.
         for (shape, groups) in [
             ([3, 12, 5, 7], 4),
             ([2, 8, 6, 6], 4),
             ([2, 16, 32, 48], 4),
             ([2, 8, 64, 96], 2),
+            ([2, 32, 16, 16], 4),
+            ([3, 32, 8, 8], 4),
+            ([2, 12, 16, 16], 4),
             ([3, 24, 61, 67], 8),
         ] {
             let norm = GroupNormStep::new(device, kind, shape, groups);

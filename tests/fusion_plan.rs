@@ -485,6 +485,34 @@ fn a_group_norm_joins_its_cast_and_silu_in_one_kernel_that_nvrtc_compiles() {
 }
 
 #[test]
+fn a_group_norms_16_bit_input_that_the_group_also_stores_is_stored_from_the_row_it_holds() {
+    let _serial = common::serial();
+    let x = Tensor::randn([3, 8, 6, 6], (Kind::BFloat16, CPU));
+    let (w, b) = (
+        Tensor::randn([8], (Kind::Float, CPU)),
+        Tensor::randn([8], (Kind::Float, CPU)),
+    );
+    let m = Tensor::randn([6, 6], (Kind::BFloat16, CPU));
+    // The sum, which a product outside reads, is a result of the group; its fp32 cast is the
+    // norm's row, held.
+    let (_, trace) = StepTrace::record(|| {
+        let sum = &x + 1.0;
+        let y = group_norm_silu(&sum, &w, &b);
+        (sum.matmul(&m), y)
+    })
+    .unwrap();
+    let plan = FusionPlan::from_trace(&trace);
+    assert_eq!(plan.groups().len(), 1, "{plan}");
+    let kernel = plan.groups()[0].kernel().unwrap();
+    assert!(
+        kernel.source.contains("[k] = a.own0;"),
+        "the sum computed again\n{}",
+        kernel.source
+    );
+    assert_compiles(&kernel);
+}
+
+#[test]
 fn a_group_norm_read_at_another_rows_element_is_not_generated() {
     let _serial = common::serial();
     let x = Tensor::randn([2, 8, 6, 6], (Kind::Float, CPU));
@@ -570,6 +598,41 @@ fn a_group_norms_backward_joins_silus_backward_in_one_kernel_that_nvrtc_compiles
             ],
             "{plan}"
         );
+        assert_compiles(&kernel);
+    }
+}
+
+#[test]
+fn a_group_norms_backward_on_small_maps_takes_its_row_whole() {
+    let _serial = common::serial();
+    // Channels of 16 × 16 (a warp's 128 elements divide them) and of 4 × 4 (a channel is four
+    // lanes): channel by channel, most of a block's threads would wait.
+    for shape in [[2, 32, 16, 16], [2, 32, 4, 4]] {
+        let x = Tensor::randn(shape, (Kind::BFloat16, CPU)).set_requires_grad(true);
+        let [w, b, bias] = [0, 1, 2]
+            .map(|_| Tensor::randn([shape[1]], (Kind::Float, CPU)).set_requires_grad(true));
+        let (_, trace) = StepTrace::record(|| {
+            // A convolution's bias before the norm: its gradient sums each channel.
+            let biased = &x * 2.0 + bias.to_kind(Kind::BFloat16).view([shape[1], 1, 1]);
+            let y = (biased.to_kind(Kind::Float))
+                .group_norm(4, Some(&w), Some(&b), 1e-5, false)
+                .silu();
+            (&y * &y).mean(Kind::Float).backward();
+        })
+        .unwrap();
+        let plan = FusionPlan::generatable(&trace);
+        let group = (plan.groups().iter())
+            .find(|g| (g.calls().iter()).any(|c| c.name == "aten::native_group_norm_backward"))
+            .unwrap_or_else(|| panic!("{plan}"));
+        let kernel = group.kernel().unwrap();
+        let lanes = (shape[2] * shape[3] / 4).min(32);
+        assert!(
+            kernel.source.contains(&format!("lane_sum<{lanes}>")),
+            "{shape:?}: the row's slots not summed in chunks of {lanes} lanes\n{}",
+            kernel.source
+        );
+        let sums = names(&group.operators).contains(&"sum");
+        assert!(sums, "the bias's gradient: {plan}");
         assert_compiles(&kernel);
     }
 }

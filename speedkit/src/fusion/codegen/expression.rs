@@ -14,7 +14,10 @@ pub(super) enum Operand {
 pub(super) const PRELUDE: &str = r#"#include "common.cuh"
 using namespace sk;
 __device__ __forceinline__ float to_float_any(float v) { return v; }
-__device__ __forceinline__ float to_float_any(bf16 v) { return __bfloat162float(v); }
+// A bf16's float is its bits shifted up (exact). Written so, not as cuda_bf16.h's inline assembly,
+// which the compiler cannot see through: a value read three times (SiLU's backward reads its
+// input thrice) was then converted, and all that follows it computed, three times over.
+__device__ __forceinline__ float to_float_any(bf16 v) { return __uint_as_float((unsigned)__bfloat16_as_ushort(v) << 16); }
 __device__ __forceinline__ float to_float_any(f16 v) { return __half2float(v); }
 __device__ __forceinline__ float to_float_any(bool v) { return v ? 1.f : 0.f; }
 template <typename T> __device__ __forceinline__ T store_as(float v) { return from_float<T>(v); }
@@ -55,7 +58,14 @@ __device__ __forceinline__ float block_sum(float v, float* partial) {
   v = (threadIdx.x & 31) < (blockDim.x + 31) / 32 ? partial[threadIdx.x & 31] : 0.f;
   return warp_sum(v);
 }
+// The sum of `v` over each run of `L` lanes of a warp (a power of two up to 32), handed to each.
+template <int L> __device__ __forceinline__ float lane_sum(float v) {
+#pragma unroll
+  for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
 template <typename T> __device__ __forceinline__ float round_to(float v) { return to_float(store_as<T>(v)); }
+template <> __device__ __forceinline__ float round_to<bf16>(float v) { return to_float_any(store_as<bf16>(v)); }
 template <> __device__ __forceinline__ float round_to<bool>(float v) { return v != 0.f ? 1.f : 0.f; }
 __device__ __forceinline__ float sigmoid_of(float x) { return 1.f / (1.f + expf(-x)); }
 __device__ __forceinline__ float gelu_erf(float x) { return 0.5f * x * (1.f + erff(x * 0.70710678118654752f)); }

@@ -90,8 +90,13 @@ pub(super) fn row_loop(
     };
     let columns = column_loop(r.width, vectorised, groups);
     let mut accumulate = String::new();
+    // A row taken whole keeps each slot's sums apart: a slot's channel is its own.
+    let slot = match cache.is_some_and(|c| c.chunks.is_some()) {
+        true => "[j]",
+        false => "",
+    };
     for (t, value) in (r.gradients.iter()).flat_map(|g| g.channel_sums.iter().enumerate()) {
-        writeln!(accumulate, "        t{t} += {value};").unwrap();
+        writeln!(accumulate, "        t{t}{slot} += {value};").unwrap();
     }
     for (t, value) in r.column_sums.iter().enumerate() {
         writeln!(
@@ -104,11 +109,22 @@ pub(super) fn row_loop(
     let own = cache.map(|c| c.own());
     let (whole, per_row) = row_stores(stored, r.width, vectorised, own, &accumulate);
     if let Some(gradients) = &r.gradients {
-        let loops = match cache {
-            Some(cache) => cache.gradient_loops(gradients, groups, &whole),
-            None => uncached_gradient_loops(gradients, vectorised, groups, &whole),
+        let rows = match cache {
+            Some(
+                cache @ RowCache {
+                    chunks: Some(_), ..
+                },
+            ) => cache.whole_gradient_rows(gradients, groups, &whole),
+            Some(cache) => group_norm_backward_loop(
+                gradients,
+                &cache.gradient_loops(gradients, groups, &whole),
+            ),
+            None => group_norm_backward_loop(
+                gradients,
+                &uncached_gradient_loops(gradients, vectorised, groups, &whole),
+            ),
         };
-        return group_norm_backward_loop(gradients, stored, &loops);
+        return rows + &channel_totals(gradients, stored);
     }
     if r.op == "moments" {
         return match cache {
@@ -313,17 +329,13 @@ fn uncached_gradient_loops(
     }
 }
 
-/// The body of a group norm's backward's kernel ([`Generator::group_norm_backward`]). A block per
-/// row sums `dy * x` and `dy` over each of the row's channels, one channel after the other, and
-/// keeps each sample's channel terms of the weight and bias gradients in the workspace `ws`
-/// (after its first float, a counter of finished blocks); then writes the row's input gradient,
-/// channel after channel, keeping each channel's sums ([`Generator::channel_sum`]) there too.
-/// The last block to finish sums the workspace over samples, in order (the same sums every run).
-fn group_norm_backward_loop(
-    gradients: &GradientRows,
-    stored: &[StoredResult],
-    loops: &GradientLoops,
-) -> String {
+/// The rows of a group norm's backward's kernel ([`Generator::group_norm_backward`]), channel by
+/// channel. A block per row sums `dy * x` and `dy` over each of the row's channels, one channel
+/// after the other, and keeps each sample's channel terms of the weight and bias gradients in the
+/// workspace `ws` (after its first float, a counter of finished blocks); then writes the row's
+/// input gradient, channel after channel, keeping each channel's sums
+/// ([`Generator::channel_sum`]) there too. [`channel_totals`] follows.
+fn group_norm_backward_loop(gradients: &GradientRows, loops: &GradientLoops) -> String {
     let GroupNormGradients {
         samples,
         channels,
@@ -344,32 +356,14 @@ fn group_norm_backward_loop(
         stores,
     } = loops;
     // Per channel: its sums' terms of this sample, kept in the workspace after the weight's and
-    // the bias's; and the last block's sums of each over the samples.
-    let (mut open, mut close, mut finish) = (String::new(), String::new(), String::new());
+    // the bias's.
+    let (mut open, mut close) = (String::new(), String::new());
     for t in 0..gradients.channel_sums.len() as u64 {
         writeln!(open, "      float t{t} = 0.f;").unwrap();
         writeln!(close, "      t{t} = block_sum(t{t}, partial);\n      if (threadIdx.x == 0) ws[1 + {} + sample * {channels} + channel] = t{t};", (2 + t) * bias_terms).unwrap();
-        writeln!(finish, "      float sum{} = 0.f;\n      for (idx_t sample = 0; sample < {samples}; ++sample) sum{} += __ldcg(ws + 1 + {} + sample * {channels} + channel);", 2 + t, 2 + t, (2 + t) * bias_terms).unwrap();
     }
-    for r in stored {
-        if let Some(which) = r.channel {
-            let sum = match which {
-                0 => "weight_sum".to_string(),
-                1 => "bias_sum".to_string(),
-                k => format!("sum{k}"),
-            };
-            writeln!(
-                finish,
-                "      a.out{}[channel] = store_as<{}>({sum});",
-                r.arg, r.ty
-            )
-            .unwrap();
-        }
-    }
-
     format!(
         "  __shared__ float partial[32];
-  __shared__ bool last_block;
   const float s_width = 1.f / {width}.f;
   for (idx_t row = blockIdx.x; row < (idx_t)n; row += gridDim.x) {{
     const float mean = to_float_any(a.in{mean}[row]);
@@ -398,8 +392,41 @@ fn group_norm_backward_loop(
 {open}      {stores}{close}    }}
     __syncthreads();
   }}
-  // The last block to finish: every other block's terms are written (each fenced before it
+"
+    )
+}
+
+/// The end of a group norm's backward's kernel, after its rows: the last block to finish sums
+/// the workspace's terms of each channel over the samples, in order (the same sums every run),
+/// into the weight's and bias's gradients and each sum over channels.
+fn channel_totals(gradients: &GradientRows, stored: &[StoredResult]) -> String {
+    let GroupNormGradients {
+        samples, channels, ..
+    } = gradients.shape;
+    let bias_terms = samples * channels;
+    let mut finish = String::new();
+    for t in 0..gradients.channel_sums.len() as u64 {
+        writeln!(finish, "      float sum{} = 0.f;\n      for (idx_t sample = 0; sample < {samples}; ++sample) sum{} += __ldcg(ws + 1 + {} + sample * {channels} + channel);", 2 + t, 2 + t, (2 + t) * bias_terms).unwrap();
+    }
+    for r in stored {
+        if let Some(which) = r.channel {
+            let sum = match which {
+                0 => "weight_sum".to_string(),
+                1 => "bias_sum".to_string(),
+                k => format!("sum{k}"),
+            };
+            writeln!(
+                finish,
+                "      a.out{}[channel] = store_as<{}>({sum});",
+                r.arg, r.ty
+            )
+            .unwrap();
+        }
+    }
+    format!(
+        "  // The last block to finish: every other block's terms are written (each fenced before it
   // counted itself), and are read past the L1 cache.
+  __shared__ bool last_block;
   if (threadIdx.x == 0) {{
     __threadfence();
     last_block = atomicAdd(reinterpret_cast<unsigned int*>(ws), 1u) == gridDim.x - 1;
@@ -422,34 +449,77 @@ fn group_norm_backward_loop(
 
 /// A row held in registers between its passes: each of `threads` threads a block holds `slots`
 /// groups of four of the row's elements (of a group norm's backward, `slots` per channel of its
-/// group), so that a row's input is computed once, not once per pass. A row kernel's input is
-/// often a chain (a concatenation, a cast, a bias added; SiLU's backward of the recomputed norm)
-/// whose index arithmetic and transcendental functions cost more than the memory it reads.
+/// group, or of the whole row, [`Chunks`]), so that a row's input is computed once, not once per
+/// pass. A row kernel's input is often a chain (a concatenation, a cast, a bias added; SiLU's
+/// backward of the recomputed norm) whose index arithmetic and transcendental functions cost more
+/// than the memory it reads.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(super) struct RowCache {
     pub(super) threads: u64,
     slots: u64,
+    /// Where a group norm's backward takes its row whole rather than channel by channel.
+    chunks: Option<Chunks>,
+}
+
+/// A group norm's backward's row taken whole: slot `j` of thread `t` is the row's elements from
+/// `(j * threads + t) * 4`, whatever their channel, and the row's channel sums are added up in
+/// `count` chunks of `elements` elements each, all of one channel: a warp's slot where channels
+/// are of 128 elements or more, else a channel's lanes. Channel by channel, a block of 256 threads
+/// left three in four idle on 16 × 16 maps, and summed every channel with its own two block sums.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Chunks {
+    elements: u64,
+    count: u64,
 }
 
 /// The most values a thread holds: 32 registers of the 64 a thread of a block of 1024 has.
 const CACHED_VALUES: u64 = 32;
 
+/// The most chunks a row taken whole is summed in ([`Chunks`]): their sums live in shared memory.
+const MAX_CHUNKS: u64 = 1024;
+
 impl RowCache {
     /// The cache of a vectorised group norm's kernel, or of its backward's: the fewest threads
     /// (256 to 1024) that hold the row in [`CACHED_VALUES`] a thread; `None` for a longer row.
+    /// A backward takes its row channel by channel where each channel keeps every thread busy,
+    /// else whole where its channels come in [`Chunks`].
     pub(super) fn of(r: &RowReduction, vectorised: bool) -> Option<RowCache> {
         if !vectorised {
             return None;
         }
-        let (span, channels) = match (&r.gradients, r.op) {
-            (Some(g), _) => (g.shape.hxw, g.shape.channels_per_group()),
-            (None, "moments") => (r.width, 1),
-            _ => return None,
+        let held = |span: u64, channels: u64, chunks: Option<Chunks>, threads: [u64; 3]| {
+            threads.into_iter().find_map(|threads| {
+                let slots = span.div_ceil(threads * UNROLL);
+                (channels * slots * UNROLL <= CACHED_VALUES).then_some(RowCache {
+                    threads,
+                    slots,
+                    chunks,
+                })
+            })
         };
-        [256, 512, 1024].into_iter().find_map(|threads| {
-            let slots = span.div_ceil(threads * UNROLL);
-            (channels * slots * UNROLL <= CACHED_VALUES).then_some(RowCache { threads, slots })
-        })
+        let fewest = [256, 512, 1024];
+        let Some(g) = &r.gradients else {
+            return (r.op == "moments")
+                .then(|| held(r.width, 1, None, fewest))
+                .flatten();
+        };
+        let (hxw, per_group) = (g.shape.hxw, g.shape.channels_per_group());
+        let by_channel = held(hxw, per_group, None, fewest);
+        let busy = by_channel.is_some_and(|c| hxw % (c.threads * UNROLL) == 0);
+        // A row taken whole runs the most threads that all have elements: its held values then
+        // take the fewest registers (a backward of 32 × 32 maps: 190 µs in 512 threads, 144 in
+        // 1024, on an H200).
+        let whole = Chunks::of(hxw, r.width).and_then(|chunks| {
+            let all_busy = [1024, 512, 256].map(|t| match r.width >= t * UNROLL {
+                true => t,
+                false => 256,
+            });
+            held(r.width, 1, Some(chunks), all_busy)
+        });
+        match busy {
+            true => by_channel,
+            false => whole.or(by_channel),
+        }
     }
 
     /// The value an element's functions read as their own (`OWN`): slot `j` (of channel `cl`).
@@ -509,6 +579,96 @@ impl RowCache {
         )
     }
 
+    /// A group norm's backward's rows taken whole ([`Chunks`]). A block per row computes each of
+    /// its elements' gradient once, held, summing `dy * x` and `dy` per slot; adds the slots up
+    /// per chunk, then the chunks per channel (in order, so every run gives the same sums), and
+    /// keeps each sample's channel terms in the workspace as [`group_norm_backward_loop`] does;
+    /// then writes the row's input gradient from the held values, its sums over channels too.
+    /// Two block sums a row, where channel by channel took two a channel.
+    fn whole_gradient_rows(
+        &self,
+        gradients: &GradientRows,
+        groups: &[usize],
+        whole: &str,
+    ) -> String {
+        let Some(chunks) = self.chunks else {
+            return String::new();
+        };
+        let GroupNormGradients {
+            samples,
+            channels,
+            groups: norm_groups,
+            ..
+        } = gradients.shape;
+        let (width, per_group) = (
+            gradients.shape.width(),
+            gradients.shape.channels_per_group(),
+        );
+        let (mean, rstd, slots) = (gradients.mean, gradients.rstd, self.slots);
+        let w = channel_read(gradients.weight, "channel", "1.f");
+        let (bias_terms, count) = (samples * channels, chunks.count);
+        let per_channel = gradients.shape.hxw / chunks.elements;
+        let head = self.slot_head(width, width, groups);
+        let sums =
+            chunks.keep(slots, width, "dy_x", 0) + &chunks.keep(slots, width, "dy_sum", count);
+        let (mut declare, mut keep, mut total) = (String::new(), String::new(), String::new());
+        for t in 0..gradients.channel_sums.len() as u64 {
+            writeln!(declare, "    float t{t}[{slots}] = {{}};").unwrap();
+            keep.push_str(&chunks.keep(slots, width, &format!("t{t}"), (2 + t) * count));
+            writeln!(total, "      float sum{t} = 0.f;\n      for (idx_t q = cl * {per_channel}; q < (cl + 1) * {per_channel}; ++q) sum{t} += chunk[{} + q];\n      ws[1 + {} + sample * {channels} + channel] = sum{t};", (2 + t) * count, (2 + t) * bias_terms).unwrap();
+        }
+        let totals = match total.is_empty() {
+            true => String::new(),
+            false => format!("    __syncthreads();\n    for (idx_t cl = threadIdx.x; cl < {per_group}; cl += blockDim.x) {{\n      const idx_t channel = (row % {norm_groups}) * {per_group} + cl;\n{total}    }}\n"),
+        };
+        let arrays = 2 + gradients.channel_sums.len() as u64;
+        format!(
+            "  __shared__ float partial[32];
+  __shared__ float chunk[{}];
+  const float s_width = 1.f / {width}.f;
+  for (idx_t row = blockIdx.x; row < (idx_t)n; row += gridDim.x) {{
+    const float mean = to_float_any(a.in{mean}[row]);
+    const float rstd = to_float_any(a.in{rstd}[row]);
+    const idx_t sample = row / {norm_groups};
+    const int cl = 0;
+    float held[{}];
+    float dy_x[{slots}] = {{}}, dy_sum[{slots}] = {{}};
+    {head}#pragma unroll
+      for (int k = 0; k < {UNROLL}; ++k) {{
+        const float dy = in_dy(a, row, col + k, NO_ROW);
+        held[j * {UNROLL} + k] = dy;
+        dy_x[j] += dy * in_x(a, row, col + k, NO_ROW);
+        dy_sum[j] += dy;
+      }}
+    }}
+{sums}    __syncthreads();
+    float weighted_dy_x = 0.f, weighted_dy = 0.f;
+    for (idx_t cl = threadIdx.x; cl < {per_group}; cl += blockDim.x) {{
+      const idx_t channel = (row % {norm_groups}) * {per_group} + cl;
+      float s = 0.f, b = 0.f;
+      for (idx_t q = cl * {per_channel}; q < (cl + 1) * {per_channel}; ++q) {{
+        s += chunk[q];
+        b += chunk[{count} + q];
+      }}
+      const float w = {w};
+      weighted_dy_x += s * w;
+      weighted_dy += b * w;
+      ws[1 + sample * {channels} + channel] = (s - b * mean) * rstd;
+      ws[1 + {bias_terms} + sample * {channels} + channel] = b;
+    }}
+    const float sum_dy_x = block_sum(weighted_dy_x, partial);
+    const float sum_dy = block_sum(weighted_dy, partial);
+    const float cx = (sum_dy * mean - sum_dy_x) * rstd * rstd * rstd * s_width;
+    const float2 red = make_float2(cx, -cx * mean - sum_dy * rstd * s_width);
+{declare}    {head}{whole}    }}
+{keep}{totals}    __syncthreads();
+  }}
+",
+            arrays * count,
+            slots * UNROLL,
+        )
+    }
+
     /// A group norm's backward's loops with its gradient held: the sums compute each element's
     /// gradient once, the stores read it (`OWN`), one channel after the other too.
     fn gradient_loops(
@@ -535,6 +695,37 @@ impl RowCache {
     }
 }
 
+impl Chunks {
+    /// The chunks of a row of `width` elements in channels of `hxw`: a warp's 128 elements where
+    /// they divide a channel, or a channel's lanes where a channel (a power of two of four or more
+    /// elements) divides a warp's; `None` otherwise, or for more than [`MAX_CHUNKS`].
+    fn of(hxw: u64, width: u64) -> Option<Chunks> {
+        let warp = 32 * UNROLL;
+        let elements = match hxw {
+            _ if hxw % warp == 0 => warp,
+            _ if hxw >= UNROLL && hxw.is_power_of_two() && hxw < warp => hxw,
+            _ => return None,
+        };
+        let count = width / elements;
+        (width % elements == 0 && count <= MAX_CHUNKS).then_some(Chunks { elements, count })
+    }
+
+    /// Code adding up each thread's `sums[j]` over its chunk's lanes, the chunk's first lane
+    /// keeping the sum in `chunk[first + its chunk]` (shared memory).
+    fn keep(&self, slots: u64, width: u64, sums: &str, first: u64) -> String {
+        let (lanes, elements) = (self.elements / UNROLL, self.elements);
+        format!(
+            "    #pragma unroll
+    for (int j = 0; j < {slots}; ++j) {{
+      const idx_t hw = (j * (idx_t)blockDim.x + threadIdx.x) * {UNROLL};
+      const float v = lane_sum<{lanes}>({sums}[j]);
+      if (hw < {width} && threadIdx.x % {lanes} == 0) chunk[{first} + hw / {elements}] = v;
+    }}
+"
+        )
+    }
+}
+
 /// The head of a row's loop over its `width` columns: one at a time a block apart, or (vectorised)
 /// four neighbours at a time, the inputs' groups of four loaded first.
 fn column_loop(width: u64, vectorised: bool, groups: &[usize]) -> String {
@@ -551,9 +742,9 @@ fn column_loop(width: u64, vectorised: bool, groups: &[usize]) -> String {
 }
 
 /// The stores of a row-reduction kernel: those of its column loop (every value first, then the
-/// stores, as in [`pointwise_loop`]; `own`, the element's held value, set first, and the
-/// `accumulate` lines of a group norm's backward's channel sums after) and those of the row's one
-/// thread.
+/// stores, as in [`pointwise_loop`]; `own`, the element's held value, set first, and stored as it
+/// is where it is a result's value ([`StoredResult::held`]); the `accumulate` lines of a group
+/// norm's backward's channel sums after) and those of the row's one thread.
 fn row_stores(
     stored: &[StoredResult],
     width: u64,
@@ -571,7 +762,10 @@ fn row_stores(
             writeln!(per_row_stores, "      a.out{i}[p] = store_as<{ty}>(r{i});").unwrap();
         } else if vectorised {
             writeln!(values, "      float r{i}[{UNROLL}];").unwrap();
-            writeln!(columns, "        r{i}[k] = v{f}(a, p, red);").unwrap();
+            match s.held && own.is_some() {
+                true => writeln!(columns, "        r{i}[k] = a.own0;").unwrap(),
+                false => writeln!(columns, "        r{i}[k] = v{f}(a, p, red);").unwrap(),
+            }
             writeln!(stores, "      store4(a.out{i} + a.first, r{i});").unwrap();
         } else {
             writeln!(values, "      const float r{i} = v{f}(a, p, red);").unwrap();

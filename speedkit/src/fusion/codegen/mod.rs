@@ -400,6 +400,12 @@ struct Generator {
     /// A group norm's backward's weight and bias gradients by key (0 and 1): the kernel's last
     /// block writes them, once every row is summed, so no function computes them.
     channel_results: HashMap<(u64, u64), usize>,
+    /// Functions whose value is exactly an earlier one's at the same element, by index: that
+    /// earlier function's (a cast to a type holding every value of its input's, or a copy).
+    copies_of: HashMap<usize, usize>,
+    /// The function whose values a group norm's row holds in registers ([`RowCache`]), where
+    /// its input is one of the group's results read at its own elements.
+    held_function: Option<usize>,
 }
 
 /// A reduction over the last dimension: one block per row reduces `in_red(a, row, col, NO_ROW)`
@@ -454,8 +460,42 @@ impl Generator {
             c_type(out_kind)
         )
         .unwrap();
+        let copied = match (op.name.as_str(), op.inputs.first()) {
+            ("aten::_to_copy" | "aten::clone", Some(TracedValue::Tensor(input))) => {
+                (self.own_producer(input, &out)).filter(|_| holds_every_value(input, &out))
+            }
+            _ => None,
+        };
         self.define_at_coordinates(op, &out, &body);
+        if let Some(source) = copied {
+            self.copies_of.insert(self.function_count - 1, source);
+        }
         Ok(())
+    }
+
+    /// The function computing `t`, a result of the group read at the elements of `out` that are
+    /// its own, if it is one.
+    fn own_producer(&self, t: &TracedTensor, out: &TracedTensor) -> Option<usize> {
+        let (index, made) = self.producers.get(&t.storage)?;
+        let own = made.key() == t.key() && t.offset == 0 && t.shape == out.shape;
+        (own && self.inside.contains(&(self.call, t.storage)) && reads_as_laid_out(t, out))
+            .then_some(*index)
+    }
+
+    /// The functions whose values equal the held function's ([`Self::held_function`]), through
+    /// exact copies either way.
+    fn held_functions(&self) -> HashSet<usize> {
+        let mut held: HashSet<usize> = self.held_function.into_iter().collect();
+        loop {
+            let more: Vec<usize> = (self.copies_of.iter())
+                .filter(|(f, s)| held.contains(f) != held.contains(s))
+                .flat_map(|(&f, &s)| [f, s])
+                .collect();
+            if more.is_empty() {
+                return held;
+            }
+            held.extend(more);
+        }
     }
 
     /// A layout copy ([`generates_layout`]): its result's element read from the input element it
@@ -843,7 +883,7 @@ impl Generator {
     }
 
     fn kernel(mut self, results: &[(u64, u64)]) -> Result<GeneratedKernel, String> {
-        let stored = self.stored_results(results)?;
+        let mut stored = self.stored_results(results)?;
         // Four neighbouring elements a thread (eight of 16-bit types, `vector_width`), loaded and
         // stored at once, where the space the kernel runs over (each result's, or the rows') comes
         // in whole groups of four and no result of it is bool.
@@ -862,6 +902,10 @@ impl Generator {
         let groups = self.vector_groups(space, vectorised);
         let width = self.vector_width(space, vectorised, &groups, &stored);
         let cache = (self.reduction.as_ref()).and_then(|r| RowCache::of(r, vectorised));
+        let held = self.held_functions();
+        for s in stored.iter_mut().filter(|_| cache.is_some()) {
+            s.held = held.contains(&s.function);
+        }
         let (numel, unroll, body) = match &self.reduction {
             Some(r) => (r.rows, 1, row_loop(r, &stored, vectorised, &groups, cache)),
             None => (
@@ -894,6 +938,7 @@ impl Generator {
             "group_element"
         };
         let load = format!("((unsigned)((p) - a.first) < {width}u ? {element}(ptr, a.g##i, (p) - a.first) : to_float_any((ptr)[p]))");
+        let (coord, row_of) = index_division(vectorised.then_some(width));
         let mut fields = String::new();
         let (mut params, mut names) = (Vec::new(), Vec::new());
         for (i, arg) in self.args.iter().enumerate() {
@@ -954,7 +999,7 @@ impl Generator {
             ))
         );
         let mut source = format!(
-            "{PRELUDE}\ntypedef {index} idx_t;\ntypedef {unsigned} uidx_t;\nstruct Coords {{ idx_t v[{MAX_RANK}]; }};\n#define LOAD(i, ptr, p) {load}\n#define OWN(i, e) {own}\nstruct Args {{\n{fields}}};\n\n{functions}extern \"C\" __global__ __launch_bounds__({block}) void {name}{entry}",
+            "{PRELUDE}\ntypedef {index} idx_t;\ntypedef {unsigned} uidx_t;\nstruct Coords {{ idx_t v[{MAX_RANK}]; }};\n#define LOAD(i, ptr, p) {load}\n#define COORD(p, stride, size) {coord}\n#define ROW_OF(p, width) {row_of}\n#define OWN(i, e) {own}\nstruct Args {{\n{fields}}};\n\n{functions}extern \"C\" __global__ __launch_bounds__({block}) void {name}{entry}",
             functions = self.functions,
             index = index_type(self.extent),
             unsigned = unsigned_index_type(self.extent),
@@ -1083,6 +1128,7 @@ impl Generator {
                 ty: c_type(kind_of(&out.dtype).unwrap_or(Kind::Float)),
                 per_row,
                 channel,
+                held: false,
             });
         }
         Ok(stored)
@@ -1127,6 +1173,9 @@ struct StoredResult {
     ty: &'static str,
     per_row: bool,
     channel: Option<usize>,
+    /// Whether its value at each element is the one the row held in registers holds there
+    /// ([`Generator::held_function`]): stored from the register, not computed again.
+    held: bool,
 }
 
 /// Elements each thread of a pointwise kernel computes per tile, a block apart (ATen's unrolled
@@ -1219,15 +1268,49 @@ fn coordinate_lines(out: &TracedTensor) -> String {
         if size == 1 {
             body.push_str(&format!("  c[{d}] = 0;\n"));
         } else {
-            // Unsigned: a division by a power of two is then one shift and a remainder one mask
-            // (signed, each takes several instructions, and layout-heavy kernels such as rotary
-            // embeddings were bound by them, not by memory).
-            body.push_str(&format!(
-                "  c[{d}] = (idx_t)((uidx_t)p / {stride} % {size});\n"
-            ));
+            // `COORD` (per kernel): of a vectorised thread's own group, from its first element.
+            body.push_str(&format!("  c[{d}] = COORD(p, {stride}, {size});\n"));
         }
     }
     body
+}
+
+/// The definitions of `COORD(p, stride, size)`, the coordinate of stride `stride` and size `size`
+/// of index `p`, and `ROW_OF(p, width)`, the row of `width` elements that `p` is in. Unsigned: a
+/// division by a power of two is then one shift and a remainder one mask (signed, each takes
+/// several instructions, and layout-heavy kernels such as rotary embeddings were bound by them).
+///
+/// In a kernel vectorised `width` elements a thread, each `p` of a thread's own group (from
+/// `a.first`, a multiple of `width`) is divided once per group, not once per element: a stride
+/// or row that is a multiple of `width` gives every element of the group `a.first`'s quotient,
+/// and along stride 1 of a size that is a multiple of `width` the element is `a.first`'s plus its
+/// place in the group. The tests are of constants and of the element's place in its group, a
+/// constant where the element is `a.first + k`, so the compiler keeps one branch. Generated
+/// kernels of group norms spent most of their instructions dividing each element's index by the
+/// strides of four dimensions.
+fn index_division(width: Option<u64>) -> (String, String) {
+    let plain = (
+        "((idx_t)((uidx_t)(p) / (stride) % (size)))".to_string(),
+        "((p) / (width))".to_string(),
+    );
+    let Some(w) = width else { return plain };
+    let own = format!("(unsigned)((p) - a.first) < {w}u");
+    (
+        format!(
+            "({own} && (stride) % {w} == 0 ? (idx_t)((uidx_t)a.first / (stride) % (size)) : {own} && (stride) == 1 && (size) % {w} == 0 ? (idx_t)((uidx_t)a.first % (size)) + ((p) - a.first) : {})",
+            plain.0
+        ),
+        format!("({own} && (width) % {w} == 0 ? a.first / (width) : {})", plain.1),
+    )
+}
+
+/// Whether `out`'s type holds every value of `t`'s: the same type, or fp32 of a 16-bit one.
+fn holds_every_value(t: &TracedTensor, out: &TracedTensor) -> bool {
+    match (kind_of(&t.dtype), kind_of(&out.dtype)) {
+        (Some(from), Some(to)) if from == to => true,
+        (Some(Kind::BFloat16 | Kind::Half), Some(Kind::Float)) => true,
+        _ => false,
+    }
 }
 
 /// The index type of a kernel whose tensors reach `extent` elements: 32-bit where every index and

@@ -200,6 +200,7 @@ impl Generator {
         writeln!(body, "  const idx_t p = row * {} + col;", shape.width).unwrap();
         body.push_str(&coordinates_of(&row_major(input)));
         self.row_input(op, "in_red", 0, body)?;
+        self.held_function = self.own_producer(input, &row_major(input));
         let body = self.normalised(op, input, out, |_| ["red.x".into(), "red.y".into()])?;
         self.read_row_element = true;
         self.define(op, out, &body);
@@ -228,7 +229,7 @@ impl Generator {
         let body = self.normalised(op, input, out, |g| {
             [(mean, 1), (rstd, 2)].map(|(t, position)| {
                 let i = g.result_argument(t, position);
-                format!("to_float_any(a.in{i}[p / {width}])")
+                format!("to_float_any(a.in{i}[ROW_OF(p, {width})])")
             })
         })?;
         self.define(op, out, &body);
@@ -282,7 +283,7 @@ impl Generator {
         let kind = kind_of(&dx.dtype).unwrap_or(Kind::Float);
         writeln!(
             body,
-            "  return round_to<{}>(to_float_any(a.in{rstd}[p / {width}]) * {w} * {dy} + red.x * {x} + red.y);",
+            "  return round_to<{}>(to_float_any(a.in{rstd}[ROW_OF(p, {width})]) * {w} * {dy} + red.x * {x} + red.y);",
             c_type(kind)
         )
         .unwrap();
