@@ -548,26 +548,30 @@ fn a_group_norms_normalised_elements_are_recomputed_in_the_backward_from_its_sta
     );
 }
 
+/// The trace of a step through a bf16 tensor of `shape` plus a convolution-style bias (whose
+/// gradient sums each channel, and whose output's gradient a call outside reads, as the
+/// convolution's backward does), cast to fp32, group-normalised in `groups` groups, SiLU, a loss.
+fn biased_group_norm_silu_step(shape: [i64; 4], groups: i64) -> StepTrace {
+    let x = Tensor::randn(shape, (Kind::BFloat16, CPU)).set_requires_grad(true);
+    let [w, b, bias] =
+        [0, 1, 2].map(|_| Tensor::randn([shape[1]], (Kind::Float, CPU)).set_requires_grad(true));
+    let (_, trace) = StepTrace::record(|| {
+        let biased = &x * 2.0 + bias.to_kind(Kind::BFloat16).view([shape[1], 1, 1]);
+        let y = (biased.to_kind(Kind::Float))
+            .group_norm(groups, Some(&w), Some(&b), 1e-5, false)
+            .silu();
+        (&y * &y).mean(Kind::Float).backward();
+    })
+    .unwrap();
+    trace
+}
+
 #[test]
 fn a_group_norms_backward_joins_silus_backward_in_one_kernel_that_nvrtc_compiles() {
     let _serial = common::serial();
     // Rows of three channels of 5 × 7 (one element at a time) and of two of 6 × 6 (four).
     for (shape, groups) in [([3, 12, 5, 7], 4), ([2, 8, 6, 6], 4)] {
-        let x = Tensor::randn(shape, (Kind::BFloat16, CPU)).set_requires_grad(true);
-        let [w, b, bias] = [0, 1, 2]
-            .map(|_| Tensor::randn([shape[1]], (Kind::Float, CPU)).set_requires_grad(true));
-        let (_, trace) = StepTrace::record(|| {
-            // A convolution's bias before the norm, whose gradient sums each channel (and whose
-            // output's gradient a call outside reads, as the convolution's backward does).
-            let biased = &x * 2.0 + bias.to_kind(Kind::BFloat16).view([shape[1], 1, 1]);
-            let y = biased
-                .to_kind(Kind::Float)
-                .group_norm(groups, Some(&w), Some(&b), 1e-5, false)
-                .silu();
-            (&y * &y).mean(Kind::Float).backward();
-        })
-        .unwrap();
-        let plan = FusionPlan::generatable(&trace);
+        let plan = FusionPlan::generatable(&biased_group_norm_silu_step(shape, groups));
         let group = (plan.groups().iter())
             .find(|g| (g.calls().iter()).any(|c| c.name == "aten::native_group_norm_backward"))
             .unwrap_or_else(|| panic!("{plan}"));
@@ -608,19 +612,7 @@ fn a_group_norms_backward_on_small_maps_takes_its_row_whole() {
     // Channels of 16 × 16 (a warp's 128 elements divide them) and of 4 × 4 (a channel is four
     // lanes): channel by channel, most of a block's threads would wait.
     for shape in [[2, 32, 16, 16], [2, 32, 4, 4]] {
-        let x = Tensor::randn(shape, (Kind::BFloat16, CPU)).set_requires_grad(true);
-        let [w, b, bias] = [0, 1, 2]
-            .map(|_| Tensor::randn([shape[1]], (Kind::Float, CPU)).set_requires_grad(true));
-        let (_, trace) = StepTrace::record(|| {
-            // A convolution's bias before the norm: its gradient sums each channel.
-            let biased = &x * 2.0 + bias.to_kind(Kind::BFloat16).view([shape[1], 1, 1]);
-            let y = (biased.to_kind(Kind::Float))
-                .group_norm(4, Some(&w), Some(&b), 1e-5, false)
-                .silu();
-            (&y * &y).mean(Kind::Float).backward();
-        })
-        .unwrap();
-        let plan = FusionPlan::generatable(&trace);
+        let plan = FusionPlan::generatable(&biased_group_norm_silu_step(shape, 4));
         let group = (plan.groups().iter())
             .find(|g| (g.calls().iter()).any(|c| c.name == "aten::native_group_norm_backward"))
             .unwrap_or_else(|| panic!("{plan}"));

@@ -329,6 +329,38 @@ fn uncached_gradient_loops(
     }
 }
 
+/// The lines every group norm backward's row takes, however it walks the row.
+struct GradientRowText {
+    /// The row's statistics and sample, first.
+    statistics: String,
+    /// `channel`, the index of the row's channel `cl`.
+    channel: String,
+    /// Channel `channel`'s terms of the weight and bias gradients (of its sums `s` of `dy * x`
+    /// and `b` of `dy`), kept in the workspace for the last block.
+    terms: String,
+    /// The row's coefficients (`red`) of the input gradient, from the weighted sums.
+    coefficients: &'static str,
+}
+
+impl GradientRowText {
+    fn of(gradients: &GradientRows) -> GradientRowText {
+        let GroupNormGradients {
+            samples,
+            channels,
+            groups,
+            ..
+        } = gradients.shape;
+        let per_group = gradients.shape.channels_per_group();
+        let (mean, rstd, bias_terms) = (gradients.mean, gradients.rstd, samples * channels);
+        GradientRowText {
+            statistics: format!("    const float mean = to_float_any(a.in{mean}[row]);\n    const float rstd = to_float_any(a.in{rstd}[row]);\n    const idx_t sample = row / {groups};\n"),
+            channel: format!("const idx_t channel = (row % {groups}) * {per_group} + cl;"),
+            terms: format!("ws[1 + sample * {channels} + channel] = (s - b * mean) * rstd;\n        ws[1 + {bias_terms} + sample * {channels} + channel] = b;"),
+            coefficients: "    const float cx = (sum_dy * mean - sum_dy_x) * rstd * rstd * rstd * s_width;\n    const float2 red = make_float2(cx, -cx * mean - sum_dy * rstd * s_width);\n",
+        }
+    }
+}
+
 /// The rows of a group norm's backward's kernel ([`Generator::group_norm_backward`]), channel by
 /// channel. A block per row sums `dy * x` and `dy` over each of the row's channels, one channel
 /// after the other, and keeps each sample's channel terms of the weight and bias gradients in the
@@ -337,18 +369,20 @@ fn uncached_gradient_loops(
 /// ([`Generator::channel_sum`]) there too. [`channel_totals`] follows.
 fn group_norm_backward_loop(gradients: &GradientRows, loops: &GradientLoops) -> String {
     let GroupNormGradients {
-        samples,
-        channels,
-        groups: norm_groups,
-        ..
+        samples, channels, ..
     } = gradients.shape;
     let (width, per_group) = (
         gradients.shape.width(),
         gradients.shape.channels_per_group(),
     );
-    let (mean, rstd) = (gradients.mean, gradients.rstd);
     let w = channel_read(gradients.weight, "channel", "1.f");
     let bias_terms = samples * channels;
+    let GradientRowText {
+        statistics,
+        channel,
+        terms,
+        coefficients,
+    } = GradientRowText::of(gradients);
     let GradientLoops {
         declare,
         unroll,
@@ -366,13 +400,10 @@ fn group_norm_backward_loop(gradients: &GradientRows, loops: &GradientLoops) -> 
         "  __shared__ float partial[32];
   const float s_width = 1.f / {width}.f;
   for (idx_t row = blockIdx.x; row < (idx_t)n; row += gridDim.x) {{
-    const float mean = to_float_any(a.in{mean}[row]);
-    const float rstd = to_float_any(a.in{rstd}[row]);
-    const idx_t sample = row / {norm_groups};
-    float sum_dy_x = 0.f, sum_dy = 0.f;
+{statistics}    float sum_dy_x = 0.f, sum_dy = 0.f;
 {declare}{unroll}
     for (int cl = 0; cl < {per_group}; ++cl) {{
-      const idx_t channel = (row % {norm_groups}) * {per_group} + cl;
+      {channel}
       float s = 0.f, b = 0.f;
       {sums}      s = block_sum(s, partial);
       b = block_sum(b, partial);
@@ -380,15 +411,12 @@ fn group_norm_backward_loop(gradients: &GradientRows, loops: &GradientLoops) -> 
       sum_dy_x += s * w;
       sum_dy += b * w;
       if (threadIdx.x == 0) {{
-        ws[1 + sample * {channels} + channel] = (s - b * mean) * rstd;
-        ws[1 + {bias_terms} + sample * {channels} + channel] = b;
+        {terms}
       }}
     }}
-    const float cx = (sum_dy * mean - sum_dy_x) * rstd * rstd * rstd * s_width;
-    const float2 red = make_float2(cx, -cx * mean - sum_dy * rstd * s_width);
-{unroll}
+{coefficients}{unroll}
     for (int cl = 0; cl < {per_group}; ++cl) {{
-      const idx_t channel = (row % {norm_groups}) * {per_group} + cl;
+      {channel}
 {open}      {stores}{close}    }}
     __syncthreads();
   }}
@@ -595,18 +623,21 @@ impl RowCache {
             return String::new();
         };
         let GroupNormGradients {
-            samples,
-            channels,
-            groups: norm_groups,
-            ..
+            samples, channels, ..
         } = gradients.shape;
         let (width, per_group) = (
             gradients.shape.width(),
             gradients.shape.channels_per_group(),
         );
-        let (mean, rstd, slots) = (gradients.mean, gradients.rstd, self.slots);
+        let slots = self.slots;
         let w = channel_read(gradients.weight, "channel", "1.f");
         let (bias_terms, count) = (samples * channels, chunks.count);
+        let GradientRowText {
+            statistics,
+            channel,
+            terms,
+            coefficients,
+        } = GradientRowText::of(gradients);
         let per_channel = gradients.shape.hxw / chunks.elements;
         let head = self.slot_head(width, width, groups);
         let sums =
@@ -619,7 +650,7 @@ impl RowCache {
         }
         let totals = match total.is_empty() {
             true => String::new(),
-            false => format!("    __syncthreads();\n    for (idx_t cl = threadIdx.x; cl < {per_group}; cl += blockDim.x) {{\n      const idx_t channel = (row % {norm_groups}) * {per_group} + cl;\n{total}    }}\n"),
+            false => format!("    __syncthreads();\n    for (idx_t cl = threadIdx.x; cl < {per_group}; cl += blockDim.x) {{\n      {channel}\n{total}    }}\n"),
         };
         let arrays = 2 + gradients.channel_sums.len() as u64;
         format!(
@@ -627,10 +658,7 @@ impl RowCache {
   __shared__ float chunk[{}];
   const float s_width = 1.f / {width}.f;
   for (idx_t row = blockIdx.x; row < (idx_t)n; row += gridDim.x) {{
-    const float mean = to_float_any(a.in{mean}[row]);
-    const float rstd = to_float_any(a.in{rstd}[row]);
-    const idx_t sample = row / {norm_groups};
-    const int cl = 0;
+{statistics}    const int cl = 0;
     float held[{}];
     float dy_x[{slots}] = {{}}, dy_sum[{slots}] = {{}};
     {head}#pragma unroll
@@ -644,7 +672,7 @@ impl RowCache {
 {sums}    __syncthreads();
     float weighted_dy_x = 0.f, weighted_dy = 0.f;
     for (idx_t cl = threadIdx.x; cl < {per_group}; cl += blockDim.x) {{
-      const idx_t channel = (row % {norm_groups}) * {per_group} + cl;
+      {channel}
       float s = 0.f, b = 0.f;
       for (idx_t q = cl * {per_channel}; q < (cl + 1) * {per_channel}; ++q) {{
         s += chunk[q];
@@ -653,14 +681,11 @@ impl RowCache {
       const float w = {w};
       weighted_dy_x += s * w;
       weighted_dy += b * w;
-      ws[1 + sample * {channels} + channel] = (s - b * mean) * rstd;
-      ws[1 + {bias_terms} + sample * {channels} + channel] = b;
+      {terms}
     }}
     const float sum_dy_x = block_sum(weighted_dy_x, partial);
     const float sum_dy = block_sum(weighted_dy, partial);
-    const float cx = (sum_dy * mean - sum_dy_x) * rstd * rstd * rstd * s_width;
-    const float2 red = make_float2(cx, -cx * mean - sum_dy * rstd * s_width);
-{declare}    {head}{whole}    }}
+{coefficients}{declare}    {head}{whole}    }}
 {keep}{totals}    __syncthreads();
   }}
 ",
