@@ -112,9 +112,10 @@ pub(super) fn row_loop(
         let rows = match cache {
             Some(
                 cache @ RowCache {
-                    chunks: Some(_), ..
+                    chunks: Some(chunks),
+                    ..
                 },
-            ) => cache.whole_gradient_rows(gradients, groups, &whole),
+            ) => cache.whole_gradient_rows(chunks, gradients, groups, &whole),
             Some(cache) => group_norm_backward_loop(
                 gradients,
                 &cache.gradient_loops(gradients, groups, &whole),
@@ -615,13 +616,11 @@ impl RowCache {
     /// Two block sums a row, where channel by channel took two a channel.
     fn whole_gradient_rows(
         &self,
+        chunks: Chunks,
         gradients: &GradientRows,
         groups: &[usize],
         whole: &str,
     ) -> String {
-        let Some(chunks) = self.chunks else {
-            return String::new();
-        };
         let GroupNormGradients {
             samples, channels, ..
         } = gradients.shape;
