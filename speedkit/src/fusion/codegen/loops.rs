@@ -516,8 +516,8 @@ impl RowCache {
         if !vectorised {
             return None;
         }
-        let held = |span: u64, channels: u64, chunks: Option<Chunks>, threads: [u64; 3]| {
-            threads.into_iter().find_map(|threads| {
+        let held = |span: u64, channels: u64, chunks: Option<Chunks>, threads: &[u64]| {
+            threads.iter().find_map(|&threads| {
                 let slots = span.div_ceil(threads * UNROLL);
                 (channels * slots * UNROLL <= CACHED_VALUES).then_some(RowCache {
                     threads,
@@ -529,21 +529,22 @@ impl RowCache {
         let fewest = [256, 512, 1024];
         let Some(g) = &r.gradients else {
             return (r.op == "moments")
-                .then(|| held(r.width, 1, None, fewest))
+                .then(|| held(r.width, 1, None, &fewest))
                 .flatten();
         };
         let (hxw, per_group) = (g.shape.hxw, g.shape.channels_per_group());
-        let by_channel = held(hxw, per_group, None, fewest);
+        let by_channel = held(hxw, per_group, None, &fewest);
         let busy = by_channel.is_some_and(|c| hxw % (c.threads * UNROLL) == 0);
-        // A row taken whole runs the most threads that all have elements: its held values then
-        // take the fewest registers (a backward of 32 × 32 maps: 190 µs in 512 threads, 144 in
-        // 1024, on an H200).
+        // A row taken whole runs the most threads that all have elements (else the fewest): its
+        // held values then take the fewest registers (a backward of 32 × 32 maps: 190 µs in 512
+        // threads, 144 in 1024, on an H200).
         let whole = Chunks::of(hxw, r.width).and_then(|chunks| {
-            let all_busy = [1024, 512, 256].map(|t| match r.width >= t * UNROLL {
-                true => t,
-                false => 256,
-            });
-            held(r.width, 1, Some(chunks), all_busy)
+            let mut threads: Vec<u64> = [1024, 512, 256]
+                .into_iter()
+                .filter(|&t| r.width >= t * UNROLL)
+                .collect();
+            threads.extend(fewest);
+            held(r.width, 1, Some(chunks), &threads)
         });
         match busy {
             true => by_channel,
