@@ -14,6 +14,7 @@ use speedkit::overrides::dispatcher_table;
 use speedkit::SpeedContext;
 use speedkit_suite::data;
 use speedkit_suite::models::llama_tch::{LlamaConfig, LlamaTch};
+use speedkit_suite::models::unet_tch::{UnetConfig, UnetTch};
 use tch::{nn, Device, Kind, Tensor};
 
 const CPU: Device = Device::Cpu;
@@ -192,6 +193,33 @@ fn the_backward_runs_under_the_program_too() {
         .filter(|d| d.reason.contains("not seen below autograd"))
         .collect();
     assert!(unseen.is_empty(), "{unseen:#?}");
+    assert!(fused.run(step).unwrap().equal(&expected));
+}
+
+#[test]
+fn a_weights_cast_left_to_aten_is_marked_for_its_kept_copy_and_an_activations_is_not() {
+    let _serial = common::serial();
+    let w = Tensor::randn([8, 8], (Kind::Float, CPU)).set_requires_grad(true);
+    let (x, v) = (
+        Tensor::randn([4, 8], (Kind::Float, CPU)),
+        Tensor::eye(8, (Kind::Float, CPU)),
+    );
+    // Autocast's idiom: each operand cast to bf16 right before the library call that reads it
+    // (each cast alone between library calls, left to ATen).
+    let step = || {
+        let h = x.mm(&v).to_kind(Kind::BFloat16);
+        h.matmul(&w.to_kind(Kind::BFloat16))
+    };
+    let (expected, fused) = FusedStep::prepare(CPU, step).unwrap();
+    let fused = fused.unwrap();
+    // The weight's cast, not the activation's, which the step computes.
+    assert_eq!(fused.kept_copies(), 1, "{}", fused.summary());
+    assert!(
+        fused.summary().contains("1 cast(s) of weights"),
+        "{}",
+        fused.summary()
+    );
+    // Where no copy is kept (the CPU's tensors), ATen casts it.
     assert!(fused.run(step).unwrap().equal(&expected));
 }
 
@@ -869,4 +897,62 @@ fn a_captured_step_with_fusion_trains_as_the_one_without() {
         );
     }
     assert!(fused[39] < fused[0] - 0.5, "it learns: {fused:?}");
+}
+
+#[test]
+fn a_replayed_step_reads_weights_served_from_kept_copies_as_they_are_now() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "a_replayed_step_reads_weights_served_from_kept_copies_as_they_are_now",
+    ) else {
+        return;
+    };
+    tch::manual_seed(0);
+    let mut config = SpeedConfig {
+        device: DeviceChoice::Cuda(0),
+        precision: Precision::Bf16,
+        ..SpeedConfig::auto()
+    };
+    config.compile.enabled = AutoBool::On;
+    config.compile.fusion = true;
+    let ctx = SpeedContext::new(&config).unwrap();
+    let vs = nn::VarStore::new(device);
+    let model = UnetTch::new(&vs.root(), &UnetConfig::tiny()).unwrap();
+    let images = Tensor::randn([2, 3, 16, 16], (Kind::Float, device));
+    let noise = Tensor::randn([2, 3, 16, 16], (Kind::Float, device));
+    // A large step, so that weights from a stale copy would give a visibly different loss.
+    let adamw = AdamW {
+        lr: 1e-2,
+        ..AdamW::default()
+    };
+    let mut opt = ctx.adamw(&vs, adamw).unwrap();
+    let loss_now = || -> f64 {
+        tch::no_grad(|| ctx.autocast(|| model.loss(&images, &noise)).unwrap()).double_value(&[])
+    };
+    let mut losses = Vec::new();
+    let mut g = ctx.graphed(|_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
+        let loss = ctx.autocast(|| model.loss(&images, &noise))?;
+        ctx.backward_step(&loss, &mut opt)?;
+        Ok(Some(loss))
+    });
+    for _ in 0..30 {
+        losses.push(g.run(&[]).unwrap().unwrap().double_value(&[]));
+    }
+    assert!(g.is_graphed(), "{:?}", g.fallback_reason());
+    let notes = ctx.audit().notes;
+    let note = notes.iter().find(|n| n.starts_with("fusion: ")).cloned();
+    assert!(
+        note.as_ref()
+            .is_some_and(|n| n.contains("of weights to 16 bits served from their kept copies")),
+        "{notes:#?}"
+    );
+    // The replay's loss is computed before its update: it must be the loss of the weights as the
+    // previous replay left them, which an eager forward computes from the fp32 weights.
+    let eager = loss_now();
+    let replayed = g.run(&[]).unwrap().unwrap().double_value(&[]);
+    assert!(
+        (eager - replayed).abs() < 0.01 * eager.abs(),
+        "the replay computed {replayed}, the weights as they are {eager} (losses {losses:?})"
+    );
+    assert!(losses[29] < losses[0], "it learns: {losses:?}");
 }

@@ -23,6 +23,7 @@
 #include "deferred.h"
 #include "interposer.h"
 
+#include <ATen/Functions.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <ATen/record_function.h>
@@ -35,6 +36,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <tuple>
 
@@ -87,6 +89,9 @@ struct ProgramCall {
   // A computed call whose first result is deferred: group `deferred_by`'s kernel writes it at its
   // first read, from the inputs captured for that group (-1: none).
   int64_t deferred_by = -1;
+  // A cast of a weight that outlives the step, which the weight's kept copy serves
+  // (weight_casts.cpp): no kernel where the copy is current.
+  bool kept_copy = false;
 };
 
 // A program's callbacks, shared with the deferred results that launch its kernels later.
@@ -172,6 +177,9 @@ struct Session {
   // The version of each input as it was captured.
   std::map<SlotKey, int64_t> versions;
   std::vector<bool> launched;
+  // The weights whose kept copies were current when a cast was served from them: the step itself
+  // (its optimizer) must leave them current, or a replay of it reads a stale copy.
+  std::vector<std::pair<at::Tensor, at::ScalarType>> served_current;
   std::string failure;
   bool holds_fallback = false;
   // Made and destroyed on the session's thread (its dispatch keys are that thread's).
@@ -209,6 +217,29 @@ c10::DispatchKeySet below_interposer(c10::DispatchKeySet keys) {
   return keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, kInterposerKey);
 }
 
+// The weight and type of a `_to_copy` on `stack` (its arguments, before the call) that a kept copy
+// can stand for: an fp32 CUDA parameter (a leaf that requires grad) cast to bf16 or fp16 on its
+// device, in its own layout.
+std::optional<std::pair<at::Tensor, at::ScalarType>> weight_cast(const c10::OperatorHandle& op,
+                                                                const torch::jit::Stack& stack) {
+  constexpr size_t kArguments = 7;  // self, dtype, layout, device, pin_memory, non_blocking, memory_format
+  if (op.operator_name().name != "aten::_to_copy" || op.schema().arguments().size() != kArguments ||
+      stack.size() < kArguments)
+    return std::nullopt;
+  const c10::IValue* args = &stack[stack.size() - kArguments];
+  if (!args[0].isTensor() || !args[1].isInt()) return std::nullopt;
+  const at::Tensor& self = args[0].toTensor();
+  const auto type = static_cast<at::ScalarType>(args[1].toInt());
+  const bool on_device = args[3].isNone() || (args[3].isDevice() && args[3].toDevice() == self.device());
+  const bool own_layout = args[6].isNone() || (args[6].isInt() && static_cast<at::MemoryFormat>(args[6].toInt()) ==
+                                                                      at::MemoryFormat::Preserve);
+  const bool strided = args[2].isNone() || (args[2].isInt() && static_cast<at::Layout>(args[2].toInt()) == at::kStrided);
+  if (!self.is_cuda() || !self.is_leaf() || !self.requires_grad() || self.scalar_type() != at::kFloat || (type != at::kBFloat16 && type != at::kHalf) ||
+      !on_device || !own_layout || !strided || !self.is_non_overlapping_and_dense())
+    return std::nullopt;
+  return std::pair{self, type};
+}
+
 void record(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const std::string& name = op.operator_name().name;
   uint64_t rf_id = 0;
@@ -219,9 +250,35 @@ void record(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet keys,
     index = s.next++;
     s.recorded.push_back({name, rf_id, 0});
   }
+  const auto cast = weight_cast(op, *stack);
   op.redispatchBoxed(below_interposer(keys), stack);
+  if (cast) {
+    // A parameter's kept copy, made now, so that the recorded step's optimizer keeps it current
+    // and the fused step finds it so (weight_casts.cpp keeps only parameters).
+    const c10::impl::ExcludeDispatchKeyGuard unseen(kInterposerKey);
+    (void)weight_casts::get(cast->first, cast->second);
+  }
   std::lock_guard<std::mutex> lock(s.mutex);
   s.recorded[static_cast<size_t>(index)].span = s.next - index;
+}
+
+// Serves kept-copy call `call` (a weight's cast) from the weight's kept copy: pushes its result in
+// place of the arguments, and returns true; false where the call is not such a cast, and ATen runs it.
+// A copy that was stale is cast again here (captured with the step, so each replay casts it); one that
+// was current makes no kernel, and the session checks at its end that the step kept it current.
+bool serve_kept_copy(Session& s, const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto cast = weight_cast(op, *stack);
+  if (!cast) return false;
+  const auto& [weight, type] = *cast;
+  const c10::impl::ExcludeDispatchKeyGuard unseen(kInterposerKey);
+  const bool current = weight_casts::is_current(weight, type);
+  at::Tensor copy = weight_casts::get(weight, type);
+  if (copy.sizes() != weight.sizes() || copy.strides() != weight.strides()) return false;
+  if (current) s.served_current.emplace_back(weight, type);
+  torch::jit::drop(*stack, op.schema().arguments().size());
+  // Its own tensor on the copy's memory: autograd records this cast's history on it, not on the copy.
+  stack->emplace_back(at::alias(copy));
+  return true;
 }
 
 void fail_session(const std::string& why);
@@ -461,6 +518,10 @@ void substitute(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet k
     return;
   }
   const ProgramCall& call = calls[static_cast<size_t>(index)];
+  if (call.kept_copy && serve_kept_copy(s, op, stack)) {
+    s.next = index + call.span;
+    return;
+  }
   const size_t arguments = op.schema().arguments().size();
   // A computed call's own in-place write, which autograd counts once this call returns, is its
   // kernel's: the value a recomputation reads there is the argument as it came.
@@ -586,6 +647,13 @@ void end(Session& s) {
   if (s.program != nullptr && s.failure.empty() && s.next != static_cast<int64_t>(s.program->calls.size()))
     s.failure = "the step made " + std::to_string(s.next) + " operator calls where the traced step made " +
                 std::to_string(s.program->calls.size());
+  for (const auto& [weight, type] : s.served_current) {
+    if (!s.failure.empty() || weight_casts::is_current(weight, type)) continue;
+    s.failure = "a weight of sizes " + c10::str(weight.sizes()) +
+                " was cast from its kept copy, which the step's optimizer does not keep current (speedkit's "
+                "AdamW does)";
+  }
+  s.served_current.clear();
   s.slots.clear();
   s.handed.clear();
   s.versions.clear();
@@ -658,6 +726,16 @@ int sk_interposer_program_add_output(void* program, int64_t call, int scalar_typ
     p.calls[static_cast<size_t>(call)].outputs.push_back(
         {static_cast<at::ScalarType>(scalar_type), std::vector<int64_t>(sizes, sizes + ndim),
          std::vector<int64_t>(strides, strides + ndim), unwritten != 0});
+  })
+}
+
+int sk_interposer_program_keep_copy(void* program, int64_t call) {
+  SK_TRY({
+    auto& p = sk::program_of(program);
+    TORCH_CHECK(call >= 0 && call < static_cast<int64_t>(p.calls.size()), "no call ", call);
+    auto& c = p.calls[static_cast<size_t>(call)];
+    TORCH_CHECK(c.group < 0 && c.op == "aten::_to_copy", "call ", call, " is not a cast left to ATen");
+    c.kept_copy = true;
   })
 }
 

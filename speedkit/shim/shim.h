@@ -134,6 +134,8 @@ at::Tensor get(const at::Tensor& weight, at::ScalarType type);
 // Re-casts the kept copies of `params` in one multi-tensor copy; the optimizers call it right after
 // their in-place update.
 void refresh(const std::vector<at::Tensor>& params);
+// Whether `weight` has a kept copy in `type` that is current (made from its present version and data).
+bool is_current(const at::Tensor& weight, at::ScalarType type);
 // `param`'s kept copy (current or not), or an undefined tensor when it has none.
 at::Tensor copy_of(const at::Tensor& param);
 // Records that `param`'s copy was rewritten together with `param` (by speedkit's AdamW kernel).

@@ -800,6 +800,10 @@ int sk_interposer_program_add_call(void* program, const char* op, int64_t group,
 /// memory (an intermediate of its group), so the call may hand it out without memory.
 int sk_interposer_program_add_output(void* program, int64_t call, int scalar_type, const int64_t* sizes,
                                      const int64_t* strides, int64_t ndim, int unwritten);
+/// Serves call `call`, a `_to_copy` left to ATen, from its input's kept copy where it is an fp32
+/// parameter cast to bf16 or fp16 in its own layout (weight_casts.cpp): no kernel where the copy is
+/// current, and the session fails at its end where the step left such a copy stale.
+int sk_interposer_program_keep_copy(void* program, int64_t call);
 /// Defers the first result of computed call `call`: the call returns a tensor with no memory yet
 /// (as sk_deferred_new), which group `group`'s kernel writes when it is first read, on the
 /// arguments added for that group (its inputs, captured as their calls come and held until then;

@@ -2,7 +2,8 @@
 //
 // Under autocast every forward casts each fp32 weight to bf16/fp16 again: one small kernel per
 // weight and per bias, a few microseconds each, about 0.36 ms of a `transformer` step. speedkit's
-// Linear (linear.cpp) takes its operands from here instead: a copy is current as long as the
+// Linear (linear.cpp) takes its operands from here instead, and so does a fused step's every cast
+// of a parameter (interposer.cpp: a convolution's weights under autocast, any model's): a copy is current as long as the
 // weight's version counter and data are the ones it was made from. After the optimizer's in-place
 // update the copies are current again without a cast of their own: speedkit's AdamW kernel
 // (optim.cpp, kernels/adamw.cuh) writes them in its update pass and calls mark_current();
@@ -71,7 +72,9 @@ at::Tensor get(const at::Tensor& weight, at::ScalarType type) {
   if (!cacheable(weight, type)) return weight.to(type);
   std::lock_guard<std::mutex> lock(copies().mutex);
   Copy* kept = copies().find(weight);
-  const bool same_weight = kept != nullptr && kept->copy.scalar_type() == type && kept->copy.sizes() == weight.sizes();
+  // Laid out as the weight is (a channels-last convolution weight too), as autocast's cast would be.
+  const bool same_weight = kept != nullptr && kept->copy.scalar_type() == type && kept->copy.sizes() == weight.sizes() &&
+                           kept->copy.strides() == weight.strides();
   if (same_weight && kept->source == source_of(weight)) return kept->copy;
   at::NoGradGuard no_grad;
   if (same_weight) {
@@ -80,9 +83,17 @@ at::Tensor get(const at::Tensor& weight, at::ScalarType type) {
     kept->source = source_of(weight);
     return kept->copy;
   }
-  at::Tensor copy = weight.detach().to(type).contiguous();
+  // `to` keeps a dense layout (autocast's cast does the same); any other becomes contiguous.
+  at::Tensor copy = weight.detach().to(type);
+  if (!copy.is_non_overlapping_and_dense()) copy = copy.contiguous();
   copies().insert(weight, Copy{source_of(weight), copy});
   return copy;
+}
+
+bool is_current(const at::Tensor& weight, at::ScalarType type) {
+  std::lock_guard<std::mutex> lock(copies().mutex);
+  const Copy* kept = copies().find(weight);
+  return kept != nullptr && kept->copy.scalar_type() == type && kept->source == source_of(weight);
 }
 
 at::Tensor copy_of(const at::Tensor& param) {

@@ -118,6 +118,13 @@ impl Program {
         })
     }
 
+    /// Serves call `call`, a cast left to ATen, from its input's kept copy where the input is a
+    /// parameter (see `sk_interposer_program_keep_copy`).
+    pub fn keep_copy(&mut self, call: usize) -> Result<()> {
+        // SAFETY: a live program.
+        check(unsafe { abi::sk_interposer_program_keep_copy(self.raw, call as i64) })
+    }
+
     /// Defers computed call `call`'s first result: group `group`'s kernel writes it at its first
     /// read (see `sk_interposer_program_defer`).
     pub fn defer(&mut self, call: usize, group: usize) -> Result<()> {
