@@ -875,9 +875,10 @@ fn program(
     Ok(program)
 }
 
-/// The recorded calls of the forward's casts to a 16-bit type, left to ATen, of tensors the step
-/// does not compute (its weights, before the optimizer writes them): under autocast, one small
-/// kernel per weight and bias each step (61 of `resnet`'s 209 kernels). The interposer serves each
+/// The recorded calls of casts to a 16-bit type, left to ATen, of tensors the step does not
+/// compute (its weights, before the optimizer writes them): under autocast, one small kernel per
+/// weight and bias each step, and again in the backward where a layer saved the fp32 weight
+/// instead of its cast (speedkit's convolution; 61 of `resnet`'s 209 kernels). The interposer serves each
 /// from the weight's copy that speedkit's AdamW keeps current (`shim/weight_casts.cpp`) where the
 /// tensor is a parameter, and lets ATen cast any other.
 fn weight_casts(
@@ -893,7 +894,6 @@ fn weight_casts(
             _ => None,
         };
         let cast = op.name == "aten::_to_copy"
-            && !op.backward
             && !grouped.contains(&i)
             && input.is_some_and(|t| {
                 kind_of(&t.dtype) == Some(Kind::Float) && !computed.contains(&t.storage)
