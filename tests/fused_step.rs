@@ -437,6 +437,77 @@ fn a_gradient_read_in_its_group_and_handed_to_a_leaf_gives_atens_values() {
     }
 }
 
+#[test]
+fn fused_nearest_up_sampling_gives_atens_values_and_gradients_in_fp32_bf16_and_fp16() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "fused_nearest_up_sampling_gives_atens_values_and_gradients_in_fp32_bf16_and_fp16",
+    ) else {
+        return;
+    };
+    let leaf = |t: &Tensor| t.detach().set_requires_grad(true);
+    // Twice the size, a ratio that is not a whole number, and one that shrinks a dimension.
+    for size in [[10i64, 14i64], [12, 9], [3, 21]] {
+        for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+            let x0 = Tensor::randn([3, 5, 5, 7], (kind, device));
+            let g0 = Tensor::randn([3, 5, size[0], size[1]], (kind, device));
+            let forward = up_sampling_against_aten(device, "aten::upsample_nearest2d", || {
+                (&x0 * 2.0).silu().upsample_nearest2d(size, None, None) * 3.0
+            });
+            // The backward sums each input element's window of the gradient.
+            let backward =
+                up_sampling_against_aten(device, "aten::upsample_nearest2d_backward", || {
+                    let x = leaf(&x0);
+                    let up = (&x * 2.0).upsample_nearest2d(size, None, None);
+                    (up * &g0).silu().sum(Kind::Float).backward();
+                    x.grad()
+                });
+            // A copy is exact; a window's sum rounds to 16 bits once, as ATen's does.
+            let tolerance = if kind == Kind::Float { 1e-5 } else { 1e-2 };
+            for (what, gap) in [("forward", forward), ("backward", backward)] {
+                assert!(gap < tolerance, "{kind:?} {what} {size:?}: {gap}");
+            }
+        }
+    }
+}
+
+#[test]
+fn an_up_sampling_autocast_runs_in_fp32_is_fused_with_the_cast_before_it() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "an_up_sampling_autocast_runs_in_fp32_is_fused_with_the_cast_before_it",
+    ) else {
+        return;
+    };
+    // Autocast runs up-sampling in fp32: its wrapper casts the bf16 input, then calls the operator
+    // again, and only the cast and the inner call reach the kernels. The sum is large enough (2 MiB)
+    // to be handed to the wrapper without memory: the wrapper's call is not a read of it.
+    let x0 = Tensor::randn([8, 64, 32, 64], (Kind::BFloat16, device));
+    let gap = up_sampling_against_aten(device, "aten::upsample_nearest2d", || {
+        speedkit::amp::autocast::autocast(device, Kind::BFloat16, || {
+            (&x0 + 1.0).upsample_nearest2d([64, 128], None, None) * 3.0
+        })
+        .unwrap()
+    });
+    assert!(gap < 1e-5, "{gap}");
+}
+
+/// `step` as ATen runs it and fused, where a substituted group holds `operator`: the largest gap
+/// between the two relative to the largest value.
+fn up_sampling_against_aten(device: Device, operator: &str, step: impl Fn() -> Tensor) -> f64 {
+    let (expected, fused) = FusedStep::prepare(device, &step).unwrap();
+    let fused = fused.unwrap();
+    assert!(
+        (fused.substituted().iter()).any(|g| g.operators.iter().any(|o| o == operator)),
+        "{operator} not fused: {}",
+        fused.summary()
+    );
+    let y = fused.run(&step).unwrap().to_kind(Kind::Float);
+    let expected = expected.to_kind(Kind::Float);
+    let scale = expected.abs().max().double_value(&[]).max(1.0);
+    (y - expected).abs().max().double_value(&[]) / scale
+}
+
 /// `step` (which returns the leaves' gradients) as ATen runs it and fused: the largest gap
 /// between the two relative to the largest gradient, and the groups fused.
 fn fused_gradients_against_aten(device: Device, step: impl Fn() -> Tensor) -> (f64, usize) {

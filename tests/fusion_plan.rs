@@ -606,6 +606,62 @@ fn a_group_norms_backward_joins_silus_backward_in_one_kernel_that_nvrtc_compiles
     }
 }
 
+/// A decoder's up-sampling as a tch user writes it: the input computed (so that the up-sampling
+/// has a producer to join; nothing of the smaller size is stored, which a kernel over the larger
+/// one cannot write), up-sampled to `size`, cast to bf16 for a convolution; its backward.
+fn upsampling_step(shape: [i64; 4], size: [i64; 2]) -> StepTrace {
+    let x = Tensor::randn(shape, (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    let (_, trace) = StepTrace::record(|| {
+        let up = (&x * 2.0 + 1.0).upsample_nearest2d(size, None, None);
+        let y = up.to_kind(Kind::BFloat16);
+        (y.to_kind(Kind::Float) * 3.0).sum(Kind::Float).backward();
+    })
+    .unwrap();
+    trace
+}
+
+#[test]
+fn an_operator_autocast_runs_in_fp32_is_traced_as_its_casts_and_the_call_below_them() {
+    let _serial = common::serial();
+    let [x, y] = [0, 1].map(|_| Tensor::randn([4, 8], (Kind::BFloat16, Device::Cpu)));
+    // Autocast runs `mse_loss` in fp32: its wrapper casts both inputs and calls it again, and
+    // below autograd, where the kernels run, only the casts and the inner call are seen.
+    let (_, trace) = StepTrace::record(|| {
+        speedkit::amp::autocast::autocast(Device::Cpu, Kind::BFloat16, || {
+            x.mse_loss(&y, tch::Reduction::Mean)
+        })
+        .unwrap()
+    })
+    .unwrap();
+    let kernels = trace.kernels();
+    let names: Vec<&str> = kernels.iter().map(|op| op.name.as_str()).collect();
+    assert_eq!(
+        names,
+        ["aten::_to_copy", "aten::_to_copy", "aten::mse_loss"]
+    );
+    let loss = kernels[2];
+    assert!(loss.input_tensors().all(|t| t.dtype == "float"), "{loss:?}");
+}
+
+#[test]
+fn nearest_up_sampling_and_its_backward_join_their_chains_in_kernels_that_nvrtc_compiles() {
+    let _serial = common::serial();
+    // Twice the size, and a ratio that is not a whole number (5 x 7 to 12 x 9).
+    for size in [[10, 14], [12, 9]] {
+        let plan = FusionPlan::generatable(&upsampling_step([2, 3, 5, 7], size));
+        for operator in [
+            "aten::upsample_nearest2d",
+            "aten::upsample_nearest2d_backward",
+        ] {
+            let group = (plan.groups().iter())
+                .find(|g| (g.calls().iter()).any(|c| c.name == operator))
+                .unwrap_or_else(|| panic!("{operator} {size:?}: {plan}"));
+            assert!(group.calls().len() > 1, "{operator} alone: {plan}");
+            assert_compiles(&group.kernel().unwrap());
+        }
+    }
+}
+
 #[test]
 fn a_group_norms_backward_on_small_maps_takes_its_row_whole() {
     let _serial = common::serial();

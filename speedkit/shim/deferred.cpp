@@ -195,7 +195,7 @@ void consider(const at::Tensor& t, const char* op) {
   // the values are written.
   std::lock_guard<std::recursive_mutex> lock(materialize_mutex());
   Pending* pending = pending_of(t);
-  if (pending == nullptr || only_views(op) || interposer::substitutes_next(op)) return;
+  if (pending == nullptr || only_views(op) || interposer::next_call_computed()) return;
   for (const std::string& exempt : pending->exempt_ops)
     if (exempt == op) return;
   materializing_for = op;

@@ -677,14 +677,13 @@ void interposer::observe(CallObserver* o) {
   }
 }
 
-bool interposer::substitutes_next(const char* op) {
+bool interposer::next_call_computed() {
   Session* s = active.load();
   if (s == nullptr || s->program == nullptr) return false;
   std::lock_guard<std::mutex> lock(s->mutex);
   const auto& calls = s->program->calls;
   if (!s->failure.empty() || s->next >= static_cast<int64_t>(calls.size())) return false;
-  const ProgramCall& next = calls[static_cast<size_t>(s->next)];
-  return next.computed && same_operator(next.op, op);
+  return calls[static_cast<size_t>(s->next)].computed;
 }
 
 void interposer::stop_observing(CallObserver* o) {

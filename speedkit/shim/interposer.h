@@ -21,10 +21,12 @@ class CallObserver {
 
 // Puts `observer` in place (one at a time per process) and registers the fallback while it is.
 void observe(CallObserver* observer);
-// Whether the running program computes the next call the fallback sees, and that call is `op`
-// (a full operator name): ATen's kernel will not run, and the group's kernel reads no result of
-// another group but through its own arguments (which it materializes where they are deferred).
-bool substitutes_next(const char* op);
+// Whether the running program computes the next call the fallback sees. An operator observed now is
+// that call (ATen's kernel will not run, and the group's kernel reads no result of another group
+// but through its own arguments, which it materializes where they are deferred), or a wrapper above
+// the fallback, such as autocast's, which casts its inputs before calling the operator again: its
+// reads are the calls below it, each observed in its turn.
+bool next_call_computed();
 // Takes `observer` away again, and the fallback unless a session still needs it.
 void stop_observing(CallObserver* observer);
 

@@ -426,13 +426,24 @@ fn kernel_calls(ops: &[TracedOp]) -> Vec<usize> {
             None => roots.push(i),
         }
     }
+    // Autocast's wrapper of an operator it runs in another type: the same overload again below it,
+    // after the casts of its inputs. Below autograd (where speedkit's interposer sees calls) there
+    // are only the casts and the inner call, which are the step's kernels. (An operator that casts
+    // and calls its own `out` overload, as a CPU `sum` with a type does, is one call there.)
+    let wraps_casts = |i: usize| {
+        let again = children[i].iter().any(|&c| ops[c].schema == ops[i].schema);
+        let casts = (children[i].iter())
+            .any(|&c| matches!(ops[c].name.as_str(), "aten::_to_copy" | "aten::to"));
+        again && casts
+    };
     let mut taken = Vec::new();
     let mut stack: Vec<usize> = roots.into_iter().rev().collect();
     while let Some(i) = stack.pop() {
         // A view that did more (a `reshape` that copied, a `to` that cast) shows it below.
         let kind = crate::fusion::OpKind::of(&ops[i].name);
-        let modelled =
-            kind.is_some_and(|k| k != crate::fusion::OpKind::View || children[i].is_empty());
+        let modelled = kind
+            .is_some_and(|k| k != crate::fusion::OpKind::View || children[i].is_empty())
+            && !wraps_casts(i);
         if modelled || children[i].is_empty() {
             if ops[i].name.starts_with("aten::") || modelled {
                 taken.push(i);

@@ -94,7 +94,8 @@ impl FusedGroup {
 
     /// The CUDA kernel that computes the group ([`GeneratedKernel`]), or why it is not generated
     /// (today: pointwise operators, the in-place `add_`, `sub_`, `mul_` and `div_` among them,
-    /// views, `cat` and `slice_backward`, with at most one `sum`, `mean` or `amax` over the last
+    /// views, `cat`, `slice_backward` and nearest up-sampling forward and backward, with at most
+    /// one `sum`, `mean` or `amax` over the last
     /// dimension or one group norm; fp32, bf16 and fp16; dense results).
     pub fn kernel(&self) -> Result<GeneratedKernel, String> {
         let calls: Vec<&TracedOp> = self.calls.iter().collect();

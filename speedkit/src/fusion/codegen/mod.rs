@@ -22,6 +22,7 @@ mod columns;
 mod expression;
 mod loops;
 mod norms;
+mod upsampling;
 
 pub(crate) use columns::sums_columns;
 use columns::COLUMN_BLOCKS;
@@ -29,6 +30,7 @@ use expression::{expression, Operand, PRELUDE};
 use loops::{column_finish, pointwise_loop, row_loop, RowCache, FINISH_THREADS};
 pub(crate) use norms::sums_channels;
 use norms::{group_norm_gradients, normalizes_groups, GradientRows};
+use upsampling::{upsamples_nearest, upsamples_nearest_backward};
 
 /// A generated kernel: its source, its entry point and the arguments it takes, in order.
 #[derive(Clone, Debug, PartialEq)]
@@ -179,6 +181,7 @@ pub(crate) fn takes(op: &TracedOp) -> bool {
                 || sums_columns(op)
                 || normalizes_groups(op).is_some()
                 || group_norm_gradients(op).is_some()
+                || (stores(op) && upsamples_nearest_backward(op).is_some())
         }
         Some(OpKind::Layout) => stores(op) && generates_layout(op),
         _ => false,
@@ -200,10 +203,11 @@ pub(crate) fn writes_in_place(op: &TracedOp) -> bool {
 }
 
 /// The layout copies the generator writes as index arithmetic: `cat` (each part read at its
-/// coordinates less the part's start) and `slice_backward` (the gradient where the slice took its
-/// elements, zero elsewhere).
+/// coordinates less the part's start), `slice_backward` (the gradient where the slice took its
+/// elements, zero elsewhere) and nearest up-sampling ([`upsamples_nearest`]).
 fn generates_layout(op: &TracedOp) -> bool {
     matches!(op.name.as_str(), "aten::cat" | "aten::slice_backward")
+        || upsamples_nearest(op).is_some()
 }
 
 /// A traced integer argument (a dimension, a slice's bound).
@@ -312,12 +316,14 @@ fn generate_with(
             }
             Some(OpKind::Reduction) if sums_channels(op) => g.channel_sum(op)?,
             Some(OpKind::Reduction) if sums_columns(op) => g.column_sum(op)?,
+            // Each element a sum of its own window: a gather, not a reduction over rows.
+            Some(OpKind::Reduction) if upsamples_nearest_backward(op).is_some() => g.layout(op)?,
             Some(OpKind::Reduction) => g.reduction(op)?,
             Some(OpKind::Layout) if generates_layout(op) => g.layout(op)?,
             _ => {
                 return Err(format!(
-                    "{} is not generated yet (pointwise operators, row reductions, cat and \
-                     slice_backward only)",
+                    "{} is not generated yet (pointwise operators, row reductions, cat, \
+                     slice_backward and nearest up-sampling only)",
                     op.name
                 ))
             }
@@ -504,10 +510,11 @@ impl Generator {
         let (out, out_kind) = dense_result(op)?;
         let mut body = String::new();
         self.reading_at_coordinates = true;
-        let expression = if op.name == "aten::cat" {
-            self.cat(op, &out, &mut body)
-        } else {
-            self.slice_backward(op, &out, &mut body)
+        let expression = match op.name.as_str() {
+            "aten::cat" => self.cat(op, &out, &mut body),
+            "aten::upsample_nearest2d" => self.nearest(op, &out, &mut body),
+            "aten::upsample_nearest2d_backward" => self.nearest_backward(op, &out, &mut body),
+            _ => self.slice_backward(op, &out, &mut body),
         };
         self.reading_at_coordinates = false;
         self.coords = "c".into();
