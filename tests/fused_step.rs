@@ -197,22 +197,24 @@ fn the_backward_runs_under_the_program_too() {
 }
 
 #[test]
-fn a_weights_cast_left_to_aten_is_marked_for_its_kept_copy_and_an_activations_is_not() {
+fn a_weights_cast_the_backward_reads_is_marked_for_its_kept_copy_and_an_activations_is_not() {
     let _serial = common::serial();
     let w = Tensor::randn([8, 8], (Kind::Float, CPU)).set_requires_grad(true);
-    let (x, v) = (
-        Tensor::randn([4, 8], (Kind::Float, CPU)),
-        Tensor::eye(8, (Kind::Float, CPU)),
-    );
+    let x = Tensor::randn([4, 8], (Kind::Float, CPU)).set_requires_grad(true);
+    let v = Tensor::eye(8, (Kind::Float, CPU));
     // Autocast's idiom: each operand cast to bf16 right before the library call that reads it
-    // (each cast alone between library calls, left to ATen).
+    // (each cast alone between library calls, left to ATen). The matmul saves the weight's cast
+    // for the activation's gradient, so the step holds it through the backward anyway.
     let step = || {
         let h = x.mm(&v).to_kind(Kind::BFloat16);
-        h.matmul(&w.to_kind(Kind::BFloat16))
+        let y = h.matmul(&w.to_kind(Kind::BFloat16));
+        y.sum(Kind::Float).backward();
+        y
     };
+    // Once first, so that every step after it accumulates into existing gradients.
+    step();
     let (expected, fused) = FusedStep::prepare(CPU, step).unwrap();
     let fused = fused.unwrap();
-    // The weight's cast, not the activation's, which the step computes.
     assert_eq!(fused.kept_copies(), 1, "{}", fused.summary());
     assert!(
         fused.summary().contains("1 cast(s) of weights"),
@@ -221,6 +223,26 @@ fn a_weights_cast_left_to_aten_is_marked_for_its_kept_copy_and_an_activations_is
     );
     // Where no copy is kept (the CPU's tensors), ATen casts it.
     assert!(fused.run(step).unwrap().equal(&expected));
+}
+
+#[test]
+fn a_weights_cast_only_the_forward_reads_keeps_no_copy() {
+    let _serial = common::serial();
+    let w = Tensor::randn([8, 8], (Kind::Float, CPU)).set_requires_grad(true);
+    let (x, v) = (
+        Tensor::randn([4, 8], (Kind::Float, CPU)),
+        Tensor::eye(8, (Kind::Float, CPU)),
+    );
+    // No gradient for the activation: the matmul saves the activation, not the weight's cast,
+    // which is freed after the forward. A copy kept across steps would add its size to the peak.
+    let step = || {
+        let h = x.mm(&v).to_kind(Kind::BFloat16);
+        h.matmul(&w.to_kind(Kind::BFloat16))
+            .sum(Kind::Float)
+            .backward();
+    };
+    let fused = FusedStep::prepare(CPU, step).unwrap().1.unwrap();
+    assert_eq!(fused.kept_copies(), 0, "{}", fused.summary());
 }
 
 // ----- on a GPU ----------------------------------------------------------------------------------
@@ -986,6 +1008,9 @@ fn a_replayed_step_reads_weights_served_from_kept_copies_as_they_are_now() {
     };
     config.compile.enabled = AutoBool::On;
     config.compile.fusion = true;
+    // ATen's convolution, which saves each weight's cast for the backward (speedkit's saves the
+    // fp32 weight instead, and its casts are not served).
+    config.overrides = AutoBool::Off;
     let ctx = SpeedContext::new(&config).unwrap();
     let vs = nn::VarStore::new(device);
     let model = UnetTch::new(&vs.root(), &UnetConfig::tiny()).unwrap();

@@ -225,7 +225,7 @@ impl FusedStep {
         }
         launches.extend(recompute_launches);
         let unwritten = unwritten_results(&kernels, &position, &placements, &launches);
-        let kept_copies = weight_casts(&kernels, &grouped, &recorded);
+        let kept_copies = weight_casts(&kernels, &nodes, &grouped, &recorded);
         let mut program = program(
             device,
             calls,
@@ -877,35 +877,56 @@ fn program(
 
 /// The recorded calls of casts to a 16-bit type, left to ATen, of tensors the step does not
 /// compute (its weights, before the optimizer writes them): under autocast, one small kernel per
-/// weight and bias each step, and again in the backward where a layer saved the fp32 weight
-/// instead of its cast (speedkit's convolution; 61 of `resnet`'s 209 kernels). The interposer serves each
-/// from the weight's copy that speedkit's AdamW keeps current (`shim/weight_casts.cpp`) where the
-/// tensor is a parameter, and lets ATen cast any other.
+/// weight and bias each step (and again in the backward where a layer saved the fp32 weight
+/// instead of its cast, as speedkit's convolution does). The interposer serves each from the
+/// weight's copy that speedkit's AdamW keeps current (`shim/weight_casts.cpp`) where the tensor is
+/// a parameter, and lets ATen cast any other.
+///
+/// Only the casts of weights the step already holds in 16 bits through its peak: one of whose
+/// forward casts the backward reads (saved by autograd, as ATen's convolution and matmul save
+/// theirs). A kept copy of any other weight would add its size to the peak, where the layer keeps
+/// no cast (speedkit's convolution: `resnet`'s 21 MiB of copies took its whole run's peak from
+/// 0.75 to 0.77 GiB, against reduce-overhead's 0.75, for 3% of its step).
 fn weight_casts(
     kernels: &[&TracedOp],
+    nodes: &[grouping::Node],
     grouped: &HashSet<usize>,
     recorded: &HashMap<u64, usize>,
 ) -> Vec<usize> {
     let mut computed: HashSet<u64> = HashSet::new();
+    // (kernel, the weight's storage) per cast a kept copy could serve.
     let mut casts = Vec::new();
     for (i, op) in kernels.iter().enumerate() {
         let input = match op.inputs.first() {
             Some(TracedValue::Tensor(t)) => Some(t),
             _ => None,
         };
-        let cast = op.name == "aten::_to_copy"
-            && !grouped.contains(&i)
-            && input.is_some_and(|t| {
-                kind_of(&t.dtype) == Some(Kind::Float) && !computed.contains(&t.storage)
-            })
-            && matches!(op.outputs.as_slice(), [TracedValue::Tensor(out)]
-                if matches!(kind_of(&out.dtype), Some(Kind::BFloat16 | Kind::Half)));
-        if let Some(&call) = recorded.get(&op.rf_id).filter(|_| cast && op.rf_id != 0) {
-            casts.push(call);
+        let weight = input
+            .filter(|t| kind_of(&t.dtype) == Some(Kind::Float) && !computed.contains(&t.storage));
+        let to_16_bits = matches!(op.outputs.as_slice(), [TracedValue::Tensor(out)]
+            if matches!(kind_of(&out.dtype), Some(Kind::BFloat16 | Kind::Half)));
+        if let Some(weight) =
+            weight.filter(|_| op.name == "aten::_to_copy" && to_16_bits && !grouped.contains(&i))
+        {
+            casts.push((i, weight.storage));
         }
         computed.extend(op.output_tensors().map(|t| t.storage));
     }
-    casts
+    let read_in_backward =
+        |i: usize| (nodes.iter()).any(|n| n.op.backward && n.reads.iter().any(|&(d, _)| d == i));
+    let held: HashSet<u64> = (casts.iter())
+        .filter(|&&(i, _)| !kernels[i].backward && read_in_backward(i))
+        .map(|&(_, weight)| weight)
+        .collect();
+    (casts.into_iter())
+        .filter(|(_, weight)| held.contains(weight))
+        .filter_map(|(i, _)| {
+            recorded
+                .get(&kernels[i].rf_id)
+                .filter(|_| kernels[i].rf_id != 0)
+        })
+        .copied()
+        .collect()
 }
 
 /// Launches one group's kernel on its arguments' tensors, each checked against its traced layout
