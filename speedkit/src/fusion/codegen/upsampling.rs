@@ -29,42 +29,48 @@ pub(super) struct Nearest {
 
 /// `op`'s up-sampling where it is `upsample_nearest2d` of a 4-dimensional tensor.
 pub(super) fn upsamples_nearest(op: &TracedOp) -> Option<Nearest> {
-    if op.name != "aten::upsample_nearest2d" {
-        return None;
-    }
-    let (input, out) = input_and_result(op)?;
-    let given = [
-        optional_double(op.inputs.get(2))?,
-        optional_double(op.inputs.get(3))?,
-    ];
-    let (small, large) = same_planes(input, out)?;
-    // compute_scales_value<float>: the reciprocal of a given scale, else input over output.
-    let scale = [0, 1].map(|d| match given[d] {
-        Some(s) if s > 0.0 => (1.0 / s) as f32,
-        _ => small[d] as f32 / large[d] as f32,
-    });
-    Some(Nearest {
-        large,
-        small,
-        scale,
-    })
+    nearest(op, "aten::upsample_nearest2d", Direction::Forward)
 }
 
 /// `op`'s up-sampling where it is `upsample_nearest2d_backward` of a 4-dimensional gradient.
 pub(super) fn upsamples_nearest_backward(op: &TracedOp) -> Option<Nearest> {
-    if op.name != "aten::upsample_nearest2d_backward" {
+    nearest(op, "aten::upsample_nearest2d_backward", Direction::Backward)
+}
+
+/// Which of the two an up-sampling call is: its first argument is the small side (forward) or
+/// the large one (backward, the gradient of the forward's result).
+#[derive(Clone, Copy, PartialEq)]
+enum Direction {
+    Forward,
+    Backward,
+}
+
+/// `op`'s up-sampling where it is operator `name` of 4-dimensional tensors in `direction`.
+fn nearest(op: &TracedOp, name: &str, direction: Direction) -> Option<Nearest> {
+    if op.name != name {
         return None;
     }
-    let (grad, out) = input_and_result(op)?;
+    let (input, out) = input_and_result(op)?;
+    // Its `float? scales_h, float? scales_w` follow the sizes (one list forward, two backward).
+    let first = match direction {
+        Direction::Forward => 2,
+        Direction::Backward => 3,
+    };
     let given = [
-        optional_double(op.inputs.get(3))?,
-        optional_double(op.inputs.get(4))?,
+        optional_double(op.inputs.get(first))?,
+        optional_double(op.inputs.get(first + 1))?,
     ];
-    let (small, large) = same_planes(out, grad)?;
-    // compute_scales_value_backwards<float>: a given scale, else output over input.
-    let scale = [0, 1].map(|d| match given[d] {
-        Some(s) if s > 0.0 => s as f32,
-        _ => large[d] as f32 / small[d] as f32,
+    let (small, large) = match direction {
+        Direction::Forward => same_planes(input, out)?,
+        Direction::Backward => same_planes(out, input)?,
+    };
+    // compute_scales_value<float> (forward): the reciprocal of a given scale, else input over
+    // output; compute_scales_value_backwards<float>: a given scale, else output over input.
+    let scale = [0, 1].map(|d| match (given[d], direction) {
+        (Some(s), Direction::Forward) if s > 0.0 => (1.0 / s) as f32,
+        (Some(s), Direction::Backward) if s > 0.0 => s as f32,
+        (_, Direction::Forward) => small[d] as f32 / large[d] as f32,
+        (_, Direction::Backward) => large[d] as f32 / small[d] as f32,
     });
     Some(Nearest {
         large,
