@@ -212,7 +212,7 @@ fn a_weights_cast_the_backward_reads_is_marked_for_its_kept_copy_and_an_activati
         y
     };
     // Once first, so that every step after it accumulates into existing gradients.
-    step();
+    let _ = step();
     let (expected, fused) = FusedStep::prepare(CPU, step).unwrap();
     let fused = fused.unwrap();
     assert_eq!(fused.kept_copies(), 1, "{}", fused.summary());

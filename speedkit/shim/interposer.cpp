@@ -177,6 +177,9 @@ struct Session {
   // The version of each input as it was captured.
   std::map<SlotKey, int64_t> versions;
   std::vector<bool> launched;
+  // A recording's casts of parameters to 16 bits, by call (sk_interposer_keep_copies makes the
+  // copies of those the program serves).
+  std::map<int64_t, std::pair<at::Tensor, at::ScalarType>> weight_casts;
   // The weights whose kept copies were current when a cast was served from them: the step itself
   // (its optimizer) must leave them current, or a replay of it reads a stale copy.
   std::vector<std::pair<at::Tensor, at::ScalarType>> served_current;
@@ -231,11 +234,14 @@ std::optional<std::pair<at::Tensor, at::ScalarType>> weight_cast(const c10::Oper
   const at::Tensor& self = args[0].toTensor();
   const auto type = static_cast<at::ScalarType>(args[1].toInt());
   const bool on_device = args[3].isNone() || (args[3].isDevice() && args[3].toDevice() == self.device());
-  const bool own_layout = args[6].isNone() || (args[6].isInt() && static_cast<at::MemoryFormat>(args[6].toInt()) ==
-                                                                      at::MemoryFormat::Preserve);
-  const bool strided = args[2].isNone() || (args[2].isInt() && static_cast<at::Layout>(args[2].toInt()) == at::kStrided);
-  if (!self.is_cuda() || !self.is_leaf() || !self.requires_grad() || self.scalar_type() != at::kFloat || (type != at::kBFloat16 && type != at::kHalf) ||
-      !on_device || !own_layout || !strided || !self.is_non_overlapping_and_dense())
+  const bool own_layout =
+      args[6].isNone() ||
+      (args[6].isInt() && static_cast<at::MemoryFormat>(args[6].toInt()) == at::MemoryFormat::Preserve);
+  const bool strided =
+      args[2].isNone() || (args[2].isInt() && static_cast<at::Layout>(args[2].toInt()) == at::kStrided);
+  const bool parameter = self.is_cuda() && self.is_leaf() && self.requires_grad() && self.scalar_type() == at::kFloat;
+  const bool to_16_bits = type == at::kBFloat16 || type == at::kHalf;
+  if (!parameter || !to_16_bits || !on_device || !own_layout || !strided || !self.is_non_overlapping_and_dense())
     return std::nullopt;
   return std::pair{self, type};
 }
@@ -252,14 +258,9 @@ void record(Session& s, const c10::OperatorHandle& op, c10::DispatchKeySet keys,
   }
   const auto cast = weight_cast(op, *stack);
   op.redispatchBoxed(below_interposer(keys), stack);
-  if (cast) {
-    // A parameter's kept copy, made now, so that the recorded step's optimizer keeps it current
-    // and the fused step finds it so (weight_casts.cpp keeps only parameters).
-    const c10::impl::ExcludeDispatchKeyGuard unseen(kInterposerKey);
-    (void)weight_casts::get(cast->first, cast->second);
-  }
   std::lock_guard<std::mutex> lock(s.mutex);
   s.recorded[static_cast<size_t>(index)].span = s.next - index;
+  if (cast) s.weight_casts.emplace(index, *cast);
 }
 
 // Serves kept-copy call `call` (a weight's cast) from the weight's kept copy: pushes its result in
@@ -735,6 +736,19 @@ int sk_interposer_program_keep_copy(void* program, int64_t call) {
     auto& c = p.calls[static_cast<size_t>(call)];
     TORCH_CHECK(c.group < 0 && c.op == "aten::_to_copy", "call ", call, " is not a cast left to ATen");
     c.kept_copy = true;
+  })
+}
+
+int sk_interposer_keep_copies(void* session, const int64_t* calls, int64_t n) {
+  SK_TRY({
+    auto& s = *static_cast<sk::Session*>(session);
+    TORCH_CHECK(s.program == nullptr, "copies are kept for the casts a recording saw");
+    for (int64_t i = 0; i < n; ++i) {
+      // A call that cast no parameter (an input the step does not compute) keeps no copy, and
+      // ATen casts it in the fused step too.
+      const auto cast = s.weight_casts.find(calls[i]);
+      if (cast != s.weight_casts.end()) (void)sk::weight_casts::get(cast->second.first, cast->second.second);
+    }
   })
 }
 

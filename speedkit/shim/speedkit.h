@@ -800,6 +800,10 @@ int sk_interposer_program_add_call(void* program, const char* op, int64_t group,
 /// memory (an intermediate of its group), so the call may hand it out without memory.
 int sk_interposer_program_add_output(void* program, int64_t call, int scalar_type, const int64_t* sizes,
                                      const int64_t* strides, int64_t ndim, int unwritten);
+/// After a recording: makes the kept copies (weight_casts.cpp) of the parameters that its calls
+/// `calls` (`n` of them) cast to bf16 or fp16, so that the program that serves those casts finds
+/// them current; a call that cast no parameter is passed over.
+int sk_interposer_keep_copies(void* session, const int64_t* calls, int64_t n);
 /// Serves call `call`, a `_to_copy` left to ATen, from its input's kept copy where it is an fp32
 /// parameter cast to bf16 or fp16 in its own layout (weight_casts.cpp): no kernel where the copy is
 /// current, and the session fails at its end where the step left such a copy stale.

@@ -216,6 +216,16 @@ impl Session<'_> {
         Ok(calls)
     }
 
+    /// After a recording: makes the kept copies of the parameters its calls `calls` cast (see
+    /// `sk_interposer_keep_copies`).
+    pub fn keep_copies(&self, calls: &[usize]) -> Result<()> {
+        let calls: Vec<i64> = calls.iter().map(|&c| c as i64).collect();
+        // SAFETY: a live session and `calls.len()` call indices.
+        check(unsafe {
+            abi::sk_interposer_keep_copies(self.raw, calls.as_ptr(), calls.len() as i64)
+        })
+    }
+
     /// Why the program's run departed from it, if it did.
     pub fn failure(&self) -> Result<Option<String>> {
         let mut out: *const c_char = std::ptr::null();

@@ -34,8 +34,8 @@ pub struct FusedStep {
     substituted: Vec<SubstitutedGroup>,
     declined: Vec<DeclinedGroup>,
     recomputed: Vec<RecomputedResult>,
-    /// How many casts the step's weights' kept copies serve ([`weight_casts`]).
-    kept_copies: usize,
+    /// The recorded calls that the step's weights' kept copies serve ([`weight_casts`]).
+    kept_copies: Vec<usize>,
     plan: FusionPlan,
 }
 
@@ -139,16 +139,23 @@ impl FusedStep {
     pub fn prepare<R>(device: Device, step: impl FnOnce() -> R) -> Result<(R, Result<FusedStep>)> {
         let mut ran = None;
         let mut calls = Vec::new();
+        let mut recording = None;
         let recorded = StepTrace::record(|| -> Result<()> {
             let mut session = Session::record()?;
             ran = Some(step());
             session.end()?;
             calls = session.recorded()?;
+            recording = Some(session);
             Ok(())
         });
         let fused = recorded.and_then(|(session, trace)| {
             session?;
-            FusedStep::from_recording(device, &trace, &calls)
+            let fused = FusedStep::from_recording(device, &trace, &calls)?;
+            // Made from the weights as the recorded step's optimizer left them: current.
+            if let Some(recording) = &recording {
+                recording.keep_copies(&fused.kept_copies)?;
+            }
+            Ok(fused)
         });
         match (ran, fused) {
             (Some(out), fused) => Ok((out, fused)),
@@ -242,7 +249,7 @@ impl FusedStep {
             substituted,
             declined,
             recomputed,
-            kept_copies: kept_copies.len(),
+            kept_copies,
             plan,
         })
     }
@@ -292,7 +299,7 @@ impl FusedStep {
     /// serve (where the weight is a parameter whose copy the optimizer keeps current: then the
     /// cast runs no kernel).
     pub fn kept_copies(&self) -> usize {
-        self.kept_copies
+        self.kept_copies.len()
     }
 
     /// One line for the audit: the groups that run generated kernels, how many kernels, and the
@@ -346,10 +353,10 @@ impl FusedStep {
                 bytes as f64 / (1u64 << 20) as f64
             ));
         }
-        if self.kept_copies > 0 {
+        if !self.kept_copies.is_empty() {
             line.push_str(&format!(
                 "; {} cast(s) of weights to 16 bits served from their kept copies",
-                self.kept_copies
+                self.kept_copies.len()
             ));
         }
         line
