@@ -517,29 +517,32 @@ fn an_up_sampling_autocast_runs_in_fp32_is_fused_with_the_cast_before_it() {
 /// `step` as ATen runs it and fused, where a substituted group holds `operator`: the largest gap
 /// between the two relative to the largest value.
 fn up_sampling_against_aten(device: Device, operator: &str, step: impl Fn() -> Tensor) -> f64 {
-    let (expected, fused) = FusedStep::prepare(device, &step).unwrap();
-    let fused = fused.unwrap();
+    let (gap, fused) = relative_gap_fused(device, step);
     assert!(
         (fused.substituted().iter()).any(|g| g.operators.iter().any(|o| o == operator)),
         "{operator} not fused: {}",
         fused.summary()
     );
-    let y = fused.run(&step).unwrap().to_kind(Kind::Float);
-    let expected = expected.to_kind(Kind::Float);
-    let scale = expected.abs().max().double_value(&[]).max(1.0);
-    (y - expected).abs().max().double_value(&[]) / scale
+    gap
 }
 
 /// `step` (which returns the leaves' gradients) as ATen runs it and fused: the largest gap
 /// between the two relative to the largest gradient, and the groups fused.
 fn fused_gradients_against_aten(device: Device, step: impl Fn() -> Tensor) -> (f64, usize) {
+    let (gap, fused) = relative_gap_fused(device, step);
+    (gap, fused.substituted().len())
+}
+
+/// `step` as ATen runs it and fused: the largest gap between the two relative to the largest
+/// value (at least 1), and the fused step.
+fn relative_gap_fused(device: Device, step: impl Fn() -> Tensor) -> (f64, FusedStep) {
     let (expected, fused) = FusedStep::prepare(device, &step).unwrap();
     let fused = fused.unwrap();
     let y = fused.run(&step).unwrap().to_kind(Kind::Float);
     let expected = expected.to_kind(Kind::Float);
     let scale = expected.abs().max().double_value(&[]).max(1.0);
     let gap = (y - expected).abs().max().double_value(&[]);
-    (gap / scale, fused.substituted().len())
+    (gap / scale, fused)
 }
 
 #[test]
