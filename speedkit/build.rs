@@ -200,6 +200,7 @@ const SHIM_UNITS: &[(&str, &[&str])] = &[
             "parameter_residency",
             "profiler",
             "replay_watchdog",
+            "saved_offload",
             "weight_casts",
         ],
     ),

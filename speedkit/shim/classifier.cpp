@@ -11,6 +11,7 @@
 // the backward (a GradScaler's power of two scales bf16 exactly).
 #include "classifier.cuh"
 #include "fused_op.h"
+#include "saved_offload.h"
 
 #include <torch/csrc/autograd/graph_task.h>
 
@@ -177,7 +178,12 @@ int sk_cross_entropy(sk_tensor logits, sk_tensor targets, int64_t ignore_index, 
   SK_TRY({
     at::Tensor result = sk::ops::run_or_fall_back(
         SK_OP_CROSS_ENTROPY, sk::classifier_unsupported(*logits, *targets),
-        [&] { return sk::CrossEntropyFunction::apply(logits->contiguous(), targets->contiguous(), ignore_index); },
+        [&] {
+          // The backward writes the gradient into the logits where only this node holds them:
+          // its saved variables, made as apply() returns, stay as they are.
+          sk::saved_offload::KeptOnDevice kept;
+          return sk::CrossEntropyFunction::apply(logits->contiguous(), targets->contiguous(), ignore_index);
+        },
         [&] { return at::nll_loss(at::log_softmax(*logits, -1, at::kFloat), *targets, {}, at::Reduction::Mean, ignore_index); });
     *loss = sk::give(result);
   })

@@ -8,6 +8,7 @@
 // through sk_function_call_fail; the C++ side turns that into an exception, which the autograd
 // engine carries to the caller of backward() (and sk_function_apply's status for the forward).
 #include "fused_op.h"
+#include "saved_offload.h"
 #include "shim.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -288,9 +289,14 @@ int sk_function_apply(const sk_function_vtable* vtable, void* state, int cast_in
   // The holder owns `state` from here on, also when the forward fails.
   auto holder = c10::make_intrusive<sk::RustState>(*vtable, state);
   if (once_differentiable != nullptr) holder->once_differentiable = once_differentiable;
-  SK_TRY(sk::hand_back(sk::RustFunction::apply(at::TensorList(sk::tensor_list(inputs, n_inputs)), holder,
-                                               static_cast<int64_t>(cast_inputs)),
-                       outputs, capacity, n_outputs))
+  SK_TRY({
+    // A Rust backward may overwrite what it saved where nothing else holds it (may_overwrite): the
+    // saved variables, made as apply() returns, stay as they are.
+    sk::saved_offload::KeptOnDevice kept;
+    sk::hand_back(sk::RustFunction::apply(at::TensorList(sk::tensor_list(inputs, n_inputs)), holder,
+                                          static_cast<int64_t>(cast_inputs)),
+                  outputs, capacity, n_outputs);
+  })
 }
 
 int sk_checkpoint_apply(const sk_function_vtable* vtable, void* state, int capturing, const sk_tensor* inputs,

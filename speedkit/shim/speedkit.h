@@ -841,6 +841,24 @@ int sk_interposer_active(int* out);
 /// Frees a session, ending it first if it still runs.
 void sk_interposer_free(void* session);
 
+// @module saved_offload: saved tensors parked in host memory during eager steps (saved_offload.cpp)
+
+/// Starts a session on this thread: the tensors autograd saves for the backward, of storages of at
+/// least `min_bytes`, move to host memory (pinned, for CUDA) once nothing but their saved variables
+/// holds them, and back when the backward reads them; each pack and unpack is marked in the
+/// execution trace. Autograd's default engine is speedkit's until sk_saved_offload_end. Fails while
+/// another session runs, or where the default engine is not libtorch's own (a Python process's).
+int sk_saved_offload_begin(int64_t min_bytes, void** out);
+/// Ends the session and frees its handle; libtorch's engine is the default again. Tensors saved
+/// before stay where they are and come back when read. *parked receives how many storages it
+/// moved to the host, *parked_bytes their bytes.
+int sk_saved_offload_end(void* session, int64_t* parked, int64_t* parked_bytes);
+/// Whether autograd's default engine is speedkit's (a session runs).
+int sk_saved_offload_active(int* out);
+/// Gives the pinned host memory PyTorch keeps cached (sessions' parked bytes among it) back to the
+/// system; nothing where there is no CUDA device.
+int sk_saved_offload_release_host_cache(void);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif

@@ -896,6 +896,7 @@ impl GraphHost for SpeedContext {
             warmup_steps: plan.graph_warmup_steps,
             max_graphs: plan.max_graphs,
             fusion: plan.graph_fusion,
+            warmup_offload: plan.graph_warmup_offload,
             nvtx: self.config().profile.nvtx,
         }
     }

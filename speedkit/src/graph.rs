@@ -52,6 +52,11 @@ use crate::ffi::{
 use crate::fusion::FusedStep;
 use crate::memory::{self, MemoryUse};
 use crate::nvtx::NvtxRange;
+use crate::offload::{self, Parked, ParkedActivations};
+
+/// Saved tensors smaller than this stay on the device during warm-up: a copy each way costs more
+/// than their memory is worth.
+const WARMUP_OFFLOAD_MIN_BYTES: u64 = 1 << 20;
 
 type Signature = Vec<(Vec<i64>, Kind, Device)>;
 
@@ -286,6 +291,9 @@ pub struct GraphSettings {
     /// Whether the capture runs generated kernels for the step's pointwise chains
     /// (`compile.fusion`), traced during the last warm-up step.
     pub fusion: bool,
+    /// Whether the eager warm-up steps keep their saved activations in host memory until the
+    /// backward reads them (`compile.warmup_offload`, [`crate::offload`]).
+    pub warmup_offload: bool,
     /// Whether steps are marked with NVTX ranges (`profile.nvtx`).
     pub nvtx: bool,
 }
@@ -430,6 +438,7 @@ where
             let owned: Vec<Tensor> = inputs.iter().map(|t| t.shallow_clone()).collect();
             self.drop_gradients_before_step()?;
             let noting = NotingDroppedGradients::start();
+            let parking = self.park_warmup_activations();
             let out = if last_warmup && self.host.graph_settings().fusion {
                 let (out, fused) =
                     traced_for_fusion(self.host, device_index, || (self.step)(&owned))?;
@@ -438,7 +447,11 @@ where
             } else {
                 (self.step)(&owned)
             };
+            let parked = parking.map(ParkedActivations::finish).transpose()?;
             side.exit()?;
+            if let (true, Some(parked)) = (last_warmup, parked) {
+                self.note_parked(parked)?;
+            }
             self.dropped_next_step = noting.finish();
             let out =
                 out.map_err(|e| self.out_of_memory(StepKind::GraphWarmup, device_index, e))?;
@@ -485,6 +498,29 @@ where
             &error,
             advice,
         )
+    }
+
+    /// Parks the warm-up step's saved activations in host memory where the plan says so. Where
+    /// autograd's engine cannot give them hooks (a Python process's), the step runs without.
+    fn park_warmup_activations(&self) -> Option<ParkedActivations> {
+        if !self.host.graph_settings().warmup_offload {
+            return None;
+        }
+        ParkedActivations::start(WARMUP_OFFLOAD_MIN_BYTES)
+            .map_err(|e| self.host.note(format!("warm-up offload off: {e}")))
+            .ok()
+    }
+
+    /// Says in the audit what the last warm-up step parked, and gives back the pinned host memory
+    /// that held it (the captured step parks nothing).
+    fn note_parked(&self, parked: Parked) -> Result<()> {
+        self.host.note(format!(
+            "eager warm-up: {} saved activation storage(s), {}, kept in host memory until the \
+             backward read them (compile.warmup_offload)",
+            parked.storages,
+            memory::gib(parked.bytes)
+        ));
+        offload::release_host_cache()
     }
 
     /// Drops the gradients the last eager step's optimizer will drop at this step's `zero_grad`:

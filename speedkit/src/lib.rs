@@ -67,6 +67,7 @@ mod layering;
 pub mod memory;
 pub mod nn;
 mod nvtx;
+pub mod offload;
 pub mod optim;
 pub mod overrides;
 pub mod plan;

@@ -29,6 +29,8 @@ use serde_json::Value;
 use crate::error::{Result, SpeedkitError};
 use crate::ffi;
 
+mod parked;
+
 /// One operator call of a recorded step.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TracedOp {
@@ -130,6 +132,7 @@ impl TracedTensor {
 pub struct StepTrace {
     ops: Vec<TracedOp>,
     kernels: Vec<usize>,
+    unmatched_parked_reads: usize,
 }
 
 /// One trace at a time: the observer is one per process.
@@ -183,12 +186,24 @@ impl StepTrace {
     /// The trace of `ops`: of those on `thread` and the backward of their forward, when given.
     fn from_nodes(mut ops: Vec<TracedOp>, thread: Option<u64>) -> StepTrace {
         ops.sort_by_key(|op| op.id);
+        let unmatched_parked_reads = parked::resolve(&mut ops);
         mark_backward(&mut ops);
         if let Some(thread) = thread {
             keep_thread(&mut ops, thread);
         }
         let kernels = kernel_calls(&ops);
-        StepTrace { ops, kernels }
+        StepTrace {
+            ops,
+            kernels,
+            unmatched_parked_reads,
+        }
+    }
+
+    /// How many of the backward's reads of saved tensors that were parked in host memory
+    /// ([`crate::offload`]) could not be given the key of a tensor of the forward. The trace's data
+    /// flow is whole only where this is 0.
+    pub fn unmatched_parked_reads(&self) -> usize {
+        self.unmatched_parked_reads
     }
 
     /// Every recorded call, composite operators and autograd functions included, in start order.

@@ -23,6 +23,10 @@ pub struct CompileConfig {
     /// Whether the captured step runs generated kernels for its chains of pointwise operators
     /// (traced during the last warm-up step) in place of ATen's, one kernel per chain.
     pub fusion: bool,
+    /// Whether the eager warm-up steps keep the tensors autograd saves for the backward in host
+    /// memory until the backward reads them (`speedkit::offload`): a warm-up step then peaks near
+    /// the captured step instead of at a whole eager step's activations.
+    pub warmup_offload: bool,
 }
 
 impl Default for CompileConfig {
@@ -33,6 +37,7 @@ impl Default for CompileConfig {
             max_graphs: 4,
             warmup_steps: 3,
             fusion: false,
+            warmup_offload: true,
         }
     }
 }

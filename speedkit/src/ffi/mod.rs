@@ -38,6 +38,7 @@ pub(crate) mod nvtx;
 pub(crate) mod optim;
 pub(crate) mod overrides;
 pub(crate) mod profiler;
+pub(crate) mod saved_offload;
 pub(crate) mod weight_casts;
 
 /// The declarations generated from `speedkit/shim/speedkit.h` (speedkit-build's `abi` module): one

@@ -145,6 +145,7 @@ impl FusedStep {
             ran = Some(step());
             session.end()?;
             calls = session.recorded()?;
+
             recording = Some(session);
             Ok(())
         });
@@ -167,6 +168,14 @@ impl FusedStep {
     }
 
     fn from_recording(device: Device, trace: &StepTrace, calls: &[RecordedCall]) -> Result<Self> {
+        if trace.unmatched_parked_reads() > 0 {
+            return Err(SpeedkitError::Unsupported(format!(
+                "{} of the backward's reads of saved tensors parked in host memory could not be \
+                 matched to the forward's tensors (`compile.warmup_offload: false` traces without \
+                 parking)",
+                trace.unmatched_parked_reads()
+            )));
+        }
         let plan = FusionPlan::generatable(trace);
         let kernels = trace.kernels();
         let recorded = recorded_calls(trace, calls);

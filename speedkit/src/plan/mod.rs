@@ -209,6 +209,9 @@ pub struct Plan {
     pub graph_warmup_steps: usize,
     /// Generated kernels for the captured step's pointwise chains (`compile.fusion`).
     pub graph_fusion: bool,
+    /// Saved activations of the eager warm-up steps kept in host memory until the backward reads
+    /// them (`compile.warmup_offload`).
+    pub graph_warmup_offload: bool,
     /// Conv weights in channels-last.
     pub channels_last: bool,
     /// FP8 GEMMs for `speedkit::nn::Linear`, if the plan uses them.
@@ -422,6 +425,7 @@ impl Plan {
             max_graphs: config.compile.max_graphs as usize,
             graph_warmup_steps: config.compile.warmup_steps as usize,
             graph_fusion: compile_graphs && config.compile.fusion,
+            graph_warmup_offload: compile_graphs && config.compile.warmup_offload,
             channels_last,
             fp8,
             kernels,
