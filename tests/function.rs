@@ -441,45 +441,12 @@ fn the_function_is_dropped_with_its_node() {
     assert_eq!(drops.load(Ordering::SeqCst), 1, "freed with the node");
 }
 
-/// y = exp(x), saving a detached alias of y; its backward records what `may_overwrite` said of
-/// it and then writes the gradient into it where allowed.
-struct ExpInPlace(std::sync::Arc<std::sync::Mutex<Option<bool>>>);
-
-impl Function for ExpInPlace {
-    fn forward(
-        &mut self,
-        ctx: &mut ForwardContext<'_>,
-        inputs: &[Tensor],
-    ) -> speedkit::Result<Vec<Tensor>> {
-        let y = inputs[0].exp();
-        ctx.save_for_backward(&[&y.detach()])?;
-        Ok(vec![y])
-    }
-
-    fn backward(
-        &mut self,
-        ctx: &mut BackwardContext<'_>,
-        grads: &[Option<Tensor>],
-    ) -> speedkit::Result<Vec<Option<Tensor>>> {
-        let y = ctx.saved()?.remove(0);
-        let g = grads[0].as_ref().expect("materialized");
-        let reuse = ctx.may_overwrite(&y)?;
-        *self.0.lock().unwrap() = Some(reuse);
-        let dx = if reuse {
-            y.shallow_clone().f_mul_(g)?
-        } else {
-            g * &y
-        };
-        Ok(vec![Some(dx)])
-    }
-}
-
 /// What `may_overwrite` said in ExpInPlace's backward, run by `backward`, which hands back x's
 /// gradient; the gradient is checked against exp(x) whatever it said.
 fn may_overwrite_after(backward: impl FnOnce(&Tensor, Tensor) -> Tensor) -> bool {
     let said = std::sync::Arc::new(std::sync::Mutex::new(None));
     let x = Tensor::from_slice(&[0.0f64, 1.0, -2.0]).set_requires_grad(true);
-    let y = apply(ExpInPlace(std::sync::Arc::clone(&said)), &[&x])
+    let y = apply(common::ExpInPlace(std::sync::Arc::clone(&said)), &[&x])
         .unwrap()
         .remove(0);
     let dx = backward(&x, y);

@@ -125,59 +125,29 @@ fn another_threads_saved_tensors_stay_where_they_are() {
     assert_eq!(parked.finish().unwrap().bytes, 0);
 }
 
-/// y = exp(x), whose backward says whether it may write the gradient into y's memory.
-struct OwnedExp {
-    may_overwrite: std::sync::Arc<std::sync::atomic::AtomicBool>,
-}
-
-impl speedkit::function::Function for OwnedExp {
-    fn forward(
-        &mut self,
-        ctx: &mut speedkit::function::ForwardContext<'_>,
-        inputs: &[Tensor],
-    ) -> speedkit::Result<Vec<Tensor>> {
-        let y = inputs[0].exp();
-        ctx.save_for_backward(&[&y.detach()])?;
-        Ok(vec![y])
-    }
-
-    fn backward(
-        &mut self,
-        ctx: &mut speedkit::function::BackwardContext<'_>,
-        grads: &[Option<Tensor>],
-    ) -> speedkit::Result<Vec<Option<Tensor>>> {
-        let y = ctx.saved()?.remove(0);
-        let may = ctx.may_overwrite(&y)?;
-        self.may_overwrite
-            .store(may, std::sync::atomic::Ordering::SeqCst);
-        Ok(vec![grads[0].as_ref().map(|g| g * &y)])
-    }
-}
-
 #[test]
 fn a_function_whose_backward_may_overwrite_what_it_saved_decides_as_without_parking() {
     let _serial = common::serial();
     let may_overwrite = |parked: bool| {
-        let seen = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let said = std::sync::Arc::new(std::sync::Mutex::new(None));
         let x = Tensor::randn([512, 512], (Kind::Float, Device::Cpu)).set_requires_grad(true);
         let parking = parked.then(|| ParkedActivations::start(ALL).unwrap());
-        let function = OwnedExp {
-            may_overwrite: seen.clone(),
-        };
+        let function = common::ExpInPlace(std::sync::Arc::clone(&said));
         let y = speedkit::function::apply(function, &[&x])
             .unwrap()
             .remove(0);
         let loss = y.sum(Kind::Float);
         drop(y);
-        let _ = Tensor::randn([512, 512], (Kind::Float, Device::Cpu))
-            .set_requires_grad(true)
-            .exp();
+        // Another save: where y's were parked, this one would park it.
+        let other = Tensor::randn([512, 512], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+        let _ = other.exp();
         loss.backward();
         drop(parking);
-        seen.load(std::sync::atomic::Ordering::SeqCst)
+        let said = *said.lock().unwrap();
+        said
     };
-    assert!(may_overwrite(false));
-    assert!(may_overwrite(true));
+    assert_eq!(may_overwrite(false), Some(true));
+    assert_eq!(may_overwrite(true), Some(true));
 }
 
 /// Per kernel of `trace`, per tensor argument: the kernel that made it, if one did.

@@ -87,3 +87,36 @@ pub fn largest_relative_gap(run: &[f64], reference: &[f64]) -> f64 {
 pub fn bf16_tolerance(gap_aten: f64) -> f64 {
     0.05f64.max(1.25 * gap_aten)
 }
+
+/// y = exp(x), saving a detached alias of y; its backward records what `may_overwrite` said of
+/// it and then writes the gradient into it where allowed.
+pub struct ExpInPlace(pub std::sync::Arc<std::sync::Mutex<Option<bool>>>);
+
+impl speedkit::function::Function for ExpInPlace {
+    fn forward(
+        &mut self,
+        ctx: &mut speedkit::function::ForwardContext<'_>,
+        inputs: &[tch::Tensor],
+    ) -> speedkit::Result<Vec<tch::Tensor>> {
+        let y = inputs[0].exp();
+        ctx.save_for_backward(&[&y.detach()])?;
+        Ok(vec![y])
+    }
+
+    fn backward(
+        &mut self,
+        ctx: &mut speedkit::function::BackwardContext<'_>,
+        grads: &[Option<tch::Tensor>],
+    ) -> speedkit::Result<Vec<Option<tch::Tensor>>> {
+        let y = ctx.saved()?.remove(0);
+        let g = grads[0].as_ref().expect("materialized");
+        let reuse = ctx.may_overwrite(&y)?;
+        *self.0.lock().unwrap() = Some(reuse);
+        let dx = if reuse {
+            y.shallow_clone().f_mul_(g)?
+        } else {
+            g * &y
+        };
+        Ok(vec![Some(dx)])
+    }
+}
