@@ -450,7 +450,7 @@ where
             let parked = parking.map(ParkedActivations::finish).transpose()?;
             side.exit()?;
             if let (true, Some(parked)) = (last_warmup, parked) {
-                self.note_parked(parked)?;
+                self.note_parked(parked);
             }
             self.dropped_next_step = noting.finish();
             let out =
@@ -513,14 +513,17 @@ where
 
     /// Says in the audit what the last warm-up step parked, and gives back the pinned host memory
     /// that held it (the captured step parks nothing).
-    fn note_parked(&self, parked: Parked) -> Result<()> {
+    fn note_parked(&self, parked: Parked) {
         self.host.note(format!(
             "eager warm-up: {} saved activation storage(s), {}, kept in host memory until the \
              backward read them (compile.warmup_offload)",
             parked.storages,
             memory::gib(parked.bytes)
         ));
-        offload::release_host_cache()
+        if let Err(e) = offload::release_host_cache() {
+            self.host
+                .note(format!("pinned host memory kept cached: {e}"));
+        }
     }
 
     /// Drops the gradients the last eager step's optimizer will drop at this step's `zero_grad`:

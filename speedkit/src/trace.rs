@@ -202,6 +202,22 @@ impl StepTrace {
     /// How many of the backward's reads of saved tensors that were parked in host memory
     /// ([`crate::offload`]) could not be given the key of a tensor of the forward. The trace's data
     /// flow is whole only where this is 0.
+    ///
+    /// ```
+    /// use speedkit::offload::ParkedActivations;
+    /// use speedkit::trace::StepTrace;
+    /// use tch::{Device, Kind, Tensor};
+    ///
+    /// let x = Tensor::randn([256, 256], (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    /// let (_, trace) = StepTrace::record(|| -> speedkit::Result<()> {
+    ///     let parked = ParkedActivations::start(0)?;
+    ///     x.exp().tanh().sum(Kind::Float).backward();
+    ///     parked.finish()?;
+    ///     Ok(())
+    /// })?;
+    /// assert_eq!(trace.unmatched_parked_reads(), 0);
+    /// # Ok::<(), speedkit::SpeedkitError>(())
+    /// ```
     pub fn unmatched_parked_reads(&self) -> usize {
         self.unmatched_parked_reads
     }

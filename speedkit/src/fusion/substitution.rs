@@ -145,7 +145,6 @@ impl FusedStep {
             ran = Some(step());
             session.end()?;
             calls = session.recorded()?;
-
             recording = Some(session);
             Ok(())
         });
