@@ -313,3 +313,35 @@ fn fp8_off_without_fp8_hardware_says_why_rather_than_how() {
     assert!(plan.fp8.is_none());
     assert!(fp8_decision(&plan).reason.contains("no FP8 Tensor Cores"));
 }
+
+#[test]
+fn the_warm_ups_saved_tensors_are_parked_by_default_with_fusion_only() {
+    let mut config = SpeedConfig::auto();
+    let plan = Plan::resolve(&config, &h100()).unwrap();
+    assert!(plan.compile_graphs && !plan.graph_warmup_offload);
+    assert!(decision(&plan, "compile.warmup_offload")
+        .reason
+        .contains("no fusion"));
+    config.compile.fusion = true;
+    assert!(
+        Plan::resolve(&config, &h100())
+            .unwrap()
+            .graph_warmup_offload
+    );
+    config.compile.warmup_offload = AutoBool::Off;
+    assert!(
+        !Plan::resolve(&config, &h100())
+            .unwrap()
+            .graph_warmup_offload
+    );
+    config.compile.fusion = false;
+    config.compile.warmup_offload = AutoBool::On;
+    assert!(
+        Plan::resolve(&config, &h100())
+            .unwrap()
+            .graph_warmup_offload
+    );
+    // No capture, no warm-up steps.
+    let cpu = Plan::resolve(&config, &Hardware::cpu_only()).unwrap();
+    assert!(!cpu.graph_warmup_offload);
+}

@@ -25,8 +25,10 @@ pub struct CompileConfig {
     pub fusion: bool,
     /// Whether the eager warm-up steps keep the tensors autograd saves for the backward in host
     /// memory until the backward reads them (`speedkit::offload`): a warm-up step then peaks near
-    /// the captured step instead of at a whole eager step's activations.
-    pub warmup_offload: bool,
+    /// the captured step instead of at a whole eager step's activations. `auto`: with `fusion`,
+    /// whose captured step saves less than an eager one (without it, the two peak alike and
+    /// parking would only cost time).
+    pub warmup_offload: AutoBool,
 }
 
 impl Default for CompileConfig {
@@ -37,7 +39,7 @@ impl Default for CompileConfig {
             max_graphs: 4,
             warmup_steps: 3,
             fusion: false,
-            warmup_offload: true,
+            warmup_offload: AutoBool::Auto,
         }
     }
 }

@@ -59,7 +59,9 @@ use precision::{
     resolve_grad_scaler, resolve_matmul_precision, resolve_precision,
     resolve_reduced_precision_reduction,
 };
-use step::{resolve_channels_last, resolve_compile_graphs, resolve_fused_optimizer};
+use step::{
+    resolve_channels_last, resolve_compile_graphs, resolve_fused_optimizer, resolve_warmup_offload,
+};
 
 /// The precision training runs in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -425,7 +427,7 @@ impl Plan {
             max_graphs: config.compile.max_graphs as usize,
             graph_warmup_steps: config.compile.warmup_steps as usize,
             graph_fusion: compile_graphs && config.compile.fusion,
-            graph_warmup_offload: compile_graphs && config.compile.warmup_offload,
+            graph_warmup_offload: resolve_warmup_offload(&config.compile, compile_graphs, &mut d),
             channels_last,
             fp8,
             kernels,

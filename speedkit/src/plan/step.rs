@@ -1,7 +1,7 @@
 //! How the training step runs: the AdamW kernel, CUDA graph capture, and the conv weights' layout.
 
 use super::decisions::Decisions;
-use crate::config::AutoBool;
+use crate::config::{AutoBool, CompileConfig};
 use crate::error::{Result, SpeedkitError};
 use crate::hardware::{GpuInfo, Hardware};
 
@@ -110,4 +110,30 @@ pub(super) fn resolve_channels_last(
             v == AutoBool::On
         }
     }
+}
+
+/// The eager warm-up steps' saved tensors in host memory (`compile.warmup_offload`): by default
+/// with fusion, whose captured step saves less than an eager step, so that the warm-up would set
+/// the run's peak; without fusion both peak alike and parking would only cost time.
+pub(super) fn resolve_warmup_offload(
+    compile: &CompileConfig,
+    graphs: bool,
+    d: &mut Decisions,
+) -> bool {
+    let (on, why) = match (compile.warmup_offload, graphs) {
+        (_, false) => (false, "no graph capture: no warm-up steps"),
+        (AutoBool::Auto, true) if compile.fusion => (
+            true,
+            "fusion: the captured step saves less than an eager warm-up step, which would set the \
+             run's peak",
+        ),
+        (AutoBool::Auto, true) => (
+            false,
+            "no fusion: the captured step saves what an eager step saves, so parking would only \
+             cost time",
+        ),
+        (v, true) => (v == AutoBool::On, "set in the config"),
+    };
+    d.push("compile.warmup_offload", on.to_string(), why);
+    on
 }
