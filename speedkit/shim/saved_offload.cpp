@@ -83,8 +83,8 @@ struct Hidden {
 
 // A storage some saved tensors live on.
 struct SavedStorage {
-  int64_t aliases = 0;  // the hooks' tensors on it, each holding it once
-  at::Tensor host;      // its bytes while parked; undefined while on the device
+  int64_t aliases = 0;    // the hooks' tensors on it, each holding it once
+  at::Tensor host;        // its bytes while parked; undefined while on the device
   bool read = false;      // unpacked by the backward: it stays on the device from then on
 };
 
