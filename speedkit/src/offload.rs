@@ -11,6 +11,10 @@
 //! step under it computes what it computes without it, bit for bit; the backward reads the bytes
 //! that were saved.
 //!
+//! Graph mode parks its eager warm-up steps this way where `compile.warmup_offload` says so (`auto`:
+//! with `compile.fusion`, whose captured step saves less than an eager step), and the audit's
+//! `eager warm-up:` note says how much it parked.
+//!
 //! Autograd's checks stay: a saved tensor changed in place before the backward reads it fails the
 //! backward with autograd's error. Each pack and unpack is marked in an
 //! [execution trace](crate::trace::StepTrace), which gives the backward's reads the identities of
