@@ -38,6 +38,29 @@ fn llama_step_trace() -> StepTrace {
 }
 
 #[test]
+fn a_recorded_trace_is_kept_where_the_trace_dir_variable_says_and_reads_back_the_same() {
+    let _serial = common::serial();
+    let dir = std::env::temp_dir().join(format!("speedkit-kept-traces-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::env::set_var(speedkit::trace::TRACE_DIR_VARIABLE, &dir);
+    let x = Tensor::randn([3, 5], (Kind::Float, CPU)).set_requires_grad(true);
+    let recorded = StepTrace::record(|| x.silu().sum(Kind::Float).backward());
+    std::env::remove_var(speedkit::trace::TRACE_DIR_VARIABLE);
+    let (_, trace) = recorded.unwrap();
+    let kept: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
+    assert_eq!(kept.len(), 1, "{kept:?}");
+    let read = StepTrace::read(&kept[0].path()).unwrap();
+    let names = |t: &StepTrace| {
+        t.kernels()
+            .iter()
+            .map(|op| op.name.clone())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(names(&read), names(&trace));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn a_traced_step_holds_its_forward_and_backward_kernels_with_their_tensors() {
     let _serial = common::serial();
     let x = Tensor::randn([3, 5], (Kind::Float, CPU)).set_requires_grad(true);

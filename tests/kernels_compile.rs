@@ -180,3 +180,62 @@ fn a_source_that_does_not_compile_reports_nvrtcs_log() {
         "{err}"
     );
 }
+
+/// `count` kernel sources of their own, registered under names that start with `prefix`.
+fn registered_sources(prefix: &str, count: usize) -> Vec<CudaModule> {
+    (0..count)
+        .map(|k| {
+            let source = format!(
+                "extern \"C\" __global__ void {prefix}_{k}(float* x, int n) {{\n\
+                 int i = blockIdx.x * blockDim.x + threadIdx.x;\n\
+                 if (i < n) x[i] = x[i] * {k}.f + 1.f;\n}}\n"
+            );
+            CudaModule::new(&format!("{prefix}_{k}.cu"), &source).expect("a new name")
+        })
+        .collect()
+}
+
+#[test]
+fn sources_compiled_ahead_on_several_threads_are_each_compiled_once() {
+    let modules = registered_sources("ahead_once", 6);
+    let first = kernels::compile_ahead(&modules, HOPPER).expect("NVRTC from the torch wheel");
+    // The disk cache may hold them from an earlier run of this test.
+    assert_eq!(
+        (first.compiled + first.cached, first.failed),
+        (6, 0),
+        "{first}"
+    );
+    assert!(first.threads >= 1 && first.threads <= kernels::MOST_COMPILE_THREADS);
+    let again = kernels::compile_ahead(&modules, HOPPER).expect("compiled already");
+    assert_eq!((again.compiled, again.cached), (0, 6), "{again}");
+}
+
+#[test]
+fn a_source_that_does_not_compile_ahead_is_counted_and_the_rest_compile() {
+    let mut modules = registered_sources("ahead_broken", 3);
+    modules.push(
+        CudaModule::new(
+            "ahead_broken_bad.cu",
+            "extern \"C\" __global__ void bad(float* x) { x[0] = undeclared; }\n",
+        )
+        .expect("a new name"),
+    );
+    let done = kernels::compile_ahead(&modules, HOPPER).expect("the others compile");
+    assert_eq!((done.compiled + done.cached, done.failed), (3, 1), "{done}");
+    assert!(done.to_string().contains("1 not compiled"), "{done}");
+}
+
+#[test]
+fn the_same_source_named_twice_is_compiled_ahead_once() {
+    let modules = registered_sources("ahead_twice", 1);
+    let twice = [modules[0].clone(), modules[0].clone()];
+    let done = kernels::compile_ahead(&twice, HOPPER).expect("NVRTC from the torch wheel");
+    assert_eq!(done.compiled + done.cached, 1, "{done}");
+}
+
+#[test]
+fn compiling_ahead_one_of_speedkits_own_files_is_an_error_naming_it() {
+    let own = CudaModule::built_in("layernorm.cuh").expect("embedded");
+    let err = kernels::compile_ahead(&[own], HOPPER).expect_err("compiled per entry point");
+    assert!(err.to_string().contains("layernorm.cuh"), "{err}");
+}

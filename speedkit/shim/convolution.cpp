@@ -11,6 +11,7 @@
 #include "fused_op.h"
 
 #include <ATen/ops/convolution.h>
+#include <ATen/native/ConvUtils.h>
 #include <ATen/ops/convolution_backward.h>
 
 #include <array>
@@ -64,7 +65,12 @@ struct ConvolutionFunction : torch::autograd::Function<ConvolutionFunction> {
                                       data.at("has_bias").toBool() && ctx->needs_input_grad(2)};
     const std::vector<int64_t> stride = data.at("stride").toIntVector();
     const std::vector<int64_t> output_padding(stride.size(), 0);
-    const at::Tensor grad = grads[0].to(t);
+    const at::Tensor& x_c = saved[0];
+    // Dense once, in the layout cuDNN takes (the weight's cast below keeps its layout): a slice of
+    // a concatenation's gradient would otherwise be copied by each of cuDNN's two backward passes.
+    const at::Tensor grad =
+        grads[0].is_cuda() ? grads[0].to(t).contiguous(at::native::cudnn_conv_suggest_memory_format(x_c, saved[1]))
+                           : grads[0].to(t);
     // The bias's gradient summed as ATen's convolution_backward sums it, but by an operator of its
     // own, first: the fused kernel that makes the gradient may sum it as it writes it.
     at::Tensor db;
@@ -75,7 +81,6 @@ struct ConvolutionFunction : torch::autograd::Function<ConvolutionFunction> {
       }
       db = grad.sum(dims);
     }
-    const at::Tensor& x_c = saved[0];
     const at::Tensor w_c = saved[1].to(t);
     auto [dx, dw, unused] =
         at::convolution_backward(grad, x_c, w_c, std::nullopt, stride, data.at("padding").toIntVector(),

@@ -17,6 +17,7 @@
 #include <set>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 #include <tuple>
 #include <unistd.h>
 
@@ -110,7 +111,9 @@ void write_file_atomically(const fs::path& path, const std::vector<char>& bytes)
   std::error_code error;
   fs::create_directories(path.parent_path(), error);
   fs::path temporary = path;
-  temporary += ".tmp." + std::to_string(::getpid());
+  // Threads of one process may write at once (kernels compiled in parallel): each its own name.
+  temporary += ".tmp." + std::to_string(::getpid()) + "." +
+               std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id()));
   {
     std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
     if (!out) return;
@@ -129,20 +132,41 @@ std::string file_stem(const std::string& name) {
   return stem;
 }
 
-// The cubin of `file` (of its one `entry_point` where one is named), from the cache or compiled.
-std::vector<char> cubin_for(const Source& file, int major, int minor, const std::string& entry_point) {
-  const fs::path dir = cache_dir();
-  fs::path cached;
-  if (!dir.empty()) {
-    const std::string what = entry_point.empty() ? file_stem(file.name) : file_stem(file.name) + "-" + entry_point;
-    cached = dir / (what + "-sm_" + std::to_string(major) + std::to_string(minor) + "-" +
-                    cache_key(file, major, minor) + ".cubin");
-    std::vector<char> bytes = read_file(cached);
-    if (!bytes.empty()) return bytes;
+// Cubins compiled or read by this process, by their cache file's name: what a compile ahead of the
+// loads (sk_kernel_prepare, on several threads) leaves for them, with or without a disk cache.
+struct Cubins {
+  std::mutex mutex;
+  std::map<std::string, std::vector<char>> by_name;
+};
+
+Cubins& cubins() {
+  static Cubins* store = new Cubins();
+  return *store;
+}
+
+// The cubin of `file` (of its one `entry_point` where one is named): this process's, the disk
+// cache's, or compiled; *compiled says whether NVRTC ran.
+std::vector<char> cubin_for(const Source& file, int major, int minor, const std::string& entry_point,
+                            bool* compiled = nullptr) {
+  const std::string what = entry_point.empty() ? file_stem(file.name) : file_stem(file.name) + "-" + entry_point;
+  const std::string name =
+      what + "-sm_" + std::to_string(major) + std::to_string(minor) + "-" + cache_key(file, major, minor) + ".cubin";
+  if (compiled != nullptr) *compiled = false;
+  Cubins& store = cubins();
+  {
+    std::lock_guard<std::mutex> lock(store.mutex);
+    auto found = store.by_name.find(name);
+    if (found != store.by_name.end()) return found->second;
   }
-  std::vector<char> cubin = nvrtc::compile(file, major, minor, entry_point);
-  if (!cached.empty()) write_file_atomically(cached, cubin);
-  return cubin;
+  const fs::path dir = cache_dir();
+  std::vector<char> cubin = dir.empty() ? std::vector<char>() : read_file(dir / name);
+  if (cubin.empty()) {
+    cubin = nvrtc::compile(file, major, minor, entry_point);
+    if (compiled != nullptr) *compiled = true;
+    if (!dir.empty()) write_file_atomically(dir / name, cubin);
+  }
+  std::lock_guard<std::mutex> lock(store.mutex);
+  return store.by_name.emplace(name, std::move(cubin)).first->second;
 }
 
 // ----- loaded modules --------------------------------------------------------------------------------
@@ -172,6 +196,15 @@ std::string describe_parameters(const std::vector<size_t>& sizes) {
 }
 
 }  // namespace
+
+bool prepare(const Source& file, int major, int minor) {
+  if (file.index < builtin_source_count())
+    throw std::invalid_argument("speedkit's own kernel file " + file.name +
+                                " is compiled one entry point at a time, as its kernels launch");
+  bool compiled = false;
+  cubin_for(file, major, minor, entry_point_to_compile(file, {}), &compiled);
+  return compiled;
+}
 
 int source_count() {
   Sources& s = sources();
@@ -530,6 +563,10 @@ int sk_kernel_compile(int index, const char* entry_point, int major, int minor, 
 }
 
 int sk_nvrtc_version(int* out) { SK_TRY(*out = sk::kernels::nvrtc::version()) }
+
+int sk_kernel_prepare(int index, int major, int minor, int* compiled) {
+  SK_TRY(*compiled = sk::kernels::prepare(sk::kernels::source(index), major, minor) ? 1 : 0)
+}
 
 int sk_kernel_load(int index, const char* name, int device, void** kernel, int64_t* param_sizes, int64_t capacity,
                    int64_t* param_count) {

@@ -109,6 +109,11 @@ const char* type_tag(c10::ScalarType type);
 std::string kernel_name(const char* base, std::initializer_list<c10::ScalarType> types,
                         const std::string& variant = {});
 
+// Compiles a source registered at run time for `sm_<major><minor>` (or reads its cubin from the disk
+// cache) ahead of the loads of its kernels, which then find it in this process; whether NVRTC ran.
+// Thread-safe: a step's generated kernels are compiled on several threads at once.
+bool prepare(const Source& file, int major, int minor);
+
 // The kernel `name` of source `file`, compiled (or read from the on-disk cache) and loaded on
 // `device` on first use; later calls are a map lookup. When `parameter_bytes` is given, a kernel
 // that does not take exactly one parameter of that size is refused.

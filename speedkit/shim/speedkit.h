@@ -587,6 +587,10 @@ int sk_kernel_source_register(const char* name, const char* text, int* index);
 int sk_kernel_compile(int index, const char* entry_point, int major, int minor, int64_t* cubin_bytes);
 /// NVRTC's version as major * 1000 + minor * 10.
 int sk_nvrtc_version(int* out);
+/// Compiles source `index`, one registered at run time, for `sm_<major><minor>` (or reads it from
+/// the disk cache) ahead of sk_kernel_load, which then finds its cubin in this process; *compiled
+/// receives 1 where NVRTC ran. Safe to call from several threads at once.
+int sk_kernel_prepare(int index, int major, int minor, int* compiled);
 /// Compiles (or reads from the cache) source `index` for CUDA device `device` and loads kernel
 /// `name` of it; *kernel receives a handle (sk_kernel_free). *param_count receives how many
 /// parameters the kernel takes and param_sizes (up to `capacity`) their byte sizes, or -1 when the

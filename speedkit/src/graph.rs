@@ -40,6 +40,8 @@
 //! (device-side inf check, skip and scale update), autocast. Optimizers that decide on the host (tch's
 //! `nn::Optimizer` under a GradScaler) synchronise and therefore fall back.
 
+use std::time::Instant;
+
 use serde::Serialize;
 use tch::{Device, Kind, Tensor};
 
@@ -234,6 +236,8 @@ struct Entry {
     /// The step's fused groups, traced in the last warm-up step, for the capture to run.
     fused: Option<FusedStep>,
     last_used: u64,
+    /// When its first warm-up step began: the audit gives the time to the first replay.
+    first_warmup: Option<Instant>,
 }
 
 /// Runs the last warm-up step traced for fusion: its result, and the fused program unless one
@@ -428,6 +432,7 @@ where
             note_step_kind(StepKind::GraphWarmup);
             let _range = NvtxRange::push(nvtx, c"speedkit/graph warm-up (eager)");
             entry.eager_runs += 1;
+            entry.first_warmup.get_or_insert_with(Instant::now);
             let last_warmup = entry.eager_runs == warmup;
             let side = SideStream::enter(device_index)?;
             // The forward's and the backward's cuBLAS handles share one workspace on the side
@@ -558,6 +563,7 @@ where
             gradients: (Vec::new(), Vec::new()),
             output: None,
             fused: None,
+            first_warmup: None,
             last_used: self.clock,
         });
         self.entries.len() - 1
@@ -576,6 +582,7 @@ where
         // Static buffers are allocated outside the capture, so they outlive every replay.
         let static_inputs: Vec<Tensor> = inputs.iter().map(|t| t.copy()).collect();
         ffi::device::cuda_synchronize(device_index)?;
+        let capture_start = Instant::now();
         // The warm-up ran on a side stream, whose freed blocks the allocator keeps for that stream
         // alone; the capture allocates into the graph's private pool. Handing those blocks back to
         // the driver first (as torch.cuda.graph does) keeps the process from holding both. So
@@ -619,9 +626,15 @@ where
                 graph.replay()?;
                 entry.graph = Some(graph);
                 self.host.after_graph_replay()?;
+                let warmup = (entry.first_warmup)
+                    .map(|t| capture_start.duration_since(t).as_secs_f64())
+                    .unwrap_or(0.0);
                 self.host.note(format!(
-                    "training step captured as a CUDA graph (input shapes {shapes:?}) after {} eager warm-up step(s)",
-                    entry.eager_runs
+                    "training step captured as a CUDA graph (input shapes {shapes:?}) after {} eager \
+                     warm-up step(s): {warmup:.2} s of warm-up (tracing and compiling included), \
+                     {:.2} s to capture and replay it once",
+                    entry.eager_runs,
+                    capture_start.elapsed().as_secs_f64()
                 ));
                 Ok(entry.output.as_ref().map(Tensor::shallow_clone))
             }

@@ -149,6 +149,25 @@ impl Drop for Recording {
     }
 }
 
+/// The environment variable naming a directory where each recorded step's execution trace is
+/// kept (PyTorch's JSON, as [`StepTrace::read`] reads it), to read what the fusion planner saw.
+///
+/// ```
+/// // SPEEDKIT_TRACE_DIR=target/traces cargo run --release --example ...
+/// assert_eq!(speedkit::trace::TRACE_DIR_VARIABLE, "SPEEDKIT_TRACE_DIR");
+/// ```
+pub const TRACE_DIR_VARIABLE: &str = "SPEEDKIT_TRACE_DIR";
+
+/// A copy of the trace at `path` in [`TRACE_DIR_VARIABLE`]'s directory, where that is set; a copy
+/// that cannot be written is left out (the trace is only kept for reading).
+fn keep_for_reading(path: &Path) {
+    let (Some(dir), Some(name)) = (std::env::var_os(TRACE_DIR_VARIABLE), path.file_name()) else {
+        return;
+    };
+    let dir = Path::new(&dir);
+    let _ = std::fs::create_dir_all(dir).and_then(|()| std::fs::copy(path, dir.join(name)));
+}
+
 impl StepTrace {
     /// Runs `f` with every operator call of the process recorded, and returns its result with the
     /// trace. The observer (a global callback) is removed on every exit path, panics included.
@@ -172,6 +191,7 @@ impl StepTrace {
         let result = f();
         drop(recording);
         let nodes = read_nodes(&path);
+        keep_for_reading(&path);
         let _ = std::fs::remove_file(&path);
         Ok((result, Self::from_nodes(nodes?, Some(thread))))
     }

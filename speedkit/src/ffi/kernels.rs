@@ -129,6 +129,25 @@ pub(crate) fn compile(
     Ok(usize::try_from(bytes).unwrap_or(0))
 }
 
+/// Compiles source `index` (registered at run time) for `sm_<major><minor>`, or reads it from the
+/// disk cache, ahead of [`load`]: whether NVRTC ran. Safe on several threads at once.
+pub(crate) fn prepare(index: usize, major: u32, minor: u32) -> Result<bool> {
+    let to_int = |v: u64| {
+        c_int::try_from(v).map_err(|_| SpeedkitError::Misuse(format!("{v} is out of range")))
+    };
+    let mut compiled = 0;
+    // SAFETY: plain integers and a valid out-pointer.
+    check(unsafe {
+        abi::sk_kernel_prepare(
+            to_int(index as u64)?,
+            to_int(u64::from(major))?,
+            to_int(u64::from(minor))?,
+            &mut compiled,
+        )
+    })?;
+    Ok(compiled != 0)
+}
+
 /// NVRTC's version as major * 1000 + minor * 10.
 pub(crate) fn nvrtc_version() -> Result<u32> {
     let mut version = 0;

@@ -25,7 +25,9 @@ use super::codegen::{self, kind_of};
 use super::{grouping, recompute, FusedGroup, FusionPlan, GeneratedKernel, KernelArg, OpKind};
 use crate::cuda::{Arg, CudaKernel, CudaModule};
 use crate::error::{Result, SpeedkitError};
+use crate::ffi;
 use crate::ffi::interposer::{Program, RecordedCall, Session};
+use crate::kernels::{self, Arch, CompiledAhead};
 use crate::trace::{StepTrace, TracedOp, TracedTensor, TracedValue};
 
 /// A step's fused groups as a program for the interposer; see [`crate::fusion`].
@@ -37,6 +39,8 @@ pub struct FusedStep {
     /// The recorded calls that the step's weights' kept copies serve ([`weight_casts`]).
     kept_copies: Vec<usize>,
     plan: FusionPlan,
+    /// The generated kernels compiled before the groups were placed, where the step runs on CUDA.
+    compiled_ahead: Option<CompiledAhead>,
 }
 
 /// A forward group's result that the backward recomputes instead of the forward saving it: one
@@ -191,6 +195,10 @@ impl FusedStep {
                     .filter_map(|op| position.get(&op.id).copied())
             })
             .collect();
+        // Only a head start: what it could not do, the loop does one kernel at a time.
+        let compiled_ahead = compile_ahead(&plan, &nodes, &position, device)
+            .ok()
+            .flatten();
         let mut placer = Placer {
             kernels: &kernels,
             position: &position,
@@ -259,6 +267,7 @@ impl FusedStep {
             recomputed,
             kept_copies,
             plan,
+            compiled_ahead,
         })
     }
 
@@ -367,6 +376,9 @@ impl FusedStep {
                 self.kept_copies.len()
             ));
         }
+        if let Some(compiled) = &self.compiled_ahead {
+            line.push_str(&format!("; {compiled}"));
+        }
         line
     }
 
@@ -447,6 +459,47 @@ impl Placer<'_> {
             inlined: inlined.map_or(Vec::new(), |i| i.results),
         })
     }
+}
+
+/// The kernels the placing loop will load where every group is placed (each group's kernel, the
+/// variant computing earlier groups' deferred results where it reads them, and its deferrals'),
+/// registered and compiled ahead on several threads ([`kernels::compile_ahead`]), so that a cold
+/// start waits for the longest compile rather than their sum. A group declined on the way changes
+/// what later groups generate; those few compile as they load.
+fn compile_ahead(
+    plan: &FusionPlan,
+    nodes: &[grouping::Node],
+    position: &HashMap<u64, usize>,
+    device: Device,
+) -> Result<Option<CompiledAhead>> {
+    let Device::Cuda(index) = device else {
+        return Ok(None);
+    };
+    let mut modules = Vec::new();
+    let mut deferred_before: Vec<&recompute::Deferral> = Vec::new();
+    for (group, deferrals) in plan.groups.iter().zip(&plan.deferrals) {
+        let generated = match recompute::inlined_kernel(group, &deferred_before, nodes, position) {
+            Some(inlined) => Ok(inlined.kernel),
+            None => group_kernel(group, deferrals),
+        };
+        // As the loop: a group that cannot be generated is declined, its deferrals with it.
+        let Ok(generated) = generated else {
+            continue;
+        };
+        for kernel in std::iter::once(&generated).chain(deferrals.iter().map(|d| &d.kernel)) {
+            modules.push(CudaModule::new(
+                &format!("{}.cu", kernel.name),
+                &kernel.source,
+            )?);
+        }
+        deferred_before.extend(deferrals);
+    }
+    let props = ffi::device::cuda_device_props(index)?;
+    let arch = Arch {
+        major: props.major.max(0) as u32,
+        minor: props.minor.max(0) as u32,
+    };
+    kernels::compile_ahead(&modules, arch).map(Some)
 }
 
 /// `group`'s kernel, storing its results but the `deferrals`.

@@ -31,8 +31,11 @@
 //! ```
 
 use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use tch::Device;
+
+use crate::cuda::CudaModule;
 
 use crate::error::{Result, SpeedkitError};
 use crate::ffi::{self, raw};
@@ -132,6 +135,122 @@ pub fn compile_entry_point(file: &str, entry_point: &str, arch: Arch) -> Result<
         arch.major,
         arch.minor,
     )
+}
+
+/// The most threads [`compile_ahead`] compiles on: NVRTC takes a few hundred MiB a compile.
+pub const MOST_COMPILE_THREADS: usize = 16;
+
+/// What [`compile_ahead`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CompiledAhead {
+    /// Sources NVRTC compiled.
+    pub compiled: usize,
+    /// Sources already compiled: by this process, or in the disk cache.
+    pub cached: usize,
+    /// Sources that did not compile; a load of one of their kernels reports NVRTC's log.
+    pub failed: usize,
+    /// The threads that compiled.
+    pub threads: usize,
+    /// The wall-clock seconds it took.
+    pub seconds: f64,
+}
+
+impl fmt::Display for CompiledAhead {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} kernel source(s) compiled in {:.2} s on {} thread(s), {} already compiled",
+            self.compiled, self.seconds, self.threads, self.cached
+        )?;
+        if self.failed > 0 {
+            write!(f, ", {} not compiled", self.failed)?;
+        }
+        Ok(())
+    }
+}
+
+/// Compiles `modules` (sources registered at run time, not speedkit's own files) for `arch` on as many threads as the machine
+/// has, at most [`MOST_COMPILE_THREADS`], ahead of the loads of their kernels, which then find them
+/// compiled: many sources cost about the longest compile rather than the sum. Each cubin also goes
+/// to the disk cache. Needs NVRTC, not a GPU. A source that does not compile is counted in
+/// [`CompiledAhead::failed`] and left for its load to report.
+///
+/// ```
+/// use speedkit::cuda::CudaModule;
+/// use speedkit::kernels::{compile_ahead, Arch};
+///
+/// let modules = [1, 2, 3].map(|k| {
+///     let source = format!(
+///         "extern \"C\" __global__ void scale_{k}(float* x, int n) {{\n\
+///          int i = blockIdx.x * blockDim.x + threadIdx.x;\n\
+///          if (i < n) x[i] *= {k}.f;\n}}\n"
+///     );
+///     CudaModule::new(&format!("doc_scale_{k}.cu"), &source)
+/// });
+/// let modules = modules.into_iter().collect::<Result<Vec<_>, _>>()?;
+/// let done = compile_ahead(&modules, Arch { major: 9, minor: 0 })?;
+/// assert_eq!(done.compiled + done.cached, 3);
+/// // Compiled once per process: a second call finds them all.
+/// assert_eq!(compile_ahead(&modules, Arch { major: 9, minor: 0 })?.cached, 3);
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn compile_ahead(modules: &[CudaModule], arch: Arch) -> Result<CompiledAhead> {
+    let start = std::time::Instant::now();
+    let (registry, builtin) = ffi::kernels::source_names()?;
+    let mut indices = Vec::with_capacity(modules.len());
+    for module in modules {
+        match registry.iter().position(|n| n == module.name()) {
+            Some(index) if index >= builtin => indices.push(index),
+            Some(_) => {
+                return Err(SpeedkitError::Misuse(format!(
+                    "{} is one of speedkit's own files, compiled one entry point at a time as its \
+                     kernels launch; compile_ahead takes sources registered with CudaModule::new",
+                    module.name()
+                )))
+            }
+            None => {
+                return Err(SpeedkitError::Misuse(format!(
+                    "no kernel source {} is registered",
+                    module.name()
+                )))
+            }
+        }
+    }
+    indices.sort_unstable();
+    indices.dedup();
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(MOST_COMPILE_THREADS)
+        .min(indices.len())
+        .max(1);
+    let next = AtomicUsize::new(0);
+    let compile = || {
+        let mut outcomes = Vec::new();
+        while let Some(&index) = indices.get(next.fetch_add(1, Ordering::Relaxed)) {
+            outcomes.push(ffi::kernels::prepare(index, arch.major, arch.minor));
+        }
+        outcomes
+    };
+    let outcomes: Vec<Result<bool>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads).map(|_| scope.spawn(compile)).collect();
+        // A worker that panicked compiled no more; its sources compile as their kernels load.
+        (workers.into_iter())
+            .flat_map(|w| w.join().unwrap_or_default())
+            .collect()
+    });
+    let mut done = CompiledAhead {
+        threads,
+        ..CompiledAhead::default()
+    };
+    for outcome in &outcomes {
+        match outcome {
+            Ok(true) => done.compiled += 1,
+            Ok(false) => done.cached += 1,
+            Err(_) => done.failed += 1,
+        }
+    }
+    done.seconds = start.elapsed().as_secs_f64();
+    Ok(done)
 }
 
 /// The index of the kernel source `file` in the shim's registry.
