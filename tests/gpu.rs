@@ -301,3 +301,71 @@ fn channels_last_set_in_the_config_stays_with_group_norm() {
     let (conv, _) = first_backward_of_a_conv_block(&config, true);
     assert!(speedkit::nn::is_channels_last(&conv.ws).unwrap());
 }
+
+/// A conv → GroupNorm → SiLU block's first step under `auto`, which lays the weights out
+/// channels-last, then NCHW again.
+fn conv_group_norm_step(ctx: &SpeedContext, conv: &nn::Conv2D) {
+    let images = Tensor::randn([4, 8, 16, 16], (Kind::Float, ctx.device()));
+    let x = ctx.autocast(|| images.apply(conv));
+    let y = x.group_norm(8, None::<Tensor>, None::<Tensor>, 1e-5, false);
+    ctx.backward(&y.silu().square().mean(Kind::Float)).unwrap();
+}
+
+#[test]
+fn cudnn_runs_its_heuristics_until_the_first_backward_decides_the_layout() {
+    let _lock = common::serial();
+    let test = "cudnn_runs_its_heuristics_until_the_first_backward_decides_the_layout";
+    if common::cuda_or_skip(test).is_none() {
+        return;
+    }
+    let before = FlagState::capture().unwrap();
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let conv = nn::conv2d(vs.root() / "conv", 8, 32, 3, Default::default());
+    let ctx = speedkit::apply_speedups(&mut vs, &SpeedConfig::auto()).unwrap();
+    let census = [Flag::CudnnBenchmark, Flag::CudnnDeterministic].map(|f| f.get().unwrap());
+    assert_eq!(census, [FlagValue::Bool(false), FlagValue::Bool(true)]);
+    conv_group_norm_step(&ctx, &conv);
+    let tuned = [Flag::CudnnBenchmark, Flag::CudnnDeterministic].map(|f| f.get().unwrap());
+    assert_eq!(tuned, [FlagValue::Bool(true), FlagValue::Bool(false)]);
+    let notes = ctx.audit().notes.join("\n");
+    assert!(notes.contains("cuDNN runs its heuristics"), "{notes}");
+    drop(ctx);
+    let after = FlagState::capture().unwrap();
+    assert!(before.diff(&after).is_empty(), "{:?}", before.diff(&after));
+}
+
+#[test]
+fn a_context_dropped_before_its_first_backward_puts_cudnn_autotuning_back() {
+    let _lock = common::serial();
+    let test = "a_context_dropped_before_its_first_backward_puts_cudnn_autotuning_back";
+    if common::cuda_or_skip(test).is_none() {
+        return;
+    }
+    let before = FlagState::capture().unwrap();
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let _conv = nn::conv2d(vs.root() / "conv", 8, 32, 3, Default::default());
+    let ctx = speedkit::apply_speedups(&mut vs, &SpeedConfig::auto()).unwrap();
+    assert_eq!(Flag::CudnnBenchmark.get().unwrap(), FlagValue::Bool(false));
+    drop(ctx);
+    let after = FlagState::capture().unwrap();
+    assert!(before.diff(&after).is_empty(), "{:?}", before.diff(&after));
+}
+
+#[test]
+fn a_panic_in_the_first_step_puts_cudnn_autotuning_back() {
+    let _lock = common::serial();
+    let test = "a_panic_in_the_first_step_puts_cudnn_autotuning_back";
+    if common::cuda_or_skip(test).is_none() {
+        return;
+    }
+    let before = FlagState::capture().unwrap();
+    let panicked = std::panic::catch_unwind(|| {
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let _conv = nn::conv2d(vs.root() / "conv", 8, 32, 3, Default::default());
+        let _ctx = speedkit::apply_speedups(&mut vs, &SpeedConfig::auto()).unwrap();
+        panic!("the user's forward fails");
+    });
+    assert!(panicked.is_err());
+    let after = FlagState::capture().unwrap();
+    assert!(before.diff(&after).is_empty(), "{:?}", before.diff(&after));
+}

@@ -176,14 +176,21 @@ impl SpeedContext {
                 ffi::optim::to_channels_last_(w)?;
             }
             if !conv_weights.is_empty() {
+                let count = conv_weights.len();
+                let probe = (self.config.channels_last == AutoBool::Auto)
+                    .then(|| ChannelsLastProbe::start(conv_weights))
+                    .transpose()?;
+                let paused = match probe.as_ref().is_some_and(|p| p.pauses_autotuning()) {
+                    true => {
+                        "; until the first backward decides whether they stay, cuDNN runs its \
+                             heuristics instead of autotuning"
+                    }
+                    false => "",
+                };
                 self.note(format!(
-                    "{} conv weight(s) laid out channels-last",
-                    conv_weights.len()
+                    "{count} conv weight(s) laid out channels-last{paused}"
                 ));
-                if self.config.channels_last == AutoBool::Auto {
-                    *self.channels_last_probe.borrow_mut() =
-                        Some(ChannelsLastProbe::start(conv_weights)?);
-                }
+                *self.channels_last_probe.borrow_mut() = probe;
             }
         }
         self.data_parallel(vs)
