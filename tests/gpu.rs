@@ -302,13 +302,26 @@ fn channels_last_set_in_the_config_stays_with_group_norm() {
     assert!(speedkit::nn::is_channels_last(&conv.ws).unwrap());
 }
 
-/// A conv → GroupNorm → SiLU block's first step under `auto`, which lays the weights out
-/// channels-last, then NCHW again.
-fn conv_group_norm_step(ctx: &SpeedContext, conv: &nn::Conv2D) {
-    let images = Tensor::randn([4, 8, 16, 16], (Kind::Float, ctx.device()));
-    let x = ctx.autocast(|| images.apply(conv));
-    let y = x.group_norm(8, None::<Tensor>, None::<Tensor>, 1e-5, false);
-    ctx.backward(&y.silu().square().mean(Kind::Float)).unwrap();
+/// A context under `auto` for a model of one convolution, which it lays out channels-last until
+/// the first backward decides: the context and the layer.
+fn context_with_a_conv() -> (SpeedContext, nn::Conv2D) {
+    let mut vs = nn::VarStore::new(Device::Cpu);
+    let conv = nn::conv2d(vs.root() / "conv", 8, 32, 3, Default::default());
+    (
+        speedkit::apply_speedups(&mut vs, &SpeedConfig::auto()).unwrap(),
+        conv,
+    )
+}
+
+/// cuDNN's autotuning and determinism flags, as they are now.
+fn cudnn_tuning() -> [FlagValue; 2] {
+    [Flag::CudnnBenchmark, Flag::CudnnDeterministic].map(|f| f.get().unwrap())
+}
+
+/// Asserts that every flag is as `before` says.
+fn assert_flags_are(before: &FlagState) {
+    let diff = before.diff(&FlagState::capture().unwrap());
+    assert!(diff.is_empty(), "{diff:?}");
 }
 
 #[test]
@@ -319,19 +332,23 @@ fn cudnn_runs_its_heuristics_until_the_first_backward_decides_the_layout() {
         return;
     }
     let before = FlagState::capture().unwrap();
-    let mut vs = nn::VarStore::new(Device::Cpu);
-    let conv = nn::conv2d(vs.root() / "conv", 8, 32, 3, Default::default());
-    let ctx = speedkit::apply_speedups(&mut vs, &SpeedConfig::auto()).unwrap();
-    let census = [Flag::CudnnBenchmark, Flag::CudnnDeterministic].map(|f| f.get().unwrap());
-    assert_eq!(census, [FlagValue::Bool(false), FlagValue::Bool(true)]);
-    conv_group_norm_step(&ctx, &conv);
-    let tuned = [Flag::CudnnBenchmark, Flag::CudnnDeterministic].map(|f| f.get().unwrap());
-    assert_eq!(tuned, [FlagValue::Bool(true), FlagValue::Bool(false)]);
+    let (ctx, conv) = context_with_a_conv();
+    assert_eq!(
+        cudnn_tuning(),
+        [FlagValue::Bool(false), FlagValue::Bool(true)]
+    );
+    let images = Tensor::randn([4, 8, 16, 16], (Kind::Float, ctx.device()));
+    let x = ctx.autocast(|| images.apply(&conv));
+    let y = x.group_norm(8, None::<Tensor>, None::<Tensor>, 1e-5, false);
+    ctx.backward(&y.silu().square().mean(Kind::Float)).unwrap();
+    assert_eq!(
+        cudnn_tuning(),
+        [FlagValue::Bool(true), FlagValue::Bool(false)]
+    );
     let notes = ctx.audit().notes.join("\n");
     assert!(notes.contains("cuDNN runs its heuristics"), "{notes}");
     drop(ctx);
-    let after = FlagState::capture().unwrap();
-    assert!(before.diff(&after).is_empty(), "{:?}", before.diff(&after));
+    assert_flags_are(&before);
 }
 
 #[test]
@@ -342,13 +359,10 @@ fn a_context_dropped_before_its_first_backward_puts_cudnn_autotuning_back() {
         return;
     }
     let before = FlagState::capture().unwrap();
-    let mut vs = nn::VarStore::new(Device::Cpu);
-    let _conv = nn::conv2d(vs.root() / "conv", 8, 32, 3, Default::default());
-    let ctx = speedkit::apply_speedups(&mut vs, &SpeedConfig::auto()).unwrap();
-    assert_eq!(Flag::CudnnBenchmark.get().unwrap(), FlagValue::Bool(false));
+    let (ctx, _conv) = context_with_a_conv();
+    assert_eq!(cudnn_tuning()[0], FlagValue::Bool(false));
     drop(ctx);
-    let after = FlagState::capture().unwrap();
-    assert!(before.diff(&after).is_empty(), "{:?}", before.diff(&after));
+    assert_flags_are(&before);
 }
 
 #[test]
@@ -360,12 +374,9 @@ fn a_panic_in_the_first_step_puts_cudnn_autotuning_back() {
     }
     let before = FlagState::capture().unwrap();
     let panicked = std::panic::catch_unwind(|| {
-        let mut vs = nn::VarStore::new(Device::Cpu);
-        let _conv = nn::conv2d(vs.root() / "conv", 8, 32, 3, Default::default());
-        let _ctx = speedkit::apply_speedups(&mut vs, &SpeedConfig::auto()).unwrap();
+        let _context = context_with_a_conv();
         panic!("the user's forward fails");
     });
     assert!(panicked.is_err());
-    let after = FlagState::capture().unwrap();
-    assert!(before.diff(&after).is_empty(), "{:?}", before.diff(&after));
+    assert_flags_are(&before);
 }
