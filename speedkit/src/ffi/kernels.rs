@@ -101,6 +101,11 @@ pub(crate) fn register_source(name: &str, source: &str) -> Result<usize> {
     Ok(usize::try_from(index).unwrap_or(0))
 }
 
+/// `v` as the C ABI's `int`, or why it is not one.
+fn to_c_int(v: u64) -> Result<c_int> {
+    c_int::try_from(v).map_err(|_| SpeedkitError::Misuse(format!("{v} is out of range")))
+}
+
 /// Compiles source `index` with NVRTC for `sm_<major><minor>`, all of it or its one
 /// `entry_point`; the cubin's size in bytes.
 pub(crate) fn compile(
@@ -109,20 +114,17 @@ pub(crate) fn compile(
     major: u32,
     minor: u32,
 ) -> Result<usize> {
-    let to_int = |v: u64| {
-        c_int::try_from(v).map_err(|_| SpeedkitError::Misuse(format!("{v} is out of range")))
-    };
     let entry_point = entry_point.map(c_string).transpose()?;
     let mut bytes = 0i64;
     // SAFETY: plain integers, a NUL-terminated string or NULL for the call, a valid out-pointer.
     check(unsafe {
         abi::sk_kernel_compile(
-            to_int(index as u64)?,
+            to_c_int(index as u64)?,
             entry_point
                 .as_ref()
                 .map_or(std::ptr::null(), |e| e.as_ptr()),
-            to_int(u64::from(major))?,
-            to_int(u64::from(minor))?,
+            to_c_int(u64::from(major))?,
+            to_c_int(u64::from(minor))?,
             &mut bytes,
         )
     })?;
@@ -132,16 +134,13 @@ pub(crate) fn compile(
 /// Compiles source `index` (registered at run time) for `sm_<major><minor>`, or reads it from the
 /// disk cache, ahead of [`load`]: whether NVRTC ran. Safe on several threads at once.
 pub(crate) fn prepare(index: usize, major: u32, minor: u32) -> Result<bool> {
-    let to_int = |v: u64| {
-        c_int::try_from(v).map_err(|_| SpeedkitError::Misuse(format!("{v} is out of range")))
-    };
     let mut compiled = 0;
     // SAFETY: plain integers and a valid out-pointer.
     check(unsafe {
         abi::sk_kernel_prepare(
-            to_int(index as u64)?,
-            to_int(u64::from(major))?,
-            to_int(u64::from(minor))?,
+            to_c_int(index as u64)?,
+            to_c_int(u64::from(major))?,
+            to_c_int(u64::from(minor))?,
             &mut compiled,
         )
     })?;
