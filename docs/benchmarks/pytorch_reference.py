@@ -8,7 +8,8 @@ inside the compiled model, as the strongest PyTorch user would write it); with -
 one whole-step CUDA graph of the eager kernels (forward, backward and optimizer captured with
 torch.cuda.graph: what speedkit's graph mode does, so the two show the same kernels' cost).
 `resnet` runs channels-last. `transformer_tch` and `gpt2_tch` (speedkit's GPT written with tch's
-own modules alone) train this same plain-PyTorch `Transformer`, the second at GPT-2 small's size;
+own modules alone) and `gpt2` (the GPT on speedkit::nn at GPT-2 small's size) train this same
+plain-PyTorch `Transformer`, the last two at GPT-2 small's size;
 `llama_tch` (RMSNorm, rotary embeddings, SwiGLU) and `unet_tch` (GroupNorm, SiLU, skip
 concatenation) train their twins here, `Llama` and `Unet`, as a PyTorch user writes them. With --torchao-fp8 also torchao's FP8 training (`Float8Linear` on
 every nn.Linear, tensorwise dynamic scaling, under torch.compile's default mode: the peer of
@@ -70,7 +71,7 @@ except ImportError as error:
     sys.exit(4)
 
 # One line: speedkit/src/bench/peer.rs checks it against REFERENCE_WORKLOADS, joined by ", ".
-WORKLOADS = ("transformer", "linear3", "mlp", "resnet", "mlp_block", "transformer_checkpointed", "transformer_tch", "gpt2_tch", "llama_tch", "unet_tch", "llama_large")
+WORKLOADS = ("transformer", "linear3", "mlp", "resnet", "mlp_block", "transformer_checkpointed", "transformer_tch", "gpt2", "gpt2_tch", "llama_tch", "unet_tch", "llama_large")
 
 
 class Block(nn.Module):
@@ -340,13 +341,13 @@ def workload(name, device, size="bench", batch=None):
     """(model, batch, flops per step, (items per step, unit)) of a reference workload; `batch`
     overrides the transformers' (--largest-batch)."""
     torch.manual_seed(0)
-    # transformer_tch and gpt2_tch are speedkit's model written with tch's own modules; this
-    # reference is plain PyTorch already, so their twin is this same Transformer (gpt2_tch at
-    # GPT-2 small's size: speedkit_suite::models::gpt2_small).
-    if name in ("transformer", "transformer_checkpointed", "transformer_tch", "gpt2_tch"):
+    # transformer_tch and gpt2_tch are speedkit's model written with tch's own modules, gpt2 on
+    # speedkit::nn; this reference is plain PyTorch already, so their twin is this same Transformer
+    # (gpt2 and gpt2_tch at GPT-2 small's size: speedkit_suite::models::gpt2_small).
+    if name in ("transformer", "transformer_checkpointed", "transformer_tch", "gpt2", "gpt2_tch"):
         if size == "tiny":
             c = TINY["transformer"]
-        elif name == "gpt2_tch":
+        elif name in ("gpt2", "gpt2_tch"):
             c = dict(vocab=50304, d=768, heads=12, layers=12, seq=1024, batch=8)
         else:
             c = dict(vocab=8192, d=768, heads=12, layers=6, seq=512, batch=32)
@@ -685,7 +686,7 @@ def measure_ddp(name, device, size, world, warmup, steps, sync_every_step=True, 
 
 
 LARGE = ("llama_large",)
-BATCHED = ("transformer", "transformer_checkpointed", "transformer_tch", "gpt2_tch", "llama_tch",
+BATCHED = ("transformer", "transformer_checkpointed", "transformer_tch", "gpt2", "gpt2_tch", "llama_tch",
            "llama_large")
 
 

@@ -14,7 +14,7 @@ use tch::{nn, Kind, Tensor};
 /// nanoGPT pads it for Tensor Core tiles), d 768, 12 heads of 64, 12 layers, batch 8.
 ///
 /// A free function because [`TransformerConfig`]'s constructors are the `transformer` workload's;
-/// this size belongs to the `gpt2_tch` workload.
+/// this size belongs to the `gpt2` and `gpt2_tch` workloads.
 pub const fn gpt2_small() -> TransformerConfig {
     TransformerConfig {
         vocab: 50304,

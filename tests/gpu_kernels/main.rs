@@ -11,6 +11,7 @@ mod common;
 
 mod adamw;
 mod bias_gelu;
+mod classifier_head;
 mod cross_entropy;
 mod embedding;
 mod layer_norm;

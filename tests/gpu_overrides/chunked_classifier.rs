@@ -8,7 +8,7 @@ use speedkit::overrides::Override;
 use tch::{Device, Kind, Tensor};
 
 /// A head over 3 × 2803 rows of width 96 and a vocabulary of 32003: bf16 logits of 513 MiB, in
-/// blocks of 256 MiB (the last one of 89 rows).
+/// three blocks of 2816 rows (the last one of 2777).
 const SHAPE: [i64; 3] = [3, 2803, 96];
 const VOCABULARY: i64 = 32003;
 

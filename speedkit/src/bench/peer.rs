@@ -31,7 +31,7 @@ use crate::report::table;
 pub const REFERENCE_SCRIPT: &str = include_str!("../../../docs/benchmarks/pytorch_reference.py");
 
 /// The workloads the reference has a PyTorch version of (its `WORKLOADS`).
-pub const REFERENCE_WORKLOADS: [&str; 11] = [
+pub const REFERENCE_WORKLOADS: [&str; 12] = [
     "transformer",
     "linear3",
     "mlp",
@@ -39,6 +39,7 @@ pub const REFERENCE_WORKLOADS: [&str; 11] = [
     "mlp_block",
     "transformer_checkpointed",
     "transformer_tch",
+    "gpt2",
     "gpt2_tch",
     "llama_tch",
     "unet_tch",

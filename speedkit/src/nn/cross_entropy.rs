@@ -4,6 +4,7 @@
 use tch::Tensor;
 
 use crate::ffi;
+use crate::overrides::chunked_classifier;
 
 /// The index PyTorch's cross-entropy leaves out by default (`ignore_index = -100`).
 pub const IGNORE_INDEX: i64 = -100;
@@ -15,7 +16,10 @@ pub const IGNORE_INDEX: i64 = -100;
 /// On a CUDA device of SM ≥ 8.0 with speedkit's kernels on, the forward reads the logits once (an
 /// online softmax per row) and writes nothing of their size; the backward reads them once more and
 /// writes the gradient in the logits' own type (bf16 under bf16 autocast), never materialising
-/// fp32 probabilities. Anywhere else it runs ATen's composite (fp32 log-softmax and NLL, as tch's
+/// fp32 probabilities. Logits straight from a [`Linear`](super::Linear) classifier head of a
+/// training step (128 MiB of them or more, over at least 4096 classes) were never written: the
+/// loss runs the head's GEMM and itself a block of rows at a time, the gradients made on the way,
+/// so the logits never exist whole. Anywhere else it runs ATen's composite (fp32 log-softmax and NLL, as tch's
 /// `cross_entropy_for_logits`), and [`crate::kernels::notes`] say why. An out-of-range target
 /// makes the kernel's loss NaN (ATen raises instead). Panics on a libtorch error, as tch does.
 ///
@@ -27,9 +31,18 @@ pub const IGNORE_INDEX: i64 = -100;
 /// assert!(loss.allclose(&logits.cross_entropy_for_logits(&targets), 1e-6, 1e-6, false));
 /// ```
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Tensor {
-    match ffi::classifier::cross_entropy(logits, targets, IGNORE_INDEX) {
+    match loss_of(logits, targets) {
         Ok(loss) => loss,
         Err(e) => panic!("speedkit::nn::cross_entropy: {e}"),
+    }
+}
+
+/// The loss from the head that `logits` are still pending from (a block of rows at a time,
+/// never the logits whole), else from the logits.
+fn loss_of(logits: &Tensor, targets: &Tensor) -> crate::Result<Tensor> {
+    match chunked_classifier::head_of(logits)? {
+        Some(head) => head.loss(&targets.f_reshape([-1])?, IGNORE_INDEX, true),
+        None => ffi::classifier::cross_entropy(logits, targets, IGNORE_INDEX),
     }
 }
 

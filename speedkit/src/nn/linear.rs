@@ -30,8 +30,11 @@ use std::cell::RefCell;
 use std::marker::PhantomData;
 use tch::{nn, Device, Kind, Tensor};
 
+use crate::amp::AutocastState;
 use crate::config::{Fp8GradientFormat, Fp8Recipe};
 use crate::ffi;
+use crate::kernels::KernelOp;
+use crate::overrides::chunked_classifier;
 use crate::plan::Fp8Plan;
 
 /// Longest amax history a layer keeps (the `fp8.amax_history` limit); the plan uses its first N.
@@ -180,8 +183,18 @@ impl Linear {
 
     /// `x Wᵀ (+ bias)` in the autocast type: on speedkit's kernels where they run (the weight
     /// gradient straight from its GEMM in fp32, the bias gradient from `bias_grad`), else ATen's
-    /// `linear`, with the reason in the notes.
+    /// `linear`, with the reason in the notes. A classifier head's logits, in a step that trains,
+    /// come deferred where [`cross_entropy`](super::cross_entropy) can take them whole from the
+    /// head (the chunked classifier of `crate::overrides`).
     fn project_in_autocast_type(&self, x: &Tensor, bias: Option<&Tensor>) -> crate::Result<Tensor> {
+        if let Some(kind) = chunked_head_type(x)? {
+            let reader = chunked_classifier::HeadReader::SpeedkitCrossEntropy;
+            if let Some(logits) =
+                chunked_classifier::deferred_logits(x, &self.ws, bias, kind, reader)?
+            {
+                return Ok(logits);
+            }
+        }
         ffi::linear::linear(x, &self.ws, bias)
     }
 
@@ -215,6 +228,20 @@ impl Linear {
         let len = (plan.amax_history as i64).clamp(1, HISTORY_CAPACITY);
         Some([0, 1, 2].map(|row| self.amax_history.get(row).narrow(0, 0, len)))
     }
+}
+
+/// The GEMMs' type of a chunked classifier head taking `x`: autocast's, where autocast is on for
+/// `x`'s CUDA device and speedkit's linear and cross-entropy kernels run there; `None` otherwise.
+fn chunked_head_type(x: &Tensor) -> crate::Result<Option<Kind>> {
+    let ops = [KernelOp::Linear, KernelOp::CrossEntropy];
+    if !ops.into_iter().all(crate::kernels::op_enabled) || !x.is_floating_point() {
+        return Ok(None);
+    }
+    if crate::kernels::unavailable_reason(x.device())?.is_some() {
+        return Ok(None);
+    }
+    let autocast = AutocastState::current(x.device())?;
+    Ok(autocast.enabled.then_some(autocast.dtype))
 }
 
 /// The GEMM of `x Wᵀ` for `weight`, if it can run in FP8 under `plan` (on CUDA, every dimension a

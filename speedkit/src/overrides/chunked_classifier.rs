@@ -13,6 +13,9 @@
 //! exist. The weight's gradient adds up in fp32 over the blocks; the input's and the weight's are
 //! computed in the forward for a loss gradient of 1 and scaled in the backward.
 //!
+//! [`speedkit::nn::Linear`](crate::nn::Linear) does the same for a head whose loss is
+//! [`speedkit::nn::cross_entropy`](crate::nn::cross_entropy) ([`HeadReader::SpeedkitCrossEntropy`]).
+//!
 //! Anything else that reads the logits (or the log-probabilities) gets them written at that read,
 //! exactly as the `linear` would have written them, with their own backward; a shape whose logits
 //! were read that way runs the plain `linear` from then on, as `log_softmax`'s deferral does.
@@ -32,18 +35,30 @@ use crate::function::{apply, BackwardContext, ForwardContext, Function};
 /// The least width of a head's output: a vocabulary, not a layer's features.
 const LEAST_VOCABULARY: i64 = 4096;
 
-/// The bytes of one block's logits. Smaller blocks save more memory and cost more time: each
-/// block's input-gradient GEMM has fewer output tiles than the GPU has SMs to fill, and each adds
-/// its weight gradient to the fp32 sum. Measured on an H200 (`llama_tch`, `gpt2_tch`: 500 and
+/// The most bytes of one block's logits. Smaller blocks save more memory and cost more time:
+/// each block's input-gradient GEMM has fewer output tiles than the GPU has SMs to fill, and each
+/// adds its weight gradient to the fp32 sum. Measured on an H200 (`llama_tch`, `gpt2_tch`: 500 and
 /// 786 MiB of logits), against the logits whole: 64 MiB blocks saved 0.42 and 0.71 GiB for 5% and
 /// 14% more time a step, 256 MiB blocks 0.23 and 0.52 GiB for 0.3% and 2%.
 const BLOCK_BYTES: i64 = 256 << 20;
+
+/// The least bytes of logits a head runs chunked, in two blocks at least: below, the logits are
+/// a small part of a step's peak.
+const LEAST_BYTES: i64 = 128 << 20;
+
+/// The rows of each block (the last may have fewer) for `rows` rows of logits of `row_bytes`
+/// each: as few blocks as [`BLOCK_BYTES`] allows, two at least, of equal rows (a multiple of 64).
+fn block_rows(rows: i64, row_bytes: i64) -> i64 {
+    let bytes = rows * row_bytes;
+    let blocks = ((bytes + BLOCK_BYTES - 1) / BLOCK_BYTES).max(2);
+    ((rows + blocks - 1) / blocks + 63) / 64 * 64
+}
 
 /// Head tags carry this bit, which keeps them apart from the batch norm fusion's, counted from 1.
 const TAG_BIT: u64 = 1 << 62;
 
 /// A head's operands: what its logits are computed from, by the chunked loss or at a read.
-pub(super) struct Head {
+pub(crate) struct Head {
     /// The input, the weight and the bias (a `Mutex` only to share tensors, which are not `Sync`).
     operands: Mutex<(Tensor, Tensor, Option<Tensor>)>,
     /// The GEMMs' type: autocast's.
@@ -90,11 +105,11 @@ impl Head {
 
     /// The cross-entropy of its logits against `targets` ([rows] int64), the mean over the rows
     /// not ignored or (`mean` false) the sum, computed a block of rows at a time.
-    pub(super) fn loss(&self, targets: &Tensor, ignore_index: i64, mean: bool) -> Result<Tensor> {
+    pub(crate) fn loss(&self, targets: &Tensor, ignore_index: i64, mean: bool) -> Result<Tensor> {
         let (x, weight, bias) = self.operands();
         let (vocabulary, width) = (weight.size()[0], weight.size()[1]);
-        let block_rows =
-            (BLOCK_BYTES / (vocabulary * self.kind.elt_size_in_bytes() as i64)).max(64) / 64 * 64;
+        let rows = x.numel() as i64 / width.max(1);
+        let block_rows = block_rows(rows, vocabulary * self.kind.elt_size_in_bytes() as i64);
         ffi::classifier::chunked_cross_entropy(
             &x.f_reshape([-1, width])?,
             &weight,
@@ -108,23 +123,53 @@ impl Head {
     }
 }
 
+/// What takes a head's deferred logits to its chunked loss without reading them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum HeadReader {
+    /// The `log_softmax` override, for tch's `cross_entropy_for_logits` (`log_softmax`, then the
+    /// `nll_loss` that runs the chunked loss).
+    LogSoftmaxOverride,
+    /// [`crate::nn::cross_entropy`], which recognises the head before any operator reads the
+    /// logits.
+    SpeedkitCrossEntropy,
+}
+
+impl HeadReader {
+    /// The operators that may take the pending logits without writing them.
+    fn exempt_ops(self) -> &'static [&'static str] {
+        match self {
+            HeadReader::LogSoftmaxOverride => &["aten::log_softmax"],
+            HeadReader::SpeedkitCrossEntropy => &[],
+        }
+    }
+
+    /// Whether this reader is there to take the logits.
+    fn is_ready(self) -> Result<bool> {
+        match self {
+            HeadReader::LogSoftmaxOverride => Override::CrossEntropy.is_registered(),
+            HeadReader::SpeedkitCrossEntropy => Ok(true),
+        }
+    }
+}
+
 /// `x Wᵀ + b` of a head, deferred (see the [module docs](self)), where the logits are large
-/// enough and the `log_softmax` override is there to read them; `None` for the plain `linear`.
-pub(super) fn deferred_logits(
+/// enough, the step trains and `reader` is there to take them; `None` for the plain `linear`.
+pub(crate) fn deferred_logits(
     x: &Tensor,
     weight: &Tensor,
     bias: Option<&Tensor>,
     kind: Kind,
+    reader: HeadReader,
 ) -> Result<Option<Tensor>> {
     let vocabulary = weight.size()[0];
     let rows = x.numel() as i64 / weight.size()[1].max(1);
     let bytes = rows * vocabulary * kind.elt_size_in_bytes() as i64;
     let trains =
         (x.requires_grad() || weight.requires_grad()) && ffi::autograd::grad_mode_enabled()?;
-    if vocabulary < LEAST_VOCABULARY || bytes <= BLOCK_BYTES || !trains {
+    if vocabulary < LEAST_VOCABULARY || bytes < LEAST_BYTES || !trains {
         return Ok(None);
     }
-    if !Override::CrossEntropy.is_registered()? {
+    if !reader.is_ready()? {
         return Ok(None);
     }
     let mut shape = x.size();
@@ -149,6 +194,7 @@ pub(super) fn deferred_logits(
         read,
         shape,
         tag,
+        exempt_ops: reader.exempt_ops(),
     };
     let inputs: Vec<&Tensor> = [Some(x), Some(weight), bias]
         .into_iter()
@@ -163,7 +209,7 @@ pub(super) fn deferred_logits(
 
 /// The head whose pending logits `logits` holds whole (itself, or a view of all of them as
 /// `[rows, vocabulary]`), where it is one.
-pub(super) fn head_of(logits: &Tensor) -> Result<Option<Arc<Head>>> {
+pub(crate) fn head_of(logits: &Tensor) -> Result<Option<Arc<Head>>> {
     let Some(head) = crate::deferred::tag(logits)?.and_then(|tag| heads().find(tag)) else {
         return Ok(None);
     };
@@ -183,6 +229,8 @@ struct HeadLinear {
     read: Arc<AtomicBool>,
     shape: Vec<i64>,
     tag: u64,
+    /// The reader's operators that take the logits unwritten.
+    exempt_ops: &'static [&'static str],
 }
 
 impl Function for HeadLinear {
@@ -198,7 +246,7 @@ impl Function for HeadLinear {
             &self.shape,
             self.head.kind,
             inputs[0].device(),
-            &["aten::log_softmax"],
+            self.exempt_ops,
             self.tag,
             move |y| {
                 read.store(true, Ordering::Relaxed);
@@ -250,4 +298,28 @@ fn heads() -> MutexGuard<'static, Producers<Head>> {
 fn head_deferrals() -> MutexGuard<'static, Deferrals> {
     static DEFERRALS: Mutex<Deferrals> = Mutex::new(Deferrals::new());
     DEFERRALS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::block_rows;
+
+    const MIB: i64 = 1 << 20;
+
+    #[test]
+    fn logits_of_one_block_or_less_run_in_two_blocks() {
+        // 16384 rows over 8192 classes in bf16: 256 MiB.
+        assert_eq!(block_rows(16384, 8192 * 2), 8192);
+        assert_eq!(block_rows(1000, 128 * MIB / 1000), 512);
+    }
+
+    #[test]
+    fn larger_logits_run_in_as_few_blocks_as_the_block_size_allows_of_equal_rows() {
+        // 8192 rows over 50304 classes: 786 MiB in four blocks of 2048 rows.
+        assert_eq!(block_rows(8192, 50304 * 2), 2048);
+        // 8192 rows over 32000 classes: 500 MiB in two.
+        assert_eq!(block_rows(8192, 32000 * 2), 4096);
+        // 8409 rows over 32003 classes: 513 MiB in three, the last shorter.
+        assert_eq!(block_rows(8409, 32003 * 2), 2816);
+    }
 }

@@ -17,7 +17,8 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::{chunked_classifier, DispatchKey, OperatorOverride, OverrideCall, Reply};
+use super::chunked_classifier::{self, HeadReader};
+use super::{DispatchKey, OperatorOverride, OverrideCall, Reply};
 use crate::amp::AutocastState;
 use crate::config::{Fp8GradientFormat, Fp8Recipe};
 use crate::error::Result;
@@ -47,7 +48,13 @@ fn linear(call: &OverrideCall<'_>) -> Result<Reply> {
         return Ok(Reply::Ran(vec![y]));
     }
     if Fp8Scope::active().is_none() {
-        if let Some(logits) = chunked_classifier::deferred_logits(x, weight, bias, kind)? {
+        if let Some(logits) = chunked_classifier::deferred_logits(
+            x,
+            weight,
+            bias,
+            kind,
+            HeadReader::LogSoftmaxOverride,
+        )? {
             return Ok(Reply::Ran(vec![logits]));
         }
     }

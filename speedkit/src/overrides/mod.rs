@@ -30,7 +30,7 @@
 //! ```
 
 mod batch_norm;
-mod chunked_classifier;
+pub(crate) mod chunked_classifier;
 mod convolution;
 mod custom;
 mod linear;
