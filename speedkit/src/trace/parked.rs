@@ -11,7 +11,11 @@
 //!   kernel of a composite), on new memory unless its call reads that memory or an enclosing call
 //!   made it; a read is of the last object and memory made under its ids;
 //! - a read inside the backward function that unpacked a saved tensor, where that tensor is (on the
-//!   forward's storage) and of an object no call made since, is a read of the forward's tensor.
+//!   forward's storage) and of an object no call made since, is a read of the forward's tensor;
+//! - a saved tensor on memory no call of the trace touched before it was saved was made before the
+//!   step (a parameter that speedkit's own kernels read through its pointer, never an operator).
+//!   Without parking the backward would read that same object, new to the trace; with it, it gets
+//!   a key of its own.
 
 use std::collections::{HashMap, HashSet};
 
@@ -94,8 +98,12 @@ impl Resolver {
             (PACKED, [alias, ..]) => {
                 let saver = op.parent.and_then(|p| made.get(&p)).map(|&i| &kept[i]);
                 let mut alias = (*alias).clone();
+                let made_before = !self.storages.contains_key(&alias.storage);
                 alias.storage = self.storage_id(alias.storage);
-                let forward = self.saved_key(&alias, saver);
+                let forward = match self.saved_key(&alias, saver) {
+                    None if made_before => Some(self.made_before_the_step(&alias)),
+                    found => found,
+                };
                 self.saved.insert(alias.id, forward);
             }
             (UNPACKED, [_returned, alias, ..]) => match self.saved.get(&alias.id).copied() {
@@ -127,6 +135,15 @@ impl Resolver {
         of_saver
             .map(TracedTensor::key)
             .or_else(|| self.last_on.get(&here).copied())
+    }
+
+    /// The key of a saved tensor on memory no call of the trace has touched: one made before the
+    /// step (a parameter that only speedkit's own kernels read, through its pointer), which every
+    /// read of that place shares from now on.
+    fn made_before_the_step(&mut self, alias: &TracedTensor) -> Key {
+        let key = (self.fresh(), alias.storage);
+        self.last_on.insert(place(alias), key);
+        key
     }
 
     /// The storage id given to the memory now at trace storage `raw` (one of its own if unseen).
@@ -262,4 +279,76 @@ pub(super) fn resolve(ops: &mut Vec<TracedOp>) -> usize {
     }
     *ops = kept;
     resolver.unmatched
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tensor(id: u64, storage: u64) -> TracedTensor {
+        TracedTensor {
+            id,
+            storage,
+            offset: 0,
+            numel: 768,
+            item_bytes: 4,
+            device: "cuda:0".into(),
+            dtype: "float".into(),
+            shape: vec![768],
+            strides: vec![1],
+        }
+    }
+
+    fn call(id: u64, name: &str, parent: Option<u64>, inputs: Vec<TracedTensor>) -> TracedOp {
+        TracedOp {
+            id,
+            name: name.into(),
+            schema: String::new(),
+            parent,
+            inputs: inputs.into_iter().map(TracedValue::Tensor).collect(),
+            outputs: Vec::new(),
+            backward: false,
+            thread: 1,
+            forward_thread: 0,
+            rf_id: 0,
+        }
+    }
+
+    /// A weight no operator touched in the forward (speedkit's kernels read it through its
+    /// pointer), saved, parked and unpacked by the backward function 4, which reads it at the
+    /// address it is unpacked to.
+    fn a_weight_saved_unread() -> Vec<TracedOp> {
+        let (saved, alias, returned) = (tensor(10, 100), tensor(11, 100), tensor(12, 200));
+        vec![
+            call(1, "speedkit::forward", None, Vec::new()),
+            call(2, PACKED, Some(1), vec![alias.clone()]),
+            call(4, "LinearBackward", None, Vec::new()),
+            call(
+                5,
+                UNPACKED,
+                Some(4),
+                vec![returned.clone(), tensor(11, 200)],
+            ),
+            call(6, "aten::mm", Some(4), vec![returned]),
+            call(7, "aten::mul", None, vec![saved]),
+        ]
+    }
+
+    #[test]
+    fn a_saved_tensor_on_memory_the_trace_never_touched_is_one_made_before_the_step() {
+        let mut ops = a_weight_saved_unread();
+        assert_eq!(resolve(&mut ops), 0);
+        let read = |name: &str| {
+            let op = ops.iter().find(|op| op.name == name).unwrap();
+            op.input_tensors().next().unwrap().key()
+        };
+        // The backward reads the weight's memory, as a later call does, under a key of its own
+        // that no call of the step made.
+        assert_eq!(read("aten::mm").1, read("aten::mul").1);
+        let made: Vec<Key> = ops
+            .iter()
+            .flat_map(|op| op.output_tensors().map(TracedTensor::key))
+            .collect();
+        assert!(!made.contains(&read("aten::mm")));
+    }
 }
