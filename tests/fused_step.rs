@@ -854,6 +854,84 @@ fn fused_group_norms_give_atens_values_and_gradients_in_fp32_bf16_and_fp16() {
     }
 }
 
+/// A pre-norm transformer's residual stream as autocast runs it: a block's output in `kind`
+/// added to the fp32 stream, layer-normalised over the last dimension, cast to `kind` for the next
+/// GEMM, then a loss; the gradients handed back.
+struct LayerNormStep {
+    stream: Tensor,
+    delta: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+}
+
+impl LayerNormStep {
+    fn new(device: Device, kind: Kind, shape: [i64; 3]) -> LayerNormStep {
+        let width = [shape[2]];
+        LayerNormStep {
+            stream: (Tensor::randn(shape, (Kind::Float, device)) * 3.0 + 1.0)
+                .set_requires_grad(true),
+            delta: Tensor::randn(shape, (kind, device)).set_requires_grad(true),
+            weight: Tensor::randn(width, (Kind::Float, device)).set_requires_grad(true),
+            bias: Tensor::randn(width, (Kind::Float, device)).set_requires_grad(true),
+        }
+    }
+
+    /// The loss and the gradients of the stream, the block's output, the weight and the bias.
+    fn step(&self) -> (Tensor, Vec<Tensor>) {
+        let width = self.weight.size()[0];
+        let y = (&self.stream + &self.delta)
+            .layer_norm([width], Some(&self.weight), Some(&self.bias), 1e-5, false)
+            .to_kind(self.delta.kind());
+        let y = y.to_kind(Kind::Float);
+        let loss = (&y * &y).mean(Kind::Float);
+        let inputs = [&self.stream, &self.delta, &self.weight, &self.bias];
+        let gradients = Tensor::run_backward(&[&loss], &inputs, false, false);
+        (loss, gradients)
+    }
+}
+
+#[test]
+fn fused_layer_norms_give_atens_values_and_gradients_in_fp32_bf16_and_fp16() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "fused_layer_norms_give_atens_values_and_gradients_in_fp32_bf16_and_fp16",
+    ) else {
+        return;
+    };
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+        // Rows of 77 (a kernel reading one element at a time), of 96 and of 768 (four at a time,
+        // the row held in registers), of 1000 in rows of a larger batch.
+        for shape in [[3, 5, 77], [2, 7, 96], [2, 33, 768], [4, 129, 1000]] {
+            let norm = LayerNormStep::new(device, kind, shape);
+            let _ = norm.step();
+            let ((expected, aten), fused) = FusedStep::prepare(device, || norm.step()).unwrap();
+            let fused = fused.unwrap();
+            let (loss, gradients) = fused.run(|| norm.step()).unwrap();
+            assert!(
+                (fused.substituted().iter())
+                    .any(|g| g.operators.iter().any(|o| o == "aten::native_layer_norm")),
+                "{kind:?} {shape:?}: the layer norm not generated\n{}",
+                fused.summary()
+            );
+            let tolerance = if kind == Kind::Float { 1e-5 } else { 1e-2 };
+            let gap = (loss - expected).abs().double_value(&[]);
+            assert!(gap < tolerance, "{kind:?} {shape:?}: loss {gap} apart");
+            for (what, (mine, aten)) in ["stream", "delta", "weight", "bias"]
+                .iter()
+                .zip(gradients.iter().zip(&aten))
+            {
+                let (mine, aten) = (mine.to_kind(Kind::Float), aten.to_kind(Kind::Float));
+                let gap = (&mine - &aten).abs().max().double_value(&[]);
+                let scale = aten.abs().max().double_value(&[]);
+                assert!(
+                    gap <= tolerance * scale,
+                    "{kind:?} {shape:?}: {what}'s gradient {gap} apart of {scale}"
+                );
+            }
+        }
+    }
+}
+
 /// The tiny Llama's loss and gradients after one step, run by `run` (ATen's kernels or fused).
 fn llama_loss_and_gradients(vs: &nn::VarStore, step: impl Fn() -> Tensor) -> (f64, Vec<Tensor>) {
     let loss = step();

@@ -470,6 +470,86 @@ fn memory_the_step_made_and_only_its_group_reads_after_an_in_place_rewrite_is_no
     assert_eq!(outputs, 1, "exp's result only:\n{}", kernel.source);
 }
 
+/// A pre-norm transformer's residual stream as autocast runs it: the block's bf16 output added
+/// to the fp32 stream, layer-normalised over the last dimension (an odd width), cast to bf16 for
+/// the next GEMM.
+fn residual_layer_norm(stream: &Tensor, delta: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {
+    (stream + delta)
+        .layer_norm([stream.size()[2]], Some(w), Some(b), 1e-5, false)
+        .to_kind(Kind::BFloat16)
+}
+
+#[test]
+fn a_layer_norm_joins_the_residual_add_before_it_and_its_cast_in_one_kernel_that_nvrtc_compiles() {
+    let _serial = common::serial();
+    // Rows of 77 (one element at a time) and of 96 (four, the row held in registers).
+    for width in [77, 96] {
+        let stream = Tensor::randn([3, 5, width], (Kind::Float, CPU));
+        let delta = Tensor::randn([3, 5, width], (Kind::BFloat16, CPU));
+        let (w, b) = (
+            Tensor::randn([width], (Kind::Float, CPU)),
+            Tensor::randn([width], (Kind::Float, CPU)),
+        );
+        let (_, trace) =
+            StepTrace::record(|| residual_layer_norm(&stream, &delta, &w, &b)).unwrap();
+        let plan = FusionPlan::from_trace(&trace);
+        assert_eq!(plan.groups().len(), 1, "{plan}");
+        let group = &plan.groups()[0];
+        assert_eq!(
+            names(&group.operators),
+            ["add", "native_layer_norm", "_to_copy"],
+            "{plan}"
+        );
+        let kernel = group.kernel().unwrap();
+        // A block per row: 3 × 5 rows.
+        assert_eq!(kernel.numel, 15);
+        assert_compiles(&kernel);
+    }
+}
+
+#[test]
+fn a_cast_of_a_layer_norms_elements_that_the_group_does_not_store_is_not_recomputed_from_them() {
+    let _serial = common::serial();
+    // Large enough (2 MiB of fp32 a result) that the backward would recompute instead of saving.
+    let stream = Tensor::randn([4, 129, 1000], (Kind::Float, CPU)).set_requires_grad(true);
+    let delta = Tensor::randn([4, 129, 1000], (Kind::BFloat16, CPU)).set_requires_grad(true);
+    let (w, b) = (
+        Tensor::randn([1000], (Kind::Float, CPU)).set_requires_grad(true),
+        Tensor::randn([1000], (Kind::Float, CPU)).set_requires_grad(true),
+    );
+    let (_, trace) = StepTrace::record(|| {
+        let y = residual_layer_norm(&stream, &delta, &w, &b).to_kind(Kind::Float);
+        (&y * &y).mean(Kind::Float).backward();
+    })
+    .unwrap();
+    let plan = FusionPlan::generatable(&trace);
+    let norm = (plan.groups().iter())
+        .find(|g| g.operators.iter().any(|o| o == "aten::native_layer_norm"))
+        .unwrap_or_else(|| panic!("{plan}"));
+    // The sum is recomputed from the stream and the block's output; the casts of the normalised
+    // elements, which the group stores as its statistics only, are saved.
+    assert_eq!(norm.recomputed, ["aten::add"], "{plan}");
+}
+
+#[test]
+fn a_layer_norm_over_more_than_its_last_dimension_is_not_generated() {
+    let _serial = common::serial();
+    let x = Tensor::randn([3, 5, 8], (Kind::Float, CPU));
+    let (_, trace) = StepTrace::record(|| {
+        x.exp()
+            .layer_norm([5, 8], None::<Tensor>, None::<Tensor>, 1e-5, false)
+            .exp()
+    })
+    .unwrap();
+    let plan = FusionPlan::generatable(&trace);
+    assert!(
+        plan.groups()
+            .iter()
+            .all(|g| g.operators.iter().all(|o| o != "aten::native_layer_norm")),
+        "{plan}"
+    );
+}
+
 /// A diffusion U-Net's norm as autocast runs it: the convolution's bf16 output cast to fp32,
 /// group-normalised (two channels a group, odd spatial sizes), SiLU, cast back.
 fn group_norm_silu(x: &Tensor, w: &Tensor, b: &Tensor) -> Tensor {

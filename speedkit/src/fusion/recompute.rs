@@ -41,13 +41,12 @@ pub(super) struct Deferral {
 }
 
 impl Deferral {
-    /// Whether its calls are pointwise (and views; a group norm's normalised elements, from its
-    /// stored statistics, are): a kernel reading the result may compute it at each element it
-    /// reads instead.
+    /// Whether its calls are pointwise (and views; a norm's normalised elements, from its stored
+    /// statistics, are): a kernel reading the result may compute it at each element it reads
+    /// instead.
     fn pointwise(&self) -> bool {
         self.calls.iter().all(|op| {
-            matches!(OpKind::of(&op.name), Some(OpKind::Pointwise | OpKind::View))
-                || op.name == "aten::native_group_norm"
+            matches!(OpKind::of(&op.name), Some(OpKind::Pointwise | OpKind::View)) || normalizes(op)
         })
     }
 }
@@ -168,16 +167,23 @@ pub(super) fn deferrals(
         .filter_map(|&key| computing(key))
         .filter(|m| !deferred.contains(m))
         .collect();
+    // Each stored value by the member that makes it: a key freed within the group may name a
+    // later member's result too.
+    let deferred_keys: HashSet<(u64, u64)> = candidates.iter().map(|&(key, _)| key).collect();
+    let stored_values: HashSet<(usize, (u64, u64))> = (results.iter())
+        .filter(|key| !deferred_keys.contains(key))
+        .filter_map(|&key| Some((computing(key)?, key)))
+        .collect();
     if candidates.is_empty() || stored.is_empty() {
         return Vec::new();
     }
     let planned: Vec<Deferral> = candidates
         .into_iter()
         .filter_map(|(result, m)| {
-            let chain = chain_of(nodes, &inside, &stored, m);
-            // A group norm is recomputed from the statistics it stored, its own; another's
-            // statistics would have to be computed again, a block per row.
-            if (chain.iter()).any(|&c| c != m && nodes[c].op.name == "aten::native_group_norm") {
+            let chain = chain_of(nodes, &inside, &stored_values, m);
+            // A norm is recomputed from the statistics it stored, its own; another's statistics
+            // would have to be computed again, a block per row.
+            if (chain.iter()).any(|&c| c != m && normalizes(nodes[c].op)) {
                 return None;
             }
             let calls: Vec<&TracedOp> = chain.iter().map(|&c| nodes[c].op).collect();
@@ -202,7 +208,7 @@ pub(super) fn deferrals(
     planned
 }
 
-/// Whether member `m`'s result `key` (its one result, or a group norm's normalised elements,
+/// Whether member `m`'s result `key` (its one result, or a norm's normalised elements,
 /// recomputed from the statistics it keeps) is contiguous, large enough, and read only by
 /// backward calls (at least one) outside the group, as are `m`'s other results.
 fn worth_recomputing(nodes: &[Node], inside: &HashSet<usize>, m: usize, key: (u64, u64)) -> bool {
@@ -210,7 +216,7 @@ fn worth_recomputing(nodes: &[Node], inside: &HashSet<usize>, m: usize, key: (u6
     let outputs: Vec<&TracedTensor> = op.output_tensors().collect();
     let out = match outputs[..] {
         [out] => out,
-        [out, ..] if op.name == "aten::native_group_norm" && out.key() == key => out,
+        [out, ..] if normalizes(op) && out.key() == key => out,
         _ => return false,
     };
     !codegen::writes_in_place(op)
@@ -246,21 +252,28 @@ fn read_only_in_the_backward(nodes: &[Node], inside: &HashSet<usize>, m: usize) 
 }
 
 /// The members `m` depends on within the group, itself included, in step order: what its kernel
-/// computes. A stored result of the group is read as it is, not computed again.
+/// computes. A stored result of the group (`stored`: the member that makes it, its key) is read
+/// as it is, not computed again.
 fn chain_of(
     nodes: &[Node],
     inside: &HashSet<usize>,
-    stored: &HashSet<usize>,
+    stored: &HashSet<(usize, (u64, u64))>,
     m: usize,
 ) -> Vec<usize> {
+    // The value read, not its call: a norm stores its statistics, not always its normalised
+    // elements.
+    let reads_stored = |p: usize, storage: u64| {
+        (nodes[p].op.output_tensors())
+            .any(|t| t.storage == storage && stored.contains(&(p, t.key())))
+    };
     let mut chain = BTreeSet::new();
     let mut stack = vec![m];
     while let Some(n) = stack.pop() {
         if !chain.insert(n) {
             continue;
         }
-        for &(p, _) in &nodes[n].reads {
-            if inside.contains(&p) && !stored.contains(&p) {
+        for &(p, storage) in &nodes[n].reads {
+            if inside.contains(&p) && !reads_stored(p, storage) {
                 stack.push(p);
             }
         }
@@ -315,6 +328,15 @@ fn contiguous(t: &TracedTensor) -> bool {
         expected *= size.max(1);
     }
     t.offset == 0
+}
+
+/// Whether `op` is a norm's forward (a group or layer norm), whose normalised elements the
+/// generator computes from its stored statistics.
+fn normalizes(op: &TracedOp) -> bool {
+    matches!(
+        op.name.as_str(),
+        "aten::native_group_norm" | "aten::native_layer_norm"
+    )
 }
 
 #[cfg(test)]

@@ -29,7 +29,7 @@ use columns::COLUMN_BLOCKS;
 use expression::{expression, Operand, PRELUDE};
 use loops::{column_finish, pointwise_loop, row_loop, RowCache, FINISH_THREADS};
 pub(crate) use norms::sums_channels;
-use norms::{group_norm_gradients, normalizes_groups, GradientRows};
+use norms::{group_norm_gradients, normalizes_rows, GradientRows};
 use upsampling::{upsamples_nearest, upsamples_nearest_backward};
 
 /// A generated kernel: its source, its entry point and the arguments it takes, in order.
@@ -166,7 +166,8 @@ fn c_type(kind: Kind) -> &'static str {
 
 /// Whether the generator takes `op` (its kind, and for a reduction its dimension): views, pointwise
 /// operators that write a new tensor of a type it stores, `sum`, `mean` or `amax` over the last
-/// dimension, and group norms ([`GroupNormRows`]) and their backwards ([`GroupNormGradients`]).
+/// dimension, group and layer norms ([`NormRows`]) and group norms' backwards
+/// ([`GroupNormGradients`]).
 pub(crate) fn takes(op: &TracedOp) -> bool {
     let stores = |op: &TracedOp| match op.outputs.as_slice() {
         [TracedValue::Tensor(t)] => kind_of(&t.dtype).is_some(),
@@ -179,7 +180,7 @@ pub(crate) fn takes(op: &TracedOp) -> bool {
             (stores(op) && reduces_last_dimension(op))
                 || sums_channels(op)
                 || sums_columns(op)
-                || normalizes_groups(op).is_some()
+                || normalizes_rows(op).is_some()
                 || group_norm_gradients(op).is_some()
                 || (stores(op) && upsamples_nearest_backward(op).is_some())
         }
@@ -310,7 +311,7 @@ fn generate_with(
             Some(OpKind::Pointwise) if !op.name.ends_with('_') || writes_in_place(op) => {
                 g.operator(op)?
             }
-            Some(OpKind::Reduction) if normalizes_groups(op).is_some() => g.group_norm(op)?,
+            Some(OpKind::Reduction) if normalizes_rows(op).is_some() => g.norm(op)?,
             Some(OpKind::Reduction) if group_norm_gradients(op).is_some() => {
                 g.group_norm_backward(op)?
             }

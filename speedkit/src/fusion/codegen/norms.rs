@@ -1,6 +1,7 @@
-//! Group norms as the generator takes them: the forward's rows (a sample's group of channels) and
-//! their statistics, the backward's rows with the weight's and bias's gradients, and a sum over
-//! each channel of the backward's results (a convolution bias's gradient).
+//! Norms as the generator takes them: a group norm's and a layer norm's forward rows (a sample's
+//! group of channels, a row of the last dimension) and their statistics, a group norm's backward's
+//! rows with the weight's and bias's gradients, and a sum over each channel of the backward's
+//! results (a convolution bias's gradient).
 
 use std::fmt::Write;
 
@@ -13,35 +14,38 @@ use super::{
     ArgSource, Generator, KernelArg, RowReduction,
 };
 
-/// A group norm's rows as the generator takes them: `native_group_norm` of a tensor of samples ×
-/// channels × `hxw` elements, in `rows` = samples × groups rows of `width` elements, its
-/// three results (normalised elements, means, reciprocal standard deviations) of stored types and
-/// contiguous, the first in its input's shape.
+/// A norm's rows as the generator takes them: `native_group_norm` of a tensor of samples ×
+/// channels × `hxw` elements, in `rows` = samples × groups rows of `width` elements, or
+/// `native_layer_norm` over the last dimension, in rows of that dimension; its three results
+/// (normalised elements, means, reciprocal standard deviations) of stored types and contiguous,
+/// the first in its input's shape.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub(super) struct GroupNormRows {
+pub(super) struct NormRows {
     rows: u64,
     width: u64,
     eps: f64,
+    /// The dimension of the normalised result whose coordinate picks an element's weight and
+    /// bias: a group norm's channels, a layer norm's last.
+    parameter_dim: usize,
+    /// The position of the weight among the call's arguments, the bias's the next.
+    weight_position: usize,
+    /// ATen's formula of a layer norm (`(x - mean) * rstd * w + b`) rather than of a group norm.
+    layer: bool,
 }
 
-/// `op`'s rows where it is a group norm the generator takes ([`GroupNormRows`]).
-pub(super) fn normalizes_groups(op: &TracedOp) -> Option<GroupNormRows> {
+/// `op`'s rows where it is a norm the generator takes ([`NormRows`]).
+pub(super) fn normalizes_rows(op: &TracedOp) -> Option<NormRows> {
+    normalizes_groups(op).or_else(|| normalizes_last_dimension(op))
+}
+
+/// `op`'s rows where it is a group norm the generator takes.
+fn normalizes_groups(op: &TracedOp) -> Option<NormRows> {
     if op.name != "aten::native_group_norm" {
         return None;
     }
-    let [TracedValue::Tensor(out), TracedValue::Tensor(mean), TracedValue::Tensor(rstd)] =
-        op.outputs.as_slice()
-    else {
-        return None;
-    };
-    let Some(TracedValue::Tensor(input)) = op.inputs.first() else {
-        return None;
-    };
+    let (input, [out, mean, rstd]) = norm_tensors(op).ok()?;
     let (samples, channels, hxw, groups) = sizes_from(op, 3)?;
-    let eps = match op.inputs.get(7)? {
-        TracedValue::Other { value, .. } => value.trim_matches('"').parse::<f64>().ok()?,
-        _ => return None,
-    };
+    let eps = float(op.inputs.get(7))?;
     let rows = (samples * groups) as u64;
     let sized = groups > 0
         && channels % groups == 0
@@ -51,17 +55,61 @@ pub(super) fn normalizes_groups(op: &TracedOp) -> Option<GroupNormRows> {
         && out.shape == input.shape
         && mean.numel == rows
         && rstd.numel == rows;
-    let stored = [input, out, mean, rstd]
-        .iter()
-        .all(|t| kind_of(&t.dtype).is_some_and(|k| k != Kind::Bool));
-    let contiguous = [out, mean, rstd]
-        .iter()
-        .all(|t| check_contiguous(t).is_ok());
-    (sized && stored && contiguous).then_some(GroupNormRows {
+    (sized && stored_and_contiguous(input, [out, mean, rstd])).then_some(NormRows {
         rows,
         width: (channels / groups * hxw) as u64,
         eps,
+        parameter_dim: 1,
+        weight_position: 1,
+        layer: false,
     })
+}
+
+/// `op`'s rows where it is a layer norm over the last dimension alone (`normalized_shape` of one
+/// size, as `nn::layer_norm(.., vec![d], ..)` makes) the generator takes.
+fn normalizes_last_dimension(op: &TracedOp) -> Option<NormRows> {
+    if op.name != "aten::native_layer_norm" {
+        return None;
+    }
+    let (input, [out, mean, rstd]) = norm_tensors(op).ok()?;
+    let normalized: Vec<i64> = match op.inputs.get(1)? {
+        TracedValue::Other { value, .. } => serde_json::from_str(value).ok()?,
+        _ => return None,
+    };
+    let eps = float(op.inputs.get(4))?;
+    let [width] = normalized[..] else {
+        return None;
+    };
+    let rank = input.shape.len();
+    if width <= 0 || rank == 0 || input.shape[rank - 1] != width {
+        return None;
+    }
+    let rows = input.numel / width as u64;
+    let sized = out.shape == input.shape && mean.numel == rows && rstd.numel == rows;
+    (sized && stored_and_contiguous(input, [out, mean, rstd])).then_some(NormRows {
+        rows,
+        width: width as u64,
+        eps,
+        parameter_dim: rank - 1,
+        weight_position: 2,
+        layer: true,
+    })
+}
+
+/// A float argument (a norm's epsilon).
+fn float(value: Option<&TracedValue>) -> Option<f64> {
+    match value? {
+        TracedValue::Other { value, .. } => value.trim_matches('"').parse::<f64>().ok(),
+        _ => None,
+    }
+}
+
+/// Whether a norm's input and results are of types the generator stores, the results contiguous.
+fn stored_and_contiguous(input: &TracedTensor, results: [&TracedTensor; 3]) -> bool {
+    let stored = std::iter::once(input)
+        .chain(results)
+        .all(|t| kind_of(&t.dtype).is_some_and(|k| k != Kind::Bool));
+    stored && results.iter().all(|t| check_contiguous(t).is_ok())
 }
 
 /// A group norm's backward as the generator takes it: `native_group_norm_backward` of the
@@ -90,15 +138,15 @@ impl GroupNormGradients {
     }
 }
 
-/// A group norm's input, and its three results: the normalised elements, means and reciprocal
-/// standard deviations.
-fn group_norm_tensors(op: &TracedOp) -> Result<(&TracedTensor, [&TracedTensor; 3]), String> {
+/// A norm's input, and its three results: the normalised elements, means and reciprocal standard
+/// deviations.
+fn norm_tensors(op: &TracedOp) -> Result<(&TracedTensor, [&TracedTensor; 3]), String> {
     match (op.inputs.first(), op.outputs.as_slice()) {
         (
             Some(TracedValue::Tensor(input)),
             [TracedValue::Tensor(out), TracedValue::Tensor(mean), TracedValue::Tensor(rstd)],
         ) => Ok((input, [out, mean, rstd])),
-        _ => Err("native_group_norm without its input and three results".into()),
+        _ => Err(format!("{} without its input and three results", op.name)),
     }
 }
 
@@ -182,26 +230,25 @@ pub(super) fn channel_read(argument: Option<(usize, i64)>, channel: &str, absent
 }
 
 impl Generator {
-    /// A group norm ([`GroupNormRows`]): its input read at row `n * groups + g`, column `col`
-    /// (the row's channels one after the other, each channel's elements in order), and three
-    /// functions: the normalised element, scaled and shifted by its channel's weight and bias as
-    /// ATen does (`x * (rstd * w) + (b - mean * rstd * w)`), and the row's mean and reciprocal
-    /// standard deviation.
-    pub(super) fn group_norm(&mut self, op: &TracedOp) -> Result<(), String> {
-        let shape = normalizes_groups(op).ok_or("a group norm of a shape not generated")?;
+    /// A norm ([`NormRows`]): its input read at row `row`, column `col` (a group norm's row: a
+    /// sample's group of channels one after the other, each channel's elements in order), and
+    /// three functions: the normalised element, scaled and shifted by its weight and bias as ATen
+    /// does, and the row's mean and reciprocal standard deviation.
+    pub(super) fn norm(&mut self, op: &TracedOp) -> Result<(), String> {
+        let shape = normalizes_rows(op).ok_or("a norm of a shape not generated")?;
         if self.stored_statistics {
-            return self.group_norm_from_statistics(op, shape.width);
+            return self.norm_from_statistics(op, shape);
         }
         if self.reduction.is_some() {
             return Err("a second reduction in one group".into());
         }
-        let (input, [out, mean, rstd]) = group_norm_tensors(op)?;
+        let (input, [out, mean, rstd]) = norm_tensors(op)?;
         let mut body = String::new();
         writeln!(body, "  const idx_t p = row * {} + col;", shape.width).unwrap();
         body.push_str(&coordinates_of(&row_major(input)));
         self.row_input(op, "in_red", 0, body)?;
         self.held_function = self.own_producer(input, &row_major(input));
-        let body = self.normalised(op, input, out, |_| ["red.x".into(), "red.y".into()])?;
+        let body = self.normalised(op, shape, input, out, |_| ["red.x".into(), "red.y".into()])?;
         self.read_row_element = true;
         self.define(op, out, &body);
         // A row's statistics too are its own block's only.
@@ -222,11 +269,12 @@ impl Generator {
         Ok(())
     }
 
-    /// A group norm's normalised elements from its stored statistics (results 1 and 2, one per
-    /// row of `width` elements): a pointwise function, computed as the reduction's is.
-    fn group_norm_from_statistics(&mut self, op: &TracedOp, width: u64) -> Result<(), String> {
-        let (input, [out, mean, rstd]) = group_norm_tensors(op)?;
-        let body = self.normalised(op, input, out, |g| {
+    /// A norm's normalised elements from its stored statistics (results 1 and 2, one per row of
+    /// `width` elements): a pointwise function, computed as the reduction's is.
+    fn norm_from_statistics(&mut self, op: &TracedOp, shape: NormRows) -> Result<(), String> {
+        let width = shape.width;
+        let (input, [out, mean, rstd]) = norm_tensors(op)?;
+        let body = self.normalised(op, shape, input, out, |g| {
             [(mean, 1), (rstd, 2)].map(|(t, position)| {
                 let i = g.result_argument(t, position);
                 format!("to_float_any(a.in{i}[ROW_OF(p, {width})])")
@@ -350,12 +398,13 @@ impl Generator {
         Ok(())
     }
 
-    /// The body of a group norm's normalised element `out[p]`, scaled and shifted as ATen does,
-    /// from its row's mean and reciprocal standard deviation as `statistics` reads them (after
-    /// the input, weight and bias).
+    /// The body of a norm's normalised element `out[p]`, scaled and shifted as ATen does, from
+    /// its row's mean and reciprocal standard deviation as `statistics` reads them (after the
+    /// input, weight and bias).
     fn normalised(
         &mut self,
         op: &TracedOp,
+        shape: NormRows,
         input: &TracedTensor,
         out: &TracedTensor,
         statistics: impl FnOnce(&mut Self) -> [String; 2],
@@ -368,17 +417,19 @@ impl Generator {
             true => x,
             false => format!("OWN(0, {x})"),
         };
-        let weight = self.read_channel(op, 1, "1.f")?;
-        let bias = self.read_channel(op, 2, "0.f")?;
+        let at = format!("c[{}]", shape.parameter_dim);
+        let weight = self.read_parameter(op, shape.weight_position, &at, "1.f")?;
+        let bias = self.read_parameter(op, shape.weight_position + 1, &at, "0.f")?;
         let [mean, rstd] = statistics(self);
         let out_kind = kind_of(&out.dtype).unwrap_or(Kind::Float);
-        writeln!(body, "  const float scale = {rstd} * {weight};").unwrap();
-        writeln!(
-            body,
-            "  return round_to<{}>({x} * scale + ({bias} - {mean} * scale));",
-            c_type(out_kind)
-        )
-        .unwrap();
+        let value = match shape.layer {
+            true => format!("({x} - {mean}) * {rstd} * {weight} + {bias}"),
+            false => {
+                writeln!(body, "  const float scale = {rstd} * {weight};").unwrap();
+                format!("{x} * scale + ({bias} - {mean} * scale)")
+            }
+        };
+        writeln!(body, "  return round_to<{}>({value});", c_type(out_kind)).unwrap();
         Ok(body)
     }
 
@@ -396,17 +447,19 @@ impl Generator {
         i
     }
 
-    /// A group norm's per-channel argument `position` (its weight or bias) at the channel of the
-    /// element being computed (`c[1]`), or `absent` where the call has none.
-    fn read_channel(
+    /// A norm's one-dimensional argument `position` (its weight or bias) at coordinate `at` of
+    /// the element being computed (a group norm's channel, a layer norm's column), or `absent`
+    /// where the call has none.
+    fn read_parameter(
         &mut self,
         op: &TracedOp,
         position: usize,
+        at: &str,
         absent: &str,
     ) -> Result<String, String> {
         Ok(channel_read(
             self.channel_argument(op, position)?,
-            "c[1]",
+            at,
             absent,
         ))
     }
@@ -424,10 +477,10 @@ impl Generator {
             _ => return Ok(None),
         };
         if t.shape.len() != 1 {
-            return Err("a group norm's weight or bias of other than one dimension".into());
+            return Err("a norm's weight or bias of other than one dimension".into());
         }
         if self.inside.contains(&(self.call, t.storage)) {
-            return Err("a group norm's weight or bias computed in the group".into());
+            return Err("a norm's weight or bias computed in the group".into());
         }
         let kind = kind_of(&t.dtype).ok_or_else(|| format!("a weight of type {}", t.dtype))?;
         if kind == Kind::Bool {
