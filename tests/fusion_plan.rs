@@ -532,6 +532,44 @@ fn a_cast_of_a_layer_norms_elements_that_the_group_does_not_store_is_not_recompu
 }
 
 #[test]
+fn a_layer_norms_backward_joins_its_casts_and_the_gradients_sum_in_one_kernel_that_nvrtc_compiles()
+{
+    let _serial = common::serial();
+    // Rows of 77 (one element at a time) and of 96 (four).
+    for width in [77, 96] {
+        let stream = Tensor::randn([3, 5, width], (Kind::Float, CPU)).set_requires_grad(true);
+        let delta = Tensor::randn([3, 5, width], (Kind::BFloat16, CPU)).set_requires_grad(true);
+        let (w, b) = (
+            Tensor::randn([width], (Kind::Float, CPU)).set_requires_grad(true),
+            Tensor::randn([width], (Kind::Float, CPU)).set_requires_grad(true),
+        );
+        let (_, trace) = StepTrace::record(|| {
+            // The stream read twice, as the residual and by the norm: its gradient's two parts
+            // summed after the norm's backward.
+            let y = residual_layer_norm(&stream, &delta, &w, &b).to_kind(Kind::Float);
+            ((&y * &y).mean(Kind::Float) + stream.sum(Kind::Float)).backward();
+        })
+        .unwrap();
+        let plan = FusionPlan::from_trace(&trace);
+        let backward = (plan.groups().iter())
+            .find(|g| {
+                g.operators
+                    .iter()
+                    .any(|o| o == "aten::native_layer_norm_backward")
+            })
+            .unwrap_or_else(|| panic!("{plan}"));
+        let names = names(&backward.operators);
+        assert!(names.contains(&"_to_copy"), "{plan}");
+        let kernel = backward.kernel().unwrap();
+        // A block per row; the weight's and bias's gradients summed over its columns.
+        assert_eq!(kernel.numel, 15);
+        assert!(kernel.source.contains("ln_terms("), "{}", kernel.source);
+        assert!(kernel.source.contains("_columns("), "{}", kernel.source);
+        assert_compiles(&kernel);
+    }
+}
+
+#[test]
 fn a_layer_norm_over_more_than_its_last_dimension_is_not_generated() {
     let _serial = common::serial();
     let x = Tensor::randn([3, 5, 8], (Kind::Float, CPU));

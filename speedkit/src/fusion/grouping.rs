@@ -225,10 +225,14 @@ fn admit(group: &mut Group, node: &Node, kind: OpKind) -> bool {
         }
         OpKind::Reduction => {
             group.space = input;
-            group.reduced = if node.op.name == "aten::native_group_norm_backward" {
-                // Its input's gradient, of its input's size, is what its rows' sums are read
-                // into; the weight's and bias's, written once every row is summed, are read by no
-                // member.
+            let norm_backward = matches!(
+                node.op.name.as_str(),
+                "aten::native_group_norm_backward" | "aten::native_layer_norm_backward"
+            );
+            group.reduced = if norm_backward {
+                // A norm's backward: its input's gradient, of its input's size, is what its rows'
+                // sums are read into; the weight's and bias's, written once every row is summed,
+                // are read by no member.
                 input
             } else {
                 // A group norm's rows: its statistics, not its normalised input's copy.

@@ -127,6 +127,9 @@ pub(super) fn row_loop(
         };
         return rows + &channel_totals(gradients, stored);
     }
+    if r.op == "layer_norm_backward" {
+        return layer_norm_backward_loop(r, &columns, vectorised, &whole, &per_row);
+    }
     if r.op == "moments" {
         return match cache {
             Some(cache) => cache.moments_loop(r, groups, &whole, &per_row),
@@ -165,6 +168,38 @@ pub(super) fn row_loop(
 {reduce}    {columns}{whole}    }}
 {tail}{close}",
         tail = row_tail(&per_row),
+    )
+}
+
+/// The body of a layer norm's backward's kernel ([`Generator::layer_norm_backward`]): a block per
+/// row sums the row's two terms (`ln_terms`: `dy * w` and `dy * w * xhat`), hands their means to
+/// every function as `red`, then writes the row's results and sums its columns.
+fn layer_norm_backward_loop(
+    r: &RowReduction,
+    columns: &str,
+    vectorised: bool,
+    whole: &str,
+    per_row: &str,
+) -> String {
+    let add = "acc.x += t.x;\n        acc.y += t.y;";
+    let read = if vectorised {
+        format!("#pragma unroll\n      for (int k = 0; k < {UNROLL}; ++k) {{\n        const float2 t = ln_terms(a, row, col + k);\n        {add}\n      }}\n")
+    } else {
+        format!("      const float2 t = ln_terms(a, row, col);\n      {add}\n")
+    };
+    let width = r.width;
+    let (open, close) = column_sums(r);
+    format!(
+        "  __shared__ float partial[32];
+{open}  for (idx_t row = blockIdx.x; row < (idx_t)n; row += gridDim.x) {{
+    float2 acc = make_float2(0.f, 0.f);
+    {columns}{read}    }}
+    const float sum_dyw = block_sum(acc.x, partial);
+    const float sum_dyw_xhat = block_sum(acc.y, partial);
+    const float2 red = make_float2(sum_dyw / {width}.f, sum_dyw_xhat / {width}.f);
+    {columns}{whole}    }}
+{tail}{close}",
+        tail = row_tail(per_row),
     )
 }
 

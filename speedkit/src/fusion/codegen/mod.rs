@@ -29,7 +29,7 @@ use columns::COLUMN_BLOCKS;
 use expression::{expression, Operand, PRELUDE};
 use loops::{column_finish, pointwise_loop, row_loop, RowCache, FINISH_THREADS};
 pub(crate) use norms::sums_channels;
-use norms::{group_norm_gradients, normalizes_rows, GradientRows};
+use norms::{group_norm_gradients, layer_norm_gradients, normalizes_rows, GradientRows};
 use upsampling::{upsamples_nearest, upsamples_nearest_backward};
 
 /// A generated kernel: its source, its entry point and the arguments it takes, in order.
@@ -166,8 +166,8 @@ fn c_type(kind: Kind) -> &'static str {
 
 /// Whether the generator takes `op` (its kind, and for a reduction its dimension): views, pointwise
 /// operators that write a new tensor of a type it stores, `sum`, `mean` or `amax` over the last
-/// dimension, group and layer norms ([`NormRows`]) and group norms' backwards
-/// ([`GroupNormGradients`]).
+/// dimension, group and layer norms ([`NormRows`]) and their backwards ([`GroupNormGradients`],
+/// [`LayerNormGradients`]).
 pub(crate) fn takes(op: &TracedOp) -> bool {
     let stores = |op: &TracedOp| match op.outputs.as_slice() {
         [TracedValue::Tensor(t)] => kind_of(&t.dtype).is_some(),
@@ -182,6 +182,7 @@ pub(crate) fn takes(op: &TracedOp) -> bool {
                 || sums_columns(op)
                 || normalizes_rows(op).is_some()
                 || group_norm_gradients(op).is_some()
+                || layer_norm_gradients(op).is_some()
                 || (stores(op) && upsamples_nearest_backward(op).is_some())
         }
         Some(OpKind::Layout) => stores(op) && generates_layout(op),
@@ -314,6 +315,9 @@ fn generate_with(
             Some(OpKind::Reduction) if normalizes_rows(op).is_some() => g.norm(op)?,
             Some(OpKind::Reduction) if group_norm_gradients(op).is_some() => {
                 g.group_norm_backward(op)?
+            }
+            Some(OpKind::Reduction) if layer_norm_gradients(op).is_some() => {
+                g.layer_norm_backward(op)?
             }
             Some(OpKind::Reduction) if sums_channels(op) => g.channel_sum(op)?,
             Some(OpKind::Reduction) if sums_columns(op) => g.column_sum(op)?,

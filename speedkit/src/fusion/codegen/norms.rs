@@ -112,6 +112,75 @@ fn stored_and_contiguous(input: &TracedTensor, results: [&TracedTensor; 3]) -> b
     stored && results.iter().all(|t| check_contiguous(t).is_ok())
 }
 
+/// A layer norm's backward as the generator takes it: `native_layer_norm_backward` over the last
+/// dimension alone (as [`NormRows`] takes its forward), the gradient and input of one shape, the
+/// forward's stored statistics (contiguous, one per row), the input's gradient contiguous in its
+/// shape and the weight's and bias's, where asked for, one per column: `rows` rows of `width`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) struct LayerNormGradients {
+    rows: u64,
+    width: u64,
+}
+
+/// A norm's parameter gradient where it was asked for (`None` where it is an undefined tensor, of
+/// no element type); `None` outside for what is not a tensor.
+fn asked(v: &TracedValue) -> Option<Option<&TracedTensor>> {
+    match v {
+        TracedValue::Tensor(t) if t.item_bytes == 0 => Some(None),
+        TracedValue::Tensor(t) => Some(Some(t)),
+        _ => None,
+    }
+}
+
+/// `op`'s rows where it is a layer norm's backward the generator takes ([`LayerNormGradients`]).
+pub(super) fn layer_norm_gradients(op: &TracedOp) -> Option<LayerNormGradients> {
+    if op.name != "aten::native_layer_norm_backward" {
+        return None;
+    }
+    let tensor = |i: usize| match op.inputs.get(i) {
+        Some(TracedValue::Tensor(t)) => Some(t),
+        _ => None,
+    };
+    let (grad, input, mean, rstd) = (tensor(0)?, tensor(1)?, tensor(3)?, tensor(4)?);
+    let normalized: Vec<i64> = match op.inputs.get(2)? {
+        TracedValue::Other { value, .. } => serde_json::from_str(value).ok()?,
+        _ => return None,
+    };
+    let [width] = normalized[..] else {
+        return None;
+    };
+    let rank = input.shape.len();
+    if width <= 0 || rank == 0 || input.shape[rank - 1] != width {
+        return None;
+    }
+    let [TracedValue::Tensor(dx), dw, db] = op.outputs.as_slice() else {
+        return None;
+    };
+    let rows = input.numel / width as u64;
+    // A gradient not asked for is an undefined tensor: no element type.
+    let (dw, db) = (asked(dw)?, asked(db)?);
+    let sized = grad.shape == input.shape
+        && dx.shape == input.shape
+        && [mean, rstd].iter().all(|t| t.numel == rows)
+        && [dw, db].iter().flatten().all(|t| t.numel == width as u64);
+    let tensors = [grad, input, mean, rstd, dx]
+        .into_iter()
+        .chain(dw)
+        .chain(db);
+    let stored = tensors
+        .clone()
+        .all(|t| kind_of(&t.dtype).is_some_and(|k| k != Kind::Bool));
+    let contiguous = [mean, rstd, dx]
+        .into_iter()
+        .chain(dw)
+        .chain(db)
+        .all(|t| check_contiguous(t).is_ok());
+    (sized && stored && contiguous).then_some(LayerNormGradients {
+        rows,
+        width: width as u64,
+    })
+}
+
 /// A group norm's backward as the generator takes it: `native_group_norm_backward` of the
 /// gradient and input of a tensor of `samples` × `channels` × `hxw` elements in `groups` groups,
 /// with the forward's stored statistics (contiguous, one per row), and all three gradients (the
@@ -359,6 +428,128 @@ impl Generator {
             column_sums: Vec::new(),
         });
         Ok(())
+    }
+
+    /// A layer norm's backward ([`LayerNormGradients`]) as ATen computes it: per row, the sums of
+    /// `dy * w` and of `dy * w * xhat` (`ln_terms`), over the width as `red`; the input's gradient
+    /// `rstd * (dy * w - red.x - xhat * red.y)`; the weight's and bias's, the sums over rows of
+    /// `dy * xhat` and `dy`, summed over columns as the kernel writes its rows.
+    pub(super) fn layer_norm_backward(&mut self, op: &TracedOp) -> Result<(), String> {
+        let shape = layer_norm_gradients(op).ok_or("a layer norm's backward not generated")?;
+        if self.reduction.is_some() {
+            return Err("a second reduction in one group".into());
+        }
+        let (
+            [Some(TracedValue::Tensor(grad)), Some(TracedValue::Tensor(input)), Some(TracedValue::Tensor(mean)), Some(TracedValue::Tensor(rstd))],
+            [TracedValue::Tensor(dx), dw, db],
+        ) = (
+            [0, 1, 3, 4].map(|i| op.inputs.get(i)),
+            op.outputs.as_slice(),
+        )
+        else {
+            return Err("native_layer_norm_backward without its inputs and three results".into());
+        };
+        let width = shape.width;
+        for (name, position, t) in [("in_dy", 0, grad), ("in_x", 1, input)] {
+            let mut body = format!("  const idx_t p = row * {width} + col;\n");
+            body.push_str(&coordinates_of(&row_major(t)));
+            self.row_input(op, name, position, body)?;
+        }
+        let [mean, rstd] = [(3, mean), (4, rstd)].map(|(position, t)| {
+            self.position = position;
+            self.note_extent(t);
+            (!self.inside.contains(&(self.call, t.storage)))
+                .then(|| self.argument(t, KernelArg::Input(t.clone())))
+        });
+        let (Some(mean), Some(rstd)) = (mean, rstd) else {
+            return Err("a layer norm's statistics computed in the group of its backward".into());
+        };
+        let weight = self.channel_argument(op, 5)?;
+        writeln!(
+            self.functions,
+            "// the terms of the row sums of {}\n__device__ __forceinline__ float2 ln_terms(const Args& a, idx_t row, idx_t col) {{\n  const float dyw = in_dy(a, row, col, NO_ROW) * {};\n  const float xhat = (in_x(a, row, col, NO_ROW) - to_float_any(a.in{mean}[row])) * to_float_any(a.in{rstd}[row]);\n  return make_float2(dyw, dyw * xhat);\n}}\n",
+            op.schema,
+            channel_read(weight, "col", "1.f")
+        )
+        .unwrap();
+        let statistic = |i: usize| format!("to_float_any(a.in{i}[ROW_OF(p, {width})])");
+        let (mean_at, rstd_at) = (statistic(mean), statistic(rstd));
+        let mut body = coordinates_of(dx);
+        self.position = 0;
+        let dy = self.read(grad, dx)?;
+        self.position = 1;
+        let x = self.read(input, dx)?;
+        let last = dx.shape.len() - 1;
+        let w = channel_read(weight, &format!("c[{last}]"), "1.f");
+        let kind = kind_of(&dx.dtype).unwrap_or(Kind::Float);
+        writeln!(body, "  const float xhat = ({x} - {mean_at}) * {rstd_at};").unwrap();
+        writeln!(
+            body,
+            "  return round_to<{}>({rstd_at} * ({dy} * {w} - red.x - xhat * red.y));",
+            c_type(kind)
+        )
+        .unwrap();
+        // Computed with its row's sums, it is its own block's only.
+        self.read_row_element = true;
+        self.define(op, dx, &body);
+        let column_sums =
+            self.layer_norm_parameter_gradients(op, grad, input, &mean_at, &rstd_at, [dw, db])?;
+        self.reduction = Some(RowReduction {
+            rows: shape.rows,
+            width,
+            op: "layer_norm_backward",
+            eps: 0.0,
+            gradients: None,
+            column_sums,
+        });
+        Ok(())
+    }
+
+    /// The sums over columns of a layer norm's backward's weight and bias gradients, where asked
+    /// for (`dy * xhat` and `dy` at each element, read where the kernel writes it), each its
+    /// result's: the values to sum.
+    fn layer_norm_parameter_gradients(
+        &mut self,
+        op: &TracedOp,
+        grad: &TracedTensor,
+        input: &TracedTensor,
+        mean: &str,
+        rstd: &str,
+        gradients: [&TracedValue; 2],
+    ) -> Result<Vec<String>, String> {
+        let elsewhere =
+            "a layer norm's backward reading its gradient or input elsewhere than its own element";
+        self.position = 0;
+        let dy = self.read(grad, &row_major(grad))?;
+        self.position = 1;
+        let x = self.read(input, &row_major(input))?;
+        if dy.contains("c[") || x.contains("c[") {
+            return Err(elsewhere.into());
+        }
+        // Functions, not expressions: an input's read is settled with the others' once the
+        // kernel knows which it loads four at a time.
+        writeln!(
+            self.functions,
+            "// the terms of the parameters' gradients of {}\n__device__ __forceinline__ float ln_dy(const Args& a, idx_t p, float2 red) {{\n  return {dy};\n}}\n__device__ __forceinline__ float ln_xhat(const Args& a, idx_t p, float2 red) {{\n  return ({x} - {mean}) * {rstd};\n}}\n",
+            op.schema
+        )
+        .unwrap();
+        let mut sums = Vec::new();
+        let dy = "ln_dy(a, p, red)".to_string();
+        let values = [format!("{dy} * ln_xhat(a, p, red)"), dy];
+        for (position, (value, t)) in values.into_iter().zip(gradients).enumerate() {
+            let TracedValue::Tensor(t) = t else { continue };
+            if t.item_bytes == 0 {
+                continue;
+            }
+            self.note_extent(t);
+            self.results
+                .insert(t.key(), (usize::MAX, t.clone(), self.call, position + 1));
+            self.channel_results.insert(t.key(), sums.len());
+            sums.push(value);
+        }
+        write!(self.signature, "{};", op.schema).unwrap();
+        Ok(sums)
     }
 
     /// A sum of every element of each channel ([`sums_channels`]) of a result of the group's
