@@ -740,6 +740,40 @@ fn a_recomputed_result_whose_input_was_written_in_place_fails_the_fused_step_wit
     assert!(why.contains("was written in place before"), "{why}");
 }
 
+/// `fused` ran each of `operators` in a generated kernel (the summary says why not).
+fn assert_generated(fused: &FusedStep, operators: &[&str], case: &str) {
+    for operator in operators {
+        assert!(
+            (fused.substituted().iter()).any(|g| g.operators.iter().any(|o| o == operator)),
+            "{case}: {operator} not generated\n{}",
+            fused.summary()
+        );
+    }
+}
+
+/// A fused norm step's loss and named gradients against ATen's, within `kind`'s tolerance (of the
+/// largest gradient element).
+fn assert_like_atens(
+    kind: Kind,
+    case: &str,
+    (loss, gradients): (Tensor, Vec<Tensor>),
+    (expected, aten): (Tensor, Vec<Tensor>),
+    names: &[&str],
+) {
+    let tolerance = if kind == Kind::Float { 1e-5 } else { 1e-2 };
+    let gap = (loss - expected).abs().double_value(&[]);
+    assert!(gap < tolerance, "{case}: loss {gap} apart");
+    for (what, (mine, aten)) in names.iter().zip(gradients.iter().zip(&aten)) {
+        let (mine, aten) = (mine.to_kind(Kind::Float), aten.to_kind(Kind::Float));
+        let gap = (&mine - &aten).abs().max().double_value(&[]);
+        let scale = aten.abs().max().double_value(&[]);
+        assert!(
+            gap <= tolerance * scale,
+            "{case}: {what}'s gradient {gap} apart of {scale}"
+        );
+    }
+}
+
 /// A U-Net's norm and activation as autocast runs them (a convolution's bias added to its output,
 /// the sum cast to fp32 for the norm, the activation cast back), then a loss; its gradients
 /// handed back, not accumulated (an accumulation into the gradients' memory would be the group's
@@ -814,42 +848,25 @@ fn fused_group_norms_give_atens_values_and_gradients_in_fp32_bf16_and_fp16() {
         ] {
             let norm = GroupNormStep::new(device, kind, shape, groups);
             let _ = norm.step();
-            let ((expected, aten), fused) = FusedStep::prepare(device, || norm.step()).unwrap();
+            let (expected, fused) = FusedStep::prepare(device, || norm.step()).unwrap();
             let fused = fused.unwrap();
-            let (loss, gradients) = fused.run(|| norm.step()).unwrap();
-            for operator in [
+            let result = fused.run(|| norm.step()).unwrap();
+            let case = format!("{kind:?} {shape:?}");
+            let operators = [
                 "aten::native_group_norm",
                 "aten::native_group_norm_backward",
                 "aten::sum",
-            ] {
-                assert!(
-                    (fused.substituted().iter()).any(|g| g.operators.iter().any(|o| o == operator)),
-                    "{kind:?} {shape:?}: {operator} not generated\n{}",
-                    fused.summary()
-                );
-            }
+            ];
+            assert_generated(&fused, &operators, &case);
             // At least a MiB of fp32 results: what the forward saved, the backward recomputes.
             assert_eq!(
                 !fused.recomputed().is_empty(),
                 shape[3] == 67,
-                "{kind:?} {shape:?}: {}",
+                "{case}: {}",
                 fused.summary()
             );
-            let tolerance = if kind == Kind::Float { 1e-5 } else { 1e-2 };
-            let gap = (loss - expected).abs().double_value(&[]);
-            assert!(gap < tolerance, "{kind:?} {shape:?}: loss {gap} apart");
-            for (what, (mine, aten)) in ["x", "shift", "weight", "bias"]
-                .iter()
-                .zip(gradients.iter().zip(&aten))
-            {
-                let (mine, aten) = (mine.to_kind(Kind::Float), aten.to_kind(Kind::Float));
-                let gap = (&mine - &aten).abs().max().double_value(&[]);
-                let scale = aten.abs().max().double_value(&[]);
-                assert!(
-                    gap <= tolerance * scale,
-                    "{kind:?} {shape:?}: {what}'s gradient {gap} apart of {scale}"
-                );
-            }
+            let names = ["x", "shift", "weight", "bias"];
+            assert_like_atens(kind, &case, result, expected, &names);
         }
     }
 }
@@ -912,34 +929,17 @@ fn fused_layer_norms_give_atens_values_and_gradients_in_fp32_bf16_and_fp16() {
         for shape in [[3, 5, 77], [2, 7, 96], [2, 33, 768], [4, 129, 1000]] {
             let norm = LayerNormStep::new(device, kind, shape);
             let _ = norm.step();
-            let ((expected, aten), fused) = FusedStep::prepare(device, || norm.step()).unwrap();
+            let (expected, fused) = FusedStep::prepare(device, || norm.step()).unwrap();
             let fused = fused.unwrap();
-            let (loss, gradients) = fused.run(|| norm.step()).unwrap();
-            for operator in [
+            let result = fused.run(|| norm.step()).unwrap();
+            let case = format!("{kind:?} {shape:?}");
+            let operators = [
                 "aten::native_layer_norm",
                 "aten::native_layer_norm_backward",
-            ] {
-                assert!(
-                    (fused.substituted().iter()).any(|g| g.operators.iter().any(|o| o == operator)),
-                    "{kind:?} {shape:?}: {operator} not generated\n{}",
-                    fused.summary()
-                );
-            }
-            let tolerance = if kind == Kind::Float { 1e-5 } else { 1e-2 };
-            let gap = (loss - expected).abs().double_value(&[]);
-            assert!(gap < tolerance, "{kind:?} {shape:?}: loss {gap} apart");
-            for (what, (mine, aten)) in ["stream", "delta", "weight", "bias"]
-                .iter()
-                .zip(gradients.iter().zip(&aten))
-            {
-                let (mine, aten) = (mine.to_kind(Kind::Float), aten.to_kind(Kind::Float));
-                let gap = (&mine - &aten).abs().max().double_value(&[]);
-                let scale = aten.abs().max().double_value(&[]);
-                assert!(
-                    gap <= tolerance * scale,
-                    "{kind:?} {shape:?}: {what}'s gradient {gap} apart of {scale}"
-                );
-            }
+            ];
+            assert_generated(&fused, &operators, &case);
+            let names = ["stream", "delta", "weight", "bias"];
+            assert_like_atens(kind, &case, result, expected, &names);
         }
     }
 }

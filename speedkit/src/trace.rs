@@ -506,3 +506,63 @@ fn kernel_calls(ops: &[TracedOp]) -> Vec<usize> {
     taken.sort_unstable();
     taken
 }
+
+/// Traced calls and tensors made up for the unit tests of the trace and fusion modules.
+#[cfg(test)]
+pub(crate) mod testing {
+    use crate::trace::{TracedOp, TracedTensor, TracedValue};
+
+    /// A tensor of 4 floats: object `id` on storage `storage`.
+    pub fn tensor(id: u64, storage: u64) -> TracedValue {
+        TracedValue::Tensor(traced_tensor(id, storage))
+    }
+
+    /// The tensor of [`tensor`].
+    pub fn traced_tensor(id: u64, storage: u64) -> TracedTensor {
+        TracedTensor {
+            id,
+            storage,
+            offset: 0,
+            numel: 4,
+            item_bytes: 4,
+            device: "cuda:0".into(),
+            dtype: "float".into(),
+            shape: vec![4],
+            strides: vec![1],
+        }
+    }
+
+    /// A forward call.
+    pub fn call(
+        id: u64,
+        name: &str,
+        inputs: Vec<TracedValue>,
+        outputs: Vec<TracedValue>,
+    ) -> TracedOp {
+        TracedOp {
+            id,
+            name: name.into(),
+            schema: String::new(),
+            parent: None,
+            inputs,
+            outputs,
+            backward: false,
+            thread: 1,
+            forward_thread: 0,
+            rf_id: 0,
+        }
+    }
+
+    /// A backward call.
+    pub fn backward(
+        id: u64,
+        name: &str,
+        inputs: Vec<TracedValue>,
+        outputs: Vec<TracedValue>,
+    ) -> TracedOp {
+        TracedOp {
+            backward: true,
+            ..call(id, name, inputs, outputs)
+        }
+    }
+}

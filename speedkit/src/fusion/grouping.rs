@@ -615,7 +615,7 @@ fn made_and_untouched(nodes: &[Node], reader: usize, storage: u64) -> Option<usi
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fusion::testing::{backward, call, tensor};
+    use crate::trace::testing::{backward, call, tensor};
     use crate::trace::TracedValue;
 
     /// The keys a group of calls 1 and 2 stores: call 0 (a library kernel) makes memory 20, call 1

@@ -342,7 +342,7 @@ fn normalizes(op: &TracedOp) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fusion::testing::{backward, call, tensor};
+    use crate::trace::testing::{backward, call, tensor};
     use crate::trace::TracedValue;
 
     /// A 4 MiB fp32 tensor: object `id` on storage `storage`.

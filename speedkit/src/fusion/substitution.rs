@@ -1063,7 +1063,7 @@ fn launch(launch: &Launch, tensors: &[Tensor]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fusion::testing::{call, tensor};
+    use crate::trace::testing::{call, tensor};
 
     /// Calls 0 and 3 are the group's: `mul` reads input storage 10 and writes result storage 20,
     /// `exp` reads the result; `between` are calls 1 and 2, outside it.

@@ -284,33 +284,13 @@ pub(super) fn resolve(ops: &mut Vec<TracedOp>) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn tensor(id: u64, storage: u64) -> TracedTensor {
-        TracedTensor {
-            id,
-            storage,
-            offset: 0,
-            numel: 768,
-            item_bytes: 4,
-            device: "cuda:0".into(),
-            dtype: "float".into(),
-            shape: vec![768],
-            strides: vec![1],
-        }
-    }
+    use crate::trace::testing::{self, traced_tensor as tensor};
 
     fn call(id: u64, name: &str, parent: Option<u64>, inputs: Vec<TracedTensor>) -> TracedOp {
+        let inputs = inputs.into_iter().map(TracedValue::Tensor).collect();
         TracedOp {
-            id,
-            name: name.into(),
-            schema: String::new(),
             parent,
-            inputs: inputs.into_iter().map(TracedValue::Tensor).collect(),
-            outputs: Vec::new(),
-            backward: false,
-            thread: 1,
-            forward_thread: 0,
-            rf_id: 0,
+            ..testing::call(id, name, inputs, Vec::new())
         }
     }
 

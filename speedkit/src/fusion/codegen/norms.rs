@@ -376,20 +376,8 @@ impl Generator {
             );
         };
         let width = shape.width();
-        for (name, position, t) in [("in_dy", 0, grad), ("in_x", 1, input)] {
-            let mut body = format!("  const idx_t p = row * {width} + col;\n");
-            body.push_str(&coordinates_of(&row_major(t)));
-            self.row_input(op, name, position, body)?;
-        }
-        let [mean, rstd] = [(2, mean), (3, rstd)].map(|(position, t)| {
-            self.position = position;
-            self.note_extent(t);
-            (!self.inside.contains(&(self.call, t.storage)))
-                .then(|| self.argument(t, KernelArg::Input(t.clone())))
-        });
-        let (Some(mean), Some(rstd)) = (mean, rstd) else {
-            return Err("a group norm's statistics computed in the group of its backward".into());
-        };
+        self.gradient_rows(op, width, grad, input)?;
+        let [mean, rstd] = self.statistics(op, [(2, mean), (3, rstd)])?;
         let weight = self.channel_argument(op, 4)?;
         let mut body = coordinates_of(dx);
         self.position = 0;
@@ -430,6 +418,45 @@ impl Generator {
         Ok(())
     }
 
+    /// A norm's backward's row inputs: its gradient (`in_dy`, argument 0) and its input (`in_x`,
+    /// argument 1) at a row and a column, rows of `width`.
+    fn gradient_rows(
+        &mut self,
+        op: &TracedOp,
+        width: u64,
+        grad: &TracedTensor,
+        input: &TracedTensor,
+    ) -> Result<(), String> {
+        for (name, position, t) in [("in_dy", 0, grad), ("in_x", 1, input)] {
+            let mut body = format!("  const idx_t p = row * {width} + col;\n");
+            body.push_str(&coordinates_of(&row_major(t)));
+            self.row_input(op, name, position, body)?;
+        }
+        Ok(())
+    }
+
+    /// The arguments of a norm's backward's stored statistics (mean and reciprocal standard
+    /// deviation, at their positions), which the forward made: not in the group.
+    fn statistics(
+        &mut self,
+        op: &TracedOp,
+        statistics: [(usize, &TracedTensor); 2],
+    ) -> Result<[usize; 2], String> {
+        let [mean, rstd] = statistics.map(|(position, t)| {
+            self.position = position;
+            self.note_extent(t);
+            (!self.inside.contains(&(self.call, t.storage)))
+                .then(|| self.argument(t, KernelArg::Input(t.clone())))
+        });
+        match (mean, rstd) {
+            (Some(mean), Some(rstd)) => Ok([mean, rstd]),
+            _ => Err(format!(
+                "{}'s statistics computed in the group of its backward",
+                op.name
+            )),
+        }
+    }
+
     /// A layer norm's backward ([`LayerNormGradients`]) as ATen computes it: per row, the sums of
     /// `dy * w` and of `dy * w * xhat` (`ln_terms`), over the width as `red`; the input's gradient
     /// `rstd * (dy * w - red.x - xhat * red.y)`; the weight's and bias's, the sums over rows of
@@ -450,20 +477,8 @@ impl Generator {
             return Err("native_layer_norm_backward without its inputs and three results".into());
         };
         let width = shape.width;
-        for (name, position, t) in [("in_dy", 0, grad), ("in_x", 1, input)] {
-            let mut body = format!("  const idx_t p = row * {width} + col;\n");
-            body.push_str(&coordinates_of(&row_major(t)));
-            self.row_input(op, name, position, body)?;
-        }
-        let [mean, rstd] = [(3, mean), (4, rstd)].map(|(position, t)| {
-            self.position = position;
-            self.note_extent(t);
-            (!self.inside.contains(&(self.call, t.storage)))
-                .then(|| self.argument(t, KernelArg::Input(t.clone())))
-        });
-        let (Some(mean), Some(rstd)) = (mean, rstd) else {
-            return Err("a layer norm's statistics computed in the group of its backward".into());
-        };
+        self.gradient_rows(op, width, grad, input)?;
+        let [mean, rstd] = self.statistics(op, [(3, mean), (4, rstd)])?;
         let weight = self.channel_argument(op, 5)?;
         writeln!(
             self.functions,
