@@ -570,6 +570,26 @@ fn a_layer_norms_backward_joins_its_casts_and_the_gradients_sum_in_one_kernel_th
 }
 
 #[test]
+fn a_layer_norms_backward_without_its_weights_gradient_is_left_to_aten() {
+    let _serial = common::serial();
+    let x = Tensor::randn([3, 5, 96], (Kind::Float, CPU)).set_requires_grad(true);
+    let (_, trace) = StepTrace::record(|| {
+        let y = x
+            .exp()
+            .layer_norm([96], None::<Tensor>, None::<Tensor>, 1e-5, false)
+            .to_kind(Kind::BFloat16)
+            .to_kind(Kind::Float);
+        (&y * &y).mean(Kind::Float).backward();
+    })
+    .unwrap();
+    let plan = FusionPlan::generatable(&trace);
+    let generated =
+        |name: &str| (plan.groups().iter()).any(|g| g.operators.iter().any(|o| o == name));
+    assert!(generated("aten::native_layer_norm"), "{plan}");
+    assert!(!generated("aten::native_layer_norm_backward"), "{plan}");
+}
+
+#[test]
 fn a_layer_norm_over_more_than_its_last_dimension_is_not_generated() {
     let _serial = common::serial();
     let x = Tensor::randn([3, 5, 8], (Kind::Float, CPU));

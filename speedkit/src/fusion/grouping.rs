@@ -408,13 +408,15 @@ pub(super) fn results(
     wanted.sort_unstable();
     wanted.dedup();
     // Of a call with several results (a group norm's backward: the input's gradient read in the
-    // group, the weight's and bias's outliving it), those the group's kernel must write.
+    // group, the weight's and bias's outliving it), those the group's kernel must write; never one
+    // not asked for (an undefined tensor: a norm's backward without a weight's gradient).
     let outlives = &outlives;
     wanted
         .into_iter()
         .flat_map(|m| {
             let several = nodes[m].op.output_tensors().count() > 1;
             (nodes[m].op.output_tensors())
+                .filter(|t| t.item_bytes > 0)
                 .filter(move |t| !several || outlives(m, t))
                 .map(|t| t.key())
         })

@@ -16,11 +16,12 @@ pub const IGNORE_INDEX: i64 = -100;
 /// On a CUDA device of SM ≥ 8.0 with speedkit's kernels on, the forward reads the logits once (an
 /// online softmax per row) and writes nothing of their size; the backward reads them once more and
 /// writes the gradient in the logits' own type (bf16 under bf16 autocast), never materialising
-/// fp32 probabilities. Logits straight from a [`Linear`](super::Linear) classifier head of a
-/// training step (128 MiB of them or more, over at least 4096 classes) were never written: the
-/// loss runs the head's GEMM and itself a block of rows at a time, the gradients made on the way,
-/// so the logits never exist whole. Anywhere else it runs ATen's composite (fp32 log-softmax and NLL, as tch's
-/// `cross_entropy_for_logits`), and [`crate::kernels::notes`] say why. An out-of-range target
+/// fp32 probabilities. Logits straight from a [`Linear`](super::Linear) classifier head's
+/// `forward_t` in a training step (128 MiB of them or more, over at least 4096 classes, outside
+/// FP8) were never written: the loss runs the head's GEMM and itself a block of rows at a time,
+/// the gradients made on the way, so the logits never exist whole. Anywhere else it runs ATen's
+/// composite (fp32 log-softmax and NLL, as tch's `cross_entropy_for_logits`), and
+/// [`crate::kernels::notes`] say why. An out-of-range target
 /// makes the kernel's loss NaN (ATen raises instead). Panics on a libtorch error, as tch does.
 ///
 /// ```

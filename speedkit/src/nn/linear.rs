@@ -83,6 +83,10 @@ impl Linear {
     /// An input whose last dimension is not the layer's input width is a
     /// [`SpeedkitError::Misuse`](crate::SpeedkitError::Misuse) naming the layer and both shapes.
     pub fn forward_t(&self, x: &Tensor) -> crate::Result<Tensor> {
+        self.check_input(x)?;
+        if let Some(logits) = self.deferred_logits(x)? {
+            return Ok(logits);
+        }
         self.project(x, self.bs.as_ref())
     }
 
@@ -183,19 +187,24 @@ impl Linear {
 
     /// `x Wᵀ (+ bias)` in the autocast type: on speedkit's kernels where they run (the weight
     /// gradient straight from its GEMM in fp32, the bias gradient from `bias_grad`), else ATen's
-    /// `linear`, with the reason in the notes. A classifier head's logits, in a step that trains,
-    /// come deferred where [`cross_entropy`](super::cross_entropy) can take them whole from the
-    /// head (the chunked classifier of `crate::overrides`).
+    /// `linear`, with the reason in the notes.
     fn project_in_autocast_type(&self, x: &Tensor, bias: Option<&Tensor>) -> crate::Result<Tensor> {
-        if let Some(kind) = chunked_head_type(x)? {
-            let reader = chunked_classifier::HeadReader::SpeedkitCrossEntropy;
-            if let Some(logits) =
-                chunked_classifier::deferred_logits(x, &self.ws, bias, kind, reader)?
-            {
-                return Ok(logits);
-            }
-        }
         ffi::linear::linear(x, &self.ws, bias)
+    }
+
+    /// A classifier head's logits, deferred, where [`cross_entropy`](super::cross_entropy) can take
+    /// them from the head a block of rows at a time (the chunked classifier of
+    /// `crate::overrides`): a step that trains, outside FP8, on speedkit's kernels, logits large
+    /// enough. Any other read of them writes them, as this layer would.
+    fn deferred_logits(&self, x: &Tensor) -> crate::Result<Option<Tensor>> {
+        if Fp8Scope::active().is_some() {
+            return Ok(None);
+        }
+        let Some(kind) = chunked_head_type(x)? else {
+            return Ok(None);
+        };
+        let reader = chunked_classifier::HeadReader::SpeedkitCrossEntropy;
+        chunked_classifier::deferred_logits(x, &self.ws, self.bs.as_ref(), kind, reader)
     }
 
     /// An input whose last dimension is not the layer's input width is the caller's mistake, on

@@ -114,22 +114,12 @@ fn stored_and_contiguous(input: &TracedTensor, results: [&TracedTensor; 3]) -> b
 
 /// A layer norm's backward as the generator takes it: `native_layer_norm_backward` over the last
 /// dimension alone (as [`NormRows`] takes its forward), the gradient and input of one shape, the
-/// forward's stored statistics (contiguous, one per row), the input's gradient contiguous in its
-/// shape and the weight's and bias's, where asked for, one per column: `rows` rows of `width`.
+/// forward's stored statistics (contiguous, one per row), and all three gradients (the input's
+/// contiguous in its shape, the weight's and bias's one per column): `rows` rows of `width`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(super) struct LayerNormGradients {
     rows: u64,
     width: u64,
-}
-
-/// A norm's parameter gradient where it was asked for (`None` where it is an undefined tensor, of
-/// no element type); `None` outside for what is not a tensor.
-fn asked(v: &TracedValue) -> Option<Option<&TracedTensor>> {
-    match v {
-        TracedValue::Tensor(t) if t.item_bytes == 0 => Some(None),
-        TracedValue::Tensor(t) => Some(Some(t)),
-        _ => None,
-    }
 }
 
 /// `op`'s rows where it is a layer norm's backward the generator takes ([`LayerNormGradients`]).
@@ -153,27 +143,23 @@ pub(super) fn layer_norm_gradients(op: &TracedOp) -> Option<LayerNormGradients> 
     if width <= 0 || rank == 0 || input.shape[rank - 1] != width {
         return None;
     }
-    let [TracedValue::Tensor(dx), dw, db] = op.outputs.as_slice() else {
+    let [TracedValue::Tensor(dx), TracedValue::Tensor(dw), TracedValue::Tensor(db)] =
+        op.outputs.as_slice()
+    else {
         return None;
     };
     let rows = input.numel / width as u64;
-    // A gradient not asked for is an undefined tensor: no element type.
-    let (dw, db) = (asked(dw)?, asked(db)?);
     let sized = grad.shape == input.shape
         && dx.shape == input.shape
         && [mean, rstd].iter().all(|t| t.numel == rows)
-        && [dw, db].iter().flatten().all(|t| t.numel == width as u64);
-    let tensors = [grad, input, mean, rstd, dx]
-        .into_iter()
-        .chain(dw)
-        .chain(db);
-    let stored = tensors
-        .clone()
+        && [dw, db].iter().all(|t| t.numel == width as u64);
+    // A gradient not asked for (no weight or bias, or a frozen one) is an undefined tensor, of no
+    // element type: such a backward stays ATen's.
+    let stored = [grad, input, mean, rstd, dx, dw, db]
+        .iter()
         .all(|t| kind_of(&t.dtype).is_some_and(|k| k != Kind::Bool));
-    let contiguous = [mean, rstd, dx]
-        .into_iter()
-        .chain(dw)
-        .chain(db)
+    let contiguous = [mean, rstd, dx, dw, db]
+        .iter()
         .all(|t| check_contiguous(t).is_ok());
     (sized && stored && contiguous).then_some(LayerNormGradients {
         rows,
@@ -520,9 +506,9 @@ impl Generator {
         Ok(())
     }
 
-    /// The sums over columns of a layer norm's backward's weight and bias gradients, where asked
-    /// for (`dy * xhat` and `dy` at each element, read where the kernel writes it), each its
-    /// result's: the values to sum.
+    /// The sums over columns of a layer norm's backward's weight and bias gradients (`dy * xhat`
+    /// and `dy` at each element, read where the kernel writes it), each its result's: the values
+    /// to sum.
     fn layer_norm_parameter_gradients(
         &mut self,
         op: &TracedOp,
@@ -554,9 +540,6 @@ impl Generator {
         let values = [format!("{dy} * ln_xhat(a, p, red)"), dy];
         for (position, (value, t)) in values.into_iter().zip(gradients).enumerate() {
             let TracedValue::Tensor(t) = t else { continue };
-            if t.item_bytes == 0 {
-                continue;
-            }
             self.note_extent(t);
             self.results
                 .insert(t.key(), (usize::MAX, t.clone(), self.call, position + 1));
