@@ -740,6 +740,21 @@ fn a_recomputed_result_whose_input_was_written_in_place_fails_the_fused_step_wit
     assert!(why.contains("was written in place before"), "{why}");
 }
 
+/// A norm step's loss and gradients.
+type NormResult = (Tensor, Vec<Tensor>);
+
+/// A norm's `step` as ATen runs it, the fused step prepared from it, and the fused step's result.
+fn norm_fused_and_aten(
+    device: Device,
+    step: impl Fn() -> NormResult,
+) -> (NormResult, FusedStep, NormResult) {
+    let _ = step();
+    let (expected, fused) = FusedStep::prepare(device, &step).unwrap();
+    let fused = fused.unwrap();
+    let result = fused.run(&step).unwrap();
+    (expected, fused, result)
+}
+
 /// `fused` ran each of `operators` in a generated kernel (the summary says why not).
 fn assert_generated(fused: &FusedStep, operators: &[&str], case: &str) {
     for operator in operators {
@@ -756,8 +771,8 @@ fn assert_generated(fused: &FusedStep, operators: &[&str], case: &str) {
 fn assert_like_atens(
     kind: Kind,
     case: &str,
-    (loss, gradients): (Tensor, Vec<Tensor>),
-    (expected, aten): (Tensor, Vec<Tensor>),
+    (loss, gradients): NormResult,
+    (expected, aten): NormResult,
     names: &[&str],
 ) {
     let tolerance = if kind == Kind::Float { 1e-5 } else { 1e-2 };
@@ -847,10 +862,7 @@ fn fused_group_norms_give_atens_values_and_gradients_in_fp32_bf16_and_fp16() {
             ([3, 24, 61, 67], 8),
         ] {
             let norm = GroupNormStep::new(device, kind, shape, groups);
-            let _ = norm.step();
-            let (expected, fused) = FusedStep::prepare(device, || norm.step()).unwrap();
-            let fused = fused.unwrap();
-            let result = fused.run(|| norm.step()).unwrap();
+            let (expected, fused, result) = norm_fused_and_aten(device, || norm.step());
             let case = format!("{kind:?} {shape:?}");
             let operators = [
                 "aten::native_group_norm",
@@ -928,10 +940,7 @@ fn fused_layer_norms_give_atens_values_and_gradients_in_fp32_bf16_and_fp16() {
         // the row held in registers), of 1000 in rows of a larger batch.
         for shape in [[3, 5, 77], [2, 7, 96], [2, 33, 768], [4, 129, 1000]] {
             let norm = LayerNormStep::new(device, kind, shape);
-            let _ = norm.step();
-            let (expected, fused) = FusedStep::prepare(device, || norm.step()).unwrap();
-            let fused = fused.unwrap();
-            let result = fused.run(|| norm.step()).unwrap();
+            let (expected, fused, result) = norm_fused_and_aten(device, || norm.step());
             let case = format!("{kind:?} {shape:?}");
             let operators = [
                 "aten::native_layer_norm",

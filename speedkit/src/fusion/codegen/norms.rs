@@ -72,28 +72,39 @@ fn normalizes_last_dimension(op: &TracedOp) -> Option<NormRows> {
         return None;
     }
     let (input, [out, mean, rstd]) = norm_tensors(op).ok()?;
-    let normalized: Vec<i64> = match op.inputs.get(1)? {
-        TracedValue::Other { value, .. } => serde_json::from_str(value).ok()?,
-        _ => return None,
-    };
+    let width = last_dimension(op, 1, input)?;
     let eps = float(op.inputs.get(4))?;
-    let [width] = normalized[..] else {
-        return None;
-    };
-    let rank = input.shape.len();
-    if width <= 0 || rank == 0 || input.shape[rank - 1] != width {
-        return None;
-    }
     let rows = input.numel / width as u64;
     let sized = out.shape == input.shape && mean.numel == rows && rstd.numel == rows;
     (sized && stored_and_contiguous(input, [out, mean, rstd])).then_some(NormRows {
         rows,
         width: width as u64,
         eps,
-        parameter_dim: rank - 1,
+        parameter_dim: input.shape.len() - 1,
         weight_position: 2,
         layer: true,
     })
+}
+
+/// `op`'s tensor argument `position`, where it is one.
+fn tensor_argument(op: &TracedOp, position: usize) -> Option<&TracedTensor> {
+    match op.inputs.get(position) {
+        Some(TracedValue::Tensor(t)) => Some(t),
+        _ => None,
+    }
+}
+
+/// The width a layer norm normalises, from its `normalized_shape` (argument `position`): one
+/// size, `input`'s last.
+fn last_dimension(op: &TracedOp, position: usize, input: &TracedTensor) -> Option<i64> {
+    let normalized: Vec<i64> = match op.inputs.get(position)? {
+        TracedValue::Other { value, .. } => serde_json::from_str(value).ok()?,
+        _ => return None,
+    };
+    let [width] = normalized[..] else {
+        return None;
+    };
+    (width > 0 && input.shape.last() == Some(&width)).then_some(width)
 }
 
 /// A float argument (a norm's epsilon).
@@ -127,22 +138,9 @@ pub(super) fn layer_norm_gradients(op: &TracedOp) -> Option<LayerNormGradients> 
     if op.name != "aten::native_layer_norm_backward" {
         return None;
     }
-    let tensor = |i: usize| match op.inputs.get(i) {
-        Some(TracedValue::Tensor(t)) => Some(t),
-        _ => None,
-    };
+    let tensor = |i: usize| tensor_argument(op, i);
     let (grad, input, mean, rstd) = (tensor(0)?, tensor(1)?, tensor(3)?, tensor(4)?);
-    let normalized: Vec<i64> = match op.inputs.get(2)? {
-        TracedValue::Other { value, .. } => serde_json::from_str(value).ok()?,
-        _ => return None,
-    };
-    let [width] = normalized[..] else {
-        return None;
-    };
-    let rank = input.shape.len();
-    if width <= 0 || rank == 0 || input.shape[rank - 1] != width {
-        return None;
-    }
+    let width = last_dimension(op, 2, input)?;
     let [TracedValue::Tensor(dx), TracedValue::Tensor(dw), TracedValue::Tensor(db)] =
         op.outputs.as_slice()
     else {
@@ -217,10 +215,7 @@ pub(super) fn group_norm_gradients(op: &TracedOp) -> Option<GroupNormGradients> 
     if op.name != "aten::native_group_norm_backward" {
         return None;
     }
-    let tensor = |i: usize| match op.inputs.get(i) {
-        Some(TracedValue::Tensor(t)) => Some(t),
-        _ => None,
-    };
+    let tensor = |i: usize| tensor_argument(op, i);
     let (grad, input, mean, rstd) = (tensor(0)?, tensor(1)?, tensor(2)?, tensor(3)?);
     let [TracedValue::Tensor(dx), TracedValue::Tensor(dw), TracedValue::Tensor(db)] =
         op.outputs.as_slice()
