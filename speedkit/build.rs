@@ -169,6 +169,7 @@ const SHIM_UNITS: &[(&str, &[&str])] = &[
         &[
             "bias_gelu",
             "classifier",
+            "column_sums",
             "convolution",
             "cublaslt",
             "custom_overrides",

@@ -15,6 +15,7 @@ use speedkit::SpeedContext;
 use speedkit_suite::data;
 use speedkit_suite::models::llama_tch::{LlamaConfig, LlamaTch};
 use speedkit_suite::models::unet_tch::{UnetConfig, UnetTch};
+use speedkit_suite::models::{TchTransformer, TransformerConfig};
 use tch::{nn, Device, Kind, Tensor};
 
 const CPU: Device = Device::Cpu;
@@ -953,6 +954,95 @@ fn fused_layer_norms_give_atens_values_and_gradients_in_fp32_bf16_and_fp16() {
     }
 }
 
+/// A linear layer's bias as speedkit's `linear` sums its gradient (`common::BiasAdd`: the output's
+/// gradient cast to the GEMMs' type, then `speedkit::column_sums`), before a layer norm (the
+/// norm's backward makes the gradient) or a GELU (its backward does).
+struct BiasStep {
+    x: Tensor,
+    bias: Tensor,
+    weight: Tensor,
+    norm_bias: Tensor,
+    kind: Kind,
+}
+
+impl BiasStep {
+    /// `x` of `shape` in fp32 before a norm (the residual stream), in `kind` before a GELU.
+    fn new(device: Device, kind: Kind, shape: [i64; 3], norm: bool) -> BiasStep {
+        let width = [shape[2]];
+        let leaf = |shape: &[i64], kind: Kind| {
+            Tensor::randn(shape, (kind, device)).set_requires_grad(true)
+        };
+        BiasStep {
+            x: leaf(&shape, if norm { Kind::Float } else { kind }),
+            bias: leaf(&width, Kind::Float),
+            weight: leaf(&width, Kind::Float),
+            norm_bias: leaf(&width, Kind::Float),
+            kind,
+        }
+    }
+
+    /// The loss and the gradients of x and of the bias, through a layer norm or a GELU.
+    fn step(&self, norm: bool) -> (Tensor, Vec<Tensor>) {
+        for leaf in [&self.x, &self.bias] {
+            let mut grad = leaf.grad();
+            if grad.defined() {
+                let _ = grad.zero_();
+            }
+        }
+        // The norm's parameters as new leaves each step: their gradients are taken as made, as
+        // after an optimizer's zero_grad(set_to_none), not added to old ones between the norm's
+        // backward and the bias's sum (which would split the group there).
+        let (weight, norm_bias) = (
+            self.weight.detach().set_requires_grad(true),
+            self.norm_bias.detach().set_requires_grad(true),
+        );
+        let h = common::bias_add(&self.x, &self.bias, self.kind);
+        let y = match norm {
+            true => h.layer_norm(
+                [self.bias.size()[0]],
+                Some(&weight),
+                Some(&norm_bias),
+                1e-5,
+                false,
+            ),
+            false => h.gelu("tanh"),
+        };
+        let y = y.to_kind(Kind::Float);
+        let loss = (&y * &y).mean(Kind::Float);
+        loss.backward();
+        (loss, vec![self.x.grad().copy(), self.bias.grad().copy()])
+    }
+}
+
+#[test]
+fn bias_gradients_summed_in_the_kernels_that_make_them_give_atens_in_fp32_bf16_and_fp16() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "bias_gradients_summed_in_the_kernels_that_make_them_give_atens_in_fp32_bf16_and_fp16",
+    ) else {
+        return;
+    };
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+        // Rows of 77 (one element at a time), of 768 (four), and 4 × 129 rows of 1000.
+        for shape in [[3, 5, 77], [2, 33, 768], [4, 129, 1000]] {
+            for (norm, producer) in [
+                (true, "aten::native_layer_norm_backward"),
+                (false, "aten::gelu_backward"),
+            ] {
+                let bias = BiasStep::new(device, kind, shape, norm);
+                let (expected, fused, result) = norm_fused_and_aten(device, || bias.step(norm));
+                let case = format!("{kind:?} {shape:?} {producer}");
+                let joined = (fused.substituted().iter()).any(|g| {
+                    let has = |op: &str| g.operators.iter().any(|o| o == op);
+                    has(producer) && has("speedkit::column_sums")
+                });
+                assert!(joined, "{case}: not one kernel\n{}", fused.summary());
+                assert_like_atens(kind, &case, result, expected, &["x", "bias"]);
+            }
+        }
+    }
+}
+
 /// The tiny Llama's loss and gradients after one step, run by `run` (ATen's kernels or fused).
 fn llama_loss_and_gradients(vs: &nn::VarStore, step: impl Fn() -> Tensor) -> (f64, Vec<Tensor>) {
     let loss = step();
@@ -1017,25 +1107,54 @@ fn a_fused_step_of_a_small_llama_gives_atens_loss_and_gradients() {
     }
 }
 
-/// The tiny Llama trained `steps` steps under `config` (bf16, whole-step graphs): the losses.
-fn llama_losses(config: &SpeedConfig, device: Device, steps: usize) -> (Vec<f64>, Vec<String>) {
+/// The tiny decoders the captured-step tests train.
+#[derive(Clone, Copy, Debug)]
+enum Decoder {
+    /// `LlamaTch`: RMSNorm, rotary embeddings, SwiGLU, no biases.
+    Llama,
+    /// `TchTransformer`: tch's LayerNorm and Linear (with biases), GELU, a qkv split.
+    Gpt,
+}
+
+impl Decoder {
+    /// The decoder's parameters in `vs` and its loss on one batch of random tokens.
+    fn build(self, vs: &nn::VarStore, device: Device) -> Box<dyn Fn() -> Tensor> {
+        match self {
+            Decoder::Llama => {
+                let config = LlamaConfig::tiny();
+                let model = LlamaTch::new(&vs.root(), &config).unwrap();
+                let (tokens, targets) =
+                    data::tokens(config.batch, config.seq_len, config.vocab, device).unwrap();
+                Box::new(move || model.loss(&tokens, &targets).unwrap())
+            }
+            Decoder::Gpt => {
+                let config = TransformerConfig::tiny();
+                let model = TchTransformer::new(&vs.root(), &config).unwrap();
+                let (tokens, targets) =
+                    data::tokens(config.batch, config.seq_len, config.vocab, device).unwrap();
+                Box::new(move || model.loss(&tokens, &targets).unwrap())
+            }
+        }
+    }
+}
+
+/// `decoder` trained `steps` steps under `config` (bf16, whole-step graphs): the losses and the
+/// audit's notes.
+fn captured_losses(
+    decoder: Decoder,
+    config: &SpeedConfig,
+    device: Device,
+    steps: usize,
+) -> (Vec<f64>, Vec<String>) {
     tch::manual_seed(0);
     let ctx = SpeedContext::new(config).unwrap();
-    let model_config = LlamaConfig::tiny();
     let vs = nn::VarStore::new(device);
-    let model = LlamaTch::new(&vs.root(), &model_config).unwrap();
-    let (tokens, targets) = data::tokens(
-        model_config.batch,
-        model_config.seq_len,
-        model_config.vocab,
-        device,
-    )
-    .unwrap();
+    let loss = decoder.build(&vs, device);
     let mut opt = ctx.adamw(&vs, AdamW::default()).unwrap();
     let mut losses = Vec::new();
     {
         let mut g = ctx.graphed(|_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
-            let loss = ctx.autocast(|| model.loss(&tokens, &targets))?;
+            let loss = ctx.autocast(&loss);
             ctx.backward_step(&loss, &mut opt)?;
             Ok(Some(loss))
         });
@@ -1045,12 +1164,49 @@ fn llama_losses(config: &SpeedConfig, device: Device, steps: usize) -> (Vec<f64>
         }
         assert!(
             g.is_graphed(),
-            "{:?}\n{:#?}",
+            "{decoder:?}: {:?}\n{:#?}",
             g.fallback_reason(),
             ctx.audit().notes
         );
     }
     (losses, ctx.audit().notes)
+}
+
+/// `decoder` trains under a captured step with fusion as without it: the same losses within
+/// bf16's step-to-step rounding, every captured step fused.
+fn trains_as_without_fusion(decoder: Decoder, device: Device, overrides: AutoBool) {
+    let mut config = SpeedConfig {
+        device: DeviceChoice::Cuda(0),
+        precision: Precision::Bf16,
+        overrides,
+        ..SpeedConfig::auto()
+    };
+    config.compile.enabled = AutoBool::On;
+    let (plain, _) = captured_losses(decoder, &config, device, 40);
+    config.compile.fusion = true;
+    let (fused, notes) = captured_losses(decoder, &config, device, 40);
+    let note = notes
+        .iter()
+        .find(|n| n.starts_with("fusion"))
+        .cloned()
+        .unwrap_or_default();
+    println!("{decoder:?}: {note}");
+    assert!(note.starts_with("fusion: "), "{decoder:?}: {notes:#?}");
+    assert!(
+        !notes.iter().any(|n| n.starts_with("fusion off")),
+        "{decoder:?}: {notes:#?}"
+    );
+    // bf16 training of these small models carries a float's rounding from step to step: a row
+    // reduction that sums in another order than ATen's (a thread's four neighbouring columns
+    // first) moved the loss by 2.1% at step 29 on an H100. A wrong kernel moves it by orders of
+    // magnitude (two such defects trained to 6.3 and 10.1 instead of 0.0003).
+    for (step, (p, f)) in plain.iter().zip(&fused).enumerate() {
+        assert!(
+            (p - f).abs() < 0.05 * p.abs(),
+            "{decoder:?}, step {step}: {f} against {p}"
+        );
+    }
+    assert!(fused[39] < fused[0] - 0.5, "{decoder:?} learns: {fused:?}");
 }
 
 #[test]
@@ -1061,37 +1217,19 @@ fn a_captured_step_with_fusion_trains_as_the_one_without() {
     else {
         return;
     };
-    let mut config = SpeedConfig {
-        device: DeviceChoice::Cuda(0),
-        precision: Precision::Bf16,
-        ..SpeedConfig::auto()
+    trains_as_without_fusion(Decoder::Llama, device, AutoBool::Auto);
+}
+
+#[test]
+fn a_captured_step_of_tchs_modules_on_the_overrides_trains_with_fusion_as_without() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "a_captured_step_of_tchs_modules_on_the_overrides_trains_with_fusion_as_without",
+    ) else {
+        return;
     };
-    config.compile.enabled = AutoBool::On;
-    let (plain, _) = llama_losses(&config, device, 40);
-    config.compile.fusion = true;
-    let (fused, notes) = llama_losses(&config, device, 40);
-    let note = notes
-        .iter()
-        .find(|n| n.starts_with("fusion"))
-        .cloned()
-        .unwrap_or_default();
-    println!("{note}");
-    assert!(note.starts_with("fusion: "), "{notes:#?}");
-    assert!(
-        !notes.iter().any(|n| n.starts_with("fusion off")),
-        "{notes:#?}"
-    );
-    // bf16 training of this small model carries a float's rounding from step to step: a row
-    // reduction that sums in another order than ATen's (a thread's four neighbouring columns
-    // first) moved the loss by 2.1% at step 29 on an H100. A wrong kernel moves it by orders of
-    // magnitude (two such defects trained to 6.3 and 10.1 instead of 0.0003).
-    for (step, (p, f)) in plain.iter().zip(&fused).enumerate() {
-        assert!(
-            (p - f).abs() < 0.05 * p.abs(),
-            "step {step}: {f} against {p}"
-        );
-    }
-    assert!(fused[39] < fused[0] - 0.5, "it learns: {fused:?}");
+    // The linear override's bias gradients are summed inside the kernels that make them.
+    trains_as_without_fusion(Decoder::Gpt, device, AutoBool::On);
 }
 
 #[test]

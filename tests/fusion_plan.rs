@@ -569,6 +569,107 @@ fn a_layer_norms_backward_joins_its_casts_and_the_gradients_sum_in_one_kernel_th
     }
 }
 
+/// The group of `plan` that holds `operator`.
+fn group_holding<'p>(plan: &'p FusionPlan, operator: &str) -> &'p speedkit::fusion::FusedGroup {
+    (plan.groups().iter())
+        .find(|g| g.operators.iter().any(|o| o == operator))
+        .unwrap_or_else(|| panic!("no group holds {operator}:\n{plan}"))
+}
+
+#[test]
+fn a_bias_gradients_column_sum_joins_the_layer_norms_backward_and_cast_that_make_it() {
+    let _serial = common::serial();
+    // Rows of 77 (one element at a time) and of 96 (four).
+    for width in [77, 96] {
+        let stream = Tensor::randn([3, 5, width], (Kind::Float, CPU)).set_requires_grad(true);
+        let bias = Tensor::randn([width], (Kind::Float, CPU)).set_requires_grad(true);
+        let (w, b) = (
+            Tensor::randn([width], (Kind::Float, CPU)).set_requires_grad(true),
+            Tensor::randn([width], (Kind::Float, CPU)).set_requires_grad(true),
+        );
+        let (_, trace) = StepTrace::record(|| {
+            // A pre-norm block's stream: a linear's output (its bias added) normalised; the
+            // norm's backward makes the gradient whose cast the linear's bias sums.
+            let h = common::bias_add(&stream, &bias, Kind::BFloat16);
+            let y = h.layer_norm([width], Some(&w), Some(&b), 1e-5, false);
+            (&y * &y).mean(Kind::Float).backward();
+        })
+        .unwrap();
+        let plan = FusionPlan::generatable(&trace);
+        let backward = group_holding(&plan, "aten::native_layer_norm_backward");
+        let names = names(&backward.operators);
+        assert!(names.contains(&"_to_copy"), "{plan}");
+        assert!(names.contains(&"speedkit::column_sums"), "{plan}");
+        let kernel = backward.kernel().unwrap();
+        // The norm's two sums over columns and the bias's, each its own.
+        assert!(kernel.source.contains("cols2["), "{}", kernel.source);
+        assert_compiles(&kernel);
+    }
+}
+
+#[test]
+fn a_bias_gradients_column_sum_joins_the_gelu_backward_that_makes_it() {
+    let _serial = common::serial();
+    let x = Tensor::randn([3, 37, 53], (Kind::BFloat16, CPU)).set_requires_grad(true);
+    let bias = Tensor::randn([53], (Kind::Float, CPU)).set_requires_grad(true);
+    let (_, trace) = StepTrace::record(|| {
+        let h = common::bias_add(&x, &bias, Kind::BFloat16).gelu("tanh");
+        h.to_kind(Kind::Float).square().mean(Kind::Float).backward();
+    })
+    .unwrap();
+    let plan = FusionPlan::generatable(&trace);
+    let group = group_holding(&plan, "speedkit::column_sums");
+    assert!(names(&group.operators).contains(&"gelu_backward"), "{plan}");
+    let kernel = group.kernel().unwrap();
+    assert!(kernel.source.contains("_columns("), "{}", kernel.source);
+    assert_compiles(&kernel);
+}
+
+#[test]
+fn a_bias_gradients_column_sum_does_not_join_the_cat_of_a_splits_gradients() {
+    let _serial = common::serial();
+    let x = Tensor::randn([2, 16, 96], (Kind::BFloat16, CPU)).set_requires_grad(true);
+    let bias = Tensor::randn([96], (Kind::Float, CPU)).set_requires_grad(true);
+    let (_, trace) = StepTrace::record(|| {
+        // A qkv projection's output split in three: the split's backward concatenates the
+        // parts' gradients, which the bias's sum reads.
+        let parts = common::bias_add(&x, &bias, Kind::BFloat16).split(32, -1);
+        let loss = parts[0].silu() * &parts[1] + parts[2].square();
+        loss.to_kind(Kind::Float).mean(Kind::Float).backward();
+    })
+    .unwrap();
+    let plan = FusionPlan::generatable(&trace);
+    let holds = |g: &speedkit::fusion::FusedGroup, op: &str| g.operators.iter().any(|o| o == op);
+    assert!(
+        (plan.groups().iter()).any(|g| holds(g, "aten::cat")),
+        "the parts' gradients join the cat:\n{plan}"
+    );
+    assert!(
+        !(plan.groups().iter()).any(|g| holds(g, "aten::cat") && holds(g, "speedkit::column_sums")),
+        "{plan}"
+    );
+}
+
+#[test]
+fn a_bias_gradients_column_sum_alone_is_left_to_its_own_kernel_with_the_reason() {
+    let _serial = common::serial();
+    let x = Tensor::randn([4, 40], (Kind::Float, CPU)).set_requires_grad(true);
+    let bias = Tensor::randn([40], (Kind::Float, CPU)).set_requires_grad(true);
+    let (_, trace) = StepTrace::record(|| {
+        // The loss's gradient comes from the matmul's backward: a library kernel, nothing to
+        // fuse the sum with.
+        let y = common::bias_add(&x, &bias, Kind::Float).matmul(&x.tr());
+        y.sum(Kind::Float).backward();
+    })
+    .unwrap();
+    let plan = FusionPlan::generatable(&trace);
+    let sum = (plan.left_to_aten().iter())
+        .find(|l| l.operator == "speedkit::column_sums")
+        .unwrap_or_else(|| panic!("{plan}"));
+    assert_eq!(sum.calls, 1);
+    assert_eq!(sum.reason, "nothing to fuse with where it runs");
+}
+
 #[test]
 fn a_layer_norms_backward_without_its_weights_gradient_is_left_to_aten() {
     let _serial = common::serial();

@@ -3,8 +3,9 @@
 //  - the weight gradient comes out of its GEMM in the weight's own type (bf16 × bf16 → fp32 on
 //    cuBLAS, ATen's mm.dtype), where autocast's composite writes it in bf16 and then casts it to
 //    the fp32 master weight's type in a separate kernel;
-//  - the bias gradient is a column sum on speedkit's kernel (kernels/bias_grad.cuh), at HBM
-//    bandwidth, where ATen's generic reduction runs at about a quarter of it, followed by a cast;
+//  - the bias gradient is speedkit::column_sums (column_sums.cpp): speedkit's kernel at HBM bandwidth,
+//    where ATen's generic reduction runs at about a quarter of it, followed by a cast; an operator the
+//    fusion engine sees, and sums inside the kernel that makes the gradient where it generates one;
 //  - an output used as equal column blocks (q, k and v of one projection) is returned as those
 //    blocks, and their gradients are put side by side by the pass that sums the bias gradient,
 //    where autograd would run a cat kernel for the split's backward and the sum would read its
@@ -23,6 +24,7 @@
 //
 // Differentiable once: a second derivative through the backward is an error (fused_op_gradients).
 #include "bias_grad.cuh"
+#include "column_sums.h"
 #include "fused_op.h"
 
 #include <ATen/ops/addmm.h>
@@ -65,14 +67,14 @@ std::pair<at::Tensor, at::Tensor> output_gradient(const variable_list& grads, at
                                                   at::ScalarType bias_type) {
   if (grads.size() == 1) {
     at::Tensor dy = grads[0].to(type).contiguous();
-    return {dy, with_bias ? sk::kernels::bias_grad::column_sums(dy, bias_type) : at::Tensor()};
+    return {dy, with_bias ? sk::column_sums(dy, bias_type) : at::Tensor()};
   }
   std::vector<at::Tensor> parts;
   for (const at::Tensor& g : grads) parts.push_back(g.to(type).contiguous());
   if (with_bias && parts.size() <= static_cast<size_t>(sk::kernels::bias_grad::kMaxParts))
     return sk::kernels::bias_grad::concat_and_column_sums(parts, bias_type);
   at::Tensor dy = at::cat(parts, 1);
-  return {dy, with_bias ? sk::kernels::bias_grad::column_sums(dy, bias_type) : at::Tensor()};
+  return {dy, with_bias ? sk::column_sums(dy, bias_type) : at::Tensor()};
 }
 
 // What a GELU's output `x` was computed from: the input the GELU's node keeps for its own backward

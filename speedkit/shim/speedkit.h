@@ -714,6 +714,12 @@ int sk_override_call_fail(void* call, const char* message);
 /// *y = gelu_tanh(h + bias) over the last dimension, in h's type. Differentiable.
 int sk_bias_gelu(sk_tensor h, sk_tensor bias, sk_tensor* y);
 
+// @module column_sums: a bias's gradient as speedkit's own operator, speedkit::column_sums (column_sums.cpp)
+
+/// *out = the sum of x over every dimension but the last, [x.size(-1)] of scalar type `dtype` (fp32
+/// accumulation), through the dispatcher: speedkit's kernel on CUDA, ATen's sum elsewhere.
+int sk_column_sums(sk_tensor x, int dtype, sk_tensor* out);
+
 // @module embedding: token + position embedding in one kernel, else ATen's (embedding.cpp)
 
 /// *out = table[tokens] (+ positions[t] for tokens [batch, seq]), in the table's type.

@@ -21,7 +21,7 @@ pub use mlp::{set_mlp_backward_fusion, Mlp, MlpBackwardFusion};
 
 use serde::Serialize;
 use std::fmt;
-use tch::Tensor;
+use tch::{Kind, Tensor};
 
 use crate::error::{Result, SpeedkitError};
 use crate::flags::Flag;
@@ -119,6 +119,26 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Ten
             Ok(_) => SpeedkitError::from(e),
         }),
     }
+}
+
+/// A bias's gradient: the sum of `t` over every dimension but the last, accumulated in fp32 and
+/// returned in `kind`, as `[t.size(-1)]`. On CUDA it runs speedkit's column-sum kernel (at HBM
+/// bandwidth, where ATen's generic reduction reaches about a quarter of it); elsewhere ATen's
+/// `sum`. It is an operator of speedkit's own (`speedkit::column_sums`), so a fused step sees it:
+/// the fusion engine sums the columns inside the kernel that makes `t`, as it does for a `sum` of
+/// ATen's. The `linear` override's backward sums its bias's gradient with it.
+///
+/// ```
+/// use tch::{Device, Kind, Tensor};
+/// let dy = Tensor::ones([3, 5, 4], (Kind::BFloat16, Device::Cpu));
+/// let db = speedkit::nn::column_sums(&dy, Kind::Float)?;
+/// assert_eq!(db.size(), [4]);
+/// assert_eq!(db.kind(), Kind::Float);
+/// assert_eq!(db.double_value(&[0]), 15.0);
+/// # Ok::<(), speedkit::SpeedkitError>(())
+/// ```
+pub fn column_sums(t: &Tensor, kind: Kind) -> Result<Tensor> {
+    crate::ffi::column_sums::column_sums(t, kind)
 }
 
 /// Whether `tensor` is a 4-d tensor laid out channels-last (NHWC in memory).

@@ -120,3 +120,39 @@ impl speedkit::function::Function for ExpInPlace {
         Ok(vec![Some(dx)])
     }
 }
+
+/// y = x + b over x's rows, whose backward sums b's gradient as speedkit's `linear` does: the
+/// output's gradient cast to `dy_kind` (the GEMMs' type), then `speedkit::nn::column_sums` into
+/// b's type.
+pub struct BiasAdd {
+    pub dy_kind: tch::Kind,
+}
+
+impl speedkit::function::Function for BiasAdd {
+    fn forward(
+        &mut self,
+        _ctx: &mut speedkit::function::ForwardContext<'_>,
+        inputs: &[tch::Tensor],
+    ) -> speedkit::Result<Vec<tch::Tensor>> {
+        let (x, b) = (&inputs[0], &inputs[1]);
+        Ok(vec![x + b.to_kind(x.kind())])
+    }
+
+    fn backward(
+        &mut self,
+        _ctx: &mut speedkit::function::BackwardContext<'_>,
+        grads: &[Option<tch::Tensor>],
+    ) -> speedkit::Result<Vec<Option<tch::Tensor>>> {
+        let g = grads[0].as_ref().expect("materialized");
+        let dy = g.to_kind(self.dy_kind);
+        let db = speedkit::nn::column_sums(&dy, tch::Kind::Float)?;
+        Ok(vec![Some(g.shallow_clone()), Some(db)])
+    }
+}
+
+/// [`BiasAdd`]'s output for `x` and `b`.
+pub fn bias_add(x: &tch::Tensor, b: &tch::Tensor, dy_kind: tch::Kind) -> tch::Tensor {
+    speedkit::function::apply(BiasAdd { dy_kind }, &[x, b])
+        .expect("bias add")
+        .remove(0)
+}

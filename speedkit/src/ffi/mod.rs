@@ -18,6 +18,7 @@ pub(crate) mod amp;
 pub(crate) mod autograd;
 pub(crate) mod bias_gelu;
 pub(crate) mod classifier;
+pub(crate) mod column_sums;
 pub(crate) mod convolution;
 pub(crate) mod custom_overrides;
 pub(crate) mod deferred;

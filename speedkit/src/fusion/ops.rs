@@ -32,8 +32,13 @@ impl OpKind {
     /// assert_eq!(OpKind::of("aten::silu_backward"), Some(OpKind::Pointwise));
     /// assert_eq!(OpKind::of("aten::mm"), Some(OpKind::Library));
     /// assert_eq!(OpKind::of("aten::nonzero"), None);
+    /// // speedkit's own operator for a bias's gradient (a sum over columns).
+    /// assert_eq!(OpKind::of("speedkit::column_sums"), Some(OpKind::Reduction));
     /// ```
     pub fn of(name: &str) -> Option<OpKind> {
+        if SPEEDKIT_REDUCTIONS.contains(&name) {
+            return Some(OpKind::Reduction);
+        }
         let op = name.strip_prefix("aten::")?;
         let base = op.strip_suffix('_').unwrap_or(op);
         let kinds: [(&[&str], OpKind); 6] = [
@@ -152,6 +157,10 @@ const POINTWISE: &[&str] = &[
     "zeros_like",
     "_to_copy",
 ];
+
+/// speedkit's own operators that reduce (`speedkit/shim/column_sums.cpp`): a linear layer's bias
+/// gradient, which its backward sums through the dispatcher so that a group can take the sum.
+const SPEEDKIT_REDUCTIONS: &[&str] = &["speedkit::column_sums"];
 
 const REDUCTION: &[&str] = &[
     "amax",

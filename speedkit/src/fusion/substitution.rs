@@ -1040,10 +1040,13 @@ fn launch(launch: &Launch, tensors: &[Tensor]) -> Result<()> {
         args.push(Arg::Strided(t));
     }
     // Allocated here, on the current stream, so that a captured step's replays each start from
-    // zeros (the memset is captured with the kernel).
+    // zeros where the kernel counts in it (the memset is captured with the kernel).
     let workspace = match (generated.workspace, tensors.first()) {
         (0, _) | (_, None) => None,
-        (floats, Some(t)) => Some(Tensor::f_zeros([floats as i64], (Kind::Float, t.device()))?),
+        (floats, Some(t)) if generated.zeroed_workspace => {
+            Some(Tensor::f_zeros([floats as i64], (Kind::Float, t.device()))?)
+        }
+        (floats, Some(t)) => Some(Tensor::f_empty([floats as i64], (Kind::Float, t.device()))?),
     };
     if let Some(workspace) = &workspace {
         args.push(Arg::Strided(workspace));

@@ -1,12 +1,15 @@
 //! Sums over columns: a reduction of every dimension but the last (a norm's weight gradient, a
-//! bias's gradient over a batch of rows), computed by a row kernel as it writes its rows. Each
-//! block sums the columns of its rows in shared memory; the kernel's second entry point
-//! (`GeneratedKernel::finish`) adds the blocks' sums up in block order, so every run gives the
-//! same values.
+//! bias's gradient over a batch of rows: ATen's `sum`, or `speedkit::column_sums`, which
+//! speedkit's `linear` calls for its bias), computed by a row kernel as it writes its rows. A
+//! block with a row reduction of its own (a norm's backward) sums the columns of its rows in
+//! shared memory; rows kept for their sums alone are summed in strips, in registers
+//! (`loops::ColumnStrips`). The kernel's second entry point (`GeneratedKernel::finish`) adds the
+//! blocks' sums up in block order, in slices where they are many, so every run gives the same
+//! values.
 
 use crate::trace::{TracedOp, TracedValue};
 
-use super::{check_contiguous, sums_in_own_type, Generator, RowReduction};
+use super::{check_contiguous, kind_of, sums_in_own_type, Generator, RowReduction};
 
 /// The most blocks a kernel with column sums runs: each writes its sums of every column to the
 /// workspace, which the second entry point then adds up.
@@ -15,9 +18,19 @@ pub(super) const COLUMN_BLOCKS: u64 = 1024;
 /// The most floats a block's column sums take in shared memory (32 KiB).
 const COLUMN_FLOATS: u64 = 8192;
 
-/// Whether `op` sums every dimension but the last of a tensor of at least two dimensions, in its
-/// own type: the gradient of a weight or bias broadcast over rows, as autograd sums it.
+/// Whether `op` sums every dimension but the last of a tensor of at least two dimensions: in its
+/// own type, the gradient of a weight or bias broadcast over rows as autograd sums it; or
+/// `speedkit::column_sums` into a type the generator stores, a linear layer's bias gradient as
+/// speedkit's `linear` sums it.
 pub(crate) fn sums_columns(op: &TracedOp) -> bool {
+    if op.schema.starts_with("speedkit::column_sums(") {
+        return match (op.inputs.first(), op.outputs.as_slice()) {
+            (Some(TracedValue::Tensor(input)), [TracedValue::Tensor(out)]) => {
+                input.shape.len() >= 2 && kind_of(&out.dtype).is_some()
+            }
+            _ => false,
+        };
+    }
     sums_in_own_type(op).is_some_and(|(rank, dims)| {
         let all_but_last: Vec<i64> = (0..rank as i64 - 1).collect();
         rank >= 2 && dims == all_but_last

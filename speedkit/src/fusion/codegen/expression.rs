@@ -58,6 +58,16 @@ __device__ __forceinline__ float block_sum(float v, float* partial) {
   v = (threadIdx.x & 31) < (blockDim.x + 31) / 32 ? partial[threadIdx.x & 31] : 0.f;
   return warp_sum(v);
 }
+// The sums of both of v's halves over the block (every thread gets them), in one exchange through
+// shared memory where two block_sums take two.
+__device__ __forceinline__ float2 block_sum2(float2 v, float2* partial) {
+  v = make_float2(warp_sum(v.x), warp_sum(v.y));
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = (threadIdx.x & 31) < (blockDim.x + 31) / 32 ? partial[threadIdx.x & 31] : make_float2(0.f, 0.f);
+  return make_float2(warp_sum(v.x), warp_sum(v.y));
+}
 // The sum of `v` over each run of `L` lanes of a warp (a power of two up to 32), handed to each.
 template <int L> __device__ __forceinline__ float lane_sum(float v) {
 #pragma unroll

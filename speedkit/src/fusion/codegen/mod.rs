@@ -27,7 +27,10 @@ mod upsampling;
 pub(crate) use columns::sums_columns;
 use columns::COLUMN_BLOCKS;
 use expression::{expression, Operand, PRELUDE};
-use loops::{column_finish, pointwise_loop, row_loop, RowCache, FINISH_THREADS};
+use loops::{
+    column_finish, layer_norm_backward_threads, pointwise_loop, row_loop, ColumnStrips, FinishPlan,
+    RowCache, COLUMN_THREADS, FINISH_THREADS,
+};
 pub(crate) use norms::sums_channels;
 use norms::{group_norm_gradients, layer_norm_gradients, normalizes_rows, GradientRows};
 use upsampling::{upsamples_nearest, upsamples_nearest_backward};
@@ -58,10 +61,13 @@ pub struct GeneratedKernel {
     pub(crate) alignment: Vec<usize>,
     /// Where each argument comes from in the step, in `args`' order.
     pub(crate) sources: Vec<ArgSource>,
-    /// Floats of zeroed scratch memory the kernel takes after its arguments (0: none): a group
-    /// norm's backward's per-sample terms of its weight and bias gradients, or each block's sums
-    /// over columns.
+    /// Floats of scratch memory the kernel takes after its arguments (0: none): a group norm's
+    /// backward's per-sample terms of its weight and bias gradients, or each block's sums over
+    /// columns.
     pub(crate) workspace: u64,
+    /// Whether the workspace must start from zeros: a group norm's backward counts its finished
+    /// blocks in its first float. Sums over columns write every float before the finish reads it.
+    pub(crate) zeroed_workspace: bool,
     /// The entry point launched after this one with the same arguments, where it has one.
     pub(crate) finish: Option<Finish>,
 }
@@ -914,12 +920,17 @@ impl Generator {
         let groups = self.vector_groups(space, vectorised);
         let width = self.vector_width(space, vectorised, &groups, &stored);
         let cache = (self.reduction.as_ref()).and_then(|r| RowCache::of(r, vectorised));
+        let strips = (self.reduction.as_ref()).and_then(|r| ColumnStrips::of(r, vectorised, width));
         let held = self.held_functions();
         for s in stored.iter_mut().filter(|_| cache.is_some()) {
             s.held = held.contains(&s.function);
         }
         let (numel, unroll, body) = match &self.reduction {
-            Some(r) => (r.rows, 1, row_loop(r, &stored, vectorised, &groups, cache)),
+            Some(r) => (
+                r.rows,
+                1,
+                row_loop(r, &stored, vectorised, &groups, cache, strips),
+            ),
             None => (
                 space,
                 width,
@@ -929,7 +940,12 @@ impl Generator {
         // A row held in registers hands each element's value to the functions that read it
         // (`OWN`): the value of a group norm's input, or of its backward's gradient.
         // Declared to the compiler, which then keeps each thread within its share of registers.
-        let block = cache.map_or(256, |c| c.threads);
+        let block = match (cache, &self.reduction) {
+            (Some(c), _) => c.threads,
+            (None, _) if strips.is_some() => COLUMN_THREADS,
+            (None, Some(r)) => layer_norm_backward_threads(r, vectorised).unwrap_or(256),
+            (None, None) => 256,
+        };
         let own = match cache {
             Some(_) => "a.own##i",
             None => "(e)",
@@ -987,7 +1003,7 @@ impl Generator {
         }
         let workspace = match &self.reduction {
             Some(r) if !r.column_sums.is_empty() => {
-                r.column_sums.len() as u64 * column_blocks(r) * r.width
+                FinishPlan::of(r, partial_blocks(r, strips)).workspace()
             }
             Some(RowReduction {
                 gradients: Some(g), ..
@@ -1020,7 +1036,14 @@ impl Generator {
         // Sums over columns end in a second entry point, launched after the first.
         let finish = match &self.reduction {
             Some(r) if !r.column_sums.is_empty() => {
-                let (finish, entry) = finish_entry(r, &name, &params, &names, &stored);
+                let (finish, entry) = finish_entry(
+                    r,
+                    partial_blocks(r, strips),
+                    &name,
+                    &params,
+                    &names,
+                    &stored,
+                );
                 source.push_str(&entry);
                 Some(finish)
             }
@@ -1034,13 +1057,21 @@ impl Generator {
             rows: self.reduction.is_some(),
             unroll,
             block,
-            max_blocks: match &self.reduction {
-                Some(r) if !r.column_sums.is_empty() => column_blocks(r),
+            max_blocks: match (&self.reduction, strips) {
+                (_, Some(strips)) => strips.blocks(),
+                (Some(r), None) if !r.column_sums.is_empty() => column_blocks(r),
                 _ => 65_535,
             },
             alignment,
             sources: self.sources,
             workspace,
+            zeroed_workspace: matches!(
+                &self.reduction,
+                Some(RowReduction {
+                    gradients: Some(_),
+                    ..
+                })
+            ),
             finish,
         })
     }
@@ -1055,8 +1086,11 @@ impl Generator {
         groups: &[usize],
         stored: &[StoredResult],
     ) -> u64 {
+        // A kernel summing its rows over columns alone takes eight too, in strips of rows.
+        let columns_alone = (self.reduction.as_ref())
+            .is_some_and(|r| ColumnStrips::of(r, vectorised, WIDE).is_some());
         let wide = vectorised
-            && self.reduction.is_none()
+            && (self.reduction.is_none() || columns_alone)
             && space % WIDE == 0
             && groups
                 .iter()
@@ -1151,21 +1185,23 @@ impl Generator {
 /// which adds up its blocks' sums over columns into the `stored` results, and its source.
 fn finish_entry(
     r: &RowReduction,
+    blocks: u64,
     name: &str,
     params: &[String],
     names: &[String],
     stored: &[StoredResult],
 ) -> (Finish, String) {
+    let plan = FinishPlan::of(r, blocks);
     let finish = Finish {
         name: format!("{name}_columns"),
-        blocks: r.width.div_ceil(32),
+        blocks: plan.finish_blocks(),
     };
     let entry = format!(
         "\nextern \"C\" __global__ __launch_bounds__({FINISH_THREADS}) void {}({}, long long n) {{\n  Args a{{{}}};\n{}}}\n",
         finish.name,
         params.join(", "),
         names.join(", "),
-        column_finish(r, stored, column_blocks(r))
+        column_finish(&plan, stored)
     );
     (finish, entry)
 }
@@ -1173,6 +1209,12 @@ fn finish_entry(
 /// The blocks of a row kernel that sums columns: one per row up to [`COLUMN_BLOCKS`].
 fn column_blocks(r: &RowReduction) -> u64 {
     r.rows.clamp(1, COLUMN_BLOCKS)
+}
+
+/// The sums of each column a kernel keeps for its finish: one a strip of rows where its rows are
+/// summed in strips ([`ColumnStrips`]), else one a block.
+fn partial_blocks(r: &RowReduction, strips: Option<ColumnStrips>) -> u64 {
+    strips.map_or_else(|| column_blocks(r), |s| s.strips)
 }
 
 /// How a kernel stores one result: argument `out{arg}` takes function `v{function}`'s values as
