@@ -10,6 +10,7 @@ mod batch_norm;
 mod chunked_classifier;
 mod convolution;
 mod cross_entropy;
+mod embedding;
 mod layer_norm;
 mod linear;
 mod log_softmax;

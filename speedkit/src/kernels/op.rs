@@ -92,7 +92,8 @@ kernel_ops! {
     CrossEntropy = SK_OP_CROSS_ENTROPY, "cross_entropy", "cross_entropy", ["classifier.cuh"];
     /// Bias + tanh-GELU after a Linear ([`crate::nn::Linear::forward_gelu`]).
     BiasGelu = SK_OP_BIAS_GELU, "bias_gelu", "bias_gelu", ["bias_gelu.cuh"];
-    /// Token + position embedding ([`crate::nn::embedding`]).
+    /// Token + position embedding ([`crate::nn::embedding`]), and `embedding` under autocast
+    /// ([`Override::Embedding`](crate::overrides::Override::Embedding)).
     Embedding = SK_OP_EMBEDDING, "embedding", "embedding", ["embedding.cuh"];
     /// Linear's cheaper backward ([`crate::nn::Linear`]).
     Linear = SK_OP_LINEAR, "linear", "linear", ["bias_grad.cuh"];

@@ -33,6 +33,7 @@ mod batch_norm;
 pub(crate) mod chunked_classifier;
 mod convolution;
 mod custom;
+mod embedding;
 mod linear;
 mod log_softmax;
 mod mse_loss;
@@ -169,6 +170,11 @@ override_groups! {
     /// elementwise output, resized), which stays alive as long as the loss, through the backward
     /// and in a graphed step for good (0.25 GiB for the mlp_block workload). The loss is ATen's.
     MseLoss = "mse_loss", KernelOp::MseLoss, rust(mse_loss), ["aten::mse_loss"];
+    /// `embedding` under autocast (`nn::embedding`, `Tensor::embedding`) on speedkit's embedding,
+    /// the one behind `speedkit::nn::embedding`: the same gather, and a deterministic backward
+    /// that sorts only the bits a token can have and writes each row of the table's gradient
+    /// once, where ATen's zeroes the gradient, sorts 64-bit keys and runs four kernels.
+    Embedding = "embedding", KernelOp::Embedding, rust(embedding), ["aten::embedding"];
 }
 
 inventory::submit! {

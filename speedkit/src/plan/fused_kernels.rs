@@ -86,7 +86,7 @@ pub(super) fn resolve_overrides(
                 .collect();
             let reason = format!(
                 "{}speedkit's kernels registered as the CUDA kernels of {} while the context \
-                 lives: unchanged tch models (nn::layer_norm, nn::linear, nn::conv2d and \
+                 lives: unchanged tch models (nn::layer_norm, nn::linear, nn::embedding, nn::conv2d and \
                  log_softmax under autocast, nn::batch_norm in training, mse_loss) run them",
                 if setting == AutoBool::On {
                     "set in the config: "
