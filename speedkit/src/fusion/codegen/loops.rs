@@ -1136,3 +1136,96 @@ fn row_stores(
     };
     (whole, per_row + &per_row_stores)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Rows of `width` columns, summed over columns `sums` times with no reduction of their own.
+    fn columns(rows: u64, width: u64, sums: usize) -> RowReduction {
+        RowReduction {
+            rows,
+            width,
+            op: "columns",
+            eps: 0.0,
+            gradients: None,
+            column_sums: vec!["v".into(); sums],
+        }
+    }
+
+    #[test]
+    fn a_finish_in_slices_sums_every_block_once() {
+        for (blocks, width) in [(1024, 768), (1024, 3072), (10, 40), (17, 768), (1, 8)] {
+            let plan = FinishPlan::of(&columns(blocks, width, 1), blocks);
+            let per = blocks.div_ceil(plan.slices);
+            // The slices cover the blocks, none of them past the last.
+            assert!(per * plan.slices >= blocks, "{blocks} blocks of {width}");
+            assert!(
+                per * (plan.slices - 1) < blocks,
+                "{blocks} blocks of {width}"
+            );
+            assert!(plan.finish_blocks() <= FINISH_BLOCKS.max(plan.tiles));
+        }
+    }
+
+    #[test]
+    fn a_finish_of_one_slice_takes_no_slice_sums_or_counters() {
+        // 264 tiles of 32 columns fill the finish's blocks at one slice each.
+        let wide = FinishPlan::of(&columns(1024, 32 * 264, 1), 1024);
+        assert_eq!(wide.slices, 1);
+        assert_eq!(wide.workspace(), 1024 * 32 * 264);
+        assert!(wide.zero_counters().is_empty());
+        let narrow = FinishPlan::of(&columns(1024, 768, 3), 1024);
+        assert!(narrow.slices > 1);
+        let counters = narrow.tiles;
+        assert_eq!(
+            narrow.workspace(),
+            3 * 1024 * 768 + 3 * narrow.slices * 768 + counters
+        );
+        assert!(narrow.zero_counters().contains("0u"));
+    }
+
+    #[test]
+    fn rows_summed_alone_run_in_strips_of_at_most_their_rows_blocks() {
+        for (rows, width, vector) in [(8192, 3072, 8), (8192, 768, 4), (10, 4096, 8), (3, 40, 4)] {
+            let r = columns(rows, width, 2);
+            let Some(strips) = ColumnStrips::of(&r, true, vector) else {
+                // Fewer rows than tiles: a block a row.
+                assert!(rows < width.div_ceil(32 * vector), "{rows} rows of {width}");
+                continue;
+            };
+            assert!(
+                strips.blocks() <= rows,
+                "{rows} rows of {width}: {strips:?}"
+            );
+            assert!(strips.tiles * 32 * vector >= width);
+        }
+    }
+
+    #[test]
+    fn rows_with_a_reduction_of_their_own_or_too_many_sums_are_not_run_in_strips() {
+        let norm = RowReduction {
+            op: "sum",
+            ..columns(8192, 768, 1)
+        };
+        assert_eq!(ColumnStrips::of(&norm, true, 4), None);
+        // Eight columns a lane, five sums: 40 floats, past the registers a lane keeps them in.
+        assert_eq!(ColumnStrips::of(&columns(8192, 768, 5), true, 8), None);
+        assert!(ColumnStrips::of(&columns(8192, 768, 5), true, 4).is_some());
+        // Not vectorised (an odd width): the row kernel's own loop.
+        assert_eq!(ColumnStrips::of(&columns(8192, 77, 1), false, 4), None);
+    }
+
+    #[test]
+    fn a_layer_norms_backward_takes_a_thread_per_four_columns_in_whole_warps() {
+        let norm = |width| RowReduction {
+            op: "layer_norm_backward",
+            ..columns(8192, width, 2)
+        };
+        assert_eq!(layer_norm_backward_threads(&norm(768), true), Some(192));
+        assert_eq!(layer_norm_backward_threads(&norm(1000), true), Some(256));
+        assert_eq!(layer_norm_backward_threads(&norm(96), true), Some(32));
+        assert_eq!(layer_norm_backward_threads(&norm(8192), true), None);
+        assert_eq!(layer_norm_backward_threads(&norm(77), false), None);
+    }
+}
