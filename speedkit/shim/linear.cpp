@@ -20,7 +20,9 @@
 // A linear whose input is a GELU's output (a transformer MLP's second layer) keeps the GELU's input
 // for its weight gradient instead of that output, and recomputes the GELU there: the GELU's own
 // backward keeps its input anyway, so the output ([rows, 4·d] per block) is freed as soon as the
-// forward is done with it, what torch.compile's partitioner does for the same pair.
+// forward is done with it, what torch.compile's partitioner does for the same pair. A linear whose
+// input is a product of two tensors of its shape (SwiGLU's silu(gate) · up before a Llama MLP's
+// down projection) keeps the two factors the product's own backward keeps, and multiplies again.
 //
 // Differentiable once: a second derivative through the backward is an error (fused_op_gradients).
 #include "bias_grad.cuh"
@@ -77,26 +79,51 @@ std::pair<at::Tensor, at::Tensor> output_gradient(const variable_list& grads, at
   return {dy, with_bias ? sk::column_sums(dy, bias_type) : at::Tensor()};
 }
 
-// What a GELU's output `x` was computed from: the input the GELU's node keeps for its own backward
-// (detached), and its `approximate`.
-struct GeluSource {
-  at::Tensor input;
+// How an input `x` the backward needs can be computed again from tensors autograd keeps anyway
+// (its own node's saved inputs, detached): a GELU of `first` (`approximate`), or the product of
+// `first` and `second`.
+struct Recomputable {
+  at::Tensor first;
+  at::Tensor second;  // undefined for a GELU
   std::string approximate;
 };
 
-// `x`'s GeluSource where `x` is the whole output of a GELU recorded by autograd, else none.
-std::optional<GeluSource> gelu_source(const at::Tensor& x) {
-  if (!x.requires_grad() || x.is_view() || x.output_nr() != 0) return std::nullopt;
-  auto* gelu = dynamic_cast<torch::autograd::generated::GeluBackward0*>(x.grad_fn().get());
-  if (gelu == nullptr) return std::nullopt;
-  at::Tensor input;
+// `saved`'s tensor where it still holds one of x's shape and type, else undefined (released after
+// a backward, or changed in place: x is kept as usual).
+at::Tensor unpacked_like(const torch::autograd::SavedVariable& saved, const at::Tensor& x) {
+  at::Tensor t;
   try {
-    input = gelu->self_.unpack();
+    t = saved.unpack();
   } catch (const c10::Error&) {
-    return std::nullopt;  // released after a backward, or changed in place: keep x as usual
+    return at::Tensor();
   }
-  if (!input.defined() || input.sizes() != x.sizes() || input.scalar_type() != x.scalar_type()) return std::nullopt;
-  return GeluSource{input.detach(), gelu->approximate};
+  if (!t.defined() || t.sizes() != x.sizes() || t.scalar_type() != x.scalar_type()) return at::Tensor();
+  return t.detach();
+}
+
+// How `x` is computed again where it is the whole output of a GELU or of a product of two tensors
+// of its shape, recorded by autograd (whose nodes keep those inputs for their own backward); else
+// none.
+std::optional<Recomputable> recomputable(const at::Tensor& x) {
+  if (!x.requires_grad() || x.is_view() || x.output_nr() != 0) return std::nullopt;
+  const auto node = x.grad_fn().get();
+  if (auto* gelu = dynamic_cast<torch::autograd::generated::GeluBackward0*>(node)) {
+    at::Tensor input = unpacked_like(gelu->self_, x);
+    if (!input.defined()) return std::nullopt;
+    return Recomputable{input, at::Tensor(), gelu->approximate};
+  }
+  if (auto* mul = dynamic_cast<torch::autograd::generated::MulBackward0*>(node)) {
+    at::Tensor a = unpacked_like(mul->self_, x), b = unpacked_like(mul->other_, x);
+    if (!a.defined() || !b.defined()) return std::nullopt;
+    return Recomputable{a, b, std::string()};
+  }
+  return std::nullopt;
+}
+
+// `x` computed again from `how` (as the forward computed it: the same ATen operator on the same
+// inputs gives the same values).
+at::Tensor recompute(const Recomputable& how) {
+  return how.second.defined() ? at::mul(how.first, how.second) : at::gelu(how.first, how.approximate);
 }
 
 // The weight in `type` for a GEMM of `rows` rows: the copy weight_casts.cpp keeps across steps where
@@ -112,21 +139,26 @@ at::Tensor weight_operand(const at::Tensor& weight, int64_t rows, at::ScalarType
 
 struct LinearFunction : torch::autograd::Function<LinearFunction> {
   // x: [rows, in]; weight: [out, in]; bias_in: [out] when has_bias, else sk::placeholder_unless's
-  // placeholder; `requested` the GEMMs' type (compute_type); `gelu_input` x's GELU input as rows
-  // like x where x is a GELU's output (gelu_source), else a placeholder. Returns y [rows, out] as
-  // `chunks` equal column blocks (views of one tensor).
+  // placeholder; `requested` the GEMMs' type (compute_type); `first` and `second` what x is
+  // computed again from where it is a GELU's output (`first`, with `approximate`) or a product
+  // (`first` · `second`), as rows like x (recomputable), else placeholders. Returns y [rows, out]
+  // as `chunks` equal column blocks (views of one tensor).
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                                const at::Tensor& bias_in, bool has_bias, int64_t chunks, int64_t requested,
-                               const at::Tensor& gelu_input, const std::optional<std::string>& approximate) {
+                               const at::Tensor& first, const at::Tensor& second,
+                               const std::optional<std::string>& approximate) {
     const at::Tensor bias = has_bias ? bias_in : at::Tensor();
     const at::ScalarType type = compute_type(x, requested);
     at::Tensor x_c = x.to(type);
     at::Tensor w_c = weight_operand(weight, x.size(0), type);
     // Only what the backward will use: the first layer of a model (an input without gradient)
     // needs no weight for its backward, and a frozen weight no input.
-    ctx->save_for_backward({weight.requires_grad() ? (approximate ? gelu_input : x_c) : at::Tensor(),
-                            x.requires_grad() ? w_c : at::Tensor()});
-    if (approximate) ctx->saved_data["gelu"] = *approximate;
+    const bool again = approximate.has_value();
+    const bool product = again && approximate->empty();
+    ctx->save_for_backward({weight.requires_grad() ? (again ? first : x_c) : at::Tensor(),
+                            x.requires_grad() ? w_c : at::Tensor(),
+                            weight.requires_grad() && product ? second : at::Tensor()});
+    if (again) ctx->saved_data["recompute"] = *approximate;
     ctx->saved_data["type"] = static_cast<int64_t>(type);
     ctx->saved_data["weight_type"] = static_cast<int64_t>(weight.scalar_type());
     ctx->saved_data["bias_type"] = static_cast<int64_t>(bias.defined() ? bias.scalar_type() : type);
@@ -149,17 +181,18 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     // gradient exists, so the two [rows, in] matrices are never alive together (for a wide MLP,
     // 0.5 GiB at the peak of the step).
     if (ctx->needs_input_grad(1)) {
-      // The forward's x_c again: the same ATen GELU on the same input gives the same values.
-      const auto gelu = ctx->saved_data.find("gelu");
-      const at::Tensor x = gelu == ctx->saved_data.end()
-                               ? saved[0]
-                               : at::gelu(saved[0], gelu->second.toStringRef()).to(type);
+      // The forward's x_c again: the same ATen operator on the same inputs gives the same values.
+      const auto how = ctx->saved_data.find("recompute");
+      const at::Tensor x =
+          how == ctx->saved_data.end()
+              ? saved[0]
+              : recompute(Recomputable{saved[0], saved[2], how->second.toStringRef()}).to(type);
       dw = weight_gradient(dy, x, weight_type);
     }
-    saved[0] = at::Tensor();
+    saved[0] = saved[2] = at::Tensor();
     if (ctx->needs_input_grad(0)) dx = at::mm(dy, w);
-    return fused_op_gradients({dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()},
-                              "Linear");
+    return fused_op_gradients(
+        {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()}, "Linear");
   }
 };
 
@@ -199,11 +232,14 @@ variable_list linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
   return sk::ops::run_or_fall_back(
       SK_OP_LINEAR, linear_unsupported(x, weight, bias),
       [&] {
-        const std::optional<GeluSource> gelu = gelu_source(x);
+        const std::optional<Recomputable> how = recomputable(x);
+        const auto rows = [&](const at::Tensor& t) {
+          return t.defined() ? t.reshape({-1, in}) : sk::placeholder_unless(false, x, x);
+        };
         variable_list outputs = LinearFunction::apply(
             x.reshape({-1, in}), weight, sk::placeholder_unless(bias.defined(), bias, weight), bias.defined(), chunks,
-            type, gelu ? gelu->input.reshape({-1, in}) : sk::placeholder_unless(false, x, x),
-            gelu ? std::optional<std::string>(gelu->approximate) : std::nullopt);
+            type, rows(how ? how->first : at::Tensor()), rows(how ? how->second : at::Tensor()),
+            how ? std::optional<std::string>(how->approximate) : std::nullopt);
         for (at::Tensor& output : outputs) output = sk::shaped_like(output, x, out / chunks);
         return outputs;
       },

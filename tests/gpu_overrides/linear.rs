@@ -116,6 +116,66 @@ fn gelu_mlp_pass(
     run()
 }
 
+/// A SwiGLU MLP `w2(silu(w1 x) · w3 x)` under CUDA autocast (bf16), run twice as
+/// [`gelu_mlp_pass`] runs its MLP: the output and the gradients of x and the three weights, and
+/// the bytes the second forward left allocated for the backward.
+fn swiglu_pass(x: &Tensor, w: [&Tensor; 3], dy: &Tensor) -> (Vec<Tensor>, u64) {
+    let x = x.detach().set_requires_grad(true);
+    let [w1, w3, w2] = w.map(|t| t.detach().set_requires_grad(true));
+    let run = || {
+        let before = MemoryUse::now(x.device()).unwrap().allocated;
+        let y = speedkit::amp::autocast(x.device(), Kind::BFloat16, || {
+            let gate = x.linear(&w1, None::<&Tensor>).silu();
+            (gate * x.linear(&w3, None::<&Tensor>)).linear(&w2, None::<&Tensor>)
+        })
+        .unwrap();
+        let held = MemoryUse::now(x.device()).unwrap().allocated - before;
+        (y.to_kind(Kind::Float) * dy).sum(Kind::Float).backward();
+        let grads = [&x, &w1, &w3, &w2].map(Tensor::grad);
+        (std::iter::once(y.detach()).chain(grads).collect(), held)
+    };
+    let _ = run();
+    run()
+}
+
+#[test]
+fn a_linear_of_a_product_keeps_the_factors_not_the_product_and_matches_aten() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "a_linear_of_a_product_keeps_the_factors_not_the_product_and_matches_aten",
+    ) else {
+        return;
+    };
+    // Rows at least the hidden width, so that every weight keeps its copy (linear.cpp) and the
+    // bytes held are the activations alone.
+    for (rows, d, hidden) in [(401, 96, 256), (3072, 512, 1408)] {
+        let case = format!("swiglu {rows}x{d}, hidden {hidden}");
+        let x = Tensor::randn([rows, d], (Kind::Float, device));
+        let scaled = |out: i64, input: i64| {
+            Tensor::randn([out, input], (Kind::Float, device)) / (input as f64).sqrt()
+        };
+        let (w1, w3, w2) = (scaled(hidden, d), scaled(hidden, d), scaled(d, hidden));
+        let dy = Tensor::randn([rows, d], (Kind::Float, device));
+        let (expected, held_aten) = {
+            let _off = common::hold_override(Override::Linear, false);
+            swiglu_pass(&x, [&w1, &w3, &w2], &dy)
+        };
+        let _on = common::hold_override(Override::Linear, true);
+        let (got, held) = swiglu_pass(&x, [&w1, &w3, &w2], &dy);
+        // ATen's path keeps the product's bf16 values for the down projection's backward.
+        let product = (rows * hidden * 2) as u64;
+        assert!(
+            held + product <= held_aten,
+            "{case}: the forward kept {held} bytes, ATen's {held_aten}"
+        );
+        let names = ["y", "dx", "dw1", "dw3", "dw2"];
+        for (i, name) in names.iter().enumerate() {
+            let err = common::rel_err(&got[i], &expected[i]);
+            assert!(err < 1e-2, "{case} {name}: relative error {err}");
+        }
+    }
+}
+
 #[test]
 fn a_linear_of_a_gelu_keeps_the_gelus_input_not_its_output_and_matches_aten() {
     let _serial = common::serial();
