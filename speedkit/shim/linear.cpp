@@ -141,8 +141,9 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
   // x: [rows, in]; weight: [out, in]; bias_in: [out] when has_bias, else sk::placeholder_unless's
   // placeholder; `requested` the GEMMs' type (compute_type); `first` and `second` what x is
   // computed again from where it is a GELU's output (`first`, with `approximate`) or a product
-  // (`first` · `second`), as rows like x (recomputable), else placeholders. Returns y [rows, out]
-  // as `chunks` equal column blocks (views of one tensor).
+  // (`first` · `second`, `approximate` empty), as rows like x (recomputable), else placeholders
+  // (`approximate` none: x itself is kept). Returns y [rows, out] as `chunks` equal column blocks
+  // (views of one tensor).
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                                const at::Tensor& bias_in, bool has_bias, int64_t chunks, int64_t requested,
                                const at::Tensor& first, const at::Tensor& second,
