@@ -200,3 +200,8 @@ fn the_convolution_group_registers_a_rust_kernel_under_autocast_cuda_until_its_g
         "overrides/convolution.rs",
     );
 }
+
+#[test]
+fn the_embedding_group_registers_a_rust_kernel_under_autocast_cuda_until_its_guard_drops() {
+    assert_registered_under_autocast_cuda_while_held(Override::Embedding, "overrides/embedding.rs");
+}
