@@ -11,6 +11,11 @@
 // a library does not (the scale lives on the device), and doing it here costs no extra pass: one
 // read in the forward, one read and one write in the backward, against ATen's cast to fp32,
 // log-softmax, NLL and their backwards.
+// Forward and backward together (the chunked classifier, which computes the gradient in its forward
+// for a loss gradient of 1): one block per row, the row kept in shared memory between its statistics
+// and its gradient where it fits, so the logits are read once and overwritten once. A block of rows
+// of the chunked classifier has a few thousand rows of tens of thousands of classes: a warp per row
+// leaves most of the GPU's warps idle there, a block per row does not.
 #pragma once
 
 #include "common.cuh"
@@ -45,6 +50,27 @@ struct Backward {
   long long ignore_index;
 };
 
+// Per row of logits [rows, vocab], overwritten with their gradient: the loss and the log-sum-exp as
+// Forward writes them, and dlogits = (softmax − onehot) · dloss / count as Backward writes it. With
+// `kept`, the row's 16-byte vectors wait in dynamic shared memory (vocab · element bytes) between
+// the two passes; without, the second pass reads them again. Entry points
+// cross_entropy_forward_backward_<logits>.
+struct ForwardBackward {
+  SK_KERNEL_ENTRY("classifier.cuh", "cross_entropy_forward_backward");
+  void* logits;
+  const long long* targets;
+  float* row_loss;
+  float* row_lse;
+  const float* dloss;
+  const float* count;
+  int vocab;
+  int kept;
+  long long ignore_index;
+};
+
+// Threads of a ForwardBackward block.
+constexpr int kRowThreads = 512;
+
 }  // namespace sk::kernels::classifier
 
 #ifdef __CUDACC_RTC__
@@ -68,8 +94,10 @@ __device__ __forceinline__ void warp_softmax_stats(float& max, float& sum) {
   }
 }
 
-// 16-byte vectors per lane that the forward loads before reducing them together.
+// 16-byte vectors per lane that the forward loads before reducing them together, and per thread in
+// the forward and backward's first pass (a block per row has fewer vectors per thread in flight).
 constexpr int CE_GROUP = 2;
+constexpr int CE_ROW_GROUP = 4;
 
 // 16-byte loads and stores: N elements of TL at a time, where the row allows (vocab a multiple of N,
 // the logits 16-byte aligned); one max and one rescale per N elements instead of per element.
@@ -80,6 +108,39 @@ struct Vec16 {
     return vocab % N == 0 && reinterpret_cast<unsigned long long>(base) % 16 == 0;
   }
 };
+
+// G 16-byte vectors of logits into a running (max, sum of exp(v - max)): one maximum and one
+// rescale for all of them.
+template <typename TL, int G>
+__device__ __forceinline__ void softmax_add_vectors(const uint4 (&raw)[G], float& max, float& sum) {
+  constexpr int N = Vec16<TL>::N;
+  float v[G * N], chunk_max = -infinity();
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const TL* e = reinterpret_cast<const TL*>(&raw[g]);
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      v[g * N + k] = to_float(e[k]);
+      chunk_max = fmaxf(chunk_max, v[g * N + k]);
+    }
+  }
+  if (chunk_max == -infinity()) return;  // every class masked
+  float chunk_sum = 0.f;
+#pragma unroll
+  for (int k = 0; k < G * N; ++k) chunk_sum += __expf(v[k] - chunk_max);
+  softmax_merge(max, sum, chunk_max, chunk_sum);
+}
+
+// One logit into a running (max, sum of exp(v - max)).
+__device__ __forceinline__ void softmax_add(float v, float& max, float& sum) {
+  if (v == -infinity()) return;  // a masked class: exp gives 0, and -inf - -inf would be NaN
+  if (v > max) {
+    sum = sum * __expf(max - v) + 1.f;
+    max = v;
+  } else {
+    sum += __expf(v - max);
+  }
+}
 
 template <typename TL>
 __device__ void cross_entropy_forward(const TL* __restrict__ logits, const long long* __restrict__ targets,
@@ -101,46 +162,13 @@ __device__ void cross_entropy_forward(const TL* __restrict__ logits, const long 
     uint4 raw[CE_GROUP];
 #pragma unroll
     for (int g = 0; g < CE_GROUP; ++g) raw[g] = row_vectors[i + 32 * g];
-    float v[CE_GROUP * N], chunk_max = -infinity();
-#pragma unroll
-    for (int g = 0; g < CE_GROUP; ++g) {
-      const TL* e = reinterpret_cast<const TL*>(&raw[g]);
-#pragma unroll
-      for (int k = 0; k < N; ++k) {
-        v[g * N + k] = to_float(e[k]);
-        chunk_max = fmaxf(chunk_max, v[g * N + k]);
-      }
-    }
-    if (chunk_max == -infinity()) continue;  // every class masked
-    float chunk_sum = 0.f;
-#pragma unroll
-    for (int k = 0; k < CE_GROUP * N; ++k) chunk_sum += __expf(v[k] - chunk_max);
-    softmax_merge(max, sum, chunk_max, chunk_sum);
+    softmax_add_vectors<TL>(raw, max, sum);
   }
   for (; i < vectors; i += 32) {
-    const uint4 raw = row_vectors[i];
-    const TL* e = reinterpret_cast<const TL*>(&raw);
-    float v[N], chunk_max = -infinity(), chunk_sum = 0.f;
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      v[k] = to_float(e[k]);
-      chunk_max = fmaxf(chunk_max, v[k]);
-    }
-    if (chunk_max == -infinity()) continue;
-#pragma unroll
-    for (int k = 0; k < N; ++k) chunk_sum += __expf(v[k] - chunk_max);
-    softmax_merge(max, sum, chunk_max, chunk_sum);
+    const uint4 raw[1] = {row_vectors[i]};
+    softmax_add_vectors<TL>(raw, max, sum);
   }
-  for (int c = threadIdx.x; !vectorised && c < vocab; c += 32) {
-    const float v = to_float(l[c]);
-    if (v == -infinity()) continue;  // a masked class: exp gives 0, and -inf - -inf would be NaN
-    if (v > max) {
-      sum = sum * __expf(max - v) + 1.f;
-      max = v;
-    } else {
-      sum += __expf(v - max);
-    }
-  }
+  for (int c = threadIdx.x; !vectorised && c < vocab; c += 32) softmax_add(to_float(l[c]), max, sum);
   warp_softmax_stats(max, sum);
   if (threadIdx.x == 0) {
     const float lse = max + logf(sum);
@@ -199,6 +227,104 @@ __device__ void cross_entropy_backward(const TL* logits, const long long* __rest
   }
 }
 
+// Block-wide (max, sum) reduction; every thread gets the result. Each warp merges the warps' pairs
+// in the same order, so no second synchronisation is needed and every thread gets the same bits.
+__device__ __forceinline__ void block_softmax_stats(float& max, float& sum) {
+  __shared__ float maxes[32], sums[32];
+  warp_softmax_stats(max, sum);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    maxes[warp] = max;
+    sums[warp] = sum;
+  }
+  __syncthreads();
+  const bool present = lane < static_cast<int>(blockDim.x / 32);
+  max = present ? maxes[lane] : -infinity();
+  sum = present ? sums[lane] : 0.f;
+  warp_softmax_stats(max, sum);
+}
+
+// The gradient of one 16-byte vector of logits starting at class c0: softmax · scale, less scale
+// at the target. `shift` is lse · log2(e): exp(v − lse) is one fused multiply-add and one exp2.
+template <typename TL>
+__device__ __forceinline__ uint4 softmax_gradient_vector(const uint4& raw, int c0, float shift, long long target,
+                                                         float scale) {
+  constexpr int N = Vec16<TL>::N;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const TL* e = reinterpret_cast<const TL*>(&raw);
+  float g[N];
+#pragma unroll
+  for (int k = 0; k < N; ++k) g[k] = exp2f(fmaf(to_float(e[k]), kLog2e, -shift)) * scale;
+  const long long at = target - c0;
+  if (at >= 0 && at < N) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) g[k] -= k == at ? scale : 0.f;
+  }
+  uint4 packed;
+  TL* o = reinterpret_cast<TL*>(&packed);
+#pragma unroll
+  for (int k = 0; k < N; ++k) o[k] = from_float<TL>(g[k]);
+  return packed;
+}
+
+template <typename TL>
+__device__ void cross_entropy_forward_backward(TL* logits, const long long* __restrict__ targets,
+                                               float* __restrict__ row_loss, float* __restrict__ row_lse,
+                                               const float* __restrict__ dloss, const float* __restrict__ count,
+                                               int vocab, bool kept, long long ignore_index) {
+  extern __shared__ uint4 kept_vectors[];
+  const int row = blockIdx.x;
+  TL* l = logits + static_cast<size_t>(row) * vocab;
+  const long long target = targets[row];
+  const bool counted = target != ignore_index, in_range = target >= 0 && target < vocab;
+  // Read before the block's first synchronisation, after which the row is overwritten.
+  const float target_logit = threadIdx.x == 0 && counted && in_range ? to_float(l[target]) : 0.f;
+  constexpr int N = Vec16<TL>::N;
+  const bool vectorised = Vec16<TL>::fits(logits, vocab);
+  const int vectors = vectorised ? vocab / N : 0, stride = blockDim.x;
+  uint4* row_vectors = reinterpret_cast<uint4*>(l);
+  float max = -infinity(), sum = 0.f;
+  // Each thread keeps and later reads back only its own vectors: the shared memory needs no
+  // synchronisation of its own.
+  int i = threadIdx.x;
+  for (; i + stride * (CE_ROW_GROUP - 1) < vectors; i += stride * CE_ROW_GROUP) {
+    uint4 raw[CE_ROW_GROUP];
+#pragma unroll
+    for (int g = 0; g < CE_ROW_GROUP; ++g) raw[g] = row_vectors[i + stride * g];
+#pragma unroll
+    for (int g = 0; g < CE_ROW_GROUP && kept; ++g) kept_vectors[i + stride * g] = raw[g];
+    softmax_add_vectors<TL>(raw, max, sum);
+  }
+  for (; i < vectors; i += stride) {
+    const uint4 raw[1] = {row_vectors[i]};
+    if (kept) kept_vectors[i] = raw[0];
+    softmax_add_vectors<TL>(raw, max, sum);
+  }
+  for (int c = threadIdx.x; !vectorised && c < vocab; c += stride) softmax_add(to_float(l[c]), max, sum);
+  block_softmax_stats(max, sum);
+  const float lse = max + logf(sum);
+  if (threadIdx.x == 0) {
+    row_lse[row] = lse;
+    // NaN for an out-of-range target: it poisons the loss, as the forward's does.
+    row_loss[row] = !counted ? 0.f : in_range ? lse - target_logit : __int_as_float(0x7fc00000);
+  }
+  if (!counted) {  // an ignored row's gradient is 0, whatever its logits
+    for (int j = threadIdx.x; j < vectors; j += stride) row_vectors[j] = make_uint4(0, 0, 0, 0);
+    for (int c = threadIdx.x; !vectorised && c < vocab; c += stride) l[c] = from_float<TL>(0.f);
+    return;
+  }
+  const float scale = *dloss / *count, shift = lse * 1.4426950408889634f;
+#pragma unroll 4
+  for (int j = threadIdx.x; j < vectors; j += stride) {
+    const uint4 raw = kept ? kept_vectors[j] : row_vectors[j];
+    row_vectors[j] = softmax_gradient_vector<TL>(raw, j * N, shift, target, scale);
+  }
+  for (int c = threadIdx.x; !vectorised && c < vocab; c += stride) {
+    const float p = __expf(to_float(l[c]) - lse);
+    l[c] = from_float<TL>((p - (c == target ? 1.f : 0.f)) * scale);
+  }
+}
+
 }  // namespace sk
 
 #define SK_CE(tl_tag, TL, ...)                                                                                \
@@ -209,12 +335,20 @@ __device__ void cross_entropy_backward(const TL* logits, const long long* __rest
   SK_ENTRY(cross_entropy_backward_##tl_tag, (const sk::kernels::classifier::Backward p) {                     \
     sk::cross_entropy_backward<TL>(static_cast<const TL*>(p.logits), p.targets, p.row_lse, p.dloss, p.count,  \
                                    static_cast<TL*>(p.dlogits), p.rows, p.vocab, p.ignore_index);             \
-  })
+  })                                                                                                          \
+  SK_ENTRY_BOUNDED(sk::kernels::classifier::kRowThreads, cross_entropy_forward_backward_##tl_tag,             \
+                   (const sk::kernels::classifier::ForwardBackward p) {                                       \
+                     sk::cross_entropy_forward_backward<TL>(static_cast<TL*>(p.logits), p.targets, p.row_loss, \
+                                                            p.row_lse, p.dloss, p.count, p.vocab, p.kept != 0, \
+                                                            p.ignore_index);                                  \
+                   })
 SK_TYPES_1(SK_CE, )
 
 #else  // host: the launchers
 
 #include "kernels.h"
+
+#include <algorithm>
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -267,6 +401,38 @@ inline at::Tensor backward(const at::Tensor& logits, const at::Tensor& targets, 
                   .vocab = static_cast<int>(vocab),
                   .ignore_index = ignore_index});
   return dlogits;
+}
+
+// The loss and log-sum-exp of each row of `logits` (as forward), and their gradient for a loss
+// gradient `dloss` and a row count `count` (as backward), written over the logits.
+inline Rows forward_backward(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index,
+                             const at::Tensor& dloss, const at::Tensor& count) {
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  const auto floats = logits.options().dtype(at::kFloat);
+  Rows out{at::empty({rows}, floats), at::empty({rows}, floats)};
+  if (rows == 0) return out;
+  const auto kernel = get<ForwardBackward>({logits.scalar_type()}, logits.device());
+  // The row kept in shared memory where a block may have that much (up to 227 KiB on Hopper: a
+  // vocabulary of 116k in bf16). Only a row of 16-byte vectors is kept: the kernel reads any other
+  // element by element, twice.
+  const int64_t row_bytes = vocab * static_cast<int64_t>(logits.element_size());
+  const bool vectors = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0;
+  const bool kept = vectors && row_bytes <= max_dynamic_shared_memory(logits.device());
+  const int shared = kept ? static_cast<int>(row_bytes) : 0;
+  if (kept) allow_dynamic_shared_memory(kernel, shared);
+  // A thread per 16-byte vector of the row up to a block's most (a small vocabulary leaves none idle).
+  const auto threads = static_cast<unsigned>(std::min<int64_t>(kRowThreads, ((row_bytes + 15) / 16 + 31) / 32 * 32));
+  launch(kernel, {static_cast<unsigned>(rows), 1, 1}, {threads, 1, 1}, shared,
+         ForwardBackward{.logits = logits.data_ptr(),
+                         .targets = reinterpret_cast<const long long*>(targets.data_ptr<int64_t>()),
+                         .row_loss = out.loss.data_ptr<float>(),
+                         .row_lse = out.lse.data_ptr<float>(),
+                         .dloss = dloss.data_ptr<float>(),
+                         .count = count.data_ptr<float>(),
+                         .vocab = static_cast<int>(vocab),
+                         .kept = kept ? 1 : 0,
+                         .ignore_index = ignore_index});
+  return out;
 }
 
 }  // namespace sk::kernels::classifier

@@ -127,9 +127,9 @@ struct ChunkedClassifierFunction : torch::autograd::Function<ChunkedClassifierFu
       const int64_t n = std::min(block_rows, rows - first);
       const at::Tensor x_block = x_c.narrow(0, first, n), t_block = targets.narrow(0, first, n);
       at::Tensor logits = has_bias ? at::addmm(b_c, x_block, w_c.t()) : at::mm(x_block, w_c.t());
-      ce::Rows block = ce::forward(logits, t_block, ignore_index);
+      // The block's logits become their gradient in the pass that reads them for the loss.
+      ce::Rows block = ce::forward_backward(logits, t_block, ignore_index, one, mean ? count : one);
       total.add_(block.loss.sum());
-      ce::backward(logits, t_block, block.lse, one, mean ? count : one, ignore_index, /*in_place=*/true);
       grads.add(logits, x_block, w_c, first);
     }
     ctx->save_for_backward({grads.dx, grads.dw, grads.db});

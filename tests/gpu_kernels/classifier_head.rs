@@ -10,7 +10,7 @@ use speedkit::overrides::Override;
 use tch::{nn, Device, Kind, Tensor};
 
 /// Rows as 3 × 2803 of width 96 over a vocabulary of 32003: bf16 logits of 513 MiB, in
-/// three blocks of 2816 rows (the last one of 2777).
+/// two blocks of 4224 rows (the last one of 4185).
 const SHAPE: [i64; 3] = [3, 2803, 96];
 const VOCABULARY: i64 = 32003;
 const LOGITS_BYTES: u64 = (SHAPE[0] * SHAPE[1] * VOCABULARY * 2) as u64;

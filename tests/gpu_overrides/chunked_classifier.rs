@@ -8,22 +8,25 @@ use speedkit::overrides::Override;
 use tch::{Device, Kind, Tensor};
 
 /// A head over 3 × 2803 rows of width 96 and a vocabulary of 32003: bf16 logits of 513 MiB, in
-/// three blocks of 2816 rows (the last one of 2777).
+/// two blocks of 4224 rows (the last one of 4185). A vocabulary of an odd size takes the loss
+/// kernel's element-by-element path; [`VECTORISED`] classes its 16-byte vectors.
 const SHAPE: [i64; 3] = [3, 2803, 96];
 const VOCABULARY: i64 = 32003;
+const VECTORISED: i64 = 32008;
 
-/// The operands: input of `shape` (rows as [`SHAPE`]'s), weight, bias (where `with_bias`),
-/// targets with every fifth row ignored.
+/// The operands: input of `shape` (rows as [`SHAPE`]'s), weight and bias (where `with_bias`) of
+/// a head over `vocabulary` classes, targets with every fifth row ignored.
 fn operands(
     device: Device,
     shape: [i64; 3],
+    vocabulary: i64,
     with_bias: bool,
 ) -> (Tensor, Tensor, Option<Tensor>, Tensor) {
     let x = Tensor::randn(shape, (Kind::Float, device));
-    let w = Tensor::randn([VOCABULARY, SHAPE[2]], (Kind::Float, device)) * 0.1;
-    let b = with_bias.then(|| Tensor::randn([VOCABULARY], (Kind::Float, device)) * 0.1);
+    let w = Tensor::randn([vocabulary, SHAPE[2]], (Kind::Float, device)) * 0.1;
+    let b = with_bias.then(|| Tensor::randn([vocabulary], (Kind::Float, device)) * 0.1);
     let rows = SHAPE[0] * SHAPE[1];
-    let targets = Tensor::randint(VOCABULARY, [rows], (Kind::Int64, device)).index_fill(
+    let targets = Tensor::randint(vocabulary, [rows], (Kind::Int64, device)).index_fill(
         0,
         &Tensor::arange_start_step(0, rows, 5, (Kind::Int64, device)),
         -100,
@@ -31,18 +34,20 @@ fn operands(
     (x, w, b, targets)
 }
 
-/// The head's loss under CUDA autocast, as a tch model writes it (`linear`, a view to rows,
-/// `cross_entropy_for_logits`'s two calls), with `also` added to it from the logits; the loss and
-/// the gradients of x, the weight and the bias.
+/// The head's loss under CUDA autocast to `kind`, as a tch model writes it (`linear`, a view to
+/// rows, `cross_entropy_for_logits`'s two calls), with `also` added to it from the logits; the
+/// loss and the gradients of x, the weight and the bias.
 fn head_pass(
     (x, w, b, targets): &(Tensor, Tensor, Option<Tensor>, Tensor),
+    kind: Kind,
     also: impl Fn(&Tensor) -> Option<Tensor>,
 ) -> Vec<Tensor> {
     let x = x.detach().set_requires_grad(true);
     let w = w.detach().set_requires_grad(true);
     let b = b.as_ref().map(|b| b.detach().set_requires_grad(true));
-    let loss = speedkit::amp::autocast(x.device(), Kind::BFloat16, || {
-        let logits = x.linear(&w, b.as_ref()).view([-1, VOCABULARY]);
+    let vocabulary = w.size()[0];
+    let loss = speedkit::amp::autocast(x.device(), kind, || {
+        let logits = x.linear(&w, b.as_ref()).view([-1, vocabulary]);
         let nll = logits.log_softmax(-1, Kind::Float).g_nll_loss(
             targets,
             None::<&Tensor>,
@@ -65,18 +70,18 @@ fn head_pass(
 /// each result, and the most memory the pass held on each side beyond what was allocated before.
 fn against_aten(
     device: Device,
-    shape: [i64; 3],
+    (shape, vocabulary, kind): ([i64; 3], i64, Kind),
     with_bias: bool,
     also: impl Fn(&Tensor) -> Option<Tensor> + Copy,
 ) -> (Vec<f64>, [u64; 2]) {
-    let inputs = operands(device, shape, with_bias);
+    let inputs = operands(device, shape, vocabulary, with_bias);
     let peak = |on: bool| {
         let _linear = common::hold_override(Override::Linear, on);
         let _loss = common::hold_override(Override::CrossEntropy, on);
         tch::Cuda::synchronize(0);
         let before = MemoryUse::now(device).unwrap().allocated;
         speedkit::memory::reset_peaks(device).unwrap();
-        let results = head_pass(&inputs, also);
+        let results = head_pass(&inputs, kind, also);
         tch::Cuda::synchronize(0);
         let peak = MemoryUse::now(device).unwrap().peak_allocated;
         (results, peak.saturating_sub(before))
@@ -102,7 +107,8 @@ fn a_heads_loss_and_gradients_equal_atens_without_the_logits_whole() {
         return;
     };
     for with_bias in [false, true] {
-        let (errors, [peak, aten_peak]) = against_aten(device, SHAPE, with_bias, |_| None);
+        let case = (SHAPE, VOCABULARY, Kind::BFloat16);
+        let (errors, [peak, aten_peak]) = against_aten(device, case, with_bias, |_| None);
         // bf16 logits from GEMMs over fewer rows: cuBLAS may round them differently.
         assert!(errors[0] < 1e-3, "bias {with_bias}: loss {errors:?}");
         assert!(
@@ -121,6 +127,30 @@ fn a_heads_loss_and_gradients_equal_atens_without_the_logits_whole() {
 }
 
 #[test]
+fn a_heads_loss_and_gradients_equal_atens_in_bf16_and_fp16_over_a_vocabulary_of_16_byte_vectors() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "a_heads_loss_and_gradients_equal_atens_in_bf16_and_fp16_over_a_vocabulary_of_16_byte_vectors",
+    ) else {
+        return;
+    };
+    for kind in [Kind::BFloat16, Kind::Half] {
+        let case = (SHAPE, VECTORISED, kind);
+        let (errors, [peak, _]) = against_aten(device, case, true, |_| None);
+        assert!(errors[0] < 1e-3, "{kind:?}: loss {errors:?}");
+        assert!(
+            errors[1..].iter().all(|&e| e < 1e-2),
+            "{kind:?}: gradients {errors:?}"
+        );
+        let logits_bytes = (SHAPE[0] * SHAPE[1] * VECTORISED * 2) as u64;
+        assert!(
+            peak < logits_bytes,
+            "{kind:?}: the chunked pass held {peak} bytes, the logits are {logits_bytes}"
+        );
+    }
+}
+
+#[test]
 fn a_read_of_a_heads_logits_beside_the_loss_sees_the_linears_values() {
     let _serial = common::serial();
     let Some(device) =
@@ -130,7 +160,8 @@ fn a_read_of_a_heads_logits_beside_the_loss_sees_the_linears_values() {
     };
     let also = |logits: &Tensor| Some(logits.square().mean(Kind::Float) * 1e-2);
     // Another shape than the other test's: a shape whose logits were read is not deferred again.
-    let (errors, _) = against_aten(device, [SHAPE[1], SHAPE[0], SHAPE[2]], true, also);
+    let case = ([SHAPE[1], SHAPE[0], SHAPE[2]], VOCABULARY, Kind::BFloat16);
+    let (errors, _) = against_aten(device, case, true, also);
     assert!(errors[0] < 1e-3, "loss {errors:?}");
     assert!(
         errors[1..].iter().all(|&e| e < 1e-2),
@@ -167,7 +198,8 @@ fn a_write_to_a_heads_input_before_its_loss_leaves_the_loss_atens() {
         return;
     };
     // Another shape again: this one's logits are read (by the write's materialization).
-    let (x, w, _, targets) = operands(device, [SHAPE[0] * SHAPE[1], 1, SHAPE[2]], false);
+    let shape = [SHAPE[0] * SHAPE[1], 1, SHAPE[2]];
+    let (x, w, _, targets) = operands(device, shape, VOCABULARY, false);
     let expected = {
         let _linear = common::hold_override(Override::Linear, false);
         let _loss = common::hold_override(Override::CrossEntropy, false);
