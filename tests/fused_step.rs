@@ -15,7 +15,7 @@ use speedkit::SpeedContext;
 use speedkit_suite::data;
 use speedkit_suite::models::llama_tch::{LlamaConfig, LlamaTch};
 use speedkit_suite::models::unet_tch::{UnetConfig, UnetTch};
-use speedkit_suite::models::{TchTransformer, TransformerConfig};
+use speedkit_suite::models::{ConvnextConfig, ConvnextTch, TchTransformer, TransformerConfig};
 use tch::{nn, Device, Kind, Tensor};
 
 const CPU: Device = Device::Cpu;
@@ -1043,6 +1043,70 @@ fn bias_gradients_summed_in_the_kernels_that_make_them_give_atens_in_fp32_bf16_a
     }
 }
 
+/// ConvNeXt's layer scale over a channels-last residual stream: blocks of a biased projection's
+/// output times a parameter per channel, added to the stream read as pixels of channels.
+struct LayerScaleStep {
+    stream: Tensor,
+    biases: [Tensor; 2],
+    scales: [Tensor; 2],
+    kind: Kind,
+}
+
+impl LayerScaleStep {
+    fn new(device: Device, kind: Kind, [batch, height, width, channels]: [i64; 4]) -> Self {
+        let leaf =
+            |shape: &[i64]| Tensor::randn(shape, (Kind::Float, device)).set_requires_grad(true);
+        let parameter = || leaf(&[channels]);
+        LayerScaleStep {
+            // NCHW in channels-last memory, as a convolution with channels-last weights makes it.
+            stream: leaf(&[batch, height, width, channels]).permute([0, 3, 1, 2]),
+            biases: [parameter(), parameter()],
+            scales: [parameter(), parameter()],
+            kind,
+        }
+    }
+
+    /// The loss and the gradients of the stream, the biases and the scales.
+    fn step(&self) -> (Tensor, Vec<Tensor>) {
+        let leaves: Vec<Tensor> = (self.biases.iter().chain(&self.scales))
+            .map(|t| t.detach().set_requires_grad(true))
+            .collect();
+        let stream_leaf = self.stream.detach().set_requires_grad(true);
+        let mut stream = stream_leaf.shallow_clone();
+        for (bias, scale) in leaves[..2].iter().zip(&leaves[2..]) {
+            let pixels = stream.permute([0, 2, 3, 1]).to_kind(self.kind);
+            let h = common::bias_add(&pixels, bias, self.kind) * scale;
+            stream = &stream + h.permute([0, 3, 1, 2]);
+        }
+        let loss = stream.permute([0, 2, 3, 1]).square().mean(Kind::Float);
+        loss.backward();
+        let mut gradients = vec![stream_leaf.grad().copy()];
+        gradients.extend(leaves.iter().map(|t| t.grad().copy()));
+        (loss, gradients)
+    }
+}
+
+#[test]
+fn layer_scale_gradients_summed_beside_bias_gradients_give_atens_in_fp32_bf16_and_fp16() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "layer_scale_gradients_summed_beside_bias_gradients_give_atens_in_fp32_bf16_and_fp16",
+    ) else {
+        return;
+    };
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+        // Channels of 77 (one element at a time) and of 96 (four), over odd images.
+        for shape in [[3, 7, 5, 77], [4, 9, 11, 96]] {
+            let scale = LayerScaleStep::new(device, kind, shape);
+            let (expected, fused, result) = norm_fused_and_aten(device, || scale.step());
+            let case = format!("{kind:?} {shape:?}");
+            assert_generated(&fused, &["aten::sum", "speedkit::column_sums"], &case);
+            let names = ["stream", "bias 1", "bias 2", "scale 1", "scale 2"];
+            assert_like_atens(kind, &case, result, expected, &names);
+        }
+    }
+}
+
 /// The tiny Llama's loss and gradients after one step, run by `run` (ATen's kernels or fused).
 fn llama_loss_and_gradients(vs: &nn::VarStore, step: impl Fn() -> Tensor) -> (f64, Vec<Tensor>) {
     let loss = step();
@@ -1107,41 +1171,51 @@ fn a_fused_step_of_a_small_llama_gives_atens_loss_and_gradients() {
     }
 }
 
-/// The tiny decoders the captured-step tests train.
+/// The tiny models the captured-step tests train.
 #[derive(Clone, Copy, Debug)]
-enum Decoder {
+enum Model {
     /// `LlamaTch`: RMSNorm, rotary embeddings, SwiGLU, no biases.
     Llama,
     /// `TchTransformer`: tch's LayerNorm and Linear (with biases), GELU, a qkv split.
     Gpt,
+    /// `ConvnextTch`: depthwise convolutions, LayerNorm over permuted channels, an erf GELU,
+    /// layer scale, a pooled head.
+    Convnext,
 }
 
-impl Decoder {
-    /// The decoder's parameters in `vs` and its loss on one batch of random tokens.
+impl Model {
+    /// The model's parameters in `vs` and its loss on one batch of random data.
     fn build(self, vs: &nn::VarStore, device: Device) -> Box<dyn Fn() -> Tensor> {
         match self {
-            Decoder::Llama => {
+            Model::Llama => {
                 let config = LlamaConfig::tiny();
                 let model = LlamaTch::new(&vs.root(), &config).unwrap();
                 let (tokens, targets) =
                     data::tokens(config.batch, config.seq_len, config.vocab, device).unwrap();
                 Box::new(move || model.loss(&tokens, &targets).unwrap())
             }
-            Decoder::Gpt => {
+            Model::Gpt => {
                 let config = TransformerConfig::tiny();
                 let model = TchTransformer::new(&vs.root(), &config).unwrap();
                 let (tokens, targets) =
                     data::tokens(config.batch, config.seq_len, config.vocab, device).unwrap();
                 Box::new(move || model.loss(&tokens, &targets).unwrap())
             }
+            Model::Convnext => {
+                let config = ConvnextConfig::tiny();
+                let model = ConvnextTch::new(&vs.root(), &config).unwrap();
+                let (images, labels) =
+                    data::images(config.batch, config.image_size, config.classes, device).unwrap();
+                Box::new(move || model.loss(&images, &labels).unwrap())
+            }
         }
     }
 }
 
-/// `decoder` trained `steps` steps under `config` (bf16, whole-step graphs): the losses and the
+/// `model` trained `steps` steps under `config` (bf16, whole-step graphs): the losses and the
 /// audit's notes.
 fn captured_losses(
-    decoder: Decoder,
+    model: Model,
     config: &SpeedConfig,
     device: Device,
     steps: usize,
@@ -1149,7 +1223,7 @@ fn captured_losses(
     tch::manual_seed(0);
     let ctx = SpeedContext::new(config).unwrap();
     let vs = nn::VarStore::new(device);
-    let loss = decoder.build(&vs, device);
+    let loss = model.build(&vs, device);
     let mut opt = ctx.adamw(&vs, AdamW::default()).unwrap();
     let mut losses = Vec::new();
     {
@@ -1164,7 +1238,7 @@ fn captured_losses(
         }
         assert!(
             g.is_graphed(),
-            "{decoder:?}: {:?}\n{:#?}",
+            "{model:?}: {:?}\n{:#?}",
             g.fallback_reason(),
             ctx.audit().notes
         );
@@ -1172,9 +1246,9 @@ fn captured_losses(
     (losses, ctx.audit().notes)
 }
 
-/// `decoder` trains under a captured step with fusion as without it: the same losses within
+/// `model` trains under a captured step with fusion as without it: the same losses within
 /// bf16's step-to-step rounding, every captured step fused.
-fn trains_as_without_fusion(decoder: Decoder, device: Device, overrides: AutoBool) {
+fn trains_as_without_fusion(model: Model, device: Device, overrides: AutoBool) {
     let mut config = SpeedConfig {
         device: DeviceChoice::Cuda(0),
         precision: Precision::Bf16,
@@ -1182,19 +1256,19 @@ fn trains_as_without_fusion(decoder: Decoder, device: Device, overrides: AutoBoo
         ..SpeedConfig::auto()
     };
     config.compile.enabled = AutoBool::On;
-    let (plain, _) = captured_losses(decoder, &config, device, 40);
+    let (plain, _) = captured_losses(model, &config, device, 40);
     config.compile.fusion = true;
-    let (fused, notes) = captured_losses(decoder, &config, device, 40);
+    let (fused, notes) = captured_losses(model, &config, device, 40);
     let note = notes
         .iter()
         .find(|n| n.starts_with("fusion"))
         .cloned()
         .unwrap_or_default();
-    println!("{decoder:?}: {note}");
-    assert!(note.starts_with("fusion: "), "{decoder:?}: {notes:#?}");
+    println!("{model:?}: {note}");
+    assert!(note.starts_with("fusion: "), "{model:?}: {notes:#?}");
     assert!(
         !notes.iter().any(|n| n.starts_with("fusion off")),
-        "{decoder:?}: {notes:#?}"
+        "{model:?}: {notes:#?}"
     );
     // bf16 training of these small models carries a float's rounding from step to step: a row
     // reduction that sums in another order than ATen's (a thread's four neighbouring columns
@@ -1203,10 +1277,10 @@ fn trains_as_without_fusion(decoder: Decoder, device: Device, overrides: AutoBoo
     for (step, (p, f)) in plain.iter().zip(&fused).enumerate() {
         assert!(
             (p - f).abs() < 0.05 * p.abs(),
-            "{decoder:?}, step {step}: {f} against {p}"
+            "{model:?}, step {step}: {f} against {p}"
         );
     }
-    assert!(fused[39] < fused[0] - 0.5, "{decoder:?} learns: {fused:?}");
+    assert!(fused[39] < fused[0] - 0.5, "{model:?} learns: {fused:?}");
 }
 
 #[test]
@@ -1217,7 +1291,7 @@ fn a_captured_step_with_fusion_trains_as_the_one_without() {
     else {
         return;
     };
-    trains_as_without_fusion(Decoder::Llama, device, AutoBool::Auto);
+    trains_as_without_fusion(Model::Llama, device, AutoBool::Auto);
 }
 
 #[test]
@@ -1229,7 +1303,19 @@ fn a_captured_step_of_tchs_modules_on_the_overrides_trains_with_fusion_as_withou
         return;
     };
     // The linear override's bias gradients are summed inside the kernels that make them.
-    trains_as_without_fusion(Decoder::Gpt, device, AutoBool::On);
+    trains_as_without_fusion(Model::Gpt, device, AutoBool::On);
+}
+
+#[test]
+fn a_captured_step_of_a_convnext_trains_with_fusion_as_without() {
+    let _serial = common::serial();
+    let Some(device) =
+        common::cuda_or_skip("a_captured_step_of_a_convnext_trains_with_fusion_as_without")
+    else {
+        return;
+    };
+    // A family none of the registered models belongs to, on every override.
+    trains_as_without_fusion(Model::Convnext, device, AutoBool::On);
 }
 
 #[test]

@@ -651,6 +651,43 @@ fn a_bias_gradients_column_sum_does_not_join_the_cat_of_a_splits_gradients() {
 }
 
 #[test]
+fn a_layer_scales_gradient_sums_in_the_kernel_of_the_bias_gradient_it_sits_beside() {
+    let _serial = common::serial();
+    // Channels-last memory, as a convolution with channels-last weights makes it.
+    let x = Tensor::randn([2, 7, 5, 96], (Kind::Float, CPU))
+        .permute([0, 3, 1, 2])
+        .set_requires_grad(true);
+    let parameter = || Tensor::randn([96], (Kind::Float, CPU)).set_requires_grad(true);
+    let (biases, scales) = ([parameter(), parameter()], [parameter(), parameter()]);
+    let (_, trace) = StepTrace::record(|| {
+        // ConvNeXt's blocks: a channels-last linear's output times a parameter per channel
+        // (layer scale), added to the residual stream. The parameter's gradient is a sum over
+        // every pixel, which autograd views and casts as the parameter after the sum.
+        let mut stream = x.shallow_clone();
+        for (bias, scale) in biases.iter().zip(&scales) {
+            let pixels = stream.permute([0, 2, 3, 1]).to_kind(Kind::BFloat16);
+            let h = common::bias_add(&pixels, bias, Kind::BFloat16) * scale;
+            stream = &stream + h.permute([0, 3, 1, 2]);
+        }
+        // Read channels-last, as the next block reads it: its gradient is channels-last too.
+        stream
+            .permute([0, 2, 3, 1])
+            .square()
+            .mean(Kind::Float)
+            .backward();
+    })
+    .unwrap();
+    let plan = FusionPlan::generatable(&trace);
+    let group = group_holding(&plan, "aten::sum");
+    assert!(
+        names(&group.operators).contains(&"speedkit::column_sums"),
+        "{plan}"
+    );
+    let kernel = group.kernel().unwrap_or_else(|e| panic!("{e}:\n{plan}"));
+    assert_compiles(&kernel);
+}
+
+#[test]
 fn a_bias_gradients_column_sum_alone_is_left_to_its_own_kernel_with_the_reason() {
     let _serial = common::serial();
     let x = Tensor::randn([4, 40], (Kind::Float, CPU)).set_requires_grad(true);

@@ -5,8 +5,8 @@
 use speedkit_suite::data;
 use speedkit_suite::models::resnet::channels_last;
 use speedkit_suite::models::{
-    Linear3, Linear3Config, LlamaConfig, LlamaTch, Mlp, MlpConfig, ResNet, ResNetConfig,
-    Transformer, TransformerConfig, UnetConfig, UnetTch,
+    ConvnextConfig, ConvnextTch, Linear3, Linear3Config, LlamaConfig, LlamaTch, Mlp, MlpConfig,
+    ResNet, ResNetConfig, Transformer, TransformerConfig, UnetConfig, UnetTch,
 };
 use std::sync::{Mutex, MutexGuard};
 use tch::nn::{self, OptimizerConfig};
@@ -258,7 +258,7 @@ fn random_batches_are_made_with_seed_zero() {
     assert!(a.equal(&Tensor::randn([4, 8], (Kind::Float, CPU))));
 }
 
-// ----- the unchanged-idiom models of other families: llama_tch and unet_tch -----------------------
+// ----- the unchanged-idiom models of other families: llama_tch, unet_tch and convnext_tch --------
 
 /// Trainable parameters of `vs`.
 fn parameter_count(vs: &nn::VarStore) -> i64 {
@@ -366,6 +366,50 @@ fn unet_rejects_widths_the_groups_do_not_divide_and_wrong_images() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("images must be [batch, 3, 16, 16]"), "{err}");
+}
+
+#[test]
+fn convnext_flops_match_the_reference() {
+    // pytorch_reference.py's Convnext.flops at the bench size.
+    assert_eq!(
+        ConvnextConfig::bench().flops_per_step(),
+        1_117_735_354_368.0
+    );
+}
+
+#[test]
+fn convnext_has_its_pytorch_twins_parameters_classifies_and_learns() {
+    let _rng = serial();
+    let config = ConvnextConfig::tiny();
+    let vs = nn::VarStore::new(CPU);
+    let model = ConvnextTch::new(&vs.root(), &config).unwrap();
+    // pytorch_reference.py's Convnext at the tiny size holds 62,642.
+    assert_eq!(parameter_count(&vs), 62_642);
+    let (images, labels) =
+        data::images(config.batch, config.image_size, config.classes, CPU).unwrap();
+    assert_eq!(
+        model.forward(&images).unwrap().size(),
+        [config.batch, config.classes]
+    );
+    assert_learns(&vs, || model.loss(&images, &labels).unwrap());
+}
+
+#[test]
+fn convnext_rejects_an_image_side_it_cannot_halve_and_wrong_images() {
+    let _rng = serial();
+    let vs = nn::VarStore::new(CPU);
+    let bad = ConvnextConfig {
+        image_size: 48,
+        ..ConvnextConfig::tiny()
+    };
+    let err = ConvnextTch::new(&vs.root(), &bad).unwrap_err().to_string();
+    assert!(err.contains("divisible by 32"), "{err}");
+    let model = ConvnextTch::new(&(vs.root() / "ok"), &ConvnextConfig::tiny()).unwrap();
+    let err = model
+        .forward(&Tensor::zeros([1, 3, 30, 30], (Kind::Float, CPU)))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("images must be [batch, 3, 32, 32]"), "{err}");
 }
 
 /// A few AdamW steps lower the loss.

@@ -11,6 +11,7 @@
 //! single effects and are skipped without a GPU.
 
 mod contiguity;
+mod convnext_tch;
 mod gpt2;
 mod gpt2_tch;
 mod linear3;

@@ -10,8 +10,9 @@ torch.cuda.graph: what speedkit's graph mode does, so the two show the same kern
 `resnet` runs channels-last. `transformer_tch` and `gpt2_tch` (speedkit's GPT written with tch's
 own modules alone) and `gpt2` (the GPT on speedkit::nn at GPT-2 small's size) train this same
 plain-PyTorch `Transformer`, the last two at GPT-2 small's size;
-`llama_tch` (RMSNorm, rotary embeddings, SwiGLU) and `unet_tch` (GroupNorm, SiLU, skip
-concatenation) train their twins here, `Llama` and `Unet`, as a PyTorch user writes them. With --torchao-fp8 also torchao's FP8 training (`Float8Linear` on
+`llama_tch` (RMSNorm, rotary embeddings, SwiGLU), `unet_tch` (GroupNorm, SiLU, skip
+concatenation) and `convnext_tch` (depthwise convolutions, channels LayerNorm, erf GELU, layer
+scale) train their twins here, `Llama`, `Unet` and `Convnext`, as a PyTorch user writes them. With --torchao-fp8 also torchao's FP8 training (`Float8Linear` on
 every nn.Linear, tensorwise dynamic scaling, under torch.compile's default mode: the peer of
 speedkit's `fp8` config; torchao is not in requirements-torch.txt, install it beside torch), and
 with --torchao-fp8-rowwise the same with torchao's row-wise recipe (speedkit's `fp8.recipe:
@@ -45,7 +46,7 @@ mode (DDP's recommended pairing). --fsdp is the same under PyTorch's FSDP2 inste
 on each block, then on the model: parameters, gradients and optimizer state sharded over the ranks,
 ZeRO-3), parameters gathered in bf16 and gradients reduced in fp32, with --compile each block
 compiled before it is sharded (torchtitan's order); its rows add `optimizer_state_bytes`, rank 0's
-shard of the AdamW state. --size tiny (transformer, linear3, mlp, llama_tch, unet_tch) is
+shard of the AdamW state. --size tiny (transformer, linear3, mlp, llama_tch, unet_tch, convnext_tch) is
 for a CPU check.
 
     torchrun --nproc-per-node 2 docs/benchmarks/pytorch_reference.py --ddp --only transformer,linear3 --json ddp.json
@@ -71,7 +72,7 @@ except ImportError as error:
     sys.exit(4)
 
 # One line: speedkit/src/bench/peer.rs checks it against REFERENCE_WORKLOADS, joined by ", ".
-WORKLOADS = ("transformer", "linear3", "mlp", "resnet", "mlp_block", "transformer_checkpointed", "transformer_tch", "gpt2", "gpt2_tch", "llama_tch", "unet_tch", "llama_large")
+WORKLOADS = ("transformer", "linear3", "mlp", "resnet", "mlp_block", "transformer_checkpointed", "transformer_tch", "gpt2", "gpt2_tch", "llama_tch", "unet_tch", "llama_large", "convnext_tch")
 
 
 class Block(nn.Module):
@@ -234,6 +235,63 @@ class Unet(nn.Module):
                     + res(3 * c, c, s) + conv(c, channels, 3, s))
 
 
+class ConvnextBlock(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.dwconv = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(c), nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+        self.scale = nn.Parameter(torch.full((c,), 0.1))
+
+    def forward(self, x):
+        h = self.norm(self.dwconv(x).permute(0, 2, 3, 1))
+        h = self.fc2(F.gelu(self.fc1(h))) * self.scale
+        return x + h.permute(0, 3, 1, 2)
+
+
+class ChannelsNorm(nn.LayerNorm):
+    """LayerNorm over the channels of an NCHW image: channels-last, normed, and back."""
+
+    def forward(self, x):
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class Convnext(nn.Module):
+    """speedkit_suite::models::ConvnextTch: a 4×4 stem, stages of 7×7 depthwise convolution,
+    channels LayerNorm, an erf-GELU MLP and layer scale, 2×2 stride-2 downsampling, a pooled,
+    normed head; cross-entropy."""
+
+    def __init__(self, channels=3, base=96, depths=(3, 3, 9, 3), classes=1000):
+        super().__init__()
+        widths = [base << s for s in range(4)]
+        self.stem = nn.Sequential(nn.Conv2d(channels, base, 4, stride=4), ChannelsNorm(base))
+        self.downsamples = nn.ModuleList(
+            nn.Sequential(ChannelsNorm(widths[s - 1]), nn.Conv2d(widths[s - 1], widths[s], 2, stride=2))
+            for s in range(1, 4))
+        self.stages = nn.ModuleList(nn.Sequential(*(ConvnextBlock(widths[s]) for _ in range(depths[s])))
+                                    for s in range(4))
+        self.head_norm, self.head = nn.LayerNorm(widths[3]), nn.Linear(widths[3], classes)
+
+    def forward(self, images, labels):
+        x = self.stages[0](self.stem(images))
+        for down, stage in zip(self.downsamples, self.stages[1:]):
+            x = stage(down(x))
+        logits = self.head(self.head_norm(x.mean((2, 3), dtype=torch.float32)))
+        return F.cross_entropy(logits, labels)
+
+    @staticmethod
+    def flops(batch, size, channels, base, depths, classes, **_):
+        """ConvnextConfig::flops_per_step."""
+        side = size // 4
+        forward = 2 * batch * channels * base * 16 * side * side
+        for stage, depth in enumerate(depths):
+            c = base << stage
+            if stage:
+                side //= 2
+                forward += 2 * batch * (c // 2) * c * 4 * side * side
+            forward += depth * 2 * batch * side * side * (49 * c + 8 * c * c)
+        return 3 * (forward + 2 * batch * (base << 3) * classes)
+
+
 class Linear3(nn.Module):
     def __init__(self, width=8192):
         super().__init__()
@@ -328,7 +386,8 @@ class ResNet18(nn.Module):
 TINY = dict(transformer=dict(vocab=128, d=32, heads=2, layers=2, seq=16, batch=2),
             linear3=dict(width=64, batch=8), mlp=dict(inputs=32, hidden=64, classes=10, batch=16),
             llama_tch=dict(vocab=128, d=32, heads=2, layers=2, hidden=88, seq=16, batch=2),
-            unet_tch=dict(batch=2, size=16, channels=3, base=8, groups=4))
+            unet_tch=dict(batch=2, size=16, channels=3, base=8, groups=4),
+            convnext_tch=dict(batch=2, size=32, channels=3, base=8, depths=(1, 1, 1, 1), classes=10))
 
 
 def transformer_flops(batch, seq, vocab, d, layers, **_):
@@ -377,6 +436,14 @@ def workload(name, device, size="bench", batch=None):
         shape = (c["batch"], c["channels"], c["size"], c["size"])
         batch = (torch.randn(shape, device=device), torch.randn(shape, device=device))
         flops = Unet.flops(**c)
+        items = (c["batch"], "images")
+    elif name == "convnext_tch":
+        c = TINY[name] if size == "tiny" else dict(batch=128, size=128, channels=3, base=96,
+                                                   depths=(3, 3, 9, 3), classes=1000)
+        model = Convnext(c["channels"], c["base"], c["depths"], c["classes"])
+        batch = (torch.randn(c["batch"], c["channels"], c["size"], c["size"], device=device),
+                 torch.randint(0, c["classes"], (c["batch"],), device=device))
+        flops = Convnext.flops(**c)
         items = (c["batch"], "images")
     elif name == "linear3":
         width, rows = (64, 8) if size == "tiny" else (8192, 512)

@@ -6,6 +6,7 @@
 //! computed from the dimensions alone, so bench-size numbers can be checked without allocating a
 //! bench-size model.
 
+pub mod convnext_tch;
 mod linear3;
 pub mod llama_tch;
 mod mlp;
@@ -15,6 +16,7 @@ pub mod tch_transformer;
 mod transformer;
 pub mod unet_tch;
 
+pub use convnext_tch::{ConvnextConfig, ConvnextTch};
 pub use linear3::{Linear3, Linear3Config};
 pub use llama_tch::{LlamaConfig, LlamaTch};
 pub use mlp::{Mlp, MlpConfig};

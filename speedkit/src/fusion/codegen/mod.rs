@@ -1140,14 +1140,16 @@ impl Generator {
                 _ if channel.is_some() => false,
                 Some(r) if out.numel == r.rows && out.numel != r.rows * r.width => true,
                 // The rows' elements in another shape (a view of them): element p is still
-                // column p % width of row p / width when the result is contiguous. A group
-                // norm's rows span several dimensions; its reads keep to their own rows
-                // (`row_elements`).
+                // column p % width of row p / width when the result is contiguous, or laid out
+                // in the rows' order (a channels-last image as an NCHW tensor: its pixels are
+                // rows of channels). A group norm's rows span several dimensions; its reads keep
+                // to their own rows (`row_elements`).
                 Some(r)
                     if out.numel == r.rows * r.width
                         && (r.op == "moments"
                             || r.op == "group_norm_backward"
-                            || out.shape.last().map(|&w| w as u64) == Some(r.width)) =>
+                            || out.shape.last().map(|&w| w as u64) == Some(r.width)
+                            || rows_in_memory_order(&out, r.width)) =>
                 {
                     false
                 }
@@ -1156,8 +1158,10 @@ impl Generator {
                 }
                 None => false,
             };
-            if self.reduction.is_some() {
-                check_contiguous(&out).map_err(|e| format!("a result {e}"))?;
+            if let Some(r) = &self.reduction {
+                if !rows_in_memory_order(&out, r.width) {
+                    check_contiguous(&out).map_err(|e| format!("a result {e}"))?;
+                }
             } else if out.numel != self.results[&results[0]].1.numel {
                 return Err("results of different sizes".into());
             }
@@ -1457,6 +1461,17 @@ fn check_contiguous(t: &TracedTensor) -> Result<(), String> {
         return Err("starts inside its storage".into());
     }
     Ok(())
+}
+
+/// Whether `t`'s elements lie in memory as rows of `width` (dense from its start, its dimension of
+/// stride 1 `width` long) where its shape says otherwise: an NCHW tensor in channels-last memory
+/// holds its pixels as rows of channels. A kernel that writes element p at offset p writes it.
+fn rows_in_memory_order(t: &TracedTensor, width: u64) -> bool {
+    let innermost = (t.shape.iter().zip(&t.strides))
+        .filter(|&(&size, _)| size != 1)
+        .min_by_key(|&(_, &stride)| stride)
+        .map(|(&size, _)| size as u64);
+    check_dense(t).is_ok() && innermost == Some(width)
 }
 
 /// Whether `t` covers its storage densely from its offset (any order of dimensions).
