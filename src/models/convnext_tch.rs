@@ -11,6 +11,8 @@
 use speedkit::{Result, SpeedkitError};
 use tch::{nn, Kind, Tensor};
 
+use super::Conv;
+
 /// A ConvNeXt's images, widths, depths and batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ConvnextConfig {
@@ -91,44 +93,6 @@ impl ConvnextConfig {
     }
 }
 
-/// A convolution of its own stride, padding and groups, applied through the fallible op.
-#[derive(Debug)]
-struct Conv {
-    conv: nn::Conv2D,
-    stride: i64,
-    padding: i64,
-    groups: i64,
-}
-
-impl Conv {
-    fn new(p: &nn::Path, cin: i64, cout: i64, k: i64, stride: i64, groups: i64) -> Self {
-        let padding = if stride == 1 { k / 2 } else { 0 };
-        let config = nn::ConvConfig {
-            stride,
-            padding,
-            groups,
-            ..Default::default()
-        };
-        Self {
-            conv: nn::conv2d(p, cin, cout, k, config),
-            stride,
-            padding,
-            groups,
-        }
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.f_conv2d(
-            &self.conv.ws,
-            self.conv.bs.as_ref(),
-            [self.stride; 2],
-            [self.padding; 2],
-            [1, 1],
-            self.groups,
-        )?)
-    }
-}
-
 /// LayerNorm over the channels of an NCHW image, as ConvNeXt writes it: channels-last, normed,
 /// and back.
 fn channels_norm(norm: &nn::LayerNorm, x: &Tensor) -> Result<Tensor> {
@@ -149,7 +113,7 @@ struct Block {
 impl Block {
     fn new(p: &nn::Path, c: i64) -> Self {
         Self {
-            dwconv: Conv::new(&(p / "dwconv"), c, c, 7, 1, c),
+            dwconv: Conv::new(&(p / "dwconv"), (c, c, 7), 1, 3, c),
             norm: nn::layer_norm(p / "norm", vec![c], Default::default()),
             fc1: nn::linear(p / "fc1", c, 4 * c, Default::default()),
             fc2: nn::linear(p / "fc2", 4 * c, c, Default::default()),
@@ -196,7 +160,13 @@ impl ConvnextTch {
         let downsamples = (1..4)
             .map(|s| Downsample {
                 norm: norm(format!("down{s}_norm"), width(s - 1)),
-                conv: Conv::new(&(p / format!("down{s}")), width(s - 1), width(s), 2, 2, 1),
+                conv: Conv::new(
+                    &(p / format!("down{s}")),
+                    (width(s - 1), width(s), 2),
+                    2,
+                    0,
+                    1,
+                ),
             })
             .collect();
         let stages = (0..4)
@@ -208,7 +178,7 @@ impl ConvnextTch {
             .collect();
         Ok(Self {
             config: *config,
-            stem: Conv::new(&(p / "stem"), config.channels, config.base, 4, 4, 1),
+            stem: Conv::new(&(p / "stem"), (config.channels, config.base, 4), 4, 0, 1),
             stem_norm: norm("stem_norm".into(), config.base),
             downsamples,
             stages,
@@ -225,16 +195,7 @@ impl ConvnextTch {
     /// The class logits `[B, classes]` of images `[B, channels, side, side]`.
     pub fn forward(&self, images: &Tensor) -> Result<Tensor> {
         let c = &self.config;
-        let expected = [c.channels, c.image_size, c.image_size];
-        if images.dim() != 4 || images.size()[1..] != expected {
-            return Err(SpeedkitError::Misuse(format!(
-                "images must be [batch, {}, {}, {}], not {:?}",
-                c.channels,
-                c.image_size,
-                c.image_size,
-                images.size()
-            )));
-        }
+        super::check_images(images, c.channels, c.image_size)?;
         let mut x = channels_norm(&self.stem_norm, &self.stem.forward(images)?)?;
         for (stage, blocks) in self.stages.iter().enumerate() {
             if stage > 0 {

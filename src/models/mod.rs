@@ -26,7 +26,7 @@ pub use tch_transformer::{gpt2_small, TchTransformer};
 pub use transformer::{Transformer, TransformerConfig};
 pub use unet_tch::{UnetConfig, UnetTch};
 
-use speedkit::Result;
+use speedkit::{Result, SpeedkitError};
 use tch::{nn, Tensor};
 
 /// `x · Wᵀ + b` through the fallible op, so a shape error is a value, not a panic.
@@ -48,4 +48,60 @@ pub(crate) fn layer_norm(norm: &nn::LayerNorm, x: &Tensor) -> Result<Tensor> {
 /// Mean cross-entropy of `logits` (`[N, C]`) against class indices (`[N]`).
 pub(crate) fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     Ok(logits.f_cross_entropy_loss::<Tensor>(targets, None, tch::Reduction::Mean, -100, 0.0)?)
+}
+
+/// A 2-D convolution with its stride, padding and groups, applied through the fallible op.
+#[derive(Debug)]
+pub(crate) struct Conv {
+    conv: nn::Conv2D,
+    stride: i64,
+    padding: i64,
+    groups: i64,
+}
+
+impl Conv {
+    /// A `k`×`k` convolution from `cin` to `cout` channels under `p`.
+    pub(crate) fn new(
+        p: &nn::Path,
+        (cin, cout, k): (i64, i64, i64),
+        stride: i64,
+        padding: i64,
+        groups: i64,
+    ) -> Self {
+        let config = nn::ConvConfig {
+            stride,
+            padding,
+            groups,
+            ..Default::default()
+        };
+        Self {
+            conv: nn::conv2d(p, cin, cout, k, config),
+            stride,
+            padding,
+            groups,
+        }
+    }
+
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.f_conv2d(
+            &self.conv.ws,
+            self.conv.bs.as_ref(),
+            [self.stride; 2],
+            [self.padding; 2],
+            [1, 1],
+            self.groups,
+        )?)
+    }
+}
+
+/// `images` as an image model takes them, `[batch, channels, side, side]`, else a misuse error
+/// naming that shape.
+pub(crate) fn check_images(images: &Tensor, channels: i64, side: i64) -> Result<()> {
+    if images.dim() == 4 && images.size()[1..] == [channels, side, side] {
+        return Ok(());
+    }
+    Err(SpeedkitError::Misuse(format!(
+        "images must be [batch, {channels}, {side}, {side}], not {:?}",
+        images.size()
+    )))
 }

@@ -10,6 +10,8 @@
 use speedkit::{Result, SpeedkitError};
 use tch::{nn, Tensor};
 
+use super::Conv;
+
 /// A U-Net's images, widths and batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct UnetConfig {
@@ -108,38 +110,9 @@ impl UnetConfig {
     }
 }
 
-/// A convolution with its stride and padding, applied through the fallible op.
-#[derive(Debug)]
-struct Conv {
-    conv: nn::Conv2D,
-    stride: i64,
-    padding: i64,
-}
-
-impl Conv {
-    fn new(p: &nn::Path, cin: i64, cout: i64, k: i64, stride: i64) -> Self {
-        let config = nn::ConvConfig {
-            stride,
-            padding: k / 2,
-            ..Default::default()
-        };
-        Self {
-            conv: nn::conv2d(p, cin, cout, k, config),
-            stride,
-            padding: k / 2,
-        }
-    }
-
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.f_conv2d(
-            &self.conv.ws,
-            self.conv.bs.as_ref(),
-            [self.stride; 2],
-            [self.padding; 2],
-            [1, 1],
-            1,
-        )?)
-    }
+/// A `k`×`k` convolution of `stride`, padded by `k / 2`.
+fn conv(p: &nn::Path, cin: i64, cout: i64, k: i64, stride: i64) -> Conv {
+    Conv::new(p, (cin, cout, k), stride, k / 2, 1)
 }
 
 /// `silu(group_norm(x))`, the pre-activation of every convolution but the first.
@@ -170,10 +143,10 @@ impl ResBlock {
         let gn = |name: &str, c: i64| nn::group_norm(p / name, groups, c, Default::default());
         Self {
             norm1: gn("norm1", cin),
-            conv1: Conv::new(&(p / "conv1"), cin, cout, 3, 1),
+            conv1: conv(&(p / "conv1"), cin, cout, 3, 1),
             norm2: gn("norm2", cout),
-            conv2: Conv::new(&(p / "conv2"), cout, cout, 3, 1),
-            skip: (cin != cout).then(|| Conv::new(&(p / "skip"), cin, cout, 1, 1)),
+            conv2: conv(&(p / "conv2"), cout, cout, 3, 1),
+            skip: (cin != cout).then(|| conv(&(p / "skip"), cin, cout, 1, 1)),
         }
     }
 
@@ -227,29 +200,28 @@ impl UnetTch {
     pub fn new(p: &nn::Path, config: &UnetConfig) -> Result<Self> {
         config.check()?;
         let (c, g, ch) = (config.base, config.groups, config.channels);
-        let conv = |name: &str, cin: i64, cout: i64, stride: i64| {
-            Conv::new(&(p / name), cin, cout, 3, stride)
-        };
+        let conv3 =
+            |name: &str, cin: i64, cout: i64, stride: i64| conv(&(p / name), cin, cout, 3, stride);
         let res = |name: &str, cin: i64, cout: i64| ResBlock::new(&(p / name), cin, cout, g);
         Ok(Self {
             config: *config,
-            conv_in: conv("conv_in", ch, c, 1),
+            conv_in: conv3("conv_in", ch, c, 1),
             down1: res("down1", c, c),
-            downsample1: conv("downsample1", c, c, 2),
+            downsample1: conv3("downsample1", c, c, 2),
             down2: res("down2", c, 2 * c),
-            downsample2: conv("downsample2", 2 * c, 2 * c, 2),
+            downsample2: conv3("downsample2", 2 * c, 2 * c, 2),
             mid1: res("mid1", 2 * c, 4 * c),
             mid2: res("mid2", 4 * c, 4 * c),
             up2: Up {
-                conv: conv("up2", 4 * c, 4 * c, 1),
+                conv: conv3("up2", 4 * c, 4 * c, 1),
             },
             dec2: res("dec2", 6 * c, 2 * c),
             up1: Up {
-                conv: conv("up1", 2 * c, 2 * c, 1),
+                conv: conv3("up1", 2 * c, 2 * c, 1),
             },
             dec1: res("dec1", 3 * c, c),
             norm_out: nn::group_norm(p / "norm_out", g, c, Default::default()),
-            conv_out: conv("conv_out", c, ch, 1),
+            conv_out: conv3("conv_out", c, ch, 1),
         })
     }
 
@@ -261,16 +233,7 @@ impl UnetTch {
     /// The predicted noise, shaped as the images `[B, channels, side, side]`.
     pub fn forward(&self, images: &Tensor) -> Result<Tensor> {
         let c = &self.config;
-        let expected = [c.channels, c.image_size, c.image_size];
-        if images.dim() != 4 || images.size()[1..] != expected {
-            return Err(SpeedkitError::Misuse(format!(
-                "images must be [batch, {}, {}, {}], not {:?}",
-                c.channels,
-                c.image_size,
-                c.image_size,
-                images.size()
-            )));
-        }
+        super::check_images(images, c.channels, c.image_size)?;
         let skip1 = self.down1.forward(&self.conv_in.forward(images)?)?;
         let skip2 = self.down2.forward(&self.downsample1.forward(&skip1)?)?;
         let mid = self.downsample2.forward(&skip2)?;
