@@ -51,9 +51,9 @@ struct Backward {
 };
 
 // Per row of logits [rows, vocab], overwritten with their gradient: the loss and the log-sum-exp as
-// Forward writes them, and dlogits = (softmax − onehot) · dloss / count as Backward writes it. With
-// `kept`, the row's 16-byte vectors wait in dynamic shared memory (vocab · element bytes) between
-// the two passes; without, the second pass reads them again. Entry points
+// Forward writes them, and dlogits = (softmax − onehot) · dloss / count as Backward writes it. A row
+// of 16-byte vectors waits in dynamic shared memory (vocab · element bytes) between the two passes;
+// any other row is read again element by element. Entry points
 // cross_entropy_forward_backward_<logits>.
 struct ForwardBackward {
   SK_KERNEL_ENTRY("classifier.cuh", "cross_entropy_forward_backward");
@@ -64,7 +64,6 @@ struct ForwardBackward {
   const float* dloss;
   const float* count;
   int vocab;
-  int kept;
   long long ignore_index;
 };
 
@@ -271,7 +270,7 @@ template <typename TL>
 __device__ void cross_entropy_forward_backward(TL* logits, const long long* __restrict__ targets,
                                                float* __restrict__ row_loss, float* __restrict__ row_lse,
                                                const float* __restrict__ dloss, const float* __restrict__ count,
-                                               int vocab, bool kept, long long ignore_index) {
+                                               int vocab, long long ignore_index) {
   extern __shared__ uint4 kept_vectors[];
   const int row = blockIdx.x;
   TL* l = logits + static_cast<size_t>(row) * vocab;
@@ -292,12 +291,12 @@ __device__ void cross_entropy_forward_backward(TL* logits, const long long* __re
 #pragma unroll
     for (int g = 0; g < CE_ROW_GROUP; ++g) raw[g] = row_vectors[i + stride * g];
 #pragma unroll
-    for (int g = 0; g < CE_ROW_GROUP && kept; ++g) kept_vectors[i + stride * g] = raw[g];
+    for (int g = 0; g < CE_ROW_GROUP; ++g) kept_vectors[i + stride * g] = raw[g];
     softmax_add_vectors<TL>(raw, max, sum);
   }
   for (; i < vectors; i += stride) {
     const uint4 raw[1] = {row_vectors[i]};
-    if (kept) kept_vectors[i] = raw[0];
+    kept_vectors[i] = raw[0];
     softmax_add_vectors<TL>(raw, max, sum);
   }
   for (int c = threadIdx.x; !vectorised && c < vocab; c += stride) softmax_add(to_float(l[c]), max, sum);
@@ -316,8 +315,7 @@ __device__ void cross_entropy_forward_backward(TL* logits, const long long* __re
   const float scale = *dloss / *count, shift = lse * 1.4426950408889634f;
 #pragma unroll 4
   for (int j = threadIdx.x; j < vectors; j += stride) {
-    const uint4 raw = kept ? kept_vectors[j] : row_vectors[j];
-    row_vectors[j] = softmax_gradient_vector<TL>(raw, j * N, shift, target, scale);
+    row_vectors[j] = softmax_gradient_vector<TL>(kept_vectors[j], j * N, shift, target, scale);
   }
   for (int c = threadIdx.x; !vectorised && c < vocab; c += stride) {
     const float p = __expf(to_float(l[c]) - lse);
@@ -339,7 +337,7 @@ __device__ void cross_entropy_forward_backward(TL* logits, const long long* __re
   SK_ENTRY_BOUNDED(sk::kernels::classifier::kRowThreads, cross_entropy_forward_backward_##tl_tag,             \
                    (const sk::kernels::classifier::ForwardBackward p) {                                       \
                      sk::cross_entropy_forward_backward<TL>(static_cast<TL*>(p.logits), p.targets, p.row_loss, \
-                                                            p.row_lse, p.dloss, p.count, p.vocab, p.kept != 0, \
+                                                            p.row_lse, p.dloss, p.count, p.vocab,             \
                                                             p.ignore_index);                                  \
                    })
 SK_TYPES_1(SK_CE, )
@@ -408,18 +406,21 @@ inline at::Tensor backward(const at::Tensor& logits, const at::Tensor& targets, 
 inline Rows forward_backward(const at::Tensor& logits, const at::Tensor& targets, int64_t ignore_index,
                              const at::Tensor& dloss, const at::Tensor& count) {
   const int64_t rows = logits.size(0), vocab = logits.size(1);
+  // A row of 16-byte vectors waits in shared memory, as much as a block may have (227 KiB on
+  // Hopper: a vocabulary of 116k in bf16). A longer one runs the two passes as two kernels.
+  const int64_t row_bytes = vocab * static_cast<int64_t>(logits.element_size());
+  const bool vectors = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0;
+  if (rows > 0 && vectors && row_bytes > max_dynamic_shared_memory(logits.device())) {
+    Rows out = forward(logits, targets, ignore_index);
+    backward(logits, targets, out.lse, dloss, count, ignore_index, /*in_place=*/true);
+    return out;
+  }
   const auto floats = logits.options().dtype(at::kFloat);
   Rows out{at::empty({rows}, floats), at::empty({rows}, floats)};
   if (rows == 0) return out;
   const auto kernel = get<ForwardBackward>({logits.scalar_type()}, logits.device());
-  // The row kept in shared memory where a block may have that much (up to 227 KiB on Hopper: a
-  // vocabulary of 116k in bf16). Only a row of 16-byte vectors is kept: the kernel reads any other
-  // element by element, twice.
-  const int64_t row_bytes = vocab * static_cast<int64_t>(logits.element_size());
-  const bool vectors = row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(logits.data_ptr()) % 16 == 0;
-  const bool kept = vectors && row_bytes <= max_dynamic_shared_memory(logits.device());
-  const int shared = kept ? static_cast<int>(row_bytes) : 0;
-  if (kept) allow_dynamic_shared_memory(kernel, shared);
+  const int shared = vectors ? static_cast<int>(row_bytes) : 0;
+  if (vectors) allow_dynamic_shared_memory(kernel, shared);
   // A thread per 16-byte vector of the row up to a block's most (a small vocabulary leaves none idle).
   const auto threads = static_cast<unsigned>(std::min<int64_t>(kRowThreads, ((row_bytes + 15) / 16 + 31) / 32 * 32));
   launch(kernel, {static_cast<unsigned>(rows), 1, 1}, {threads, 1, 1}, shared,
@@ -430,7 +431,6 @@ inline Rows forward_backward(const at::Tensor& logits, const at::Tensor& targets
                          .dloss = dloss.data_ptr<float>(),
                          .count = count.data_ptr<float>(),
                          .vocab = static_cast<int>(vocab),
-                         .kept = kept ? 1 : 0,
                          .ignore_index = ignore_index});
   return out;
 }
