@@ -242,9 +242,10 @@ fn last_path_component(path: &str) -> &str {
     path.rsplit("::").next().unwrap_or(path).trim()
 }
 
-/// The operation a generic kernel's template arguments name: the last `…Functor…` identifier
-/// (the innermost functor of a nested elementwise kernel), else the first identifier that is not
-/// a number type, a count or a helper of the kernel machinery.
+/// The operation a generic kernel's template arguments name: the last functor or reduction-op
+/// identifier (`…Functor…`, `…functor…`, `…Ops`: the innermost functor of a nested elementwise
+/// kernel, a reduction's `sum_functor` or `MeanOps`), else the first identifier that is not a
+/// number type, a count or a helper of the kernel machinery.
 fn template_hint(args: &str) -> Option<String> {
     const PLAIN: &[&str] = &[
         "float",
@@ -287,9 +288,15 @@ fn template_hint(args: &str) -> Option<String> {
     identifiers
         .iter()
         .rev()
-        .find(|t| t.contains("Functor") && useful(t))
+        .find(|t| names_an_operation(t) && useful(t))
         .or_else(|| identifiers.iter().find(|t| useful(t)))
         .map(|t| t.to_string())
+}
+
+/// Whether a template argument is the functor or reduction op that says what a generic kernel
+/// computes.
+fn names_an_operation(word: &str) -> bool {
+    word.contains("Functor") || word.contains("functor") || word.ends_with("Ops")
 }
 
 /// Path components that are namespaces, not operations.
@@ -308,6 +315,14 @@ mod tests {
     fn elementwise_kernels_keep_their_functor() {
         let name = "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > >(at::TensorIteratorBase&, at::native::BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > const&)::{lambda(int)#1}>(int, at::native::gpu_kernel_impl_nocast<at::native::BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > >(at::TensorIteratorBase&, at::native::BinaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> > const&)::{lambda(int)#1})";
         assert_eq!(shorten_kernel_name(name), "elementwise_kernel<MulFunctor>");
+    }
+
+    #[test]
+    fn reductions_keep_the_operation_they_reduce_with() {
+        let sum = "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::func_wrapper_t<float, at::native::sum_functor<float, float, float>::operator()(at::TensorIterator&)::{lambda(float, float)#1}>, unsigned int, float, 4, 4> >(at::native::ReduceOp<float, at::native::func_wrapper_t<float, at::native::sum_functor<float, float, float>::operator()(at::TensorIterator&)::{lambda(float, float)#1}>, unsigned int, float, 4, 4>)";
+        let mean = "void at::native::reduce_kernel<128, 4, at::native::ReduceOp<float, at::native::MeanOps<float, float, float, float>, unsigned int, float, 4, 4> >(at::native::ReduceOp<float, at::native::MeanOps<float, float, float, float>, unsigned int, float, 4, 4>)";
+        assert_eq!(shorten_kernel_name(sum), "reduce_kernel<sum_functor>");
+        assert_eq!(shorten_kernel_name(mean), "reduce_kernel<MeanOps>");
     }
 
     #[test]
