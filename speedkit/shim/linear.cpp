@@ -17,12 +17,12 @@
 // where that costs no memory at the step's peak (weight_operand). Inputs the kernels do not take run
 // ATen's `linear` instead (sk::ops::run_or_fall_back).
 //
-// A linear whose input is a GELU's output (a transformer MLP's second layer) keeps the GELU's input
-// for its weight gradient instead of that output, and recomputes the GELU there: the GELU's own
-// backward keeps its input anyway, so the output ([rows, 4·d] per block) is freed as soon as the
-// forward is done with it, what torch.compile's partitioner does for the same pair. A linear whose
-// input is a product of two tensors of its shape (SwiGLU's silu(gate) · up before a Llama MLP's
-// down projection) keeps the two factors the product's own backward keeps, and multiplies again.
+// Linears reading the same unchanged input (a model's q, k and v projections of one normalised
+// input) cast it to the autocast type once and keep that one copy for their weight gradients, as
+// torch.compile's graph does (InputCasts). A linear keeps its input in that type for its weight
+// gradient even where the input is cheap to compute again (a GELU's output): the backward's GEMM
+// reads it whole, so computing it again would cost a kernel writing as much as the forward did;
+// torch.compile's partitioner keeps such inputs too.
 //
 // Differentiable once: a second derivative through the backward is an error (fused_op_gradients).
 #include "bias_grad.cuh"
@@ -31,11 +31,10 @@
 
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/cat.h>
-#include <ATen/ops/gelu.h>
 #include <ATen/ops/linear.h>
 #include <ATen/ops/mm.h>
-#include <torch/csrc/autograd/generated/Functions.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <utility>
@@ -79,53 +78,6 @@ std::pair<at::Tensor, at::Tensor> output_gradient(const variable_list& grads, at
   return {dy, with_bias ? sk::column_sums(dy, bias_type) : at::Tensor()};
 }
 
-// How an input `x` the backward needs can be computed again from tensors autograd keeps anyway
-// (its own node's saved inputs, detached): a GELU of `first` (`approximate`), or the product of
-// `first` and `second`.
-struct Recomputable {
-  at::Tensor first;
-  at::Tensor second;  // undefined for a GELU
-  std::string approximate;
-};
-
-// `saved`'s tensor where it still holds one of x's shape and type, else undefined (released after
-// a backward, or changed in place: x is kept as usual).
-at::Tensor unpacked_like(const torch::autograd::SavedVariable& saved, const at::Tensor& x) {
-  at::Tensor t;
-  try {
-    t = saved.unpack();
-  } catch (const c10::Error&) {
-    return at::Tensor();
-  }
-  if (!t.defined() || t.sizes() != x.sizes() || t.scalar_type() != x.scalar_type()) return at::Tensor();
-  return t.detach();
-}
-
-// How `x` is computed again where it is the whole output of a GELU or of a product of two tensors
-// of its shape, recorded by autograd (whose nodes keep those inputs for their own backward); else
-// none.
-std::optional<Recomputable> recomputable(const at::Tensor& x) {
-  if (!x.requires_grad() || x.is_view() || x.output_nr() != 0) return std::nullopt;
-  const auto node = x.grad_fn().get();
-  if (auto* gelu = dynamic_cast<torch::autograd::generated::GeluBackward0*>(node)) {
-    at::Tensor input = unpacked_like(gelu->self_, x);
-    if (!input.defined()) return std::nullopt;
-    return Recomputable{input, at::Tensor(), gelu->approximate};
-  }
-  if (auto* mul = dynamic_cast<torch::autograd::generated::MulBackward0*>(node)) {
-    at::Tensor a = unpacked_like(mul->self_, x), b = unpacked_like(mul->other_, x);
-    if (!a.defined() || !b.defined()) return std::nullopt;
-    return Recomputable{a, b, std::string()};
-  }
-  return std::nullopt;
-}
-
-// `x` computed again from `how` (as the forward computed it: the same ATen operator on the same
-// inputs gives the same values).
-at::Tensor recompute(const Recomputable& how) {
-  return how.second.defined() ? at::mul(how.first, how.second) : at::gelu(how.first, how.approximate);
-}
-
 // The weight in `type` for a GEMM of `rows` rows: the copy weight_casts.cpp keeps across steps where
 // the layer's input (rows × in) is at least as large as its weight (out × in), else a cast that
 // lives until the layer's backward. Where activations outweigh weights, the step's memory peaks
@@ -137,29 +89,78 @@ at::Tensor weight_operand(const at::Tensor& weight, int64_t rows, at::ScalarType
   return rows >= weight.size(0) ? sk::weight_casts::get(weight, type) : weight.to(type);
 }
 
+// The input in `type`, cast once for every linear that reads the same unchanged tensor: a
+// model's q, k and v projections (or a SwiGLU's gate and up) of one normalised input would each
+// cast it and keep their own copy for their weight gradients, where torch.compile's graph casts
+// it once. Only activations (results of autograd's graph) are remembered: a leaf (a parameter,
+// the data) can be written without its version moving, by an optimizer's kernel. A cast is
+// remembered while the tensor it was cast from lives unchanged (its memory, place, layout and
+// version), and forgotten at the first cast after that: the memory is held as long as its source
+// lives and until the next linear's call, where each linear's own cast would have lived until
+// its backward.
+class InputCasts {
+ public:
+  at::Tensor get(const at::Tensor& x, at::ScalarType type) {
+    if (x.scalar_type() == type || !activation(x)) return x.to(type);
+    entries_.erase(std::remove_if(entries_.begin(), entries_.end(), [](const Entry& e) { return e.stale(); }),
+                   entries_.end());
+    for (const Entry& entry : entries_)
+      if (entry.casts(x, type)) return entry.cast;
+    at::Tensor cast = x.to(type);
+    if (entries_.size() == kEntries) entries_.erase(entries_.begin());
+    entries_.push_back(Entry{x.storage().getWeakStorageImpl(), x.storage_offset(), x.sizes().vec(),
+                             x.strides().vec(), x._version(), cast, cast._version()});
+    return cast;
+  }
+
+ private:
+  static constexpr size_t kEntries = 4;
+
+  static bool activation(const at::Tensor& x) {
+    if (!x.has_storage() || x.is_inference()) return false;
+    return !(x.is_view() ? x._base() : x).is_leaf();
+  }
+
+  struct Entry {
+    c10::weak_intrusive_ptr<c10::StorageImpl> source;
+    int64_t offset;
+    std::vector<int64_t> sizes, strides;
+    uint32_t version;
+    at::Tensor cast;
+    uint32_t cast_version;
+
+    // Its source is gone (no later linear can read it), or the cast was written since.
+    bool stale() const { return source.expired() || cast._version() != cast_version; }
+
+    // Whether it is the cast of `x` in `type`.
+    bool casts(const at::Tensor& x, at::ScalarType type) const {
+      return source.lock().get() == x.storage().unsafeGetStorageImpl() && offset == x.storage_offset() &&
+             x.sizes() == at::IntArrayRef(sizes) && x.strides() == at::IntArrayRef(strides) &&
+             version == x._version() && cast.scalar_type() == type;
+    }
+  };
+
+  std::vector<Entry> entries_;
+};
+
+at::Tensor input_operand(const at::Tensor& x, at::ScalarType type) {
+  static thread_local InputCasts casts;
+  return casts.get(x, type);
+}
+
 struct LinearFunction : torch::autograd::Function<LinearFunction> {
   // x: [rows, in]; weight: [out, in]; bias_in: [out] when has_bias, else sk::placeholder_unless's
-  // placeholder; `requested` the GEMMs' type (compute_type); `first` and `second` what x is
-  // computed again from where it is a GELU's output (`first`, with `approximate`) or a product
-  // (`first` · `second`, `approximate` empty), as rows like x (recomputable), else placeholders
-  // (`approximate` none: x itself is kept). Returns y [rows, out] as `chunks` equal column blocks
-  // (views of one tensor).
+  // placeholder; `requested` the GEMMs' type (compute_type). Returns y [rows, out] as `chunks`
+  // equal column blocks (views of one tensor).
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
-                               const at::Tensor& bias_in, bool has_bias, int64_t chunks, int64_t requested,
-                               const at::Tensor& first, const at::Tensor& second,
-                               const std::optional<std::string>& approximate) {
+                               const at::Tensor& bias_in, bool has_bias, int64_t chunks, int64_t requested) {
     const at::Tensor bias = has_bias ? bias_in : at::Tensor();
     const at::ScalarType type = compute_type(x, requested);
-    at::Tensor x_c = x.to(type);
+    at::Tensor x_c = input_operand(x, type);
     at::Tensor w_c = weight_operand(weight, x.size(0), type);
     // Only what the backward will use: the first layer of a model (an input without gradient)
     // needs no weight for its backward, and a frozen weight no input.
-    const bool again = approximate.has_value();
-    const bool product = again && approximate->empty();
-    ctx->save_for_backward({weight.requires_grad() ? (again ? first : x_c) : at::Tensor(),
-                            x.requires_grad() ? w_c : at::Tensor(),
-                            weight.requires_grad() && product ? second : at::Tensor()});
-    if (again) ctx->saved_data["recompute"] = *approximate;
+    ctx->save_for_backward({weight.requires_grad() ? x_c : at::Tensor(), x.requires_grad() ? w_c : at::Tensor()});
     ctx->saved_data["type"] = static_cast<int64_t>(type);
     ctx->saved_data["weight_type"] = static_cast<int64_t>(weight.scalar_type());
     ctx->saved_data["bias_type"] = static_cast<int64_t>(bias.defined() ? bias.scalar_type() : type);
@@ -178,22 +179,12 @@ struct LinearFunction : torch::autograd::Function<LinearFunction> {
     const bool with_bias = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2);
     auto [dy, db] = output_gradient(grads, type, with_bias, bias_type);
     at::Tensor dx, dw;
-    // The weight's gradient first: a GELU's output recomputed for it is freed before the input's
-    // gradient exists, so the two [rows, in] matrices are never alive together (for a wide MLP,
-    // 0.5 GiB at the peak of the step).
-    if (ctx->needs_input_grad(1)) {
-      // The forward's x_c again: the same ATen operator on the same inputs gives the same values.
-      const auto how = ctx->saved_data.find("recompute");
-      const at::Tensor x =
-          how == ctx->saved_data.end()
-              ? saved[0]
-              : recompute(Recomputable{saved[0], saved[2], how->second.toStringRef()}).to(type);
-      dw = weight_gradient(dy, x, weight_type);
-    }
-    saved[0] = saved[2] = at::Tensor();
+    // The weight's gradient first: the saved input is released before the input's gradient exists.
+    if (ctx->needs_input_grad(1)) dw = weight_gradient(dy, saved[0], weight_type);
+    saved[0] = at::Tensor();
     if (ctx->needs_input_grad(0)) dx = at::mm(dy, w);
     return fused_op_gradients(
-        {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()}, "Linear");
+        {dx, dw, db, at::Tensor(), at::Tensor(), at::Tensor()}, "Linear");
   }
 };
 
@@ -233,14 +224,9 @@ variable_list linear(const at::Tensor& x, const at::Tensor& weight, const at::Te
   return sk::ops::run_or_fall_back(
       SK_OP_LINEAR, linear_unsupported(x, weight, bias),
       [&] {
-        const std::optional<Recomputable> how = recomputable(x);
-        const auto rows = [&](const at::Tensor& t) {
-          return t.defined() ? t.reshape({-1, in}) : sk::placeholder_unless(false, x, x);
-        };
-        variable_list outputs = LinearFunction::apply(
-            x.reshape({-1, in}), weight, sk::placeholder_unless(bias.defined(), bias, weight), bias.defined(), chunks,
-            type, rows(how ? how->first : at::Tensor()), rows(how ? how->second : at::Tensor()),
-            how ? std::optional<std::string>(how->approximate) : std::nullopt);
+        variable_list outputs =
+            LinearFunction::apply(x.reshape({-1, in}), weight, sk::placeholder_unless(bias.defined(), bias, weight),
+                                  bias.defined(), chunks, type);
         for (at::Tensor& output : outputs) output = sk::shaped_like(output, x, out / chunks);
         return outputs;
       },

@@ -1,4 +1,5 @@
-//! The Linear override under autocast against ATen's, its declines, a GELU MLP's kept memory.
+//! The Linear override under autocast against ATen's, its declines, one kept cast of an input that
+//! several linears read.
 
 use crate::common;
 use speedkit::memory::MemoryUse;
@@ -88,127 +89,102 @@ fn linear_operands_autocast_leaves_alone_run_autocasts_path_and_are_counted() {
     assert!(last.contains("Double operands"), "declined for {last}");
 }
 
-/// An MLP `fc2(gelu(fc1(x)))` under CUDA autocast (bf16), run twice on the same leaves (so that
-/// kept weight copies exist before the second run): the output and the gradients of x and both
-/// weights (summed over the two runs) for the upstream gradient `dy`, and the bytes the second
-/// forward left allocated for the backward.
-fn gelu_mlp_pass(
+/// `linear(h, w)` summed over `weights` under CUDA autocast (bf16), where `h = 1.5 · x` is an
+/// activation (autograd's result, not a leaf) and `write_between` doubles `h` in place after the
+/// first linear; run twice on the same leaves, so that kept weight copies exist before the second
+/// run: the output and the gradients of x and every weight, and the bytes the second forward left
+/// allocated for the backward.
+fn projections_pass(
     x: &Tensor,
-    w1: &Tensor,
-    w2: &Tensor,
+    weights: &[Tensor],
     dy: &Tensor,
-    approximate: &str,
+    write_between: bool,
 ) -> (Vec<Tensor>, u64) {
-    let [x, w1, w2] = [x, w1, w2].map(|t| t.detach().set_requires_grad(true));
-    let run = || {
-        let before = MemoryUse::now(x.device()).unwrap().allocated;
-        let y = speedkit::amp::autocast(x.device(), Kind::BFloat16, || {
-            x.linear(&w1, None::<&Tensor>)
-                .gelu(approximate)
-                .linear(&w2, None::<&Tensor>)
-        })
-        .unwrap();
-        let held = MemoryUse::now(x.device()).unwrap().allocated - before;
-        (y.to_kind(Kind::Float) * dy).sum(Kind::Float).backward();
-        (vec![y.detach(), x.grad(), w1.grad(), w2.grad()], held)
-    };
-    let _ = run();
-    run()
-}
-
-/// A SwiGLU MLP `w2(silu(w1 x) · w3 x)` under CUDA autocast (bf16), run twice as
-/// [`gelu_mlp_pass`] runs its MLP: the output and the gradients of x and the three weights, and
-/// the bytes the second forward left allocated for the backward.
-fn swiglu_pass(x: &Tensor, w: [&Tensor; 3], dy: &Tensor) -> (Vec<Tensor>, u64) {
     let x = x.detach().set_requires_grad(true);
-    let [w1, w3, w2] = w.map(|t| t.detach().set_requires_grad(true));
+    let weights: Vec<Tensor> = (weights.iter())
+        .map(|w| w.detach().set_requires_grad(true))
+        .collect();
     let run = || {
         let before = MemoryUse::now(x.device()).unwrap().allocated;
         let y = speedkit::amp::autocast(x.device(), Kind::BFloat16, || {
-            let gate = x.linear(&w1, None::<&Tensor>).silu();
-            (gate * x.linear(&w3, None::<&Tensor>)).linear(&w2, None::<&Tensor>)
+            let mut h = &x * 1.5;
+            let first = h.linear(&weights[0], None::<&Tensor>);
+            if write_between {
+                let _ = h.g_mul_scalar_(2.0);
+            }
+            (weights[1..].iter()).fold(first, |y, w| y + h.linear(w, None::<&Tensor>))
         })
         .unwrap();
         let held = MemoryUse::now(x.device()).unwrap().allocated - before;
         (y.to_kind(Kind::Float) * dy).sum(Kind::Float).backward();
-        let grads = [&x, &w1, &w3, &w2].map(Tensor::grad);
+        let grads = std::iter::once(&x).chain(&weights).map(Tensor::grad);
         (std::iter::once(y.detach()).chain(grads).collect(), held)
     };
     let _ = run();
     run()
 }
 
-#[test]
-fn a_linear_of_a_product_keeps_the_factors_not_the_product_and_matches_aten() {
-    let _serial = common::serial();
-    let Some(device) = common::cuda_or_skip(
-        "a_linear_of_a_product_keeps_the_factors_not_the_product_and_matches_aten",
-    ) else {
-        return;
+/// [`projections_pass`] on the override, then on ATen's path, for `rows` × `d` inputs and three
+/// `d` × `d` weights.
+fn projections_on_both(
+    device: tch::Device,
+    rows: i64,
+    d: i64,
+    write_between: bool,
+) -> ((Vec<Tensor>, u64), (Vec<Tensor>, u64)) {
+    let x = Tensor::randn([rows, d], (Kind::Float, device));
+    let weights: Vec<Tensor> = (0..3)
+        .map(|_| Tensor::randn([d, d], (Kind::Float, device)) / (d as f64).sqrt())
+        .collect();
+    let dy = Tensor::randn([rows, d], (Kind::Float, device));
+    let aten = {
+        let _off = common::hold_override(Override::Linear, false);
+        projections_pass(&x, &weights, &dy, write_between)
     };
-    // Rows at least the hidden width, so that every weight keeps its copy (linear.cpp) and the
-    // bytes held are the activations alone.
-    for (rows, d, hidden) in [(401, 96, 256), (3072, 512, 1408)] {
-        let case = format!("swiglu {rows}x{d}, hidden {hidden}");
-        let x = Tensor::randn([rows, d], (Kind::Float, device));
-        let scaled = |out: i64, input: i64| {
-            Tensor::randn([out, input], (Kind::Float, device)) / (input as f64).sqrt()
-        };
-        let (w1, w3, w2) = (scaled(hidden, d), scaled(hidden, d), scaled(d, hidden));
-        let dy = Tensor::randn([rows, d], (Kind::Float, device));
-        let (expected, held_aten) = {
-            let _off = common::hold_override(Override::Linear, false);
-            swiglu_pass(&x, [&w1, &w3, &w2], &dy)
-        };
-        let _on = common::hold_override(Override::Linear, true);
-        let (got, held) = swiglu_pass(&x, [&w1, &w3, &w2], &dy);
-        // ATen's path keeps the product's bf16 values for the down projection's backward.
-        let product = (rows * hidden * 2) as u64;
-        assert!(
-            held + product <= held_aten,
-            "{case}: the forward kept {held} bytes, ATen's {held_aten}"
-        );
-        let names = ["y", "dx", "dw1", "dw3", "dw2"];
-        for (i, name) in names.iter().enumerate() {
-            let err = common::rel_err(&got[i], &expected[i]);
-            assert!(err < 1e-2, "{case} {name}: relative error {err}");
-        }
+    let _on = common::hold_override(Override::Linear, true);
+    (projections_pass(&x, &weights, &dy, write_between), aten)
+}
+
+/// Each of `got`'s output and gradients within bf16's tolerance of `expected`'s.
+fn assert_projections_match(case: &str, got: &[Tensor], expected: &[Tensor]) {
+    for (i, name) in ["y", "dx", "dwq", "dwk", "dwv"].iter().enumerate() {
+        let err = common::rel_err(&got[i], &expected[i]);
+        assert!(err < 1e-2, "{case} {name}: relative error {err}");
     }
 }
 
 #[test]
-fn a_linear_of_a_gelu_keeps_the_gelus_input_not_its_output_and_matches_aten() {
+fn linears_reading_one_activation_keep_one_cast_of_it_and_match_aten() {
     let _serial = common::serial();
-    let Some(device) = common::cuda_or_skip(
-        "a_linear_of_a_gelu_keeps_the_gelus_input_not_its_output_and_matches_aten",
-    ) else {
+    let Some(device) =
+        common::cuda_or_skip("linears_reading_one_activation_keep_one_cast_of_it_and_match_aten")
+    else {
         return;
     };
-    for approximate in ["none", "tanh"] {
-        // Rows at least 4·d where the memory counts, so that both weights keep their copies
-        // (linear.cpp) and the bytes held are the activations alone.
-        for (rows, d) in [(401, 96), (5, 13), (3072, 768)] {
-            let case = format!("gelu {approximate} {rows}x{d}");
-            let x = Tensor::randn([rows, d], (Kind::Float, device));
-            let w1 = Tensor::randn([4 * d, d], (Kind::Float, device)) / (d as f64).sqrt();
-            let w2 = Tensor::randn([d, 4 * d], (Kind::Float, device)) / (4.0 * d as f64).sqrt();
-            let dy = Tensor::randn([rows, d], (Kind::Float, device));
-            let (expected, held_aten) = {
-                let _off = common::hold_override(Override::Linear, false);
-                gelu_mlp_pass(&x, &w1, &w2, &dy, approximate)
-            };
-            let _on = common::hold_override(Override::Linear, true);
-            let (got, held) = gelu_mlp_pass(&x, &w1, &w2, &dy, approximate);
-            // ATen's path keeps the GELU's bf16 output (and the weights' casts) for the backward.
-            let gelu_output = (rows * 4 * d * 2) as u64;
-            assert!(
-                held + gelu_output <= held_aten,
-                "{case}: the forward kept {held} bytes, ATen's {held_aten}"
-            );
-            for (name, g, e) in [("y", 0, 0), ("dx", 1, 1), ("dw1", 2, 2), ("dw2", 3, 3)] {
-                let err = common::rel_err(&got[g], &expected[e]);
-                assert!(err < 1e-2, "{case} {name}: relative error {err}");
-            }
-        }
+    // Rows at least the width, so that every weight keeps its copy (linear.cpp) and the bytes
+    // held are the activations alone.
+    for (rows, d) in [(401, 96), (3072, 512)] {
+        let case = format!("q, k and v of {rows}x{d}");
+        let ((got, held), (expected, held_aten)) = projections_on_both(device, rows, d, false);
+        // Autocast casts the activation for each of the three GEMMs, and each keeps its cast.
+        let cast = (rows * d * 2) as u64;
+        assert!(
+            held + 2 * cast <= held_aten,
+            "{case}: the forward kept {held} bytes, ATen's {held_aten}"
+        );
+        assert_projections_match(&case, &got, &expected);
     }
+}
+
+#[test]
+fn an_activation_written_in_place_between_two_linears_is_cast_again() {
+    let _serial = common::serial();
+    let Some(device) =
+        common::cuda_or_skip("an_activation_written_in_place_between_two_linears_is_cast_again")
+    else {
+        return;
+    };
+    // The later linears read the doubled values: a kept cast of the old ones is half of them.
+    let ((got, _), (expected, _)) = projections_on_both(device, 64, 96, true);
+    assert_projections_match("doubled between", &got, &expected);
 }
