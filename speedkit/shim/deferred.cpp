@@ -313,7 +313,7 @@ std::vector<std::string> names_of(const char* list) {
 
 at::Tensor deferred(std::vector<int64_t> sizes, at::TensorOptions options, const char* exempt_ops, uint64_t tag,
                     const sk_deferred_vtable& vtable, void* state) {
-  auto* pending = new Pending{vtable, state, {}, tag, std::move(sizes), options, 0};
+  auto* pending = new Pending{vtable, state, {}, tag, std::move(sizes), options, 0, {}, {}};
   try {
     pending->exempt_ops = names_of(exempt_ops);
     TORCH_CHECK(at::isRecordFunctionEnabled(),

@@ -125,9 +125,9 @@ class InputCasts {
     c10::weak_intrusive_ptr<c10::StorageImpl> source;
     int64_t offset;
     std::vector<int64_t> sizes, strides;
-    uint32_t version;
+    int64_t version;
     at::Tensor cast;
-    uint32_t cast_version;
+    int64_t cast_version;
 
     // Its source is gone (no later linear can read it), or the cast was written since.
     bool stale() const { return source.expired() || cast._version() != cast_version; }
