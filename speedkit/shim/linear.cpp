@@ -35,7 +35,6 @@
 #include <ATen/ops/mm.h>
 
 #include <algorithm>
-#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
