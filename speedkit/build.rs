@@ -199,6 +199,7 @@ const SHIM_UNITS: &[(&str, &[&str])] = &[
             "optim",
             "optimizer_shard",
             "parameter_residency",
+            "pinned_host",
             "profiler",
             "replay_watchdog",
             "saved_offload",

@@ -20,6 +20,16 @@ const ALL: u64 = 0;
 
 /// A small U-Net's training step on `device`: its loss and its parameters' gradients.
 fn unet_step(device: Device, parked: bool) -> (Tensor, Vec<Tensor>, u64) {
+    unet_step_with(device, parked, || {})
+}
+
+/// [`unet_step`], with `between` run after the forward (and the parking session's end, where it
+/// parked) and before the backward.
+fn unet_step_with(
+    device: Device,
+    parked: bool,
+    between: impl FnOnce(),
+) -> (Tensor, Vec<Tensor>, u64) {
     tch::manual_seed(0);
     let vs = nn::VarStore::new(device);
     let model = UnetTch::new(&vs.root(), &UnetConfig::tiny()).unwrap();
@@ -27,10 +37,27 @@ fn unet_step(device: Device, parked: bool) -> (Tensor, Vec<Tensor>, u64) {
     let noise = Tensor::randn([2, 3, 16, 16], (Kind::Float, device));
     let parking = parked.then(|| ParkedActivations::start(ALL).unwrap());
     let loss = model.loss(&images, &noise).unwrap();
-    loss.backward();
     let bytes = parking.map_or(0, |p| p.finish().unwrap().bytes);
+    between();
+    loss.backward();
     let grads = vs.trainable_variables().iter().map(|p| p.grad()).collect();
     (loss.detach(), grads, bytes)
+}
+
+/// Asserts that a parked CUDA step's loss and gradients are the unparked step's. The convolutions
+/// run in TF32 on algorithms cuDNN picks per run, which sum in other orders (2e-5 apart between two
+/// runs on an H200); bytes parked or brought back wrong are off by orders of magnitude more.
+fn assert_cuda_step_matches(
+    parked: &(Tensor, Vec<Tensor>, u64),
+    eager: &(Tensor, Vec<Tensor>, u64),
+) {
+    assert!(parked.2 > 0, "nothing was parked");
+    assert!(common::rel_err(&parked.0, &eager.0) < 1e-4);
+    assert_eq!(parked.1.len(), eager.1.len());
+    for (p, g) in parked.1.iter().zip(&eager.1) {
+        let gap = common::rel_err(p, g);
+        assert!(gap < 1e-3, "a gradient differs by {gap:e}");
+    }
 }
 
 #[test]
@@ -248,14 +275,34 @@ fn parked_activations_lower_an_eager_cuda_steps_peak_and_keep_its_gradients() {
     let (loss, grads, _, eager_peak) = peak(false);
     let (parked_loss, parked_grads, bytes, parked_peak) = peak(true);
     println!("peak {eager_peak} B eager, {parked_peak} B parking ({bytes} B parked)");
-    assert!(bytes > 0);
     assert!(parked_peak < eager_peak);
-    // The convolutions run in TF32 on algorithms cuDNN picks per run, which sum in other orders
-    // (2e-5 apart between two runs on an H200); bytes parked or brought back wrong are off by
-    // orders of magnitude more.
-    assert!(common::rel_err(&parked_loss, &loss) < 1e-4);
-    for (g, p) in grads.iter().zip(&parked_grads) {
-        let gap = common::rel_err(p, g);
-        assert!(gap < 1e-3, "a gradient differs by {gap:e}");
+    assert_cuda_step_matches(&(parked_loss, parked_grads, bytes), &(loss, grads, 0));
+}
+
+#[test]
+fn cuda_steps_parked_one_after_another_in_the_same_host_memory_keep_their_gradients() {
+    let _serial = common::serial();
+    let Some(cuda) = common::cuda_or_skip("cuda_steps_parked_one_after_another") else {
+        return;
+    };
+    let eager = unet_step(cuda, false);
+    // The second and third steps park in the blocks the first gave back.
+    for _ in 0..3 {
+        assert_cuda_step_matches(&unet_step(cuda, true), &eager);
     }
+    speedkit::offload::release_host_cache().unwrap();
+}
+
+#[test]
+fn host_memory_released_while_parked_tensors_wait_for_the_backward_is_unpinned_after_it() {
+    let _serial = common::serial();
+    let Some(cuda) = common::cuda_or_skip("host_memory_released_while_parked_tensors_wait") else {
+        return;
+    };
+    let eager = unet_step(cuda, false);
+    let release = || speedkit::offload::release_host_cache().unwrap();
+    assert_cuda_step_matches(&unet_step_with(cuda, true, release), &eager);
+    // A session after the release pins afresh.
+    assert_cuda_step_matches(&unet_step(cuda, true), &eager);
+    release();
 }

@@ -1,5 +1,6 @@
 // The CUDA driver API, loaded at run time (loader.h): loads kernel cubins into the device's primary
-// context (the one PyTorch's runtime uses) and launches their kernels. libcuda exists only where a GPU
+// context (the one PyTorch's runtime uses) and launches their kernels, and pins host memory for
+// pinned_host.cpp. libcuda exists only where a GPU
 // driver is installed: the shim must load (and CI must compile kernels) on machines without one.
 #include "kernels.h"
 #include "loader.h"
@@ -29,6 +30,8 @@ struct Api {
                            CUstream, void**, void**);
   // CUDA 12.4 and newer: the offset and size of a kernel's parameter, or an error past the last.
   CUresult (*FuncGetParamInfo)(CUfunction, size_t, size_t*, size_t*);
+  CUresult (*MemHostRegister)(void*, size_t, unsigned);
+  CUresult (*MemHostUnregister)(void*);
 };
 
 const Api& api() {
@@ -46,6 +49,8 @@ const Api& api() {
     library.bind(api.OccupancyMaxActiveBlocksPerMultiprocessor, "cuOccupancyMaxActiveBlocksPerMultiprocessor");
     library.bind(api.LaunchKernel, "cuLaunchKernel");
     library.bind_optional(api.FuncGetParamInfo, "cuFuncGetParamInfo");
+    library.bind(api.MemHostRegister, "cuMemHostRegister_v2");
+    library.bind(api.MemHostUnregister, "cuMemHostUnregister");
     return api;
   });
 }
@@ -125,6 +130,14 @@ void launch(void* function, Dim3 grid, Dim3 block, int shared_bytes, void* strea
         "cuLaunchKernel");
 }
 
+void register_host_memory(void* data, size_t bytes, int device) {
+  make_primary_context_current(device);
+  // Portable: pinned for every context, as the runtime's own pinned memory is.
+  check(api().MemHostRegister(data, bytes, CU_MEMHOSTREGISTER_PORTABLE), "cuMemHostRegister");
+}
+
+void unregister_host_memory(void* data) { check(api().MemHostUnregister(data), "cuMemHostUnregister"); }
+
 #else  // a libtorch without CUDA: nothing can load or launch
 
 bool available(std::string* why_not) {
@@ -133,6 +146,12 @@ bool available(std::string* why_not) {
 }
 
 std::vector<size_t> parameter_sizes(void*) { return {}; }
+
+void register_host_memory(void*, size_t, int) {
+  throw std::runtime_error("speedkit was built against a libtorch without CUDA support: no memory can be pinned");
+}
+
+void unregister_host_memory(void*) {}
 
 #endif
 

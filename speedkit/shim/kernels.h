@@ -97,6 +97,10 @@ void set_max_dynamic_shared_memory(void* function, int bytes);
 // once (registers, shared memory and thread slots considered).
 int max_active_blocks(void* function, int threads, int shared_bytes);
 void launch(void* function, Dim3 grid, Dim3 block, int shared_bytes, void* stream, void** args);
+// Pins `bytes` of host memory at `data` (page-aligned) for copies with any device, through
+// `device`'s primary context; unregister_host_memory unpins it.
+void register_host_memory(void* data, size_t bytes, int device);
+void unregister_host_memory(void* data);
 }  // namespace driver
 
 // ----- loading -------------------------------------------------------------------------------------

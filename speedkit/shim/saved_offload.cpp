@@ -17,11 +17,10 @@
 #include "shim.h"
 
 #include "interposer.h"
+#include "pinned_host.h"
 #include "saved_offload.h"
 
-#include <ATen/Context.h>
 #include <ATen/Functions.h>
-#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/record_function.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -148,14 +147,14 @@ class Parking {
     return at::from_blob(data, {static_cast<int64_t>(nbytes)}, at::TensorOptions().dtype(at::kByte).device(device));
   }
 
-  // Copies the storage's bytes to the host (pinned for a CUDA storage, copied on the current
-  // stream) and frees its device memory; the storage keeps no memory until bring_back.
+  // Copies the storage's bytes to the host (pinned_host's memory for a CUDA storage, copied on the
+  // current stream) and frees its device memory; the storage keeps no memory until bring_back.
   static at::Tensor move_out(c10::StorageImpl& storage) {
     Hidden hidden;
     const c10::Device device = storage.device();
     const bool cuda = device.is_cuda();
-    at::Tensor host = at::empty({static_cast<int64_t>(storage.nbytes())},
-                                at::TensorOptions().dtype(at::kByte).pinned_memory(cuda));
+    const auto nbytes = static_cast<int64_t>(storage.nbytes());
+    at::Tensor host = cuda ? pinned_host::take(nbytes, device) : at::empty({nbytes}, at::TensorOptions().dtype(at::kByte));
     host.copy_(bytes_of(storage.mutable_data(), storage.nbytes(), device), /*non_blocking=*/cuda);
     if (cuda) {
       // Its memory is reused only after the copy, wherever it was allocated.
@@ -314,11 +313,7 @@ int sk_saved_offload_end(void* handle, int64_t* parked, int64_t* parked_bytes) {
   })
 }
 
-int sk_saved_offload_release_host_cache(void) {
-  SK_TRY({
-    if (at::globalContext().hasCUDA()) at::getHostAllocator(at::kCUDA)->empty_cache();
-  })
-}
+int sk_saved_offload_release_host_cache(void) { SK_TRY(sk::pinned_host::release()) }
 
 int sk_saved_offload_active(int* out) {
   SK_TRY(*out = &torch::autograd::Engine::get_default_engine() != &torch::autograd::Engine::get_base_engine() ? 1 : 0)

@@ -865,8 +865,8 @@ int sk_saved_offload_begin(int64_t min_bytes, void** out);
 int sk_saved_offload_end(void* session, int64_t* parked, int64_t* parked_bytes);
 /// Whether autograd's default engine is speedkit's (a session runs).
 int sk_saved_offload_active(int* out);
-/// Gives the pinned host memory PyTorch keeps cached (sessions' parked bytes among it) back to the
-/// system; nothing where there is no CUDA device.
+/// Unpins the host memory that sessions parked CUDA tensors in (at once where no parked tensor
+/// still holds some, otherwise when the last one is read or freed); nothing where none was pinned.
 int sk_saved_offload_release_host_cache(void);
 
 #ifdef __cplusplus

@@ -102,9 +102,11 @@ impl ParkedActivations {
     }
 }
 
-/// Gives the pinned host memory PyTorch keeps cached back to the system: what parked tensors used
-/// (and any other pinned buffer no tensor holds now); nothing without a CUDA device. PyTorch pins
-/// memory again when it next needs some.
+/// Gives the pinned host memory that [`ParkedActivations`] parked CUDA tensors in back to the
+/// system: at once where no parked tensor still holds some, otherwise when the last one is read or
+/// freed. Sessions keep it from one to the next (a warm-up step parks the same storages as the last
+/// one); the next session that parks a CUDA tensor pins memory again. PyTorch's own pinned memory
+/// is left as it is.
 ///
 /// ```
 /// speedkit::offload::release_host_cache()?;

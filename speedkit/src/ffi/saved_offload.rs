@@ -43,7 +43,7 @@ fn end(raw: *mut c_void) -> Result<(u64, u64)> {
     Ok((parked.max(0) as u64, bytes.max(0) as u64))
 }
 
-/// Gives PyTorch's cached pinned host memory back to the system.
+/// Unpins the host memory sessions parked CUDA tensors in.
 pub(crate) fn release_host_cache() -> Result<()> {
     // SAFETY: no arguments.
     check(unsafe { abi::sk_saved_offload_release_host_cache() })
