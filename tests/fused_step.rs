@@ -1107,6 +1107,74 @@ fn layer_scale_gradients_summed_beside_bias_gradients_give_atens_in_fp32_bf16_an
     }
 }
 
+/// ConvNeXt's block from its convolution's bias to its layer norm: the bias added over a
+/// channels-last image (NCHW in memory of pixels of channels), the image read as pixels and
+/// normalised over its channels. The bias's gradient sums every dimension but the channels, which
+/// memory holds innermost.
+struct ChannelsLastBiasStep {
+    image: Tensor,
+    bias: Tensor,
+    norm: [Tensor; 2],
+    kind: Kind,
+}
+
+impl ChannelsLastBiasStep {
+    fn new(device: Device, kind: Kind, [batch, height, width, channels]: [i64; 4]) -> Self {
+        let leaf = |shape: &[i64], kind| Tensor::randn(shape, (kind, device));
+        ChannelsLastBiasStep {
+            image: leaf(&[batch, height, width, channels], kind),
+            bias: leaf(&[channels], Kind::Float),
+            norm: [
+                leaf(&[channels], Kind::Float),
+                leaf(&[channels], Kind::Float),
+            ],
+            kind,
+        }
+    }
+
+    /// The loss and the gradients of the image, the bias and the norm's weight and bias.
+    fn step(&self) -> (Tensor, Vec<Tensor>) {
+        let channels = self.bias.size()[0];
+        let image = self.image.detach().set_requires_grad(true);
+        let leaves: Vec<Tensor> = (std::iter::once(&self.bias).chain(&self.norm))
+            .map(|t| t.detach().set_requires_grad(true))
+            .collect();
+        let nchw = image.permute([0, 3, 1, 2]);
+        let biased = &nchw + leaves[0].to_kind(self.kind).view([1, channels, 1, 1]);
+        let pixels = biased.permute([0, 2, 3, 1]).to_kind(Kind::Float);
+        let normed = pixels.layer_norm([channels], Some(&leaves[1]), Some(&leaves[2]), 1e-6, false);
+        let loss = (&normed * &normed).mean(Kind::Float) + normed.mean(Kind::Float);
+        let inputs = [&image, &leaves[0], &leaves[1], &leaves[2]];
+        let gradients = Tensor::run_backward(&[&loss], &inputs, false, false);
+        (loss, gradients)
+    }
+}
+
+#[test]
+fn bias_gradients_over_channels_last_images_summed_in_the_norms_backward_give_atens() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "bias_gradients_over_channels_last_images_summed_in_the_norms_backward_give_atens",
+    ) else {
+        return;
+    };
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+        // Channels of 77 (one element at a time) and of 96 (four), over odd images.
+        for shape in [[3, 7, 5, 77], [4, 9, 11, 96]] {
+            let step = ChannelsLastBiasStep::new(device, kind, shape);
+            let (expected, fused, result) = norm_fused_and_aten(device, || step.step());
+            let case = format!("{kind:?} {shape:?}");
+            let joined = (fused.substituted().iter()).any(|g| {
+                let has = |op: &str| g.operators.iter().any(|o| o == op);
+                has("aten::native_layer_norm_backward") && has("aten::sum")
+            });
+            assert!(joined, "{case}: not one kernel\n{}", fused.summary());
+            let names = ["image", "bias", "norm weight", "norm bias"];
+            assert_like_atens(kind, &case, result, expected, &names);
+        }
+    }
+}
+
 /// The tiny Llama's loss and gradients after one step, run by `run` (ATen's kernels or fused).
 fn llama_loss_and_gradients(vs: &nn::VarStore, step: impl Fn() -> Tensor) -> (f64, Vec<Tensor>) {
     let loss = step();

@@ -608,6 +608,37 @@ fn a_bias_gradients_column_sum_joins_the_layer_norms_backward_and_cast_that_make
 }
 
 #[test]
+fn a_bias_gradient_over_a_channels_last_image_sums_columns_in_the_norms_backward() {
+    let _serial = common::serial();
+    // Channels of 77 (one element at a time) and of 96 (four), over an odd image.
+    for channels in [77, 96] {
+        let pixels = Tensor::randn([3, 7, 5, channels], (Kind::BFloat16, CPU));
+        let image = pixels.permute([0, 3, 1, 2]).set_requires_grad(true);
+        let bias = Tensor::randn([channels], (Kind::Float, CPU)).set_requires_grad(true);
+        let (w, b) = (
+            Tensor::randn([channels], (Kind::Float, CPU)).set_requires_grad(true),
+            Tensor::randn([channels], (Kind::Float, CPU)).set_requires_grad(true),
+        );
+        let (_, trace) = StepTrace::record(|| {
+            // ConvNeXt's convolution bias over a channels-last image, then its norm over the
+            // channels of each pixel: the bias's gradient sums all but the innermost dimension.
+            let biased = &image + bias.to_kind(Kind::BFloat16).view([1, channels, 1, 1]);
+            let pixels = biased.permute([0, 2, 3, 1]).to_kind(Kind::Float);
+            let y = pixels.layer_norm([channels], Some(&w), Some(&b), 1e-6, false);
+            (&y * &y).mean(Kind::Float).backward();
+        })
+        .unwrap();
+        let plan = FusionPlan::generatable(&trace);
+        let backward = group_holding(&plan, "aten::native_layer_norm_backward");
+        assert!(names(&backward.operators).contains(&"sum"), "{plan}");
+        let kernel = backward.kernel().unwrap();
+        // The norm's two sums over columns and the bias's, each its own.
+        assert!(kernel.source.contains("cols2["), "{}", kernel.source);
+        assert_compiles(&kernel);
+    }
+}
+
+#[test]
 fn a_bias_gradients_column_sum_joins_the_gelu_backward_that_makes_it() {
     let _serial = common::serial();
     let x = Tensor::randn([3, 37, 53], (Kind::BFloat16, CPU)).set_requires_grad(true);

@@ -1,15 +1,18 @@
 //! Sums over columns: a reduction of every dimension but the last (a norm's weight gradient, a
 //! bias's gradient over a batch of rows: ATen's `sum`, or `speedkit::column_sums`, which
-//! speedkit's `linear` calls for its bias), computed by a row kernel as it writes its rows. A
-//! block with a row reduction of its own (a norm's backward) sums the columns of its rows in
-//! shared memory; rows kept for their sums alone are summed in strips, in registers
-//! (`loops::ColumnStrips`). The kernel's second entry point (`GeneratedKernel::finish`) adds the
-//! blocks' sums up in block order, in slices where they are many, so every run gives the same
-//! values.
+//! speedkit's `linear` calls for its bias), or of every dimension but the one memory holds
+//! innermost (a convolution's bias gradient over a channels-last image: its pixels are rows of
+//! channels), computed by a row kernel as it writes its rows. A block with a row reduction of its
+//! own (a norm's backward) sums the columns of its rows in shared memory; rows kept for their sums
+//! alone are summed in strips, in registers (`loops::ColumnStrips`). The kernel's second entry
+//! point (`GeneratedKernel::finish`) adds the blocks' sums up in block order, in slices where they
+//! are many, so every run gives the same values.
 
-use crate::trace::{TracedOp, TracedValue};
+use crate::trace::{TracedOp, TracedTensor, TracedValue};
 
-use super::{check_contiguous, kind_of, sums_in_own_type, Generator, RowReduction};
+use super::{
+    check_contiguous, kind_of, rows_in_memory_order, sums_in_own_type, Generator, RowReduction,
+};
 
 /// The most blocks a kernel with column sums runs: each writes its sums of every column to the
 /// workspace, which the second entry point then adds up.
@@ -18,8 +21,9 @@ pub(super) const COLUMN_BLOCKS: u64 = 1024;
 /// The most floats a block's column sums take in shared memory (32 KiB).
 const COLUMN_FLOATS: u64 = 8192;
 
-/// Whether `op` sums every dimension but the last of a tensor of at least two dimensions: in its
-/// own type, the gradient of a weight or bias broadcast over rows as autograd sums it; or
+/// Whether `op` sums every dimension but the last of a tensor of at least two dimensions, or every
+/// dimension but the one memory holds innermost (a channels-last image's channels): in its own
+/// type, the gradient of a weight or bias broadcast over rows as autograd sums it; or
 /// `speedkit::column_sums` into a type the generator stores, a linear layer's bias gradient as
 /// speedkit's `linear` sums it.
 pub(crate) fn sums_columns(op: &TracedOp) -> bool {
@@ -31,10 +35,23 @@ pub(crate) fn sums_columns(op: &TracedOp) -> bool {
             _ => false,
         };
     }
-    sums_in_own_type(op).is_some_and(|(rank, dims)| {
-        let all_but_last: Vec<i64> = (0..rank as i64 - 1).collect();
-        rank >= 2 && dims == all_but_last
-    })
+    let Some(TracedValue::Tensor(input)) = op.inputs.first() else {
+        return false;
+    };
+    sums_in_own_type(op)
+        .is_some_and(|(rank, dims)| rank >= 2 && column_dimension(input, &dims).is_some())
+}
+
+/// The dimension a sum over `dims` of `input` keeps, where it sums columns: the last, or the one
+/// memory holds innermost with the rest dense around it (rows of it in memory).
+fn column_dimension(input: &TracedTensor, dims: &[i64]) -> Option<usize> {
+    let rank = input.shape.len();
+    let kept: Vec<usize> = (0..rank).filter(|&d| !dims.contains(&(d as i64))).collect();
+    let [d] = kept[..] else {
+        return None;
+    };
+    let innermost = input.strides[d] == 1 && rows_in_memory_order(input, input.shape[d] as u64);
+    (dims.len() == rank - 1 && (d == rank - 1 || innermost)).then_some(d)
 }
 
 impl Generator {
@@ -47,11 +64,15 @@ impl Generator {
         else {
             return Err(format!("{} without its input and result", op.name));
         };
-        let width = input.shape[input.shape.len() - 1].max(1) as u64;
+        // `speedkit::column_sums` keeps the last dimension; ATen's sum the one it does not name.
+        let column = super::reduced_dimensions(op)
+            .and_then(|(_, dims)| column_dimension(input, &dims))
+            .unwrap_or(input.shape.len() - 1);
+        let width = input.shape[column].max(1) as u64;
         let rows = input.numel / width;
         let sums = self.reduction.as_ref().map_or(0, |r| r.column_sums.len()) as u64;
-        if out.numel != width || check_contiguous(input).is_err() || check_contiguous(out).is_err()
-        {
+        let in_rows = check_contiguous(input).is_ok() || rows_in_memory_order(input, width);
+        if out.numel != width || !in_rows || check_contiguous(out).is_err() {
             return Err("a sum over columns of other than its own rows".into());
         }
         if (sums + 1) * width > COLUMN_FLOATS {
@@ -79,7 +100,7 @@ impl Generator {
                     && (r.rows, r.width) == (rows, width) => {}
             Some(_) => return Err("a sum over columns of other rows than the group's".into()),
         }
-        let Some(value) = self.read_at_own_element(input)? else {
+        let Some(value) = self.read_in_memory_order(input)? else {
             return Err("a sum over columns of other elements than its rows'".into());
         };
         let Some(r) = self.reduction.as_mut() else {

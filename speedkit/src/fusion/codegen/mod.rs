@@ -684,6 +684,18 @@ impl Generator {
         Ok((!value.contains("c[")).then_some(value))
     }
 
+    /// [`Generator::read_at_own_element`], where `t`'s element at memory offset `p` is the one
+    /// written there: a channels-last view of a result of the rows, whose shape orders its
+    /// elements otherwise.
+    fn read_in_memory_order(&mut self, t: &TracedTensor) -> Result<Option<String>, String> {
+        if check_dense(t).is_err() {
+            return self.read_at_own_element(t);
+        }
+        self.position = 0;
+        let value = self.read(t, t)?;
+        Ok((!value.contains("c[")).then_some(value))
+    }
+
     /// Adds `out`, `op`'s result that the kernel writes once every row is summed (sum `which` of
     /// its group, [`StoredResult::channel`]): no function computes it.
     fn summed_result(&mut self, op: &TracedOp, out: &TracedTensor, which: usize) {

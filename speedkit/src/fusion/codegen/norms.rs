@@ -10,8 +10,8 @@ use tch::Kind;
 use crate::trace::{TracedOp, TracedTensor, TracedValue};
 
 use super::{
-    c_type, check_contiguous, coordinates_of, integer, kind_of, row_major, sums_in_own_type,
-    ArgSource, Generator, KernelArg, RowReduction,
+    c_type, check_contiguous, coordinates_of, integer, kind_of, row_major, sums_columns,
+    sums_in_own_type, ArgSource, Generator, KernelArg, RowReduction,
 };
 
 /// A norm's rows as the generator takes them: `native_group_norm` of a tensor of samples ×
@@ -250,12 +250,14 @@ pub(super) fn group_norm_gradients(op: &TracedOp) -> Option<GroupNormGradients> 
 
 /// Whether `op` sums every element of each channel (all dimensions but the second) of a tensor
 /// of at least three dimensions, in its own type: the gradient of a bias broadcast over a
-/// convolution's output, as autograd sums it.
+/// convolution's output, as autograd sums it. Over a channels-last image, whose memory holds rows
+/// of channels, it is a sum over columns instead ([`sums_columns`]).
 pub(crate) fn sums_channels(op: &TracedOp) -> bool {
-    sums_in_own_type(op).is_some_and(|(rank, dims)| {
-        let all_but_channels: Vec<i64> = (0..rank as i64).filter(|&d| d != 1).collect();
-        rank >= 3 && dims == all_but_channels
-    })
+    !sums_columns(op)
+        && sums_in_own_type(op).is_some_and(|(rank, dims)| {
+            let all_but_channels: Vec<i64> = (0..rank as i64).filter(|&d| d != 1).collect();
+            rank >= 3 && dims == all_but_channels
+        })
 }
 
 /// A group norm's backward's rows ([`GroupNormGradients`]) and the arguments its row loop reads
