@@ -1,7 +1,7 @@
 // The CUDA driver API, loaded at run time (loader.h): loads kernel cubins into the device's primary
 // context (the one PyTorch's runtime uses) and launches their kernels, and pins host memory for
-// pinned_host.cpp. libcuda exists only where a GPU
-// driver is installed: the shim must load (and CI must compile kernels) on machines without one.
+// pinned_host.cpp. libcuda exists only where a GPU driver is installed: the shim must load (and CI
+// must compile kernels) on machines without one.
 #include "kernels.h"
 #include "loader.h"
 

@@ -154,7 +154,8 @@ class Parking {
     const c10::Device device = storage.device();
     const bool cuda = device.is_cuda();
     const auto nbytes = static_cast<int64_t>(storage.nbytes());
-    at::Tensor host = cuda ? pinned_host::take(nbytes, device) : at::empty({nbytes}, at::TensorOptions().dtype(at::kByte));
+    at::Tensor host =
+        cuda ? pinned_host::take(nbytes, device) : at::empty({nbytes}, at::TensorOptions().dtype(at::kByte));
     host.copy_(bytes_of(storage.mutable_data(), storage.nbytes(), device), /*non_blocking=*/cuda);
     if (cuda) {
       // Its memory is reused only after the copy, wherever it was allocated.
