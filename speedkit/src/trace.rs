@@ -29,7 +29,7 @@ use serde_json::Value;
 use crate::error::{Result, SpeedkitError};
 use crate::ffi;
 
-mod parked;
+mod keys;
 
 /// One operator call of a recorded step.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -99,9 +99,10 @@ impl TracedValue {
 /// A tensor as a traced call saw it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct TracedTensor {
-    /// The trace's id of the tensor object (reused once that object is freed).
+    /// The id of the tensor object: one of its own in the step (PyTorch's trace reuses an id
+    /// with a freed object's address; [`StepTrace`] gives each object its own).
     pub id: u64,
-    /// The trace's id of its storage: views of one tensor share it.
+    /// The id of its storage, one of its own as the object's: views of one tensor share it.
     pub storage: u64,
     /// Its first element's offset into the storage, in elements.
     pub offset: u64,
@@ -120,8 +121,7 @@ pub struct TracedTensor {
 }
 
 impl TracedTensor {
-    /// The key of its value in the step's data flow: the object and its storage (an object id
-    /// reused for another tensor comes with another storage).
+    /// The key of its value in the step's data flow: the object and its storage.
     pub fn key(&self) -> (u64, u64) {
         (self.id, self.storage)
     }
@@ -206,7 +206,7 @@ impl StepTrace {
     /// The trace of `ops`: of those on `thread` and the backward of their forward, when given.
     fn from_nodes(mut ops: Vec<TracedOp>, thread: Option<u64>) -> StepTrace {
         ops.sort_by_key(|op| op.id);
-        let unmatched_parked_reads = parked::resolve(&mut ops);
+        let unmatched_parked_reads = keys::resolve(&mut ops);
         mark_backward(&mut ops);
         if let Some(thread) = thread {
             keep_thread(&mut ops, thread);
@@ -249,9 +249,8 @@ impl StepTrace {
 
     /// The tensors autograd handed to leaves as their gradients: per `AccumulateGrad` call, its
     /// id and its input's key. They outlive the step, though no call of it may read them, since
-    /// a leaf's gradient can be the tensor itself. A key names a tensor object at an address,
-    /// both reused once freed: the tensor handed on is the last one of that key made before the
-    /// call.
+    /// a leaf's gradient can be the tensor itself. The tensor handed on is the last one of that
+    /// key made before the call.
     ///
     /// ```
     /// use speedkit::trace::StepTrace;

@@ -1,15 +1,20 @@
-//! Saved tensors parked in host memory during the trace ([`crate::offload`]).
+//! The keys of the trace's tensors, each of its own, and the reads of saved tensors parked in host
+//! memory during the trace ([`crate::offload`]) given the keys of the forward's tensors.
 //!
-//! Without parking, the backward reads the very tensor object the forward saved, so the trace's
-//! keys (an object's address and its storage's, both reused once freed) link each read to the call
-//! that made it. With parking, the forward's object may die and its memory move: the backward
-//! reads another object (autograd wraps what the hook returns), perhaps at another address, and a
-//! later tensor may take the forward's addresses. The parking marks each pack (the saved tensor, as
-//! an alias of its own) and each unpack (the tensor returned, then the alias). From them:
-//! - every tensor object and every storage gets an id of its own, never reused: a result is a new
-//!   object unless it is one of its call's arguments (in place) or an enclosing call's result (the
-//!   kernel of a composite), on new memory unless its call reads that memory or an enclosing call
-//!   made it; a read is of the last object and memory made under its ids;
+//! The trace names a tensor by its object's address and its storage's, both reused once freed: a
+//! result made where an earlier one was freed, on an object at the same address, shares its key
+//! (a SwiGLU backward's two products, the first still read by a GEMM between them). So every
+//! tensor object and every storage gets an id of its own, never reused: a result is a new object
+//! unless it is one of its call's arguments (in place) or an enclosing call's result (the kernel of
+//! a composite), on new memory unless its call reads that memory or an enclosing call made it; a
+//! read is of the last object and memory made under its ids.
+//!
+//! Without parking, the backward reads the very tensor object the forward saved (or, for a saved
+//! result, another object on its memory). With parking, the forward's object may die and its memory
+//! move: the backward reads another object (autograd wraps what the hook returns), perhaps at
+//! another address, and a later tensor may take the forward's addresses. The parking marks each
+//! pack (the saved tensor, as an alias of its own) and each unpack (the tensor returned, then the
+//! alias). From them:
 //! - a read inside the backward function that unpacked a saved tensor, where that tensor is (on the
 //!   forward's storage) and of an object no call made since, is a read of the forward's tensor;
 //! - a saved tensor on memory no call of the trace touched before it was saved was made before the
@@ -254,12 +259,11 @@ fn tensors_mut(values: &mut [TracedValue]) -> impl Iterator<Item = &mut TracedTe
     })
 }
 
-/// Gives a trace made while parking the keys it would have without, and drops the marks; returns
-/// how many unpacks found no tensor of the forward. A trace without marks is left as it is.
+/// Gives every tensor object and every storage of `ops` an id of its own, never reused (the trace
+/// reuses both with freed addresses, so that two results of one chain, the second made where the
+/// first was freed, would share a key); gives a trace made while parking the keys it would have
+/// without, and drops the marks. Returns how many unpacks found no tensor of the forward.
 pub(super) fn resolve(ops: &mut Vec<TracedOp>) -> usize {
-    if !ops.iter().any(|op| op.name == PACKED) {
-        return 0;
-    }
     let mut resolver = Resolver {
         parents: (ops.iter())
             .filter_map(|op| Some((op.id, op.parent?)))
@@ -330,5 +334,38 @@ mod tests {
             .flat_map(|op| op.output_tensors().map(TracedTensor::key))
             .collect();
         assert!(!made.contains(&read("aten::mm")));
+    }
+
+    /// A chain whose second product is made where its first was freed, on the same tensor object
+    /// (an address reused twice), as a SwiGLU backward makes them: the first read by a call
+    /// between the two.
+    fn a_result_made_again_at_a_freed_address() -> Vec<TracedOp> {
+        let product = |id, input| {
+            testing::backward(
+                id,
+                "aten::mul",
+                vec![TracedValue::Tensor(tensor(input, input * 10))],
+                vec![TracedValue::Tensor(tensor(2, 20))],
+            )
+        };
+        let read = testing::backward(
+            2,
+            "aten::mm",
+            vec![TracedValue::Tensor(tensor(2, 20))],
+            vec![TracedValue::Tensor(tensor(3, 30))],
+        );
+        vec![product(1, 1), read, product(3, 4)]
+    }
+
+    #[test]
+    fn a_result_made_where_an_earlier_one_was_freed_gets_a_key_of_its_own_without_parking() {
+        let mut ops = a_result_made_again_at_a_freed_address();
+        assert_eq!(resolve(&mut ops), 0);
+        let first = ops[0].output_tensors().next().unwrap().key();
+        let second = ops[2].output_tensors().next().unwrap().key();
+        assert_ne!(first, second);
+        assert_ne!(first.1, second.1, "the second product's memory is new");
+        // The call between them read the first.
+        assert_eq!(ops[1].input_tensors().next().unwrap().key(), first);
     }
 }
