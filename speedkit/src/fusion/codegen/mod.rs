@@ -679,20 +679,28 @@ impl Generator {
     /// written (`p`), or `None` where it is read elsewhere: what a sum over channels or columns
     /// adds as the kernel writes each element.
     fn read_at_own_element(&mut self, t: &TracedTensor) -> Result<Option<String>, String> {
-        self.position = 0;
-        let value = self.read(t, &row_major(t))?;
-        Ok((!value.contains("c[")).then_some(value))
+        self.read_laid_out_as(t, &row_major(t))
     }
 
     /// [`Generator::read_at_own_element`], where `t`'s element at memory offset `p` is the one
     /// written there: a channels-last view of a result of the rows, whose shape orders its
     /// elements otherwise.
     fn read_in_memory_order(&mut self, t: &TracedTensor) -> Result<Option<String>, String> {
-        if check_dense(t).is_err() {
-            return self.read_at_own_element(t);
+        match check_dense(t) {
+            Ok(()) => self.read_laid_out_as(t, t),
+            Err(_) => self.read_at_own_element(t),
         }
+    }
+
+    /// `t` read at the element of the rows' space being written, the space laid out as `layout`;
+    /// `None` where that is another element.
+    fn read_laid_out_as(
+        &mut self,
+        t: &TracedTensor,
+        layout: &TracedTensor,
+    ) -> Result<Option<String>, String> {
         self.position = 0;
-        let value = self.read(t, t)?;
+        let value = self.read(t, layout)?;
         Ok((!value.contains("c[")).then_some(value))
     }
 
