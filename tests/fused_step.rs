@@ -1050,6 +1050,7 @@ struct LayerScaleStep {
     biases: [Tensor; 2],
     scales: [Tensor; 2],
     kind: Kind,
+    pooled: bool,
 }
 
 impl LayerScaleStep {
@@ -1063,6 +1064,15 @@ impl LayerScaleStep {
             biases: [parameter(), parameter()],
             scales: [parameter(), parameter()],
             kind,
+            pooled: false,
+        }
+    }
+
+    /// The same blocks under a pooled loss, as the last blocks before a classifier's head.
+    fn pooled(self) -> Self {
+        LayerScaleStep {
+            pooled: true,
+            ..self
         }
     }
 
@@ -1078,7 +1088,14 @@ impl LayerScaleStep {
             let h = common::bias_add(&pixels, bias, self.kind) * scale;
             stream = &stream + h.permute([0, 3, 1, 2]);
         }
-        let loss = stream.permute([0, 2, 3, 1]).square().mean(Kind::Float);
+        let loss = match self.pooled {
+            // A classifier's pool: the gradient reaching the blocks is the pool's, expanded
+            // over the pixels of an NCHW image, so no row of it lies in memory as the sums'.
+            true => (stream.mean_dim([2, 3].as_slice(), false, Kind::Float))
+                .square()
+                .mean(Kind::Float),
+            false => stream.permute([0, 2, 3, 1]).square().mean(Kind::Float),
+        };
         loss.backward();
         let mut gradients = vec![stream_leaf.grad().copy()];
         gradients.extend(leaves.iter().map(|t| t.grad().copy()));
@@ -1101,6 +1118,27 @@ fn layer_scale_gradients_summed_beside_bias_gradients_give_atens_in_fp32_bf16_an
             let (expected, fused, result) = norm_fused_and_aten(device, || scale.step());
             let case = format!("{kind:?} {shape:?}");
             assert_generated(&fused, &["aten::sum", "speedkit::column_sums"], &case);
+            let names = ["stream", "bias 1", "bias 2", "scale 1", "scale 2"];
+            assert_like_atens(kind, &case, result, expected, &names);
+        }
+    }
+}
+
+#[test]
+fn layer_scale_gradients_under_a_pooled_loss_leave_their_sums_to_aten_and_give_atens() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "layer_scale_gradients_under_a_pooled_loss_leave_their_sums_to_aten_and_give_atens",
+    ) else {
+        return;
+    };
+    for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
+        for shape in [[3, 7, 5, 77], [4, 9, 11, 96]] {
+            let scale = LayerScaleStep::new(device, kind, shape).pooled();
+            let (expected, fused, result) = norm_fused_and_aten(device, || scale.step());
+            let case = format!("{kind:?} {shape:?}");
+            // The scales' products made in one kernel; their sums over pixels, ATen's.
+            assert_generated(&fused, &["aten::mul"], &case);
             let names = ["stream", "bias 1", "bias 2", "scale 1", "scale 2"];
             assert_like_atens(kind, &case, result, expected, &names);
         }

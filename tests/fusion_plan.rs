@@ -1424,3 +1424,28 @@ fn a_weights_sum_over_rows_joins_its_norms_backward_in_one_kernel_that_nvrtc_com
     );
     assert_compiles(&kernel);
 }
+
+#[test]
+fn a_layer_scales_gradient_over_a_pooled_images_gradient_leaves_its_sum_and_fuses_the_rest() {
+    let _serial = common::serial();
+    let x = Tensor::randn([3, 77, 5, 7], (Kind::Float, CPU)).set_requires_grad(true);
+    let pixels = Tensor::randn([3, 5, 7, 77], (Kind::BFloat16, CPU)).set_requires_grad(true);
+    let scale = Tensor::randn([77], (Kind::Float, CPU)).set_requires_grad(true);
+    let (_, trace) = StepTrace::record(|| {
+        // A ConvNeXt block's scaled MLP added to an NCHW image, then pooled: the gradient the
+        // scale's sum reads is the pool's, expanded over the pixels and permuted, so no row of
+        // it lies in memory as the sum's columns.
+        let y = &x + (&pixels * &scale).permute([0, 3, 1, 2]);
+        let pooled = y.mean_dim([2, 3].as_slice(), false, Kind::Float);
+        pooled.square().mean(Kind::Float).backward();
+    })
+    .unwrap();
+    let plan = FusionPlan::generatable(&trace);
+    let products = group_holding(&plan, "aten::_to_copy");
+    assert!(!names(&products.operators).contains(&"sum"), "{plan}");
+    assert_compiles(&products.kernel().unwrap());
+    let sum = (plan.left_to_aten().iter())
+        .find(|l| l.operator == "aten::sum")
+        .unwrap_or_else(|| panic!("{plan}"));
+    assert_eq!(sum.calls, 1, "{plan}");
+}

@@ -42,16 +42,18 @@ pub(crate) fn sums_columns(op: &TracedOp) -> bool {
         .is_some_and(|(rank, dims)| rank >= 2 && column_dimension(input, &dims).is_some())
 }
 
-/// The dimension a sum over `dims` of `input` keeps, where it sums columns: the last, or the one
-/// memory holds innermost with the rest dense around it (rows of it in memory).
+/// The dimension a sum over `dims` of `input` keeps, where it sums columns its memory holds as
+/// rows: the last of a contiguous tensor, or the one memory holds innermost with the rest dense
+/// around it. Any other sum stays ATen's, so that the chain making its input still fuses.
 fn column_dimension(input: &TracedTensor, dims: &[i64]) -> Option<usize> {
     let rank = input.shape.len();
     let kept: Vec<usize> = (0..rank).filter(|&d| !dims.contains(&(d as i64))).collect();
     let [d] = kept[..] else {
         return None;
     };
+    let last = d == rank - 1 && check_contiguous(input).is_ok();
     let innermost = input.strides[d] == 1 && rows_in_memory_order(input, input.shape[d] as u64);
-    (dims.len() == rank - 1 && (d == rank - 1 || innermost)).then_some(d)
+    (dims.len() == rank - 1 && (last || innermost)).then_some(d)
 }
 
 impl Generator {
