@@ -49,6 +49,12 @@ fn main() {
         .map(|site_packages| site_packages.join("nvidia/nccl/include"))
         .filter(|dir| dir.join("nccl.h").exists());
     let with_nccl = with_cuda && nccl_headers.is_some();
+    // cudnn_graph.h, for the convolution plans speedkit chooses (shim/conv_plans.cpp), shipped by
+    // the `nvidia-cudnn` wheel next to torch.
+    let cudnn_headers = torch_root
+        .parent()
+        .map(|site_packages| site_packages.join("nvidia/cudnn/include"))
+        .filter(|dir| with_cuda && dir.join("cudnn_graph.h").exists());
 
     let translation_units = match shim_translation_units(&out_dir) {
         Ok(units) => units,
@@ -67,6 +73,10 @@ fn main() {
         .define("GLOG_USE_GLOG_EXPORT", None)
         .define("SK_WITH_CUDA", if with_cuda { "1" } else { "0" })
         .define("SK_WITH_NCCL", if with_nccl { "1" } else { "0" })
+        .define(
+            "SK_WITH_CUDNN",
+            if cudnn_headers.is_some() { "1" } else { "0" },
+        )
         // As libtorch's release build: some of its classes (RecordFunction) have members only
         // without NDEBUG, so the shim must agree with the library on their layout.
         .define("NDEBUG", None)
@@ -101,6 +111,9 @@ fn main() {
             );
         }
     }
+    if let Some(dir) = &cudnn_headers {
+        system_include(&mut build, dir);
+    }
     let nccl_headers_used = nccl_headers.filter(|_| with_nccl);
     if let Some(dir) = &nccl_headers_used {
         // The macro ProcessGroupNCCL.hpp is guarded by, as libtorch itself was built.
@@ -117,7 +130,7 @@ fn main() {
     }
     // Identifies the headers from outside speedkit that the shim includes (their directories are
     // among the compiler's arguments): libtorch's version (with its git hash and CUDA variant), and
-    // the CUDA and NCCL headers'.
+    // the CUDA, NCCL and cuDNN headers'.
     let external_headers: Vec<PathBuf> = [
         torch_root.join("version.py"),
         include.join("torch/version.h"),
@@ -125,6 +138,7 @@ fn main() {
     .into_iter()
     .chain(cuda_headers.map(|dir| dir.join("cuda_runtime_api.h")))
     .chain(nccl_headers_used.map(|dir| dir.join("nccl.h")))
+    .chain(cudnn_headers.map(|dir| dir.join("cudnn_graph.h")))
     .collect();
     compile_shim_cached(&mut build, &out_dir, &external_headers);
 
@@ -170,6 +184,7 @@ const SHIM_UNITS: &[(&str, &[&str])] = &[
             "bias_gelu",
             "classifier",
             "column_sums",
+            "conv_plans",
             "convolution",
             "cublaslt",
             "custom_overrides",

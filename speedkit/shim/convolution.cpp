@@ -6,20 +6,97 @@
 // what torch.compile's partitioner does for the same graph. The cast costs one pass over the weight
 // per layer and step, the fraction of a convolution's time that its weight is of its operands.
 //
-// The GEMMs are ATen's: the same at::convolution and at::convolution_backward (cuDNN) on the same
-// operands autocast gives them, so the outputs and gradients are autocast's bit for bit.
+// The convolutions run through two operators of speedkit's own, `speedkit::convolution` and
+// `speedkit::convolution_backward`, on the operands autocast gives ATen's. On CUDA, in bf16 or fp16
+// with cudnn.benchmark on, they run cuDNN plans speedkit chose and keeps on disk (conv_plans.h), so
+// a second run times nothing; elsewhere, and for what those plans do not take, ATen's
+// at::convolution and at::convolution_backward. Operators rather than direct calls so that the
+// dispatcher sees them: the execution trace records what they read and write, as it does ATen's.
+#include "conv_plans.h"
 #include "fused_op.h"
 
 #include <ATen/ops/convolution.h>
 #include <ATen/native/ConvUtils.h>
 #include <ATen/ops/convolution_backward.h>
+#include <torch/library.h>
 
 #include <array>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace sk {
 namespace {
+
+// ----- the operators -------------------------------------------------------------------------------
+
+at::Tensor convolution_aten(const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride, at::IntArrayRef padding,
+                            at::IntArrayRef dilation, int64_t groups) {
+  const std::vector<int64_t> output_padding(stride.size(), 0);
+  return at::convolution(x, w, at::Tensor(), stride, padding, dilation, false, output_padding, groups);
+}
+
+at::Tensor convolution_cuda(const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride, at::IntArrayRef padding,
+                            at::IntArrayRef dilation, int64_t groups) {
+  const conv_plans::Geometry geometry{stride, padding, dilation};
+  if (conv_plans::unsupported(x, w, geometry, groups).empty())
+    if (auto y = conv_plans::forward(x, w, geometry)) return *std::move(y);
+  return convolution_aten(x, w, stride, padding, dilation, groups);
+}
+
+std::tuple<at::Tensor, at::Tensor> convolution_backward_aten(const at::Tensor& dy, const at::Tensor& x,
+                                                             const at::Tensor& w, at::IntArrayRef stride,
+                                                             at::IntArrayRef padding, at::IntArrayRef dilation,
+                                                             int64_t groups, std::array<bool, 2> mask) {
+  const std::vector<int64_t> output_padding(stride.size(), 0);
+  auto [dx, dw, unused] = at::convolution_backward(dy, x, w, std::nullopt, stride, padding, dilation, false,
+                                                   output_padding, groups, {mask[0], mask[1], false});
+  return {dx, dw};
+}
+
+std::tuple<at::Tensor, at::Tensor> convolution_backward_cuda(const at::Tensor& dy, const at::Tensor& x,
+                                                             const at::Tensor& w, at::IntArrayRef stride,
+                                                             at::IntArrayRef padding, at::IntArrayRef dilation,
+                                                             int64_t groups, std::array<bool, 2> mask) {
+  at::Tensor dx, dw;
+  const conv_plans::Geometry geometry{stride, padding, dilation};
+  if (conv_plans::unsupported(x, w, geometry, groups).empty()) {
+    const auto format = at::native::cudnn_conv_suggest_memory_format(x, w);
+    if (mask[0]) dx = conv_plans::backward_data(dy, w, x.sizes(), geometry, format).value_or(at::Tensor());
+    if (mask[1]) dw = conv_plans::backward_filter(dy, x, w, geometry, format).value_or(at::Tensor());
+  }
+  const std::array<bool, 2> left = {mask[0] && !dx.defined(), mask[1] && !dw.defined()};
+  if (left[0] || left[1]) {
+    auto [aten_dx, aten_dw] = convolution_backward_aten(dy, x, w, stride, padding, dilation, groups, left);
+    if (left[0]) dx = aten_dx;
+    if (left[1]) dw = aten_dw;
+  }
+  return {dx, dw};
+}
+
+at::Tensor convolution(const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride, at::IntArrayRef padding,
+                       at::IntArrayRef dilation, int64_t groups) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("speedkit::convolution", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, at::IntArrayRef,
+                                               at::IntArrayRef, at::IntArrayRef, int64_t)>();
+  return op.call(x, w, stride, padding, dilation, groups);
+}
+
+std::tuple<at::Tensor, at::Tensor> convolution_backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w,
+                                                        at::IntArrayRef stride, at::IntArrayRef padding,
+                                                        at::IntArrayRef dilation, int64_t groups,
+                                                        std::array<bool, 2> mask) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("speedkit::convolution_backward", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                    at::IntArrayRef, at::IntArrayRef, at::IntArrayRef, int64_t,
+                                                    std::array<bool, 2>)>();
+  return op.call(dy, x, w, stride, padding, dilation, groups, mask);
+}
+
+// ----- the autograd function ------------------------------------------------------------------------
 
 struct ConvolutionFunction : torch::autograd::Function<ConvolutionFunction> {
   // x [N, C, ...]; weight [out, C / groups, ...]; bias_in [out] when has_bias, else a placeholder;
@@ -31,9 +108,7 @@ struct ConvolutionFunction : torch::autograd::Function<ConvolutionFunction> {
                             int64_t type) {
     const auto t = static_cast<at::ScalarType>(type);
     const at::Tensor x_c = x.to(t);
-    const std::vector<int64_t> output_padding(stride.size(), 0);
-    at::Tensor y =
-        at::convolution(x_c, weight.to(t), at::Tensor(), stride, padding, dilation, false, output_padding, groups);
+    at::Tensor y = sk::convolution(x_c, weight.to(t), stride, padding, dilation, groups);
     if (has_bias) {
       // The bias added by an operator of its own, in place, as ATen's cuDNN path adds it after the
       // convolution (the same kernel, the same values): seen on its own, a fused step's generated
@@ -64,7 +139,6 @@ struct ConvolutionFunction : torch::autograd::Function<ConvolutionFunction> {
     const std::array<bool, 3> mask = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                       data.at("has_bias").toBool() && ctx->needs_input_grad(2)};
     const std::vector<int64_t> stride = data.at("stride").toIntVector();
-    const std::vector<int64_t> output_padding(stride.size(), 0);
     const at::Tensor& x_c = saved[0];
     // Dense once, in the layout cuDNN takes (the weight's cast below keeps its layout): a slice of
     // a concatenation's gradient would otherwise be copied by each of cuDNN's two backward passes.
@@ -82,10 +156,9 @@ struct ConvolutionFunction : torch::autograd::Function<ConvolutionFunction> {
       db = grad.sum(dims);
     }
     const at::Tensor w_c = saved[1].to(t);
-    auto [dx, dw, unused] =
-        at::convolution_backward(grad, x_c, w_c, std::nullopt, stride, data.at("padding").toIntVector(),
-                                 data.at("dilation").toIntVector(), false, output_padding,
-                                 data.at("groups").toInt(), {mask[0], mask[1], false});
+    auto [dx, dw] = sk::convolution_backward(grad, x_c, w_c, stride, data.at("padding").toIntVector(),
+                                             data.at("dilation").toIntVector(), data.at("groups").toInt(),
+                                             {mask[0], mask[1]});
     const auto back_to = [&](const at::Tensor& g, const char* key) {
       return g.defined() ? g.to(static_cast<at::ScalarType>(data.at(key).toInt())) : g;
     };
@@ -105,6 +178,23 @@ std::vector<int64_t> ints(const int64_t* values, int64_t n) { return std::vector
 
 }  // namespace
 }  // namespace sk
+
+TORCH_LIBRARY_FRAGMENT(speedkit, m) {
+  m.def("convolution(Tensor input, Tensor weight, int[] stride, int[] padding, int[] dilation, int groups) -> Tensor");
+  m.def(
+      "convolution_backward(Tensor grad_output, Tensor input, Tensor weight, int[] stride, int[] padding, "
+      "int[] dilation, int groups, bool[2] output_mask) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(speedkit, CUDA, m) {
+  m.impl("convolution", &sk::convolution_cuda);
+  m.impl("convolution_backward", &sk::convolution_backward_cuda);
+}
+
+TORCH_LIBRARY_IMPL(speedkit, CompositeExplicitAutograd, m) {
+  m.impl("convolution", &sk::convolution_aten);
+  m.impl("convolution_backward", &sk::convolution_backward_aten);
+}
 
 extern "C" {
 

@@ -32,6 +32,7 @@ struct Api {
   CUresult (*FuncGetParamInfo)(CUfunction, size_t, size_t*, size_t*);
   CUresult (*MemHostRegister)(void*, size_t, unsigned);
   CUresult (*MemHostUnregister)(void*);
+  CUresult (*StreamIsCapturing)(CUstream, CUstreamCaptureStatus*);
 };
 
 const Api& api() {
@@ -51,6 +52,7 @@ const Api& api() {
     library.bind_optional(api.FuncGetParamInfo, "cuFuncGetParamInfo");
     library.bind(api.MemHostRegister, "cuMemHostRegister_v2");
     library.bind(api.MemHostUnregister, "cuMemHostUnregister");
+    library.bind(api.StreamIsCapturing, "cuStreamIsCapturing");
     return api;
   });
 }
@@ -138,6 +140,12 @@ void register_host_memory(void* data, size_t bytes, int device) {
 
 void unregister_host_memory(void* data) { check(api().MemHostUnregister(data), "cuMemHostUnregister"); }
 
+bool stream_is_capturing(void* stream) {
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  check(api().StreamIsCapturing(static_cast<CUstream>(stream), &status), "cuStreamIsCapturing");
+  return status != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
 #else  // a libtorch without CUDA: nothing can load or launch
 
 bool available(std::string* why_not) {
@@ -152,6 +160,8 @@ void register_host_memory(void*, size_t, int) {
 }
 
 void unregister_host_memory(void*) {}
+
+bool stream_is_capturing(void*) { return false; }
 
 #endif
 

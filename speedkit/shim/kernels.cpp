@@ -88,42 +88,6 @@ std::vector<std::string> quoted_includes(const std::string& text) {
   return names;
 }
 
-// ----- the on-disk cache -----------------------------------------------------------------------------
-
-// SPEEDKIT_KERNEL_CACHE, else $XDG_CACHE_HOME/speedkit/kernels, else ~/.cache/speedkit/kernels;
-// empty when none is known (then every process compiles afresh).
-fs::path cache_dir() {
-  if (const char* dir = std::getenv("SPEEDKIT_KERNEL_CACHE")) return fs::path(dir);
-  if (const char* xdg = std::getenv("XDG_CACHE_HOME")) return fs::path(xdg) / "speedkit" / "kernels";
-  if (const char* home = std::getenv("HOME")) return fs::path(home) / ".cache" / "speedkit" / "kernels";
-  return {};
-}
-
-std::vector<char> read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return {};
-  return std::vector<char>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-// Written to a private temporary name and renamed into place, so a concurrent reader sees either
-// nothing or the whole cubin. A cache that cannot be written is only a slower next start.
-void write_file_atomically(const fs::path& path, const std::vector<char>& bytes) {
-  std::error_code error;
-  fs::create_directories(path.parent_path(), error);
-  fs::path temporary = path;
-  // Threads of one process may write at once (kernels compiled in parallel): each its own name.
-  temporary += ".tmp." + std::to_string(::getpid()) + "." +
-               std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id()));
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    if (!out) return;
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    if (!out) return;
-  }
-  fs::rename(temporary, path, error);
-  if (error) fs::remove(temporary, error);
-}
-
 // A file name's safe stem: letters, digits, '-' and '_' kept, the rest '_'.
 std::string file_stem(const std::string& name) {
   std::string stem = name.substr(0, name.find('.'));
@@ -196,6 +160,38 @@ std::string describe_parameters(const std::vector<size_t>& sizes) {
 }
 
 }  // namespace
+
+// ----- the on-disk cache (kernels.h) ----------------------------------------------------------------
+
+fs::path cache_dir() {
+  if (const char* dir = std::getenv("SPEEDKIT_KERNEL_CACHE")) return fs::path(dir);
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME")) return fs::path(xdg) / "speedkit" / "kernels";
+  if (const char* home = std::getenv("HOME")) return fs::path(home) / ".cache" / "speedkit" / "kernels";
+  return {};
+}
+
+std::vector<char> read_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return {};
+  return std::vector<char>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+void write_file_atomically(const fs::path& path, const std::vector<char>& bytes) {
+  std::error_code error;
+  fs::create_directories(path.parent_path(), error);
+  fs::path temporary = path;
+  // Threads of one process may write at once (kernels compiled in parallel): each its own name.
+  temporary += ".tmp." + std::to_string(::getpid()) + "." +
+               std::to_string(std::hash<std::thread::id>{}(std::this_thread::get_id()));
+  {
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    if (!out) return;
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    if (!out) return;
+  }
+  fs::rename(temporary, path, error);
+  if (error) fs::remove(temporary, error);
+}
 
 bool prepare(const Source& file, int major, int minor) {
   if (file.index < builtin_source_count())

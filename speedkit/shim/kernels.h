@@ -21,6 +21,7 @@
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <initializer_list>
 #include <string>
 #include <vector>
@@ -56,6 +57,20 @@ int register_source(const std::string& name, const std::string& text);
 // The key of `source`'s cubin for sm_<major><minor>: its own text, the text of every registered
 // source it includes (transitively), the architecture and NVRTC's version.
 std::string cache_key(const Source& source, int major, int minor);
+
+// ----- the on-disk cache -------------------------------------------------------------------------
+
+// The directory of speedkit's compiled kernels and chosen cuDNN plans (conv_plans.cpp):
+// SPEEDKIT_KERNEL_CACHE, else $XDG_CACHE_HOME/speedkit/kernels, else ~/.cache/speedkit/kernels;
+// empty when none is known (then every process compiles afresh).
+std::filesystem::path cache_dir();
+
+// The bytes of the file at `path`, or none where it cannot be read.
+std::vector<char> read_file(const std::filesystem::path& path);
+
+// `bytes` written to a private temporary name and renamed to `path`, so that a concurrent reader
+// sees either nothing or the whole file. A cache that cannot be written is only a slower next start.
+void write_file_atomically(const std::filesystem::path& path, const std::vector<char>& bytes);
 
 // ----- NVRTC ---------------------------------------------------------------------------------------
 
@@ -101,6 +116,8 @@ void launch(void* function, Dim3 grid, Dim3 block, int shared_bytes, void* strea
 // `device`'s primary context; unregister_host_memory unpins it.
 void register_host_memory(void* data, size_t bytes, int device);
 void unregister_host_memory(void* data);
+// Whether `stream` (a CUstream: PyTorch's cudaStream_t) is capturing a CUDA graph.
+bool stream_is_capturing(void* stream);
 }  // namespace driver
 
 // ----- loading -------------------------------------------------------------------------------------

@@ -747,6 +747,11 @@ int sk_linear_chunks(sk_tensor x, sk_tensor weight, sk_tensor bias, int64_t chun
 /// again instead of keeping the forward's copy.
 int sk_convolution(sk_tensor x, sk_tensor weight, sk_tensor bias, const int64_t* stride, const int64_t* padding,
                    const int64_t* dilation, int64_t spatial_dims, int64_t groups, int scalar_type, sk_tensor* y);
+/// What the cuDNN plans of speedkit's convolutions (conv_plans.cpp) did in this process: *timed
+/// plans chosen by timing cuDNN's candidates (*timing_seconds spent on it), *from_disk built from
+/// choices an earlier run kept in the kernel cache, *to_aten convolutions left to ATen's because no
+/// plan could be had (one first met during a CUDA-graph capture, or no candidate ran).
+int sk_conv_plans_counts(int64_t* timed, double* timing_seconds, int64_t* from_disk, int64_t* to_aten);
 
 // @module mlp: the transformer MLP on cuBLASLt epilogues, else ATen's (cublaslt.cpp)
 

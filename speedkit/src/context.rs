@@ -71,6 +71,7 @@ pub struct SpeedContext {
     group: Option<Rc<ProcessGroup>>,
     /// The kernel layer's notes when the context began: the audit shows what came after.
     kernel_notes: kernels::NoteMark,
+    conv_plans: crate::overrides::CudnnPlans,
     /// Operator overrides the user registered, with their reasons; removed before the flags.
     operator_overrides: RefCell<Vec<(OverrideRegistration, String)>>,
     /// Under `channels_last: auto`, the census of the first backward that decides whether the conv
@@ -150,6 +151,7 @@ impl SpeedContext {
             optimizers: RefCell::default(),
             group,
             kernel_notes: kernels::NoteMark::now(),
+            conv_plans: crate::overrides::CudnnPlans::now(),
             operator_overrides: RefCell::default(),
             channels_last_probe: RefCell::new(None),
             _release: ReleaseOnDrop,
@@ -814,6 +816,7 @@ impl SpeedContext {
                         .into_iter()
                         .map(|n| format!("kernels: {n}")),
                 )
+                .chain(crate::overrides::CudnnPlans::note_since(&self.conv_plans))
                 .collect(),
         }
     }

@@ -2,9 +2,10 @@
 
 use crate::common;
 use crate::support::channels_last;
+use speedkit::flags::{Flag, FlagGuard, FlagSetting, FlagValue};
 use speedkit::memory::MemoryUse;
-use speedkit::overrides::Override;
-use tch::{Kind, Tensor};
+use speedkit::overrides::{CudnnPlans, Override};
+use tch::{Device, Kind, Tensor};
 
 /// One convolution case: input and weight shapes, stride, padding, dilation (one value per spatial
 /// dimension) and groups.
@@ -36,14 +37,23 @@ fn conv_pass(
     dy: &Tensor,
     case: &ConvCase,
 ) -> (Vec<Tensor>, u64) {
+    conv_pass_in(Kind::BFloat16, x, w, b, dy, case)
+}
+
+/// As [`conv_pass`], under autocast to `kind`.
+fn conv_pass_in(
+    kind: Kind,
+    x: &Tensor,
+    w: &Tensor,
+    b: Option<&Tensor>,
+    dy: &Tensor,
+    case: &ConvCase,
+) -> (Vec<Tensor>, u64) {
     let x = x.detach().set_requires_grad(true);
     let w = w.detach().set_requires_grad(true);
     let b = b.map(|t| t.detach().set_requires_grad(true));
     let before = MemoryUse::now(x.device()).unwrap().allocated;
-    let y = speedkit::amp::autocast(x.device(), Kind::BFloat16, || {
-        conv(&x, &w, b.as_ref(), case)
-    })
-    .unwrap();
+    let y = speedkit::amp::autocast(x.device(), kind, || conv(&x, &w, b.as_ref(), case)).unwrap();
     let held = MemoryUse::now(x.device()).unwrap().allocated - before;
     (y.to_kind(Kind::Float) * dy).sum(Kind::Float).backward();
     let db = b.as_ref().map_or_else(
@@ -207,4 +217,211 @@ fn convolution_operands_autocast_leaves_alone_run_autocasts_path_and_are_counted
     assert_eq!((stats.ran, stats.declined), (0, 1), "{stats:?}");
     let last = stats.last_declined.unwrap_or_default();
     assert!(last.contains("Double operands"), "declined for {last}");
+}
+
+/// Holds `cudnn.benchmark` on while the guard lives: speedkit's cuDNN plans serve the convolutions
+/// ATen would autotune.
+fn hold_autotuning() -> FlagGuard {
+    FlagGuard::apply(&[FlagSetting::new(
+        Flag::CudnnBenchmark,
+        FlagValue::Bool(true),
+        "test",
+    )])
+    .expect("cudnn.benchmark is settable")
+}
+
+/// 2-D cases for the plans: grouped and dilated, strided, and a 1×1.
+const PLAN_CASES: [ConvCase; 3] = [
+    ConvCase {
+        x: &[2, 6, 11, 9],
+        w: &[10, 3, 3, 5],
+        stride: &[1, 2],
+        padding: &[1, 2],
+        dilation: &[2, 1],
+        groups: 2,
+    },
+    ConvCase {
+        x: &[3, 8, 15, 17],
+        w: &[40, 8, 3, 3],
+        stride: &[2, 2],
+        padding: &[1, 1],
+        dilation: &[1, 1],
+        groups: 1,
+    },
+    ConvCase {
+        x: &[5, 32, 7, 7],
+        w: &[16, 32, 1, 1],
+        stride: &[1, 1],
+        padding: &[0, 0],
+        dilation: &[1, 1],
+        groups: 1,
+    },
+];
+
+/// `case`'s operands on `device`, channels-last where `last`: x, w, bias and the output's gradient.
+fn plan_operands(case: &ConvCase, device: Device, last: bool) -> [Tensor; 4] {
+    let fan_in: i64 = case.w[1..].iter().product();
+    let mut x = Tensor::randn(case.x, (Kind::Float, device));
+    let mut w = Tensor::randn(case.w, (Kind::Float, device)) / (fan_in as f64).sqrt();
+    if last {
+        x = channels_last(&x);
+        w = channels_last(&w);
+    }
+    let b = Tensor::randn([case.w[0]], (Kind::Float, device));
+    let y_shape = {
+        let _off = common::hold_override(Override::Convolution, false);
+        conv(&x, &w, Some(&b), case).size()
+    };
+    let dy = Tensor::randn(y_shape.as_slice(), (Kind::Float, device));
+    [x, w, b, dy]
+}
+
+#[test]
+fn convolutions_through_speedkits_cudnn_plans_match_atens_on_odd_shapes() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "convolutions_through_speedkits_cudnn_plans_match_atens_on_odd_shapes",
+    ) else {
+        return;
+    };
+    let _tuned = hold_autotuning();
+    for case in &PLAN_CASES {
+        for kind in [Kind::BFloat16, Kind::Half] {
+            for last in [false, true] {
+                let name = format!(
+                    "x {:?} w {:?} {kind:?} channels-last {last}",
+                    case.x, case.w
+                );
+                let [x, w, b, dy] = plan_operands(case, device, last);
+                let (expected, _) = {
+                    let _off = common::hold_override(Override::Convolution, false);
+                    conv_pass_in(kind, &x, &w, Some(&b), &dy, case)
+                };
+                let before = CudnnPlans::now();
+                let _on = common::hold_override(Override::Convolution, true);
+                let (got, _) = conv_pass_in(kind, &x, &w, Some(&b), &dy, case);
+                let after = CudnnPlans::now();
+                // A plan for each of the three passes, new to this process.
+                let taken = (after.timed + after.from_disk) - (before.timed + before.from_disk);
+                assert_eq!(taken, 3, "{name}: {before:?} then {after:?}");
+                assert_eq!(after.to_aten, before.to_aten, "{name}");
+                for (what, i) in [("y", 0), ("dx", 1), ("dw", 2), ("db", 3)] {
+                    let err = common::rel_err(&got[i], &expected[i]);
+                    assert!(err < 1e-2, "{name} {what}: relative error {err}");
+                }
+                assert_eq!(got[0].size(), expected[0].size(), "{name}");
+                let layout = |t: &Tensor| t.stride();
+                assert_eq!(layout(&got[0]), layout(&expected[0]), "{name}: y's layout");
+            }
+        }
+    }
+}
+
+/// What the child process of
+/// [`a_later_process_builds_the_chosen_cudnn_plans_from_the_kernel_cache_without_timing`] prints.
+const PLANS_LINE: &str = "cudnn plans:";
+
+#[test]
+#[ignore = "a child process of a_later_process_builds_the_chosen_cudnn_plans_from_the_kernel_cache_without_timing"]
+fn one_convolution_step_through_cudnn_plans() {
+    let _serial = common::serial();
+    let device = Device::Cuda(0);
+    let _tuned = hold_autotuning();
+    let _on = common::hold_override(Override::Convolution, true);
+    let case = &PLAN_CASES[1];
+    let [x, w, b, dy] = plan_operands(case, device, true);
+    conv_pass_in(Kind::BFloat16, &x, &w, Some(&b), &dy, case);
+    let plans = CudnnPlans::now();
+    println!(
+        "{PLANS_LINE} {} {} {}",
+        plans.timed, plans.from_disk, plans.to_aten
+    );
+}
+
+#[test]
+fn a_later_process_builds_the_chosen_cudnn_plans_from_the_kernel_cache_without_timing() {
+    let _serial = common::serial();
+    if common::cuda_or_skip(
+        "a_later_process_builds_the_chosen_cudnn_plans_from_the_kernel_cache_without_timing",
+    )
+    .is_none()
+    {
+        return;
+    }
+    let cache = std::env::temp_dir().join(format!("speedkit-cudnn-plans-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&cache);
+    let run = || {
+        let exe = std::env::current_exe().expect("the test binary's path");
+        let output = std::process::Command::new(exe)
+            .args([
+                "--exact",
+                "convolution::one_convolution_step_through_cudnn_plans",
+            ])
+            .args(["--ignored", "--nocapture", "--test-threads=1"])
+            .env("SPEEDKIT_KERNEL_CACHE", &cache)
+            .output()
+            .expect("the child process runs");
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        let line = (stdout.lines())
+            .find_map(|l| l.split_once(PLANS_LINE).map(|(_, counts)| counts))
+            .unwrap_or_else(|| {
+                panic!(
+                    "no plans line in\n{stdout}\n{}",
+                    String::from_utf8_lossy(&output.stderr)
+                )
+            })
+            .to_owned();
+        let counts: Vec<u64> = line
+            .split_whitespace()
+            .map(|n| n.parse().unwrap())
+            .collect();
+        counts
+    };
+    let first = run();
+    let second = run();
+    let _ = std::fs::remove_dir_all(&cache);
+    // The first process times the forward's, the data gradient's and the filter gradient's plans;
+    // the second builds the same three from the files the first wrote.
+    assert_eq!(first, [3, 0, 0], "the first process");
+    assert_eq!(second, [0, 3, 0], "the second process");
+}
+
+#[test]
+fn a_depthwise_convolution_stays_atens_and_matches_it() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip("a_depthwise_convolution_stays_atens_and_matches_it")
+    else {
+        return;
+    };
+    let _tuned = hold_autotuning();
+    let case = ConvCase {
+        x: &[3, 24, 9, 13],
+        w: &[24, 1, 7, 7],
+        stride: &[1, 1],
+        padding: &[3, 3],
+        dilation: &[1, 1],
+        groups: 24,
+    };
+    for last in [false, true] {
+        let [x, w, b, dy] = plan_operands(&case, device, last);
+        let (expected, _) = {
+            let _off = common::hold_override(Override::Convolution, false);
+            conv_pass(&x, &w, Some(&b), &dy, &case)
+        };
+        let before = CudnnPlans::now();
+        let _on = common::hold_override(Override::Convolution, true);
+        let (got, _) = conv_pass(&x, &w, Some(&b), &dy, &case);
+        assert_eq!(
+            CudnnPlans::now(),
+            before,
+            "channels-last {last}: no plan taken"
+        );
+        for (what, i) in [("y", 0), ("dx", 1), ("dw", 2), ("db", 3)] {
+            let err = common::rel_err(&got[i], &expected[i]);
+            assert!(
+                err < 1e-2,
+                "channels-last {last} {what}: relative error {err}"
+            );
+        }
+    }
 }

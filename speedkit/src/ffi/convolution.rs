@@ -1,5 +1,5 @@
 //! Convolution under autocast without a kept copy of the weight, else ATen's
-//! (`shim/convolution.cpp`).
+//! (`shim/convolution.cpp`), and what its cuDNN plans did (`shim/conv_plans.cpp`).
 
 use std::ptr;
 
@@ -60,4 +60,32 @@ pub(crate) fn convolution(
     })?;
     // SAFETY: a fresh tensor from the shim.
     Ok(unsafe { owned(y) })
+}
+
+/// What the cuDNN plans of speedkit's convolutions did in this process, counted from its start.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct PlanCounts {
+    /// Plans chosen by timing cuDNN's candidates.
+    pub(crate) timed: i64,
+    /// The seconds that timing took.
+    pub(crate) timing_seconds: f64,
+    /// Plans built from the choices an earlier run kept in the kernel cache.
+    pub(crate) from_disk: i64,
+    /// Convolutions left to ATen's because no plan could be had then.
+    pub(crate) to_aten: i64,
+}
+
+/// The counts now.
+pub(crate) fn plan_counts() -> PlanCounts {
+    let mut counts = PlanCounts::default();
+    // SAFETY: four out-pointers to live locals, written by the shim.
+    unsafe {
+        abi::sk_conv_plans_counts(
+            &mut counts.timed,
+            &mut counts.timing_seconds,
+            &mut counts.from_disk,
+            &mut counts.to_aten,
+        );
+    }
+    counts
 }

@@ -34,10 +34,15 @@ impl OpKind {
     /// assert_eq!(OpKind::of("aten::nonzero"), None);
     /// // speedkit's own operator for a bias's gradient (a sum over columns).
     /// assert_eq!(OpKind::of("speedkit::column_sums"), Some(OpKind::Reduction));
+    /// // speedkit's convolution (cuDNN plans it chose, or ATen's).
+    /// assert_eq!(OpKind::of("speedkit::convolution"), Some(OpKind::Library));
     /// ```
     pub fn of(name: &str) -> Option<OpKind> {
         if SPEEDKIT_REDUCTIONS.contains(&name) {
             return Some(OpKind::Reduction);
+        }
+        if SPEEDKIT_LIBRARY.contains(&name) {
+            return Some(OpKind::Library);
         }
         let op = name.strip_prefix("aten::")?;
         let base = op.strip_suffix('_').unwrap_or(op);
@@ -161,6 +166,10 @@ const POINTWISE: &[&str] = &[
 /// speedkit's own operators that reduce (`speedkit/shim/column_sums.cpp`): a linear layer's bias
 /// gradient, which its backward sums through the dispatcher so that a group can take the sum.
 const SPEEDKIT_REDUCTIONS: &[&str] = &["speedkit::column_sums"];
+
+/// speedkit's own library operators (`speedkit/shim/convolution.cpp`): the convolutions of its
+/// convolution override, through cuDNN plans it chose or ATen's.
+const SPEEDKIT_LIBRARY: &[&str] = &["speedkit::convolution", "speedkit::convolution_backward"];
 
 const REDUCTION: &[&str] = &[
     "amax",

@@ -6,14 +6,16 @@
 //! memory peak, every layer's copy is alive (about 21 MiB for a CIFAR ResNet-18). speedkit's convolution saves
 //! the fp32 weight instead, which the model holds anyway, and casts it again in the backward: one
 //! more pass over each weight per step, what torch.compile's partitioner chooses for the same
-//! graph. The convolutions themselves are ATen's, on the operands autocast would give them.
+//! graph. The convolutions run on the operands autocast would give ATen's; in bf16 and fp16 with
+//! `cudnn.benchmark` on, through cuDNN plans speedkit chose by timing once and keeps in the kernel
+//! cache (`speedkit/shim/conv_plans.cpp`), so that a later run of the same model times nothing.
 
 use tch::{Kind, Tensor};
 
 use super::{DispatchKey, OperatorOverride, OverrideCall, Reply};
 use crate::amp::AutocastState;
 use crate::error::Result;
-use crate::ffi::{self, convolution::ConvolutionParams};
+use crate::ffi::{self, convolution::ConvolutionParams, convolution::PlanCounts};
 use crate::kernels::KernelOp;
 
 /// The overrides: ATen's `conv1d`, `conv2d` and `conv3d` under autocast on CUDA.
@@ -59,4 +61,64 @@ fn unsupported<'a>(operands: impl Iterator<Item = &'a Tensor>, x: &Tensor) -> Op
         return Some("speedkit's kernels are switched off".into());
     }
     crate::kernels::unavailable_reason(x.device()).unwrap_or_else(|e| Some(e.to_string()))
+}
+
+/// What the cuDNN plans of speedkit's convolution took in this process so far: with
+/// `cudnn.benchmark` on, its 2-D convolutions in bf16 and fp16 run plans speedkit chose by timing
+/// cuDNN's candidates once and keeps in the kernel cache, so that a later run builds them from
+/// there without timing anything.
+///
+/// ```
+/// let plans = speedkit::overrides::CudnnPlans::now();
+/// println!(
+///     "{} timed in {:.2} s, {} from the kernel cache",
+///     plans.timed, plans.timing_seconds, plans.from_disk
+/// );
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CudnnPlans {
+    /// Plans chosen by timing cuDNN's candidates.
+    pub timed: u64,
+    /// The seconds that timing took.
+    pub timing_seconds: f64,
+    /// Plans built from the choices an earlier run kept in the kernel cache.
+    pub from_disk: u64,
+    /// Convolutions left to ATen's because no plan could be had then (one first met during a
+    /// CUDA-graph capture, where nothing can be timed).
+    pub to_aten: u64,
+}
+
+impl CudnnPlans {
+    /// The counts now, from the start of the process.
+    pub fn now() -> CudnnPlans {
+        let PlanCounts {
+            timed,
+            timing_seconds,
+            from_disk,
+            to_aten,
+        } = ffi::convolution::plan_counts();
+        let count = |n: i64| u64::try_from(n).unwrap_or(0);
+        CudnnPlans {
+            timed: count(timed),
+            timing_seconds,
+            from_disk: count(from_disk),
+            to_aten: count(to_aten),
+        }
+    }
+
+    /// The audit's line for the plans taken since `start`, if any were.
+    pub(crate) fn note_since(start: &CudnnPlans) -> Option<String> {
+        let now = CudnnPlans::now();
+        let timed = now.timed.saturating_sub(start.timed);
+        let from_disk = now.from_disk.saturating_sub(start.from_disk);
+        let to_aten = now.to_aten.saturating_sub(start.to_aten);
+        (timed + from_disk + to_aten > 0).then(|| {
+            format!(
+                "cuDNN convolution plans: {timed} chosen by timing cuDNN's candidates ({:.2} s), \
+                 {from_disk} built from the kernel cache's earlier choices, {to_aten} \
+                 convolution(s) first met during a graph capture left to ATen",
+                now.timing_seconds - start.timing_seconds
+            )
+        })
+    }
 }
