@@ -6,9 +6,10 @@
 //! memory peak, every layer's copy is alive (about 21 MiB for a CIFAR ResNet-18). speedkit's convolution saves
 //! the fp32 weight instead, which the model holds anyway, and casts it again in the backward: one
 //! more pass over each weight per step, what torch.compile's partitioner chooses for the same
-//! graph. The convolutions run on the operands autocast would give ATen's; in bf16 and fp16 with
-//! `cudnn.benchmark` on, through cuDNN plans speedkit chose by timing once and keeps in the kernel
-//! cache (`speedkit/shim/conv_plans.cpp`), so that a later run of the same model times nothing.
+//! graph. The convolutions run on the operands autocast would give ATen's; the 2-D ones in bf16 and
+//! fp16 that ATen would give cuDNN (not depthwise ones), with `cudnn.benchmark` on, through cuDNN
+//! plans speedkit chose by timing once and keeps in the kernel cache
+//! (`speedkit/shim/conv_plans.cpp`), so that a later run of the same model times nothing.
 
 use tch::{Kind, Tensor};
 
@@ -64,9 +65,9 @@ fn unsupported<'a>(operands: impl Iterator<Item = &'a Tensor>, x: &Tensor) -> Op
 }
 
 /// What the cuDNN plans of speedkit's convolution took in this process so far: with
-/// `cudnn.benchmark` on, its 2-D convolutions in bf16 and fp16 run plans speedkit chose by timing
-/// cuDNN's candidates once and keeps in the kernel cache, so that a later run builds them from
-/// there without timing anything.
+/// `cudnn.benchmark` on, its 2-D convolutions in bf16 and fp16 that ATen would give cuDNN (not
+/// depthwise ones) run plans speedkit chose by timing cuDNN's candidates once and keeps in the
+/// kernel cache, so that a later run builds them from there without timing anything.
 ///
 /// ```
 /// let plans = speedkit::overrides::CudnnPlans::now();
