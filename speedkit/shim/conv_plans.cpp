@@ -35,6 +35,7 @@
 #include <c10/util/Exception.h>
 #include <cudnn_graph.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -166,11 +167,26 @@ struct Operand {
   int64_t alignment = 0;  // bytes: the largest power of two up to 16 dividing its address
 };
 
-Operand operand(const at::Tensor& t) {
+// `t` as cuDNN is told of it. A dimension of size one gets the stride the memory format gives it,
+// as ATen's descriptors do (`fixSizeOneDimStride`): its stride addresses nothing, but cuDNN reads the
+// layout from it. A depthwise weight [C, 1, kh, kw] keeps NCHW's strides after a channels-last
+// `contiguous`, and described so, cuDNN offers none of its depthwise kernels (convnext_tch's step
+// 2.3 times as long).
+Operand operand(const at::Tensor& t, at::MemoryFormat format) {
   Operand o;
   for (int d = 0; d < 4; ++d) {
     o.sizes[d] = t.size(d);
     o.strides[d] = t.stride(d);
+  }
+  const std::array<int, 4> inner_to_outer = format == at::MemoryFormat::ChannelsLast
+                                                ? std::array<int, 4>{1, 3, 2, 0}
+                                                : std::array<int, 4>{3, 2, 1, 0};
+  int64_t dense = 1;
+  for (const int d : inner_to_outer) {
+    if (o.sizes[d] == 1)
+      o.strides[d] = dense;
+    else
+      dense *= o.sizes[d];
   }
   const auto address = reinterpret_cast<uintptr_t>(t.data_ptr());
   o.alignment = 16;
@@ -205,11 +221,12 @@ struct Problem {
 
 std::array<int64_t, 2> pair(at::IntArrayRef values) { return {values[0], values[values.size() > 1 ? 1 : 0]}; }
 
-Problem problem(Pass pass, const at::Tensor& x, const at::Tensor& w, const at::Tensor& y, const Geometry& g) {
+Problem problem(Pass pass, const at::Tensor& x, const at::Tensor& w, const at::Tensor& y, const Geometry& g,
+                at::MemoryFormat format) {
   const auto& properties = *at::cuda::getCurrentDeviceProperties();
   return Problem{pass,
                  x.scalar_type(),
-                 {operand(x), operand(w), operand(y)},
+                 {operand(x, format), operand(w, format), operand(y, format)},
                  pair(g.stride),
                  pair(g.padding),
                  pair(g.dilation),
@@ -366,13 +383,19 @@ cudnnStatus_t execute(const Plan& plan, cudnnHandle_t handle, const std::array<v
 
 struct Counters {
   std::atomic<int64_t> timed{0}, from_disk{0}, to_aten{0};
-  std::atomic<int64_t> timing_microseconds{0};
+  std::atomic<int64_t> timing_microseconds{0}, building_microseconds{0};
 };
 
 Counters& counters() {
   static Counters* c = new Counters();
   return *c;
 }
+
+// Whether plans come only from earlier choices (the process's or the kernel cache's), never timed:
+// see set_kept_only().
+std::atomic<bool> kept_only_flag{false};
+
+bool kept_only() { return kept_only_flag.load(); }
 
 // This process's chosen plans by problem, serialised, and the plans built from them by handle
 // (ATen's handles are per thread; a plan is built for one).
@@ -442,10 +465,33 @@ std::optional<float> time_plan(const Plan& plan, cudnnHandle_t handle, const std
   return static_cast<float>(start.elapsedTime(end) / kRuns);
 }
 
-// The global index of `config`'s engine, for the log.
-int64_t engine_of(const Descriptor& config) {
+// What the filter and the log read of a configuration's engine.
+struct Engine {
+  int64_t index = -1;
+  bool down_converts = false;        // it converts its inputs to a narrower type
+  bool compiled_at_run_time = false;  // cuDNN compiles its kernel when a plan is built
+};
+
+// Whether `engine`'s notes under `name` (of `type`, at most `count`) hold `note`.
+template <typename Note>
+bool has_note(const Descriptor& engine, cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type, int count,
+              Note note) {
+  std::vector<Note> notes(static_cast<size_t>(count));
+  int64_t held = 0;
+  if (api().get(engine.get(), name, type, count, &held, notes.data()) != CUDNN_STATUS_SUCCESS) return false;
+  notes.resize(static_cast<size_t>(std::clamp<int64_t>(held, 0, count)));
+  return std::find(notes.begin(), notes.end(), note) != notes.end();
+}
+
+Engine engine_of(const Descriptor& config) {
   auto engines = config.get_descriptors(CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_BACKEND_ENGINE_DESCRIPTOR);
-  return engines.empty() ? -1 : engines[0].get_int64(CUDNN_ATTR_ENGINE_GLOBAL_INDEX);
+  if (engines.empty()) return {};
+  const Descriptor& e = engines[0];
+  return Engine{e.get_int64(CUDNN_ATTR_ENGINE_GLOBAL_INDEX),
+                has_note(e, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
+                         CUDNN_NUMERICAL_NOTE_TYPE_COUNT, CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS),
+                has_note(e, CUDNN_ATTR_ENGINE_BEHAVIOR_NOTE, CUDNN_TYPE_BEHAVIOR_NOTE, CUDNN_BEHAVIOR_NOTE_TYPE_COUNT,
+                         CUDNN_BEHAVIOR_NOTE_RUNTIME_COMPILATION)};
 }
 
 // Whether to print each timing to stderr (SPEEDKIT_CONV_PLANS_LOG set): what was tried and chosen.
@@ -454,12 +500,30 @@ bool logging() {
   return on;
 }
 
+double milliseconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+}
+
 // A candidate timed on the operands.
 struct Timed {
   Plan plan;
   float ms;
-  int64_t engine;
+  Engine engine;
+  double build_ms;
+  bool fallback;  // from cuDNN's fallback list, not its heuristics
 };
+
+void log_choice(const std::string& key, const std::vector<Timed>& timed, size_t best) {
+  std::ostringstream text;
+  text << "speedkit cuDNN plans: " << key << '\n';
+  for (size_t i = 0; i < timed.size(); ++i) {
+    const Timed& t = timed[i];
+    text << (i == best ? "  * engine " : "    engine ") << t.engine.index << " ("
+         << (t.fallback ? "fallback" : "heuristics") << (t.engine.compiled_at_run_time ? ", compiled at run time" : "")
+         << ", built in " << t.build_ms << " ms): " << t.ms << " ms, workspace " << t.plan.workspace << " bytes\n";
+  }
+  std::cerr << text.str();
+}
 
 // The candidate chosen among cuDNN's for `graph`, timed on the operands; nullopt where none runs.
 std::optional<Timed> choose(const Graph& graph, cudnnHandle_t handle, const std::array<void*, 3>& pointers,
@@ -477,16 +541,19 @@ std::optional<Timed> choose(const Graph& graph, cudnnHandle_t handle, const std:
     for (Descriptor& config :
          heuristics.get_descriptors(CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_BACKEND_ENGINECFG_DESCRIPTOR)) {
       if (limit > 0 && tried >= limit) break;
-      const int64_t engine = engine_of(config);
+      const Engine engine = engine_of(config);
+      // ATen's autotuning skips these too: they would not compute in the operands' type.
+      if (engine.down_converts) continue;
+      const auto building = std::chrono::steady_clock::now();
       auto plan = plan_of(std::move(config), handle);
       if (!plan) continue;
       ++tried;
-      if (auto ms = time_plan(*plan, handle, pointers, options)) timed.push_back({std::move(*plan), *ms, engine});
+      const double build_ms = milliseconds_since(building);
+      if (auto ms = time_plan(*plan, handle, pointers, options))
+        timed.push_back({std::move(*plan), *ms, engine, build_ms, mode == CUDNN_HEUR_MODE_FALLBACK});
     }
   }
-  counters().timing_microseconds += std::chrono::duration_cast<std::chrono::microseconds>(
-                                        std::chrono::steady_clock::now() - started)
-                                        .count();
+  counters().timing_microseconds += static_cast<int64_t>(milliseconds_since(started) * 1000);
   if (timed.empty()) return std::nullopt;
   float fastest = timed[0].ms;
   for (const Timed& t : timed) fastest = std::min(fastest, t.ms);
@@ -494,14 +561,7 @@ std::optional<Timed> choose(const Graph& graph, cudnnHandle_t handle, const std:
   for (size_t i = 0; i < timed.size(); ++i)
     if (timed[i].ms <= fastest * 1.02f && (best == timed.size() || timed[i].plan.workspace < timed[best].plan.workspace))
       best = i;
-  if (logging()) {
-    std::ostringstream text;
-    text << "speedkit cuDNN plans: " << key << '\n';
-    for (size_t i = 0; i < timed.size(); ++i)
-      text << (i == best ? "  * engine " : "    engine ") << timed[i].engine << ": " << timed[i].ms
-           << " ms, workspace " << timed[i].plan.workspace << " bytes\n";
-    std::cerr << text.str();
-  }
+  if (logging()) log_choice(key, timed, best);
   return std::move(timed[best]);
 }
 
@@ -520,12 +580,27 @@ std::shared_ptr<Plan> plan_for(const Problem& p, const std::array<void*, 3>& poi
   }
   std::optional<Plan> plan;
   if (text) plan = deserialised(*text, handle);
-  if (!plan && (text = read_plan(key)) && (plan = deserialised(*text, handle))) ++counters().from_disk;
   if (!plan) {
-    if (kernels::driver::stream_is_capturing(at::cuda::getCurrentCUDAStream().stream())) return nullptr;
+    const auto building = std::chrono::steady_clock::now();
+    if ((text = read_plan(key)) && (plan = deserialised(*text, handle))) {
+      ++counters().from_disk;
+      counters().building_microseconds += static_cast<int64_t>(milliseconds_since(building) * 1000);
+    }
+  }
+  if (!plan) {
+    // A kept-only step runs ATen's heuristics for what no earlier run kept, uncounted: it runs them
+    // so as not to time anything.
+    if (kept_only()) return nullptr;
+    if (kernels::driver::stream_is_capturing(at::cuda::getCurrentCUDAStream().stream())) {
+      ++counters().to_aten;
+      return nullptr;
+    }
     Graph graph = graph_of(p, handle);
     auto chosen = choose(graph, handle, pointers, options, key);
-    if (!chosen) return nullptr;
+    if (!chosen) {
+      ++counters().to_aten;
+      return nullptr;
+    }
     ++counters().timed;
     plan = std::move(chosen->plan);
     // The graph's descriptors live as long as the plan made from them.
@@ -539,15 +614,14 @@ std::shared_ptr<Plan> plan_for(const Problem& p, const std::array<void*, 3>& poi
   return s.plans.emplace(std::make_pair(handle, key), shared).first->second;
 }
 
-// Runs `p` on the operands x, w and y (in kUids' order) through its plan; whether it ran.
-bool run(Pass pass, const at::Tensor& x, const at::Tensor& w, const at::Tensor& y, const Geometry& geometry) {
-  const Problem p = problem(pass, x, w, y, geometry);
+// Runs `p` on the operands x, w and y (in kUids' order, laid out in `format`) through its plan;
+// whether it ran.
+bool run(Pass pass, const at::Tensor& x, const at::Tensor& w, const at::Tensor& y, const Geometry& geometry,
+         at::MemoryFormat format) {
+  const Problem p = problem(pass, x, w, y, geometry, format);
   const std::array<void*, 3> pointers = {x.data_ptr(), w.data_ptr(), y.data_ptr()};
   const auto plan = plan_for(p, pointers, x.options());
-  if (plan == nullptr) {
-    ++counters().to_aten;
-    return false;
-  }
+  if (plan == nullptr) return false;
   const at::Tensor workspace = workspace_for(*plan, x.options());
   check(execute(*plan, at::native::getCudnnHandle(), pointers, workspace), "running a convolution");
   return true;
@@ -569,10 +643,6 @@ std::string unsupported(const at::Tensor& x, const at::Tensor& w, const Geometry
   if (x.dim() != 4 || w.dim() != 4) return "not a 2-D convolution";
   if (x.scalar_type() != w.scalar_type() || (x.scalar_type() != at::kBFloat16 && x.scalar_type() != at::kHalf))
     return "not in bf16 or fp16";
-  // A depthwise convolution: ATen runs its own kernels or cuDNN's depthwise ones, which cuDNN's
-  // heuristics do not offer (convnext_tch's 7×7 depthwise convolutions on plans timed from them made
-  // its step 2.3 times as long).
-  if (groups > 1 && groups == x.size(1) && w.size(1) == 1) return "a depthwise convolution";
   const std::vector<c10::SymInt> no_padding(2, 0);
   const auto backend = at::native::select_conv_backend(
       x, w, std::nullopt, c10::fromIntArrayRefSlow(g.stride), c10::fromIntArrayRefSlow(g.padding),
@@ -580,8 +650,12 @@ std::string unsupported(const at::Tensor& x, const at::Tensor& w, const Geometry
   if (backend != at::native::ConvBackend::Cudnn) return "ATen runs it on other kernels than cuDNN's";
   auto& context = at::globalContext();
   if (!context.userEnabledCuDNN()) return "cuDNN is off";
-  if (!context.benchmarkCuDNN()) return "cudnn.benchmark is off (cuDNN's heuristics choose)";
-  if (context.deterministicCuDNN() || context.deterministicAlgorithms()) return "deterministic algorithms asked for";
+  // While kept-only, speedkit itself holds autotuning paused (set_kept_only()); the user's flags are
+  // the ones the pause replaced.
+  if (!kept_only()) {
+    if (!context.benchmarkCuDNN()) return "cudnn.benchmark is off (cuDNN's heuristics choose)";
+    if (context.deterministicCuDNN() || context.deterministicAlgorithms()) return "deterministic algorithms asked for";
+  }
   try {
     api();
   } catch (const std::exception& e) {
@@ -594,7 +668,7 @@ std::optional<at::Tensor> forward(const at::Tensor& x_in, const at::Tensor& w_in
   const auto format = at::native::cudnn_conv_suggest_memory_format(x_in, w_in);
   const at::Tensor x = x_in.contiguous(format), w = w_in.contiguous(format);
   at::Tensor y = at::empty(output_sizes(x, w, geometry), x.options().memory_format(format));
-  if (!run(Pass::forward, x, w, y, geometry)) return std::nullopt;
+  if (!run(Pass::forward, x, w, y, geometry, format)) return std::nullopt;
   return y;
 }
 
@@ -602,7 +676,7 @@ std::optional<at::Tensor> backward_data(const at::Tensor& dy_in, const at::Tenso
                                         const Geometry& geometry, at::MemoryFormat format) {
   const at::Tensor dy = dy_in.contiguous(format), w = w_in.contiguous(format);
   at::Tensor dx = at::empty(x_sizes, dy.options().memory_format(format));
-  if (!run(Pass::data, dx, w, dy, geometry)) return std::nullopt;
+  if (!run(Pass::data, dx, w, dy, geometry, format)) return std::nullopt;
   return dx;
 }
 
@@ -610,14 +684,16 @@ std::optional<at::Tensor> backward_filter(const at::Tensor& dy_in, const at::Ten
                                           const Geometry& geometry, at::MemoryFormat format) {
   const at::Tensor dy = dy_in.contiguous(format), x = x_in.contiguous(format);
   at::Tensor dw = at::empty(w_like.sizes(), dy.options().memory_format(format));
-  if (!run(Pass::filter, x, dw, dy, geometry)) return std::nullopt;
+  if (!run(Pass::filter, x, dw, dy, geometry, format)) return std::nullopt;
   return dw;
 }
+
+bool set_kept_only(bool on) { return kept_only_flag.exchange(on); }
 
 Counts counts() {
   const Counters& c = counters();
   return Counts{c.timed.load(), static_cast<double>(c.timing_microseconds.load()) / 1e6, c.from_disk.load(),
-                c.to_aten.load()};
+                static_cast<double>(c.building_microseconds.load()) / 1e6, c.to_aten.load()};
 }
 
 #else  // no cuDNN headers: ATen's convolutions only
@@ -634,6 +710,7 @@ std::optional<at::Tensor> backward_filter(const at::Tensor&, const at::Tensor&, 
                                           at::MemoryFormat) {
   return std::nullopt;
 }
+bool set_kept_only(bool) { return false; }
 Counts counts() { return {}; }
 
 #endif
@@ -642,11 +719,15 @@ Counts counts() { return {}; }
 
 extern "C" {
 
-int sk_conv_plans_counts(int64_t* timed, double* timing_seconds, int64_t* from_disk, int64_t* to_aten) {
+int sk_conv_plans_kept_only(int on) { return sk::conv_plans::set_kept_only(on != 0) ? 1 : 0; }
+
+int sk_conv_plans_counts(int64_t* timed, double* timing_seconds, int64_t* from_disk, double* building_seconds,
+                         int64_t* to_aten) {
   const auto c = sk::conv_plans::counts();
   *timed = c.timed;
   *timing_seconds = c.timing_seconds;
   *from_disk = c.from_disk;
+  *building_seconds = c.building_seconds;
   *to_aten = c.to_aten;
   return 0;
 }

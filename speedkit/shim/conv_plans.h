@@ -23,8 +23,8 @@ struct Geometry {
 };
 
 // Why speedkit's plans do not take a convolution of `x` by `w` in `groups` (they take 2-D ones in
-// bf16 or fp16, not depthwise, that ATen would run on cuDNN, with cudnn.benchmark on and no
-// deterministic algorithms asked for), or empty when they do.
+// bf16 or fp16 that ATen would run on cuDNN, with cudnn.benchmark on and no deterministic
+// algorithms asked for), or empty when they do.
 std::string unsupported(const at::Tensor& x, const at::Tensor& w, const Geometry& geometry, int64_t groups);
 
 // y = x ⋆ w (cross-correlation, `groups` from the channels), in the layout ATen's cuDNN path gives
@@ -44,12 +44,19 @@ std::optional<at::Tensor> backward_data(const at::Tensor& dy, const at::Tensor& 
 std::optional<at::Tensor> backward_filter(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& w_like,
                                           const Geometry& geometry, at::MemoryFormat format);
 
+// Whether plans come only from earlier choices, this process's or the kernel cache's: a convolution
+// none was kept for runs ATen's kernels, whatever cudnn.benchmark says, and nothing is timed. For
+// a step whose autotuning speedkit pauses (the channels-last census), cuDNN's heuristics would
+// otherwise compile kernels a kept plan has ready. Returns the previous setting.
+bool set_kept_only(bool on);
+
 // What the plans did in this process: chosen by timing (and the seconds that took), built from the
-// disk cache, and convolutions handed back to ATen.
+// disk cache (and the seconds that took), and convolutions handed back to ATen.
 struct Counts {
   int64_t timed = 0;
   double timing_seconds = 0;
   int64_t from_disk = 0;
+  double building_seconds = 0;
   int64_t to_aten = 0;
 };
 Counts counts();

@@ -749,9 +749,15 @@ int sk_convolution(sk_tensor x, sk_tensor weight, sk_tensor bias, const int64_t*
                    const int64_t* dilation, int64_t spatial_dims, int64_t groups, int scalar_type, sk_tensor* y);
 /// What the cuDNN plans of speedkit's convolutions (conv_plans.cpp) did in this process: *timed
 /// plans chosen by timing cuDNN's candidates (*timing_seconds spent on it), *from_disk built from
-/// choices an earlier run kept in the kernel cache, *to_aten convolutions left to ATen's because no
-/// plan could be had (one first met during a CUDA-graph capture, or no candidate ran).
-int sk_conv_plans_counts(int64_t* timed, double* timing_seconds, int64_t* from_disk, int64_t* to_aten);
+/// choices an earlier run kept in the kernel cache (*building_seconds spent on it), *to_aten
+/// convolutions left to ATen's because no plan could be had (one first met during a CUDA-graph
+/// capture, or no candidate ran).
+int sk_conv_plans_counts(int64_t* timed, double* timing_seconds, int64_t* from_disk, double* building_seconds,
+                         int64_t* to_aten);
+/// Sets whether speedkit's convolutions run only plans chosen earlier (this process's or the kernel
+/// cache's), timing nothing and leaving the rest to ATen, whatever cudnn.benchmark says (on != 0),
+/// or choose as usual (on == 0). Returns the previous setting (1 or 0).
+int sk_conv_plans_kept_only(int on);
 
 // @module mlp: the transformer MLP on cuBLASLt epilogues, else ATen's (cublaslt.cpp)
 

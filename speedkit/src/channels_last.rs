@@ -16,11 +16,16 @@
 //! `cudnn.deterministic` on: ATen keeps the plan it ran for each convolution, keyed by that flag
 //! among others, and later steps, with the flag off again, would otherwise run the heuristics'
 //! plan forever instead of tuning their own (`resnet`, which stays channels-last, ran 9% slower).
+//! speedkit's own convolutions run, in the census step, the plans an earlier run kept where it kept
+//! any ([`KeptPlansOnly`]): they time nothing, where cuDNN's heuristics would compile kernels again
+//! (`convnext_tch`'s depthwise convolutions: its second run's warm-up took 5.4 s instead of 1.5 on
+//! an H200).
 
 use tch::Tensor;
 
 use crate::error::Result;
 use crate::ffi;
+use crate::ffi::convolution::KeptPlansOnly;
 use crate::flags::{Flag, FlagGuard, FlagSetting, FlagValue};
 
 /// Why the census step's convolutions run cuDNN's heuristics.
@@ -36,6 +41,8 @@ pub(crate) struct ChannelsLastProbe {
     /// `cudnn.benchmark` off and `cudnn.deterministic` on for the census step, where
     /// autotuning was on and determinism off.
     autotuning_paused: Option<FlagGuard>,
+    /// Held while autotuning is paused.
+    kept_plans_only: Option<KeptPlansOnly>,
 }
 
 impl ChannelsLastProbe {
@@ -51,10 +58,12 @@ impl ChannelsLastProbe {
             false => None,
         };
         ffi::optim::channels_last_census_start()?;
+        let kept_plans_only = autotuning_paused.is_some().then(KeptPlansOnly::hold);
         Ok(Self {
             weights,
             counting: true,
             autotuning_paused,
+            kept_plans_only,
         })
     }
 
@@ -63,6 +72,7 @@ impl ChannelsLastProbe {
     pub(crate) fn stop(&mut self) -> Result<i64> {
         self.counting = false;
         let calls = ffi::optim::channels_last_census_stop();
+        self.kept_plans_only.take();
         if let Some(paused) = self.autotuning_paused.take() {
             paused.restore()?;
         }

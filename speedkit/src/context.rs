@@ -184,8 +184,9 @@ impl SpeedContext {
                     .transpose()?;
                 let paused = match probe.as_ref().is_some_and(|p| p.pauses_autotuning()) {
                     true => {
-                        "; until the first backward decides whether they stay, cuDNN runs its \
-                             heuristics instead of autotuning"
+                        "; until the first backward decides whether they stay, convolutions run \
+                         the plans an earlier run kept, else cuDNN runs its heuristics, instead \
+                         of autotuning"
                     }
                     false => "",
                 };

@@ -2,9 +2,11 @@
 
 use crate::common;
 use crate::support::channels_last;
+use speedkit::config::{AutoBool, SpeedConfig};
 use speedkit::flags::{Flag, FlagGuard, FlagSetting, FlagValue};
 use speedkit::memory::MemoryUse;
 use speedkit::overrides::{CudnnPlans, Override};
+use speedkit::SpeedContext;
 use tch::{Device, Kind, Tensor};
 
 /// One convolution case: input and weight shapes, stride, padding, dilation (one value per spatial
@@ -317,9 +319,56 @@ fn convolutions_through_speedkits_cudnn_plans_match_atens_on_odd_shapes() {
     }
 }
 
-/// What the child process of
-/// [`a_later_process_builds_the_chosen_cudnn_plans_from_the_kernel_cache_without_timing`] prints.
+/// What the child processes of the tests below print before the plan counts (timed, from the
+/// kernel cache, left to ATen).
 const PLANS_LINE: &str = "cudnn plans:";
+
+fn print_plan_counts() {
+    let plans = CudnnPlans::now();
+    println!(
+        "{PLANS_LINE} {} {} {}",
+        plans.timed, plans.from_disk, plans.to_aten
+    );
+}
+
+/// Runs the ignored test `name` of this binary twice, as two processes sharing one empty kernel
+/// cache: the plan counts each printed, in order.
+fn plan_counts_of_two_processes(name: &str) -> [Vec<[u64; 3]>; 2] {
+    let cache = std::env::temp_dir().join(format!(
+        "speedkit-cudnn-plans-{}-{name}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&cache);
+    let run = || {
+        let exe = std::env::current_exe().expect("the test binary's path");
+        let output = std::process::Command::new(exe)
+            .args(["--exact", &format!("convolution::{name}")])
+            .args(["--ignored", "--nocapture", "--test-threads=1"])
+            .env("SPEEDKIT_KERNEL_CACHE", &cache)
+            .output()
+            .expect("the child process runs");
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        let counts: Vec<[u64; 3]> = (stdout.lines())
+            .filter_map(|l| l.split_once(PLANS_LINE).map(|(_, counts)| counts))
+            .map(|line| {
+                let n: Vec<u64> = line
+                    .split_whitespace()
+                    .map(|n| n.parse().unwrap())
+                    .collect();
+                [n[0], n[1], n[2]]
+            })
+            .collect();
+        assert!(
+            output.status.success() && !counts.is_empty(),
+            "{name}:\n{stdout}\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        counts
+    };
+    let counts = [run(), run()];
+    let _ = std::fs::remove_dir_all(&cache);
+    counts
+}
 
 #[test]
 #[ignore = "a child process of a_later_process_builds_the_chosen_cudnn_plans_from_the_kernel_cache_without_timing"]
@@ -331,11 +380,7 @@ fn one_convolution_step_through_cudnn_plans() {
     let case = &PLAN_CASES[1];
     let [x, w, b, dy] = plan_operands(case, device, true);
     conv_pass_in(Kind::BFloat16, &x, &w, Some(&b), &dy, case);
-    let plans = CudnnPlans::now();
-    println!(
-        "{PLANS_LINE} {} {} {}",
-        plans.timed, plans.from_disk, plans.to_aten
-    );
+    print_plan_counts();
 }
 
 #[test]
@@ -348,52 +393,62 @@ fn a_later_process_builds_the_chosen_cudnn_plans_from_the_kernel_cache_without_t
     {
         return;
     }
-    let cache = std::env::temp_dir().join(format!("speedkit-cudnn-plans-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&cache);
-    let run = || {
-        let exe = std::env::current_exe().expect("the test binary's path");
-        let output = std::process::Command::new(exe)
-            .args([
-                "--exact",
-                "convolution::one_convolution_step_through_cudnn_plans",
-            ])
-            .args(["--ignored", "--nocapture", "--test-threads=1"])
-            .env("SPEEDKIT_KERNEL_CACHE", &cache)
-            .output()
-            .expect("the child process runs");
-        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
-        let line = (stdout.lines())
-            .find_map(|l| l.split_once(PLANS_LINE).map(|(_, counts)| counts))
-            .unwrap_or_else(|| {
-                panic!(
-                    "no plans line in\n{stdout}\n{}",
-                    String::from_utf8_lossy(&output.stderr)
-                )
-            })
-            .to_owned();
-        let counts: Vec<u64> = line
-            .split_whitespace()
-            .map(|n| n.parse().unwrap())
-            .collect();
-        counts
-    };
-    let first = run();
-    let second = run();
-    let _ = std::fs::remove_dir_all(&cache);
+    let [first, second] = plan_counts_of_two_processes("one_convolution_step_through_cudnn_plans");
     // The first process times the forward's, the data gradient's and the filter gradient's plans;
     // the second builds the same three from the files the first wrote.
-    assert_eq!(first, [3, 0, 0], "the first process");
-    assert_eq!(second, [0, 3, 0], "the second process");
+    assert_eq!(first, [[3, 0, 0]], "the first process");
+    assert_eq!(second, [[0, 3, 0]], "the second process");
 }
 
 #[test]
-fn a_depthwise_convolution_stays_atens_and_matches_it() {
+#[ignore = "a child process of the_first_steps_channels_last_convolutions_run_the_plans_an_earlier_run_kept"]
+fn two_training_steps_of_a_channels_last_convolution() {
     let _serial = common::serial();
-    let Some(device) = common::cuda_or_skip("a_depthwise_convolution_stays_atens_and_matches_it")
-    else {
+    let device = Device::Cuda(0);
+    let ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
+    let mut vs = tch::nn::VarStore::new(device);
+    let conv = tch::nn::conv2d(vs.root(), 8, 40, 3, Default::default());
+    ctx.prepare(&mut vs).unwrap();
+    // An input with a gradient, so that the backward runs both of its passes.
+    let x = Tensor::randn([3, 8, 15, 17], (Kind::Float, device)).set_requires_grad(true);
+    for _ in 0..2 {
+        let y = ctx.autocast(|| x.apply(&conv));
+        ctx.backward(&y.to_kind(Kind::Float).square().mean(Kind::Float))
+            .unwrap();
+        print_plan_counts();
+    }
+}
+
+#[test]
+fn the_first_steps_channels_last_convolutions_run_the_plans_an_earlier_run_kept() {
+    let _serial = common::serial();
+    if common::cuda_or_skip(
+        "the_first_steps_channels_last_convolutions_run_the_plans_an_earlier_run_kept",
+    )
+    .is_none()
+    {
+        return;
+    }
+    let [first, second] =
+        plan_counts_of_two_processes("two_training_steps_of_a_channels_last_convolution");
+    // The first step runs while the channels-last census holds autotuning paused: the first
+    // process's runs cuDNN's heuristics and times nothing, its second step times three plans; the
+    // second process's first step builds those three from the kernel cache.
+    assert_eq!(first, [[0, 0, 0], [3, 0, 0]], "the first process");
+    assert_eq!(second, [[0, 3, 0], [0, 3, 0]], "the second process");
+}
+
+#[test]
+fn a_channels_last_depthwise_convolution_runs_cudnn_plans_and_matches_atens() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "a_channels_last_depthwise_convolution_runs_cudnn_plans_and_matches_atens",
+    ) else {
         return;
     };
     let _tuned = hold_autotuning();
+    // ATen gives a channels-last depthwise convolution to cuDNN. Its weight [C, 1, kh, kw] keeps
+    // NCHW's strides, which the plans must describe as channels-last's, as ATen does.
     let case = ConvCase {
         x: &[3, 24, 9, 13],
         w: &[24, 1, 7, 7],
@@ -402,26 +457,95 @@ fn a_depthwise_convolution_stays_atens_and_matches_it() {
         dilation: &[1, 1],
         groups: 24,
     };
-    for last in [false, true] {
-        let [x, w, b, dy] = plan_operands(&case, device, last);
-        let (expected, _) = {
-            let _off = common::hold_override(Override::Convolution, false);
-            conv_pass(&x, &w, Some(&b), &dy, &case)
+    let [x, w, b, dy] = plan_operands(&case, device, true);
+    let (expected, _) = {
+        let _off = common::hold_override(Override::Convolution, false);
+        conv_pass(&x, &w, Some(&b), &dy, &case)
+    };
+    let before = CudnnPlans::now();
+    let _on = common::hold_override(Override::Convolution, true);
+    let (got, _) = conv_pass(&x, &w, Some(&b), &dy, &case);
+    let after = CudnnPlans::now();
+    let taken = (after.timed + after.from_disk) - (before.timed + before.from_disk);
+    assert_eq!(taken, 3, "{before:?} then {after:?}");
+    for (what, i) in [("y", 0), ("dx", 1), ("dw", 2), ("db", 3)] {
+        let err = common::rel_err(&got[i], &expected[i]);
+        assert!(err < 1e-2, "{what}: relative error {err}");
+    }
+}
+
+#[test]
+fn a_convolution_first_met_during_a_graph_capture_runs_atens_and_its_replay_matches() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "a_convolution_first_met_during_a_graph_capture_runs_atens_and_its_replay_matches",
+    ) else {
+        return;
+    };
+    let mut config = SpeedConfig::auto();
+    config.compile.enabled = AutoBool::On;
+    config.compile.warmup_steps = 1;
+    let ctx = SpeedContext::new(&config).unwrap();
+    let _tuned = hold_autotuning();
+    // The warm-up step convolves one shape, the captured step another: nothing may be timed
+    // during a capture, so the second runs ATen's kernels, which ATen autotuned here before. Shapes
+    // of no other test, whose plans this process would hold already.
+    let warmup_case = &ConvCase {
+        x: &[2, 12, 9, 7],
+        w: &[20, 12, 3, 3],
+        stride: &[1, 1],
+        padding: &[1, 1],
+        dilation: &[1, 1],
+        groups: 1,
+    };
+    let captured_case = &ConvCase {
+        x: &[4, 10, 13, 11],
+        w: &[6, 5, 3, 3],
+        stride: &[2, 2],
+        padding: &[1, 0],
+        dilation: &[1, 1],
+        groups: 2,
+    };
+    let warmup_operands = plan_operands(warmup_case, device, true);
+    let [x, w, b, dy] = plan_operands(captured_case, device, true);
+    let flat = |results: Vec<Tensor>| {
+        let flat: Vec<Tensor> = results
+            .iter()
+            .map(|t| t.to_kind(Kind::Float).flatten(0, -1))
+            .collect();
+        Tensor::cat(&flat, 0)
+    };
+    let expected = {
+        let _off = common::hold_override(Override::Convolution, false);
+        flat(conv_pass(&x, &w, Some(&b), &dy, captured_case).0)
+    };
+    let _on = common::hold_override(Override::Convolution, true);
+    let before = CudnnPlans::now();
+    let mut calls = 0;
+    let mut g = ctx.graphed(|_: &[Tensor]| -> speedkit::Result<Option<Tensor>> {
+        calls += 1;
+        let results = if calls == 1 {
+            let [x, w, b, dy] = &warmup_operands;
+            conv_pass(x, w, Some(b), dy, warmup_case).0
+        } else {
+            conv_pass(&x, &w, Some(&b), &dy, captured_case).0
         };
-        let before = CudnnPlans::now();
-        let _on = common::hold_override(Override::Convolution, true);
-        let (got, _) = conv_pass(&x, &w, Some(&b), &dy, &case);
-        assert_eq!(
-            CudnnPlans::now(),
-            before,
-            "channels-last {last}: no plan taken"
-        );
-        for (what, i) in [("y", 0), ("dx", 1), ("dw", 2), ("db", 3)] {
-            let err = common::rel_err(&got[i], &expected[i]);
-            assert!(
-                err < 1e-2,
-                "channels-last {last} {what}: relative error {err}"
-            );
-        }
+        Ok(Some(flat(results)))
+    });
+    g.run(&[]).unwrap();
+    let captured = g.run(&[]).unwrap().unwrap();
+    let replayed = g.run(&[]).unwrap().unwrap();
+    assert!(g.is_graphed(), "{:?}", g.fallback_reason());
+    let after = CudnnPlans::now();
+    // The forward, the data gradient and the filter gradient of the captured step.
+    assert_eq!(
+        after.to_aten - before.to_aten,
+        3,
+        "{before:?} then {after:?}"
+    );
+    for (what, got) in [("captured", &captured), ("replayed", &replayed)] {
+        assert_eq!(got.size(), expected.size(), "{what}");
+        let err = common::rel_err(got, &expected);
+        assert!(err < 1e-2, "{what}: relative error {err}");
     }
 }

@@ -71,6 +71,8 @@ pub(crate) struct PlanCounts {
     pub(crate) timing_seconds: f64,
     /// Plans built from the choices an earlier run kept in the kernel cache.
     pub(crate) from_disk: i64,
+    /// The seconds building those took.
+    pub(crate) building_seconds: f64,
     /// Convolutions left to ATen's because no plan could be had then.
     pub(crate) to_aten: i64,
 }
@@ -78,14 +80,37 @@ pub(crate) struct PlanCounts {
 /// The counts now.
 pub(crate) fn plan_counts() -> PlanCounts {
     let mut counts = PlanCounts::default();
-    // SAFETY: four out-pointers to live locals, written by the shim.
+    // SAFETY: five out-pointers to live locals, written by the shim.
     unsafe {
         abi::sk_conv_plans_counts(
             &mut counts.timed,
             &mut counts.timing_seconds,
             &mut counts.from_disk,
+            &mut counts.building_seconds,
             &mut counts.to_aten,
         );
     }
     counts
+}
+
+/// While held, speedkit's convolutions run only plans chosen earlier (this process's or the kernel
+/// cache's) and time nothing; dropping it puts back the setting it found.
+pub(crate) struct KeptPlansOnly {
+    before: bool,
+}
+
+impl KeptPlansOnly {
+    /// Runs only kept plans until the guard drops.
+    pub(crate) fn hold() -> Self {
+        // SAFETY: sets an atomic in the shim.
+        let before = unsafe { abi::sk_conv_plans_kept_only(1) } != 0;
+        Self { before }
+    }
+}
+
+impl Drop for KeptPlansOnly {
+    fn drop(&mut self) {
+        // SAFETY: as in `hold`.
+        unsafe { abi::sk_conv_plans_kept_only(i32::from(self.before)) };
+    }
 }

@@ -7,9 +7,9 @@
 //! the fp32 weight instead, which the model holds anyway, and casts it again in the backward: one
 //! more pass over each weight per step, what torch.compile's partitioner chooses for the same
 //! graph. The convolutions run on the operands autocast would give ATen's; the 2-D ones in bf16 and
-//! fp16 that ATen would give cuDNN (not depthwise ones), with `cudnn.benchmark` on, through cuDNN
-//! plans speedkit chose by timing once and keeps in the kernel cache
-//! (`speedkit/shim/conv_plans.cpp`), so that a later run of the same model times nothing.
+//! fp16 that ATen would give cuDNN, with `cudnn.benchmark` on, through cuDNN plans speedkit chose
+//! by timing once and keeps in the kernel cache (`speedkit/shim/conv_plans.cpp`), so that a later
+//! run of the same model times nothing.
 
 use tch::{Kind, Tensor};
 
@@ -65,9 +65,9 @@ fn unsupported<'a>(operands: impl Iterator<Item = &'a Tensor>, x: &Tensor) -> Op
 }
 
 /// What the cuDNN plans of speedkit's convolution took in this process so far: with
-/// `cudnn.benchmark` on, its 2-D convolutions in bf16 and fp16 that ATen would give cuDNN (not
-/// depthwise ones) run plans speedkit chose by timing cuDNN's candidates once and keeps in the
-/// kernel cache, so that a later run builds them from there without timing anything.
+/// `cudnn.benchmark` on, its 2-D convolutions in bf16 and fp16 that ATen would give cuDNN run plans
+/// speedkit chose by timing cuDNN's candidates once and keeps in the kernel cache, so that a later
+/// run builds them from there without timing anything.
 ///
 /// ```
 /// let plans = speedkit::overrides::CudnnPlans::now();
@@ -84,6 +84,8 @@ pub struct CudnnPlans {
     pub timing_seconds: f64,
     /// Plans built from the choices an earlier run kept in the kernel cache.
     pub from_disk: u64,
+    /// The seconds building those took (cuDNN compiles some engines' kernels as it builds).
+    pub building_seconds: f64,
     /// Convolutions left to ATen's because no plan could be had then (one first met during a
     /// CUDA-graph capture, where nothing can be timed).
     pub to_aten: u64,
@@ -96,6 +98,7 @@ impl CudnnPlans {
             timed,
             timing_seconds,
             from_disk,
+            building_seconds,
             to_aten,
         } = ffi::convolution::plan_counts();
         let count = |n: i64| u64::try_from(n).unwrap_or(0);
@@ -103,6 +106,7 @@ impl CudnnPlans {
             timed: count(timed),
             timing_seconds,
             from_disk: count(from_disk),
+            building_seconds,
             to_aten: count(to_aten),
         }
     }
@@ -116,9 +120,10 @@ impl CudnnPlans {
         (timed + from_disk + to_aten > 0).then(|| {
             format!(
                 "cuDNN convolution plans: {timed} chosen by timing cuDNN's candidates ({:.2} s), \
-                 {from_disk} built from the kernel cache's earlier choices, {to_aten} \
+                 {from_disk} built from the kernel cache's earlier choices ({:.2} s), {to_aten} \
                  convolution(s) first met during a graph capture left to ATen",
-                now.timing_seconds - start.timing_seconds
+                now.timing_seconds - start.timing_seconds,
+                now.building_seconds - start.building_seconds
             )
         })
     }
