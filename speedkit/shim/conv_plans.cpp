@@ -253,6 +253,41 @@ Descriptor tensor(const Operand& o, int64_t uid, cudnnDataType_t type) {
   return t;
 }
 
+// A pass's operation descriptor and the attributes it takes: its operands in kUids' order (x or dx,
+// w or dw, y or dy), the convolution, alpha and beta.
+struct PassAttributes {
+  cudnnBackendDescriptorType_t operation;
+  std::array<cudnnBackendAttributeName_t, 3> operands;
+  cudnnBackendAttributeName_t convolution, alpha, beta;
+};
+
+PassAttributes attributes_of(Pass pass) {
+  switch (pass) {
+    case Pass::forward:
+      return {CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR,
+              {CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W,
+               CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y},
+              CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA};
+    case Pass::data:
+      return {CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR,
+              {CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W,
+               CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY},
+              CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA};
+    case Pass::filter:
+      return {CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR,
+              {CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW,
+               CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY},
+              CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA,
+              CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA};
+  }
+  throw std::logic_error("a convolution pass without attributes");
+}
+
 Graph graph_of(const Problem& p, cudnnHandle_t handle) {
   const cudnnDataType_t type = p.type == at::kHalf ? CUDNN_DATA_HALF : CUDNN_DATA_BFLOAT16;
   Graph g;
@@ -269,46 +304,21 @@ Graph graph_of(const Problem& p, cudnnHandle_t handle) {
       .int64(CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, p.padding.data(), 2)
       .int64(CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, p.padding.data(), 2)
       .finalize("describing a convolution");
+  const PassAttributes attributes = attributes_of(p.pass);
   const float alpha = 1.0f, beta = 0.0f;
-  const auto& [x, w, y] = std::tie(g.parts[0], g.parts[1], g.parts[2]);
-  std::optional<Descriptor> op;
-  switch (p.pass) {
-    case Pass::forward:
-      op.emplace(CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR);
-      op->descriptor(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X, x)
-          .descriptor(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W, w)
-          .descriptor(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y, y)
-          .descriptor(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC, convolution)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA, CUDNN_TYPE_FLOAT, &alpha)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA, CUDNN_TYPE_FLOAT, &beta);
-      break;
-    case Pass::data:
-      op.emplace(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR);
-      op->descriptor(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX, x)
-          .descriptor(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W, w)
-          .descriptor(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY, y)
-          .descriptor(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC, convolution)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA, CUDNN_TYPE_FLOAT, &alpha)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA, CUDNN_TYPE_FLOAT, &beta);
-      break;
-    case Pass::filter:
-      op.emplace(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR);
-      op->descriptor(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X, x)
-          .descriptor(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW, w)
-          .descriptor(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY, y)
-          .descriptor(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC, convolution)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA, CUDNN_TYPE_FLOAT, &alpha)
-          .set(CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA, CUDNN_TYPE_FLOAT, &beta);
-      break;
-  }
-  op->finalize("describing a convolution's operation");
+  Descriptor op(attributes.operation);
+  for (size_t i = 0; i < 3; ++i) op.descriptor(attributes.operands[i], g.parts[i]);
+  op.descriptor(attributes.convolution, convolution)
+      .set(attributes.alpha, CUDNN_TYPE_FLOAT, &alpha)
+      .set(attributes.beta, CUDNN_TYPE_FLOAT, &beta)
+      .finalize("describing a convolution's operation");
   Descriptor operation_graph(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
-  const cudnnBackendDescriptor_t ops = op->get();
+  const cudnnBackendDescriptor_t ops = op.get();
   operation_graph.set(CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, &ops)
       .set(CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, &handle)
       .finalize("building a convolution's graph");
   g.parts.push_back(std::move(convolution));
-  g.parts.push_back(std::move(*op));
+  g.parts.push_back(std::move(op));
   g.parts.push_back(std::move(operation_graph));
   return g;
 }

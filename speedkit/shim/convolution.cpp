@@ -10,8 +10,9 @@
 // `speedkit::convolution_backward`, on the operands autocast gives ATen's. On CUDA, for the 2-D
 // convolutions in bf16 or fp16 that ATen would give cuDNN, with cudnn.benchmark on, they run cuDNN
 // plans speedkit chose and keeps on disk (conv_plans.h), so a second run times nothing; elsewhere,
-// and for what those plans do not take, ATen's at::convolution and at::convolution_backward. Operators rather than direct calls so that the
-// dispatcher sees them: the execution trace records what they read and write, as it does ATen's.
+// and for what those plans do not take, ATen's at::convolution and at::convolution_backward.
+// Operators rather than direct calls so that the dispatcher sees them: the execution trace records
+// what they read and write, as it does ATen's.
 #include "conv_plans.h"
 #include "fused_op.h"
 
