@@ -94,11 +94,13 @@ at::Tensor weight_operand(const at::Tensor& weight, int64_t rows, at::ScalarType
 // it once. Only activations (results of autograd's graph) are remembered: a leaf (a parameter,
 // the data) can be written without its version moving, by an optimizer's kernel. A cast is
 // remembered while the tensor it was cast from lives unchanged (its memory, place, layout and
-// version), and forgotten at the first cast after that: the memory is held as long as its source
-// lives and until the next linear's call, where each linear's own cast would have lived until
-// its backward.
+// version), and forgotten at the first cast after that, or when speedkit's backward ends
+// (sk_linear_forget_input_casts): the memory is held as long as its source lives and until one of
+// those, where each linear's own cast would have lived until its backward.
 class InputCasts {
  public:
+  void clear() { entries_.clear(); }
+
   at::Tensor get(const at::Tensor& x, at::ScalarType type) {
     if (x.scalar_type() == type || !activation(x)) return x.to(type);
     entries_.erase(std::remove_if(entries_.begin(), entries_.end(), [](const Entry& e) { return e.stale(); }),
@@ -142,10 +144,13 @@ class InputCasts {
   std::vector<Entry> entries_;
 };
 
-at::Tensor input_operand(const at::Tensor& x, at::ScalarType type) {
+// This thread's remembered casts: a model's forward runs on one thread.
+InputCasts& input_casts() {
   static thread_local InputCasts casts;
-  return casts.get(x, type);
+  return casts;
 }
+
+at::Tensor input_operand(const at::Tensor& x, at::ScalarType type) { return input_casts().get(x, type); }
 
 struct LinearFunction : torch::autograd::Function<LinearFunction> {
   // x: [rows, in]; weight: [out, in]; bias_in: [out] when has_bias, else sk::placeholder_unless's
@@ -265,6 +270,10 @@ int sk_linear_chunks(sk_tensor x, sk_tensor weight, sk_tensor bias, int64_t chun
     sk::variable_list parts = sk::linear(*x, *weight, b, chunks);
     for (int64_t i = 0; i < chunks; ++i) y[i] = sk::give(parts[static_cast<size_t>(i)]);
   })
+}
+
+int sk_linear_forget_input_casts(void) {
+  SK_TRY({ sk::input_casts().clear(); })
 }
 
 }  // extern "C"

@@ -738,6 +738,10 @@ int sk_linear(sk_tensor x, sk_tensor weight, sk_tensor bias, sk_tensor* y);
 int sk_linear_in(sk_tensor x, sk_tensor weight, sk_tensor bias, int gemm_type, sk_tensor* y);
 /// As sk_linear, the output as `chunks` equal blocks of its last dimension, y[0..chunks).
 int sk_linear_chunks(sk_tensor x, sk_tensor weight, sk_tensor bias, int64_t chunks, sk_tensor* y);
+/// Forgets the casts of activations this thread's linears remembered to share among the linears
+/// that read one unchanged input: after a backward their sources are gone, and the casts would
+/// otherwise stay allocated until the thread's next linear.
+int sk_linear_forget_input_casts(void);
 
 // @module convolution: convolution under autocast without a kept copy of the weight, else ATen's (convolution.cpp)
 

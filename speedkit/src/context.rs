@@ -596,6 +596,9 @@ impl SpeedContext {
             }
         }
         let result = self.scaler.scale(loss)?.f_backward().map_err(Into::into);
+        // Linears share one cast of an input within a forward; kept past the backward, the casts
+        // would only hold memory until this thread's next linear.
+        let result = result.and_then(|()| ffi::linear::forget_input_casts());
         let result = result.and_then(|()| self.settle_channels_last());
         let result = result.and_then(|()| match self.data_parallel.borrow().as_ref() {
             Some(dp) => dp.after_backward(join),

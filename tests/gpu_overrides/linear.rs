@@ -1,9 +1,10 @@
 //! The Linear override under autocast against ATen's, its declines, one kept cast of an input that
-//! several linears read.
+//! several linears read, freed when the backward ends.
 
 use crate::common;
 use speedkit::memory::MemoryUse;
 use speedkit::overrides::Override;
+use speedkit::{SpeedConfig, SpeedContext};
 use tch::{Kind, Tensor};
 
 /// y, dx, dweight, dbias of `linear` under CUDA autocast (bf16) for a fixed upstream gradient.
@@ -187,4 +188,33 @@ fn an_activation_written_in_place_between_two_linears_is_cast_again() {
     // The later linears read the doubled values: a kept cast of the old ones is half of them.
     let ((got, _), (expected, _)) = projections_on_both(device, 64, 96, true);
     assert_projections_match("doubled between", &got, &expected);
+}
+
+#[test]
+fn the_kept_cast_of_a_linears_input_is_freed_when_the_contexts_backward_ends() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "the_kept_cast_of_a_linears_input_is_freed_when_the_contexts_backward_ends",
+    ) else {
+        return;
+    };
+    let ctx = SpeedContext::new(&SpeedConfig::auto()).unwrap();
+    let _on = common::hold_override(Override::Linear, true);
+    let w = Tensor::randn([256, 256], (Kind::Float, device)) / 16.0;
+    // One step on `rows` × 256 inputs; the input (with its gradient) is what it returns.
+    let step = |rows: i64| {
+        let x = Tensor::randn([rows, 256], (Kind::Float, device)).set_requires_grad(true);
+        let y = ctx.autocast(|| (&x * 1.5).linear(&w, None::<&Tensor>));
+        ctx.backward(&y.to_kind(Kind::Float).sum(Kind::Float))
+            .unwrap();
+        x
+    };
+    // The first step allocates what lasts (cuBLAS's workspace, the weight's kept copy: rows at
+    // least the width) and casts 512 rows; the second casts 1024.
+    let _first = step(512);
+    let before = MemoryUse::now(device).unwrap().allocated;
+    let _second = step(1024);
+    let after = MemoryUse::now(device).unwrap().allocated;
+    // The second input and its gradient, and no cast of either step's activation.
+    assert_eq!(after - before, 2 * 1024 * 256 * 4);
 }

@@ -67,3 +67,11 @@ pub(crate) fn linear_chunks(
     // SAFETY: fresh tensors from the shim.
     Ok(y.into_iter().map(|t| unsafe { owned(t) }).collect())
 }
+
+/// Forgets the casts of activations this thread's linears remembered (a linear's input cast once
+/// for every linear that reads it): once a backward has run, their sources are gone, and the
+/// casts would stay allocated until the thread's next linear call.
+pub(crate) fn forget_input_casts() -> Result<()> {
+    // SAFETY: no arguments; clears a thread-local cache in the shim.
+    check(unsafe { abi::sk_linear_forget_input_casts() })
+}
