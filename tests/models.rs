@@ -6,7 +6,7 @@ use speedkit_suite::data;
 use speedkit_suite::models::resnet::channels_last;
 use speedkit_suite::models::{
     ConvnextConfig, ConvnextTch, Linear3, Linear3Config, LlamaConfig, LlamaTch, Mlp, MlpConfig,
-    ResNet, ResNetConfig, Transformer, TransformerConfig, UnetConfig, UnetTch,
+    ResNet, ResNetConfig, Transformer, TransformerConfig, UnetConfig, UnetTch, VitConfig, VitTch,
 };
 use std::sync::{Mutex, MutexGuard};
 use tch::nn::{self, OptimizerConfig};
@@ -405,6 +405,47 @@ fn convnext_rejects_an_image_side_it_cannot_halve_and_wrong_images() {
     let err = ConvnextTch::new(&vs.root(), &bad).unwrap_err().to_string();
     assert!(err.contains("divisible by 32"), "{err}");
     let model = ConvnextTch::new(&(vs.root() / "ok"), &ConvnextConfig::tiny()).unwrap();
+    let err = model
+        .forward(&Tensor::zeros([1, 3, 30, 30], (Kind::Float, CPU)))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("images must be [batch, 3, 32, 32]"), "{err}");
+}
+
+#[test]
+fn vit_flops_match_the_reference() {
+    // pytorch_reference.py's Vit.flops at the bench size.
+    assert_eq!(VitConfig::bench().flops_per_step(), 3_531_941_609_472.0);
+}
+
+#[test]
+fn vit_has_its_pytorch_twins_parameters_classifies_and_learns() {
+    let _rng = serial();
+    let config = VitConfig::tiny();
+    let vs = nn::VarStore::new(CPU);
+    let model = VitTch::new(&vs.root(), &config).unwrap();
+    // pytorch_reference.py's Vit at the tiny size holds 32,554.
+    assert_eq!(parameter_count(&vs), 32_554);
+    let (images, labels) =
+        data::images(config.batch, config.image_size, config.classes, CPU).unwrap();
+    let logits = model.forward(&images).unwrap();
+    assert_eq!(logits.size(), [config.batch, config.classes]);
+    // Training: every forward draws its own dropout masks.
+    assert!(!model.forward(&images).unwrap().equal(&logits));
+    assert_learns(&vs, || model.loss(&images, &labels).unwrap());
+}
+
+#[test]
+fn vit_rejects_a_patch_that_does_not_tile_the_image_and_wrong_images() {
+    let _rng = serial();
+    let vs = nn::VarStore::new(CPU);
+    let bad = VitConfig {
+        patch: 7,
+        ..VitConfig::tiny()
+    };
+    let err = VitTch::new(&vs.root(), &bad).unwrap_err().to_string();
+    assert!(err.contains("divisible by the patch"), "{err}");
+    let model = VitTch::new(&(vs.root() / "ok"), &VitConfig::tiny()).unwrap();
     let err = model
         .forward(&Tensor::zeros([1, 3, 30, 30], (Kind::Float, CPU)))
         .unwrap_err()

@@ -25,6 +25,7 @@ mod transformer;
 mod transformer_checkpointed;
 mod transformer_tch;
 mod unet_tch;
+mod vit_tch;
 
 use speedkit::bench::Bencher;
 use speedkit_suite::REFERENCE_ADAMW;

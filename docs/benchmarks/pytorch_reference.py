@@ -12,7 +12,8 @@ own modules alone) and `gpt2` (the GPT on speedkit::nn at GPT-2 small's size) tr
 plain-PyTorch `Transformer`, the last two at GPT-2 small's size;
 `llama_tch` (RMSNorm, rotary embeddings, SwiGLU), `unet_tch` (GroupNorm, SiLU, skip
 concatenation) and `convnext_tch` (depthwise convolutions, channels LayerNorm, erf GELU, layer
-scale) train their twins here, `Llama`, `Unet` and `Convnext`, as a PyTorch user writes them. With --torchao-fp8 also torchao's FP8 training (`Float8Linear` on
+scale) and `vit_tch` (patches, a class token, dropout) train their twins here, `Llama`, `Unet`,
+`Convnext` and `Vit`, as a PyTorch user writes them. With --torchao-fp8 also torchao's FP8 training (`Float8Linear` on
 every nn.Linear, tensorwise dynamic scaling, under torch.compile's default mode: the peer of
 speedkit's `fp8` config; torchao is not in requirements-torch.txt, install it beside torch), and
 with --torchao-fp8-rowwise the same with torchao's row-wise recipe (speedkit's `fp8.recipe:
@@ -46,7 +47,7 @@ mode (DDP's recommended pairing). --fsdp is the same under PyTorch's FSDP2 inste
 on each block, then on the model: parameters, gradients and optimizer state sharded over the ranks,
 ZeRO-3), parameters gathered in bf16 and gradients reduced in fp32, with --compile each block
 compiled before it is sharded (torchtitan's order); its rows add `optimizer_state_bytes`, rank 0's
-shard of the AdamW state. --size tiny (transformer, linear3, mlp, llama_tch, unet_tch, convnext_tch) is
+shard of the AdamW state. --size tiny (transformer, linear3, mlp, llama_tch, unet_tch, convnext_tch, vit_tch) is
 for a CPU check.
 
     torchrun --nproc-per-node 2 docs/benchmarks/pytorch_reference.py --ddp --only transformer,linear3 --json ddp.json
@@ -72,7 +73,7 @@ except ImportError as error:
     sys.exit(4)
 
 # One line: speedkit/src/bench/peer.rs checks it against REFERENCE_WORKLOADS, joined by ", ".
-WORKLOADS = ("transformer", "linear3", "mlp", "resnet", "mlp_block", "transformer_checkpointed", "transformer_tch", "gpt2", "gpt2_tch", "llama_tch", "unet_tch", "llama_large", "convnext_tch")
+WORKLOADS = ("transformer", "linear3", "mlp", "resnet", "mlp_block", "transformer_checkpointed", "transformer_tch", "gpt2", "gpt2_tch", "llama_tch", "unet_tch", "llama_large", "convnext_tch", "vit_tch")
 
 
 class Block(nn.Module):
@@ -292,6 +293,55 @@ class Convnext(nn.Module):
         return 3 * (forward + 2 * batch * (base << 3) * classes)
 
 
+class VitBlock(nn.Module):
+    def __init__(self, d, heads, p):
+        super().__init__()
+        self.ln1, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln2, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.heads, self.p = heads, p
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for z in self.qkv(self.ln1(x)).split(d, -1))
+        y = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
+        x = x + F.dropout(self.proj(y), self.p, self.training)
+        h = F.dropout(F.gelu(self.fc1(self.ln2(x))), self.p, self.training)
+        return x + F.dropout(self.fc2(h), self.p, self.training)
+
+
+class Vit(nn.Module):
+    """speedkit_suite::models::VitTch: patches by a strided convolution, a class token, learned
+    positions, pre-LN blocks with SDPA and an erf-GELU MLP, dropout after the embeddings, the
+    attention's projection and around the MLP's second layer, a normed head on the class token;
+    cross-entropy."""
+
+    def __init__(self, size=224, patch=16, channels=3, d=384, heads=6, layers=12, classes=1000, p=0.1):
+        super().__init__()
+        tokens = (size // patch) ** 2 + 1
+        self.patches = nn.Conv2d(channels, d, patch, stride=patch)
+        self.class_token = nn.Parameter(torch.randn(1, 1, d) * 0.02)
+        self.positions = nn.Parameter(torch.randn(1, tokens, d) * 0.02)
+        self.blocks = nn.ModuleList(VitBlock(d, heads, p) for _ in range(layers))
+        self.ln_f, self.head, self.p = nn.LayerNorm(d), nn.Linear(d, classes), p
+
+    def forward(self, images, labels):
+        patches = self.patches(images).flatten(2).transpose(1, 2)
+        x = torch.cat([self.class_token.expand(images.shape[0], 1, -1), patches], 1) + self.positions
+        x = F.dropout(x, self.p, self.training)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(self.ln_f(x)[:, 0]), labels)
+
+    @staticmethod
+    def flops(batch, size, patch, channels, d, layers, classes, **_):
+        """VitConfig::flops_per_step."""
+        t = (size // patch) ** 2 + 1
+        embed = 2 * batch * (t - 1) * channels * patch * patch * d
+        block = 2 * batch * t * 12 * d * d + 4 * batch * t * t * d
+        return 3 * (embed + layers * block + 2 * batch * d * classes)
+
+
 class Linear3(nn.Module):
     def __init__(self, width=8192):
         super().__init__()
@@ -387,7 +437,8 @@ TINY = dict(transformer=dict(vocab=128, d=32, heads=2, layers=2, seq=16, batch=2
             linear3=dict(width=64, batch=8), mlp=dict(inputs=32, hidden=64, classes=10, batch=16),
             llama_tch=dict(vocab=128, d=32, heads=2, layers=2, hidden=88, seq=16, batch=2),
             unet_tch=dict(batch=2, size=16, channels=3, base=8, groups=4),
-            convnext_tch=dict(batch=2, size=32, channels=3, base=8, depths=(1, 1, 1, 1), classes=10))
+            convnext_tch=dict(batch=2, size=32, channels=3, base=8, depths=(1, 1, 1, 1), classes=10),
+            vit_tch=dict(batch=2, size=32, patch=8, channels=3, d=32, heads=2, layers=2, classes=10))
 
 
 def transformer_flops(batch, seq, vocab, d, layers, **_):
@@ -444,6 +495,14 @@ def workload(name, device, size="bench", batch=None):
         batch = (torch.randn(c["batch"], c["channels"], c["size"], c["size"], device=device),
                  torch.randint(0, c["classes"], (c["batch"],), device=device))
         flops = Convnext.flops(**c)
+        items = (c["batch"], "images")
+    elif name == "vit_tch":
+        c = TINY[name] if size == "tiny" else dict(batch=128, size=224, patch=16, channels=3, d=384,
+                                                   heads=6, layers=12, classes=1000)
+        model = Vit(c["size"], c["patch"], c["channels"], c["d"], c["heads"], c["layers"], c["classes"])
+        batch = (torch.randn(c["batch"], c["channels"], c["size"], c["size"], device=device),
+                 torch.randint(0, c["classes"], (c["batch"],), device=device))
+        flops = Vit.flops(**c)
         items = (c["batch"], "images")
     elif name == "linear3":
         width, rows = (64, 8) if size == "tiny" else (8192, 512)

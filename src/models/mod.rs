@@ -15,6 +15,7 @@ pub mod resnet;
 pub mod tch_transformer;
 mod transformer;
 pub mod unet_tch;
+pub mod vit_tch;
 
 pub use convnext_tch::{ConvnextConfig, ConvnextTch};
 pub use linear3::{Linear3, Linear3Config};
@@ -25,6 +26,7 @@ pub use resnet::{ResNet, ResNetConfig};
 pub use tch_transformer::{gpt2_small, TchTransformer};
 pub use transformer::{Transformer, TransformerConfig};
 pub use unet_tch::{UnetConfig, UnetTch};
+pub use vit_tch::{VitConfig, VitTch};
 
 use speedkit::{Result, SpeedkitError};
 use tch::{nn, Tensor};

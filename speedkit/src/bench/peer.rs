@@ -31,7 +31,7 @@ use crate::report::table;
 pub const REFERENCE_SCRIPT: &str = include_str!("../../../docs/benchmarks/pytorch_reference.py");
 
 /// The workloads the reference has a PyTorch version of (its `WORKLOADS`).
-pub const REFERENCE_WORKLOADS: [&str; 13] = [
+pub const REFERENCE_WORKLOADS: [&str; 14] = [
     "transformer",
     "linear3",
     "mlp",
@@ -45,6 +45,7 @@ pub const REFERENCE_WORKLOADS: [&str; 13] = [
     "unet_tch",
     "llama_large",
     "convnext_tch",
+    "vit_tch",
 ];
 
 /// The reference's modes, in column order, with their column headers.
