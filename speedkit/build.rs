@@ -216,6 +216,7 @@ const SHIM_UNITS: &[(&str, &[&str])] = &[
             "parameter_residency",
             "pinned_host",
             "profiler",
+            "random",
             "replay_watchdog",
             "saved_offload",
             "weight_casts",

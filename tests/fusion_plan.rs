@@ -657,6 +657,67 @@ fn a_bias_gradients_column_sum_joins_the_gelu_backward_that_makes_it() {
 }
 
 #[test]
+fn a_dropout_and_its_gradient_join_their_chains_in_kernels_that_nvrtc_compiles() {
+    let _serial = common::serial();
+    // Rows of 40 bf16 (ATen's kernel takes eight elements a thread) and an odd 7 × 5 (one).
+    for (shape, kind) in [([6i64, 40], Kind::BFloat16), ([7, 5], Kind::Float)] {
+        let x = Tensor::randn(shape, (kind, CPU)).set_requires_grad(true);
+        let w = Tensor::randn([shape[1]], (kind, CPU));
+        let (_, trace) = StepTrace::record(|| {
+            // On the CPU `dropout` draws through `bernoulli_`; CUDA's is `native_dropout`.
+            let (y, _) = (&x * 1.5).native_dropout(0.1, true);
+            (y + &w)
+                .gelu("none")
+                .to_kind(Kind::Float)
+                .sum(Kind::Float)
+                .backward();
+        })
+        .unwrap();
+        let plan = FusionPlan::generatable(&trace);
+        let forward = group_holding(&plan, "aten::native_dropout");
+        let forward_names = names(&forward.operators);
+        assert!(
+            forward_names.contains(&"mul") && forward_names.contains(&"gelu"),
+            "{plan}"
+        );
+        let kernel = forward.kernel().unwrap();
+        // The mask, which the backward reads, is stored with the result.
+        assert!(kernel.source.contains("bool* out"), "{}", kernel.source);
+        assert!(kernel.source.contains("dropout_keep0"), "{}", kernel.source);
+        assert_compiles(&kernel);
+        let backward = group_holding(&plan, "aten::native_dropout_backward");
+        assert!(
+            names(&backward.operators).contains(&"gelu_backward"),
+            "{plan}"
+        );
+        assert_compiles(&backward.kernel().unwrap());
+    }
+}
+
+#[test]
+fn a_layer_norm_joins_the_residual_dropout_before_it_in_one_vectorised_kernel() {
+    let _serial = common::serial();
+    let stream = Tensor::randn([6, 17, 96], (Kind::Float, CPU));
+    let delta = Tensor::randn([6, 17, 96], (Kind::BFloat16, CPU));
+    let (_, trace) = StepTrace::record(|| {
+        // A pre-LN block's residual: the sublayer's output dropped out, added, normed.
+        let (dropped, _) = delta.native_dropout(0.1, true);
+        (&stream + dropped).layer_norm([96], None::<Tensor>, None::<Tensor>, 1e-5, false)
+    })
+    .unwrap();
+    let plan = FusionPlan::generatable(&trace);
+    let group = group_holding(&plan, "aten::native_layer_norm");
+    assert!(
+        names(&group.operators).contains(&"native_dropout"),
+        "{plan}"
+    );
+    let kernel = group.kernel().unwrap();
+    // Its rows four columns a thread, the mask stored four at once.
+    assert!(kernel.source.contains("store4(a.out"), "{}", kernel.source);
+    assert_compiles(&kernel);
+}
+
+#[test]
 fn a_bias_gradients_column_sum_does_not_join_the_cat_of_a_splits_gradients() {
     let _serial = common::serial();
     let x = Tensor::randn([2, 16, 96], (Kind::BFloat16, CPU)).set_requires_grad(true);
@@ -1261,12 +1322,12 @@ fn a_pointwise_kernel_of_16_bit_tensors_takes_eight_elements_a_thread() {
         move || (&x * &row + 1.5).silu() * &x
     };
     let bf16 = kernel_of_chain(chain(Kind::BFloat16));
-    assert!(bf16.source.contains("store8("), "{}", bf16.source);
+    assert!(bf16.source.contains("store8(a."), "{}", bf16.source);
     let (grid, _) = bf16.grid_and_block();
     assert_eq!(grid, (40 * 64u32).div_ceil(256 * 8));
     // fp32's four elements are 16 bytes already.
     let fp32 = kernel_of_chain(chain(Kind::Float));
-    assert!(fp32.source.contains("store4(") && !fp32.source.contains("store8("));
+    assert!(fp32.source.contains("store4(a.") && !fp32.source.contains("store8(a."));
     assert_compiles(&bf16);
     assert_compiles(&fp32);
 }
@@ -1276,7 +1337,7 @@ fn a_16_bit_kernel_whose_elements_come_in_no_groups_of_eight_takes_four() {
     let _serial = common::serial();
     let x = Tensor::randn([3, 44], (Kind::BFloat16, CPU));
     let kernel = kernel_of_chain(|| (&x * 2.0).silu());
-    assert!(kernel.source.contains("store4("), "{}", kernel.source);
+    assert!(kernel.source.contains("store4(a."), "{}", kernel.source);
 }
 
 #[test]

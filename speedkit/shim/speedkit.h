@@ -866,6 +866,23 @@ int sk_interposer_active(int* out);
 /// Frees a session, ending it first if it still runs.
 void sk_interposer_free(void* session);
 
+// @module random: the CUDA generator's Philox state for generated kernels that draw dropout's numbers (random.cpp)
+
+/// A stretch of the current device's default CUDA generator reserved for one dropout: the Philox
+/// seed and counter offset (each a device pointer to the value where `captured`, inside a CUDA-graph
+/// capture, the offset then plus `intragraph`), and the threads of the grid ATen's dropout kernel
+/// runs, whose draws a generated kernel reproduces.
+typedef struct sk_philox_draw {
+  uint64_t seed;
+  uint64_t offset;
+  uint64_t intragraph;
+  uint32_t threads;
+  int32_t captured;
+} sk_philox_draw;
+
+/// Reserves what ATen's dropout of `numel` elements reserves of the default CUDA generator.
+int sk_dropout_philox_draw(int64_t numel, sk_philox_draw* out);
+
 // @module saved_offload: saved tensors parked in host memory during eager steps (saved_offload.cpp)
 
 /// Starts a session on this thread: the tensors autograd saves for the backward, of storages of at

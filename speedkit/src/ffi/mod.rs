@@ -39,6 +39,7 @@ pub(crate) mod nvtx;
 pub(crate) mod optim;
 pub(crate) mod overrides;
 pub(crate) mod profiler;
+pub(crate) mod random;
 pub(crate) mod saved_offload;
 pub(crate) mod weight_casts;
 

@@ -182,8 +182,10 @@ pub(super) fn deferrals(
         .filter_map(|(result, m)| {
             let chain = chain_of(nodes, &inside, &stored_values, m);
             // A norm is recomputed from the statistics it stored, its own; another's statistics
-            // would have to be computed again, a block per row.
-            if (chain.iter()).any(|&c| c != m && normalizes(nodes[c].op)) {
+            // would have to be computed again, a block per row. A dropout would draw again.
+            if (chain.iter()).any(|&c| c != m && normalizes(nodes[c].op))
+                || (chain.iter()).any(|&c| draws(nodes[c].op))
+            {
                 return None;
             }
             let calls: Vec<&TracedOp> = chain.iter().map(|&c| nodes[c].op).collect();
@@ -332,6 +334,11 @@ fn contiguous(t: &TracedTensor) -> bool {
 
 /// Whether `op` is a norm's forward (a group or layer norm), whose normalised elements the
 /// generator computes from its stored statistics.
+/// Whether `op` draws random numbers: computed again, it would draw others.
+fn draws(op: &TracedOp) -> bool {
+    op.name == "aten::native_dropout"
+}
+
 fn normalizes(op: &TracedOp) -> bool {
     matches!(
         op.name.as_str(),

@@ -1048,6 +1048,18 @@ fn launch(launch: &Launch, tensors: &[Tensor]) -> Result<()> {
         }
         (floats, Some(t)) => Some(Tensor::f_empty([floats as i64], (Kind::Float, t.device()))?),
     };
+    // Each dropout's stretch of the generator, reserved as ATen's call would reserve it, in the
+    // order the step draws them.
+    for draw in &generated.draws {
+        let state = crate::ffi::random::dropout_draw(draw.numel)?;
+        args.extend([
+            Arg::I64(state.seed as i64),
+            Arg::I64(state.offset as i64),
+            Arg::I64(state.intragraph as i64),
+            Arg::U32(state.threads),
+            Arg::I32(state.captured),
+        ]);
+    }
     if let Some(workspace) = &workspace {
         args.push(Arg::Strided(workspace));
     }

@@ -45,6 +45,14 @@ template <typename T> __device__ __forceinline__ float group_element8(const T*, 
   return to_float_any(*reinterpret_cast<const T*>(&bits));
 }
 template <> __device__ __forceinline__ bool store_as<bool>(float v) { return v != 0.f; }
+// Four or eight bool results at once (a dropout's mask): one 4- or 8-byte store.
+__device__ __forceinline__ unsigned bool_bytes(const float v[4]) {
+  return (v[0] != 0.f ? 1u : 0u) | (v[1] != 0.f ? 0x100u : 0u) | (v[2] != 0.f ? 0x10000u : 0u) | (v[3] != 0.f ? 0x1000000u : 0u);
+}
+__device__ __forceinline__ void store4(bool* p, const float v[4]) { *reinterpret_cast<unsigned*>(p) = bool_bytes(v); }
+__device__ __forceinline__ void store8(bool* p, const float v[8]) {
+  *reinterpret_cast<uint2*>(p) = make_uint2(bool_bytes(v), bool_bytes(v + 4));
+}
 // A row reduction's results as every function reads them (`red`): the reduction's value, or a
 // group norm's mean and reciprocal standard deviation; none outside a row kernel.
 #define NO_ROW make_float2(0.f, 0.f)
@@ -144,6 +152,14 @@ pub(super) fn expression(op: &TracedOp, operands: &[Operand]) -> Option<String> 
             format!("{norm:?}f * ({} - {}) * {}", v(1)?, v(2)?, v(0)?)
         }
         "tanh_backward" => format!("{g} * (1.f - {y} * {y})", g = v(0)?, y = v(1)?),
+        // As ATen's kernel (masked_scale_kernel): the mask, times the gradient, times the scale.
+        "native_dropout_backward" => {
+            let scale = match operands.get(2)? {
+                Operand::Literal(l) => super::dropout::backward_scale(l)?,
+                Operand::Value(_) => return None,
+            };
+            format!("{} * {} * {scale:?}f", v(1)?, v(0)?)
+        }
         "threshold_backward" => {
             format!("({x} <= {t}) ? 0.f : {g}", g = v(0)?, x = v(1)?, t = v(2)?)
         }

@@ -19,6 +19,7 @@ use crate::trace::{TracedOp, TracedTensor, TracedValue};
 use super::OpKind;
 
 mod columns;
+mod dropout;
 mod expression;
 mod loops;
 mod norms;
@@ -26,6 +27,7 @@ mod upsampling;
 
 pub(crate) use columns::sums_columns;
 use columns::COLUMN_BLOCKS;
+pub(crate) use dropout::Draw;
 use expression::{expression, Operand, PRELUDE};
 use loops::{
     column_finish, layer_norm_backward_threads, pointwise_loop, row_loop, ColumnStrips, FinishPlan,
@@ -70,6 +72,9 @@ pub struct GeneratedKernel {
     pub(crate) zeroed_workspace: bool,
     /// The entry point launched after this one with the same arguments, where it has one.
     pub(crate) finish: Option<Finish>,
+    /// The dropouts it computes, in step order: each launch reserves their stretches of the
+    /// CUDA generator and passes them after the arguments.
+    pub(crate) draws: Vec<Draw>,
 }
 
 /// A kernel's second entry point ([`GeneratedKernel::finish`]): the sums over columns of its
@@ -142,6 +147,9 @@ impl GeneratedKernel {
                 }
             })
             .collect();
+        for _ in &self.draws {
+            params.extend([Param::I64, Param::I64, Param::I64, Param::U32, Param::I32]);
+        }
         if self.workspace > 0 {
             params.push(Param::Tensor(Kind::Float));
         }
@@ -181,6 +189,9 @@ pub(crate) fn takes(op: &TracedOp) -> bool {
     };
     match OpKind::of(&op.name) {
         Some(OpKind::View) => true,
+        Some(OpKind::Pointwise) if op.name == "aten::native_dropout" => {
+            dropout::dropout_of(op).is_ok()
+        }
         Some(OpKind::Pointwise) => (!op.name.ends_with('_') || writes_in_place(op)) && stores(op),
         Some(OpKind::Reduction) => {
             (stores(op) && reduces_last_dimension(op))
@@ -315,6 +326,7 @@ fn generate_with(
         g.call = op.id;
         match OpKind::of(&op.name) {
             Some(OpKind::View) => continue,
+            Some(OpKind::Pointwise) if op.name == "aten::native_dropout" => g.dropout(op)?,
             Some(OpKind::Pointwise) if !op.name.ends_with('_') || writes_in_place(op) => {
                 g.operator(op)?
             }
@@ -420,6 +432,8 @@ struct Generator {
     /// Functions whose value is exactly an earlier one's at the same element, by index: that
     /// earlier function's (a cast to a type holding every value of its input's, or a copy).
     copies_of: HashMap<usize, usize>,
+    /// The dropouts among the operators, in step order ([`dropout`]).
+    draws: Vec<Draw>,
     /// The function whose values a group norm's row holds in registers ([`RowCache`]), where
     /// its input is one of the group's results read at its own elements.
     held_function: Option<usize>,
@@ -924,7 +938,7 @@ impl Generator {
         let mut stored = self.stored_results(results)?;
         // Four neighbouring elements a thread (eight of 16-bit types, `vector_width`), loaded and
         // stored at once, where the space the kernel runs over (each result's, or the rows') comes
-        // in whole groups of four and no result of it is bool.
+        // in whole groups of four (bool results too: a dropout's mask, four or eight bytes).
         let space = match &self.reduction {
             Some(r) => r.rows * r.width,
             None => self.results[&results[0]].1.numel,
@@ -935,8 +949,7 @@ impl Generator {
                 .as_ref()
                 .is_none_or(|r| r.width % UNROLL == 0)
             && (self.reduction.as_ref().and_then(|r| r.gradients.as_ref()))
-                .is_none_or(|g| g.shape.hxw % UNROLL == 0)
-            && stored.iter().all(|r| r.per_row || r.ty != "bool");
+                .is_none_or(|g| g.shape.hxw % UNROLL == 0);
         let groups = self.vector_groups(space, vectorised);
         let width = self.vector_width(space, vectorised, &groups, &stored);
         let cache = (self.reduction.as_ref()).and_then(|r| RowCache::of(r, vectorised));
@@ -1012,6 +1025,16 @@ impl Generator {
             params.push(param);
             names.push(name);
         }
+        let mut draw_code = String::new();
+        for (d, draw) in self.draws.iter().enumerate() {
+            fields.push_str(&Draw::fields(d));
+            params.extend(Draw::params(d));
+            names.extend(Draw::initializers(d));
+            draw_code.push_str(&draw.keep_function(d));
+        }
+        if !self.draws.is_empty() {
+            draw_code = format!("{}{draw_code}\n", dropout::DEVICE_CODE);
+        }
         if cache.is_some() {
             fields.push_str("  float own0;\n");
         }
@@ -1042,12 +1065,12 @@ impl Generator {
         let name = format!(
             "sk_fused_{:016x}",
             fnv1a(&format!(
-                "{}{load}{own}{block}{fields}{}{entry}",
+                "{}{load}{own}{block}{fields}{draw_code}{}{entry}",
                 self.signature, self.functions
             ))
         );
         let mut source = format!(
-            "{PRELUDE}\ntypedef {index} idx_t;\ntypedef {unsigned} uidx_t;\nstruct Coords {{ idx_t v[{MAX_RANK}]; }};\n#define LOAD(i, ptr, p) {load}\n#define COORD(p, stride, size) {coord}\n#define ROW_OF(p, width) {row_of}\n#define OWN(i, e) {own}\nstruct Args {{\n{fields}}};\n\n{functions}extern \"C\" __global__ __launch_bounds__({block}) void {name}{entry}",
+            "{PRELUDE}\ntypedef {index} idx_t;\ntypedef {unsigned} uidx_t;\nstruct Coords {{ idx_t v[{MAX_RANK}]; }};\n#define LOAD(i, ptr, p) {load}\n#define COORD(p, stride, size) {coord}\n#define ROW_OF(p, width) {row_of}\n#define OWN(i, e) {own}\nstruct Args {{\n{fields}}};\n\n{draw_code}{functions}extern \"C\" __global__ __launch_bounds__({block}) void {name}{entry}",
             functions = self.functions,
             index = index_type(self.extent),
             unsigned = unsigned_index_type(self.extent),
@@ -1093,6 +1116,7 @@ impl Generator {
                 })
             ),
             finish,
+            draws: self.draws,
         })
     }
 
@@ -1271,9 +1295,10 @@ fn vector_bytes(t: &TracedTensor, width: u64) -> usize {
 }
 
 /// Whether `t` is a 16-bit tensor whose groups of [`WIDE`] elements from its start are 16 bytes
-/// apart: one vectorised load or store each.
+/// apart, or a bool result's (8 bytes): one vectorised load or store each.
 fn takes_wide_groups(t: &TracedTensor) -> bool {
-    kind_of(&t.dtype).is_some_and(|k| k.elt_size_in_bytes() == 2) && t.offset % WIDE == 0
+    kind_of(&t.dtype).is_some_and(|k| k.elt_size_in_bytes() == 2 || k == Kind::Bool)
+        && t.offset % WIDE == 0
 }
 
 /// The most dimensions a result computed from its coordinates has (`Coords`' size).
