@@ -86,9 +86,10 @@ struct ProgramCall {
   // (group, output): the outputs its own group's kernel writes, and those another group's kernel
   // reads (a group norm's statistics, which its normalised elements are recomputed from).
   std::vector<std::pair<int64_t, int32_t>> captured_outputs;
-  // A computed call whose first result is deferred: group `deferred_by`'s kernel writes it at its
-  // first read, from the inputs captured for that group (-1: none).
+  // A computed call whose result `deferred_result` is deferred: group `deferred_by`'s kernel
+  // writes it at its first read, from the inputs captured for that group (-1: none).
   int64_t deferred_by = -1;
+  int32_t deferred_result = 0;
   // A cast of a weight that outlives the step, which the weight's kept copy serves
   // (weight_casts.cpp): no kernel where the copy is current.
   bool kept_copy = false;
@@ -388,9 +389,9 @@ int write_recomputed(void* state, sk_tensor out, char* message, int64_t capacity
 
 void release_recomputed(void* state) { delete static_cast<Recompute*>(state); }
 
-// Result 0 of computed call `index`, deferred: the tensor, with no memory yet, that group
-// `call.deferred_by`'s kernel writes when the backward first reads it (speedkit's recompute instead
-// of save), holding that kernel's inputs until then.
+// Result `call.deferred_result` of computed call `index`, deferred: the tensor, with no memory
+// yet, that group `call.deferred_by`'s kernel writes when the backward first reads it (speedkit's
+// recompute instead of save), holding that kernel's inputs until then.
 at::Tensor deferred_output(Session& s, int64_t index, const ProgramCall& call) {
   const int64_t group = call.deferred_by;
   auto recompute = std::make_unique<Recompute>();
@@ -405,7 +406,7 @@ at::Tensor deferred_output(Session& s, int64_t index, const ProgramCall& call) {
     s.versions.erase(slot->first);
     s.slots.erase(slot);
   }
-  const OutputLayout& layout = call.outputs.at(0);
+  const OutputLayout& layout = call.outputs.at(static_cast<size_t>(call.deferred_result));
   const sk_deferred_vtable vtable{&write_recomputed, &release_recomputed};
   // Not a call of the step: the allocation of the pending tensor does not come back here.
   const c10::impl::ExcludeDispatchKeyGuard unseen(kInterposerKey);
@@ -416,7 +417,7 @@ at::Tensor deferred_output(Session& s, int64_t index, const ProgramCall& call) {
 // Result `k` of computed call `index`: deferred where the program says so, else as output_of. A
 // deferral that fails is a departure, and the result an ordinary tensor.
 at::Tensor result_of(Session& s, int64_t index, const ProgramCall& call, int32_t k) {
-  if (k != 0 || call.deferred_by < 0) return output_of(s, index, k);
+  if (k != call.deferred_result || call.deferred_by < 0) return output_of(s, index, k);
   try {
     return deferred_output(s, index, call);
   } catch (const std::exception& e) {
@@ -752,13 +753,17 @@ int sk_interposer_keep_copies(void* session, const int64_t* calls, int64_t n) {
   })
 }
 
-int sk_interposer_program_defer(void* program, int64_t call, int64_t group) {
+int sk_interposer_program_defer(void* program, int64_t call, int32_t output, int64_t group) {
   SK_TRY({
     auto& p = sk::program_of(program);
     TORCH_CHECK(group >= 0 && call >= 0 && call < static_cast<int64_t>(p.calls.size()), "no call ", call);
     auto& c = p.calls[static_cast<size_t>(call)];
-    TORCH_CHECK(c.computed && !c.outputs.empty(), "call ", call, " is not computed by a group");
+    TORCH_CHECK(c.computed && output >= 0 && static_cast<size_t>(output) < c.outputs.size(), "call ", call,
+                " is not computed by a group, or has no result ", output);
     c.deferred_by = group;
+    c.deferred_result = output;
+    // A kernel that reads nothing (a dropout's mask, drawn again) has no arguments added.
+    if (p.group_args.size() <= static_cast<size_t>(group)) p.group_args.resize(static_cast<size_t>(group) + 1);
   })
 }
 

@@ -833,12 +833,12 @@ int sk_interposer_keep_copies(void* session, const int64_t* calls, int64_t n);
 /// parameter cast to bf16 or fp16 in its own layout (weight_casts.cpp): no kernel where the copy is
 /// current, and the session fails at its end where the step left such a copy stale.
 int sk_interposer_program_keep_copy(void* program, int64_t call);
-/// Defers the first result of computed call `call`: the call returns a tensor with no memory yet
+/// Defers result `output` of computed call `call`: the call returns a tensor with no memory yet
 /// (as sk_deferred_new), which group `group`'s kernel writes when it is first read, on the
 /// arguments added for that group (its inputs, captured as their calls come and held until then;
 /// the tensor itself comes last). How a result only the backward reads is recomputed there
 /// instead of saved.
-int sk_interposer_program_defer(void* program, int64_t call, int64_t group);
+int sk_interposer_program_defer(void* program, int64_t call, int32_t output, int64_t group);
 /// Appends an argument of group `group`'s kernel: argument (`output` 0) or result (`output` 1)
 /// `index` of call `call`; of an argument that is a list of tensors, its element `element` (-1: the
 /// argument is one tensor).

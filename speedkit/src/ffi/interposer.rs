@@ -125,11 +125,13 @@ impl Program {
         check(unsafe { abi::sk_interposer_program_keep_copy(self.raw, call as i64) })
     }
 
-    /// Defers computed call `call`'s first result: group `group`'s kernel writes it at its first
+    /// Defers computed call `call`'s result `output`: group `group`'s kernel writes it at its first
     /// read (see `sk_interposer_program_defer`).
-    pub fn defer(&mut self, call: usize, group: usize) -> Result<()> {
+    pub fn defer(&mut self, call: usize, output: usize, group: usize) -> Result<()> {
         // SAFETY: a live program.
-        check(unsafe { abi::sk_interposer_program_defer(self.raw, call as i64, group as i64) })
+        check(unsafe {
+            abi::sk_interposer_program_defer(self.raw, call as i64, output as i32, group as i64)
+        })
     }
 
     /// Appends an argument of `group`'s kernel: argument or result `index` of call `call`, or of

@@ -162,14 +162,15 @@ pub(super) fn deferrals(
         .filter(|&(key, m)| worth_recomputing(nodes, &inside, m, key))
         .collect();
     let deferred: HashSet<usize> = candidates.iter().map(|&(_, m)| m).collect();
-    let stored: HashSet<usize> = results
-        .iter()
-        .filter_map(|&key| computing(key))
-        .filter(|m| !deferred.contains(m))
-        .collect();
     // Each stored value by the member that makes it: a key freed within the group may name a
     // later member's result too.
     let deferred_keys: HashSet<(u64, u64)> = candidates.iter().map(|&(key, _)| key).collect();
+    // The members still storing a result: those not deferred, and a dropout whose mask alone is.
+    let stored: HashSet<usize> = (results.iter())
+        .filter(|key| !deferred_keys.contains(key))
+        .filter_map(|&key| computing(key))
+        .filter(|&m| !deferred.contains(&m) || draws(nodes[m].op))
+        .collect();
     let stored_values: HashSet<(usize, (u64, u64))> = (results.iter())
         .filter(|key| !deferred_keys.contains(key))
         .filter_map(|&key| Some((computing(key)?, key)))
@@ -180,11 +181,16 @@ pub(super) fn deferrals(
     let planned: Vec<Deferral> = candidates
         .into_iter()
         .filter_map(|(result, m)| {
-            let chain = chain_of(nodes, &inside, &stored_values, m);
+            // A dropout's mask is its forward kernel's draw alone, drawn again.
+            let chain = match draws(nodes[m].op) {
+                true => vec![m],
+                false => chain_of(nodes, &inside, &stored_values, m),
+            };
             // A norm is recomputed from the statistics it stored, its own; another's statistics
-            // would have to be computed again, a block per row. A dropout would draw again.
+            // would have to be computed again, a block per row. A dropout's result would need
+            // its input held.
             if (chain.iter()).any(|&c| c != m && normalizes(nodes[c].op))
-                || (chain.iter()).any(|&c| draws(nodes[c].op))
+                || (chain.iter()).any(|&c| c != m && draws(nodes[c].op))
             {
                 return None;
             }
@@ -210,26 +216,34 @@ pub(super) fn deferrals(
     planned
 }
 
-/// Whether member `m`'s result `key` (its one result, or a norm's normalised elements,
-/// recomputed from the statistics it keeps) is contiguous, large enough, and read only by
-/// backward calls (at least one) outside the group, as are `m`'s other results.
+/// Whether member `m`'s result `key` (its one result, a norm's normalised elements, recomputed
+/// from the statistics it keeps, or a dropout's mask, drawn again) is contiguous, large enough,
+/// and read only by backward calls (at least one) outside the group, as are `m`'s other results
+/// but a dropout's.
 fn worth_recomputing(nodes: &[Node], inside: &HashSet<usize>, m: usize, key: (u64, u64)) -> bool {
     let op = nodes[m].op;
     let outputs: Vec<&TracedTensor> = op.output_tensors().collect();
-    let out = match outputs[..] {
-        [out] => out,
-        [out, ..] if normalizes(op) && out.key() == key => out,
+    let (out, only) = match outputs[..] {
+        [out] => (out, None),
+        [out, ..] if normalizes(op) && out.key() == key => (out, None),
+        [_, mask] if draws(op) && mask.key() == key => (mask, Some(mask.storage)),
         _ => return false,
     };
     !codegen::writes_in_place(op)
         && contiguous(out)
         && bytes(out) >= MIN_BYTES
-        && read_only_in_the_backward(nodes, inside, m)
+        && read_only_in_the_backward(nodes, inside, m, only)
 }
 
-/// Whether every call outside `inside` that reads node `m`'s result, directly or through views
-/// made in the forward (in the group or not), is a backward call; and at least one does.
-fn read_only_in_the_backward(nodes: &[Node], inside: &HashSet<usize>, m: usize) -> bool {
+/// Whether every call outside `inside` that reads node `m`'s result (`only` that of its results,
+/// where given), directly or through views made in the forward (in the group or not), is a
+/// backward call; and at least one does.
+fn read_only_in_the_backward(
+    nodes: &[Node],
+    inside: &HashSet<usize>,
+    m: usize,
+    only: Option<u64>,
+) -> bool {
     let mut readers = 0;
     let mut sources = vec![m];
     let mut seen = HashSet::new();
@@ -237,8 +251,11 @@ fn read_only_in_the_backward(nodes: &[Node], inside: &HashSet<usize>, m: usize) 
         if !seen.insert(source) {
             continue;
         }
+        let reads_it = |&(p, storage): &(usize, u64)| {
+            p == source && (source != m || only.is_none_or(|s| s == storage))
+        };
         for (j, node) in nodes.iter().enumerate().skip(source + 1) {
-            if !node.reads.iter().any(|&(p, _)| p == source) {
+            if !node.reads.iter().any(reads_it) {
                 continue;
             }
             // A view in the forward, the group's own included, is the result under another name.
@@ -334,7 +351,8 @@ fn contiguous(t: &TracedTensor) -> bool {
 
 /// Whether `op` is a norm's forward (a group or layer norm), whose normalised elements the
 /// generator computes from its stored statistics.
-/// Whether `op` draws random numbers: computed again, it would draw others.
+/// Whether `op` draws random numbers (a dropout): computed again, its result would need its input
+/// held; its mask is the draw alone, which a kernel draws again from the forward's stretch.
 fn draws(op: &TracedOp) -> bool {
     op.name == "aten::native_dropout"
 }
@@ -396,6 +414,71 @@ mod tests {
             .map(|d| d.calls.iter().map(|op| op.name.as_str()).collect())
             .collect();
         assert_eq!(calls, [["aten::neg", "aten::add"]]);
+    }
+
+    /// A 1 Mi-element tensor of `dtype`: object `id` on storage `storage`.
+    fn large_of(id: u64, storage: u64, dtype: &str) -> TracedValue {
+        let mut t = large(id, storage);
+        if let TracedValue::Tensor(t) = &mut t {
+            t.dtype = dtype.into();
+        }
+        t
+    }
+
+    #[test]
+    fn a_dropouts_mask_only_the_backward_reads_is_drawn_again_from_nothing_but_its_draw() {
+        // mul → dropout → mm in the forward: the mask only the backward's native_dropout_backward
+        // reads; the dropout's result is read by the forward's mm, and stays stored.
+        let other = |value: &str| TracedValue::Other {
+            value: value.into(),
+            kind: "Double".into(),
+        };
+        let dropout = call(
+            1,
+            "aten::native_dropout",
+            vec![large(2, 20), other("0.1"), other("true")],
+            vec![large(3, 30), large_of(4, 40, "bool")],
+        );
+        let ops = [
+            call(
+                0,
+                "aten::mul",
+                vec![large(1, 10), large(5, 50)],
+                vec![large(2, 20)],
+            ),
+            dropout,
+            call(2, "aten::mm", vec![large(3, 30)], vec![large(6, 60)]),
+            backward(
+                3,
+                "aten::native_dropout_backward",
+                vec![large(7, 70), large_of(4, 40, "bool"), other("1.111111")],
+                vec![large(8, 80)],
+            ),
+        ];
+        let kernels: Vec<&TracedOp> = ops.iter().collect();
+        let nodes = grouping::data_flow(&kernels);
+        let node_of: HashMap<u64, usize> = ops.iter().map(|op| (op.id, op.id as usize)).collect();
+        let group = FusedGroup {
+            operators: vec!["aten::mul".into(), "aten::native_dropout".into()],
+            aten_kernels: 2,
+            reduction: None,
+            backward: false,
+            recomputed: Vec::new(),
+            calls: ops[..2].to_vec(),
+            results: vec![(3, 30), (4, 40)],
+            inside: HashSet::from([(1, 20)]),
+        };
+        let deferred = deferrals(&group, &nodes, &node_of);
+        assert_eq!(deferred.len(), 1);
+        let mask = &deferred[0];
+        assert_eq!((mask.result, mask.calls.len()), ((4, 40), 1));
+        // Its kernel reads nothing: the mask is the forward kernel's draw, drawn again.
+        assert!(mask
+            .kernel
+            .args
+            .iter()
+            .all(|a| matches!(a, KernelArg::Output(_))));
+        assert!(mask.kernel.draws.iter().all(|d| d.replays && d.call == 1));
     }
 
     #[test]

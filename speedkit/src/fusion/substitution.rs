@@ -27,6 +27,7 @@ use crate::cuda::{Arg, CudaKernel, CudaModule};
 use crate::error::{Result, SpeedkitError};
 use crate::ffi;
 use crate::ffi::interposer::{Program, RecordedCall, Session};
+use crate::ffi::random::{dropout_draw, PhiloxDraw};
 use crate::kernels::{self, Arch, CompiledAhead};
 use crate::trace::{StepTrace, TracedOp, TracedTensor, TracedValue};
 
@@ -61,8 +62,9 @@ pub struct RecomputedResult {
 
 /// A deferred result's kernel and where it sits in the recorded calls.
 struct Recompute {
-    /// The recorded call whose first result it writes.
+    /// The recorded call whose result `output` it writes.
     call: usize,
+    output: usize,
     /// (recorded call, whether a result of it, position, element of a list) per input of its
     /// kernel: a call's argument, or a result it stored (a group norm's statistics).
     inputs: Vec<(usize, bool, usize, Option<usize>)>,
@@ -853,8 +855,12 @@ fn recompute_inputs(
             .ok_or("an argument of its kernel no member takes")?;
         inputs.push((call_of(op)?, source.output, source.position, source.element));
     }
+    let output = (deferral.member.outputs.iter())
+        .position(|v| matches!(v, TracedValue::Tensor(t) if t.key() == deferral.result))
+        .ok_or("a deferred result its call does not make")?;
     Ok(Recompute {
         call: call_of(&deferral.member)?,
+        output,
         inputs,
     })
 }
@@ -911,7 +917,10 @@ fn program(
             role.insert(member.call, (g, member, member.call == placement.launch));
         }
     }
-    let mut program = Program::new(device, move |g, tensors| launch(&launches[g], tensors))?;
+    let mut draws = HashMap::new();
+    let mut program = Program::new(device, move |g, tensors| {
+        launch(&launches[g], tensors, &mut draws)
+    })?;
     for (i, call) in calls.iter().enumerate() {
         let (group, computed, launch) = match role.get(&i) {
             Some(&(g, member, launch)) => (Some(g), member.computed.as_deref(), launch),
@@ -938,7 +947,7 @@ fn program(
         for &(call, output, index, element) in &recompute.inputs {
             program.add_arg(g, call, output, index, element)?;
         }
-        program.defer(recompute.call, g)?;
+        program.defer(recompute.call, recompute.output, g)?;
     }
     Ok(program)
 }
@@ -998,8 +1007,10 @@ fn weight_casts(
 }
 
 /// Launches one group's kernel on its arguments' tensors, each checked against its traced layout
-/// (the kernel's index arithmetic assumes it).
-fn launch(launch: &Launch, tensors: &[Tensor]) -> Result<()> {
+/// (the kernel's index arithmetic assumes it). `draws`: the stretch of the CUDA generator each
+/// dropout's forward kernel reserved, by its traced call, which a kernel computing its mask again
+/// in the backward draws once more.
+fn launch(launch: &Launch, tensors: &[Tensor], draws: &mut HashMap<u64, PhiloxDraw>) -> Result<()> {
     let generated = &launch.generated;
     if tensors.len() != generated.args.len() {
         return Err(SpeedkitError::Misuse(format!(
@@ -1049,9 +1060,21 @@ fn launch(launch: &Launch, tensors: &[Tensor]) -> Result<()> {
         (floats, Some(t)) => Some(Tensor::f_empty([floats as i64], (Kind::Float, t.device()))?),
     };
     // Each dropout's stretch of the generator, reserved as ATen's call would reserve it, in the
-    // order the step draws them.
+    // order the step draws them; or the one its forward kernel reserved.
     for draw in &generated.draws {
-        let state = crate::ffi::random::dropout_draw(draw.numel)?;
+        let state = match draw.replays {
+            false => {
+                let state = dropout_draw(draw.numel)?;
+                draws.insert(draw.call, state);
+                state
+            }
+            true => *draws.get(&draw.call).ok_or_else(|| {
+                SpeedkitError::Misuse(format!(
+                    "{}: a dropout's mask computed again before its forward kernel drew it",
+                    generated.name
+                ))
+            })?,
+        };
         args.extend([
             Arg::I64(state.seed as i64),
             Arg::I64(state.offset as i64),

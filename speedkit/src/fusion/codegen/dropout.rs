@@ -20,9 +20,15 @@ use crate::trace::{TracedOp, TracedTensor, TracedValue};
 
 use super::{c_type, kind_of, Generator};
 
-/// One dropout's draw in a generated kernel: what its launch reserves of the generator.
+/// One dropout's draw in a generated kernel: what its launch reserves of the generator, or takes
+/// again from the forward's launch.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct Draw {
+    /// The traced `native_dropout` call it draws for.
+    pub(crate) call: u64,
+    /// Whether it draws again what that call's kernel drew (a mask computed again in the
+    /// backward) instead of reserving a stretch of its own.
+    pub(crate) replays: bool,
     /// The elements drawn for (ATen's increment and grid follow from it).
     pub(crate) numel: u64,
     /// The elements ATen's kernel takes a thread per grid step (8, 4 or 2; 1 for its plain
@@ -130,6 +136,8 @@ pub(super) fn dropout_of(op: &TracedOp) -> Result<Draw, String> {
     let vec = aten_vector_size(input, kind).ok_or("native_dropout of a strided input")?;
     let keep = (1.0 - p) as f32;
     Ok(Draw {
+        call: op.id,
+        replays: false,
         numel: input.numel,
         vec,
         keep: keep.to_bits(),
@@ -250,8 +258,11 @@ impl Draw {
 impl Generator {
     /// `native_dropout`: its mask a function of the element's index alone (ATen's draw for it),
     /// its result the input's element times the mask times `1 / keep`, in fp32 as ATen's kernel.
-    pub(super) fn dropout(&mut self, op: &TracedOp) -> Result<(), String> {
-        let draw = dropout_of(op)?;
+    /// The result only where the kernel stores it or another operator of the group reads it (a
+    /// mask computed again in the backward reads no input). `results`: what the kernel stores.
+    pub(super) fn dropout(&mut self, op: &TracedOp, results: &[(u64, u64)]) -> Result<(), String> {
+        let mut draw = dropout_of(op)?;
+        draw.replays = self.stored_statistics;
         let (
             Some(TracedValue::Tensor(input)),
             [TracedValue::Tensor(out), TracedValue::Tensor(mask)],
@@ -263,6 +274,11 @@ impl Generator {
         let d = self.draws.len();
         let keep = self.function_count;
         self.define(op, mask, &format!("  return dropout_keep{d}(a, p);\n"));
+        self.draws.push(draw.clone());
+        let read_in_group = (self.inside.iter()).any(|&(_, storage)| storage == out.storage);
+        if !read_in_group && !results.contains(&out.key()) {
+            return Ok(());
+        }
         self.reading_at_coordinates = true;
         self.position = 0;
         let value = self.read(input, out);
@@ -274,7 +290,6 @@ impl Generator {
             draw.scale
         );
         self.define_at_coordinates(op, out, &body);
-        self.draws.push(draw);
         Ok(())
     }
 }

@@ -293,7 +293,8 @@ pub(crate) fn generate(
 
 /// As [`generate`], for a result recomputed in the backward: a group norm among `ops` reads its
 /// rows' statistics from its own stored results (the means and reciprocal standard deviations
-/// the backward keeps), so that its normalised elements are pointwise.
+/// the backward keeps), so that its normalised elements are pointwise; a dropout draws again what
+/// its forward call drew ([`Draw::replays`]).
 pub(crate) fn generate_recomputed(
     ops: &[&TracedOp],
     results: &[(u64, u64)],
@@ -326,7 +327,9 @@ fn generate_with(
         g.call = op.id;
         match OpKind::of(&op.name) {
             Some(OpKind::View) => continue,
-            Some(OpKind::Pointwise) if op.name == "aten::native_dropout" => g.dropout(op)?,
+            Some(OpKind::Pointwise) if op.name == "aten::native_dropout" => {
+                g.dropout(op, results)?
+            }
             Some(OpKind::Pointwise) if !op.name.ends_with('_') || writes_in_place(op) => {
                 g.operator(op)?
             }
@@ -423,8 +426,9 @@ struct Generator {
     row_elements: HashSet<usize>,
     /// Whether the operator being generated has read such a function.
     read_row_element: bool,
-    /// Whether group norms read their statistics from their stored results
-    /// ([`generate_recomputed`]) instead of reducing their rows.
+    /// Whether the kernel computes again what the forward computed ([`generate_recomputed`]):
+    /// group norms read their statistics from their stored results instead of reducing their
+    /// rows, and dropouts draw again what their forward kernels drew.
     stored_statistics: bool,
     /// A group norm's backward's weight and bias gradients by key (0 and 1): the kernel's last
     /// block writes them, once every row is summed, so no function computes them.
