@@ -47,6 +47,23 @@ pub(crate) fn layer_norm(norm: &nn::LayerNorm, x: &Tensor) -> Result<Tensor> {
     )?)
 }
 
+/// Multi-head self-attention over `qkv` (`[B, T, 3d]`: q, k and v side by side, as one linear
+/// makes them), each split into `heads` heads (`[B, heads, T, d / heads]`, the layout
+/// `scaled_dot_product_attention` takes), attended (`causal` or not) and put back as `[B, T, d]`.
+pub(crate) fn self_attention(qkv: &Tensor, heads: i64, causal: bool) -> Result<Tensor> {
+    let (b, t, three_d) = qkv.size3()?;
+    let d = three_d / 3;
+    let parts = qkv.f_split(d, -1)?;
+    let split = |part: &Tensor| -> Result<Tensor> {
+        Ok(part.f_view([b, t, heads, d / heads])?.f_transpose(1, 2)?)
+    };
+    let (q, k, v) = (split(&parts[0])?, split(&parts[1])?, split(&parts[2])?);
+    let y = Tensor::f_scaled_dot_product_attention::<Tensor>(
+        &q, &k, &v, None, 0.0, causal, None, false,
+    )?;
+    Ok(y.f_transpose(1, 2)?.f_reshape([b, t, d])?)
+}
+
 /// Mean cross-entropy of `logits` (`[N, C]`) against class indices (`[N]`).
 pub(crate) fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     Ok(logits.f_cross_entropy_loss::<Tensor>(targets, None, tch::Reduction::Mean, -100, 0.0)?)

@@ -6,7 +6,7 @@
 //! around it (precision flags, autocast, the optimizer, CUDA graphs, the SDPA backend flags).
 
 use super::transformer::TransformerConfig;
-use super::{layer_norm, linear};
+use super::{layer_norm, linear, self_attention};
 use speedkit::{Result, SpeedkitError};
 use tch::{nn, Kind, Tensor};
 
@@ -52,18 +52,8 @@ impl Block {
     }
 
     fn forward(&self, x: &Tensor, heads: i64) -> Result<Tensor> {
-        let (b, t, d) = x.size3()?;
         let qkv = linear(&self.qkv, &layer_norm(&self.ln1, x)?)?;
-        let parts = qkv.f_split(d, -1)?;
-        // [B, T, d] → [B, heads, T, head_dim], the layout SDPA takes.
-        let split = |part: &Tensor| -> Result<Tensor> {
-            Ok(part.f_view([b, t, heads, d / heads])?.f_transpose(1, 2)?)
-        };
-        let (q, k, v) = (split(&parts[0])?, split(&parts[1])?, split(&parts[2])?);
-        let y = Tensor::f_scaled_dot_product_attention::<Tensor>(
-            &q, &k, &v, None, 0.0, true, None, false,
-        )?;
-        let y = y.f_transpose(1, 2)?.f_reshape([b, t, d])?;
+        let y = self_attention(&qkv, heads, true)?;
         let x = x.f_add(&linear(&self.proj, &y)?)?;
         let h = linear(&self.fc1, &layer_norm(&self.ln2, &x)?)?.f_gelu("tanh")?;
         Ok(x.f_add(&linear(&self.fc2, &h)?)?)

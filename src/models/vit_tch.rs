@@ -12,7 +12,7 @@
 use speedkit::{Result, SpeedkitError};
 use tch::{nn, Tensor};
 
-use super::{cross_entropy, layer_norm, linear, Conv};
+use super::{cross_entropy, layer_norm, linear, self_attention, Conv};
 
 /// A ViT's images, patches, widths, depth, dropout and batch.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -136,17 +136,8 @@ impl Block {
     }
 
     fn forward(&self, x: &Tensor, heads: i64, dropout: f64) -> Result<Tensor> {
-        let (b, t, d) = x.size3()?;
         let qkv = linear(&self.qkv, &layer_norm(&self.ln1, x)?)?;
-        let parts = qkv.f_split(d, -1)?;
-        let split = |part: &Tensor| -> Result<Tensor> {
-            Ok(part.f_view([b, t, heads, d / heads])?.f_transpose(1, 2)?)
-        };
-        let (q, k, v) = (split(&parts[0])?, split(&parts[1])?, split(&parts[2])?);
-        let y = Tensor::f_scaled_dot_product_attention::<Tensor>(
-            &q, &k, &v, None, 0.0, false, None, false,
-        )?;
-        let y = y.f_transpose(1, 2)?.f_reshape([b, t, d])?;
+        let y = self_attention(&qkv, heads, false)?;
         let x = x.f_add(&linear(&self.proj, &y)?.f_dropout(dropout, true)?)?;
         let h = linear(&self.fc1, &layer_norm(&self.ln2, &x)?)?.f_gelu("none")?;
         let h = linear(&self.fc2, &h.f_dropout(dropout, true)?)?;

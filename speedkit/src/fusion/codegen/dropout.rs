@@ -18,7 +18,7 @@ use tch::Kind;
 
 use crate::trace::{TracedOp, TracedTensor, TracedValue};
 
-use super::{c_type, kind_of, Generator};
+use super::{c_type, dense, is_row_major, kind_of, Generator};
 
 /// One dropout's draw in a generated kernel: what its launch reserves of the generator, or takes
 /// again from the forward's launch.
@@ -146,7 +146,7 @@ pub(super) fn dropout_of(op: &TracedOp) -> Result<Draw, String> {
 }
 
 /// The elements ATen's dropout takes a thread per grid step for `input` (`get_vector_size` in
-/// `Dropout.cu`): from its alignment (the caching allocator's blocks start 512 bytes apart) up to
+/// `Dropout.cu`): from its alignment (the caching allocator aligns its blocks to 512 bytes) up to
 /// 16 bytes, halved until the count divides; 1, its plain kernel, where none does. `None` where
 /// the plain kernel's order of elements is not its memory's (a strided input).
 fn aten_vector_size(input: &TracedTensor, kind: Kind) -> Option<u64> {
@@ -163,36 +163,7 @@ fn aten_vector_size(input: &TracedTensor, kind: Kind) -> Option<u64> {
     while vec > 1 && input.numel % vec != 0 {
         vec /= 2;
     }
-    (vec > 1 || contiguous(input)).then_some(vec)
-}
-
-/// Whether `t` covers `numel` elements of memory without gaps or overlaps, in any order of its
-/// dimensions, from wherever it starts.
-fn dense(t: &TracedTensor) -> bool {
-    let mut dims: Vec<(i64, i64)> = (t.shape.iter().copied().zip(t.strides.iter().copied()))
-        .filter(|&(size, _)| size != 1)
-        .collect();
-    dims.sort_by_key(|&(_, stride)| stride);
-    let mut expected = 1;
-    for (size, stride) in dims {
-        if stride != expected {
-            return false;
-        }
-        expected *= size;
-    }
-    true
-}
-
-/// Whether `t` is row-major from wherever it starts.
-fn contiguous(t: &TracedTensor) -> bool {
-    let mut expected = 1;
-    for (&size, &stride) in t.shape.iter().zip(&t.strides).rev() {
-        if size != 1 && stride != expected {
-            return false;
-        }
-        expected *= size;
-    }
-    true
+    (vec > 1 || is_row_major(input)).then_some(vec)
 }
 
 impl Draw {

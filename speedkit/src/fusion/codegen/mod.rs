@@ -1499,17 +1499,25 @@ fn normalized_dim(dim: i64, rank: usize) -> Result<usize, String> {
 
 /// Whether `t` is contiguous (row-major) from the start of its storage.
 fn check_contiguous(t: &TracedTensor) -> Result<(), String> {
-    let mut expected = 1;
-    for (&size, &stride) in t.shape.iter().zip(&t.strides).rev() {
-        if size != 1 && stride != expected {
-            return Err("is not contiguous".into());
-        }
-        expected *= size;
+    if !is_row_major(t) {
+        return Err("is not contiguous".into());
     }
     if t.offset != 0 {
         return Err("starts inside its storage".into());
     }
     Ok(())
+}
+
+/// Whether `t` is row-major from wherever it starts.
+fn is_row_major(t: &TracedTensor) -> bool {
+    let mut expected = 1;
+    for (&size, &stride) in t.shape.iter().zip(&t.strides).rev() {
+        if size != 1 && stride != expected {
+            return false;
+        }
+        expected *= size;
+    }
+    true
 }
 
 /// Whether `t`'s elements lie in memory as rows of `width` (dense from its start, its dimension of
@@ -1523,27 +1531,32 @@ fn rows_in_memory_order(t: &TracedTensor, width: u64) -> bool {
     check_dense(t).is_ok() && innermost == Some(width)
 }
 
-/// Whether `t` covers its storage densely from its offset (any order of dimensions).
+/// Whether `t` covers its storage densely from its start (any order of dimensions).
 fn check_dense(t: &TracedTensor) -> Result<(), String> {
-    let mut dims: Vec<(i64, i64)> = t
-        .shape
-        .iter()
-        .copied()
-        .zip(t.strides.iter().copied())
+    if !dense(t) {
+        return Err("is not dense in memory".into());
+    }
+    if t.offset != 0 {
+        return Err("starts inside its storage".into());
+    }
+    Ok(())
+}
+
+/// Whether `t`'s elements lie in memory without gaps or overlaps, in any order of its
+/// dimensions, from wherever it starts.
+fn dense(t: &TracedTensor) -> bool {
+    let mut dims: Vec<(i64, i64)> = (t.shape.iter().copied().zip(t.strides.iter().copied()))
         .filter(|&(size, _)| size != 1)
         .collect();
     dims.sort_by_key(|&(_, stride)| stride);
     let mut expected = 1;
     for (size, stride) in dims {
         if stride != expected {
-            return Err("is not dense in memory".into());
+            return false;
         }
         expected *= size;
     }
-    if t.offset != 0 {
-        return Err("starts inside its storage".into());
-    }
-    Ok(())
+    true
 }
 
 /// FNV-1a, 64 bits: the entry point's name from the group's structure (stable across runs, so the
