@@ -1059,22 +1059,7 @@ fn launch(launch: &Launch, tensors: &[Tensor], draws: &mut HashMap<u64, PhiloxDr
         }
         (floats, Some(t)) => Some(Tensor::f_empty([floats as i64], (Kind::Float, t.device()))?),
     };
-    // Each dropout's stretch of the generator, reserved as ATen's call would reserve it, in the
-    // order the step draws them; or the one its forward kernel reserved.
-    for draw in &generated.draws {
-        let state = match draw.replays {
-            false => {
-                let state = dropout_draw(draw.numel)?;
-                draws.insert(draw.call, state);
-                state
-            }
-            true => *draws.get(&draw.call).ok_or_else(|| {
-                SpeedkitError::Misuse(format!(
-                    "{}: a dropout's mask computed again before its forward kernel drew it",
-                    generated.name
-                ))
-            })?,
-        };
+    for state in drawn(generated, draws)? {
         args.extend([
             Arg::I64(state.seed as i64),
             Arg::I64(state.offset as i64),
@@ -1096,6 +1081,33 @@ fn launch(launch: &Launch, tensors: &[Tensor], draws: &mut HashMap<u64, PhiloxDr
         }
         _ => Ok(()),
     }
+}
+
+/// The stretch of the CUDA generator each of `generated`'s dropouts draws from, in its order:
+/// reserved as ATen's call would reserve it (and kept in `draws` by its traced call), or, for a
+/// mask drawn again in the backward, the one its forward kernel reserved.
+fn drawn(
+    generated: &GeneratedKernel,
+    draws: &mut HashMap<u64, PhiloxDraw>,
+) -> Result<Vec<PhiloxDraw>> {
+    let mut states = Vec::with_capacity(generated.draws.len());
+    for draw in &generated.draws {
+        let state = match draw.replays {
+            false => {
+                let state = dropout_draw(draw.numel)?;
+                draws.insert(draw.call, state);
+                state
+            }
+            true => *draws.get(&draw.call).ok_or_else(|| {
+                SpeedkitError::Misuse(format!(
+                    "{}: a dropout's mask computed again before its forward kernel drew it",
+                    generated.name
+                ))
+            })?,
+        };
+        states.push(state);
+    }
+    Ok(states)
 }
 
 #[cfg(test)]
