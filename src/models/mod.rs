@@ -47,6 +47,35 @@ pub(crate) fn layer_norm(norm: &nn::LayerNorm, x: &Tensor) -> Result<Tensor> {
     )?)
 }
 
+/// The modules of a pre-LN transformer block, named as tch users name them: `ln1` → `qkv` (q, k
+/// and v in one linear) → attention → `proj`; `ln2` → `fc1` (to 4d) → activation → `fc2`. Each
+/// model applies them its own way (causal or not, its activation, dropout or none).
+#[derive(Debug)]
+pub(crate) struct PreLnBlock {
+    pub(crate) ln1: nn::LayerNorm,
+    pub(crate) qkv: nn::Linear,
+    pub(crate) proj: nn::Linear,
+    pub(crate) ln2: nn::LayerNorm,
+    pub(crate) fc1: nn::Linear,
+    pub(crate) fc2: nn::Linear,
+}
+
+impl PreLnBlock {
+    /// The block's modules of width `d` under `p`, with tch's (PyTorch's) initialisation.
+    pub(crate) fn new(p: &nn::Path, d: i64) -> Self {
+        let ln = |name: &str| nn::layer_norm(p / name, vec![d], Default::default());
+        let lin = |name: &str, i: i64, o: i64| nn::linear(p / name, i, o, Default::default());
+        Self {
+            ln1: ln("ln1"),
+            qkv: lin("qkv", d, 3 * d),
+            proj: lin("proj", d, d),
+            ln2: ln("ln2"),
+            fc1: lin("fc1", d, 4 * d),
+            fc2: lin("fc2", 4 * d, d),
+        }
+    }
+}
+
 /// Multi-head self-attention over `qkv` (`[B, T, 3d]`: q, k and v side by side, as one linear
 /// makes them), each split into `heads` heads (`[B, heads, T, d / heads]`, the layout
 /// `scaled_dot_product_attention` takes), attended (`causal` or not) and put back as `[B, T, d]`.

@@ -6,7 +6,7 @@
 //! around it (precision flags, autocast, the optimizer, CUDA graphs, the SDPA backend flags).
 
 use super::transformer::TransformerConfig;
-use super::{layer_norm, linear, self_attention};
+use super::{layer_norm, linear, self_attention, PreLnBlock};
 use speedkit::{Result, SpeedkitError};
 use tch::{nn, Kind, Tensor};
 
@@ -27,37 +27,12 @@ pub const fn gpt2_small() -> TransformerConfig {
 }
 
 /// One pre-LN decoder block: `x + proj(attn(LN(x)))`, then `x + fc2(gelu(fc1(LN(x))))`.
-#[derive(Debug)]
-struct Block {
-    ln1: nn::LayerNorm,
-    qkv: nn::Linear,
-    proj: nn::Linear,
-    ln2: nn::LayerNorm,
-    fc1: nn::Linear,
-    fc2: nn::Linear,
-}
-
-impl Block {
-    fn new(p: &nn::Path, d: i64) -> Self {
-        let ln = |name: &str| nn::layer_norm(p / name, vec![d], Default::default());
-        let lin = |name: &str, i: i64, o: i64| nn::linear(p / name, i, o, Default::default());
-        Self {
-            ln1: ln("ln1"),
-            qkv: lin("qkv", d, 3 * d),
-            proj: lin("proj", d, d),
-            ln2: ln("ln2"),
-            fc1: lin("fc1", d, 4 * d),
-            fc2: lin("fc2", 4 * d, d),
-        }
-    }
-
-    fn forward(&self, x: &Tensor, heads: i64) -> Result<Tensor> {
-        let qkv = linear(&self.qkv, &layer_norm(&self.ln1, x)?)?;
-        let y = self_attention(&qkv, heads, true)?;
-        let x = x.f_add(&linear(&self.proj, &y)?)?;
-        let h = linear(&self.fc1, &layer_norm(&self.ln2, &x)?)?.f_gelu("tanh")?;
-        Ok(x.f_add(&linear(&self.fc2, &h)?)?)
-    }
+fn decoder_block(m: &PreLnBlock, x: &Tensor, heads: i64) -> Result<Tensor> {
+    let qkv = linear(&m.qkv, &layer_norm(&m.ln1, x)?)?;
+    let y = self_attention(&qkv, heads, true)?;
+    let x = x.f_add(&linear(&m.proj, &y)?)?;
+    let h = linear(&m.fc1, &layer_norm(&m.ln2, &x)?)?.f_gelu("tanh")?;
+    Ok(x.f_add(&linear(&m.fc2, &h)?)?)
 }
 
 /// The decoder of `docs/workloads.md` built from tch's `nn::embedding`, `nn::layer_norm` and
@@ -73,7 +48,7 @@ pub struct TchTransformer {
     config: TransformerConfig,
     tok: nn::Embedding,
     pos: Tensor,
-    blocks: Vec<Block>,
+    blocks: Vec<PreLnBlock>,
     ln_f: nn::LayerNorm,
     head: nn::Linear,
 }
@@ -103,7 +78,7 @@ impl TchTransformer {
         // `arange` of positions to look up, and a slice's backward instead of a scatter.
         let pos = p.f_var("pos_emb", &[config.seq_len, d], init)?;
         let blocks = (0..config.layers)
-            .map(|i| Block::new(&(p / format!("block{i}")), d))
+            .map(|i| PreLnBlock::new(&(p / format!("block{i}")), d))
             .collect();
         let ln_f = nn::layer_norm(p / "ln_f", vec![d], Default::default());
         let head = nn::linear(
@@ -136,7 +111,7 @@ impl TchTransformer {
         let tok = Tensor::f_embedding(&self.tok.ws, tokens, -1, false, false)?;
         let mut x = tok.f_add(&self.pos.f_narrow(0, 0, t)?)?;
         for block in &self.blocks {
-            x = block.forward(&x, self.config.heads)?;
+            x = decoder_block(block, &x, self.config.heads)?;
         }
         linear(&self.head, &layer_norm(&self.ln_f, &x)?)
     }

@@ -12,7 +12,7 @@
 use speedkit::{Result, SpeedkitError};
 use tch::{nn, Tensor};
 
-use super::{cross_entropy, layer_norm, linear, self_attention, Conv};
+use super::{cross_entropy, layer_norm, linear, self_attention, Conv, PreLnBlock};
 
 /// A ViT's images, patches, widths, depth, dropout and batch.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -111,38 +111,13 @@ impl VitConfig {
 
 /// One pre-LN encoder block: `x + drop(proj(attn(LN(x))))`, then
 /// `x + drop(fc2(drop(gelu(fc1(LN(x))))))`.
-#[derive(Debug)]
-struct Block {
-    ln1: nn::LayerNorm,
-    qkv: nn::Linear,
-    proj: nn::Linear,
-    ln2: nn::LayerNorm,
-    fc1: nn::Linear,
-    fc2: nn::Linear,
-}
-
-impl Block {
-    fn new(p: &nn::Path, d: i64) -> Self {
-        let ln = |name: &str| nn::layer_norm(p / name, vec![d], Default::default());
-        let lin = |name: &str, i: i64, o: i64| nn::linear(p / name, i, o, Default::default());
-        Self {
-            ln1: ln("ln1"),
-            qkv: lin("qkv", d, 3 * d),
-            proj: lin("proj", d, d),
-            ln2: ln("ln2"),
-            fc1: lin("fc1", d, 4 * d),
-            fc2: lin("fc2", 4 * d, d),
-        }
-    }
-
-    fn forward(&self, x: &Tensor, heads: i64, dropout: f64) -> Result<Tensor> {
-        let qkv = linear(&self.qkv, &layer_norm(&self.ln1, x)?)?;
-        let y = self_attention(&qkv, heads, false)?;
-        let x = x.f_add(&linear(&self.proj, &y)?.f_dropout(dropout, true)?)?;
-        let h = linear(&self.fc1, &layer_norm(&self.ln2, &x)?)?.f_gelu("none")?;
-        let h = linear(&self.fc2, &h.f_dropout(dropout, true)?)?;
-        Ok(x.f_add(&h.f_dropout(dropout, true)?)?)
-    }
+fn encoder_block(m: &PreLnBlock, x: &Tensor, heads: i64, dropout: f64) -> Result<Tensor> {
+    let qkv = linear(&m.qkv, &layer_norm(&m.ln1, x)?)?;
+    let y = self_attention(&qkv, heads, false)?;
+    let x = x.f_add(&linear(&m.proj, &y)?.f_dropout(dropout, true)?)?;
+    let h = linear(&m.fc1, &layer_norm(&m.ln2, &x)?)?.f_gelu("none")?;
+    let h = linear(&m.fc2, &h.f_dropout(dropout, true)?)?;
+    Ok(x.f_add(&h.f_dropout(dropout, true)?)?)
 }
 
 /// The ViT (see the [module docs](self)), always training: every dropout draws.
@@ -152,7 +127,7 @@ pub struct VitTch {
     patches: Conv,
     class_token: Tensor,
     positions: Tensor,
-    blocks: Vec<Block>,
+    blocks: Vec<PreLnBlock>,
     ln_f: nn::LayerNorm,
     head: nn::Linear,
 }
@@ -176,7 +151,7 @@ impl VitTch {
             class_token: p.f_var("class_token", &[1, 1, d], init)?,
             positions: p.f_var("positions", &[1, config.tokens(), d], init)?,
             blocks: (0..config.layers)
-                .map(|i| Block::new(&(p / format!("block{i}")), d))
+                .map(|i| PreLnBlock::new(&(p / format!("block{i}")), d))
                 .collect(),
             ln_f: nn::layer_norm(p / "ln_f", vec![d], Default::default()),
             head: nn::linear(p / "head", d, config.classes, Default::default()),
@@ -203,7 +178,7 @@ impl VitTch {
         let x = Tensor::f_cat(&[&class_token, &patches], 1)?.f_add(&self.positions)?;
         let mut x = x.f_dropout(c.dropout, true)?;
         for block in &self.blocks {
-            x = block.forward(&x, c.heads, c.dropout)?;
+            x = encoder_block(block, &x, c.heads, c.dropout)?;
         }
         let x = layer_norm(&self.ln_f, &x)?;
         linear(&self.head, &x.f_select(1, 0)?)
