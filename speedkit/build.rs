@@ -188,6 +188,7 @@ const SHIM_UNITS: &[(&str, &[&str])] = &[
             "convolution",
             "cublaslt",
             "custom_overrides",
+            "depthwise_conv",
             "embedding",
             "fp8",
             "function",

@@ -205,3 +205,25 @@ fn the_convolution_group_registers_a_rust_kernel_under_autocast_cuda_until_its_g
 fn the_embedding_group_registers_a_rust_kernel_under_autocast_cuda_until_its_guard_drops() {
     assert_registered_under_autocast_cuda_while_held(Override::Embedding, "overrides/embedding.rs");
 }
+
+#[test]
+fn the_depthwise_choice_is_put_back_when_its_guard_drops_even_by_a_panic() {
+    use speedkit::overrides::{choose_depthwise, DepthwiseChoice};
+    let outer = choose_depthwise(DepthwiseChoice::Cudnn);
+    let found = outer.previous();
+    let unwound = std::panic::catch_unwind(|| {
+        let _kernel = choose_depthwise(DepthwiseChoice::Kernel);
+        panic!("a training step fails while the kernel is pinned");
+    });
+    assert!(unwound.is_err());
+    let inner = choose_depthwise(DepthwiseChoice::Timed);
+    assert_eq!(
+        inner.previous(),
+        DepthwiseChoice::Cudnn,
+        "the panic's guard put back"
+    );
+    drop(inner);
+    drop(outer);
+    let after = choose_depthwise(DepthwiseChoice::Timed);
+    assert_eq!(after.previous(), found, "the process's choice put back");
+}

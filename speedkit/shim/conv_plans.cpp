@@ -699,6 +699,7 @@ std::optional<at::Tensor> backward_filter(const at::Tensor& dy_in, const at::Ten
 }
 
 bool set_kept_only(bool on) { return kept_only_flag.exchange(on); }
+bool is_kept_only() { return kept_only(); }
 
 Counts counts() {
   const Counters& c = counters();
@@ -721,6 +722,7 @@ std::optional<at::Tensor> backward_filter(const at::Tensor&, const at::Tensor&, 
   return std::nullopt;
 }
 bool set_kept_only(bool) { return false; }
+bool is_kept_only() { return false; }
 Counts counts() { return {}; }
 
 #endif

@@ -50,6 +50,9 @@ std::optional<at::Tensor> backward_filter(const at::Tensor& dy, const at::Tensor
 // otherwise compile kernels a kept plan has ready. Returns the previous setting.
 bool set_kept_only(bool on);
 
+// Whether plans come only from earlier choices now (set_kept_only()).
+bool is_kept_only();
+
 // What the plans did in this process: chosen by timing (and the seconds that took), built from the
 // disk cache (and the seconds that took), and convolutions handed back to ATen.
 struct Counts {

@@ -10,10 +10,13 @@
 // `speedkit::convolution_backward`, on the operands autocast gives ATen's. On CUDA, for the 2-D
 // convolutions in bf16 or fp16 that ATen would give cuDNN, with cudnn.benchmark on, they run cuDNN
 // plans speedkit chose and keeps on disk (conv_plans.h), so a second run times nothing; elsewhere,
-// and for what those plans do not take, ATen's at::convolution and at::convolution_backward.
+// and for what those plans do not take, ATen's at::convolution and at::convolution_backward. A
+// depthwise convolution's forward and input gradient run speedkit's own kernels instead where
+// those were timed faster (depthwise_conv.h).
 // Operators rather than direct calls so that the dispatcher sees them: the execution trace records
 // what they read and write, as it does ATen's.
 #include "conv_plans.h"
+#include "depthwise_conv.h"
 #include "fused_op.h"
 
 #include <ATen/ops/convolution.h>
@@ -40,9 +43,14 @@ at::Tensor convolution_aten(const at::Tensor& x, const at::Tensor& w, at::IntArr
 at::Tensor convolution_cuda(const at::Tensor& x, const at::Tensor& w, at::IntArrayRef stride, at::IntArrayRef padding,
                             at::IntArrayRef dilation, int64_t groups) {
   const conv_plans::Geometry geometry{stride, padding, dilation};
-  if (conv_plans::unsupported(x, w, geometry, groups).empty())
-    if (auto y = conv_plans::forward(x, w, geometry)) return *std::move(y);
-  return convolution_aten(x, w, stride, padding, dilation, groups);
+  const auto cudnn = [&] {
+    if (conv_plans::unsupported(x, w, geometry, groups).empty())
+      if (auto y = conv_plans::forward(x, w, geometry)) return *std::move(y);
+    return convolution_aten(x, w, stride, padding, dilation, groups);
+  };
+  if (depthwise_conv::unsupported(x, w, geometry, groups).empty())
+    return depthwise_conv::forward(x, w, geometry, cudnn);
+  return cudnn();
 }
 
 std::tuple<at::Tensor, at::Tensor> convolution_backward_aten(const at::Tensor& dy, const at::Tensor& x,
@@ -61,9 +69,21 @@ std::tuple<at::Tensor, at::Tensor> convolution_backward_cuda(const at::Tensor& d
                                                              int64_t groups, std::array<bool, 2> mask) {
   at::Tensor dx, dw;
   const conv_plans::Geometry geometry{stride, padding, dilation};
-  if (conv_plans::unsupported(x, w, geometry, groups).empty()) {
-    const auto format = at::native::cudnn_conv_suggest_memory_format(x, w);
-    if (mask[0]) dx = conv_plans::backward_data(dy, w, x.sizes(), geometry, format).value_or(at::Tensor());
+  const bool plans = conv_plans::unsupported(x, w, geometry, groups).empty();
+  const auto format = at::native::cudnn_conv_suggest_memory_format(x, w);
+  if (mask[0] && depthwise_conv::unsupported(x, w, geometry, groups).empty()) {
+    // What runs when speedkit's depthwise kernel does not: the plans', else ATen's.
+    const auto other = [&] {
+      std::optional<at::Tensor> planned;
+      if (plans) planned = conv_plans::backward_data(dy, w, x.sizes(), geometry, format);
+      if (planned) return *std::move(planned);
+      return std::get<0>(convolution_backward_aten(dy, x, w, stride, padding, dilation, groups, {true, false}));
+    };
+    dx = depthwise_conv::input_gradient(dy, w, geometry, other);
+  }
+  if (plans) {
+    if (mask[0] && !dx.defined())
+      dx = conv_plans::backward_data(dy, w, x.sizes(), geometry, format).value_or(at::Tensor());
     if (mask[1]) dw = conv_plans::backward_filter(dy, x, w, geometry, format).value_or(at::Tensor());
   }
   const std::array<bool, 2> left = {mask[0] && !dx.defined(), mask[1] && !dw.defined()};

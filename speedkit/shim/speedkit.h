@@ -762,6 +762,15 @@ int sk_conv_plans_counts(int64_t* timed, double* timing_seconds, int64_t* from_d
 /// cache's), timing nothing and leaving the rest to ATen, whatever cudnn.benchmark says (on != 0),
 /// or choose as usual (on == 0). Returns the previous setting (1 or 0).
 int sk_conv_plans_kept_only(int on);
+/// What speedkit's depthwise kernels (depthwise_conv.cpp) took in this process: of the depthwise
+/// convolutions' passes (forward or input gradient, one set of shapes) timed against the plans' or
+/// ATen's path, *on_kernels ran faster on speedkit's kernel, *left on the other path; *kernel_runs
+/// passes ran on speedkit's kernel, however chosen.
+int sk_depthwise_conv_counts(int64_t* on_kernels, int64_t* left, int64_t* kernel_runs);
+/// Sets how those passes choose their kernel from now on: 0 timed once per problem (the default),
+/// 1 speedkit's kernel, 2 the plans' or ATen's, both untimed. Returns the previous setting, or -1
+/// (and changes nothing) for another value.
+int sk_depthwise_conv_choose(int choice);
 
 // @module mlp: the transformer MLP on cuBLASLt epilogues, else ATen's (cublaslt.cpp)
 

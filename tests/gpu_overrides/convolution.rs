@@ -5,7 +5,7 @@ use crate::support::channels_last;
 use speedkit::config::{AutoBool, SpeedConfig};
 use speedkit::flags::{Flag, FlagGuard, FlagSetting, FlagValue};
 use speedkit::memory::MemoryUse;
-use speedkit::overrides::{CudnnPlans, Override};
+use speedkit::overrides::{choose_depthwise, CudnnPlans, DepthwiseChoice, Override};
 use speedkit::SpeedContext;
 use tch::{Device, Kind, Tensor};
 
@@ -447,6 +447,7 @@ fn a_channels_last_depthwise_convolution_runs_cudnn_plans_and_matches_atens() {
         return;
     };
     let _tuned = hold_autotuning();
+    let _cudnn = choose_depthwise(DepthwiseChoice::Cudnn);
     // ATen gives a channels-last depthwise convolution to cuDNN. Its weight [C, 1, kh, kw] keeps
     // NCHW's strides, which the plans must describe as channels-last's, as ATen does.
     let case = ConvCase {
@@ -547,5 +548,192 @@ fn a_convolution_first_met_during_a_graph_capture_runs_atens_and_its_replay_matc
         assert_eq!(got.size(), expected.size(), "{what}");
         let err = common::rel_err(got, &expected);
         assert!(err < 1e-2, "{what}: relative error {err}");
+    }
+}
+
+/// Depthwise cases speedkit's kernel takes: every filter size, channels that fill no block of 32
+/// (8, 40) and several, odd and non-square images, paddings from none to the filter's size less one,
+/// different per dimension; one image smaller than the filter but for its padding.
+const DEPTHWISE_CASES: [ConvCase; 6] = [
+    ConvCase {
+        x: &[3, 8, 9, 13],
+        w: &[8, 1, 3, 3],
+        stride: &[1, 1],
+        padding: &[1, 1],
+        dilation: &[1, 1],
+        groups: 8,
+    },
+    ConvCase {
+        x: &[2, 40, 17, 11],
+        w: &[40, 1, 5, 5],
+        stride: &[1, 1],
+        padding: &[0, 4],
+        dilation: &[1, 1],
+        groups: 40,
+    },
+    ConvCase {
+        x: &[2, 104, 33, 35],
+        w: &[104, 1, 7, 7],
+        stride: &[1, 1],
+        padding: &[3, 2],
+        dilation: &[1, 1],
+        groups: 104,
+    },
+    ConvCase {
+        x: &[5, 96, 8, 8],
+        w: &[96, 1, 7, 7],
+        stride: &[1, 1],
+        padding: &[3, 3],
+        dilation: &[1, 1],
+        groups: 96,
+    },
+    ConvCase {
+        x: &[1, 16, 4, 150],
+        w: &[16, 1, 7, 7],
+        stride: &[1, 1],
+        padding: &[6, 0],
+        dilation: &[1, 1],
+        groups: 16,
+    },
+    ConvCase {
+        x: &[2, 24, 3, 2],
+        w: &[24, 1, 5, 5],
+        stride: &[1, 1],
+        padding: &[2, 2],
+        dilation: &[1, 1],
+        groups: 24,
+    },
+];
+
+#[test]
+fn depthwise_convolutions_on_speedkits_kernel_match_atens_on_odd_shapes() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "depthwise_convolutions_on_speedkits_kernel_match_atens_on_odd_shapes",
+    ) else {
+        return;
+    };
+    let _tuned = hold_autotuning();
+    let _kernel = choose_depthwise(DepthwiseChoice::Kernel);
+    for case in &DEPTHWISE_CASES {
+        for kind in [Kind::BFloat16, Kind::Half] {
+            let name = format!(
+                "x {:?} w {:?} padding {:?} {kind:?}",
+                case.x, case.w, case.padding
+            );
+            let [x, w, b, dy] = plan_operands(case, device, true);
+            let (expected, _) = {
+                let _off = common::hold_override(Override::Convolution, false);
+                conv_pass_in(kind, &x, &w, Some(&b), &dy, case)
+            };
+            let before = CudnnPlans::now().depthwise_kernel_runs;
+            let _on = common::hold_override(Override::Convolution, true);
+            let (got, _) = conv_pass_in(kind, &x, &w, Some(&b), &dy, case);
+            let runs = CudnnPlans::now().depthwise_kernel_runs - before;
+            assert_eq!(
+                runs, 2,
+                "{name}: the forward and the input's gradient on the kernel"
+            );
+            for (what, i) in [("y", 0), ("dx", 1), ("dw", 2), ("db", 3)] {
+                let err = common::rel_err(&got[i], &expected[i]);
+                assert!(err < 1e-2, "{name}: {what}: relative error {err}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_depthwise_pass_is_timed_once_per_shape_and_counted() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip("a_depthwise_pass_is_timed_once_per_shape_and_counted")
+    else {
+        return;
+    };
+    let _tuned = hold_autotuning();
+    let _timed = choose_depthwise(DepthwiseChoice::Timed);
+    // Shapes of no other test, so that this process has timed none of them.
+    let case = ConvCase {
+        x: &[4, 64, 21, 19],
+        w: &[64, 1, 7, 7],
+        stride: &[1, 1],
+        padding: &[3, 3],
+        dilation: &[1, 1],
+        groups: 64,
+    };
+    let [x, w, b, dy] = plan_operands(&case, device, true);
+    let timed = |p: &CudnnPlans| p.depthwise_on_kernels + p.depthwise_left;
+    let _on = common::hold_override(Override::Convolution, true);
+    let start = CudnnPlans::now();
+    let (first, _) = conv_pass(&x, &w, Some(&b), &dy, &case);
+    let after_first = CudnnPlans::now();
+    let (second, _) = conv_pass(&x, &w, Some(&b), &dy, &case);
+    let after_second = CudnnPlans::now();
+    assert_eq!(
+        timed(&after_first) - timed(&start),
+        2,
+        "{start:?} then {after_first:?}"
+    );
+    assert_eq!(
+        timed(&after_second),
+        timed(&after_first),
+        "timed again: {after_second:?}"
+    );
+    for (what, i) in [("y", 0), ("dx", 1)] {
+        let err = common::rel_err(&second[i], &first[i]);
+        assert!(
+            err < 1e-2,
+            "{what}: relative error {err} between the two steps"
+        );
+    }
+}
+
+#[test]
+fn a_depthwise_convolution_the_kernel_does_not_take_runs_the_other_path() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "a_depthwise_convolution_the_kernel_does_not_take_runs_the_other_path",
+    ) else {
+        return;
+    };
+    let _tuned = hold_autotuning();
+    let _kernel = choose_depthwise(DepthwiseChoice::Kernel);
+    // Strided, and a channel count no multiple of 8: cuDNN's or ATen's, even when the kernel is
+    // asked for.
+    for case in [
+        ConvCase {
+            x: &[2, 16, 12, 12],
+            w: &[16, 1, 3, 3],
+            stride: &[2, 2],
+            padding: &[1, 1],
+            dilation: &[1, 1],
+            groups: 16,
+        },
+        ConvCase {
+            x: &[2, 12, 9, 9],
+            w: &[12, 1, 3, 3],
+            stride: &[1, 1],
+            padding: &[1, 1],
+            dilation: &[1, 1],
+            groups: 12,
+        },
+    ] {
+        let [x, w, b, dy] = plan_operands(&case, device, true);
+        let (expected, _) = {
+            let _off = common::hold_override(Override::Convolution, false);
+            conv_pass(&x, &w, Some(&b), &dy, &case)
+        };
+        let before = CudnnPlans::now().depthwise_kernel_runs;
+        let _on = common::hold_override(Override::Convolution, true);
+        let (got, _) = conv_pass(&x, &w, Some(&b), &dy, &case);
+        assert_eq!(
+            CudnnPlans::now().depthwise_kernel_runs,
+            before,
+            "{:?}",
+            case.x
+        );
+        for i in 0..4 {
+            let err = common::rel_err(&got[i], &expected[i]);
+            assert!(err < 1e-2, "{:?} output {i}: relative error {err}", case.x);
+        }
     }
 }

@@ -93,6 +93,36 @@ pub(crate) fn plan_counts() -> PlanCounts {
     counts
 }
 
+/// Of the depthwise convolutions' passes this process timed, how many run on speedkit's kernel as
+/// the faster and how many stay on the plans' or ATen's path.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct DepthwiseCounts {
+    pub(crate) on_kernels: i64,
+    pub(crate) left: i64,
+    pub(crate) kernel_runs: i64,
+}
+
+/// The counts now.
+pub(crate) fn depthwise_counts() -> DepthwiseCounts {
+    let mut counts = DepthwiseCounts::default();
+    // SAFETY: three out-pointers to live locals, written by the shim.
+    unsafe {
+        abi::sk_depthwise_conv_counts(
+            &mut counts.on_kernels,
+            &mut counts.left,
+            &mut counts.kernel_runs,
+        );
+    }
+    counts
+}
+
+/// Sets how depthwise passes choose their kernel (speedkit.h's codes: 0 timed, 1 speedkit's, 2 the
+/// other path); returns the previous code.
+pub(crate) fn choose_depthwise(code: i32) -> i32 {
+    // SAFETY: stores an atomic in the shim; any code is checked there.
+    unsafe { abi::sk_depthwise_conv_choose(code) }
+}
+
 /// While held, speedkit's convolutions run only plans chosen earlier (this process's or the kernel
 /// cache's) and time nothing; dropping it puts back the setting it found.
 pub(crate) struct KeptPlansOnly {

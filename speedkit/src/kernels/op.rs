@@ -108,8 +108,9 @@ kernel_ops! {
     BatchNorm = SK_OP_BATCH_NORM, "batch_norm", "batch_norm", [];
     /// Convolution under autocast without a kept copy of the weight
     /// ([`Override::Convolution`](crate::overrides::Override::Convolution)): cuDNN's
-    /// convolutions, speedkit's handling of the weight's copy.
-    Convolution = SK_OP_CONVOLUTION, "convolution", "convolution", [];
+    /// convolutions, speedkit's handling of the weight's copy, and speedkit's own kernel for a
+    /// depthwise convolution's forward and input gradient where it is the faster.
+    Convolution = SK_OP_CONVOLUTION, "convolution", "convolution", ["depthwise_conv.cuh"];
     /// The mean squared error's loss without its input's size of memory behind it
     /// ([`Override::MseLoss`](crate::overrides::Override::MseLoss)): ATen's kernel, its result
     /// made compact.

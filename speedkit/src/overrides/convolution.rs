@@ -89,6 +89,13 @@ pub struct CudnnPlans {
     /// Convolutions left to ATen's because no plan could be had then (one first met during a
     /// CUDA-graph capture, where nothing can be timed).
     pub to_aten: u64,
+    /// Depthwise convolutions' passes (a forward or an input gradient at one set of shapes) that
+    /// run on speedkit's own depthwise kernel, timed faster than the plans' or ATen's.
+    pub depthwise_on_kernels: u64,
+    /// Depthwise convolutions' passes timed and left to the plans' or ATen's path as the faster.
+    pub depthwise_left: u64,
+    /// Depthwise passes run on speedkit's depthwise kernel, however it was chosen.
+    pub depthwise_kernel_runs: u64,
 }
 
 impl CudnnPlans {
@@ -101,6 +108,7 @@ impl CudnnPlans {
             building_seconds,
             to_aten,
         } = ffi::convolution::plan_counts();
+        let depthwise = ffi::convolution::depthwise_counts();
         let count = |n: i64| u64::try_from(n).unwrap_or(0);
         CudnnPlans {
             timed: count(timed),
@@ -108,6 +116,9 @@ impl CudnnPlans {
             from_disk: count(from_disk),
             building_seconds,
             to_aten: count(to_aten),
+            depthwise_on_kernels: count(depthwise.on_kernels),
+            depthwise_left: count(depthwise.left),
+            depthwise_kernel_runs: count(depthwise.kernel_runs),
         }
     }
 
@@ -117,14 +128,98 @@ impl CudnnPlans {
         let timed = now.timed.saturating_sub(start.timed);
         let from_disk = now.from_disk.saturating_sub(start.from_disk);
         let to_aten = now.to_aten.saturating_sub(start.to_aten);
-        (timed + from_disk + to_aten > 0).then(|| {
+        let on_kernels = now
+            .depthwise_on_kernels
+            .saturating_sub(start.depthwise_on_kernels);
+        let left = now.depthwise_left.saturating_sub(start.depthwise_left);
+        let depthwise = if on_kernels + left > 0 {
+            format!(
+                "; depthwise passes timed: {on_kernels} faster on speedkit's depthwise kernel, \
+                 {left} left to cuDNN's or ATen's"
+            )
+        } else {
+            String::new()
+        };
+        (timed + from_disk + to_aten + on_kernels + left > 0).then(|| {
             format!(
                 "cuDNN convolution plans: {timed} chosen by timing cuDNN's candidates ({:.2} s), \
                  {from_disk} built from the kernel cache's earlier choices ({:.2} s), {to_aten} \
-                 convolution(s) first met during a graph capture left to ATen",
+                 convolution(s) first met during a graph capture left to ATen{depthwise}",
                 now.timing_seconds - start.timing_seconds,
                 now.building_seconds - start.building_seconds
             )
         })
     }
+}
+
+/// How speedkit's convolution runs a depthwise convolution's forward and input gradient that its
+/// own depthwise kernel takes: channels-last bf16 or fp16, one 3×3, 5×5 or 7×7 filter per channel,
+/// channels a multiple of 8, stride 1, no dilation. cuDNN's depthwise kernels are far slower than
+/// speedkit's at some of those shapes (a ConvNeXt's 7×7 filters over 32 × 32 images) and faster at
+/// others (3×3 filters over large images).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DepthwiseChoice {
+    /// Each pass at each set of shapes is timed once per process on both, outside graph captures,
+    /// and the faster runs from then on (the default).
+    Timed,
+    /// speedkit's depthwise kernel, untimed.
+    Kernel,
+    /// cuDNN's plans (or ATen's convolution where those do not run), untimed.
+    Cudnn,
+}
+
+impl DepthwiseChoice {
+    fn code(self) -> i32 {
+        match self {
+            DepthwiseChoice::Timed => 0,
+            DepthwiseChoice::Kernel => 1,
+            DepthwiseChoice::Cudnn => 2,
+        }
+    }
+
+    fn from_code(code: i32) -> DepthwiseChoice {
+        match code {
+            1 => DepthwiseChoice::Kernel,
+            2 => DepthwiseChoice::Cudnn,
+            _ => DepthwiseChoice::Timed,
+        }
+    }
+}
+
+/// Holds a [`DepthwiseChoice`] for the process until dropped, then puts back the one it found.
+///
+/// Pinning the kernel makes a run's depthwise convolutions the same kernels from run to run, where
+/// timing may choose differently on a busy GPU.
+///
+/// ```
+/// use speedkit::overrides::{choose_depthwise, DepthwiseChoice};
+///
+/// let pinned = choose_depthwise(DepthwiseChoice::Kernel);
+/// assert_eq!(pinned.previous(), DepthwiseChoice::Timed);
+/// drop(pinned); // timed again
+/// ```
+#[must_use = "the choice holds only while the guard lives"]
+#[derive(Debug)]
+pub struct DepthwiseChoiceGuard {
+    previous: DepthwiseChoice,
+}
+
+impl DepthwiseChoiceGuard {
+    /// The choice this guard replaced, and puts back when dropped.
+    pub fn previous(&self) -> DepthwiseChoice {
+        self.previous
+    }
+}
+
+impl Drop for DepthwiseChoiceGuard {
+    fn drop(&mut self) {
+        ffi::convolution::choose_depthwise(self.previous.code());
+    }
+}
+
+/// Sets how depthwise convolutions choose their kernel until the returned guard drops (see
+/// [`DepthwiseChoice`]).
+pub fn choose_depthwise(choice: DepthwiseChoice) -> DepthwiseChoiceGuard {
+    let previous = DepthwiseChoice::from_code(ffi::convolution::choose_depthwise(choice.code()));
+    DepthwiseChoiceGuard { previous }
 }

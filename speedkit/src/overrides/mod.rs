@@ -39,7 +39,7 @@ mod log_softmax;
 mod mse_loss;
 mod producers;
 
-pub use convolution::CudnnPlans;
+pub use convolution::{choose_depthwise, CudnnPlans, DepthwiseChoice, DepthwiseChoiceGuard};
 pub use custom::{
     DispatchKey, OperatorOverride, OverrideCall, OverrideRecord, OverrideRegistration,
     OverrideStats, Reply, Value,
