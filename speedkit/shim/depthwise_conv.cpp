@@ -2,7 +2,7 @@
 //
 // cuDNN's depthwise kernels for channels-last tensors are far from the memory-bound time of the
 // pass at some shapes (a ConvNeXt's 7×7 input gradient at 32 × 32: 221 µs, where speedkit's kernel
-// takes 82) and well ahead at others (3×3 filters over large images). Rather than a rule over
+// takes 84) and well ahead at others (3×3 filters over large images). Rather than a rule over
 // shapes, each problem is timed once per process, outside graph captures and outside the steps
 // whose convolution plans come only from earlier choices (conv_plans::is_kept_only: ATen's
 // heuristics are not what the step will run); the faster path runs from then on. A problem met
