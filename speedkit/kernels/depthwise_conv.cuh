@@ -29,15 +29,15 @@ constexpr int kStripWidth = 8;
 constexpr int kBlockStrips = 16;
 
 // x [batch, height, width, channels] and y [batch, out_height, out_width, channels] channels-last,
-// weight [channels, K, K] dense, all of one type, bf16 or fp16; `flip` reads the filters turned 180° (the input's
-// gradient). The grid: x over batch · tiles_h · tiles_w tiles, y over the channels' blocks of 32.
+// weight [channels, K, K] dense, all of one type, bf16 or fp16; `flip` reads the filters turned
+// 180° (the input's gradient). The grid: x over batch · tiles_h · tiles_w tiles, y over the
+// channels' blocks of 32.
 // Entry points depthwise_conv_forward_<type>_k<K>r<R>, R the rows a thread computes.
 struct Forward {
   SK_KERNEL_ENTRY("depthwise_conv.cuh", "depthwise_conv_forward");
   const void* x;
   const void* weight;
   void* y;
-  int batch;
   int height;
   int width;
   int channels;
@@ -225,7 +225,6 @@ inline at::Tensor forward(const at::Tensor& x, const at::Tensor& weight, int64_t
          Forward{.x = x.data_ptr(),
                  .weight = weight.data_ptr(),
                  .y = y.data_ptr(),
-                 .batch = static_cast<int>(x.size(0)),
                  .height = static_cast<int>(x.size(2)),
                  .width = static_cast<int>(x.size(3)),
                  .channels = static_cast<int>(x.size(1)),
