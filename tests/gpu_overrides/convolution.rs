@@ -458,21 +458,12 @@ fn a_channels_last_depthwise_convolution_runs_cudnn_plans_and_matches_atens() {
         dilation: &[1, 1],
         groups: 24,
     };
-    let [x, w, b, dy] = plan_operands(&case, device, true);
-    let (expected, _) = {
-        let _off = common::hold_override(Override::Convolution, false);
-        conv_pass(&x, &w, Some(&b), &dy, &case)
-    };
     let before = CudnnPlans::now();
-    let _on = common::hold_override(Override::Convolution, true);
-    let (got, _) = conv_pass(&x, &w, Some(&b), &dy, &case);
+    let runs = depthwise_pass_matches_atens(Kind::BFloat16, &case, device);
     let after = CudnnPlans::now();
     let taken = (after.timed + after.from_disk) - (before.timed + before.from_disk);
     assert_eq!(taken, 3, "{before:?} then {after:?}");
-    for (what, i) in [("y", 0), ("dx", 1), ("dw", 2), ("db", 3)] {
-        let err = common::rel_err(&got[i], &expected[i]);
-        assert!(err < 1e-2, "{what}: relative error {err}");
-    }
+    assert_eq!(runs, 0, "passes on speedkit's depthwise kernel");
 }
 
 #[test]
