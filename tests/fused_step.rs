@@ -365,6 +365,27 @@ fn fused_chains_give_atens_values_in_fp32_bf16_and_fp16() {
     }
 }
 
+#[test]
+fn a_fused_norm_with_an_epsilon_below_a_millionth_gives_atens_values_on_a_row_of_zeros() {
+    let _serial = common::serial();
+    let Some(device) = common::cuda_or_skip(
+        "a_fused_norm_with_an_epsilon_below_a_millionth_gives_atens_values_on_a_row_of_zeros",
+    ) else {
+        return;
+    };
+    // The trace file writes 1e-8 as 0: a kernel that baked that in took rsqrt(0) on the row of
+    // zeros, and made its elements NaN where ATen's are 0.
+    let x = Tensor::randn([8, 64], (Kind::Float, device));
+    let _ = x.get(3).zero_();
+    let w = Tensor::randn([64], (Kind::Float, device));
+    let (gap, fused) = fused_against_aten(device, || {
+        let rms = (x.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float) + 1e-8).rsqrt();
+        &x * rms * &w
+    });
+    assert!(fused >= 1, "no group fused");
+    assert!(gap < 1e-5, "{gap}");
+}
+
 /// `chain` run by ATen, then fused, each from generator seed `seed`: the largest gap between the
 /// two results, the fused step, and the number each run left the generator to draw next.
 fn dropout_against_aten(

@@ -8,7 +8,7 @@
 mod common;
 
 use speedkit::fusion::{FusionPlan, GeneratedKernel, KernelArg, OpKind};
-use speedkit::trace::{StepTrace, TracedOp};
+use speedkit::trace::{StepTrace, TracedOp, TracedValue};
 use speedkit_suite::data;
 use speedkit_suite::models::llama_tch::{LlamaConfig, LlamaTch};
 use tch::{nn, Device, Kind, Tensor};
@@ -424,6 +424,53 @@ fn a_group_reducing_other_than_the_last_dimension_says_why_no_kernel_is_generate
         why.contains("aten::sum over other than the last dimension"),
         "{why}"
     );
+}
+
+/// Each float argument of the calls named `op` in `trace`, as traced.
+fn float_arguments(trace: &StepTrace, op: &str) -> Vec<f64> {
+    let calls = trace.ops().iter().filter(|call| call.name == op);
+    calls
+        .flat_map(|call| &call.inputs)
+        .filter_map(|value| match value {
+            TracedValue::Other { value, kind } if kind == "Double" => value.parse().ok(),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn float_arguments_are_traced_exactly_though_the_trace_file_rounds_them_to_six_decimals() {
+    let _serial = common::serial();
+    let x = Tensor::randn([3, 5], (Kind::Float, CPU));
+    let (_, trace) = StepTrace::record(|| {
+        let y = x.layer_norm([5], None::<Tensor>, None::<Tensor>, 1e-12, false);
+        y.pow_tensor_scalar(1.0 / 3.0)
+            .g_mul_scalar(0.088_388_347_648_318_45)
+            .g_add_scalar(1e-8)
+    })
+    .unwrap();
+    assert_eq!(float_arguments(&trace, "aten::native_layer_norm"), [1e-12]);
+    assert_eq!(float_arguments(&trace, "aten::pow"), [1.0 / 3.0]);
+    assert_eq!(
+        float_arguments(&trace, "aten::mul"),
+        [0.088_388_347_648_318_45]
+    );
+    assert_eq!(float_arguments(&trace, "aten::add"), [1e-8]);
+}
+
+#[test]
+fn a_generated_kernel_bakes_in_a_small_epsilon_and_a_long_scale_as_they_were_passed() {
+    let _serial = common::serial();
+    let x = Tensor::randn([16, 32], (Kind::Float, CPU));
+    let (_, trace) = StepTrace::record(|| {
+        let rms = (x.pow_tensor_scalar(2).mean_dim(-1, true, Kind::Float) + 1e-8).rsqrt();
+        (&x * rms).g_mul_scalar(1.0 / 3.0)
+    })
+    .unwrap();
+    let kernel = FusionPlan::from_trace(&trace).groups()[0].kernel().unwrap();
+    assert!(kernel.source.contains("1e-8f"), "{}", kernel.source);
+    assert!(kernel.source.contains("0.33333334f"), "{}", kernel.source);
+    assert_compiles(&kernel);
 }
 
 #[test]

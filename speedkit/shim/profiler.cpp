@@ -9,7 +9,10 @@
 #include <c10/util/Logging.h>
 
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <set>
+#include <vector>
 
 namespace {
 
@@ -41,6 +44,36 @@ class QuietLog {
  private:
   int was_;
 };
+
+// The execution trace writes each float argument with six decimals (std::to_string): an epsilon
+// of 1e-8 as 0, a scale of 1/3 as 0.333333, and a generated kernel would bake those in. While a
+// trace records, a callback beside its observer keeps every call's float arguments exactly, under
+// the call's RecordFunction handle (the trace's `rf_id`), for speedkit::trace to put in their place.
+struct ExactDouble {
+  uint64_t rf_id;
+  int32_t position;
+  double value;
+};
+
+std::mutex exact_doubles_mutex;
+std::vector<ExactDouble> exact_doubles;
+std::optional<at::CallbackHandle> exact_doubles_callback;
+
+std::unique_ptr<at::ObserverContext> keep_exact_doubles(const at::RecordFunction& fn) {
+  const auto inputs = fn.inputs();
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].isDouble()) continue;
+    const std::lock_guard<std::mutex> lock(exact_doubles_mutex);
+    exact_doubles.push_back({fn.handle(), static_cast<int32_t>(i), inputs[i].toDouble()});
+  }
+  return nullptr;
+}
+
+void stop_keeping_exact_doubles() {
+  if (!exact_doubles_callback) return;
+  at::removeCallback(*exact_doubles_callback);
+  exact_doubles_callback.reset();
+}
 
 }  // namespace
 
@@ -130,6 +163,13 @@ int sk_execution_trace_start(const char* path) {
     TORCH_CHECK(profiler_impl::addExecutionTraceObserver(path),
                 "an execution trace is already recording (one at a time per process), or ", path,
                 " cannot be written");
+    {
+      const std::lock_guard<std::mutex> lock(exact_doubles_mutex);
+      exact_doubles.clear();
+    }
+    stop_keeping_exact_doubles();
+    exact_doubles_callback = at::addGlobalCallback(
+        at::RecordFunctionCallback(&keep_exact_doubles).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
     profiler_impl::enableExecutionTraceObserver();
   })
 }
@@ -137,8 +177,26 @@ int sk_execution_trace_start(const char* path) {
 int sk_execution_trace_stop(void) {
   SK_TRY({
     const QuietLog quiet;
+    stop_keeping_exact_doubles();
     profiler_impl::disableExecutionTraceObserver();
     profiler_impl::removeExecutionTraceObserver();
+  })
+}
+
+int sk_execution_trace_double_count(int64_t* out) {
+  SK_TRY({
+    const std::lock_guard<std::mutex> lock(exact_doubles_mutex);
+    *out = static_cast<int64_t>(exact_doubles.size());
+  })
+}
+
+int sk_execution_trace_double(int64_t index, uint64_t* rf_id, int32_t* position, double* value) {
+  SK_TRY({
+    const std::lock_guard<std::mutex> lock(exact_doubles_mutex);
+    const ExactDouble& d = exact_doubles.at(static_cast<size_t>(index));
+    *rf_id = d.rf_id;
+    *position = d.position;
+    *value = d.value;
   })
 }
 

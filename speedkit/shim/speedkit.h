@@ -305,6 +305,11 @@ int sk_record_range_close(void* range);
 int sk_execution_trace_start(const char* path);
 /// Stops the trace started by sk_execution_trace_start and finishes its file.
 int sk_execution_trace_stop(void);
+/// How many float arguments the last trace kept exactly (the file rounds them to six decimals).
+int sk_execution_trace_double_count(int64_t* out);
+/// Float argument `index` of the last trace: its call's RecordFunction handle (the file's rf_id),
+/// its position among the call's arguments, and its value.
+int sk_execution_trace_double(int64_t index, uint64_t* rf_id, int32_t* position, double* value);
 /// The id RecordFunction (and so the execution trace, as `tid`) gives the calling thread.
 int sk_record_function_thread_id(uint64_t* out);
 

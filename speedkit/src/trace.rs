@@ -78,7 +78,8 @@ pub enum TracedValue {
     Tensors(Vec<TracedTensor>),
     /// Anything else, as the trace writes it (a number, a list of sizes, `<None>`), with its type.
     Other {
-        /// The value, as JSON.
+        /// The value, as JSON. A float argument (`Double`) of a recorded step is exact (Rust's
+        /// shortest form of the `f64`), where the trace file itself keeps six decimals.
         value: String,
         /// The trace's type name (`Int`, `Double`, `GenericList[Int,Int]`, ...).
         kind: String,
@@ -193,12 +194,15 @@ impl StepTrace {
         let nodes = read_nodes(&path);
         keep_for_reading(&path);
         let _ = std::fs::remove_file(&path);
-        Ok((result, Self::from_nodes(nodes?, Some(thread))))
+        let mut nodes = nodes?;
+        restore_exact_doubles(&mut nodes, &ffi::profiler::execution_trace_doubles()?);
+        Ok((result, Self::from_nodes(nodes, Some(thread))))
     }
 
     /// Reads an execution trace file (PyTorch's JSON, as `torch.profiler.ExecutionTraceObserver`
     /// writes it).
-    /// Every thread's calls are kept.
+    /// Every thread's calls are kept. Float arguments are as the file writes them, with six
+    /// decimals ([`StepTrace::record`] keeps them exactly).
     pub fn read(path: &Path) -> Result<StepTrace> {
         Ok(Self::from_nodes(read_nodes(path)?, None))
     }
@@ -292,6 +296,24 @@ fn read_nodes(path: &Path) -> Result<Vec<TracedOp>> {
         ))
     })?;
     Ok(parse_nodes(&json))
+}
+
+/// Puts each float argument the trace file rounded to six decimals (an epsilon of 1e-8 read as 0)
+/// back to its exact value, from the recording's own list: `(rf_id, position, value)` per argument.
+fn restore_exact_doubles(ops: &mut [TracedOp], doubles: &[(u64, usize, f64)]) {
+    let mut by_call: HashMap<u64, Vec<(usize, f64)>> = HashMap::new();
+    for &(rf_id, position, value) in doubles {
+        by_call.entry(rf_id).or_default().push((position, value));
+    }
+    for op in ops.iter_mut().filter(|op| op.rf_id != 0) {
+        for &(position, exact) in by_call.get(&op.rf_id).into_iter().flatten() {
+            if let Some(TracedValue::Other { value, kind }) = op.inputs.get_mut(position) {
+                if kind == "Double" {
+                    *value = format!("{exact:?}");
+                }
+            }
+        }
+    }
 }
 
 /// Keeps the calls of the step run on `thread`: its own, those under an autograd function whose

@@ -127,6 +127,26 @@ pub(crate) fn execution_trace_stop() -> Result<()> {
     check(unsafe { abi::sk_execution_trace_stop() })
 }
 
+/// The float arguments of the last execution trace, exactly (the file rounds them to six
+/// decimals): each call's RecordFunction handle (the trace's `rf_id`), the argument's position
+/// among the call's arguments, and its value.
+pub(crate) fn execution_trace_doubles() -> Result<Vec<(u64, usize, f64)>> {
+    let mut count = 0;
+    // SAFETY: valid out-pointer.
+    check(unsafe { abi::sk_execution_trace_double_count(&mut count) })?;
+    (0..count)
+        .map(|index| {
+            let (mut rf_id, mut position, mut value) = (0, 0, 0.0);
+            // SAFETY: index below the count just read (the list changes only when a trace
+            // starts, which the recording lock rules out); valid out-pointers.
+            check(unsafe {
+                abi::sk_execution_trace_double(index, &mut rf_id, &mut position, &mut value)
+            })?;
+            Ok((rf_id, position as usize, value))
+        })
+        .collect()
+}
+
 /// The calling thread's id in RecordFunction's numbering (the execution trace's `tid`).
 pub(crate) fn record_function_thread_id() -> Result<u64> {
     let mut id = 0;

@@ -265,22 +265,11 @@ impl Generator {
     }
 }
 
-/// `native_dropout_backward`'s scale as ATen's autograd passed it (`1 / (1 - p)`), from the value
-/// the trace printed with six decimals: the `p` it came from, taken to have six decimals too (as
-/// the trace printed the forward's), where that gives the printed value back; else the printed
-/// value.
-pub(super) fn backward_scale(printed: &str) -> Option<f32> {
-    let printed: f64 = printed.trim_matches('"').parse().ok()?;
-    if printed <= 0.0 || !printed.is_finite() {
-        return None;
-    }
-    let p = ((1.0 - 1.0 / printed) * 1e6).round() / 1e6;
-    let scale = 1.0 / (1.0 - p);
-    Some(if (scale - printed).abs() <= 5e-7 {
-        scale as f32
-    } else {
-        printed as f32
-    })
+/// `native_dropout_backward`'s scale as ATen's kernel takes it: autograd's `1 / (1 - p)`, a
+/// double, as an fp32 (the trace of a recorded step holds the double exactly).
+pub(super) fn backward_scale(traced: &str) -> Option<f32> {
+    let scale: f64 = traced.trim_matches('"').parse().ok()?;
+    (scale > 0.0 && scale.is_finite()).then_some(scale as f32)
 }
 
 #[cfg(test)]
@@ -358,9 +347,15 @@ mod tests {
     }
 
     #[test]
-    fn a_backward_scale_printed_with_six_decimals_is_the_one_autograd_passed() {
-        assert_eq!(backward_scale("1.111111"), Some((1.0f64 / 0.9) as f32));
-        assert_eq!(backward_scale("2.000000"), Some(2.0));
-        assert_eq!(backward_scale("1.234567"), Some(1.234567));
+    fn a_backward_scale_is_the_one_autograd_passed_rounded_to_fp32() {
+        let scale = |p: f64| format!("{:?}", 1.0 / (1.0 - p));
+        assert_eq!(backward_scale(&scale(0.1)), Some((1.0f64 / 0.9) as f32));
+        assert_eq!(backward_scale(&scale(0.5)), Some(2.0));
+        let digits = 0.123_456_7;
+        assert_eq!(
+            backward_scale(&scale(digits)),
+            Some((1.0 / (1.0 - digits)) as f32)
+        );
+        assert_eq!(backward_scale("0.0"), None);
     }
 }
