@@ -474,6 +474,34 @@ fn a_generated_kernel_bakes_in_a_small_epsilon_and_a_long_scale_as_they_were_pas
 }
 
 #[test]
+fn a_layer_norm_row_that_fits_a_warps_registers_is_taken_by_a_warp_and_a_longer_one_by_a_block() {
+    let _serial = common::serial();
+    let kernel_of = |width: i64| {
+        let x = Tensor::randn([20, width], (Kind::Float, CPU));
+        let (_, trace) = StepTrace::record(|| {
+            (&x + 1.0).layer_norm([width], None::<Tensor>, None::<Tensor>, 1e-5, false)
+        })
+        .unwrap();
+        FusionPlan::from_trace(&trace).groups()[0].kernel().unwrap()
+    };
+    let warp = kernel_of(768);
+    let entry = &warp.source[warp.source.find("extern \"C\"").unwrap()..];
+    assert!(entry.contains("warp_sum(acc)"), "{entry}");
+    assert!(!entry.contains("__syncthreads"), "{entry}");
+    // 20 rows, eight a block of 256 threads.
+    assert_eq!(warp.grid_and_block(), (3, 256));
+    assert_compiles(&warp);
+    let block = kernel_of(2048);
+    assert!(
+        block.source.contains("block_sum(acc, partial)"),
+        "{}",
+        block.source
+    );
+    assert_eq!(block.grid_and_block().0, 20);
+    assert_compiles(&block);
+}
+
+#[test]
 fn rms_norm_forward_generates_one_kernel_that_nvrtc_compiles() {
     let _serial = common::serial();
     let x = Tensor::randn([16, 32], (Kind::Float, CPU));

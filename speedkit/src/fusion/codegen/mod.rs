@@ -31,7 +31,7 @@ pub(crate) use dropout::Draw;
 use expression::{expression, Operand, PRELUDE};
 use loops::{
     column_finish, layer_norm_backward_threads, pointwise_loop, row_loop, ColumnStrips, FinishPlan,
-    RowCache, COLUMN_THREADS, FINISH_THREADS,
+    RowCache, COLUMN_THREADS, FINISH_THREADS, WARP_ROWS,
 };
 pub(crate) use norms::sums_channels;
 use norms::{group_norm_gradients, layer_norm_gradients, normalizes_rows, GradientRows};
@@ -47,10 +47,12 @@ pub struct GeneratedKernel {
     /// The arguments, in the entry point's order; the element count (`long long`) comes last.
     pub args: Vec<KernelArg>,
     /// The count the launch passes last (`n`): the elements of each result, or for a group with
-    /// a reduction its rows (a block each).
+    /// a reduction its rows (a block each, or a warp each: [`GeneratedKernel::grid_and_block`]).
     pub numel: u64,
-    /// Whether `numel` counts rows, a block each (a group with a reduction), not elements.
+    /// Whether `numel` counts rows (a group with a reduction), not elements.
     rows: bool,
+    /// Rows a block takes: one, or a warp's each where a row fits a warp ([`loops::WARP_ROWS`]).
+    rows_per_block: u64,
     /// Elements each thread computes per tile (a pointwise kernel's unrolling, else 1).
     unroll: u64,
     /// Threads a block.
@@ -124,11 +126,12 @@ impl KernelArg {
 
 impl GeneratedKernel {
     /// The grid and block to launch it with: 256 threads a block (up to 1024 for a row held in
-    /// registers, [`RowCache`]), each block a row of a group with a reduction, else 256 × the
-    /// unrolling elements (the kernels loop over what a grid does not cover).
+    /// registers, [`RowCache`]), each block a row of a group with a reduction (eight, a warp each,
+    /// where a norm's row fits a warp), else 256 × the unrolling elements (the kernels loop over
+    /// what a grid does not cover).
     pub fn grid_and_block(&self) -> (u32, u32) {
         let blocks = if self.rows {
-            self.numel
+            self.numel.div_ceil(self.rows_per_block)
         } else {
             self.numel.div_ceil(self.block * self.unroll)
         };
@@ -1102,6 +1105,10 @@ impl Generator {
             args: self.args,
             numel,
             rows: self.reduction.is_some(),
+            rows_per_block: match cache {
+                Some(c) if c.warp_rows => WARP_ROWS,
+                _ => 1,
+            },
             unroll,
             block,
             max_blocks: match (&self.reduction, strips) {
