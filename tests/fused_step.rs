@@ -1117,8 +1117,15 @@ fn fused_layer_norms_give_atens_values_and_gradients_in_fp32_bf16_and_fp16() {
     for kind in [Kind::Float, Kind::BFloat16, Kind::Half] {
         // Rows of 77 (a kernel reading one element at a time), of 96 and of 768 (four at a time,
         // the row held in a warp's registers, a warp a row: 14 and 66 rows, not whole blocks of
-        // eight), of 1000 in rows of a larger batch (a warp's last four columns idle).
-        for shape in [[3, 5, 77], [2, 7, 96], [2, 33, 768], [4, 129, 1000]] {
+        // eight), of 1000 in rows of a larger batch (a warp's last four columns idle), and 2800
+        // rows of 96 (the backward's blocks of 32 threads, more than 1024 of them).
+        for shape in [
+            [3, 5, 77],
+            [2, 7, 96],
+            [2, 33, 768],
+            [4, 129, 1000],
+            [4, 700, 96],
+        ] {
             let norm = LayerNormStep::new(device, kind, shape);
             let (expected, fused, result) = norm_fused_and_aten(device, || norm.step());
             let case = format!("{kind:?} {shape:?}");

@@ -502,6 +502,34 @@ fn a_layer_norm_row_that_fits_a_warps_registers_is_taken_by_a_warp_and_a_longer_
 }
 
 #[test]
+fn a_narrow_layer_norms_backward_runs_a_block_a_row_beyond_where_a_wide_ones_stops() {
+    let _serial = common::serial();
+    let backward_grid = |width: i64| {
+        let leaf = |shape: &[i64], kind| Tensor::randn(shape, (kind, CPU)).set_requires_grad(true);
+        let (stream, delta) = (
+            leaf(&[2, 1500, width], Kind::Float),
+            leaf(&[2, 1500, width], Kind::BFloat16),
+        );
+        let (w, b) = (leaf(&[width], Kind::Float), leaf(&[width], Kind::Float));
+        let (_, trace) = StepTrace::record(|| {
+            let y = residual_layer_norm(&stream, &delta, &w, &b).to_kind(Kind::Float);
+            ((&y * &y).mean(Kind::Float) + stream.sum(Kind::Float)).backward();
+        })
+        .unwrap();
+        let plan = FusionPlan::generatable(&trace);
+        let kernel = group_holding(&plan, "aten::native_layer_norm_backward")
+            .kernel()
+            .unwrap();
+        assert_compiles(&kernel);
+        kernel.grid_and_block()
+    };
+    // 96 columns: 32 threads a block, a block for each of the 3000 rows; 1024 columns: 256
+    // threads, 1024 blocks.
+    assert_eq!(backward_grid(96), (3000, 32));
+    assert_eq!(backward_grid(1024), (1024, 256));
+}
+
+#[test]
 fn rms_norm_forward_generates_one_kernel_that_nvrtc_compiles() {
     let _serial = common::serial();
     let x = Tensor::randn([16, 32], (Kind::Float, CPU));

@@ -385,7 +385,7 @@ fn column_sums(r: &RowReduction, vectorised: bool) -> (String, String) {
         )
         .unwrap();
     }
-    open.push_str(&FinishPlan::of(r, super::column_blocks(r)).zero_counters());
+    open.push_str(&FinishPlan::of(r, super::column_blocks(r, vectorised)).zero_counters());
     open.push_str("  __syncthreads();\n");
     let close =
         format!("  for (idx_t c = threadIdx.x; c < {width}; c += blockDim.x) {{\n{keep}  }}\n");
