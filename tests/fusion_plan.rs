@@ -226,11 +226,13 @@ fn a_panic_in_the_traced_closure_leaves_no_trace_recording() {
     let _serial = common::serial();
     let caught = std::panic::catch_unwind(|| StepTrace::record(|| panic!("in the step")));
     assert!(caught.is_err());
-    // The observer was removed: a new recording starts and sees only its own calls.
+    // The observer and the float arguments' callback were removed: a new recording starts and
+    // sees only its own calls, with their exact floats.
     let x = Tensor::ones([2], (Kind::Float, CPU));
-    let (_, trace) = StepTrace::record(|| x.exp()).unwrap();
+    let (_, trace) = StepTrace::record(|| x.g_mul_scalar(1.0 / 3.0)).unwrap();
     let kernels: Vec<&str> = trace.kernels().iter().map(|op| op.name.as_str()).collect();
-    assert_eq!(kernels, ["aten::exp"]);
+    assert_eq!(kernels, ["aten::mul"]);
+    assert_eq!(float_arguments(&trace, "aten::mul"), [1.0 / 3.0]);
 }
 
 #[test]

@@ -163,6 +163,7 @@ int sk_execution_trace_start(const char* path) {
     TORCH_CHECK(profiler_impl::addExecutionTraceObserver(path),
                 "an execution trace is already recording (one at a time per process), or ", path,
                 " cannot be written");
+    profiler_impl::enableExecutionTraceObserver();
     {
       const std::lock_guard<std::mutex> lock(exact_doubles_mutex);
       exact_doubles.clear();
@@ -170,7 +171,6 @@ int sk_execution_trace_start(const char* path) {
     stop_keeping_exact_doubles();
     exact_doubles_callback = at::addGlobalCallback(
         at::RecordFunctionCallback(&keep_exact_doubles).needsInputs(true).scopes({at::RecordScope::FUNCTION}));
-    profiler_impl::enableExecutionTraceObserver();
   })
 }
 
