@@ -1615,3 +1615,54 @@ fn a_layer_scales_gradient_over_a_pooled_images_gradient_leaves_its_sum_and_fuse
         .unwrap_or_else(|| panic!("{plan}"));
     assert_eq!(sum.calls, 1, "{plan}");
 }
+
+#[test]
+fn a_layer_norms_backward_for_a_gpu_runs_one_wave_of_the_blocks_its_sms_hold() {
+    let _serial = common::serial();
+    let leaf = |shape: &[i64], kind| Tensor::randn(shape, (kind, CPU)).set_requires_grad(true);
+    let (stream, delta) = (
+        leaf(&[2, 3000, 768], Kind::Float),
+        leaf(&[2, 3000, 768], Kind::BFloat16),
+    );
+    let (w, b) = (leaf(&[768], Kind::Float), leaf(&[768], Kind::Float));
+    let (_, trace) = StepTrace::record(|| {
+        let y = residual_layer_norm(&stream, &delta, &w, &b).to_kind(Kind::Float);
+        ((&y * &y).mean(Kind::Float) + stream.sum(Kind::Float)).backward();
+    })
+    .unwrap();
+    let plan = FusionPlan::generatable(&trace);
+    let group = group_holding(&plan, "aten::native_layer_norm_backward");
+    // 192 threads a block, at most 40 registers a thread: 8 blocks an SM.
+    let h200 = group.kernel_for(132).unwrap();
+    assert_compiles(&h200);
+    assert_eq!(h200.grid_and_block(), (1056, 192));
+    assert!(
+        h200.source.contains("__launch_bounds__(192, 8)"),
+        "the kernel asks for the registers of 8 blocks an SM"
+    );
+    assert_eq!(group.kernel_for(108).unwrap().grid_and_block(), (864, 192));
+    // Without a GPU to plan for: a block a row up to 1365 blocks of 192 threads.
+    assert_eq!(group.kernel().unwrap().grid_and_block(), (1365, 192));
+}
+
+#[test]
+fn a_narrow_layer_norms_backward_for_a_gpu_keeps_its_blocks_as_without_one() {
+    let _serial = common::serial();
+    let leaf = |shape: &[i64], kind| Tensor::randn(shape, (kind, CPU)).set_requires_grad(true);
+    let (stream, delta) = (
+        leaf(&[2, 3000, 384], Kind::Float),
+        leaf(&[2, 3000, 384], Kind::BFloat16),
+    );
+    let (w, b) = (leaf(&[384], Kind::Float), leaf(&[384], Kind::Float));
+    let (_, trace) = StepTrace::record(|| {
+        let y = residual_layer_norm(&stream, &delta, &w, &b).to_kind(Kind::Float);
+        ((&y * &y).mean(Kind::Float) + stream.sum(Kind::Float)).backward();
+    })
+    .unwrap();
+    let plan = FusionPlan::generatable(&trace);
+    let group = group_holding(&plan, "aten::native_layer_norm_backward");
+    // 96 threads a block: 2730 blocks (1024 × 256 / 96), on any GPU.
+    let h200 = group.kernel_for(132).unwrap();
+    assert_eq!(h200.grid_and_block(), (2730, 96));
+    assert_eq!(h200.source, group.kernel().unwrap().source);
+}

@@ -101,6 +101,38 @@ impl FusedGroup {
         let calls: Vec<&TracedOp> = self.calls.iter().collect();
         codegen::generate(&calls, &self.results, &self.inside)
     }
+
+    /// [`kernel`](Self::kernel) as generated for a GPU of `multiprocessors` SMs, as a
+    /// [`FusedStep`] on that GPU generates it: a layer norm's backward runs one wave of blocks,
+    /// as many as the SMs hold at once.
+    ///
+    /// ```
+    /// use speedkit::fusion::FusionPlan;
+    /// use speedkit::trace::StepTrace;
+    /// use tch::{Device, Kind, Tensor};
+    ///
+    /// let leaf = |kind| Tensor::randn([4096, 768], (kind, Device::Cpu)).set_requires_grad(true);
+    /// let (stream, delta) = (leaf(Kind::Float), leaf(Kind::BFloat16));
+    /// let param = |v| Tensor::full([768], v, (Kind::Float, Device::Cpu)).set_requires_grad(true);
+    /// let (w, b) = (param(1.0), param(0.0));
+    /// let (_, trace) = StepTrace::record(|| {
+    ///     // A pre-LN block's norm of its residual stream, cast for the next linear.
+    ///     let y = (&stream + &delta).layer_norm([768], Some(&w), Some(&b), 1e-5, false);
+    ///     let y = y.to_kind(Kind::BFloat16).to_kind(Kind::Float);
+    ///     ((&y * &y).mean(Kind::Float) + stream.sum(Kind::Float)).backward();
+    /// })?;
+    /// let plan = FusionPlan::generatable(&trace);
+    /// let backward = (plan.groups().iter())
+    ///     .find(|g| g.operators.iter().any(|o| o == "aten::native_layer_norm_backward"))
+    ///     .unwrap();
+    /// // 192 threads a block (four columns each), 8 blocks an SM: 1056 blocks on 132 SMs.
+    /// assert_eq!(backward.kernel_for(132).unwrap().grid_and_block(), (1056, 192));
+    /// # Ok::<(), speedkit::SpeedkitError>(())
+    /// ```
+    pub fn kernel_for(&self, multiprocessors: u64) -> Result<GeneratedKernel, String> {
+        let _target = codegen::for_multiprocessors(multiprocessors);
+        self.kernel()
+    }
 }
 
 /// An operator whose kernels stay ATen's, with how many calls and why.

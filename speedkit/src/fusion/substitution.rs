@@ -181,6 +181,15 @@ impl FusedStep {
                 trace.unmatched_parked_reads()
             )));
         }
+        // Every kernel below is generated for this GPU: a row kernel's blocks fill its SMs.
+        let _target = match device {
+            Device::Cuda(index) => Some(codegen::for_multiprocessors(
+                ffi::device::cuda_device_props(index)?
+                    .multiprocessors
+                    .max(1) as u64,
+            )),
+            _ => None,
+        };
         let plan = FusionPlan::generatable(trace);
         let kernels = trace.kernels();
         let recorded = recorded_calls(trace, calls);

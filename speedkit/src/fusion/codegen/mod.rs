@@ -1068,20 +1068,30 @@ impl Generator {
             params.join(", "),
             names.join(", ")
         );
+        // A one-wave layer norm's backward asks for the registers its wave was planned with.
+        let wave = match (&self.reduction, strips) {
+            (Some(r), None) if !r.column_sums.is_empty() => {
+                layer_norm_backward_threads(r, vectorised).and_then(one_wave)
+            }
+            _ => None,
+        };
+        let bounds = match wave {
+            Some((_, resident)) => format!("{block}, {resident}"),
+            None => block.to_string(),
+        };
         // Named by everything the source says (shapes and strides included): one name, one text.
         let name = format!(
             "sk_fused_{:016x}",
             fnv1a(&format!(
-                "{}{load}{own}{block}{fields}{draw_code}{}{entry}",
+                "{}{load}{own}{bounds}{fields}{draw_code}{}{entry}",
                 self.signature, self.functions
             ))
         );
         let mut source = format!(
-            "{PRELUDE}\ntypedef {index} idx_t;\ntypedef {unsigned} uidx_t;\nstruct Coords {{ idx_t v[{MAX_RANK}]; }};\n#define LOAD(i, ptr, p) {load}\n#define COORD(p, stride, size) {coord}\n#define ROW_OF(p, width) {row_of}\n#define OWN(i, e) {own}\nstruct Args {{\n{fields}}};\n\n{draw_code}{functions}extern \"C\" __global__ __launch_bounds__({block}) void {name}{entry}",
+            "{PRELUDE}\ntypedef {index} idx_t;\ntypedef {unsigned} uidx_t;\nstruct Coords {{ idx_t v[{MAX_RANK}]; }};\n#define LOAD(i, ptr, p) {load}\n#define COORD(p, stride, size) {coord}\n#define ROW_OF(p, width) {row_of}\n#define OWN(i, e) {own}\nstruct Args {{\n{fields}}};\n\n{draw_code}{functions}extern \"C\" __global__ __launch_bounds__({bounds}) void {name}{entry}",
             functions = self.functions,
             index = index_type(self.extent),
             unsigned = unsigned_index_type(self.extent),
-            block = block,
         );
         // Sums over columns end in a second entry point, launched after the first.
         let finish = match &self.reduction {
@@ -1266,14 +1276,68 @@ fn finish_entry(
 }
 
 /// The blocks of a row kernel that sums columns: one per row up to [`COLUMN_BLOCKS`], or as many
-/// more as a layer norm's backward's blocks are smaller than 256 threads (a thread per four
-/// columns), so that a narrow row's kernel still fills the SMs: 1024 blocks of 32 threads (the
-/// 96 channels of `convnext_tch`'s first stage) kept an eighth of an H200's threads busy, and its
-/// step took 9.54 ms where it takes 9.08–9.20 with a block a row.
+/// more as a layer norm's backward's blocks (a thread per four columns) are smaller than 256
+/// threads, so that a narrow row's kernel still fills the SMs (1024 blocks of 32 threads kept an
+/// eighth of an H200's threads busy). A layer norm's backward of [`ONE_WAVE_THREADS`] or more
+/// generated for a GPU ([`for_multiprocessors`]) runs one wave: as many blocks as its SMs hold at
+/// once ([`resident_blocks`]). Its blocks walk their rows one after another, a block sum apart,
+/// so a second wave of a few blocks took as long as the first: `transformer_tch`'s (16384 rows of
+/// 768) took 79.5 µs in 1365 blocks of 192 threads on an H200, which holds 1056, and 65.1 µs in
+/// 1056.
 fn column_blocks(r: &RowReduction, vectorised: bool) -> u64 {
-    let threads = layer_norm_backward_threads(r, vectorised).unwrap_or(256);
-    r.rows
-        .clamp(1, (COLUMN_BLOCKS * 256 / threads).max(COLUMN_BLOCKS))
+    let Some(threads) = layer_norm_backward_threads(r, vectorised) else {
+        return r.rows.clamp(1, COLUMN_BLOCKS);
+    };
+    let most = match one_wave(threads) {
+        Some((sms, resident)) => sms * resident,
+        None => (COLUMN_BLOCKS * 256 / threads).max(COLUMN_BLOCKS),
+    };
+    r.rows.clamp(1, most)
+}
+
+/// The least threads of a layer norm's backward's blocks that run one wave (rows of 512 columns
+/// or more). Narrower rows' blocks stay as many as before: bounded to 40 registers, `vit_tch`'s
+/// (384 columns, its dropout's mask drawn again) took its step from 15.9 to 16.3 ms, unresolved.
+const ONE_WAVE_THREADS: u64 = 128;
+
+/// (SMs, blocks an SM holds) where a layer norm's backward of blocks of `threads` runs one wave.
+fn one_wave(threads: u64) -> Option<(u64, u64)> {
+    let sms = TARGET_MULTIPROCESSORS.get()?;
+    (threads >= ONE_WAVE_THREADS).then(|| (sms, resident_blocks(threads)))
+}
+
+/// The registers a thread of a one-wave kernel may take ([`resident_blocks`]): a layer norm's
+/// backward takes 40 at 768 columns.
+const REGISTER_BUDGET: u64 = 40;
+
+/// Blocks of `threads` an SM holds at once (2048 threads, 64 Ki registers, 32 blocks) where each
+/// thread takes at most [`REGISTER_BUDGET`] registers: the kernel's `__launch_bounds__` asks the
+/// compiler for that many, so that the wave [`column_blocks`] plans is the one that runs.
+fn resident_blocks(threads: u64) -> u64 {
+    (2048 / threads)
+        .min(65_536 / (threads * REGISTER_BUDGET))
+        .clamp(1, 32)
+}
+
+thread_local! {
+    /// The SMs of the GPU the kernels being generated on this thread are for
+    /// ([`for_multiprocessors`]).
+    static TARGET_MULTIPROCESSORS: std::cell::Cell<Option<u64>> = const { std::cell::Cell::new(None) };
+}
+
+/// While the guard lives, the kernels this thread generates are for a GPU of `multiprocessors`
+/// SMs (a row kernel's blocks fill it in one wave); its drop puts back what was before.
+pub(crate) fn for_multiprocessors(multiprocessors: u64) -> TargetGuard {
+    TargetGuard(TARGET_MULTIPROCESSORS.replace(Some(multiprocessors.max(1))))
+}
+
+/// What [`for_multiprocessors`] replaced, put back at its drop.
+pub(crate) struct TargetGuard(Option<u64>);
+
+impl Drop for TargetGuard {
+    fn drop(&mut self) {
+        TARGET_MULTIPROCESSORS.set(self.0);
+    }
 }
 
 /// The sums of each column a kernel keeps for its finish: one a strip of rows where its rows are
