@@ -507,18 +507,7 @@ fn a_layer_norm_row_that_fits_a_warps_registers_is_taken_by_a_warp_and_a_longer_
 fn a_narrow_layer_norms_backward_runs_a_block_a_row_beyond_where_a_wide_ones_stops() {
     let _serial = common::serial();
     let backward_grid = |width: i64| {
-        let leaf = |shape: &[i64], kind| Tensor::randn(shape, (kind, CPU)).set_requires_grad(true);
-        let (stream, delta) = (
-            leaf(&[2, 1500, width], Kind::Float),
-            leaf(&[2, 1500, width], Kind::BFloat16),
-        );
-        let (w, b) = (leaf(&[width], Kind::Float), leaf(&[width], Kind::Float));
-        let (_, trace) = StepTrace::record(|| {
-            let y = residual_layer_norm(&stream, &delta, &w, &b).to_kind(Kind::Float);
-            ((&y * &y).mean(Kind::Float) + stream.sum(Kind::Float)).backward();
-        })
-        .unwrap();
-        let plan = FusionPlan::generatable(&trace);
+        let plan = residual_layer_norm_backward(1500, width);
         let kernel = group_holding(&plan, "aten::native_layer_norm_backward")
             .kernel()
             .unwrap();
@@ -582,6 +571,23 @@ fn residual_layer_norm(stream: &Tensor, delta: &Tensor, w: &Tensor, b: &Tensor) 
     (stream + delta)
         .layer_norm([stream.size()[2]], Some(w), Some(b), 1e-5, false)
         .to_kind(Kind::BFloat16)
+}
+
+/// The generatable plan of a step through [`residual_layer_norm`] of two samples of `rows` rows
+/// of `width`, its backward included (the residual stream's gradient accumulated beside it).
+fn residual_layer_norm_backward(rows: i64, width: i64) -> FusionPlan {
+    let leaf = |shape: &[i64], kind| Tensor::randn(shape, (kind, CPU)).set_requires_grad(true);
+    let (stream, delta) = (
+        leaf(&[2, rows, width], Kind::Float),
+        leaf(&[2, rows, width], Kind::BFloat16),
+    );
+    let (w, b) = (leaf(&[width], Kind::Float), leaf(&[width], Kind::Float));
+    let (_, trace) = StepTrace::record(|| {
+        let y = residual_layer_norm(&stream, &delta, &w, &b).to_kind(Kind::Float);
+        ((&y * &y).mean(Kind::Float) + stream.sum(Kind::Float)).backward();
+    })
+    .unwrap();
+    FusionPlan::generatable(&trace)
 }
 
 #[test]
@@ -1619,18 +1625,7 @@ fn a_layer_scales_gradient_over_a_pooled_images_gradient_leaves_its_sum_and_fuse
 #[test]
 fn a_layer_norms_backward_for_a_gpu_runs_one_wave_of_the_blocks_its_sms_hold() {
     let _serial = common::serial();
-    let leaf = |shape: &[i64], kind| Tensor::randn(shape, (kind, CPU)).set_requires_grad(true);
-    let (stream, delta) = (
-        leaf(&[2, 3000, 768], Kind::Float),
-        leaf(&[2, 3000, 768], Kind::BFloat16),
-    );
-    let (w, b) = (leaf(&[768], Kind::Float), leaf(&[768], Kind::Float));
-    let (_, trace) = StepTrace::record(|| {
-        let y = residual_layer_norm(&stream, &delta, &w, &b).to_kind(Kind::Float);
-        ((&y * &y).mean(Kind::Float) + stream.sum(Kind::Float)).backward();
-    })
-    .unwrap();
-    let plan = FusionPlan::generatable(&trace);
+    let plan = residual_layer_norm_backward(3000, 768);
     let group = group_holding(&plan, "aten::native_layer_norm_backward");
     // 192 threads a block, at most 40 registers a thread: 8 blocks an SM.
     let h200 = group.kernel_for(132).unwrap();
@@ -1648,18 +1643,7 @@ fn a_layer_norms_backward_for_a_gpu_runs_one_wave_of_the_blocks_its_sms_hold() {
 #[test]
 fn a_narrow_layer_norms_backward_for_a_gpu_keeps_its_blocks_as_without_one() {
     let _serial = common::serial();
-    let leaf = |shape: &[i64], kind| Tensor::randn(shape, (kind, CPU)).set_requires_grad(true);
-    let (stream, delta) = (
-        leaf(&[2, 3000, 384], Kind::Float),
-        leaf(&[2, 3000, 384], Kind::BFloat16),
-    );
-    let (w, b) = (leaf(&[384], Kind::Float), leaf(&[384], Kind::Float));
-    let (_, trace) = StepTrace::record(|| {
-        let y = residual_layer_norm(&stream, &delta, &w, &b).to_kind(Kind::Float);
-        ((&y * &y).mean(Kind::Float) + stream.sum(Kind::Float)).backward();
-    })
-    .unwrap();
-    let plan = FusionPlan::generatable(&trace);
+    let plan = residual_layer_norm_backward(3000, 384);
     let group = group_holding(&plan, "aten::native_layer_norm_backward");
     // 96 threads a block: 2730 blocks (1024 × 256 / 96), on any GPU.
     let h200 = group.kernel_for(132).unwrap();
