@@ -1071,7 +1071,7 @@ impl Generator {
         // A one-wave layer norm's backward asks for the registers its wave was planned with.
         let wave = match (&self.reduction, strips) {
             (Some(r), None) if !r.column_sums.is_empty() => {
-                layer_norm_backward_threads(r, vectorised).and_then(one_wave)
+                layer_norm_backward_threads(r, vectorised).and_then(|t| one_wave(r, t))
             }
             _ => None,
         };
@@ -1288,7 +1288,7 @@ fn column_blocks(r: &RowReduction, vectorised: bool) -> u64 {
     let Some(threads) = layer_norm_backward_threads(r, vectorised) else {
         return r.rows.clamp(1, COLUMN_BLOCKS);
     };
-    let most = match one_wave(threads) {
+    let most = match one_wave(r, threads) {
         Some((sms, resident)) => sms * resident,
         None => (COLUMN_BLOCKS * 256 / threads).max(COLUMN_BLOCKS),
     };
@@ -1300,22 +1300,28 @@ fn column_blocks(r: &RowReduction, vectorised: bool) -> u64 {
 /// (384 columns, its dropout's mask drawn again) took its step from 15.9 to 16.3 ms, unresolved.
 const ONE_WAVE_THREADS: u64 = 128;
 
-/// (SMs, blocks an SM holds) where a layer norm's backward of blocks of `threads` runs one wave.
-fn one_wave(threads: u64) -> Option<(u64, u64)> {
+/// (SMs, blocks an SM holds) where the layer norm's backward of `r`, of blocks of `threads`,
+/// runs one wave.
+fn one_wave(r: &RowReduction, threads: u64) -> Option<(u64, u64)> {
     let sms = TARGET_MULTIPROCESSORS.get()?;
-    (threads >= ONE_WAVE_THREADS).then(|| (sms, resident_blocks(threads)))
+    // Its column sums in shared memory, a float a column each, and its block sums' 32 pairs.
+    let shared = 4 * r.width * r.column_sums.len() as u64 + 256;
+    (threads >= ONE_WAVE_THREADS).then(|| (sms, resident_blocks(threads, shared)))
 }
 
 /// The registers a thread of a one-wave kernel may take ([`resident_blocks`]): a layer norm's
 /// backward takes 40 at 768 columns.
 const REGISTER_BUDGET: u64 = 40;
 
-/// Blocks of `threads` an SM holds at once (2048 threads, 64 Ki registers, 32 blocks) where each
-/// thread takes at most [`REGISTER_BUDGET`] registers: the kernel's `__launch_bounds__` asks the
-/// compiler for that many, so that the wave [`column_blocks`] plans is the one that runs.
-fn resident_blocks(threads: u64) -> u64 {
+/// Blocks of `threads` using `shared` bytes of shared memory that an SM holds at once (2048
+/// threads, 64 Ki registers, 32 blocks; 164 KiB of shared memory with 1 KiB more a block, an
+/// A100's, where an H100 has 228) where each thread takes at most [`REGISTER_BUDGET`] registers:
+/// the kernel's `__launch_bounds__` asks the compiler for that many, so that the wave
+/// [`column_blocks`] plans is the one that runs.
+fn resident_blocks(threads: u64, shared: u64) -> u64 {
     (2048 / threads)
         .min(65_536 / (threads * REGISTER_BUDGET))
+        .min(167_936 / (shared + 1024))
         .clamp(1, 32)
 }
 
