@@ -220,6 +220,7 @@ const SHIM_UNITS: &[(&str, &[&str])] = &[
             "random",
             "replay_watchdog",
             "saved_offload",
+            "sensors",
             "weight_casts",
         ],
     ),

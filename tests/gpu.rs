@@ -1,9 +1,11 @@
-//! CUDA behaviour of the flag layer, detection, optimizer, scaler and attention. Each test prints why
-//! it is skipped on a machine without a GPU; they run on the GPU host.
+//! CUDA behaviour of the flag layer, detection, optimizer, scaler, attention and the benchmark's
+//! clock readings. Each test prints why it is skipped on a machine without a GPU; they run on the
+//! GPU host.
 
 mod common;
 
 use speedkit::amp::{autocast, GradScaler};
+use speedkit::bench::{Bencher, Protocol, Size};
 use speedkit::config::{MatmulPrecision, SpeedConfig};
 use speedkit::flags::{Flag, FlagState, FlagValue};
 use speedkit::hardware::Hardware;
@@ -379,4 +381,34 @@ fn a_panic_in_the_first_step_puts_cudnn_autotuning_back() {
     });
     assert!(panicked.is_err());
     assert_flags_are(&before);
+}
+
+#[test]
+fn a_timed_run_on_a_gpu_reads_its_clock_and_power() {
+    let Some(device) = common::cuda_or_skip("a_timed_run_on_a_gpu_reads_its_clock_and_power")
+    else {
+        return;
+    };
+    let ctx = SpeedContext::new(
+        &SpeedConfig::from_yaml_str("device: cuda\ncompile:\n  enabled: false\n").unwrap(),
+    )
+    .unwrap();
+    let protocol = Protocol {
+        warmup: 2,
+        steps: 40,
+        paranoid_sync: true,
+    };
+    let a = Tensor::randn([4096, 4096], (Kind::Float, device));
+    let mut b = Bencher::new(Size::Bench, &ctx, protocol);
+    b.run(|| a.matmul(&a).sum(Kind::Float)).unwrap();
+    let m = b.take_measurement().unwrap();
+    let clocks = m
+        .clocks
+        .unwrap_or_else(|| panic!("clocks not read: {:?}", m.clocks_unread));
+    eprintln!("{clocks:?}");
+    assert!(clocks.readings >= 1);
+    assert!(0 < clocks.min_sm_mhz && clocks.min_sm_mhz <= clocks.top_sm_mhz);
+    assert!(clocks.top_sm_mhz <= clocks.max_sm_mhz);
+    assert!(clocks.mean_power_w > 0.0 && clocks.power_limit_w > 0.0);
+    assert!((0.0..=1.0).contains(&clocks.power_capped));
 }

@@ -55,11 +55,13 @@ for a CPU check.
 """
 
 import argparse
+import ctypes
 import gc
 import json
 import math
 import os
 import sys
+import threading
 import time
 
 try:
@@ -547,13 +549,85 @@ def start_memory():
     torch.cuda.reset_peak_memory_stats()
 
 
+class ClockSampler:
+    """The GPU's SM clock and board power while the timed steps run: NVML read every 10 ms on a
+    thread of its own, summed up as speedkit's runner sums up its own (GpuClocks,
+    speedkit/src/bench/clocks.rs; the mean power from the board's energy counter where it counts).
+    `start()` gives None where NVML cannot be read."""
+
+    POWER_REASONS, THERMAL_REASONS = 0x4 | 0x80, 0x20 | 0x40  # power cap and brake; thermal
+
+    def __init__(self, nvml, handle):
+        self.nvml, self.handle = nvml, handle
+        # Drivers before 535 name it ...ClocksThrottleReasons.
+        self.reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None) \
+            or nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        self.energy = getattr(nvml, "nvmlDeviceGetTotalEnergyConsumption", None)
+        self.started = time.perf_counter()
+        self.readings, self.stop = [self.read()], threading.Event()
+        self.thread = threading.Thread(target=self.sample, daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def start(cls):
+        if not torch.cuda.is_available():
+            return None
+        device_index = torch.cuda.current_device()
+        try:
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+            if nvml.nvmlInit_v2() != 0:
+                return None
+            p = torch.cuda.get_device_properties(device_index)
+            bus_id = f"{p.pci_domain_id:08x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0".encode()
+            handle = ctypes.c_void_p()
+            if nvml.nvmlDeviceGetHandleByPciBusId_v2(bus_id, ctypes.byref(handle)) != 0:
+                return None
+            return cls(nvml, handle)
+        except (OSError, AttributeError, RuntimeError):
+            return None
+
+    def read(self):
+        """(SM MHz, max SM MHz, power mW, power limit mW, clock-event reasons, energy mJ, seconds
+        since the first reading)."""
+        values = [ctypes.c_uint() for _ in range(4)]
+        reasons, energy = ctypes.c_ulonglong(), ctypes.c_ulonglong()
+        if self.energy is None or self.energy(self.handle, ctypes.byref(energy)) != 0:
+            energy.value = 0
+        self.nvml.nvmlDeviceGetClockInfo(self.handle, 1, ctypes.byref(values[0]))
+        self.nvml.nvmlDeviceGetMaxClockInfo(self.handle, 1, ctypes.byref(values[1]))
+        self.nvml.nvmlDeviceGetPowerUsage(self.handle, ctypes.byref(values[2]))
+        self.nvml.nvmlDeviceGetEnforcedPowerLimit(self.handle, ctypes.byref(values[3]))
+        self.reasons(self.handle, ctypes.byref(reasons))
+        return [v.value for v in values] + [reasons.value, energy.value,
+                                            time.perf_counter() - self.started]
+
+    def sample(self):
+        while not self.stop.wait(0.01):
+            self.readings.append(self.read())
+
+    def finish(self):
+        self.stop.set()
+        self.thread.join()
+        r, n = self.readings, len(self.readings)
+        clocks = [x[0] for x in r]
+        held = lambda reasons: sum(1 for x in r if x[4] & reasons) / n  # noqa: E731
+        joules, span = (r[-1][5] - r[0][5]) / 1e3, r[-1][6] - r[0][6]
+        counted = r[0][5] > 0 and joules > 0 and span > 0
+        power = joules / span if counted else sum(x[2] for x in r) / n / 1e3
+        return dict(readings=n, mean_sm_mhz=sum(clocks) / n, min_sm_mhz=min(clocks),
+                    top_sm_mhz=max(clocks), max_sm_mhz=r[-1][1],
+                    mean_power_w=power, power_limit_w=r[-1][3] / 1e3,
+                    power_capped=held(self.POWER_REASONS), thermal=held(self.THERMAL_REASONS))
+
+
 def time_steps(step, warmup=10, steps=50, sync_every_step=True, started=None):
     """Times `step`; returns (times in ms, in step order; memory dict). start_memory() came first.
 
     Without sync_every_step the timed steps are queued back to back, each between its own events,
     as speedkit's --no-paranoid-sync does. With `started` (a time.perf_counter() reading), the
     memory dict also gives first_step_s: the seconds from then to the end of the first step
-    (compilation included), as speedkit's runner reports its own."""
+    (compilation included), as speedkit's runner reports its own; and clocks, the GPU's clock and
+    power over the timed steps (ClockSampler), where NVML can be read."""
     first_step_s = None
     for i in range(warmup):
         step()
@@ -563,6 +637,7 @@ def time_steps(step, warmup=10, steps=50, sync_every_step=True, started=None):
     torch.cuda.synchronize()
     warm_allocated, warm_reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     torch.cuda.reset_peak_memory_stats()
+    sampler = ClockSampler.start()
     events = []
     for _ in range(steps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -573,6 +648,7 @@ def time_steps(step, warmup=10, steps=50, sync_every_step=True, started=None):
             torch.cuda.synchronize()
         events.append((start, end))
     torch.cuda.synchronize()
+    clocks = sampler.finish() if sampler else None
     times = [start.elapsed_time(end) for start, end in events]
     steady = torch.cuda.max_memory_allocated()
     memory = dict(peak_allocated_bytes=max(warm_allocated, steady),
@@ -580,6 +656,8 @@ def time_steps(step, warmup=10, steps=50, sync_every_step=True, started=None):
                   steady_peak_allocated_bytes=steady)
     if first_step_s is not None:
         memory["first_step_s"] = first_step_s
+    if clocks is not None:
+        memory["clocks"] = clocks
     return times, memory
 
 
@@ -693,11 +771,12 @@ def measure(name, mode, device, warmup, steps, sync_every_step=True):
     step, opt = train_step(model, batch, compile_mode)
     times, memory = time_steps(step, warmup, steps, sync_every_step, started)
     first_step_s = memory.pop("first_step_s", None)
+    clocks = memory.pop("clocks", None)
     memory["breakdown"] = breakdown(model, opt, memory)
     median, p10, p90 = summary(times)
     return dict(workload=name, mode=mode, median_ms=median, p10_ms=p10, p90_ms=p90,
                 tflops=flops / median / 1e9, times_ms=times, memory=memory,
-                first_step_s=first_step_s)
+                first_step_s=first_step_s, clocks=clocks)
 
 
 def ddp_setup():
@@ -795,6 +874,7 @@ def measure_ddp(name, device, size, world, warmup, steps, sync_every_step=True, 
         times, memory = time_steps(step, warmup, steps, sync_every_step)
     else:
         times, memory = time_steps_host(step, warmup, steps)
+    clocks = memory.pop("clocks", None)
     median, p10, p90 = summary(times)
     # A tensor all-gather (all_gather_object needs NumPy), on the device the backend serves.
     gathered = [torch.zeros((), dtype=torch.float64, device=device) for _ in range(world)]
@@ -808,7 +888,8 @@ def measure_ddp(name, device, size, world, warmup, steps, sync_every_step=True, 
     return dict(workload=name, mode=mode, median_ms=median,
                 p10_ms=p10, p90_ms=p90,
                 tflops=flops / median / 1e9, times_ms=times, memory=memory, world_size=world,
-                median_ms_per_rank=medians, throughput=throughput, optimizer_state_bytes=state)
+                median_ms_per_rank=medians, throughput=throughput, optimizer_state_bytes=state,
+                clocks=clocks)
 
 
 LARGE = ("llama_large",)

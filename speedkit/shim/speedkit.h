@@ -192,6 +192,25 @@ int sk_cuda_synchronize(int index);
 int sk_cuda_side_stream_enter(int index, void** out);
 int sk_cuda_side_stream_exit(void* handle);
 
+// @module sensors: the GPU's clock, power and the reasons its clock is held down, through NVML (sensors.cpp)
+
+/// One reading of a CUDA device's sensors: its SM clock now and at most (MHz), its board's power
+/// draw (NVML's, averaged over about a second on recent boards) and enforced limit (milliwatts),
+/// the energy it took since the driver loaded (millijoules; 0 where the board does not count it),
+/// and NVML's clock-event reasons now (a bitmask: 0x4 the power cap, 0x8 a hardware slowdown,
+/// 0x20 and 0x40 thermal, 0x80 the power brake).
+typedef struct sk_gpu_reading {
+  uint32_t sm_clock_mhz;
+  uint32_t max_sm_clock_mhz;
+  uint32_t power_mw;
+  uint32_t power_limit_mw;
+  uint64_t energy_mj;
+  uint64_t clock_event_reasons;
+} sk_gpu_reading;
+
+/// Reads CUDA device `index`'s sensors; fails, naming why, where NVML cannot be loaded or read.
+int sk_gpu_sensors_read(int index, sk_gpu_reading* out);
+
 // @module memory_history: the caching allocator's record of every allocation, written as a snapshot file (memory_history.cpp)
 
 /// *out: 1 while the caching allocator records its history (whoever started it), else 0.

@@ -40,6 +40,7 @@
 // and the PyTorch peer it compares with, and the `cargo test` harness.
 #[cfg(feature = "runner")]
 pub mod baseline;
+mod clocks;
 mod memory;
 #[cfg(feature = "runner")]
 pub mod peer;
@@ -49,6 +50,7 @@ pub mod stats;
 #[cfg(feature = "runner")]
 pub mod testing;
 
+pub use clocks::GpuClocks;
 #[cfg(feature = "runner")]
 #[cfg(feature = "runner")]
 pub(crate) use memory::settle_library_workspaces;
@@ -66,6 +68,7 @@ use crate::graph::CompiledStep;
 use crate::profile::{Communication, Profile};
 use crate::trace::StepTrace;
 use crate::SpeedContext;
+use clocks::ClockSampler;
 use memory::MemoryProbe;
 
 /// Problem size of a workload run.
@@ -267,6 +270,11 @@ pub struct Measurement {
     pub items_per_step: Option<(f64, &'static str)>,
     /// Device memory of the run (CUDA only).
     pub memory: Option<DeviceMemory>,
+    /// The GPU's clock and power over the timed steps (CUDA only, where NVML can be read).
+    pub clocks: Option<GpuClocks>,
+    /// Why the GPU's clock and power were not read, on CUDA.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub clocks_unread: Option<String>,
     /// The last step's loss, when the step returns one.
     pub final_loss: Option<f64>,
     /// Whether the step ran as a replayed CUDA graph.
@@ -520,6 +528,7 @@ impl<'a> Bencher<'a> {
             tick();
         }
         let warmup_peaks = probe.as_ref().map(MemoryProbe::end_warmup).transpose()?;
+        let sampler = cuda.map(ClockSampler::start);
         let mut times = Vec::with_capacity(self.protocol.steps);
         let mut last = None;
         match cuda {
@@ -560,6 +569,11 @@ impl<'a> Bencher<'a> {
                 }
             }
         }
+        let (clocks, clocks_unread) = match sampler {
+            Some(Ok(sampler)) => (sampler.finish(), None),
+            Some(Err(why)) => (None, Some(why.to_string())),
+            None => (None, None),
+        };
         let memory = match (&probe, warmup_peaks) {
             (Some(probe), Some(warmup)) => Some(probe.finish(warmup, self.ctx.optimizer_memory())?),
             _ => None,
@@ -580,6 +594,8 @@ impl<'a> Bencher<'a> {
             tflops: self.flops_per_step.map(|f| f / (median_ms * 1e-3) / 1e12),
             items_per_step: self.items_per_step,
             memory,
+            clocks,
+            clocks_unread,
             final_loss,
             graphed: false,
             communication: None,

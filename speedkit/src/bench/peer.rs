@@ -24,7 +24,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use super::{DeviceMemory, Protocol};
+use super::{DeviceMemory, GpuClocks, Protocol};
 use crate::report::table;
 
 /// The reference script, as shipped in `docs/benchmarks/pytorch_reference.py`.
@@ -75,9 +75,22 @@ pub fn find_python(explicit: Option<&Path>) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("python3"))
 }
 
-/// One speedkit run as the peer tables set it beside PyTorch's: its workload, config, device
-/// memory and seconds to its first step.
-pub type RunSummary = (String, String, Option<DeviceMemory>, Option<f64>);
+/// One speedkit run as the peer tables set it beside PyTorch's.
+#[derive(Clone, Debug, Default)]
+pub struct RunSummary {
+    /// Its workload.
+    pub workload: String,
+    /// Its config's name.
+    pub config: String,
+    /// Its device memory.
+    pub memory: Option<DeviceMemory>,
+    /// Seconds from its start to the end of its first step as timed.
+    pub first_step_s: Option<f64>,
+    /// Its median step, ms.
+    pub median_ms: Option<f64>,
+    /// The GPU's clock and power over its timed steps.
+    pub clocks: Option<GpuClocks>,
+}
 
 /// One PyTorch row: a workload in one mode.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -99,6 +112,9 @@ pub struct PeerRow {
     pub times_ms: Vec<f64>,
     /// Memory, measured as speedkit measures its own.
     pub memory: Option<DeviceMemory>,
+    /// The GPU's clock and power over the timed steps, read as speedkit reads them.
+    #[serde(default)]
+    pub clocks: Option<GpuClocks>,
     /// Why this mode failed, if it did.
     pub error: Option<String>,
     /// Seconds from the run's start (before the model is built) to the end of its first step,
@@ -342,45 +358,25 @@ impl PeerRun {
         out
     }
 
-    /// Memory side by side, one row per speedkit `(workload, config, memory, first step s)` and
-    /// per PyTorch mode of the same workloads, in GiB over the whole run, with each run's time to
-    /// its first step.
+    /// Memory side by side, one row per speedkit run and per PyTorch mode of the same workloads,
+    /// in GiB over the whole run, with each run's time to its first step.
     pub fn render_memory(&self, speedkit: &[RunSummary]) -> String {
         let gib = |m: Option<DeviceMemory>, pick: fn(&DeviceMemory) -> u64| {
             m.map_or_else(|| "-".to_string(), |m| format!("{:.2}", m.gib(pick(&m))))
         };
-        let line = |w: &str, run: String, m: Option<DeviceMemory>, first: Option<f64>| {
+        let cells = |m: Option<DeviceMemory>, first: Option<f64>| {
             vec![
-                w.to_string(),
-                run,
                 gib(m, |m| m.peak_allocated_bytes),
                 gib(m, |m| m.peak_reserved_bytes),
                 gib(m, |m| m.steady_peak_allocated_bytes),
                 first.map_or_else(|| "-".to_string(), |s| format!("{s:.1}")),
             ]
         };
-        let mut rows = Vec::new();
-        let mut workloads: Vec<&str> = Vec::new();
-        for (w, _, _, _) in speedkit {
-            if !workloads.contains(&w.as_str()) && self.rows.iter().any(|r| &r.workload == w) {
-                workloads.push(w);
-            }
-        }
-        for w in workloads {
-            for (_, c, m, first) in speedkit.iter().filter(|(sw, _, _, _)| sw == w) {
-                rows.push(line(w, format!("speedkit {c}"), *m, *first));
-            }
-            for (mode, header) in MODES {
-                if let Some(r) = self.row(w, mode).filter(|r| r.error.is_none()) {
-                    rows.push(line(
-                        w,
-                        format!("pytorch {header}"),
-                        r.memory,
-                        r.first_step_s,
-                    ));
-                }
-            }
-        }
+        let rows = self.side_by_side(
+            speedkit,
+            |s| Some(cells(s.memory, s.first_step_s)),
+            |r| Some(cells(r.memory, r.first_step_s)),
+        );
         let mut out = String::from(
             "\ndevice memory of both sides in GiB. peak alloc, peak resv: over the whole run (warm-up,\n\
              compilation and capture included); steady alloc: peak allocated in the timed steps.\n\
@@ -399,6 +395,61 @@ impl PeerRun {
             &rows,
         ));
         out
+    }
+
+    /// The GPU's clock and power over each side's timed steps ([`GpuClocks`]), one row per run
+    /// that read them; nothing when none did.
+    pub fn render_clocks(&self, speedkit: &[RunSummary], legend: &str) -> String {
+        let cells = |c: Option<GpuClocks>, ms| c.map(|c| c.cells(ms).to_vec());
+        let rows = self.side_by_side(
+            speedkit,
+            |s| cells(s.clocks, s.median_ms),
+            |r| cells(r.clocks, r.median_ms),
+        );
+        if rows.is_empty() {
+            return String::new();
+        }
+        let mut headings = vec!["workload", "run"];
+        headings.extend(GpuClocks::HEADINGS);
+        format!("{legend}{}", table(&headings, &rows))
+    }
+
+    /// For each workload both sides ran: a row per speedkit run, then one per PyTorch mode that
+    /// did not fail, each its workload, its run's name and the cells `speedkit` or `pytorch` give
+    /// it (none: no row).
+    fn side_by_side(
+        &self,
+        speedkit: &[RunSummary],
+        speedkit_cells: impl Fn(&RunSummary) -> Option<Vec<String>>,
+        pytorch_cells: impl Fn(&PeerRow) -> Option<Vec<String>>,
+    ) -> Vec<Vec<String>> {
+        let mut workloads: Vec<&str> = Vec::new();
+        for s in speedkit {
+            let w = s.workload.as_str();
+            if !workloads.contains(&w) && self.rows.iter().any(|r| r.workload == w) {
+                workloads.push(w);
+            }
+        }
+        let line = |w: &str, run: String, cells: Vec<String>| {
+            [w.to_string(), run].into_iter().chain(cells).collect()
+        };
+        let mut rows = Vec::new();
+        for w in workloads {
+            for s in speedkit.iter().filter(|s| s.workload == w) {
+                if let Some(cells) = speedkit_cells(s) {
+                    rows.push(line(w, format!("speedkit {}", s.config), cells));
+                }
+            }
+            for (mode, header) in MODES {
+                let Some(r) = self.row(w, mode).filter(|r| r.error.is_none()) else {
+                    continue;
+                };
+                if let Some(cells) = pytorch_cells(r) {
+                    rows.push(line(w, format!("pytorch {header}"), cells));
+                }
+            }
+        }
+        rows
     }
 }
 
@@ -472,11 +523,31 @@ mod tests {
                     .map(|c| (w.to_string(), c.to_string(), 12.345))
             })
             .collect();
+        let clocks = GpuClocks {
+            readings: 100,
+            mean_sm_mhz: 1695.0,
+            min_sm_mhz: 1665,
+            top_sm_mhz: 1710,
+            max_sm_mhz: 1980,
+            mean_power_w: 693.0,
+            power_limit_w: 700.0,
+            power_capped: 1.0,
+            thermal: 0.0,
+        };
         let memory: Vec<_> = speedkit
             .iter()
-            .map(|(w, c, _)| (w.clone(), c.clone(), run.rows[0].memory, Some(123.4)))
+            .map(|(w, c, _)| RunSummary {
+                workload: w.clone(),
+                config: c.clone(),
+                memory: run.rows[0].memory,
+                first_step_s: Some(123.4),
+                median_ms: Some(12.345),
+                clocks: Some(clocks),
+            })
             .collect();
-        let text = run.render_times(&speedkit) + &run.render_memory(&memory);
+        let text = run.render_times(&speedkit)
+            + &run.render_memory(&memory)
+            + &run.render_clocks(&memory, "\n");
         for line in text.lines() {
             assert!(line.chars().count() <= 100, "{line}");
         }
@@ -484,10 +555,59 @@ mod tests {
     }
 
     #[test]
+    fn each_sides_clock_and_power_are_given_where_they_were_read() {
+        let mut run = sample_run();
+        let clocks = |mhz: f64| GpuClocks {
+            readings: 80,
+            mean_sm_mhz: mhz,
+            min_sm_mhz: 1600,
+            top_sm_mhz: 1900,
+            max_sm_mhz: 1980,
+            mean_power_w: 690.0,
+            power_limit_w: 700.0,
+            power_capped: 0.5,
+            thermal: 0.0,
+        };
+        run.rows[3].clocks = Some(clocks(1810.0));
+        let speedkit = [RunSummary {
+            workload: "transformer".into(),
+            config: "auto".into(),
+            median_ms: Some(20.0),
+            clocks: Some(clocks(1695.0)),
+            ..RunSummary::default()
+        }];
+        let text = run.render_clocks(&speedkit, "");
+        let rows: Vec<Vec<&str>> = (text.lines().skip(2))
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        // 690 W over a 20 ms step; PyTorch's at 37 ms (sample_run's reduce-overhead median).
+        let speedkit_row = "transformer speedkit auto 1695 1600-1900 86% 690 700 50% 13.80";
+        let pytorch_row = "transformer pytorch reduce-ovh 1810 1600-1900 91% 690 700 50% 25.53";
+        assert_eq!(
+            rows,
+            [speedkit_row, pytorch_row].map(|r| r.split(' ').collect::<Vec<_>>())
+        );
+    }
+
+    #[test]
+    fn no_clock_table_is_given_where_no_side_read_its_clock() {
+        let speedkit = [RunSummary {
+            workload: "transformer".into(),
+            ..RunSummary::default()
+        }];
+        assert_eq!(sample_run().render_clocks(&speedkit, "legend"), "");
+    }
+
+    #[test]
     fn each_runs_time_to_its_first_step_is_given_beside_its_memory() {
         let mut run = sample_run();
         run.rows[3].first_step_s = Some(21.25);
-        let speedkit = [("transformer".into(), "auto".into(), None, Some(4.04))];
+        let speedkit = [RunSummary {
+            workload: "transformer".into(),
+            config: "auto".into(),
+            first_step_s: Some(4.04),
+            ..RunSummary::default()
+        }];
         let text = run.render_memory(&speedkit);
         let line = |prefix: &str| {
             (text.lines())

@@ -41,6 +41,7 @@ pub(crate) mod overrides;
 pub(crate) mod profiler;
 pub(crate) mod random;
 pub(crate) mod saved_offload;
+pub(crate) mod sensors;
 pub(crate) mod weight_casts;
 
 /// The declarations generated from `speedkit/shim/speedkit.h` (speedkit-build's `abi` module): one

@@ -10,7 +10,7 @@ use super::cli::Args;
 use super::report::{Row, RunReport};
 use crate::bench::baseline;
 use crate::bench::peer::{PeerReport, RunSummary};
-use crate::bench::{format_tflops, DeviceMemory, Size, Workload};
+use crate::bench::{format_tflops, DeviceMemory, GpuClocks, Size, Workload};
 use crate::dist::Throughput;
 use crate::error::{Result, SpeedkitError};
 use crate::memory::MemoryHistory;
@@ -50,6 +50,10 @@ pub fn render_text(report: &RunReport) -> String {
          allocated in timed steps\n",
     );
     out.push_str(&memory_table(report));
+    if report.peer.as_ref().is_none_or(|p| p.run.is_none()) {
+        // Else the peer's table gives them beside PyTorch's.
+        out.push_str(&clocks_table(report));
+    }
     out.push_str(&breakdown_table(report));
     if report.rows.iter().any(|r| r.data_parallel.is_some()) {
         out.push_str(&data_parallel_table(report));
@@ -159,6 +163,32 @@ fn memory_table(report: &RunReport) -> String {
         &rows,
     )
 }
+
+/// The GPU's clock and power over each run's timed steps ([`GpuClocks`]); nothing when no run
+/// read them.
+fn clocks_table(report: &RunReport) -> String {
+    let rows: Vec<Vec<String>> = (report.rows.iter())
+        .filter_map(|r| {
+            let m = r.measurement.as_ref()?;
+            let mut row = vec![r.workload.clone(), r.config.clone()];
+            row.extend(m.clocks?.cells(Some(m.median_ms)));
+            Some(row)
+        })
+        .collect();
+    if rows.is_empty() {
+        return String::new();
+    }
+    let mut headings = vec!["workload", "config"];
+    headings.extend(GpuClocks::HEADINGS);
+    format!("{CLOCKS_LEGEND}{}", table(&headings, &rows))
+}
+
+/// What the clock tables' columns mean.
+pub(crate) const CLOCKS_LEGEND: &str =
+    "\nthe GPU's SM clock and board power while the steps were timed (NVML, every 10 ms): the mean\n\
+     clock, its range and its share of the maximum; the mean power and the board's limit; capped:\n\
+     the share of readings whose clock the power limit held down; J/step: the mean power times the\n\
+     median step\n";
 
 /// Where each run's memory went ([`MemoryBreakdown`](crate::memory::MemoryBreakdown)); nothing
 /// when no run measured device memory.
@@ -280,18 +310,19 @@ fn render_peer(report: &RunReport, peer: &PeerReport) -> String {
         .clone()
         .map(|(r, m)| (r.workload.clone(), r.config.clone(), m.median_ms))
         .collect();
-    let memory: Vec<RunSummary> = measured
-        .map(|(r, m)| {
-            (
-                r.workload.clone(),
-                r.config.clone(),
-                m.memory,
-                m.first_step_s,
-            )
+    let runs: Vec<RunSummary> = measured
+        .map(|(r, m)| RunSummary {
+            workload: r.workload.clone(),
+            config: r.config.clone(),
+            memory: m.memory,
+            first_step_s: m.first_step_s,
+            median_ms: Some(m.median_ms),
+            clocks: m.clocks,
         })
         .collect();
     let mut out = run.render_times(&times);
-    out.push_str(&run.render_memory(&memory));
+    out.push_str(&run.render_memory(&runs));
+    out.push_str(&run.render_clocks(&runs, CLOCKS_LEGEND));
     out
 }
 

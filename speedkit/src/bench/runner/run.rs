@@ -402,6 +402,10 @@ fn run_one(
     }
     record_audit(&mut row, &ctx);
     row.notes.extend(history_note);
+    if let Some(why) = measurement.as_ref().and_then(|m| m.clocks_unread.as_ref()) {
+        row.notes
+            .push(format!("GPU clock and power not read: {why}"));
+    }
     if let Some(p) = profile {
         if let Err(e) = output::write_profile(&p, w.name, &nc.name) {
             row.notes.push(format!("profile not written: {e}"));
