@@ -611,8 +611,11 @@ class ClockSampler:
         r, n = self.readings, len(self.readings)
         clocks = [x[0] for x in r]
         held = lambda reasons: sum(1 for x in r if x[4] & reasons) / n  # noqa: E731
-        joules, span = (r[-1][5] - r[0][5]) / 1e3, r[-1][6] - r[0][6]
-        counted = r[0][5] > 0 and joules > 0 and span > 0
+        # The counter moves in steps (every 100 ms on an H200): between its first and last update.
+        updates = [b for a, b in zip(r, r[1:]) if b[5] != a[5]]
+        first, last = (updates[0], updates[-1]) if updates else (r[0], r[0])
+        joules, span = (last[5] - first[5]) / 1e3, last[6] - first[6]
+        counted = first[5] > 0 and joules > 0 and span > 0
         power = joules / span if counted else sum(x[2] for x in r) / n / 1e3
         return dict(readings=n, mean_sm_mhz=sum(clocks) / n, min_sm_mhz=min(clocks),
                     top_sm_mhz=max(clocks), max_sm_mhz=r[-1][1],

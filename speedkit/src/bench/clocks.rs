@@ -5,7 +5,8 @@
 //! comparison, runs slower by the same share. Two runs that both sit at the limit differ in the
 //! energy their steps take rather than in their kernels' clock-for-clock speed. [`GpuClocks`] says
 //! whether a run was there: the SM clock, the board's power (from its energy counter: NVML's power
-//! reading is an average over the last second, longer than many runs' timed steps) and how often
+//! reading is an average over the last second, longer than many runs' timed steps), the energy of
+//! a step at that power, and how often
 //! the power cap held the clock down, read from the device's sensors (NVML) every
 //! [`SAMPLE_EVERY`] on a thread of its own while the timed steps run. PyTorch's reference (`docs/benchmarks/pytorch_reference.py`) reads
 //! the same sensors the same way.
@@ -58,9 +59,10 @@ pub struct GpuClocks {
     pub top_sm_mhz: u32,
     /// The device's maximum SM clock, MHz.
     pub max_sm_mhz: u32,
-    /// The board's mean power draw over the readings' span, watts: the energy it counted over
-    /// the span divided by the span, where it counts its energy; else the mean of NVML's power
-    /// readings (each an average over about a second on recent boards).
+    /// The board's mean power draw, watts: the energy it counted between the first and the last
+    /// update of its energy counter over the readings, divided by the time between them, where it
+    /// counts its energy and updated it twice; else the mean of NVML's power readings (each an
+    /// average over about a second on recent boards).
     pub mean_power_w: f64,
     /// The power limit the board enforces, watts.
     pub power_limit_w: f64,
@@ -136,10 +138,16 @@ impl GpuClocks {
     }
 }
 
-/// The mean power, watts, from the board's energy counter between the first and the last of
-/// `timed`, where it counted some over a span of time.
+/// The mean power, watts, from the board's energy counter, where it counted some over a span of
+/// `timed`: the energy between its first and its last update seen, over the time between them.
+/// The counter moves in steps (every 100 ms on an H200), so the readings' own first and last would
+/// be off by up to a step at either end of a run shorter than a second.
 fn counted_power_w(timed: &[(f64, ffi::sensors::GpuReading)]) -> Option<f64> {
-    let ((t0, first), (t1, last)) = (timed.first()?, timed.last()?);
+    let mut updates = (timed.windows(2))
+        .filter(|pair| pair[1].1.energy_mj != pair[0].1.energy_mj)
+        .map(|pair| pair[1]);
+    let (t0, first) = updates.next()?;
+    let (t1, last) = updates.next_back()?;
     let joules = last.energy_mj.checked_sub(first.energy_mj)? as f64 * 1e-3;
     (first.energy_mj > 0 && joules > 0.0 && t1 > t0).then(|| joules / (t1 - t0))
 }
@@ -237,15 +245,33 @@ mod tests {
         );
     }
 
+    /// Readings every 10 ms of a board drawing `watts` whose counter adds a step every 100 ms.
+    fn counter_steps(readings: usize, watts: u64) -> Vec<(f64, GpuReading)> {
+        (0..readings)
+            .map(|i| {
+                let step = (i as u64 + 3) / 10;
+                counted(
+                    i as f64 * 0.01,
+                    1_000_000 + step * watts * 100,
+                    1700,
+                    450,
+                    0x4,
+                )
+            })
+            .collect()
+    }
+
     #[test]
-    fn the_energy_counted_over_the_span_gives_the_mean_power_over_the_power_readings() {
-        // NVML's power readings lag a second behind; the counter does not.
-        let clocks = [
-            counted(0.0, 1_000_000, 1700, 400, 0x4),
-            counted(0.5, 1_350_000, 1700, 450, 0x4),
-        ];
-        let c = GpuClocks::from_readings(&clocks).expect("two readings");
-        assert_eq!(c.mean_power_w, 700.0);
+    fn the_energy_counter_gives_the_mean_power_between_its_first_and_last_update() {
+        // NVML's power readings (450 W here) lag a second behind; the counter does not.
+        let c = GpuClocks::from_readings(&counter_steps(60, 700)).expect("readings");
+        assert!((c.mean_power_w - 700.0).abs() < 1e-6, "{}", c.mean_power_w);
+    }
+
+    #[test]
+    fn a_counter_updated_once_gives_way_to_the_power_readings() {
+        let c = GpuClocks::from_readings(&counter_steps(15, 700)).expect("readings");
+        assert_eq!(c.mean_power_w, 450.0);
     }
 
     #[test]
