@@ -5,7 +5,9 @@
 //! `$CARGO_TARGET_DIR` when that is set); `--baseline NAME` reads it back (a path to any report
 //! written by `--json` works too) and compares each workload × config row: the ratio of the
 //! medians, its 95% bootstrap interval and a verdict ([`stats`](super::stats)). A baseline from
-//! another GPU, driver or library version is compared with a warning that names the difference.
+//! another GPU, driver or library version is compared with a warning that names the difference,
+//! and so is a row whose GPU ran at another SM clock than the baseline's (a power cap reached in
+//! one run and not the other moves every kernel's time: [`GpuClocks`](super::GpuClocks)).
 //!
 //! ```no_run
 //! use speedkit::bench::baseline::{self, Baseline};
@@ -21,7 +23,7 @@ use std::path::PathBuf;
 
 use super::runner::{Row, REPORT_SCHEMA_VERSION};
 use super::stats::{compare_medians, MedianRatio, Verdict};
-use super::Protocol;
+use super::{GpuClocks, Protocol};
 use crate::error::{Result, SpeedkitError};
 use crate::hardware::Hardware;
 use crate::report::table;
@@ -150,6 +152,8 @@ pub struct BaselineRow {
     pub size: String,
     /// Per-step times, ms (empty when the row failed).
     pub times_ms: Vec<f64>,
+    /// The GPU's clock and power over its timed steps, where they were read.
+    pub clocks: Option<GpuClocks>,
 }
 
 /// A saved run, read back.
@@ -184,6 +188,8 @@ struct SavedRow {
 #[derive(Deserialize)]
 struct SavedMeasurement {
     times_ms: Vec<f64>,
+    #[serde(default)]
+    clocks: Option<GpuClocks>,
 }
 
 impl Baseline {
@@ -223,11 +229,17 @@ impl Baseline {
         let rows = saved
             .rows
             .into_iter()
-            .map(|r| BaselineRow {
-                workload: r.workload,
-                config: r.config,
-                size: r.size,
-                times_ms: r.measurement.map(|m| m.times_ms).unwrap_or_default(),
+            .map(|r| {
+                let (times_ms, clocks) = r
+                    .measurement
+                    .map_or((Vec::new(), None), |m| (m.times_ms, m.clocks));
+                BaselineRow {
+                    workload: r.workload,
+                    config: r.config,
+                    size: r.size,
+                    times_ms,
+                    clocks,
+                }
             })
             .collect();
         Ok(Baseline {
@@ -301,6 +313,11 @@ pub fn compare(
             let saved = baseline
                 .row(&r.workload, &r.config, &r.size.to_string())
                 .filter(|b| !b.times_ms.is_empty());
+            let clocks = saved.and_then(|b| Some((b.clocks?, m.clocks?)));
+            if let Some((then, now)) = clocks {
+                let row = format!("{} {}", r.workload, r.config);
+                warnings.extend(clock_difference(&row, &then, &now, noise_threshold));
+            }
             let change = saved.and_then(|b| compare_medians(&b.times_ms, &m.times_ms));
             Some(ComparedRow {
                 workload: r.workload.clone(),
@@ -318,6 +335,28 @@ pub fn compare(
         noise_threshold,
         rows: compared,
     }
+}
+
+/// A warning where `row`'s GPU ran at a mean SM clock more than `threshold` (a fraction) away from
+/// its baseline's: every kernel's time moves with it.
+fn clock_difference(
+    row: &str,
+    then: &GpuClocks,
+    now: &GpuClocks,
+    threshold: f64,
+) -> Option<String> {
+    let change = now.mean_sm_mhz / then.mean_sm_mhz - 1.0;
+    (change.abs() > threshold).then(|| {
+        format!(
+            "{row}: the GPU's SM clock averaged {:.0} MHz, the baseline's {:.0} ({:+.1}%; held \
+             down by the power cap in {:.0}% of readings, the baseline's in {:.0}%)",
+            now.mean_sm_mhz,
+            then.mean_sm_mhz,
+            100.0 * change,
+            100.0 * now.power_capped,
+            100.0 * then.power_capped
+        )
+    })
 }
 
 fn describe(p: &Protocol) -> String {
@@ -392,5 +431,48 @@ impl Comparison {
             &rows,
         ));
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn clocks(mean_sm_mhz: f64, power_capped: f64) -> GpuClocks {
+        GpuClocks {
+            readings: 60,
+            mean_sm_mhz,
+            min_sm_mhz: 1600,
+            top_sm_mhz: 1980,
+            max_sm_mhz: 1980,
+            mean_power_w: 690.0,
+            power_limit_w: 700.0,
+            power_capped,
+            thermal: 0.0,
+        }
+    }
+
+    #[test]
+    fn a_row_whose_gpu_ran_at_another_clock_than_its_baseline_is_named() {
+        let warning = clock_difference(
+            "llama_tch auto",
+            &clocks(1980.0, 0.0),
+            &clocks(1782.0, 1.0),
+            0.02,
+        );
+        assert_eq!(
+            warning.as_deref(),
+            Some(
+                "llama_tch auto: the GPU's SM clock averaged 1782 MHz, the baseline's 1980 \
+                 (-10.0%; held down by the power cap in 100% of readings, the baseline's in 0%)"
+            )
+        );
+    }
+
+    #[test]
+    fn a_clock_within_the_noise_threshold_of_its_baselines_is_no_warning() {
+        let warning =
+            clock_difference("mlp auto", &clocks(1850.0, 1.0), &clocks(1830.0, 1.0), 0.02);
+        assert_eq!(warning, None);
     }
 }
