@@ -6,10 +6,10 @@
 //! energy their steps take rather than in their kernels' clock-for-clock speed. [`GpuClocks`] says
 //! whether a run was there: the SM clock, the board's power (from its energy counter: NVML's power
 //! reading is an average over the last second, longer than many runs' timed steps), the energy of
-//! a step at that power, and how often
-//! the power cap held the clock down, read from the device's sensors (NVML) every
-//! [`SAMPLE_EVERY`] on a thread of its own while the timed steps run. PyTorch's reference (`docs/benchmarks/pytorch_reference.py`) reads
-//! the same sensors the same way.
+//! a step at that power, and how often the power cap held the clock down, read from the device's
+//! sensors (NVML) every [`SAMPLE_EVERY`] on a thread of its own while the timed steps run.
+//! PyTorch's reference (`docs/benchmarks/pytorch_reference.py`) reads the same sensors the same
+//! way.
 
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -111,19 +111,17 @@ impl GpuClocks {
 
     /// Sums up `readings`, each at its seconds since the first; `None` when there are none.
     fn from_readings(timed: &[(f64, ffi::sensors::GpuReading)]) -> Option<Self> {
-        let readings: Vec<_> = timed.iter().map(|(_, r)| *r).collect();
-        let n = readings.len();
-        let last = readings.last()?;
+        let readings = || timed.iter().map(|(_, r)| r);
+        let n = timed.len();
+        let (_, last) = timed.last()?;
         let share = |reasons: u64| {
-            let held = readings
-                .iter()
-                .filter(|r| r.clock_event_reasons & reasons != 0);
+            let held = readings().filter(|r| r.clock_event_reasons & reasons != 0);
             held.count() as f64 / n as f64
         };
         let mean = |value: fn(&ffi::sensors::GpuReading) -> u32| {
-            readings.iter().map(|r| f64::from(value(r))).sum::<f64>() / n as f64
+            readings().map(|r| f64::from(value(r))).sum::<f64>() / n as f64
         };
-        let clocks = readings.iter().map(|r| r.sm_clock_mhz);
+        let clocks = readings().map(|r| r.sm_clock_mhz);
         Some(Self {
             readings: n,
             mean_sm_mhz: mean(|r| r.sm_clock_mhz),
